@@ -1,0 +1,29 @@
+# The two entry points (see README): `make demo` and `make test`.
+# Both create .venv/ with the pinned requirements and build the extension first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.oases-installed
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet setuptools==80.9.0 wheel==0.45.1
+	$(PY) -m pip install --quiet -r requirements.txt
+	MAX_JOBS=2 $(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m oases.examples.train_gpt
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) -m bench primitives
+
+clean:
+	rm -rf $(VENV) build *.egg-info python_api/*.egg-info python_api/oases/_C*.so

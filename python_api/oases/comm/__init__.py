@@ -1,0 +1,4 @@
+"""Ring collectives built from point-to-point ops (gloo and NCCL alike)."""
+from oases.comm.ring import all_reduce, ring_all_gather, ring_reduce_scatter
+
+__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce"]

@@ -1,0 +1,35 @@
+"""Where this rank sits in a process group's ring."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ring:
+    """A process group seen as a ring: rank r sends to r+1 and receives from r-1 (mod size)."""
+
+    group: Optional[dist.ProcessGroup]
+    rank: int  # this rank's index in the group
+    size: int
+    global_ranks: tuple[int, ...]
+
+    def peer(self, step: int) -> int:
+        """Global rank of the group member `step` places along the ring (negative: backwards)."""
+        return self.global_ranks[(self.rank + step) % self.size]
+
+
+def ring_of(group: Optional[dist.ProcessGroup]) -> Ring:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() "
+            "(or run under torchrun / oases-launch) before using oases collectives"
+        )
+    if group is None:
+        group = dist.group.WORLD
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return Ring(group, rank, dist.get_world_size(group), tuple(dist.get_process_group_ranks(group)))

@@ -1,0 +1,254 @@
+"""Ring all-gather, reduce-scatter and all-reduce built from point-to-point ops.
+
+Every schedule here works on a "rows" layout: the sharded dimension moved to dim 0 and the tensor
+made contiguous, so any range of rows is one contiguous message. Each rank's shard of n rows is
+cut into `chunks` pieces; with `bidirectional=True` each piece is halved again and the halves
+travel opposite ways round the ring ("lanes"). Each ring step of one piece is one
+`batch_isend_irecv([send, recv])`, so the same code runs on gloo and NCCL, and each rank sends
+(p-1)/p of the data for a gather or a reduce-scatter.
+
+The schedules are generators: they yield after each piece, with the next pieces already in
+flight, so a caller computes on a piece while later ones travel (see `oases.ops`).
+
+    all-gather, p=2, chunks=2 (rank 0):
+      comm : |send own0/recv 1.0|send own1/recv 1.1|
+      yield: own0 own1 |1.0 (consume)    |1.1 (consume)
+    reduce-scatter, p=2, chunks=2 (rank 0):
+      produce: |P1.0|P1.1|P0.0      |P0.1      |
+      comm   :      |send P1.0|send P1.1|       (recv 0.0, 0.1 from rank 1 on the same batches)
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from oases import _checks
+from oases.comm._topology import Ring, ring_of
+
+__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce"]
+
+# A lane is a direction round the ring: +1 sends to the next rank, -1 to the previous one.
+_Lane = tuple[int, int, int]  # (direction, first row within a piece, rows)
+
+
+def _lanes(piece_rows: int, bidirectional: bool) -> list[_Lane]:
+    if not bidirectional or piece_rows < 2:
+        return [(1, 0, piece_rows)]
+    half = piece_rows // 2
+    return [(1, 0, half), (-1, half, piece_rows - half)]
+
+
+def _post(ring: Ring, direction: int, send: torch.Tensor, recv: torch.Tensor) -> list[dist.Work]:
+    """One ring step of one lane: send to the rank `direction` ahead, receive from the one behind."""
+    tag = 0 if direction > 0 else 1
+    ops = [
+        dist.P2POp(dist.isend, send, ring.peer(direction), ring.group, tag),
+        dist.P2POp(dist.irecv, recv, ring.peer(-direction), ring.group, tag),
+    ]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+def _all_gather_rows(
+    shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool
+) -> Iterator[slice]:
+    """Gather `shard` ([n, ...], contiguous) from every rank into `out` ([p*n, ...], contiguous).
+
+    Yields slices of `out`'s rows as they become valid: this rank's pieces first, then the
+    received pieces in arrival order. While the caller holds a yielded slice, the pieces after it
+    are in flight.
+    """
+    n, p, r = shard.shape[0], ring.size, ring.rank
+    own = out[r * n : (r + 1) * n]
+    if own.data_ptr() != shard.data_ptr():
+        own.copy_(shard)
+    m = n // chunks
+    lanes = _lanes(m, bidirectional)
+
+    def rows(block: int, k: int, lane: _Lane) -> slice:
+        start = block * n + k * m + lane[1]
+        return slice(start, start + lane[2])
+
+    def block_sent(step: int, lane: _Lane) -> int:
+        return (r - lane[0] * step) % p
+
+    def block_received(step: int, lane: _Lane) -> int:
+        return (r - lane[0] * (step + 1)) % p
+
+    def post(step: int, k: int, lane: _Lane) -> list[dist.Work]:
+        return _post(ring, lane[0], out[rows(block_sent(step, lane), k, lane)],
+                     out[rows(block_received(step, lane), k, lane)])
+
+    pending = {(0, k, i): post(0, k, lane) for k in range(chunks) for i, lane in enumerate(lanes)}
+    for k in range(chunks):
+        yield slice(r * n + k * m, r * n + (k + 1) * m)
+    for step in range(p - 1):
+        for k in range(chunks):
+            for i, lane in enumerate(lanes):
+                _wait(pending.pop((step, k, i)))
+                if step + 1 < p - 1:  # forward what just arrived while the caller consumes it
+                    pending[(step + 1, k, i)] = post(step + 1, k, lane)
+                yield rows(block_received(step, lane), k, lane)
+
+
+def _reduce_scatter_rows(
+    produce: Callable[[slice], torch.Tensor],
+    out: torch.Tensor,
+    ring: Ring,
+    chunks: int,
+    bidirectional: bool,
+) -> Iterator[slice]:
+    """out ([n, ...], contiguous) = sum over ranks of each rank's rows [r*n, (r+1)*n).
+
+    `produce(rows)` returns this rank's contribution to a slice of the full [p*n, ...] rows as a
+    contiguous tensor (it may be a view; it is only read). It is called exactly once for every row
+    of the full range, block by block in ring order, so it can compute each contribution just
+    in time. Yields each produced slice after its partial sum has been posted, so the caller can
+    do more work while it travels.
+    """
+    n, p, r = out.shape[0], ring.size, ring.rank
+    m = n // chunks
+    lanes = _lanes(m, bidirectional)
+    pending: dict[tuple[int, int], tuple[list[dist.Work], torch.Tensor, torch.Tensor]] = {}
+    for step in range(p):
+        for k in range(chunks):
+            for i, (direction, offset, count) in enumerate(lanes):
+                # The block whose partial sum this rank extends at `step`; it ends at block r.
+                block = (r - direction * (step + 1)) % p
+                rows = slice(block * n + k * m + offset, block * n + k * m + offset + count)
+                mine = out[k * m + offset : k * m + offset + count]
+                part = produce(rows)  # computed while earlier pieces travel
+                if step > 0:
+                    works, _sent, acc = pending.pop((k, i))
+                    _wait(works)
+                    if step == p - 1:
+                        torch.add(acc, part, out=mine)
+                    else:
+                        acc.add_(part)
+                elif p == 1:
+                    mine.copy_(part)
+                else:
+                    acc = part
+                if step < p - 1:
+                    recv = torch.empty_like(part)
+                    pending[(k, i)] = (_post(ring, direction, acc, recv), acc, recv)
+                yield rows
+
+
+def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return t.movedim(dim, 0).contiguous()
+
+
+def _resolve(t: torch.Tensor, group, dim: int, chunks: int) -> tuple[Ring, int]:
+    _checks.floating("t", t)
+    _checks.chunks_arg(chunks)
+    dim = _checks.normalize_dim("t", t, dim)
+    return ring_of(group), dim
+
+
+def ring_all_gather(
+    t: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks: int = 1,
+    bidirectional: bool = False,
+) -> torch.Tensor:
+    """Concatenate every rank's `t` along `dim`, by ring.
+
+        out = cat([t from rank 0, ..., t from rank p-1], dim)      # t.shape[dim] * p along dim
+
+    `chunks` pieces per shard (must divide t.shape[dim]); each rank sends (p-1)/p of the result.
+    """
+    ring, dim = _resolve(t, group, dim, chunks)
+    _checks.divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
+    shard = _to_rows(t, dim)
+    out = shard.new_empty((shard.shape[0] * ring.size, *shard.shape[1:]))
+    with torch.profiler.record_function("oases::ring_all_gather"):
+        for _ in _all_gather_rows(shard, out, ring, chunks, bidirectional):
+            pass
+    return out.movedim(0, dim).contiguous()
+
+
+def ring_reduce_scatter(
+    t: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks: int = 1,
+    bidirectional: bool = False,
+) -> torch.Tensor:
+    """Sum `t` over ranks and keep this rank's block along `dim`, by ring.
+
+        n = t.shape[dim] // p
+        out = sum(t from every rank).narrow(dim, rank * n, n)
+
+    t.shape[dim] must divide by p * chunks; each rank sends (p-1)/p of `t`.
+    """
+    ring, dim = _resolve(t, group, dim, chunks)
+    _checks.full_divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
+    rows = _to_rows(t, dim)
+    out = rows.new_empty((rows.shape[0] // ring.size, *rows.shape[1:]))
+    with torch.profiler.record_function("oases::ring_reduce_scatter"):
+        for _ in _reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional):
+            pass
+    return out.movedim(0, dim).contiguous()
+
+
+def _all_reduce_rows(t: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool) -> Iterator[None]:
+    """Sum contiguous `t` over ranks in place; yields after posting each ring step.
+
+    Reduce-scatter then all-gather over the flattened tensor, padded to a multiple of p * chunks.
+    Several of these generators may be advanced in turn (every rank in the same order): each
+    `next()` waits only for this all-reduce's previous step.
+    """
+    p = ring.size
+    quantum = p * chunks
+    padded = -(-t.numel() // quantum) * quantum
+    if padded == t.numel():
+        flat = t.view(-1)
+    else:
+        flat = t.new_zeros(padded)
+        flat[: t.numel()].copy_(t.view(-1))
+    n = padded // p
+    own = flat[ring.rank * n : (ring.rank + 1) * n]
+    # Reduce-scatter reads this rank's own rows only at its last step, where it overwrites them
+    # elementwise with their sum; all-gather then fills the other blocks in place.
+    for _ in _reduce_scatter_rows(flat.__getitem__, own, ring, chunks, bidirectional):
+        yield
+    for _ in _all_gather_rows(own, flat, ring, chunks, bidirectional):
+        yield
+    if flat.data_ptr() != t.data_ptr():
+        t.view(-1).copy_(flat[: t.numel()])
+
+
+def all_reduce(
+    t: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    chunks: int = 1,
+    bidirectional: bool = False,
+) -> torch.Tensor:
+    """Sum `t` over ranks in place, as ring reduce-scatter then ring all-gather; returns `t`.
+
+        t[...] = sum(t from every rank)
+
+    Any shape: the flattened tensor is padded to a multiple of p * chunks internally. Each rank
+    sends 2 (p-1)/p of `t`, like a ring all-reduce.
+    """
+    _checks.floating("t", t)
+    _checks.chunks_arg(chunks)
+    ring = ring_of(group)
+    work = t if t.is_contiguous() else t.contiguous()
+    with torch.profiler.record_function("oases::all_reduce"):
+        for _ in _all_reduce_rows(work, ring, chunks, bidirectional):
+            pass
+    if work is not t:
+        t.copy_(work)
+    return t

@@ -1,0 +1,92 @@
+"""Run a function on N real gloo ranks (127.0.0.1) with a hard timeout.
+
+    results = run_ranks(fn, world_size, *args, timeout=60)
+
+`fn(rank, world_size, *args)` runs in each rank's process after `init_process_group("gloo")`,
+with one intra-op thread; its return values come back as a list ordered by rank. A rank that
+raises fails the call with that rank's traceback; a rank that hangs (or a peer left waiting)
+fails it when `timeout` expires. Either way every child is killed before this returns, so a hang
+costs seconds, never the suite. The store lives in this process on a port the OS picked, so no
+free-port race. Ranks are forked from a forkserver that has torch preloaded (fast, and free of
+the OpenMP-after-fork deadlock). Put many checks in one `fn` to pay the start-up once.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import queue
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+_GRACE_AFTER_ERROR = 3.0
+
+
+def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
+    sys.path[:] = sys_path
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including SystemExit from a rank
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    results = _CONTEXT.Queue()
+    procs = [
+        _CONTEXT.Process(target=_rank_main, daemon=True,
+                         args=(fn, r, world_size, store.port, timeout, args, results, list(sys.path)))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            errors = [r for r, (kind, _) in outcome.items() if kind == "error"]
+            if errors:
+                deadline = min(deadline, time.monotonic() + _GRACE_AFTER_ERROR)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                rank, kind, value = results.get(timeout=min(left, 0.2))
+                outcome[rank] = (kind, value)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                for r in dead:
+                    outcome[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+        del store
+    errors = {r: v for r, (k, v) in sorted(outcome.items()) if k == "error"}
+    missing = [r for r in range(world_size) if r not in outcome]
+    if errors or missing:
+        lines = [f"--- rank {r} ---\n{tb}" for r, tb in errors.items()]
+        if missing:
+            lines.append(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock); killed")
+        raise AssertionError("distributed run failed:\n" + "\n".join(lines))
+    return [outcome[r][1] for r in range(world_size)]
