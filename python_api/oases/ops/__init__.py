@@ -1,1 +1,14 @@
-"""Fused ops."""
+"""Fused, differentiable communication + linear ops (nn.Linear semantics: y = x @ W.T + b).
+
+    all_gather_linear(x, W, b)      = F.linear(all_gather(x, dim), W, b)          column-parallel
+    linear_reduce_scatter(x, W, b)  = reduce_scatter(F.linear(x, W), dim) + b     row-parallel, SP
+    linear_all_reduce(x, W, b)      = all_reduce(F.linear(x, W)) + b              row-parallel
+
+`oases.ops.reference` holds the plain (blocking collective, then GEMM) versions.
+"""
+from oases.ops import reference
+from oases.ops.all_gather_linear import all_gather_linear
+from oases.ops.linear_all_reduce import linear_all_reduce
+from oases.ops.linear_reduce_scatter import linear_reduce_scatter
+
+__all__ = ["all_gather_linear", "linear_reduce_scatter", "linear_all_reduce", "reference"]

@@ -1,0 +1,107 @@
+"""all_gather_linear: all-gather the input along a sharded dimension, then nn.Linear.
+
+fwd: ring all-gather of x, each piece's GEMM written into its slice of y while the next travels.
+bwd: dual: grad_x is a pipelined ring reduce-scatter of grad_y @ W, with the weight-gradient
+     GEMM of each piece run while that piece's partial sum travels.
+
+    forward, p=2, chunks=1 (rank 0):
+      comm:  |--- x1 arrives ---|
+      gemm:  | y0 = x0 W^T      | y1 = x1 W^T |
+    backward (rank 0):
+      gemm:  | P1 = g1 W | dW += g1^T x1 | P0 = g0 W | dW += g0^T x0 |
+      comm:              |--- send P1, receive P0' ---|
+      grad_x0 = P0 + P0'
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases import _checks
+from oases.comm._topology import Ring, ring_of
+from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
+from oases.ops import _gemm
+
+__all__ = ["all_gather_linear"]
+
+
+class _AllGatherLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool):
+        shard = x.movedim(dim, 0).contiguous()  # [n, ..., k]
+        n = shard.shape[0]
+        gathered = shard.new_empty((ring.size * n, *shard.shape[1:]))  # [p n, ..., k]
+        y = shard.new_empty((ring.size * n, *shard.shape[1:-1], weight.shape[0]))  # [p n, ..., o]
+        for rows in _all_gather_rows(shard, gathered, ring, chunks, bidirectional):
+            _gemm.linear_into(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
+        ctx.save_for_backward(gathered, weight)
+        ctx.ring, ctx.dim, ctx.chunks, ctx.bidirectional = ring, dim, chunks, bidirectional
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        gathered, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_y = grad_y.contiguous()  # [p n, ..., o]
+        grad_w = _gemm.weight_grad_buffer(weight) if need_w else None
+        grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
+        grad_x = None
+        if need_x:
+            n = gathered.shape[0] // ctx.ring.size
+            grad_rows = grad_y.new_empty((n, *gathered.shape[1:]))  # [n, ..., k]
+            pieces = _reduce_scatter_rows(
+                lambda rows: torch.matmul(grad_y[rows], weight), grad_rows, ctx.ring, ctx.chunks,
+                ctx.bidirectional,
+            )
+            for rows in pieces:  # this piece's partial is on the wire: do its weight gradient
+                if need_w:
+                    _gemm.accumulate_weight_grad(grad_w, _gemm.rows2d(grad_y[rows]), _gemm.rows2d(gathered[rows]))
+            grad_x = grad_rows.movedim(0, ctx.dim)
+        elif need_w:
+            _gemm.accumulate_weight_grad(grad_w, _gemm.rows2d(grad_y), _gemm.rows2d(gathered))
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def all_gather_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks: Optional[int] = None,
+    bidirectional: bool = False,
+) -> torch.Tensor:
+    """Linear of the input gathered from every rank along `dim` (the column-parallel pattern).
+
+        y = F.linear(cat([x from rank 0, ..., x from rank p-1], dim), weight, bias)
+        # x [..., n, ..., k] (n at dim), weight [o, k], bias [o]  ->  y [..., p n, ..., o]
+
+    Each of x's `chunks` pieces per rank is multiplied as soon as it arrives, while the next one
+    travels, and written straight into its slice of y. `dim` may be any dimension but the last
+    (the features); with dim != 0, y is a non-contiguous view. Differentiable: grad_x is reduced
+    and scattered back to its owner, grad_weight and grad_bias are this rank's (exact, as `weight`
+    is this rank's shard of the output features).
+    """
+    _checks.floating("x", x)
+    _checks.weight_bias(x, weight, bias)
+    dim = _checks.normalize_dim("x", x, dim)
+    if dim == x.dim() - 1:
+        raise ValueError(
+            "dim: all_gather_linear gathers along a non-feature dimension; x's last dimension is "
+            "the features (use linear_all_reduce for feature-sharded inputs)"
+        )
+    ring = ring_of(group)
+    row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
+    if chunks is None:
+        chunks = _gemm.default_chunks(x.shape[dim], row_elems)
+    _checks.chunks_arg(chunks)
+    _checks.divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
+    with torch.profiler.record_function("oases::all_gather_linear"):
+        y = _AllGatherLinear.apply(x, weight, bias, ring, dim, chunks, bidirectional)
+    return y.movedim(0, dim)

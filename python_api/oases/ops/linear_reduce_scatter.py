@@ -1,0 +1,104 @@
+"""linear_reduce_scatter: nn.Linear on a feature shard, then reduce-scatter along a dimension.
+
+fwd: each block's partial product is computed just before it is sent; the partial sum received
+     from the previous rank is added to it (ring reduce-scatter), bias added once at the end.
+bwd: dual: ring all-gather of grad_y, each piece's grad_x and weight-gradient GEMMs run while the
+     next piece travels.
+
+    forward, p=2, chunks=1 (rank 0):
+      gemm:  | P1 = x[1] W^T | P0 = x[0] W^T |
+      comm:                  |-- send P1, receive P0' --|
+      y0 = P0 + P0' + b
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from oases import _checks
+from oases.comm._topology import Ring, ring_of
+from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
+from oases.ops import _gemm
+
+__all__ = ["linear_reduce_scatter"]
+
+
+class _LinearReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool):
+        rows = x.movedim(dim, 0).contiguous()  # [p n, ..., k]
+        n = rows.shape[0] // ring.size
+        y = rows.new_empty((n, *rows.shape[1:-1], weight.shape[0]))  # [n, ..., o]
+        for _ in _reduce_scatter_rows(lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional):
+            pass
+        if bias is not None:
+            y.add_(bias)
+        ctx.save_for_backward(rows, weight)
+        ctx.ring, ctx.dim, ctx.chunks, ctx.bidirectional = ring, dim, chunks, bidirectional
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        rows, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_y = grad_y.contiguous()  # [n, ..., o]
+        grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
+        grad_w = _gemm.weight_grad_buffer(weight) if need_w else None
+        grad_x = torch.empty_like(rows) if need_x else None  # [p n, ..., k]
+        if need_x or need_w:
+            gathered = grad_y.new_empty((rows.shape[0], *grad_y.shape[1:]))  # [p n, ..., o]
+            for r in _all_gather_rows(grad_y, gathered, ctx.ring, ctx.chunks, ctx.bidirectional):
+                g = _gemm.rows2d(gathered[r])
+                if need_x:
+                    torch.mm(g, weight, out=_gemm.rows2d(grad_x[r]))
+                if need_w:
+                    _gemm.accumulate_weight_grad(grad_w, g, _gemm.rows2d(rows[r]))
+        if grad_x is not None:
+            grad_x = grad_x.movedim(0, ctx.dim)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def linear_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks: Optional[int] = None,
+    bidirectional: bool = False,
+) -> torch.Tensor:
+    """Reduce-scatter of a feature-sharded linear (the sequence-parallel row-parallel pattern).
+
+        n = x.shape[dim] // p
+        y = sum(F.linear(x, weight) from every rank).narrow(dim, rank * n, n) + bias
+        # x [..., p n, ..., k] (k: this rank's input features), weight [o, k]  ->  y [..., n, ..., o]
+
+    Each partial product is computed while the previous one travels, and the partial sum
+    received is accumulated into it. The bias is added once, after the reduction. grad_bias is
+    this rank's contribution (sum over ranks for the gradient of a shared bias).
+    """
+    _checks.floating("x", x)
+    _checks.weight_bias(x, weight, bias)
+    dim = _checks.normalize_dim("x", x, dim)
+    if dim == x.dim() - 1:
+        raise ValueError(
+            "dim: linear_reduce_scatter scatters along a non-feature dimension; x's last "
+            "dimension is the (sharded) input features"
+        )
+    ring = ring_of(group)
+    row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
+    if chunks is None and x.shape[dim] % ring.size == 0:
+        chunks = _gemm.default_chunks(x.shape[dim] // ring.size, row_elems)
+    chunks = 1 if chunks is None else chunks
+    _checks.chunks_arg(chunks)
+    _checks.full_divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
+    with torch.profiler.record_function("oases::linear_reduce_scatter"):
+        y = _LinearReduceScatter.apply(x, weight, bias, ring, dim, chunks, bidirectional)
+    return y.movedim(0, dim)
