@@ -1,0 +1,82 @@
+"""Every schedule trains the TP GPT exactly like the single-process model: loss, every gradient."""
+import pytest
+import torch
+
+from _spawn import run_ranks
+
+from oases.models import GPT, GPTConfig
+from oases.schedule import SCHEDULES
+
+CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2)
+
+
+def _batch(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g)
+    targets = torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g)
+    return tokens, targets
+
+
+def _single_process(config, batch, seed, dropout_seed):
+    """The golden model: one process, plain autograd, no recomputation, no communication."""
+    model = GPT(config, seed=seed)
+    tokens, targets = _batch(batch, seed)
+    loss = model(tokens, targets, dropout_seed=dropout_seed)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check_schedules(rank, world_size, cases):
+    for config, batch, seed, dropout_seed, want_loss, want_grads in cases:
+        tokens, targets = _batch(batch, seed)
+        for schedule in SCHEDULES:
+            model = GPT(config, schedule=schedule, seed=seed)
+            loss = model.train_step(tokens, targets, dropout_seed=dropout_seed)
+            where = f"{schedule} tp={world_size} batch={batch} dropout={config.dropout}"
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}")
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, model.shard_of(name, want_grads[name]), rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"{where}: grad of {name}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_schedule_matches_single_process(world_size):
+    cases = []
+    for batch, dropout in ((4, 0.0), (3, 0.0), (4, 0.25)):
+        config = GPTConfig(**CONFIG, dropout=dropout)
+        seed, dropout_seed = 10 + batch, (1234 if dropout else None)
+        cases.append((config, batch, seed, dropout_seed, *_single_process(config, batch, seed, dropout_seed)))
+    run_ranks(_check_schedules, world_size, cases, timeout=120)
+
+
+def _count_communication(rank, world_size):
+    config = GPTConfig(**CONFIG)
+    tokens, targets = _batch(4, 0)
+    counts = {}
+    for schedule in SCHEDULES:
+        model = GPT(config, schedule=schedule)
+        model.train_step(tokens, targets)
+        counts[schedule] = (dict(model.comm.calls), dict(model.comm.bytes))
+    return counts
+
+
+def test_oases_moves_two_thirds_of_megatrons_bytes():
+    counts = run_ranks(_count_communication, 2)[0]
+    layers, activation = CONFIG["layers"], 4 * CONFIG["seq_len"] * CONFIG["hidden"] * 4  # fp32 bytes
+    calls, sent = counts["megatron"]
+    assert calls == {"forward": 2 * layers, "recompute": 2 * layers, "backward": 2 * layers}
+    assert sent == {phase: 2 * layers * activation for phase in calls}
+    for schedule in ("merak", "cross_pass"):  # the same traffic, as half-size sub-batch all-reduces
+        calls, sent = counts[schedule]
+        assert calls == {"forward": 4 * layers, "recompute": 4 * layers, "backward": 4 * layers}
+        assert sent == counts["megatron"][1]
+    calls, sent = counts["oases"]
+    assert calls == {"forward": 4 * layers, "backward": 4 * layers}  # recomputation sends nothing
+    assert 3 * sum(sent.values()) == 2 * sum(counts["megatron"][1].values())
+
+
+def test_batch_smaller_than_sub_batches_is_rejected():
+    model = GPT(GPTConfig(**CONFIG), schedule="oases")
+    with pytest.raises(ValueError, match="sub-batches"):
+        model.train_step(*_batch(1, 0))
