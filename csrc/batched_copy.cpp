@@ -1,6 +1,7 @@
 #include "batched_copy.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <cstring>
 
@@ -20,7 +21,8 @@ void check_args(const std::vector<torch::Tensor>& tensors, const torch::Tensor& 
     TORCH_CHECK(t.device() == slab.device(), "tensors[", i, "]: on ", t.device(),
                 " but slab is on ", slab.device(), " (copy across devices with .to())");
     const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + nbytes <= capacity, "offsets[", i, "]=",
+    // nbytes <= capacity - offset, not offset + nbytes <= capacity: that sum can overflow.
+    TORCH_CHECK(offsets[i] >= 0 && nbytes <= capacity - offsets[i], "offsets[", i, "]=",
                 offsets[i], ": tensor of ", nbytes, " bytes does not fit a slab of ", capacity,
                 " bytes");
   }
@@ -29,11 +31,11 @@ void check_args(const std::vector<torch::Tensor>& tensors, const torch::Tensor& 
 // Copies every pair; the pairs are split across at::parallel_for's threads on the CPU.
 void copy_pairs(const std::vector<char*>& src, const std::vector<char*>& dst,
                 const std::vector<int64_t>& nbytes) {
-#ifdef OASES_WITH_CUDA
-  // Callers route CUDA tensors to batched_copy_cuda; this path is host memory only.
-#endif
   at::parallel_for(0, static_cast<int64_t>(src.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) std::memcpy(dst[i], src[i], nbytes[i]);
+    // An empty tensor's data_ptr() may be null, and memcpy with a null pointer is undefined.
+    for (int64_t i = begin; i < end; ++i) {
+      if (nbytes[i] > 0) std::memcpy(dst[i], src[i], nbytes[i]);
+    }
   });
 }
 
@@ -53,6 +55,7 @@ void copy(const std::vector<torch::Tensor>& tensors, torch::Tensor slab,
   }
 #ifdef OASES_WITH_CUDA
   if (slab.is_cuda()) {
+    const c10::DeviceGuard guard(slab.device());  // stream and table on the slab's GPU
     std::vector<void*> vs(src.begin(), src.end()), vd(dst.begin(), dst.end());
     batched_copy_cuda(vs, vd, nbytes);
     return;
