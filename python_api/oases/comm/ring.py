@@ -85,7 +85,7 @@ def _all_gather_rows(
         return _post(ring, lane[0], out[rows(block_sent(step, lane), k, lane)],
                      out[rows(block_received(step, lane), k, lane)])
 
-    pending = {(0, k, i): post(0, k, lane) for k in range(chunks) for i, lane in enumerate(lanes)}
+    pending = {(0, k, i): post(0, k, lane) for k in range(chunks) for i, lane in enumerate(lanes) if p > 1}
     for k in range(chunks):
         yield slice(r * n + k * m, r * n + (k + 1) * m)
     for step in range(p - 1):

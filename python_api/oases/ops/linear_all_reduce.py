@@ -32,7 +32,8 @@ class _LinearAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, ring: Ring, chunks: int, bidirectional: bool):
         x2 = x.reshape(-1, x.shape[-1])  # [m, k]
-        y2 = x2.new_empty((x2.shape[0], weight.shape[0]))  # [m, o]
+        y = x2.new_empty((*x.shape[:-1], weight.shape[0]))  # [..., o], returned as is (no view)
+        y2 = y.view(-1, weight.shape[0])  # [m, o]
         m = x2.shape[0]
         running: list = []
         for k in range(chunks):
@@ -48,7 +49,7 @@ class _LinearAllReduce(torch.autograd.Function):
             y2.add_(bias)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return y2.view(*x.shape[:-1], weight.shape[0])
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):

@@ -1,0 +1,40 @@
+"""`oases-launch`: start N ranks like torchrun, over links shaped like a commodity server's.
+
+    oases-launch --nproc 4 train.py --lr 3e-4                    # = torchrun --nproc-per-node 4
+    oases-launch --nproc 2 -m bench primitives                   # run a module, like torchrun -m
+    oases-launch --nproc 2 --bandwidth 1gbit train.py            # ranks talk at ~125 MB/s
+    oases-launch --nproc 4 --bandwidth 8gbit --topology switch train.py
+    oases-launch --nproc 2 --bandwidth 1gbit --selftest          # measure the shaped link
+    python -m oases.launch ...                                   # the same
+
+Every rank runs `sys.executable SCRIPT ARGS` (or `-m MODULE ARGS`) with torchrun's single-node
+environment: RANK = LOCAL_RANK = r, WORLD_SIZE = LOCAL_WORLD_SIZE = N, MASTER_ADDR (rank 0's
+address), MASTER_PORT (a free port), so `init_process_group()` works unchanged and the same script
+runs under plain torchrun on a real cluster. OMP_NUM_THREADS is 1 per rank unless set in the
+environment or given by --threads. Ranks share the launcher's stdout/stderr. The first rank to
+fail ends the run: the others are stopped and the launcher exits with that rank's status.
+
+--bandwidth RATE (tc syntax) runs the ranks in network namespaces made for this run
+(`oases-<pid>...`) whose links pass a tc token-bucket filter at RATE; the ranks then also get
+OASES_BANDWIDTH=RATE and OASES_TOPOLOGY, so a benchmark can report the link it ran on
+(`parse_bandwidth(os.environ["OASES_BANDWIDTH"])` bytes/s). The namespaces are deleted when the
+run ends, also on failure, SIGINT or SIGTERM (not on SIGKILL, which leaves them to
+`ip netns del`). Shaping needs root and iproute2's `ip` and `tc`; without them the launcher says
+so in one line and runs unshaped (and sets neither variable).
+
+Topologies (see `_netns` for the wiring):
+  shared (default)  all ranks on one shaped loopback: every byte between any two ranks passes one
+                    queue of RATE, so concurrent transfers split it.
+  switch            one namespace and veth "NIC" per rank into a bridge, each shaped both ways:
+                    every rank sends and receives at RATE, independently of the others.
+`shared` is the default because it is the commodity server Oases targets: GPUs without NVLink,
+whose peer traffic crosses one PCIe host bridge (and, across sockets, the CPU interconnect and
+host memory). There the box's aggregate bandwidth, not a per-GPU link, is the bottleneck, and a
+ring's simultaneous sends contend for it; `switch` would credit every rank a private full-duplex
+link and overstate concurrent communication by up to the number of concurrent flows. Use
+`switch` to model one NIC per GPU into a non-blocking switch (a multi-node cluster).
+"""
+from oases.launch._cli import main
+from oases.launch._rate import parse_bandwidth
+
+__all__ = ["main", "parse_bandwidth"]

@@ -1,0 +1,111 @@
+"""Communication mappings of tensor parallelism: four autograd functions in two dual pairs.
+
+Each moves a tensor between the replicated region (every rank holds all of it) and the
+tensor-parallel region (each rank holds a slice of the last dimension, or a partial sum). The
+backward of each is the adjoint of its forward, so each mapping's backward is its dual's forward:
+
+    copy_to_tp      fwd: identity                    bwd: all-reduce           dual: reduce_from_tp
+    reduce_from_tp  fwd: all-reduce                  bwd: identity             dual: copy_to_tp
+    split_to_tp     fwd: keep slice r of last dim    bwd: all-gather last dim  dual: gather_from_tp
+    gather_from_tp  fwd: all-gather last dim         bwd: keep slice r         dual: split_to_tp
+
+    (p ranks, r this rank; x [..., h] replicated, x_r [..., h/p] this rank's slice)
+    split_to_tp(x)      = x[..., r*h/p : (r+1)*h/p]
+    gather_from_tp(x_r) = cat([x_0, ..., x_{p-1}], dim=-1)
+
+The collectives are oases' ring collectives (`oases.comm`), so they run on gloo and NCCL alike.
+The layers in `oases.nn.layers` use them where no fused op already does the communication.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases import comm
+from oases.comm._topology import Ring, ring_of
+
+__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp"]
+
+
+def _all_reduced(t: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """A new tensor: the sum of `t` over the ring's ranks (`t` itself is left as it was)."""
+    return comm.all_reduce(t.clone(memory_format=torch.contiguous_format), ring.group)
+
+
+def _slice_last(t: torch.Tensor, ring: Ring) -> torch.Tensor:
+    if t.shape[-1] % ring.size:
+        raise ValueError(
+            f"split_to_tp: the last dimension ({t.shape[-1]}) is not divisible by the tensor-parallel "
+            f"world size {ring.size}; pad the features to a multiple of {ring.size}"
+        )
+    width = t.shape[-1] // ring.size
+    return t.narrow(-1, ring.rank * width, width).clone(memory_format=torch.contiguous_format)  # never a view
+
+
+def _gathered_last(t: torch.Tensor, ring: Ring) -> torch.Tensor:
+    return comm.ring_all_gather(t, ring.group, dim=t.dim() - 1)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ring: Ring):
+        ctx.ring = ring
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduced(grad, ctx.ring), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ring: Ring):
+        return _all_reduced(x, ring)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SplitToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ring: Ring):
+        ctx.ring = ring
+        return _slice_last(x, ring)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gathered_last(grad.contiguous(), ctx.ring), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ring: Ring):
+        ctx.ring = ring
+        return _gathered_last(x, ring)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice_last(grad, ctx.ring), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """fwd: identity (x replicated); bwd: all-reduce of the gradient. Dual of reduce_from_tp."""
+    return _CopyToTP.apply(x, ring_of(group))
+
+
+def reduce_from_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """fwd: all-reduce (sum of the ranks' partial x); bwd: identity. Dual of copy_to_tp."""
+    return _ReduceFromTP.apply(x, ring_of(group))
+
+
+def split_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """fwd: keep this rank's slice of the last dim; bwd: all-gather the last dim. Dual of gather_from_tp."""
+    return _SplitToTP.apply(x, ring_of(group))
+
+
+def gather_from_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """fwd: all-gather the last dim; bwd: keep this rank's slice of the gradient. Dual of split_to_tp."""
+    return _GatherFromTP.apply(x, ring_of(group))

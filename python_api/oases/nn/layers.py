@@ -1,0 +1,250 @@
+"""Tensor-parallel linear layers: thin modules over `oases.ops` and the mappings in `_mappings`.
+
+Megatron's pair, with its meanings (p ranks in `group`, r this rank; W [out, in], b [out] the
+weights of the unsharded nn.Linear):
+
+    ColumnParallelLinear   weight W[r-th block of rows]  [out/p, in]   bias b[r-th block]  [out/p]
+    RowParallelLinear      weight W[:, r-th block]       [out, in/p]   bias b (replicated) [out]
+
+    y = row(act(column(x)))  computes  F.linear(act(F.linear(x, W1, b1)), W2, b2)  of the unsharded
+    model, with one reduction (row) per pair and each activation sharded on its features between.
+
+Communication, by mode (s, b, h: sequence, batch, features):
+
+                             column (x -> y_r)                      row (y_r -> z)
+    sequence_parallel=False  x [..., in] replicated                 z [..., out] replicated
+                             y_r = F.linear(copy_to_tp(x))          z = linear_all_reduce(y_r)
+                             bwd: grad_x all-reduced                bwd: no communication
+    sequence_parallel=True   x [s/p, b, in] sequence shard          z [s/p, b, out] sequence shard
+                             y_r = all_gather_linear(x, dim=0)      z = linear_reduce_scatter(y_r, dim=0)
+                             bwd: grad_x reduce-scattered           bwd: grad_y_r all-gathered
+
+Gradients: every parameter's .grad on each rank is the matching slice of the unsharded model's
+gradient. The one case that needs care is the row layer's replicated bias under sequence
+parallelism: each rank sees only its s/p rows of grad_z, so linear_reduce_scatter returns only
+this rank's part of grad_b. The layer passes its bias through `copy_to_tp` (identity forward,
+all-reduce backward), so .grad holds the sum over ranks -- the full gradient -- as soon as
+backward returns, with no optimizer- or DDP-side hook to remember (one all-reduce of `out`
+elements per backward).
+
+Initialisation: the full layer is built with nn.Linear's own init (same RNG draws as
+`nn.Linear(in, out)`) on every rank, and each rank keeps its shard. With the same
+`torch.manual_seed` on every rank the shards tile exactly the weights the unsharded layer would
+have had, so a sharded model is the unsharded one, split. The full weight exists briefly on
+every rank; for layers too large for that, build on device="meta" and load this rank's shard.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases import _checks, ops
+from oases.comm._topology import ring_of
+from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: int = 1) -> None:
+    """`size` features (in `stacked` equal blocks) must split into whole per-rank shards."""
+    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 1:
+        raise ValueError(f"{owner}: stacked must be an int >= 1, got {stacked!r}")
+    if size % stacked:
+        raise ValueError(
+            f"{owner}: {arg}={size} does not split into stacked={stacked} equal blocks; "
+            f"use the number of blocks the features are made of (3 for q|k|v)"
+        )
+    block = size // stacked
+    if block % world_size:
+        what = f"{arg}={size}" if stacked == 1 else f"{arg}={size} ({stacked} blocks of {block})"
+        raise ValueError(
+            f"{owner}: {what} is not divisible by the tensor-parallel world size {world_size}; "
+            f"choose {arg} so that each block is a multiple of {world_size} (or pad the layer)"
+        )
+
+
+def _column_shard(t: torch.Tensor, rank: int, world_size: int, stacked: int) -> torch.Tensor:
+    """Rows of this rank: the r-th slice of each of the `stacked` blocks of t's dim 0."""
+    blocks = t.unflatten(0, (stacked, world_size, t.shape[0] // (stacked * world_size)))
+    return blocks[:, rank].flatten(0, 1)  # [stacked * out/(stacked p), ...]
+
+
+def _row_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return t.chunk(world_size, dim=-1)[rank]
+
+
+def _resolve_chunks(chunks: Optional[int]) -> Optional[int]:
+    if chunks is not None:
+        _checks.chunks_arg(chunks)
+    return chunks
+
+
+class ColumnParallelLinear(nn.Module):
+    """nn.Linear with its output features sharded over the ranks of `group` (column parallel).
+
+        weight [out/p, in] = W[r*out/p : (r+1)*out/p],  bias [out/p]
+        forward(x):
+            sequence_parallel=False:  x [..., in] (replicated)  ->  y [..., out/p]
+                y = F.linear(copy_to_tp(x), weight, bias)          # bwd: grad_x all-reduced
+            sequence_parallel=True:   x [s/p, b, in] (shard of the sequence)  ->  y [s, b, out/p]
+                y = all_gather_linear(x, weight, bias, dim=0)      # bwd: grad_x reduce-scattered
+            gather_output=True:  y = gather_from_tp(y)             # y [..., out]; bwd: split
+
+    `stacked` (default 1): the output features are that many equal blocks laid end to end, such
+    as a fused q|k|v projection (3); each block is sharded on its own, so this rank's output is
+    [q_r | k_r | v_r] and a model's `split` into equal thirds still finds q, k and v.
+    `chunks`: pieces per shard for all_gather_linear's overlap (None: the op chooses); unused
+    without sequence parallelism, where the forward has no communication to hide.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        chunks: Optional[int] = None,
+        stacked: int = 1,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        ring = ring_of(group)
+        check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked)
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.world_size, self.rank = group, ring.size, ring.rank
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.chunks, self.stacked = _resolve_chunks(chunks), stacked
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
+        self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out/p, in]
+        if bias:
+            self.bias = nn.Parameter(self.shard(full.bias.detach()).clone())  # [out/p]
+        else:
+            self.register_parameter("bias", None)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full [out, ...] weight or [out] bias (a view)."""
+        return _column_shard(full, self.rank, self.world_size, self.stacked)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
+        """This rank's shard of `linear` (values copied): computes `linear`'s output slice r."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        layer = torch.nn.utils.skip_init(
+            cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
+            device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        _copy_params(layer, linear)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            y = ops.all_gather_linear(x, self.weight, self.bias, self.group, dim=0, chunks=self.chunks)
+        else:
+            x = copy_to_tp(x, self.group)
+            y = nn.functional.linear(x, self.weight, self.bias)  # [..., out/p]
+        if not self.gather_output:
+            return y
+        y = gather_from_tp(y, self.group)  # [..., p * out/p] in rank order: [r][block][features]
+        if self.stacked > 1:  # back to [block][r][features], the unsharded layer's order
+            y = y.unflatten(-1, (self.world_size, self.stacked, -1)).transpose(-3, -2).flatten(-3)
+        return y
+
+    def extra_repr(self) -> str:
+        s = (f"in_features={self.in_features}, out_features={self.out_features}, "
+             f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: out_features "
+             f"{self.weight.shape[0]})")
+        if self.stacked > 1:
+            s += f", stacked={self.stacked}"
+        return s + (f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
+                    f"chunks={self.chunks}")
+
+
+class RowParallelLinear(nn.Module):
+    """nn.Linear with its input features sharded over the ranks of `group` (row parallel).
+
+        weight [out, in/p] = W[:, r*in/p : (r+1)*in/p],  bias [out] (replicated, added once)
+        forward(x):
+            input_is_parallel=False:  x = split_to_tp(x)           # [..., in] -> [..., in/p]; bwd: all-gather
+            sequence_parallel=False:  x [..., in/p]  ->  z [..., out] (replicated)
+                z = linear_all_reduce(x, weight, bias)             # bwd: no communication
+            sequence_parallel=True:   x [s, b, in/p]  ->  z [s/p, b, out] (shard of the sequence)
+                z = linear_reduce_scatter(x, weight, copy_to_tp(bias), dim=0)
+                                                                   # bwd: grad_x all-gathered,
+                                                                   # grad_bias all-reduced (full)
+    `chunks`: pieces for the fused op's overlap (None: the op chooses).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        chunks: Optional[int] = None,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        ring = ring_of(group)
+        check_shardable(type(self).__name__, "in_features", in_features, ring.size)
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.world_size, self.rank = group, ring.size, ring.rank
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.chunks = _resolve_chunks(chunks)
+        full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
+        self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out, in/p]
+        if bias:
+            self.bias = nn.Parameter(full.bias.detach().clone())  # [out], the same on every rank
+        else:
+            self.register_parameter("bias", None)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full [out, in] weight (a view)."""
+        return _row_shard(full, self.rank, self.world_size)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
+        """This rank's shard of `linear` (values copied): its partial product, reduced, is `linear`'s."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        layer = torch.nn.utils.skip_init(
+            cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
+            device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        _copy_params(layer, linear)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = split_to_tp(x, self.group)  # [..., in/p]
+        if self.sequence_parallel:
+            # Each rank's grad_bias covers its s/p rows only: copy_to_tp sums it over the ranks.
+            bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
+            return ops.linear_reduce_scatter(x, self.weight, bias, self.group, dim=0, chunks=self.chunks)
+        return ops.linear_all_reduce(x, self.weight, self.bias, self.group, chunks=self.chunks)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
+                f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
+
+
+def _copy_params(layer: ColumnParallelLinear | RowParallelLinear, linear: nn.Linear) -> None:
+    with torch.no_grad():
+        layer.weight.copy_(layer.shard(linear.weight))
+        if linear.bias is not None:
+            bias = layer.shard(linear.bias) if isinstance(layer, ColumnParallelLinear) else linear.bias
+            layer.bias.copy_(bias)
+    layer.weight.requires_grad_(linear.weight.requires_grad)
+    if linear.bias is not None:
+        layer.bias.requires_grad_(linear.bias.requires_grad)

@@ -1,0 +1,271 @@
+"""oases.parallelize: shard a model's nn.Linear layers in place, following a plan of name patterns.
+
+    model = oases.parallelize(model)                                   # the default plan
+    model = oases.parallelize(model, plan={"*.w1": "column", "*.w2": "row"})
+
+A plan is data, {pattern: style}. Each nn.Linear's qualified name (as `model.named_modules()`
+gives it) is matched with fnmatch against every pattern; a pattern may match the whole name or
+any dotted tail of it, so "q_proj" matches "model.layers.0.self_attn.q_proj" and
+"layers.*.mlp.w1" matches "model.layers.3.mlp.w1". The first matching pattern (plan order) wins.
+
+    "column"     ColumnParallelLinear.from_linear: output features sharded
+    "column:N"   the same with stacked=N: the outputs are N equal blocks, each sharded on its own
+                 (nanoGPT's c_attn = [q | k | v]: "column:3")
+    "row"        RowParallelLinear.from_linear: input features sharded, output reduced
+
+Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2, GPT-NeoX/Falcon and nanoGPT naming.
+nn.Linear modules no pattern places (an LM head, say) stay unsharded and replicated, and one
+warning lists them. Every check (features and heads divisible by the world size, consistent
+head projections) runs on every rank before anything is replaced, so a bad plan raises a
+ValueError naming the module and leaves the model as it was, on every rank alike.
+
+Attention. Once q/k/v (or a fused qkv) are column-sharded, each rank computes num_heads/p query
+heads and num_kv_heads/p key/value heads (whole heads: both counts must divide by p), and the
+attention module between them must think in per-rank counts. An attention module is the parent
+of a sharded head projection (a name in HEAD_PROJECTIONS). parallelize divides by p every integer
+attribute in PER_RANK_ATTRIBUTES that such a module holds itself -- head counts and the widths
+made of them -- and never touches the shared config. Ratios and per-head sizes (head_dim,
+num_key_value_groups, scaling) stay as they are. Per architecture:
+
+    transformers 5.x Llama/Mistral/Qwen2   views with (..., -1, head_dim) and reads only head_dim and
+                                           num_key_value_groups: nothing to change
+    transformers GPT-NeoX                  views with (..., -1, 3 * head_size): nothing to change
+    transformers Falcon (no ALiBi)         num_heads, num_kv_heads, hidden_size, split_size
+    nanoGPT-style                          n_head, n_embd (its forward must view with -1 rather
+                                           than the input's width, C // n_head)
+    BERT-style self-attention              num_attention_heads, all_head_size
+
+Sequence parallelism (sequence_parallel=True) is for models written for it: activations between
+blocks are [s/p, b, h] sequence shards and the model itself sums its norms' gradients over the
+ranks. Hugging Face models are not, so asking for it on one raises a ValueError.
+"""
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases import _checks
+from oases.comm._topology import ring_of
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, check_shardable
+
+__all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "PER_RANK_ATTRIBUTES"]
+
+DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
+    # LLaMA, Mistral, Qwen2 (Hugging Face naming)
+    "q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
+    "gate_proj": "column", "up_proj": "column", "down_proj": "row",
+    # GPT-NeoX, Falcon: query_key_value is laid out head by head, so whole-block shards keep
+    # whole heads; "dense" alone is too common a name (BERT's MLP has one), so only attention's
+    "query_key_value": "column", "*attention.dense": "row",
+    "dense_h_to_4h": "column", "dense_4h_to_h": "row",
+    # nanoGPT: c_attn's outputs are [q | k | v], each third sharded on its own
+    "c_attn": "column:3", "c_fc": "column", "c_proj": "row",
+})
+
+# Child names that make their parent an attention module when column-sharded.
+HEAD_PROJECTIONS = frozenset({
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn",
+    "wq", "wk", "wv", "wqkv", "Wqkv", "query", "key", "value",
+})
+
+# Integer attributes of an attention module that count its heads or the features made of them.
+PER_RANK_ATTRIBUTES = (
+    "num_heads", "num_attention_heads", "n_head", "n_heads",
+    "num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads",
+    "hidden_size", "embed_dim", "n_embd", "split_size", "all_head_size",
+)
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
+
+
+@dataclass(frozen=True)
+class _Style:
+    kind: str  # "column" or "row"
+    stacked: int = 1
+
+
+def _parse_style(pattern: str, value: object) -> _Style:
+    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N stacked blocks) or 'row', got {value!r}")
+    if not isinstance(value, str):
+        raise bad
+    kind, _, stacked = value.partition(":")
+    if kind == "row" and not stacked:
+        return _Style("row")
+    if kind != "column":
+        raise bad
+    if not stacked:
+        return _Style("column")
+    if not stacked.isdigit() or int(stacked) < 1:
+        raise bad
+    return _Style("column", int(stacked))
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts = name.split(".")
+    return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def _transformers_module(model: nn.Module) -> Optional[str]:
+    """The class name of the first Hugging Face transformers module in `model`, if any."""
+    for module in model.modules():
+        if any(c.__module__.startswith("transformers.") for c in type(module).__mro__):
+            return type(module).__name__
+    return None
+
+
+def _count(module: nn.Module, names: tuple[str, ...]) -> Optional[tuple[str, int]]:
+    """(where, value) of the first head count found on the module, else on its config."""
+    for owner, label in ((module, ""), (getattr(module, "config", None), "config.")):
+        for n in names:
+            value = getattr(owner, n, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return label + n, value
+    return None
+
+
+def _plan_layers(linears: dict[str, nn.Linear], styles: dict[str, _Style]) -> dict[str, _Style]:
+    placed = {}
+    for name in linears:
+        style = next((s for pattern, s in styles.items() if _matches(name, pattern)), None)
+        if style is not None:
+            placed[name] = style
+    return placed
+
+
+def _check_layers(placed: dict[str, _Style], linears: dict[str, nn.Linear], p: int) -> None:
+    for name, style in placed.items():
+        linear = linears[name]
+        owner = f"{name} (nn.Linear {linear.in_features} -> {linear.out_features}, planned as {style.kind!r})"
+        if style.kind == "column":
+            check_shardable(owner, "out_features", linear.out_features, p, style.stacked)
+        else:
+            check_shardable(owner, "in_features", linear.in_features, p)
+
+
+def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str, nn.Module]:
+    """Parents of column-sharded head projections, checked to have all their head projections sharded."""
+    found: dict[str, nn.Module] = {}
+    for name, style in placed.items():
+        parent, _, leaf = name.rpartition(".")
+        if style.kind == "column" and leaf in HEAD_PROJECTIONS and parent not in found:
+            found[parent] = model.get_submodule(parent)
+    for parent, module in found.items():
+        for child, sub in module.named_children():
+            qualified = f"{parent}.{child}" if parent else child
+            if child in HEAD_PROJECTIONS and isinstance(sub, nn.Linear):
+                style = placed.get(qualified)
+                if style is None or style.kind != "column":
+                    raise ValueError(
+                        f"{parent or type(model).__name__}: its head projections must all be column-parallel, "
+                        f"but {child} is planned as {style.kind if style else 'nothing (left unsharded)'}; "
+                        f"add {child!r}: 'column' to the plan"
+                    )
+    return found
+
+
+def _check_heads(name: str, module: nn.Module, p: int) -> None:
+    where = name or "the model"
+    for names in (_HEAD_COUNTS, _KV_HEAD_COUNTS):
+        found = _count(module, names)
+        if found is not None and found[1] % p:
+            attr, value = found
+            raise ValueError(
+                f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
+                f"each rank must hold whole heads, so use a world size that divides {value}"
+            )
+    for attr in PER_RANK_ATTRIBUTES:
+        value = vars(module).get(attr)
+        if isinstance(value, int) and not isinstance(value, bool) and value % p:
+            raise ValueError(
+                f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
+                f"this rank's share of it would not be whole"
+            )
+
+
+def _localize_heads(module: nn.Module, p: int) -> None:
+    """Make the module's head counts (and widths made of heads) this rank's, p times smaller."""
+    for attr in PER_RANK_ATTRIBUTES:
+        value = vars(module).get(attr)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(module, attr, value // p)
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, layer)
+
+
+def parallelize(
+    model: nn.Module,
+    group: Optional[dist.ProcessGroup] = None,
+    plan: Optional[Mapping[str, str]] = None,
+    *,
+    sequence_parallel: bool = False,
+    chunks: Optional[int] = None,
+) -> nn.Module:
+    """Replace `model`'s nn.Linear modules in place with their tensor-parallel shards; return `model`.
+
+        for name, linear in model.named_modules() if isinstance(linear, nn.Linear):
+            style = first plan[pattern] whose pattern matches name (or a dotted tail of it)
+            "column[:N]" -> ColumnParallelLinear.from_linear(linear, group, stacked=N, ...)
+            "row"        -> RowParallelLinear.from_linear(linear, group, ...)
+            no match     -> left as it is (and listed in a warning)
+        attention modules over sharded head projections: head counts made per-rank
+
+    Run it on every rank of `group` (default: the world) with the same model (same seed or the
+    same checkpoint). `plan` None means DEFAULT_PLAN; an explicit plan replaces it (merge with
+    {**DEFAULT_PLAN, ...} to extend it). `sequence_parallel` and `chunks` go to every layer.
+    """
+    ring = ring_of(group)
+    p = ring.size
+    if isinstance(model, nn.Linear):
+        raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
+                        "RowParallelLinear.from_linear for a single layer")
+    if chunks is not None:
+        _checks.chunks_arg(chunks)
+    hf = _transformers_module(model) if sequence_parallel else None
+    if hf is not None:
+        raise ValueError(
+            f"sequence_parallel=True: {hf} is a Hugging Face transformers model, whose embeddings, "
+            "norms and attention expect the whole sequence on every rank; sequence parallelism needs "
+            "a model written for [s/p, b, h] activations. Use sequence_parallel=False"
+        )
+    plan = DEFAULT_PLAN if plan is None else plan
+    styles = {pattern: _parse_style(pattern, value) for pattern, value in plan.items()}
+    linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
+
+    placed = _plan_layers(linears, styles)
+    _check_layers(placed, linears, p)
+    attention = _attention_modules(model, placed)
+    for name, module in attention.items():
+        _check_heads(name, module, p)
+
+    for name, style in placed.items():  # nothing is changed before every check has passed
+        linear = linears[name]
+        if style.kind == "column":
+            layer = ColumnParallelLinear.from_linear(linear, group, stacked=style.stacked,
+                                                     sequence_parallel=sequence_parallel, chunks=chunks)
+        else:
+            layer = RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel, chunks=chunks)
+        _replace(model, name, layer)
+    for module in attention.values():
+        _localize_heads(module, p)
+
+    unplaced = [name for name in linears if name not in placed]
+    explicit = plan is not DEFAULT_PLAN
+    unused = [pattern for pattern in styles if explicit and not any(_matches(n, pattern) for n in linears)]
+    if unplaced or unused:
+        message = "oases.parallelize:"
+        if unplaced:
+            message += (f" left {len(unplaced)} nn.Linear module(s) unsharded (replicated on every rank; "
+                        f"no plan pattern matches them): {', '.join(unplaced)}.")
+        if unused:
+            message += f" Plan patterns matching no nn.Linear: {', '.join(map(repr, unused))}."
+        warnings.warn(message, UserWarning, stacklevel=2)
+    return model
