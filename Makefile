@@ -17,7 +17,7 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m oases.examples.train_gpt
+	$(PY) examples/train_gpt.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

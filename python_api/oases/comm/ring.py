@@ -43,9 +43,11 @@ def _lanes(piece_rows: int, bidirectional: bool) -> list[_Lane]:
 def _post(ring: Ring, direction: int, send: torch.Tensor, recv: torch.Tensor) -> list[dist.Work]:
     """One ring step of one lane: send to the rank `direction` ahead, receive from the one behind."""
     tag = 0 if direction > 0 else 1
+    # Receive first: on gloo, a send whose receive is not yet posted on a two-way link gets half
+    # its rate (measured with oases-launch --selftest); NCCL groups the pair either way.
     ops = [
-        dist.P2POp(dist.isend, send, ring.peer(direction), ring.group, tag),
         dist.P2POp(dist.irecv, recv, ring.peer(-direction), ring.group, tag),
+        dist.P2POp(dist.isend, send, ring.peer(direction), ring.group, tag),
     ]
     return dist.batch_isend_irecv(ops)
 

@@ -1,0 +1,263 @@
+"""oases-launch end to end: rank environment, a failing rank, clean-up, the unshaped fallback,
+and (as root with iproute2) the shaped links' achieved bandwidth.
+
+Each test runs `python -m oases.launch` as a subprocess with a hard timeout below the test's own
+limit; a launcher that overruns gets SIGTERM (it stops its ranks and deletes its namespaces),
+then SIGKILL.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from oases.launch import main, parse_bandwidth
+
+LAUNCH = (sys.executable, "-m", "oases.launch")
+CAN_SHAPE = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+needs_shaping = pytest.mark.skipif(not CAN_SHAPE, reason="shaping needs root and iproute2 ip + tc")
+pytestmark = pytest.mark.timeout(60)  # per test; the selftests have more
+
+# Rank scripts. Light ones do not import torch: a launch then costs the launcher's start only.
+ENV_SCRIPT = """
+import json, os, socket, sys
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((os.environ["MASTER_ADDR"], 9))  # no packet: only asks which source address routes
+names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+         "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "OASES_BANDWIDTH", "OASES_TOPOLOGY"]
+record = {name: os.environ.get(name) for name in names}
+record.update(all_reduce=total.item(), argv=sys.argv[2:], source=probe.getsockname()[0],
+              netns=os.readlink("/proc/self/ns/net"))
+with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as out:
+    json.dump(record, out)
+dist.destroy_process_group()
+"""
+
+CRASH_SCRIPT = """
+import os, sys, time, traceback
+
+def fail():
+    raise RuntimeError("rank 1 fails on purpose")
+
+if os.environ["RANK"] == "1":
+    try:
+        fail()
+    except RuntimeError:
+        traceback.print_exc()
+        sys.exit(3)
+time.sleep(120)  # rank 0 would wait for rank 1 forever
+"""
+
+WAIT_SCRIPT = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "started" + os.environ["RANK"]), "w").close()
+time.sleep(120)
+"""
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    pid: int  # the launcher's: its namespaces are named oases-<pid>...
+    seconds: float
+
+
+def launch(*args: str, env: dict | None = None, timeout: float = 45.0) -> Run:
+    """Run oases-launch to the end (at most `timeout` s, below each test's own limit)."""
+    start = time.monotonic()
+    proc = subprocess.Popen([*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:  # TimeoutExpired, or the test's time limit
+        _stop(proc)
+        raise
+    return Run(proc.returncode, stdout, stderr, proc.pid, time.monotonic() - start)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def namespaces_of(pid: int) -> list[str]:
+    """This launcher's namespaces still listed by `ip netns list`."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    names = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return [name for name in names if name == f"oases-{pid}" or name.startswith(f"oases-{pid}-")]
+
+
+def write_script(directory: Path, source: str) -> str:
+    path = directory / "rank_script.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def env_without(*names: str, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key not in names}
+    env.update(extra)
+    return env
+
+
+def test_parse_bandwidth_reads_tc_rates():
+    assert parse_bandwidth("1gbit") == 125e6
+    assert parse_bandwidth("250mbit") == 31.25e6
+    assert parse_bandwidth(" 8Gbit ") == 1e9
+    assert parse_bandwidth("1.5gbit") == 187.5e6
+    assert parse_bandwidth("100mbps") == 100e6           # bps: bytes
+    assert parse_bandwidth("1gibit") == 2**30 / 8        # IEC prefix
+    assert parse_bandwidth("1mibps") == 2**20
+    assert parse_bandwidth("8000") == 1000.0             # bare number: bit/s, as in tc
+    for bad in ["", "fast", "1 gbit", "1g", "-1gbit", "0mbit", "1bit", "1gbitx"]:
+        with pytest.raises(ValueError):
+            parse_bandwidth(bad)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--nproc", "2"],                                     # nothing to run
+    ["--nproc", "0", "x.py"],
+    ["--bandwidth", "fast", "x.py"],
+    ["--topology", "switch", "x.py"],                     # topology without a bandwidth
+    ["--nproc", "1", "--selftest"],
+    ["--nproc", "2", "--selftest", "x.py"],
+])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2
+    assert "oases-launch: error:" in capsys.readouterr().err
+
+
+# (topology, nproc, launcher options, launcher environment, expected OMP_NUM_THREADS): the three
+# cases also cover the thread rule: the environment's value, else 1, and --threads over both.
+ENV_CASES = [
+    pytest.param(None, 2, [], {"OMP_NUM_THREADS": "3"}, "3", id="unshaped"),
+    pytest.param("shared", 2, [], {}, "1", id="shared", marks=needs_shaping),
+    pytest.param("switch", 3, ["--threads", "2"], {"OMP_NUM_THREADS": "3"}, "2", id="switch",
+                 marks=needs_shaping),
+]
+
+
+@pytest.mark.parametrize("topology, nproc, options, extra_env, threads", ENV_CASES)
+def test_ranks_get_torchrun_environment(tmp_path, topology, nproc, options, extra_env, threads):
+    shaping = ["--bandwidth", "1gbit", "--topology", topology] if topology else []
+    script = write_script(tmp_path, ENV_SCRIPT)
+    env = env_without("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", **extra_env)
+    run = launch("--nproc", str(nproc), *shaping, *options, script, str(tmp_path), "--lr", "3",
+                 env=env)
+    assert run.returncode == 0, run.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    ports = {rank["MASTER_PORT"] for rank in ranks}
+    assert len(ports) == 1 and 0 < int(ports.pop()) < 65536
+    assert len({rank["MASTER_ADDR"] for rank in ranks}) == 1
+    for r, rank in enumerate(ranks):
+        assert (rank["RANK"], rank["LOCAL_RANK"]) == (str(r), str(r))
+        assert rank["WORLD_SIZE"] == rank["LOCAL_WORLD_SIZE"] == str(nproc)
+        assert rank["all_reduce"] == nproc * (nproc + 1) / 2  # rendezvous worked
+        assert rank["argv"] == ["--lr", "3"]
+        assert rank["OMP_NUM_THREADS"] == threads
+        assert rank["OASES_BANDWIDTH"] == ("1gbit" if topology else None)
+        assert rank["OASES_TOPOLOGY"] == topology
+    own_netns = os.readlink("/proc/self/ns/net")
+    spaces = {rank["netns"] for rank in ranks}
+    if topology is None:
+        assert spaces == {own_netns}
+        assert ranks[0]["MASTER_ADDR"] == "127.0.0.1"
+        assert ranks[0]["GLOO_SOCKET_IFNAME"] is None
+    elif topology == "shared":  # one namespace, its loopback shaped
+        assert len(spaces) == 1 and own_netns not in spaces
+        assert ranks[0]["MASTER_ADDR"] == "127.0.0.1"
+        assert {rank["GLOO_SOCKET_IFNAME"] for rank in ranks} == {"lo"}
+    else:  # a namespace and an address per rank; MASTER_ADDR is rank 0's
+        assert len(spaces) == nproc and own_netns not in spaces
+        assert [rank["GLOO_SOCKET_IFNAME"] for rank in ranks] == [f"nic{r}" for r in range(nproc)]
+        assert len({rank["source"] for rank in ranks}) == nproc
+        assert ranks[0]["source"] == ranks[0]["MASTER_ADDR"] != "127.0.0.1"
+    if topology:
+        assert namespaces_of(run.pid) == []
+
+
+def test_failing_rank_ends_the_run(tmp_path):
+    # Shaped when possible: then the namespaces must be gone too.
+    shaping = ["--bandwidth", "1gbit", "--topology", "switch"] if CAN_SHAPE else []
+    run = launch("--nproc", "2", *shaping, write_script(tmp_path, CRASH_SCRIPT))
+    assert run.returncode == 3
+    assert "RuntimeError: rank 1 fails on purpose" in run.stderr  # its traceback came through
+    assert run.seconds < 30  # rank 0, asleep for 120 s, was stopped (it held the output pipes)
+    if CAN_SHAPE:
+        assert namespaces_of(run.pid) == []
+
+
+@needs_shaping
+def test_ctrl_c_stops_ranks_and_deletes_namespaces(tmp_path):
+    script = write_script(tmp_path, WAIT_SCRIPT)
+    command = [*LAUNCH, "--nproc", "2", "--bandwidth", "1gbit", "--topology", "switch", script, str(tmp_path)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            deadline = time.monotonic() + 40
+            while not all((tmp_path / f"started{r}").exists() for r in range(2)):
+                assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
+                time.sleep(0.1)
+            assert len(namespaces_of(proc.pid)) == 3  # bridge + one per rank
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=20)  # returns once the ranks, holding the pipes, are gone
+        finally:
+            if proc.returncode is None:
+                _stop(proc)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert namespaces_of(proc.pid) == []
+
+
+def test_without_tc_the_selftest_runs_unshaped_after_one_line(tmp_path):
+    no_tools = tmp_path / "bin"  # a PATH without iproute2, as on a machine without it
+    no_tools.mkdir()
+    run = launch("--nproc", "2", "--bandwidth", "1gbit", "--selftest", env=env_without("PATH", PATH=str(no_tools)))
+    assert run.returncode == 0, run.stderr
+    notices = [line for line in run.stderr.splitlines() if line.startswith("oases-launch:")]
+    assert len(notices) == 1
+    assert "cannot shape the network" in notices[0] and notices[0].endswith("running unshaped")
+    assert run.stdout.startswith("requested unshaped, achieved ")  # no OASES_BANDWIDTH in the ranks
+
+
+@needs_shaping
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("topology", ["shared", "switch"])
+def test_shaped_link_delivers_requested_bandwidth(tmp_path, topology):
+    """The launcher's contract: the rank-to-rank rate is the requested one (broad band: shared
+    machine); `shared` splits it between two concurrent directions, `switch` gives it to each."""
+    result_path = tmp_path / "selftest.json"
+    run = launch("--nproc", "2", "--bandwidth", "200mbit", "--topology", topology,
+                 "-m", "oases.launch._selftest", "--mib", "4", "--repeats", "3", "--json", str(result_path),
+                 timeout=70)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(result_path.read_text())
+    requested = parse_bandwidth("200mbit")
+    assert result["requested_bytes_per_s"] == requested
+    assert 0.5 <= result["one_way_bytes_per_s"] / requested <= 1.2, result
+    both_ways = result["both_ways_bytes_per_s"] / requested  # each way
+    if topology == "shared":
+        assert 0.25 <= both_ways <= 0.65, result
+    else:
+        assert 0.5 <= both_ways <= 1.2, result
+    assert namespaces_of(run.pid) == []
