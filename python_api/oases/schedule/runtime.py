@@ -15,6 +15,7 @@ is resumed at once: its communication is blocking ("megatron").
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any, Generator, Optional
 
@@ -28,11 +29,12 @@ Program = Generator[Any, None, Any]
 
 
 class Communicator:
-    """Issues a schedule's asynchronous all-reduces on one group and counts them by pass.
+    """Issues a schedule's asynchronous all-reduces on one group; counts them and the waiting.
 
         work = comm.all_reduce(t, "forward")   # t summed over the group in place once work.wait()
     `calls[pass]` and `bytes[pass]` count what was issued (pass: "forward", "recompute",
-    "backward"); with no process group (world size 1) nothing is sent and nothing is counted.
+    "backward"); `waited` is the seconds spent blocked in `wait()`, the exposed communication.
+    With no process group (world size 1) nothing is sent, counted or waited for.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
@@ -40,24 +42,32 @@ class Communicator:
         self.world_size = world_size
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
+        self.waited = 0.0
 
-    def all_reduce(self, t: torch.Tensor, phase: str) -> "_Done | dist.Work":
+    def all_reduce(self, t: torch.Tensor, phase: str) -> "_Work":
         if self.world_size == 1:
-            return _Done()
+            return _Work(None, self)
         self.calls[phase] += 1
         self.bytes[phase] += t.numel() * t.element_size()
-        return dist.all_reduce(t, group=self.group, async_op=True)
+        return _Work(dist.all_reduce(t, group=self.group, async_op=True), self)
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.waited = 0.0
 
 
-class _Done:
-    """The work handle of a communication that had nothing to do."""
+class _Work:
+    """A communication's handle; `wait()` blocks until it is done and books the time blocked."""
 
-    def wait(self) -> bool:
-        return True
+    def __init__(self, work: Optional[dist.Work], owner: Communicator) -> None:
+        self._work, self._owner = work, owner
+
+    def wait(self) -> None:
+        if self._work is not None:
+            start = time.perf_counter()
+            self._work.wait()
+            self._owner.waited += time.perf_counter() - start
 
 
 def interleave(programs: list[Program]) -> list[Any]:
