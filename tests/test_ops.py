@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from _spawn import run_ranks
 
+import oases.comm
 import oases.comm.ring as ring_module
 from oases import ops
 
@@ -148,7 +149,7 @@ def test_traffic_is_p_minus_one_over_p(world_size):
 
 def _check_subgroup(rank, p):
     """Ops on a subgroup of ranks {0, 2} and {1, 3} match the same op on their own data."""
-    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = [oases.comm.new_group([0, 2]), oases.comm.new_group([1, 3])]
     group = groups[rank % 2]
     member = rank // 2
     x = _randn([4, 2, 6], 50 + rank % 2, torch.float32)

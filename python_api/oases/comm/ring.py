@@ -4,7 +4,7 @@ Every schedule here works on a "rows" layout: the sharded dimension moved to dim
 made contiguous, so any range of rows is one contiguous message. Each rank's shard of n rows is
 cut into `chunks` pieces; with `bidirectional=True` each piece is halved again and the halves
 travel opposite ways round the ring ("lanes"). Each ring step of one piece is one
-`batch_isend_irecv([send, recv])`, so the same code runs on gloo and NCCL, and each rank sends
+`batch_isend_irecv([recv, send])`, so the same code runs on gloo and NCCL, and each rank sends
 (p-1)/p of the data for a gather or a reduce-scatter.
 
 The schedules are generators: they yield after each piece, with the next pieces already in
