@@ -167,15 +167,20 @@ def _check_mappings(rank, p):
 
 
 def _check_traffic(rank, p):
-    """Messages per pass: only the expected collectives run (elements sent by this rank)."""
-    sent = []
-    original = ring_module._post
+    """Messages per pass: only the expected collectives run (elements sent by this rank by ring
+    steps, and elements all-reduced by the backend's all-reduce)."""
+    sent, reduced = [], []
+    post, backend_all_reduce = ring_module._post, dist.all_reduce
 
     def counting_post(ring, direction, send, recv):
         sent.append(send.numel())
-        return original(ring, direction, send, recv)
+        return post(ring, direction, send, recv)
 
-    ring_module._post = counting_post
+    def counting_all_reduce(t, *args, **kwargs):
+        reduced.append(t.numel())
+        return backend_all_reduce(t, *args, **kwargs)
+
+    ring_module._post, dist.all_reduce = counting_post, counting_all_reduce
     try:
         act = S * B * H  # one activation
         for sequence_parallel in (False, True):
@@ -183,17 +188,19 @@ def _check_traffic(rank, p):
             col = ColumnParallelLinear(H, FFN, sequence_parallel=sequence_parallel)
             row = RowParallelLinear(FFN, H, sequence_parallel=sequence_parallel)
             x = _randn([S // p if sequence_parallel else S, B, H], 4).requires_grad_()
-            sent.clear()
+            sent.clear(), reduced.clear()
             y = row(F.gelu(col(x)))
-            # no SP: one all-reduce (2 (p-1)/p); SP: all-gather + reduce-scatter ((p-1)/p each)
-            assert sum(sent) == 2 * (p - 1) * act // p, (sequence_parallel, sent)
-            sent.clear()
+            if sequence_parallel:  # all-gather + reduce-scatter, (p-1)/p each
+                assert (sum(sent), sum(reduced)) == (2 * (p - 1) * act // p, 0)
+            else:  # one all-reduce of the activation
+                assert (sum(sent), sum(reduced)) == (0, act)
+            sent.clear(), reduced.clear()
             y.sum().backward()
-            # no SP: grad_x all-reduced; SP: grad all-gather + reduce-scatter, plus the bias all-reduce
+            # no SP: grad_x all-reduced by ring; SP: grad all-gather + reduce-scatter, plus the bias all-reduce
             extra = 2 * (p - 1) * H // p if sequence_parallel else 0
-            assert sum(sent) == 2 * (p - 1) * act // p + extra, (sequence_parallel, sent)
+            assert (sum(sent), sum(reduced)) == (2 * (p - 1) * act // p + extra, 0), sequence_parallel
     finally:
-        ring_module._post = original
+        ring_module._post, dist.all_reduce = post, backend_all_reduce
 
 
 BAD_LAYERS = [  # (layer, args(p), kwargs, error, message pattern)

@@ -71,7 +71,7 @@ def _check_case(op, rank, p, dim, chunks, dtype, contiguous, bidirectional, seed
                 (ws.grad, _block(gw_ref, 1, rank, p)), (gb, gb_ref)]
     else:  # row parallel: x, W sharded on in features, y replicated
         xs, ws, bs = _leaf(_block(x, -1, rank, p)), _leaf(_block(w, 1, rank, p)), _leaf(b)
-        y = ops.linear_all_reduce(xs, ws, bs, **kw)
+        y = ops.linear_all_reduce(xs, ws, bs, chunks=chunks)
         (y * g).sum().backward()
         want = [(y, y_ref), (xs.grad, _block(gx_ref, -1, rank, p)),
                 (ws.grad, _block(gw_ref, 1, rank, p)), (bs.grad, gb_ref)]
@@ -89,6 +89,8 @@ def _check_against_single_process(rank, p):
     for i, (op, chunks, dim, dtype, contiguous, bidirectional) in enumerate(combos):
         if dtype == torch.bfloat16 and (not contiguous or bidirectional):
             continue  # bf16 only needs to show the tolerance holds; layouts are covered in fp32
+        if op == "linear_all_reduce" and bidirectional:
+            continue  # no ring lanes: it uses the backend's all-reduce
         _check_case(op, rank, p, dim, chunks, dtype, contiguous, bidirectional, seed=i)
         cases += 1
     return cases
@@ -134,9 +136,6 @@ def _check_traffic(rank, p):
         sent.clear()
         y = ops.linear_reduce_scatter(torch.randn(4 * p, 6), torch.randn(5, 6), chunks=2)
         assert sum(sent) == (p - 1) * y.numel(), sent  # (p-1)/p of the p*4 x 5 partial product
-        sent.clear()
-        ops.linear_all_reduce(torch.randn(4 * p, 6), torch.randn(5, 6), chunks=2)
-        assert sum(sent) == 2 * (p - 1) * 4 * 5, sent  # reduce-scatter + all-gather
     finally:
         ring_module._post = original
     return True

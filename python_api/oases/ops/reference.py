@@ -44,8 +44,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
 
 
 def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      group: Optional[dist.ProcessGroup] = None, *, chunks=None,
-                      bidirectional: bool = False) -> torch.Tensor:
+                      group: Optional[dist.ProcessGroup] = None, *, chunks=None) -> torch.Tensor:
     """y = all_reduce(F.linear(x, weight)) + bias with torch's blocking all-reduce."""
     y = F.linear(x, weight)
     dist.all_reduce(y, group=group)

@@ -1,0 +1,169 @@
+"""`python -m bench <suite> [--nproc N] [--bandwidth B] [--topology T] [--quick] [--out DIR]`.
+
+Outside a distributed launch this re-launches itself on N ranks:
+
+    python -m oases.launch --nproc N --threads K [--bandwidth B --topology T] -m bench <same args>
+
+(torchrun when oases.launch is not installed, unshaped only). Inside a launch (RANK is set) it
+runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG and trace.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+from types import ModuleType
+from typing import Optional, Sequence
+
+from bench import SUITES
+
+MIN_WARMUP, MIN_ITERS = 2, 5  # as bench._timing (not imported here: it imports torch)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parser(load_suites: bool) -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+    """The command line; with load_suites=False (the launching parent) suites' own options are
+    left for the ranks to check, so the parent does not import torch."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--nproc", type=_positive_int, default=2, help="ranks to launch (default: 2)")
+    common.add_argument("--bandwidth", metavar="RATE",
+                        help="shape the links to RATE, tc syntax (250mbit, 1gbit, 8gbit); default unshaped")
+    common.add_argument("--topology", choices=("shared", "switch"), default="shared",
+                        help="shaped-link topology, see oases.launch (default: shared)")
+    common.add_argument("--threads", type=_positive_int, default=1, help="intra-op threads per rank (default: 1)")
+    common.add_argument("--quick", action="store_true", help="small shapes, few iterations (seconds; for tests)")
+    common.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                        help="where to write results (default: bench/results)")
+    common.add_argument("--warmup", type=int, help="untimed calls per variant (default: 2; --quick: 1)")
+    common.add_argument("--iters", type=_positive_int, help="timed calls per variant (default: 9; --quick: 3)")
+    common.add_argument("--timeout", type=float, default=900.0, help="collective timeout in seconds")
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    modules = {}
+    for name, module_path in SUITES.items():
+        module = importlib.import_module(module_path) if load_suites else None
+        summary = (module.__doc__ or "").splitlines()[0] if module else None
+        suite_parser = sub.add_parser(name, parents=[common], help=summary)
+        if module is not None:
+            modules[name] = module
+            if hasattr(module, "add_arguments"):
+                module.add_arguments(suite_parser)
+    return parser, modules
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    inside = "RANK" in os.environ
+    if inside or "-h" in argv or "--help" in argv:
+        parser, modules = _parser(load_suites=True)
+        args = parser.parse_args(argv)
+    else:
+        parser, modules = _parser(load_suites=False)
+        args, _ = parser.parse_known_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    if args.iters is None:
+        args.iters = 3 if args.quick else 9
+    if not args.quick and (args.warmup < MIN_WARMUP or args.iters < MIN_ITERS):
+        parser.error(f"--warmup >= {MIN_WARMUP} and --iters >= {MIN_ITERS} for figures worth reporting "
+                     "(--quick allows fewer)")
+    if not inside:
+        return _relaunch(args, argv)
+    return _run_rank(args, modules[args.suite], argv)
+
+
+def _launcher_installed() -> bool:
+    """Whether oases.launch exists, without importing oases (and torch) in this process."""
+    spec = importlib.util.find_spec("oases")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return any(os.path.exists(os.path.join(location, "launch", "__main__.py"))
+               for location in spec.submodule_search_locations)
+
+
+def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
+    env = dict(os.environ, OASES_BENCH_RELAUNCHED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
+    if _launcher_installed():
+        command = [sys.executable, "-m", "oases.launch", "--nproc", str(args.nproc),
+                   "--threads", str(args.threads)]
+        if args.bandwidth:
+            command += ["--bandwidth", args.bandwidth, "--topology", args.topology]
+    elif args.bandwidth:
+        print("bench: oases.launch is not installed, so the link cannot be shaped; run under a "
+              "launcher in a shaped namespace instead (see /work/shared/README.md)", file=sys.stderr)
+        return 2
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    command += ["-m", "bench", *argv]
+    process = subprocess.Popen(command, env=env)  # cwd kept: a relative --out means the same dir
+    try:
+        return process.wait()
+    except KeyboardInterrupt:  # the launcher got the same SIGINT: let it stop the ranks
+        return process.wait()
+
+
+def _run_rank(args: argparse.Namespace, suite: ModuleType, argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    from bench._context import setup
+
+    ctx = setup(args)
+    try:
+        records = suite.run(args, ctx)
+        events = [None] * ctx.world_size if ctx.rank == 0 else None
+        dist.gather_object(ctx.trace.events, events, dst=0)
+        if ctx.rank == 0:
+            _write_outputs(args, suite, ctx, records, events, argv)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _write_outputs(args, suite: ModuleType, ctx, records: list[dict], events: list, argv: list[str]) -> None:
+    from bench import _report
+    from bench._context import load_average
+    from bench._trace import chrome_trace
+
+    created = datetime.datetime.now()
+    paths = _report.output_paths(args.out, args.suite, created)
+    link = ctx.meta["link"]
+    title = (f"{args.suite}: {ctx.world_size} ranks on {ctx.meta['device']['name']}, "
+             f"{link['bandwidth'] or 'unshaped'} {link['topology'] or ''}, "
+             f"{ctx.meta['threads_per_rank']} thread(s)/rank")
+    for table in suite.tables(records):
+        print(_report.render(table) + "\n", flush=True)
+    plotted = hasattr(suite, "plot") and suite.plot(records, paths.png, title)
+    traced = any(events)
+    if traced:
+        _report.write_json(paths.trace, chrome_trace(events, {"suite": args.suite, "title": title}))
+    document = {
+        "suite": args.suite,
+        "created": created.isoformat(timespec="seconds"),
+        "command": ["python", "-m", "bench", *argv],
+        **ctx.meta,
+        "load_average_end": load_average(),
+        "files": {"png": paths.png if plotted else None, "trace": paths.trace if traced else None},
+        "cases": records,
+    }
+    _report.write_json(paths.json, document)
+    print(f"wrote {paths.json}" + (f", {paths.png}" if plotted else "") + (f", {paths.trace}" if traced else ""),
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""The benchmark suite end to end: `python -m bench primitives --quick --nproc 2 --out TMP`.
+
+One real run (re-launched on 2 gloo ranks by the bench itself), then checks of what it wrote:
+the JSON's schema, that every case carries every figure, that the derived figures follow from
+the measured ones, the PNG, and the Chrome trace. Never asserts speed (see README: overlap on a
+CPU machine). Plus the pure helpers of bench._metrics.
+"""
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
+
+from bench import _metrics  # noqa: E402
+WORLD_SIZE = 2
+FUSED = {"all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"}
+COLLECTIVES = {"ring_all_gather", "ring_reduce_scatter", "all_reduce"}
+PEERS = {"serial", "serial_ring", "torch_tp", "torch_symm_mem", "torch_async"}
+TIME_KEYS = ("t_compute", "t_comm", "t_serial", "t_overlap", "bound")
+SWEEP_KEYS = ("chunks", "t_compute", "t_comm", "t_overlap", "bound", "efficiency", "speedup_vs_serial",
+              "t_torch_async")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Run the quick suite once for the module; return (document, stdout, paths)."""
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+           and not k.startswith("OASES_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "primitives", "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
+    )
+    assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
+    documents = glob.glob(str(out / "primitives-*.json"))
+    documents = [d for d in documents if not d.endswith(".trace.json")]
+    assert len(documents) == 1, os.listdir(out)
+    with open(documents[0]) as f:
+        document = json.load(f)
+    return document, done.stdout, out
+
+
+def _is_time(v):
+    return isinstance(v, float) and math.isfinite(v) and v > 0
+
+
+def test_run_metadata(run):
+    doc, _, _ = run
+    assert doc["suite"] == "primitives"
+    assert doc["world_size"] == WORLD_SIZE
+    assert doc["device"]["type"] == "cpu" and isinstance(doc["device"]["name"], str) and doc["device"]["name"]
+    assert doc["backend"] == "gloo"
+    assert doc["threads_per_rank"] == 1
+    assert doc["quick"] is True
+    link = doc["link"]
+    assert set(link) >= {"shaped", "bandwidth", "bytes_per_s", "topology", "requested", "source"}
+    assert link["shaped"] is False and link["bandwidth"] is None  # no --bandwidth given
+    assert doc["versions"]["torch"] and "triton" in doc["versions"]
+    assert {c["case"] for c in doc["cases"]} == FUSED | COLLECTIVES
+
+
+def test_fused_cases_carry_every_figure(run):
+    doc, _, _ = run
+    for case in (c for c in doc["cases"] if c["kind"] == "fused"):
+        name = case["case"]
+        assert set(case["peers"]) == PEERS, name
+        for peer_name, peer in case["peers"].items():
+            assert set(peer) == {"available", "impl", "t", "reason", "note"}, (name, peer_name)
+            if peer["available"]:
+                assert _is_time(peer["t"]) and peer["reason"] is None, (name, peer_name)
+            else:
+                assert peer["t"] is None and peer["reason"], (name, peer_name)
+        for peer_name in ("serial", "serial_ring", "torch_tp", "torch_async"):
+            assert case["peers"][peer_name]["available"], (name, peer_name, case["peers"][peer_name])
+        assert case["peers"]["serial"]["t"] == case["t_serial"]
+        assert case["chunks_swept"] == sorted(set(case["chunks_swept"])) and 1 in case["chunks_swept"]
+        assert all(case["shapes"]["x"][0] % c == 0 for c in case["chunks_swept"]) or name == "linear_all_reduce"
+        # The medians (top level) and the minima ("min") carry the same figures, each consistent.
+        assert [row["chunks"] for row in case["sweep"]] == case["chunks_swept"]
+        _check_figures(name, case, {p: v["t"] for p, v in case["peers"].items()})
+        _check_figures(name + " (min)", case["min"], case["min"]["peer_t"])
+        assert case["min"]["t_serial"] <= case["t_serial"]
+        traced = case["traced_call"]
+        assert traced["chunks"] == case["best_chunks"] and traced["gemm_s"] > 0, (name, traced)
+
+
+def _check_figures(name, figures, peer_t):
+    for key in TIME_KEYS:
+        assert _is_time(figures[key]), (name, key, figures[key])
+    assert figures["bound"] == max(figures["t_compute"], figures["t_comm"]), name
+    assert figures["t_serial"] == peer_t["serial"]
+    for peer_name, t in peer_t.items():
+        if t is None:
+            assert figures["speedup"][peer_name] is None
+        else:
+            assert figures["speedup"][peer_name] == pytest.approx(t / figures["t_overlap"])
+    best = min(figures["sweep"], key=lambda row: row["t_overlap"])
+    assert figures["best_chunks"] == best["chunks"] and figures["t_overlap"] == best["t_overlap"]
+    for row in figures["sweep"]:
+        assert set(row) >= set(SWEEP_KEYS)
+        for key in ("t_compute", "t_comm", "t_overlap", "bound"):
+            assert _is_time(row[key]), (name, row)
+        assert row["bound"] == max(row["t_compute"], row["t_comm"])
+        _check_efficiency(row["efficiency"], figures["t_serial"], row["t_overlap"], row["bound"])
+        assert row["speedup_vs_serial"] == pytest.approx(figures["t_serial"] / row["t_overlap"])
+    assert peer_t["torch_async"] == min(row["t_torch_async"] for row in figures["sweep"])
+    _check_efficiency(figures["efficiency"], figures["t_serial"], figures["t_overlap"], figures["bound"])
+
+
+def _check_efficiency(value, serial, overlap, bound):
+    if serial - bound <= _metrics.MIN_HIDEABLE * serial:
+        assert value is None
+    else:
+        assert value == pytest.approx((serial - overlap) / (serial - bound))
+
+
+def test_torch_symm_mem_peer_is_reported(run):
+    doc, _, _ = run
+    cases = {c["case"]: c for c in doc["cases"]}
+    for name in ("all_gather_linear", "linear_reduce_scatter"):
+        peer = cases[name]["peers"]["torch_symm_mem"]
+        # On CPU the fused op has no kernel: either its fallback ran (with a note) or it is n/a.
+        assert peer["note"] or peer["reason"], peer
+    assert cases["linear_all_reduce"]["peers"]["torch_symm_mem"]["available"] is False
+
+
+def test_collective_cases(run):
+    doc, _, _ = run
+    for case in (c for c in doc["cases"] if c["kind"] == "collective"):
+        for key in ("t_ours", "t_torch", "algbw_ours", "algbw_torch", "busbw_ours", "busbw_torch"):
+            assert _is_time(case[key]), (case["case"], key)
+        assert isinstance(case["bytes"], int) and case["bytes"] > 0
+        assert case["algbw_ours"] == pytest.approx(case["bytes"] / case["t_ours"])
+        assert case["busbw_ours"] == pytest.approx(
+            _metrics.bus_bandwidth(case["collective"], case["bytes"], case["t_ours"], WORLD_SIZE))
+        assert case["speedup_vs_torch"] == pytest.approx(case["t_torch"] / case["t_ours"])
+
+
+def test_table_on_stdout_once(run):
+    _, stdout, _ = run
+    assert stdout.count("fused ops at the best chunk count") == 1  # rank 0 only
+    assert "collectives" in stdout
+
+
+def test_png_and_trace(run):
+    doc, _, out = run
+    png = doc["files"]["png"]
+    assert png and os.path.dirname(png) == str(out)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(doc["files"]["trace"]) as f:
+        trace = json.load(f)
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for e in events:
+        assert set(e) >= {"name", "ts", "dur", "pid", "tid"}
+        assert e["ts"] >= 0 and e["dur"] >= 0
+    for rank in range(WORLD_SIZE):
+        mine = [e for e in events if e["pid"] == rank]
+        assert any(e["tid"] == 0 and e["name"] == "gemm" for e in mine), rank
+        assert any(e["tid"] == 1 and e["name"] == "wait" for e in mine), rank
+        for name in FUSED:  # each fused op was traced, with its GEMMs inside its span
+            span = [e for e in mine if e["tid"] == 2 and e["name"].startswith(name + " ")]
+            assert len(span) == 1, (rank, name)
+            start, stop = span[0]["ts"], span[0]["ts"] + span[0]["dur"]
+            inside = [e for e in mine if e["tid"] == 0 and start <= e["ts"] <= stop]
+            assert inside, (rank, name)
+
+
+def test_efficiency_guard():
+    assert _metrics.efficiency(100.0, 60.0, 50.0) == pytest.approx(0.8)
+    assert _metrics.efficiency(100.0, 120.0, 50.0) == pytest.approx(-0.4)
+    assert _metrics.efficiency(100.0, 99.0, 95.0) is None      # serial ≈ bound: undefined
+    assert _metrics.efficiency(100.0, 90.0, 110.0) is None     # serial under the bound
+    assert _metrics.bound(3.0, 4.0) == 4.0
+
+
+def test_chunk_counts():
+    assert _metrics.chunk_counts(2, 1024) == [1, 2, 4, 8]
+    assert _metrics.chunk_counts(4, 1024) == [1, 2, 4, 8, 16]
+    assert _metrics.chunk_counts(3, 6) == [1, 2, 3, 6]
+    assert _metrics.chunk_counts(2, 3) == [1]
+
+
+def test_bus_bandwidth():
+    assert _metrics.bus_bandwidth("all_gather", 100, 1.0, 4) == pytest.approx(75.0)
+    assert _metrics.bus_bandwidth("all_reduce", 100, 1.0, 4) == pytest.approx(150.0)
