@@ -34,7 +34,8 @@ class Communicator:
         work = comm.all_reduce(t, "forward")   # t summed over the group in place once work.wait()
     `calls[pass]` and `bytes[pass]` count what was issued (pass: "forward", "recompute",
     "backward"); `waited` is the seconds spent blocked in `wait()`, the exposed communication.
-    With no process group (world size 1) nothing is sent, counted or waited for.
+    With no process group (world size 1) nothing is sent, counted or waited for. `dry_run = True`
+    counts but sends nothing (the results are then wrong): benchmarks time compute alone with it.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
@@ -43,12 +44,15 @@ class Communicator:
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
         self.waited = 0.0
+        self.dry_run = False
 
     def all_reduce(self, t: torch.Tensor, phase: str) -> "_Work":
         if self.world_size == 1:
             return _Work(None, self)
         self.calls[phase] += 1
         self.bytes[phase] += t.numel() * t.element_size()
+        if self.dry_run:
+            return _Work(None, self)
         return _Work(dist.all_reduce(t, group=self.group, async_op=True), self)
 
     def reset(self) -> None:
