@@ -1,6 +1,6 @@
 """Train a small GPT with tensor parallelism on the Megatron and the Oases schedules; compare.
 
-    python examples/train_gpt.py                       # 2 ranks on a 500 Mbit/s emulated link
+    python examples/train_gpt.py                       # 2 ranks on a 750 Mbit/s emulated link
     python examples/train_gpt.py --bandwidth none      # unshaped loopback
     torchrun --nproc-per-node 2 examples/train_gpt.py  # on a real cluster (no re-launch)
 
@@ -25,7 +25,7 @@ from oases.models import GPT, GPTConfig
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    p.add_argument("--bandwidth", default="500mbit", help="emulated link rate, or 'none' (default 500mbit)")
+    p.add_argument("--bandwidth", default="750mbit", help="emulated link rate, or 'none' (default 750mbit)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=64)

@@ -27,24 +27,28 @@ SWEEP_KEYS = ("chunks", "t_compute", "t_comm", "t_overlap", "bound", "efficiency
               "t_torch_async")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Run the quick suite once for the module; return (document, stdout, paths)."""
-    out = tmp_path_factory.mktemp("bench")
+def _run_suite(suite, out):
+    """Run `python -m bench SUITE --quick` on 2 ranks; return (document, stdout, out dir)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("OASES_")}
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "primitives", "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out)],
+        [sys.executable, "-m", "bench", suite, "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
     )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
-    documents = glob.glob(str(out / "primitives-*.json"))
+    documents = glob.glob(str(out / f"{suite}-*.json"))
     documents = [d for d in documents if not d.endswith(".trace.json")]
     assert len(documents) == 1, os.listdir(out)
     with open(documents[0]) as f:
         document = json.load(f)
     return document, done.stdout, out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The quick primitives suite, run once for the module."""
+    return _run_suite("primitives", tmp_path_factory.mktemp("bench"))
 
 
 def _is_time(v):
@@ -191,3 +195,26 @@ def test_chunk_counts():
 def test_bus_bandwidth():
     assert _metrics.bus_bandwidth("all_gather", 100, 1.0, 4) == pytest.approx(75.0)
     assert _metrics.bus_bandwidth("all_reduce", 100, 1.0, 4) == pytest.approx(150.0)
+
+
+def test_layers_suite(tmp_path):
+    """The quick layers suite: every schedule and the PyTorch TP peer, with consistent figures."""
+    doc, stdout, _ = _run_suite("layers", tmp_path)
+    assert doc["suite"] == "layers" and stdout.count("layers: GPT") == 1
+    records = {r["schedule"]: r for r in doc["cases"]}
+    assert set(records) == {"megatron", "merak", "cross_pass", "oases", "torch_tp"}
+    layers = records["megatron"]["config"]["layers"]
+    for name in ("megatron", "merak", "cross_pass", "oases"):
+        r = records[name]
+        assert all(_is_time(r[k]) for k in ("t_step", "t_compute", "t_comm", "bound")), name
+        assert r["bound"] == max(r["t_compute"], r["t_comm"]) and 0 <= r["busy"] <= 1, name
+        assert r["loss"] == pytest.approx(records["torch_tp"]["loss"], rel=1e-4), name
+        assert math.isclose(r["speedup_vs_megatron"], records["megatron"]["t_step"] / r["t_step"]), name
+    assert records["megatron"]["all_reduces"] == 6 * layers
+    assert records["oases"]["all_reduces"] == 8 * layers  # 4 per layer, each as two sub-batch halves
+    assert 3 * records["oases"]["sent_bytes"] == 2 * records["megatron"]["sent_bytes"]
+    with open(doc["files"]["trace"]) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == set(range(WORLD_SIZE))
+    assert {e["tid"] for e in events} == {0, 1}  # steps and the waits inside them
+

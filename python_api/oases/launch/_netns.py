@@ -1,7 +1,12 @@
 """Rate-limited links for the ranks of one run, built from Linux network namespaces and tc.
 
-Two topologies; each link is `tc qdisc add dev DEV root tbf rate R burst 1mb latency 200ms` (tbf
-shapes what a device sends; the burst must exceed the 64 KiB loopback/GSO packets, or TCP stalls):
+Two topologies; each link is `tc qdisc add dev DEV root tbf rate R burst 128kb latency 200ms` (tbf
+shapes what a device sends). The burst must exceed the 64 KiB loopback/GSO packets, or TCP stalls;
+and it should not be much larger: a link left idle refills its bucket and then passes `burst`
+bytes at memory speed, a gift no PCIe or Ethernet link gives, worth most to blocking schedules
+that idle the link between collectives (with 1mb, megatron's 12 blocking 1 MiB all-reduces at
+500mbit waited 228 ms per step in all, against 401 ms for the same all-reduces back to back).
+128kb holds 0.5, 1 and 8 Gbit/s (selftest):
 
     shared: one namespace                   switch: a namespace per rank, the bridge in its own
     +------------------------------+        rank0 [nic0] =tbf=>  <=tbf= [port0] --+
@@ -37,7 +42,7 @@ TOPOLOGIES: tuple[Topology, ...] = ("shared", "switch")
 # Rank i's NIC address in the switch topology: the (i+1)-th host of this private net.
 _SWITCH_NET = ipaddress.ip_network("10.88.0.0/16")
 _NETNS_ETC = "/etc/netns"
-_BURST = "1mb"
+_BURST = "128kb"
 _LATENCY = "200ms"
 
 

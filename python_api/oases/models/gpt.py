@@ -77,7 +77,10 @@ class _Attention(_Sublayer):
         head_dim = config.hidden // config.heads
         self.qkv = nn.Linear(config.hidden, 3 * self.local_heads * head_dim)  # column-parallel
         self.proj = nn.Linear(self.local_heads * head_dim, config.hidden)  # row-parallel
-        self.out_bias = self.proj.bias  # replicated: added once, after the reduction
+
+    @property
+    def out_bias(self) -> nn.Parameter:
+        return self.proj.bias  # replicated: added once, after the reduction
 
     def core(self, h: torch.Tensor) -> torch.Tensor:
         b, t, _ = h.shape
@@ -94,7 +97,10 @@ class _MLP(_Sublayer):
         width = config.mlp_ratio * config.hidden // tp
         self.fc1 = nn.Linear(config.hidden, width)  # column-parallel
         self.fc2 = nn.Linear(width, config.hidden)  # row-parallel
-        self.out_bias = self.fc2.bias
+
+    @property
+    def out_bias(self) -> nn.Parameter:
+        return self.fc2.bias
 
     def core(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(F.gelu(self.fc1(h)), self.fc2.weight)
