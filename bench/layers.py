@@ -12,7 +12,8 @@ schedule:
     t_comm      the step's all-reduces alone: as many, as large, blocking, back to back
     bound       max(t_compute, t_comm); efficiency = (t_megatron - t_step) / (t_megatron - bound)
     busy        1 - (time blocked on communication) / t_step, the least busy rank
-    peak MiB    rise of the process's peak resident memory during one step (VmHWM, reset first)
+    peak MiB    rise of the process's peak resident memory during one step (VmHWM reset first,
+                glibc set to return freed blocks at once; measured after all timings)
     sent MiB    bytes all-reduced per step
 
 `torch_tp` is the same model written for PyTorch's DTensor tensor parallelism
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import time
 from typing import Optional
@@ -41,6 +43,7 @@ from oases.schedule import SCHEDULES
 from oases.schedule.runtime import _Work
 
 BASELINE = "megatron"
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,15 +122,28 @@ def _torch_tp(config: GPTConfig, ours: GPT, mesh) -> nn.Module:
 
 
 # ---- measurements -----------------------------------------------------------------------------
-def _peak_rise_mib(step) -> float:
-    """Rise of this process's peak resident memory over one call of `step` (Linux VmHWM)."""
-    def status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(key))
+def _peak_rise_mib(step) -> Optional[float]:
+    """Rise of this process's peak resident memory over one call of `step` (Linux, glibc).
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current VmRSS
-    before = status("VmRSS:")
+    glibc keeps freed blocks for reuse, so resident memory would not follow the tensors alive;
+    with every block over 64 KiB mmap-ed and returned at once (mallopt), it does. That slows
+    allocation, so call this only after every timing. None where /proc or glibc is missing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+        libc.malloc_trim(0)
+
+        def status(key: str) -> int:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        before = status("VmRSS:")
+    except (OSError, StopIteration):
+        return None
     step()
     return (status("VmHWM:") - before) / 1024
 
@@ -191,12 +207,13 @@ def run(args, ctx) -> list[dict]:
         size = sent // max(calls, 1) // 4
         replay = torch.zeros(size)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
-        peak = torch.tensor([_peak_rise_mib(steps[name])], dtype=torch.float64)
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median,
-                               float(busy), float(ctx.timer.max_over_ranks(peak)), calls, sent, losses[name]))
-    peak = torch.tensor([_peak_rise_mib(torch_step)], dtype=torch.float64)
-    records.append(_record("torch_tp", timed["torch_tp"].median, None, None, None,
-                           float(ctx.timer.max_over_ranks(peak)), None, None, losses["torch_tp"]))
+                               float(busy), calls, sent, losses[name]))
+    records.append(_record("torch_tp", timed["torch_tp"].median, None, None, None, None, None,
+                           losses["torch_tp"]))
+    for r, step in zip(records, [*steps.values(), torch_step]):  # after every timing: see _peak_rise_mib
+        peak = _peak_rise_mib(step)
+        r["peak_mib"] = None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
     base = next(r for r in records if r["schedule"] == BASELINE)
     for r in records:
         r["speedup_vs_megatron"] = _metrics.speedup(base["t_step"], r["t_step"])
@@ -210,11 +227,10 @@ def run(args, ctx) -> list[dict]:
 
 
 def _record(name: str, t_step: float, t_compute: Optional[float], t_comm: Optional[float],
-            busy: Optional[float], peak_mib: float, calls: Optional[int], sent: Optional[int],
-            loss: float) -> dict:
+            busy: Optional[float], calls: Optional[int], sent: Optional[int], loss: float) -> dict:
     bound = None if t_compute is None else _metrics.bound(t_compute, t_comm)
     return {"schedule": name, "t_step": t_step, "t_compute": t_compute, "t_comm": t_comm, "bound": bound,
-            "busy": busy, "peak_mib": peak_mib, "all_reduces": calls, "sent_bytes": sent, "loss": loss}
+            "busy": busy, "all_reduces": calls, "sent_bytes": sent, "loss": loss}
 
 
 def tables(records: list[dict]) -> list[Table]:
