@@ -195,3 +195,21 @@ def _check_bad_inputs(rank, p):
 
 def test_bad_inputs_raise_on_every_rank_before_communicating():
     run_ranks(_check_bad_inputs, 2)
+
+
+def _check_kernel_path(rank, p):
+    """The CUDA path (Triton linear_into, and linear_accumulate in the reduce-scatter pipeline),
+    forced on CPU tensors under TRITON_INTERPRET, against the single-process model."""
+    from oases.ops import _gemm
+
+    _gemm._use_triton = lambda x: True
+    cases = 0
+    for op in ("all_gather_linear", "linear_reduce_scatter"):
+        for chunks in (1, 2):
+            _check_case(op, rank, p, 0, chunks, torch.float32, True, False, seed=300 + chunks)
+            cases += 1
+    return cases
+
+
+def test_kernel_path_matches_single_process():
+    assert run_ranks(_check_kernel_path, 2, timeout=120) == [4, 4]

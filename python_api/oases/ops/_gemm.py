@@ -1,7 +1,8 @@
 """The compute side of the fused ops: `out = x @ W.T (+ bias)` written into a caller's slice.
 
 Paths are chosen by named predicates only:
-  _use_triton(x)       CUDA tensors with Triton importable: oases_kernels.linear_into
+  _use_triton(x)       CUDA tensors with Triton importable: oases_kernels.linear_into, and
+                       linear_accumulate for the reduce-scatter pipeline (accumulate_linear)
   _needs_row_padding(x) CPU BLAS (MKL) takes a different kernel below 16 rows, whose results
                         differ in the last bit; such pieces are computed padded to 16 rows so a
                         row's result never depends on how the rows were chunked.
@@ -50,6 +51,13 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         torch.mm(x, weight.t(), out=out)
     else:
         torch.addmm(bias, x, weight.t(), out=out)
+
+
+def accumulate_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor) -> None:
+    """acc += x @ weight.T in place (x [..., k], acc [..., o]), with the Triton accumulate epilogue."""
+    import oases_kernels
+
+    oases_kernels.linear_accumulate(rows2d(x), weight, rows2d(acc), out=rows2d(acc))
 
 
 def rows2d(t: torch.Tensor) -> torch.Tensor:

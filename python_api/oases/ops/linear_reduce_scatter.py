@@ -32,7 +32,12 @@ class _LinearReduceScatter(torch.autograd.Function):
         rows = x.movedim(dim, 0).contiguous()  # [p n, ..., k]
         n = rows.shape[0] // ring.size
         y = rows.new_empty((n, *rows.shape[1:-1], weight.shape[0]))  # [n, ..., o]
-        for _ in _reduce_scatter_rows(lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional):
+        accumulate = _gemm.accumulate_linear if _gemm._use_triton(rows) else None
+        pieces = _reduce_scatter_rows(
+            lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional,
+            accumulate and (lambda r, acc: accumulate(rows[r], weight, acc)),
+        )
+        for _ in pieces:
             pass
         if bias is not None:
             y.add_(bias)
