@@ -11,7 +11,7 @@ setup: $(STAMP)
 
 $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet setuptools==80.9.0 wheel==0.45.1
+	$(PY) -m pip install --quiet pip==26.3 setuptools==80.9.0 wheel==0.45.1
 	$(PY) -m pip install --quiet -r requirements.txt
 	MAX_JOBS=2 $(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)

@@ -129,6 +129,7 @@ def run(args) -> None:
         print("busy: fraction of the step not blocked on communication (the least busy rank)")
         print(f"\n{results[-1]['schedule']} vs {base['schedule']}: "
               f"{base['step_s'] / results[-1]['step_s']:.2f}x faster per training step, same losses")
+    dist.barrier()  # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 
