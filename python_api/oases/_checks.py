@@ -75,3 +75,17 @@ def weight_bias(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         same_dtype_device("bias", bias, "x", x)
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias: expected shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def sharded_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dim: int) -> int:
+    """Checks of an op that gathers or scatters x along `dim` around a linear; returns dim >= 0."""
+    floating("x", x)
+    weight_bias(x, weight, bias)
+    dim = normalize_dim("x", x, dim)
+    if dim == x.dim() - 1:
+        raise ValueError(
+            f"dim: {op} shards a non-feature dimension; x's last dimension is the features "
+            "(use linear_all_reduce for feature-sharded inputs)"
+        )
+    return dim
+

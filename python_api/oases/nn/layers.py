@@ -135,13 +135,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
         """This rank's shard of `linear` (values copied): computes `linear`'s output slice r."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
-        layer = torch.nn.utils.skip_init(
-            cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
-            device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        _copy_params(layer, linear)
-        return layer
+        return _from_linear(cls, linear, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -215,13 +209,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
         """This rank's shard of `linear` (values copied): its partial product, reduced, is `linear`'s."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
-        layer = torch.nn.utils.skip_init(
-            cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
-            device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        _copy_params(layer, linear)
-        return layer
+        return _from_linear(cls, linear, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -239,7 +227,13 @@ class RowParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
 
 
-def _copy_params(layer: ColumnParallelLinear | RowParallelLinear, linear: nn.Linear) -> None:
+def _from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup], kw: dict):
+    """A `cls` layer holding this rank's shard of `linear`'s values (and requires_grad flags)."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+    layer = torch.nn.utils.skip_init(
+        cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
+        device=linear.weight.device, dtype=linear.weight.dtype, **kw)
     with torch.no_grad():
         layer.weight.copy_(layer.shard(linear.weight))
         if linear.bias is not None:
@@ -248,3 +242,4 @@ def _copy_params(layer: ColumnParallelLinear | RowParallelLinear, linear: nn.Lin
     layer.weight.requires_grad_(linear.weight.requires_grad)
     if linear.bias is not None:
         layer.bias.requires_grad_(linear.bias.requires_grad)
+    return layer

@@ -88,14 +88,7 @@ def all_gather_linear(
     and scattered back to its owner, grad_weight and grad_bias are this rank's (exact, as `weight`
     is this rank's shard of the output features).
     """
-    _checks.floating("x", x)
-    _checks.weight_bias(x, weight, bias)
-    dim = _checks.normalize_dim("x", x, dim)
-    if dim == x.dim() - 1:
-        raise ValueError(
-            "dim: all_gather_linear gathers along a non-feature dimension; x's last dimension is "
-            "the features (use linear_all_reduce for feature-sharded inputs)"
-        )
+    dim = _checks.sharded_linear("all_gather_linear", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
     if chunks is None:

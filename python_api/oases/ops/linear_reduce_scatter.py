@@ -89,14 +89,7 @@ def linear_reduce_scatter(
     received is accumulated into it. The bias is added once, after the reduction. grad_bias is
     this rank's contribution (sum over ranks for the gradient of a shared bias).
     """
-    _checks.floating("x", x)
-    _checks.weight_bias(x, weight, bias)
-    dim = _checks.normalize_dim("x", x, dim)
-    if dim == x.dim() - 1:
-        raise ValueError(
-            "dim: linear_reduce_scatter scatters along a non-feature dimension; x's last "
-            "dimension is the (sharded) input features"
-        )
+    dim = _checks.sharded_linear("linear_reduce_scatter", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
     if chunks is None and x.shape[dim] % ring.size == 0:

@@ -21,7 +21,8 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generator, Optional
+from types import MappingProxyType
+from typing import Generator, Mapping, Optional
 
 import torch
 
@@ -32,17 +33,21 @@ __all__ = ["SCHEDULES", "Schedule", "train_step"]
 
 @dataclass(frozen=True)
 class Schedule:
+    """How a training step runs: the batch split along dim 0 into `sub_batches` interleaved
+    programs; recomputation per sublayer from its input (no all-reduce) or per layer (all of it);
+    programs held at each pass boundary or not."""
+
     sub_batches: int
     fine_grained_recompute: bool
     pass_barriers: bool
 
 
-SCHEDULES = {
+SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
     "megatron": Schedule(sub_batches=1, fine_grained_recompute=False, pass_barriers=False),
     "merak": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=True),
     "cross_pass": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=False),
     "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
-}
+})
 
 
 @dataclass
