@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from _spawn import run_ranks
 
 import oases
-from oases.nn import ColumnParallelLinear, RowParallelLinear
+from oases.nn import ColumnParallelLinear, RowParallelLinear, _mappings
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -78,11 +78,22 @@ def _check_hf_equivalence(ref, group, p, tp_rank, ids, what):
     out_ref = ref(input_ids=ids, labels=ids)
     out_ref.loss.backward()
     out_tp = tp(input_ids=ids, labels=ids)
-    out_tp.loss.backward()
+    all_reduced, original = [], _mappings._all_reduced
+    _mappings._all_reduced = lambda t, ring: all_reduced.append(t.shape) or original(t, ring)
+    try:
+        out_tp.loss.backward()
+    finally:
+        _mappings._all_reduced = original
+    # One all-reduce per block input (attention, MLP): q, k, v and gate, up share theirs.
+    assert len(all_reduced) == 2 * len(_decoder_layers(tp)), (what, all_reduced)
     torch.testing.assert_close(out_tp.logits, out_ref.logits, **TOL)
     torch.testing.assert_close(out_tp.loss, out_ref.loss, **TOL)
     _check_gradients(ref, tp, tp_rank, p, what)
     return tp
+
+
+def _decoder_layers(model):
+    return model.model.layers if hasattr(model, "model") else model.gpt_neox.layers
 
 
 def _check_hf_models(rank, world_size):

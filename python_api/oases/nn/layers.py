@@ -35,6 +35,7 @@ every rank; for layers too large for that, build on device="meta" and load this 
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -64,6 +65,27 @@ def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: i
             f"{owner}: {what} is not divisible by the tensor-parallel world size {world_size}; "
             f"choose {arg} so that each block is a multiple of {world_size} (or pad the layer)"
         )
+
+
+class _SharedEntry:
+    """Where replicated activations enter one group's TP region, shared by the column layers
+    `parallelize` makes: layers fed the same input tensor one after the other (q, k, v; gate, up)
+    reuse one copy_to_tp of it, so its gradient is all-reduced once, after autograd has summed
+    theirs, not once per layer. It holds the last input's entry until the next one (one
+    activation's storage, usually saved for backward anyway).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self._last: Optional[tuple[weakref.ref, int, bool, torch.Tensor]] = None
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x._version, torch.is_grad_enabled())
+        if self._last is not None and self._last[0]() is x and self._last[1:3] == key:
+            return self._last[3]
+        entered = copy_to_tp(x, self.group)
+        self._last = (weakref.ref(x), *key, entered)
+        return entered
 
 
 def _column_shard(t: torch.Tensor, rank: int, world_size: int, stacked: int) -> torch.Tensor:
@@ -121,6 +143,7 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.chunks, self.stacked = _resolve_chunks(chunks), stacked
+        self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out/p, in]
         if bias:
@@ -141,7 +164,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = ops.all_gather_linear(x, self.weight, self.bias, self.group, dim=0, chunks=self.chunks)
         else:
-            x = copy_to_tp(x, self.group)
+            x = copy_to_tp(x, self.group) if self._entry is None else self._entry.enter(x)
             y = nn.functional.linear(x, self.weight, self.bias)  # [..., out/p]
         if not self.gather_output:
             return y

@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from oases import _checks
 from oases.comm._topology import ring_of
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, check_shardable
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "PER_RANK_ATTRIBUTES"]
 
@@ -246,11 +246,13 @@ def parallelize(
     for name, module in attention.items():
         _check_heads(name, module, p)
 
+    entry = _SharedEntry(group)  # q, k, v (gate, up) share one all-reduce of their input's gradient
     for name, style in placed.items():  # nothing is changed before every check has passed
         linear = linears[name]
         if style.kind == "column":
             layer = ColumnParallelLinear.from_linear(linear, group, stacked=style.stacked,
                                                      sequence_parallel=sequence_parallel, chunks=chunks)
+            layer._entry = entry
         else:
             layer = RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel, chunks=chunks)
         _replace(model, name, layer)
