@@ -91,7 +91,7 @@ class _TorchGPT(nn.Module):
         self.norm_f, self.head = nn.LayerNorm(c.hidden), nn.Linear(c.hidden, c.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm_f(x))
@@ -102,7 +102,7 @@ def _torch_tp(config: GPTConfig, ours: GPT, mesh) -> nn.Module:
     """_TorchGPT parallelized by DTensor, holding the same weights as `ours` (this rank's shards)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _TorchGPT(config)
+    model = _TorchGPT(config).to(ours.embed.weight.device)
     plan = {}
     for i in range(config.layers):
         plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "fc1")})
@@ -168,9 +168,9 @@ def _traced_waits(ctx, label: str):
 def run(args, ctx) -> list[dict]:
     config, batch = _config(args)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g)
-    targets = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g)
-    models = {name: GPT(config, ctx.group, schedule=name, seed=0) for name in SCHEDULES}
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
+    targets = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
+    models = {name: GPT(config, ctx.group, schedule=name, seed=0).to(ctx.device) for name in SCHEDULES}
     losses = {name: float(m.train_step(tokens, targets)) for name, m in models.items()}
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -202,10 +202,10 @@ def run(args, ctx) -> list[dict]:
             m.train_step(tokens, targets)
         step_s = time.perf_counter() - busy_before
         calls, sent = sum(m.comm.calls.values()), sum(m.comm.bytes.values())
-        busy = torch.tensor([1.0 - m.comm.waited / step_s], dtype=torch.float64)
-        dist.all_reduce(busy, op=dist.ReduceOp.MIN)
+        # MIN over ranks of the busy share (host time: on CUDA, waits do not block the host)
+        busy = -ctx.timer.max_over_ranks(torch.tensor([m.comm.waited / step_s - 1.0], dtype=torch.float64))
         size = sent // max(calls, 1) // 4
-        replay = torch.zeros(size)
+        replay = torch.zeros(size, device=ctx.device)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median,
                                float(busy), calls, sent, losses[name]))

@@ -242,8 +242,30 @@ def _check_layers(rank, p):
     _check_mappings(rank, p)
     _check_traffic(rank, p)
     _check_in_place(rank, p)
+    _check_shared_entry(rank, p)
     _check_bad_shapes(rank, p)
     return cases
+
+
+def _check_shared_entry(rank, p):
+    """Column layers sharing one input entry (as parallelize builds them) stay correct when the
+    input changes grad mode, and run under inference mode."""
+    from oases.nn.layers import _SharedEntry
+
+    torch.manual_seed(5)
+    q, k = ColumnParallelLinear(H, FFN), ColumnParallelLinear(H, FFN)
+    q._entry = k._entry = _SharedEntry(None)
+    x = _randn([S, B, H], 6)
+    with torch.inference_mode():
+        q(x), k(x)
+    q(x)  # no gradient wanted: entered without a graph
+    x.requires_grad_()
+    (q(x).sum() + k(x).sum()).backward()
+    want = torch.zeros_like(x)
+    for layer in (q, k):
+        want += layer.weight.sum(0)  # d/dx sum(x W^T + b) = column sums of W, summed over ranks
+    dist.all_reduce(want)
+    torch.testing.assert_close(x.grad, want, **TOL)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

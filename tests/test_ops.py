@@ -182,13 +182,21 @@ BAD_INPUTS = [
 
 
 def _check_bad_inputs(rank, p):
-    for op, spec, error, words in BAD_INPUTS:
-        x = torch.ones(spec["x"], dtype=spec.get("xdtype", torch.float32))
-        w = torch.ones(spec["w"], dtype=spec.get("wdtype", torch.float32), device=spec.get("device", "cpu"))
-        bias = torch.ones(spec["bias"]) if "bias" in spec else None
-        kw = {k: spec[k] for k in ("dim", "chunks") if k in spec}
-        with pytest.raises(error, match=words):
-            getattr(ops, op)(x, w, bias, **kw)
+    started = []
+    post, all_reduce = ring_module._post, dist.all_reduce
+    ring_module._post = lambda *args: started.append("p2p") or post(*args)
+    dist.all_reduce = lambda *args, **kw: started.append("all_reduce") or all_reduce(*args, **kw)
+    try:
+        for op, spec, error, words in BAD_INPUTS:
+            x = torch.ones(spec["x"], dtype=spec.get("xdtype", torch.float32))
+            w = torch.ones(spec["w"], dtype=spec.get("wdtype", torch.float32), device=spec.get("device", "cpu"))
+            bias = torch.ones(spec["bias"]) if "bias" in spec else None
+            kw = {k: spec[k] for k in ("dim", "chunks") if k in spec}
+            with pytest.raises(error, match=words):
+                getattr(ops, op)(x, w, bias, **kw)
+            assert not started, (op, spec, started)  # raised before any communication
+    finally:
+        ring_module._post, dist.all_reduce = post, all_reduce
     dist.barrier()  # reached by every rank: none was left inside a collective
     return True
 

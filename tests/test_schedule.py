@@ -80,3 +80,21 @@ def test_batch_smaller_than_sub_batches_is_rejected():
     model = GPT(GPTConfig(**CONFIG), schedule="oases")
     with pytest.raises(ValueError, match="sub-batches"):
         model.train_step(*_batch(1, 0))
+
+
+def _check_shared_dropout_seed(rank, world_size):
+    """Ranks whose default generators differ still draw the same dropout masks."""
+    import torch.distributed as dist
+
+    torch.manual_seed(100 + rank)
+    model = GPT(GPTConfig(**CONFIG, dropout=0.5), schedule="oases")
+    loss = model.train_step(*_batch(4, 0)).reshape(1)
+    losses = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(losses, loss)
+    assert all(torch.equal(l, losses[0]) for l in losses), losses
+    return True
+
+
+def test_dropout_masks_agree_across_ranks_without_a_seed():
+    run_ranks(_check_shared_dropout_seed, 2)
+

@@ -7,7 +7,7 @@
     oases.schedule     megatron / merak / cross_pass / oases training schedules for TP stacks
     oases.models       a GPT whose stack trains on those schedules
 """
-from oases import comm, ops
+from oases import comm, models, ops, schedule
 from oases.nn import parallelize  # also binds the subpackage oases.nn
 
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -108,10 +109,10 @@ class _MLP(_Sublayer):
 
 # How each TP-sharded parameter of the full model is cut: (dimension, groups). QKV's rows are
 # three groups (q, k, v), each cut by heads; the others are cut evenly.
-_SHARDING = {
+_SHARDING = MappingProxyType({
     "qkv.weight": (0, 3), "qkv.bias": (0, 3), "proj.weight": (1, 1),
     "fc1.weight": (0, 1), "fc1.bias": (0, 1), "fc2.weight": (1, 1),
-}
+})
 
 
 def _shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -196,12 +197,21 @@ class GPT(nn.Module):
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None) -> torch.Tensor:
         """Forward and backward of the mean token loss on `self.schedule`; returns the loss.
 
-        With dropout, masks come from `dropout_seed` (drawn from torch's default generator when
-        None: seed every TP rank alike)."""
+        With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
+        of the group's first rank and broadcast, so every rank uses the same masks)."""
         if self.training and self.config.dropout > 0 and dropout_seed is None:
-            dropout_seed = int(torch.randint(0, 2**31 - 1, ()))
+            dropout_seed = self._shared_seed()
         seed = dropout_seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, schedule=self.schedule, dropout_seed=seed)
+
+    def _shared_seed(self) -> int:
+        """A seed from the default generator of the group's first rank, the same on every rank
+        (the replicated residual stream must see the same dropout masks everywhere)."""
+        seed = torch.randint(0, 2**31 - 1, (1,), device=self.embed.weight.device)
+        if self.tp > 1:
+            dist.broadcast(seed, dist.get_global_rank(self.comm.group or dist.group.WORLD, 0),
+                           group=self.comm.group)
+        return int(seed)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 dropout_seed: Optional[int] = None) -> torch.Tensor:

@@ -71,21 +71,28 @@ class _SharedEntry:
     """Where replicated activations enter one group's TP region, shared by the column layers
     `parallelize` makes: layers fed the same input tensor one after the other (q, k, v; gate, up)
     reuse one copy_to_tp of it, so its gradient is all-reduced once, after autograd has summed
-    theirs, not once per layer. It holds the last input's entry until the next one (one
-    activation's storage, usually saved for backward anyway).
+    theirs, not once per layer. The entry is held until its gradient arrives or the next input
+    comes (whichever is first); inference tensors, which carry no version, are not shared.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.group = group
-        self._last: Optional[tuple[weakref.ref, int, bool, torch.Tensor]] = None
+        self._last: Optional[tuple[weakref.ref, tuple, torch.Tensor]] = None
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
-        key = (x._version, torch.is_grad_enabled())
-        if self._last is not None and self._last[0]() is x and self._last[1:3] == key:
-            return self._last[3]
+        if x.is_inference():
+            return copy_to_tp(x, self.group)
+        key = (x._version, x.requires_grad, torch.is_grad_enabled())
+        if self._last is not None and self._last[0]() is x and self._last[1] == key:
+            return self._last[2]
         entered = copy_to_tp(x, self.group)
-        self._last = (weakref.ref(x), *key, entered)
+        self._last = (weakref.ref(x), key, entered)
+        if entered.requires_grad:
+            entered.register_hook(self._forget)
         return entered
+
+    def _forget(self, grad: torch.Tensor) -> None:
+        self._last = None
 
 
 def _column_shard(t: torch.Tensor, rank: int, world_size: int, stacked: int) -> torch.Tensor:

@@ -224,6 +224,8 @@ def parallelize(
     """
     ring = ring_of(group)
     p = ring.size
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.Linear):
         raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
                         "RowParallelLinear.from_linear for a single layer")
@@ -237,6 +239,9 @@ def parallelize(
             "a model written for [s/p, b, h] activations. Use sequence_parallel=False"
         )
     plan = DEFAULT_PLAN if plan is None else plan
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan: expected a mapping of module-name patterns to 'column' or 'row', "
+                        f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}")
     styles = {pattern: _parse_style(pattern, value) for pattern, value in plan.items()}
     linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
 

@@ -1,7 +1,7 @@
 """The compute side of the fused ops: `out = x @ W.T (+ bias)` written into a caller's slice.
 
 Paths are chosen by named predicates only:
-  _use_triton(x)       CUDA tensors with Triton importable: oases_kernels.linear_into, and
+  _use_triton(x)       CUDA fp32/fp16/bf16 tensors with Triton importable: oases_kernels.linear_into, and
                        linear_accumulate for the reduce-scatter pipeline (accumulate_linear)
   _needs_row_padding(x) CPU BLAS (MKL) takes a different kernel below 16 rows, whose results
                         differ in the last bit; such pieces are computed padded to 16 rows so a
@@ -27,8 +27,11 @@ def _triton_available() -> bool:
     return True
 
 
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and _triton_available()
+    return x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_available()
 
 
 def _needs_row_padding(x: torch.Tensor) -> bool:
