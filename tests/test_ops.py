@@ -213,11 +213,12 @@ def _check_kernel_path(rank, p):
     _gemm._use_triton = lambda x: True
     cases = 0
     for op in ("all_gather_linear", "linear_reduce_scatter"):
-        for chunks in (1, 2):
-            _check_case(op, rank, p, 0, chunks, torch.float32, True, False, seed=300 + chunks)
+        for chunks, dtype, bidirectional in ((1, torch.float32, False), (2, torch.float32, True),
+                                             (2, torch.bfloat16, False)):
+            _check_case(op, rank, p, 0, chunks, dtype, True, bidirectional, seed=300 + chunks)
             cases += 1
     return cases
 
 
 def test_kernel_path_matches_single_process():
-    assert run_ranks(_check_kernel_path, 2, timeout=120) == [4, 4]
+    assert run_ranks(_check_kernel_path, 2, timeout=120) == [6, 6]

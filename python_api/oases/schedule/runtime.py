@@ -33,7 +33,8 @@ class Communicator:
 
         work = comm.all_reduce(t, "forward")   # t summed over the group in place once work.wait()
     `calls[pass]` and `bytes[pass]` count what was issued (pass: "forward", "recompute",
-    "backward"); `waited` is the seconds spent blocked in `wait()`, the exposed communication.
+    "backward"); `waited` is the host's seconds blocked in `wait()`, the exposed communication on
+    the CPU (on CUDA, `wait()` orders streams without blocking the host: time with CUDA events).
     With no process group (world size 1) nothing is sent, counted or waited for. `dry_run = True`
     counts but sends nothing (the results are then wrong): benchmarks time compute alone with it.
     """
