@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases._sharding import column_shard, row_shard
 from oases.schedule import SCHEDULES, Communicator, train_step
 
 __all__ = ["GPTConfig", "GPT"]
@@ -107,8 +108,8 @@ class _MLP(_Sublayer):
         return F.linear(F.gelu(self.fc1(h)), self.fc2.weight)
 
 
-# How each TP-sharded parameter of the full model is cut: (dimension, groups). QKV's rows are
-# three groups (q, k, v), each cut by heads; the others are cut evenly.
+# How each TP-sharded parameter of the full model is cut: (dimension, stacked blocks). QKV's rows
+# are three blocks (q, k, v), each cut by heads; column layers cut dim 0, row layers dim 1.
 _SHARDING = MappingProxyType({
     "qkv.weight": (0, 3), "qkv.bias": (0, 3), "proj.weight": (1, 1),
     "fc1.weight": (0, 1), "fc1.bias": (0, 1), "fc2.weight": (1, 1),
@@ -119,9 +120,8 @@ def _shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     rule = _SHARDING.get(".".join(name.split(".")[-2:]))
     if rule is None:
         return full
-    dim, groups = rule
-    parts = full.chunk(groups, dim)
-    return torch.cat([part.chunk(tp, dim)[rank] for part in parts], dim)
+    dim, stacked = rule
+    return column_shard(full, rank, tp, stacked) if dim == 0 else row_shard(full, rank, tp)
 
 
 class GPT(nn.Module):

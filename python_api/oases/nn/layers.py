@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks, ops
+from oases._sharding import column_shard, row_shard
 from oases.comm._topology import ring_of
 from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
 
@@ -93,16 +94,6 @@ class _SharedEntry:
 
     def _forget(self, grad: torch.Tensor) -> None:
         self._last = None
-
-
-def _column_shard(t: torch.Tensor, rank: int, world_size: int, stacked: int) -> torch.Tensor:
-    """Rows of this rank: the r-th slice of each of the `stacked` blocks of t's dim 0."""
-    blocks = t.unflatten(0, (stacked, world_size, t.shape[0] // (stacked * world_size)))
-    return blocks[:, rank].flatten(0, 1)  # [stacked * out/(stacked p), ...]
-
-
-def _row_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    return t.chunk(world_size, dim=-1)[rank]
 
 
 def _resolve_chunks(chunks: Optional[int]) -> Optional[int]:
@@ -160,7 +151,7 @@ class ColumnParallelLinear(nn.Module):
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full [out, ...] weight or [out] bias (a view)."""
-        return _column_shard(full, self.rank, self.world_size, self.stacked)
+        return column_shard(full, self.rank, self.world_size, self.stacked)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
@@ -234,7 +225,7 @@ class RowParallelLinear(nn.Module):
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full [out, in] weight (a view)."""
-        return _row_shard(full, self.rank, self.world_size)
+        return row_shard(full, self.rank, self.world_size)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
