@@ -215,33 +215,6 @@ def ring_reduce_scatter(
     return out.movedim(0, dim).contiguous()
 
 
-def _all_reduce_rows(t: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool) -> Iterator[None]:
-    """Sum contiguous `t` over ranks in place; yields after posting each ring step.
-
-    Reduce-scatter then all-gather over the flattened tensor, padded to a multiple of p * chunks.
-    Several of these generators may be advanced in turn (every rank in the same order): each
-    `next()` waits only for this all-reduce's previous step.
-    """
-    p = ring.size
-    quantum = p * chunks
-    padded = -(-t.numel() // quantum) * quantum
-    if padded == t.numel():
-        flat = t.view(-1)
-    else:
-        flat = t.new_zeros(padded)
-        flat[: t.numel()].copy_(t.view(-1))
-    n = padded // p
-    own = flat[ring.rank * n : (ring.rank + 1) * n]
-    # Reduce-scatter reads this rank's own rows only at its last step, where it overwrites them
-    # elementwise with their sum; all-gather then fills the other blocks in place.
-    for _ in _reduce_scatter_rows(flat.__getitem__, own, ring, chunks, bidirectional):
-        yield
-    for _ in _all_gather_rows(own, flat, ring, chunks, bidirectional):
-        yield
-    if flat.data_ptr() != t.data_ptr():
-        t.view(-1).copy_(flat[: t.numel()])
-
-
 def all_reduce(
     t: torch.Tensor,
     group: Optional[dist.ProcessGroup] = None,
@@ -259,10 +232,22 @@ def all_reduce(
     _checks.floating("t", t)
     _checks.chunks_arg(chunks)
     ring = ring_of(group)
-    work = t if t.is_contiguous() else t.contiguous()
+    quantum = ring.size * chunks
+    padded = -(-t.numel() // quantum) * quantum
+    if t.is_contiguous() and padded == t.numel():
+        flat = t.view(-1)
+    else:
+        flat = t.new_zeros(padded)
+        flat[: t.numel()].copy_(t.reshape(-1))
+    n = padded // ring.size
+    own = flat[ring.rank * n : (ring.rank + 1) * n]
     with torch.profiler.record_function("oases::all_reduce"):
-        for _ in _all_reduce_rows(work, ring, chunks, bidirectional):
+        # Reduce-scatter reads this rank's own rows only at its last step, where it overwrites
+        # them elementwise with their sum; all-gather then fills the other blocks in place.
+        for _ in _reduce_scatter_rows(flat.__getitem__, own, ring, chunks, bidirectional):
             pass
-    if work is not t:
-        t.copy_(work)
+        for _ in _all_gather_rows(own, flat, ring, chunks, bidirectional):
+            pass
+    if flat.data_ptr() != t.data_ptr():
+        t.copy_(flat[: t.numel()].view(t.shape))
     return t
