@@ -198,7 +198,8 @@ def _check_traffic(rank, p):
             y.sum().backward()
             # no SP: grad_x all-reduced by ring; SP: grad all-gather + reduce-scatter, plus the bias all-reduce
             extra = 2 * (p - 1) * H // p if sequence_parallel else 0
-            assert (sum(sent), sum(reduced)) == (2 * (p - 1) * act // p + extra, 0), sequence_parallel
+            regather = (p - 1) * act // p if sequence_parallel else 0  # all_gather_linear re-gathers its input
+            assert (sum(sent), sum(reduced)) == (2 * (p - 1) * act // p + regather + extra, 0), sequence_parallel
     finally:
         ring_module._post, dist.all_reduce = post, backend_all_reduce
 

@@ -133,6 +133,14 @@ def _check_traffic(rank, p):
         x = torch.randn(4 * p, 6)
         ops.all_gather_linear(x, torch.randn(5, 6), chunks=2)
         assert sum(sent) == (p - 1) * x.numel(), sent  # (p-1)/p of the p*4 x 6 gathered input
+        # Backward: the re-gather of x (only if W needs a gradient) and the reduce-scatter of grad_x
+        # (only if x needs one), each (p-1)/p of a p*4 x 6 tensor.
+        for need_x, need_w in ((True, True), (True, False), (False, True)):
+            y = ops.all_gather_linear(x.clone().requires_grad_(need_x), torch.randn(5, 6, requires_grad=need_w),
+                                      chunks=2)
+            sent.clear()
+            y.backward(torch.ones_like(y))
+            assert sum(sent) == (need_x + need_w) * (p - 1) * x.numel(), (need_x, need_w, sent)
         sent.clear()
         y = ops.linear_reduce_scatter(torch.randn(4 * p, 6), torch.randn(5, 6), chunks=2)
         assert sum(sent) == (p - 1) * y.numel(), sent  # (p-1)/p of the p*4 x 5 partial product
@@ -144,6 +152,64 @@ def _check_traffic(rank, p):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_traffic_is_p_minus_one_over_p(world_size):
     run_ranks(_check_traffic, world_size)
+
+
+def _check_saves_only_the_shard(rank, p):
+    """The autograd node keeps x's shard and W for backward, never the p times larger gathered x."""
+    for dim, need_x in ((0, True), (1, True), (0, False)):
+        shape = [4, 3, 8] if dim == 0 else [3, 4, 8]  # 4 rows of the sharded dimension per rank
+        x = _randn(shape, 70 + rank, torch.float32).requires_grad_(need_x)
+        w = _randn([5, 8], 71, torch.float32, contiguous=False).requires_grad_()
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = ops.all_gather_linear(x, w, chunks=2, dim=dim)
+        assert y.shape[dim] == p * 4
+        assert x.numel() in saved and max(saved) <= max(x.numel(), w.numel()), (dim, saved)
+        y.sum().backward()  # and backward still works from the shard
+        assert w.grad is not None and (x.grad is not None) == need_x
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_backward_saves_only_the_local_shard(world_size):
+    run_ranks(_check_saves_only_the_shard, world_size)
+
+
+def _check_partial_requires_grad(rank, p):
+    """With W or x frozen, the remaining gradients still match the single-process model."""
+    cases = 0
+    for i, (dim, chunks, bidirectional, frozen) in enumerate(
+            itertools.product([0, 1], [1, 2], [False, True], ["weight", "x"])):
+        k, o, other, n = 4 * p, 4 * p, 3, 2 * chunks
+        shape = [p * n, other, k] if dim == 0 else [other, p * n, k]
+        x, w = _randn(shape, 400 + i, torch.float32), _randn([o, k], 500 + i, torch.float32)
+        b, g = _randn([o], 600 + i, torch.float32), _randn(shape[:-1] + [o], 700 + i, torch.float32)
+        y_ref, gx_ref, gw_ref, gb_ref = _golden(x, w, b, g)
+        xs, ws, bs = _leaf(_block(x, dim, rank, p)), _leaf(_block(w, 0, rank, p)), _leaf(_block(b, 0, rank, p))
+        (ws if frozen == "weight" else xs).requires_grad_(False)
+        y = ops.all_gather_linear(xs, ws, bs, dim=dim, chunks=chunks, bidirectional=bidirectional)
+        (y * _block(g, -1, rank, p)).sum().backward()
+        tol = TOL[torch.float32]
+        torch.testing.assert_close(y, _block(y_ref, -1, rank, p), **tol)
+        torch.testing.assert_close(bs.grad, _block(gb_ref, 0, rank, p), **tol)
+        if frozen == "weight":
+            assert ws.grad is None
+            torch.testing.assert_close(xs.grad, _block(gx_ref, dim, rank, p), **tol)
+        else:
+            assert xs.grad is None
+            torch.testing.assert_close(ws.grad, _block(gw_ref, 0, rank, p), **tol)
+        cases += 1
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_linear_gradients_with_frozen_inputs(world_size):
+    assert run_ranks(_check_partial_requires_grad, world_size, timeout=120) == [16] * world_size
 
 
 def _check_subgroup(rank, p):

@@ -1,20 +1,28 @@
 """all_gather_linear: all-gather the input along a sharded dimension, then nn.Linear.
 
 fwd: ring all-gather of x, each piece's GEMM written into its slice of y while the next travels.
-bwd: dual: grad_x is a pipelined ring reduce-scatter of grad_y @ W, with the weight-gradient
-     GEMM of each piece run while that piece's partial sum travels.
+     Only this rank's shard x is saved for backward (as Megatron-LM does), not the p times larger
+     gathered input.
+bwd: dual: grad_x is a pipelined ring reduce-scatter of grad_y @ W. If W needs a gradient, x is
+     gathered again by a second ring, posted first; after the reduce-scatter posts its i-th
+     piece, the i-th gathered piece (own pieces first, then in arrival order) has its
+     weight-gradient GEMM while both rings travel. Without a gradient for W there is no
+     re-gather; without one for x, the re-gather alone, each piece's weight-gradient GEMM run
+     while the next piece travels.
 
     forward, p=2, chunks=1 (rank 0):
       comm:  |--- x1 arrives ---|
       gemm:  | y0 = x0 W^T      | y1 = x1 W^T |
-    backward (rank 0):
-      gemm:  | P1 = g1 W | dW += g1^T x1 | P0 = g0 W | dW += g0^T x0 |
-      comm:              |--- send P1, receive P0' ---|
+    backward, p=2, chunks=1 (rank 0):
+      gemm:  | P1 = g1 W | dW += g0^T x0 | P0 = g0 W | + P0' | dW += g1^T x1 |
+      comm:  |-- send x0, receive x1 --|
+                         |---- send P1, receive P0' ----|
       grad_x0 = P0 + P0'
 """
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,32 +44,45 @@ class _AllGatherLinear(torch.autograd.Function):
         y = shard.new_empty((ring.size * n, *shard.shape[1:-1], weight.shape[0]))  # [p n, ..., o]
         for rows in _all_gather_rows(shard, gathered, ring, chunks, bidirectional):
             _gemm.linear_into(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
-        ctx.save_for_backward(gathered, weight)
+        # Only the weight gradient reads x: keep this rank's shard (the input itself), re-gathered
+        # in backward; the gathered copy dies here.
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         ctx.ring, ctx.dim, ctx.chunks, ctx.bidirectional = ring, dim, chunks, bidirectional
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        gathered, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
+        ring, chunks, bidirectional = ctx.ring, ctx.chunks, ctx.bidirectional
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()  # [p n, ..., o]
-        grad_w = _gemm.weight_grad_buffer(weight) if need_w else None
         grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
+        grad_w = _gemm.weight_grad_buffer(weight) if need_w else None
+        arrived: Iterator[slice] = iter(())  # rows of the re-gathered x, as they become valid
+        if need_w:
+            shard = x.movedim(ctx.dim, 0).contiguous()  # [n, ..., k]
+            gathered = shard.new_empty((ring.size * shard.shape[0], *shard.shape[1:]))  # [p n, ..., k]
+            ring_pieces = _all_gather_rows(shard, gathered, ring, chunks, bidirectional)
+            # next() posts the gather's first ring step now, ahead of the reduce-scatter's pieces.
+            arrived = itertools.chain([next(ring_pieces)], ring_pieces)
+
+        def weight_grad(rows: slice) -> None:
+            _gemm.accumulate_weight_grad(grad_w, _gemm.rows2d(grad_y[rows]), _gemm.rows2d(gathered[rows]))
+
         grad_x = None
         if need_x:
-            n = gathered.shape[0] // ctx.ring.size
-            grad_rows = grad_y.new_empty((n, *gathered.shape[1:]))  # [n, ..., k]
-            pieces = _reduce_scatter_rows(
-                lambda rows: torch.matmul(grad_y[rows], weight), grad_rows, ctx.ring, ctx.chunks,
-                ctx.bidirectional,
+            n = grad_y.shape[0] // ring.size
+            grad_rows = grad_y.new_empty((n, *grad_y.shape[1:-1], weight.shape[1]))  # [n, ..., k]
+            scattered = _reduce_scatter_rows(
+                lambda rows: torch.matmul(grad_y[rows], weight), grad_rows, ring, chunks, bidirectional,
             )
-            for rows in pieces:  # this piece's partial is on the wire: do its weight gradient
-                if need_w:
-                    _gemm.accumulate_weight_grad(grad_w, _gemm.rows2d(grad_y[rows]), _gemm.rows2d(gathered[rows]))
+            for _ in scattered:  # this piece's partial sum is on the wire: one weight-gradient GEMM
+                for rows in itertools.islice(arrived, 1):
+                    weight_grad(rows)
             grad_x = grad_rows.movedim(0, ctx.dim)
-        elif need_w:
-            _gemm.accumulate_weight_grad(grad_w, _gemm.rows2d(grad_y), _gemm.rows2d(gathered))
+        for rows in arrived:  # the rest, each while the next piece travels
+            weight_grad(rows)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None
@@ -86,7 +107,9 @@ def all_gather_linear(
     travels, and written straight into its slice of y. `dim` may be any dimension but the last
     (the features); with dim != 0, y is a non-contiguous view. Differentiable: grad_x is reduced
     and scattered back to its owner, grad_weight and grad_bias are this rank's (exact, as `weight`
-    is this rank's shard of the output features).
+    is this rank's shard of the output features). Only x (not the gathered input) is kept for
+    backward, which gathers it again if `weight` needs a gradient: one more all-gather of x per
+    backward, overlapped with the grad_x reduce-scatter, for p times less saved activation.
     """
     dim = _checks.sharded_linear("all_gather_linear", x, weight, bias, dim)
     ring = ring_of(group)
