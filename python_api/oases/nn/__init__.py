@@ -1,12 +1,16 @@
 """Tensor-parallel modules over `oases.ops`, and `parallelize` to shard an existing model.
 
-    ColumnParallelLinear   output features sharded (weight [out/p, in])
-    RowParallelLinear      input features sharded, output reduced (weight [out, in/p])
-    parallelize(model)     nn.Linear -> the layers above, in place, by a plan of name patterns
+    ColumnParallelLinear          output features sharded (weight [out/p, in])
+    RowParallelLinear             input features sharded, output reduced (weight [out, in/p])
+    VocabParallelEmbedding        the vocabulary sharded (weight [V/p, h]), output reduced
+    vocab_parallel_cross_entropy  F.cross_entropy of the full logits from a [..., V/p] shard of them
+    parallelize(model)            nn.Linear (and, by plan, nn.Embedding) -> the layers above, in place
 
 The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn._mappings`.
 """
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
+from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize", "DEFAULT_PLAN"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+           "parallelize", "DEFAULT_PLAN"]

@@ -35,19 +35,20 @@ every rank; for layers too large for that, build on device="meta" and load this 
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks, ops
-from oases._sharding import column_shard, row_shard
+from oases._sharding import ShardRule, column_shard, row_shard
 from oases.comm._topology import ring_of
 from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "no_tp_communication"]
 
 
 def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: int = 1) -> None:
@@ -142,6 +143,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.chunks, self.stacked = _resolve_chunks(chunks), stacked
         self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
+        self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out/p, in]
         if bias:
@@ -153,6 +155,11 @@ class ColumnParallelLinear(nn.Module):
         """This rank's rows of a full [out, ...] weight or [out] bias (a view)."""
         return column_shard(full, self.rank, self.world_size, self.stacked)
 
+    def tp_layout(self) -> dict[str, ShardRule]:
+        """How this layer's parameters cut the full layer's (see oases._sharding)."""
+        rule = ShardRule(0, self.stacked)
+        return {"weight": rule} if self.bias is None else {"weight": rule, "bias": rule}
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
         """This rank's shard of `linear` (values copied): computes `linear`'s output slice r."""
@@ -162,7 +169,12 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = ops.all_gather_linear(x, self.weight, self.bias, self.group, dim=0, chunks=self.chunks)
         else:
-            x = copy_to_tp(x, self.group) if self._entry is None else self._entry.enter(x)
+            if not self._communicate:
+                pass  # the caller all-reduces the input's gradient (no_tp_communication)
+            elif self._entry is None:
+                x = copy_to_tp(x, self.group)
+            else:
+                x = self._entry.enter(x)
             y = nn.functional.linear(x, self.weight, self.bias)  # [..., out/p]
         if not self.gather_output:
             return y
@@ -216,6 +228,7 @@ class RowParallelLinear(nn.Module):
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.chunks = _resolve_chunks(chunks)
+        self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out, in/p]
         if bias:
@@ -227,12 +240,18 @@ class RowParallelLinear(nn.Module):
         """This rank's columns of a full [out, in] weight (a view)."""
         return row_shard(full, self.rank, self.world_size)
 
+    def tp_layout(self) -> dict[str, ShardRule]:
+        """How this layer's parameters cut the full layer's: the weight's columns; the bias is replicated."""
+        return {"weight": ShardRule(1)}
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
         """This rank's shard of `linear` (values copied): its partial product, reduced, is `linear`'s."""
         return _from_linear(cls, linear, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._communicate:
+            return nn.functional.linear(x, self.weight)  # this rank's partial sum; the caller reduces
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
         if self.sequence_parallel:
@@ -246,6 +265,34 @@ class RowParallelLinear(nn.Module):
                 f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
                 f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
+
+
+@contextlib.contextmanager
+def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
+    """Inside, the TP linears of `module` compute this rank's part and communicate nothing.
+
+        ColumnParallelLinear:  y_r = F.linear(x, weight, bias)      # no all-reduce of grad_x
+        RowParallelLinear:     z_r = F.linear(x_r, weight)          # partial sum, no reduce, no bias
+    so that  sum_r z_r + row.bias  is what the layers compute outside. The caller owns the
+    reductions (as oases.schedule does: it all-reduces z and grad_x itself, asynchronously).
+    Graphs recorded inside keep this meaning after the context exits. Only for layers without
+    sequence parallelism, gather_output or input splitting: those raise ValueError. Yields the
+    layers it switched; restores each one's previous mode on exit.
+    """
+    layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    for m in layers:
+        if m.sequence_parallel or getattr(m, "gather_output", False) or not getattr(m, "input_is_parallel", True):
+            raise ValueError(f"no_tp_communication: {m!r} communicates by its configuration (sequence_parallel, "
+                             "gather_output or input_is_parallel=False); only plain column/row layers can be "
+                             "run without communication")
+    previous = [m._communicate for m in layers]
+    try:
+        for m in layers:
+            m._communicate = False
+        yield layers
+    finally:
+        for m, mode in zip(layers, previous):
+            m._communicate = mode
 
 
 def _from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup], kw: dict):

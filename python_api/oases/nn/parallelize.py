@@ -1,4 +1,4 @@
-"""oases.parallelize: shard a model's nn.Linear layers in place, following a plan of name patterns.
+"""oases.parallelize: shard a model's nn.Linear (and nn.Embedding) layers in place, by a plan of name patterns.
 
     model = oases.parallelize(model)                                   # the default plan
     model = oases.parallelize(model, plan={"*.w1": "column", "*.w2": "row"})
@@ -12,6 +12,19 @@ any dotted tail of it, so "q_proj" matches "model.layers.0.self_attn.q_proj" and
     "column:N"   the same with stacked=N: the outputs are N equal blocks, each sharded on its own
                  (nanoGPT's c_attn = [q | k | v]: "column:3")
     "row"        RowParallelLinear.from_linear: input features sharded, output reduced
+    "vocab_head" ColumnParallelLinear.from_linear(gather_output=True): an LM head, its vocabulary
+                 (output features) sharded and the logits gathered back to [..., V]
+    "vocab"      VocabParallelEmbedding.from_embedding, for an nn.Embedding: its rows sharded
+
+Only "vocab" entries match nn.Embedding modules (every other entry matches nn.Linear only), so
+embeddings stay replicated unless a plan asks. Vocabulary parallelism is opt-in for Hugging Face
+models: plan={**DEFAULT_PLAN, "embed_tokens": "vocab", "lm_head": "vocab_head"}. The head gathers
+its logits, so the model's own forward and loss see all V of them and stay exact; a training
+loop that keeps them sharded sets `model.lm_head.gather_output = False` and computes its loss
+with `oases.nn.vocab_parallel_cross_entropy` (see oases.nn.vocab). Both need V divisible by p
+(pad the vocabulary). Tied weights (lm_head.weight is embed_tokens.weight) cannot be sharded by
+"vocab" or "vocab_head" without breaking the tie, so asking raises a ValueError: untie them
+first, or leave the tied modules replicated.
 
 Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2, GPT-NeoX/Falcon and nanoGPT naming.
 nn.Linear modules no pattern places (an LM head, say) stay unsharded and replicated, and one
@@ -52,7 +65,9 @@ import torch.nn as nn
 
 from oases import _checks
 from oases.comm._topology import ring_of
+from oases.nn import _mappings
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
+from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "PER_RANK_ATTRIBUTES"]
 
@@ -86,14 +101,17 @@ _KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_hea
 
 @dataclass(frozen=True)
 class _Style:
-    kind: str  # "column" or "row"
+    kind: str  # "column", "row", "vocab_head" (an nn.Linear) or "vocab" (an nn.Embedding)
     stacked: int = 1
 
 
 def _parse_style(pattern: str, value: object) -> _Style:
-    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N stacked blocks) or 'row', got {value!r}")
+    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N stacked blocks), 'row', "
+                     f"'vocab_head' (an LM head nn.Linear) or 'vocab' (an nn.Embedding), got {value!r}")
     if not isinstance(value, str):
         raise bad
+    if value in ("vocab", "vocab_head"):
+        return _Style(value)
     kind, _, stacked = value.partition(":")
     if kind == "row" and not stacked:
         return _Style("row")
@@ -129,9 +147,9 @@ def _count(module: nn.Module, names: tuple[str, ...]) -> Optional[tuple[str, int
     return None
 
 
-def _plan_layers(linears: dict[str, nn.Linear], styles: dict[str, _Style]) -> dict[str, _Style]:
+def _plan_layers(modules: dict[str, nn.Module], styles: dict[str, _Style]) -> dict[str, _Style]:
     placed = {}
-    for name in linears:
+    for name in modules:
         style = next((s for pattern, s in styles.items() if _matches(name, pattern)), None)
         if style is not None:
             placed[name] = style
@@ -144,8 +162,41 @@ def _check_layers(placed: dict[str, _Style], linears: dict[str, nn.Linear], p: i
         owner = f"{name} (nn.Linear {linear.in_features} -> {linear.out_features}, planned as {style.kind!r})"
         if style.kind == "column":
             check_shardable(owner, "out_features", linear.out_features, p, style.stacked)
+        elif style.kind == "vocab_head":
+            check_vocab(owner, "out_features", linear.out_features, p)
         else:
             check_shardable(owner, "in_features", linear.in_features, p)
+
+
+def _check_kinds(styles: dict[str, _Style], linears: dict[str, nn.Linear],
+                 embeddings: dict[str, nn.Embedding]) -> None:
+    """A vocabulary entry that would place no module of its kind but names one of the other kind is a slip."""
+    for pattern, style in styles.items():
+        if style.kind not in ("vocab", "vocab_head"):
+            continue
+        own, other = (embeddings, linears) if style.kind == "vocab" else (linears, embeddings)
+        if any(_matches(n, pattern) for n in own):
+            continue
+        wrong = next((n for n in other if _matches(n, pattern)), None)
+        if wrong is not None:
+            is_a, use = ("an nn.Linear", "'vocab_head'") if style.kind == "vocab" else ("an nn.Embedding", "'vocab'")
+            raise ValueError(f"plan[{pattern!r}]: {style.kind!r} matches {wrong}, {is_a}; use {use} for it")
+
+
+def _check_ties(model: nn.Module, names: list[str]) -> None:
+    """None of the modules `names` may share its weight with another module (a tied LM head)."""
+    holders: dict[int, list[str]] = {}
+    for qualified, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(qualified)
+    for name in names:
+        others = [n for n in holders[id(model.get_submodule(name).weight)] if n != f"{name}.weight"]
+        if others:
+            raise ValueError(
+                f"{name}: its weight is tied to {', '.join(others)} (the same Parameter, e.g. "
+                f"tie_word_embeddings=True); sharding it alone would silently untie them. Untie them first "
+                f"({name}.weight = nn.Parameter({name}.weight.detach().clone()), or build the model with "
+                f"tie_word_embeddings=False), or leave the tied modules replicated (remove {name} from the plan)"
+            )
 
 
 def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str, nn.Module]:
@@ -196,6 +247,18 @@ def _localize_heads(module: nn.Module, p: int) -> None:
             setattr(module, attr, value // p)
 
 
+def _sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Parameters of an attention module outside its TP layers (Qwen3's per-head q_norm / k_norm
+    weights, shared by every head) see only this rank's heads: their gradient is all-reduced
+    over the group as it is computed, so .grad holds the full gradient (a hook per parameter)."""
+    tp_layers = [m for m in attention.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    in_tp = {id(q) for m in tp_layers for q in m.parameters()}
+    ring = ring_of(group)
+    for param in attention.parameters():
+        if id(param) not in in_tp and param.requires_grad:
+            param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
+
+
 def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, layer)
@@ -209,13 +272,18 @@ def parallelize(
     sequence_parallel: bool = False,
     chunks: Optional[int] = None,
 ) -> nn.Module:
-    """Replace `model`'s nn.Linear modules in place with their tensor-parallel shards; return `model`.
+    """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
+    tensor-parallel shards; return `model`.
 
         for name, linear in model.named_modules() if isinstance(linear, nn.Linear):
             style = first plan[pattern] whose pattern matches name (or a dotted tail of it)
             "column[:N]" -> ColumnParallelLinear.from_linear(linear, group, stacked=N, ...)
             "row"        -> RowParallelLinear.from_linear(linear, group, ...)
+            "vocab_head" -> ColumnParallelLinear.from_linear(linear, group, gather_output=True, ...)
             no match     -> left as it is (and listed in a warning)
+        for name, embedding in model.named_modules() if isinstance(embedding, nn.Embedding):
+            "vocab" (first "vocab" plan entry matching name) -> VocabParallelEmbedding.from_embedding(embedding, group)
+            no match                                         -> left as it is (no warning)
         attention modules over sharded head projections: head counts made per-rank
 
     Run it on every rank of `group` (default: the world) with the same model (same seed or the
@@ -229,6 +297,8 @@ def parallelize(
     if isinstance(model, nn.Linear):
         raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
                         "RowParallelLinear.from_linear for a single layer")
+    if isinstance(model, nn.Embedding):
+        raise TypeError("model: is itself an nn.Embedding; use VocabParallelEmbedding.from_embedding")
     if chunks is not None:
         _checks.chunks_arg(chunks)
     hf = _transformers_module(model) if sequence_parallel else None
@@ -244,9 +314,17 @@ def parallelize(
                         f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}")
     styles = {pattern: _parse_style(pattern, value) for pattern, value in plan.items()}
     linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
+    embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
 
-    placed = _plan_layers(linears, styles)
+    placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind != "vocab"})
+    placed_embeddings = _plan_layers(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"})
+    _check_kinds(styles, linears, embeddings)
     _check_layers(placed, linears, p)
+    for name in placed_embeddings:
+        embedding = embeddings[name]
+        check_embedding(f"{name} (nn.Embedding {embedding.num_embeddings} x {embedding.embedding_dim}, "
+                        f"planned as 'vocab')", embedding, p)
+    _check_ties(model, [n for n, s in placed.items() if s.kind == "vocab_head"] + list(placed_embeddings))
     attention = _attention_modules(model, placed)
     for name, module in attention.items():
         _check_heads(name, module, p)
@@ -258,21 +336,32 @@ def parallelize(
             layer = ColumnParallelLinear.from_linear(linear, group, stacked=style.stacked,
                                                      sequence_parallel=sequence_parallel, chunks=chunks)
             layer._entry = entry
+        elif style.kind == "vocab_head":  # the full logits, for the model's own forward and loss
+            layer = ColumnParallelLinear.from_linear(linear, group, gather_output=True,
+                                                     sequence_parallel=sequence_parallel, chunks=chunks)
         else:
             layer = RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel, chunks=chunks)
         _replace(model, name, layer)
+    for name in placed_embeddings:
+        _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
     for module in attention.values():
         _localize_heads(module, p)
+        _sum_head_shared_grads(module, group)
 
     unplaced = [name for name in linears if name not in placed]
     explicit = plan is not DEFAULT_PLAN
-    unused = [pattern for pattern in styles if explicit and not any(_matches(n, pattern) for n in linears)]
-    if unplaced or unused:
+    unused = [pattern for pattern, s in styles.items()
+              if explicit and s.kind != "vocab" and not any(_matches(n, pattern) for n in linears)]
+    unused_vocab = [pattern for pattern, s in styles.items()
+                    if s.kind == "vocab" and not any(_matches(n, pattern) for n in embeddings)]
+    if unplaced or unused or unused_vocab:
         message = "oases.parallelize:"
         if unplaced:
             message += (f" left {len(unplaced)} nn.Linear module(s) unsharded (replicated on every rank; "
                         f"no plan pattern matches them): {', '.join(unplaced)}.")
         if unused:
             message += f" Plan patterns matching no nn.Linear: {', '.join(map(repr, unused))}."
+        if unused_vocab:
+            message += f" Plan patterns matching no nn.Embedding: {', '.join(map(repr, unused_vocab))}."
         warnings.warn(message, UserWarning, stacklevel=2)
     return model
