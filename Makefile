@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo demo-gpt test bench clean
 
 setup: $(STAMP)
 
@@ -17,6 +17,9 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) examples/train_llama.py
+
+demo-gpt: $(STAMP)
 	$(PY) examples/train_gpt.py
 
 test: $(STAMP)

@@ -86,15 +86,15 @@ class _Block(nn.Module):
 class _TorchGPT(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
-        self.embed, self.pos = nn.Embedding(c.vocab_size, c.hidden), nn.Embedding(c.seq_len, c.hidden)
+        self.wte, self.wpe = nn.Embedding(c.vocab_size, c.hidden), nn.Embedding(c.seq_len, c.hidden)
         self.blocks = nn.ModuleList(_Block(c) for _ in range(c.layers))
-        self.norm_f, self.head = nn.LayerNorm(c.hidden), nn.Linear(c.hidden, c.vocab_size, bias=False)
+        self.norm_f, self.lm_head = nn.LayerNorm(c.hidden), nn.Linear(c.hidden, c.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.norm_f(x))
+        logits = self.lm_head(self.norm_f(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -102,7 +102,7 @@ def _torch_tp(config: GPTConfig, ours: GPT, mesh) -> nn.Module:
     """_TorchGPT parallelized by DTensor, holding the same weights as `ours` (this rank's shards)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _TorchGPT(config).to(ours.embed.weight.device)
+    model = _TorchGPT(config).to(ours.wte.weight.device)
     plan = {}
     for i in range(config.layers):
         plan.update({f"blocks.{i}.{n}": ColwiseParallel() for n in ("q", "k", "v", "fc1")})

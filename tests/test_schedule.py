@@ -98,3 +98,41 @@ def _check_shared_dropout_seed(rank, world_size):
 def test_dropout_masks_agree_across_ranks_without_a_seed():
     run_ranks(_check_shared_dropout_seed, 2)
 
+
+
+def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want_shifted):
+    """At TP > 1, model(tokens, targets).backward() and every sub-batch count give the golden gradients;
+    oases.train_step(gpt, ...) gives Hugging Face's shifted loss."""
+    import oases
+
+    tokens, targets = _batch(5, 3)
+    model = GPT(GPTConfig(**CONFIG), seed=3)
+    loss = model(tokens, targets)
+    loss.backward()
+    cases = [("forward", loss.detach(), model)]
+    for parts in (1, 3, 5):
+        m = GPT(GPTConfig(**CONFIG), schedule="oases", seed=3)
+        cases.append((f"sub_batches={parts}", m.train_step(tokens, targets, sub_batches=parts), m))
+    for where, got, m in cases:
+        torch.testing.assert_close(got, want_loss, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{where}: loss {msg}")
+        for name, p in m.named_parameters():
+            torch.testing.assert_close(p.grad, m.shard_of(name, want_grads[name]), rtol=1e-4, atol=1e-6,
+                                       msg=lambda msg: f"{where}: grad of {name}: {msg}")
+    m = GPT(GPTConfig(**CONFIG), seed=3)
+    shifted = oases.train_step(m, tokens, targets, schedule="cross_pass", sub_batches=2)
+    torch.testing.assert_close(shifted, want_shifted, rtol=1e-5, atol=1e-6)
+    return True
+
+
+def test_forward_is_differentiable_and_sub_batches_are_a_parameter():
+    import torch.nn.functional as F
+
+    model = GPT(GPTConfig(**CONFIG), seed=3)
+    tokens, targets = _batch(5, 3)
+    loss = model(tokens, targets)
+    loss.backward()
+    with torch.no_grad():
+        logits = model(tokens)
+        shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    run_ranks(_check_forward_and_sub_batches, 2, loss.detach(), grads, shifted)

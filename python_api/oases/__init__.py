@@ -5,10 +5,14 @@
     oases.nn           ColumnParallelLinear / RowParallelLinear over those ops
     oases.parallelize  swap a model's nn.Linear layers for them, by plan or by naming scheme
     oases.schedule     megatron / merak / cross_pass / oases training schedules for TP stacks
-    oases.models       a GPT whose stack trains on those schedules
+    oases.models       a GPT, and adapters that show Hugging Face stacks to the schedules
+    oases.train_step   one step of a parallelized model (GPT, HF Llama / Qwen / NeoX, any Stack) on a schedule
 """
 from oases import comm, models, ops, schedule
 from oases.nn import parallelize  # also binds the subpackage oases.nn
+from oases.training import train_step
+from oases.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 
 __version__ = "0.1.0"
-__all__ = ["comm", "ops", "nn", "parallelize", "schedule", "models", "__version__"]
+__all__ = ["comm", "ops", "nn", "parallelize", "schedule", "models", "train_step", "__version__",
+           "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint"]

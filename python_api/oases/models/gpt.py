@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Optional
 
 import torch
@@ -26,8 +25,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases._sharding import column_shard, row_shard
-from oases.schedule import SCHEDULES, Communicator, train_step
+from oases._sharding import ShardRule
+from oases.nn._mappings import copy_to_tp, reduce_from_tp
+from oases.schedule import SCHEDULES, Communicator, SubBatch, train_step
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -58,23 +58,25 @@ def _residual_dropout(y: torch.Tensor, p: float, seed: int, rows: slice, batch: 
 
 
 class _Sublayer(nn.Module):
-    """norm -> TP-local core -> (all-reduce by the schedule) -> finish; see the module docstring."""
+    """norm -> TP-local core -> (all-reduce by the schedule) -> finish: an oases.schedule.Sublayer.
 
-    def __init__(self, config: GPTConfig, index: int) -> None:
+    `tp_layout()` says which parameters are TP shards (oases._sharding); `group` is their group."""
+
+    def __init__(self, config: GPTConfig, index: int, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__()
-        self.config, self.index = config, index
+        self.config, self.index, self.group = config, index, group
         self.norm = nn.LayerNorm(config.hidden)
 
-    def finish(self, z: torch.Tensor, seed: Optional[int], rows: slice, batch: int) -> torch.Tensor:
+    def finish(self, z: torch.Tensor, where: SubBatch) -> torch.Tensor:
         y = z + self.out_bias
-        if seed is None or self.config.dropout == 0.0:
+        if where.seed is None or self.config.dropout == 0.0:
             return y
-        return _residual_dropout(y, self.config.dropout, seed * 1_000_003 + self.index, rows, batch)
+        return _residual_dropout(y, self.config.dropout, where.seed * 1_000_003 + self.index, where.rows, where.batch)
 
 
 class _Attention(_Sublayer):
-    def __init__(self, config: GPTConfig, index: int, tp: int) -> None:
-        super().__init__(config, index)
+    def __init__(self, config: GPTConfig, index: int, tp: int, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(config, index, group)
         self.local_heads = config.heads // tp
         head_dim = config.hidden // config.heads
         self.qkv = nn.Linear(config.hidden, 3 * self.local_heads * head_dim)  # column-parallel
@@ -84,7 +86,11 @@ class _Attention(_Sublayer):
     def out_bias(self) -> nn.Parameter:
         return self.proj.bias  # replicated: added once, after the reduction
 
-    def core(self, h: torch.Tensor) -> torch.Tensor:
+    def tp_layout(self) -> dict[str, ShardRule]:
+        qkv = ShardRule(0, stacked=3)  # [q | k | v], each cut by heads
+        return {"qkv.weight": qkv, "qkv.bias": qkv, "proj.weight": ShardRule(1)}
+
+    def core(self, h: torch.Tensor, ctx: object = None) -> torch.Tensor:
         b, t, _ = h.shape
         qkv = self.qkv(h).view(b, t, 3, self.local_heads, -1)  # (b, t, 3, nh_local, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh_local, t, hd)
@@ -94,8 +100,8 @@ class _Attention(_Sublayer):
 
 
 class _MLP(_Sublayer):
-    def __init__(self, config: GPTConfig, index: int, tp: int) -> None:
-        super().__init__(config, index)
+    def __init__(self, config: GPTConfig, index: int, tp: int, group: Optional[dist.ProcessGroup]) -> None:
+        super().__init__(config, index, group)
         width = config.mlp_ratio * config.hidden // tp
         self.fc1 = nn.Linear(config.hidden, width)  # column-parallel
         self.fc2 = nn.Linear(width, config.hidden)  # row-parallel
@@ -104,24 +110,11 @@ class _MLP(_Sublayer):
     def out_bias(self) -> nn.Parameter:
         return self.fc2.bias
 
-    def core(self, h: torch.Tensor) -> torch.Tensor:
+    def tp_layout(self) -> dict[str, ShardRule]:
+        return {"fc1.weight": ShardRule(0), "fc1.bias": ShardRule(0), "fc2.weight": ShardRule(1)}
+
+    def core(self, h: torch.Tensor, ctx: object = None) -> torch.Tensor:
         return F.linear(F.gelu(self.fc1(h)), self.fc2.weight)
-
-
-# How each TP-sharded parameter of the full model is cut: (dimension, stacked blocks). QKV's rows
-# are three blocks (q, k, v), each cut by heads; column layers cut dim 0, row layers dim 1.
-_SHARDING = MappingProxyType({
-    "qkv.weight": (0, 3), "qkv.bias": (0, 3), "proj.weight": (1, 1),
-    "fc1.weight": (0, 1), "fc1.bias": (0, 1), "fc2.weight": (1, 1),
-})
-
-
-def _shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    rule = _SHARDING.get(".".join(name.split(".")[-2:]))
-    if rule is None:
-        return full
-    dim, stacked = rule
-    return column_shard(full, rank, tp, stacked) if dim == 0 else row_shard(full, rank, tp)
 
 
 class GPT(nn.Module):
@@ -129,10 +122,14 @@ class GPT(nn.Module):
 
         model = GPT(config, group, schedule="oases", seed=0)
         loss = model.train_step(tokens, targets)     # tokens, targets [b, t] int64; grads in .grad
-        logits = model(tokens)                       # [b, t, vocab], blocking all-reduces
+        logits = model(tokens)                       # [b, t, vocab]; differentiable at any TP size
+        loss = model(tokens, targets)                # mean token loss; loss.backward() works too
 
     `train_step` runs forward and backward on `schedule` (see oases.schedule.SCHEDULES); every
-    schedule gives the loss and gradients of the single-process model with the same seed.
+    schedule gives the loss and gradients of the single-process model with the same seed, and so
+    does `forward` + `backward` (blocking all-reduces on the autograd path). The model is an
+    `oases.schedule.Stack`: `oases.train_step(model, input_ids, labels)` runs it too (with
+    Hugging Face's shifted-label loss).
     """
 
     def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
@@ -147,16 +144,28 @@ class GPT(nn.Module):
             if size % self.tp:
                 raise ValueError(f"config.{what}: {size} is not divisible by the TP size {self.tp}")
         self.config, self.schedule = config, schedule
-        self.comm = Communicator(group if distributed else None, self.tp)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden)
-        self.pos = nn.Embedding(config.seq_len, config.hidden)
+        self.group = group if distributed else None
+        self.comm = Communicator(self.group, self.tp)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden)
+        self.wpe = nn.Embedding(config.seq_len, config.hidden)
         self.blocks = nn.ModuleList(
-            nn.ModuleList([_Attention(config, 2 * i, self.tp), _MLP(config, 2 * i + 1, self.tp)])
+            nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group), _MLP(config, 2 * i + 1, self.tp, self.group)])
             for i in range(config.layers)
         )
         self.norm_f = nn.LayerNorm(config.hidden)
-        self.head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.reset_parameters(seed)
+
+    def _rule(self, name: str) -> Optional[ShardRule]:
+        """The shard rule of parameter `name` (None: replicated)."""
+        owner, _, leaf = name.rpartition(".")
+        while owner:
+            module = self.get_submodule(owner)
+            if hasattr(module, "tp_layout"):
+                return module.tp_layout().get(leaf)
+            owner, _, parent_leaf = owner.rpartition(".")
+            leaf = f"{parent_leaf}.{leaf}"
+        return None
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
@@ -164,69 +173,89 @@ class GPT(nn.Module):
         g = torch.Generator().manual_seed(seed)
         std_out = 0.02 / math.sqrt(2 * self.config.layers)
         for name, p in self.named_parameters():
-            shape = list(p.shape)
-            rule = _SHARDING.get(".".join(name.split(".")[-2:]))
+            shape, rule = list(p.shape), self._rule(name)
             if rule is not None:
-                shape[rule[0]] *= self.tp
+                shape[rule.dim] *= self.tp
             if name.endswith("norm.weight") or name == "norm_f.weight":
                 full = torch.ones(shape)
             elif name.endswith("bias"):
                 full = torch.zeros(shape)
             else:
-                std = std_out if name.endswith(("proj.weight", "fc2.weight")) else 0.02
+                std = std_out if name.endswith(("proj.weight", "fc2.weight")) and "blocks" in name else 0.02
                 full = torch.randn(shape, generator=g) * std
-            p.copy_(_shard(name, full, self.tp_rank, self.tp))
+            p.copy_(self.shard_of(name, full))
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full model's tensor `name` (a parameter or its gradient)."""
-        return _shard(name, full, self.tp_rank, self.tp)
+        rule = self._rule(name)
+        return full if rule is None else rule.shard(full, self.tp_rank, self.tp)
 
-    def sublayers(self) -> list[_Sublayer]:
-        return [s for block in self.blocks for s in block]
+    # --- oases.schedule.Stack ---------------------------------------------------------------------
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.shape[1] > self.config.seq_len:
             raise ValueError(f"tokens: expected [batch, t <= {self.config.seq_len}], got {tuple(tokens.shape)}")
-        return self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
 
-    def head_loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy of the final hidden states x [b, t, h]."""
-        logits = self.head(self.norm_f(x))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
+        return self.embed_tokens(input_ids), where
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None) -> torch.Tensor:
-        """Forward and backward of the mean token loss on `self.schedule`; returns the loss.
+    def layers(self) -> list[tuple[_Sublayer, ...]]:
+        return [tuple(block) for block in self.blocks]
 
+    def head(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
+        return self.lm_head(self.norm_f(x))  # [b, t, vocab]
+
+    # --- training -----------------------------------------------------------------------------------
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
+                   sub_batches: Optional[int] = None) -> torch.Tensor:
+        """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
+
+            loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
         With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
         of the group's first rank and broadcast, so every rank uses the same masks)."""
-        if self.training and self.config.dropout > 0 and dropout_seed is None:
-            dropout_seed = self._shared_seed()
-        seed = dropout_seed if self.training and self.config.dropout > 0 else None
-        return train_step(self, tokens, targets, schedule=self.schedule, dropout_seed=seed)
+        if tokens.shape != targets.shape:
+            raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
+        self.embed_tokens(tokens[:0])  # shape checks before any communication
+        seed = self.step_seed() if dropout_seed is None else dropout_seed
+        seed = seed if self.training and self.config.dropout > 0 else None
+        return train_step(self, tokens, targets, loss_sum=_token_loss_sum, normalizer=targets.numel(),
+                          comm=self.comm, schedule=self.schedule, sub_batches=sub_batches, dropout_seed=seed)
 
-    def _shared_seed(self) -> int:
-        """A seed from the default generator of the group's first rank, the same on every rank
-        (the replicated residual stream must see the same dropout masks everywhere)."""
-        seed = torch.randint(0, 2**31 - 1, (1,), device=self.embed.weight.device)
+    def step_seed(self) -> Optional[int]:
+        """The dropout seed of a training step (None without dropout): drawn from the default
+        generator of the group's first rank and broadcast, the same on every rank (the replicated
+        residual stream must see the same masks everywhere)."""
+        if not (self.training and self.config.dropout > 0):
+            return None
+        seed = torch.randint(0, 2**31 - 1, (1,), device=self.wte.weight.device)
         if self.tp > 1:
-            dist.broadcast(seed, dist.get_global_rank(self.comm.group or dist.group.WORLD, 0),
-                           group=self.comm.group)
+            dist.broadcast(seed, dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
         return int(seed)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
                 dropout_seed: Optional[int] = None) -> torch.Tensor:
-        """Logits [b, t, vocab] (or the mean loss with `targets`); differentiable on one rank.
+        """Logits [b, t, vocab] (or the mean loss with `targets`); differentiable at any TP size.
 
-        Dropout applies only with a `dropout_seed` (the masks `train_step` draws from it)."""
-        if self.tp > 1 and torch.is_grad_enabled():
-            raise RuntimeError("GPT.forward is not differentiable with TP > 1: use train_step(), "
-                               "or run inference under torch.no_grad()")
+            x = embed(tokens)
+            for each sublayer: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))
+        (copy_to_tp: identity, gradient all-reduced; reduce_from_tp: all-reduce, gradient
+        identity). Dropout applies only with a `dropout_seed` (the masks `train_step` draws)."""
         x = self.embed_tokens(tokens)
-        rows = slice(0, tokens.shape[0])
-        for s in self.sublayers():
-            part = s.core(s.norm(x))
-            self.comm.all_reduce(part, "forward").wait()
-            x = x + s.finish(part, dropout_seed if self.training else None, rows, tokens.shape[0])
+        where = SubBatch(slice(0, tokens.shape[0]), tokens.shape[0], dropout_seed if self.training else None)
+        for layer in self.layers():
+            for s in layer:
+                h = s.norm(x)
+                if self.tp > 1:
+                    x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, self.group)), self.group), where)
+                else:
+                    x = x + s.finish(s.core(h), where)
         if targets is not None:
-            return self.head_loss_sum(x, targets) / targets.numel()
-        return self.head(self.norm_f(x))
+            return _token_loss_sum(self.head(x), targets) / targets.numel()
+        return self.head(x)
+
+
+def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy: logits [b, t, vocab], targets [b, t] (not shifted)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

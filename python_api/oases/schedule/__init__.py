@@ -1,5 +1,11 @@
-"""Training schedules for TP transformer stacks: megatron, merak, cross_pass, oases."""
-from oases.schedule.runtime import BARRIER, Communicator, interleave
-from oases.schedule.stack import SCHEDULES, Schedule, train_step
+"""Training schedules for TP transformer stacks: megatron, merak, cross_pass, oases.
 
-__all__ = ["SCHEDULES", "Schedule", "train_step", "Communicator", "interleave", "BARRIER"]
+A model reaches them by implementing `Stack` (oases.schedule.protocol); `oases.train_step` finds
+or builds that for a parallelized model and calls `train_step` here.
+"""
+from oases.schedule.protocol import Stack, SubBatch, Sublayer
+from oases.schedule.runtime import BARRIER, Communicator, interleave
+from oases.schedule.stack import MAX_SUB_BATCHES, SCHEDULES, Schedule, split_rows, train_step
+
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "train_step", "split_rows", "Stack", "Sublayer",
+           "SubBatch", "Communicator", "interleave", "BARRIER"]

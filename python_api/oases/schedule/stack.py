@@ -1,7 +1,8 @@
 """Training schedules for a stack of TP sublayers `x = x + finish(all_reduce(core(norm(x))))`.
 
-The model (see oases.models.gpt) provides `embed_tokens`, `sublayers()` (each with `norm`, `core`,
-`finish`, two per block), `head_loss_sum` and a `comm` (oases.schedule.runtime.Communicator).
+The model is anything implementing `oases.schedule.Stack` (see oases.schedule.protocol): an
+embedding, layers of sublayers, a head. The schedules differ in how the batch is split and what
+is recomputed (per layer of 2 sublayers, as in a Llama or GPT):
 
     schedule    sub-batches  recomputation             pass barriers   all-reduces per layer
     megatron    1            full, per layer (with AR)  -               6 (2 fwd, 2 recompute, 2 bwd)
@@ -9,6 +10,7 @@ The model (see oases.models.gpt) provides `embed_tokens`, `sublayers()` (each wi
     cross_pass  2            full, per layer (with AR)  no              6, each as 2 half-size
     oases       2            per sublayer, no AR        no              4, each as 2 half-size
 
+(`sub_batches` overrides the count: 1 to 8, each all-reduce then split that many ways.)
 Fine-grained recomputation ("oases") keeps each sublayer's input, so recomputing starts after an
 all-reduce and never repeats one: the gradient of an all-reduce's input is its output's gradient.
 The column-parallel input's gradient (the "copy" dual) is the all-reduce of the backward pass.
@@ -22,20 +24,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Generator, Mapping, Optional
+from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
 
-from oases.schedule.runtime import BARRIER, interleave
+from oases.schedule.protocol import Stack, SubBatch
+from oases.schedule.runtime import BARRIER, Communicator, interleave
 
-__all__ = ["SCHEDULES", "Schedule", "train_step"]
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "train_step"]
+
+MAX_SUB_BATCHES = 8
 
 
 @dataclass(frozen=True)
 class Schedule:
     """How a training step runs: the batch split along dim 0 into `sub_batches` interleaved
-    programs; recomputation per sublayer from its input (no all-reduce) or per layer (all of it);
-    programs held at each pass boundary or not."""
+    programs (the default; train_step may override it); recomputation per sublayer from its
+    input (no all-reduce) or per layer (all of it); programs held at each pass boundary or not."""
 
     sub_batches: int
     fine_grained_recompute: bool
@@ -49,6 +54,9 @@ SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
     "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
 })
 
+# loss_sum(logits [b, t, vocab], labels [b, t]) -> the sub-batch's summed loss (a scalar)
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class _Recorded:
@@ -60,31 +68,24 @@ class _Recorded:
     part: torch.Tensor
 
 
-@dataclass(frozen=True)
-class _Rows:
-    """Where a sub-batch sits in the batch (for dropout masks drawn over the whole batch)."""
-
-    rows: slice
-    batch: int
-    seed: Optional[int]
-
-
-def _record(sub, x: torch.Tensor) -> _Recorded:
+def _record(sub, x: torch.Tensor, ctx: Any) -> _Recorded:
     x = x.detach().requires_grad_()
     with torch.enable_grad():
         h = sub.norm(x)
         h_leaf = h.detach().requires_grad_()
-        part = sub.core(h_leaf)
+        part = sub.core(h_leaf, ctx)
     return _Recorded(x, h, h_leaf, part)
 
 
-def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, where: _Rows, comm) -> Generator:
+def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Communicator) -> Generator:
     """Gradient of x for x_out = x + finish(AR(part)) given grad_out; accumulates parameter grads."""
     z = torch.zeros_like(rec.part, requires_grad=True)  # stands for AR(part): finish is affine in it
     with torch.enable_grad():
-        sub.finish(z, where.seed, where.rows, where.batch).backward(grad_out)
+        sub.finish(z, ctx).backward(grad_out)
     rec.part.backward(z.grad)  # AR's adjoint is the identity: grad(part) = grad(AR(part))
     grad_h = rec.h_leaf.grad  # this rank's heads / features only: sum over ranks
+    if grad_h is None:  # core ignores its input (no column-parallel path): nothing to reduce
+        grad_h = torch.zeros_like(rec.h_leaf)
     work = comm.all_reduce(grad_h, "backward")
     yield
     work.wait()
@@ -92,78 +93,98 @@ def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, where: _Rows, comm) -
     return grad_out + rec.x.grad
 
 
-def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, where: _Rows, comm, phase: str) -> Generator:
+def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Communicator, phase: str) -> Generator:
     """x + finish(all_reduce(part)); all-reduces `part` in place (not a tensor autograd saved)."""
     work = comm.all_reduce(part, phase)
     yield
     work.wait()
     with torch.no_grad():
-        return x + sub.finish(part, where.seed, where.rows, where.batch)
+        return x + sub.finish(part, ctx)
 
 
-def _program(model, tokens, targets, total_tokens: int, where: _Rows, plan: Schedule) -> Generator:
+def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
+             plan: Schedule, comm: Communicator) -> Generator:
     """One sub-batch's forward, loss and backward, yielding at each communication."""
-    comm, subs = model.comm, model.sublayers()
+    layers = [tuple(layer) for layer in stack.layers()]
     with torch.enable_grad():
-        embedded = model.embed_tokens(tokens)
+        embedded, ctx = stack.embed(input_ids, where)
     x = embedded.detach()
-    saved = []  # inputs of each recomputation sequence: per sublayer (oases) or per block
-    for i, sub in enumerate(subs):
-        if plan.fine_grained_recompute or i % 2 == 0:
-            saved.append(x)
-        with torch.no_grad():
-            part = sub.core(sub.norm(x))
-        x = yield from _finish_reduced(sub, x, part, where, comm, "forward")
+    saved = []  # inputs of each recomputation sequence: per sublayer (oases) or per layer
+    for layer in layers:
+        for i, sub in enumerate(layer):
+            if plan.fine_grained_recompute or i == 0:
+                saved.append(x)
+            with torch.no_grad():
+                part = sub.core(sub.norm(x), ctx)
+            x = yield from _finish_reduced(sub, x, part, ctx, comm, "forward")
     x = x.requires_grad_()
     with torch.enable_grad():
-        loss_sum = model.head_loss_sum(x, targets)
-        (loss_sum / total_tokens).backward()
+        loss = loss_sum(stack.head(x, ctx), labels)
+        (loss / normalizer).backward()
     grad = x.grad
     if plan.pass_barriers:
         yield BARRIER
-    for block in reversed(range(len(subs) // 2)):
-        attn, mlp = subs[2 * block], subs[2 * block + 1]
+    for layer in reversed(layers):
         if plan.fine_grained_recompute:
-            grad = yield from _backward(mlp, _record(mlp, saved.pop()), grad, where, comm)
-            grad = yield from _backward(attn, _record(attn, saved.pop()), grad, where, comm)
+            for sub in reversed(layer):
+                grad = yield from _backward(sub, _record(sub, saved.pop(), ctx), grad, ctx, comm)
             continue
-        x0 = saved.pop()
-        rec_attn = _record(attn, x0)
-        x1 = yield from _finish_reduced(attn, x0, rec_attn.part.detach().clone(), where, comm, "recompute")
-        rec_mlp = _record(mlp, x1)
-        # Activation checkpointing reruns the whole layer, its second all-reduce included.
-        yield from _finish_reduced(mlp, x1, rec_mlp.part.detach().clone(), where, comm, "recompute")
+        x_in, records = saved.pop(), []
+        for sub in layer:  # activation checkpointing reruns the whole layer, its all-reduces included
+            rec = _record(sub, x_in, ctx)
+            records.append(rec)
+            x_in = yield from _finish_reduced(sub, x_in, rec.part.detach().clone(), ctx, comm, "recompute")
         if plan.pass_barriers:
             yield BARRIER
-        grad = yield from _backward(mlp, rec_mlp, grad, where, comm)
-        grad = yield from _backward(attn, rec_attn, grad, where, comm)
+        for sub, rec in zip(reversed(layer), reversed(records)):
+            grad = yield from _backward(sub, rec, grad, ctx, comm)
         if plan.pass_barriers:
             yield BARRIER
     embedded.backward(grad)
-    return loss_sum.detach()
+    return loss.detach()
 
 
-def train_step(model, tokens: torch.Tensor, targets: torch.Tensor, *, schedule: str = "oases",
-               dropout_seed: Optional[int] = None) -> torch.Tensor:
-    """Forward and backward of mean(cross_entropy(model(tokens), targets)) on `schedule`.
+def split_rows(batch: int, parts: int) -> list[slice]:
+    """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one (3 -> 2 + 1)."""
+    bounds = [batch * i // parts for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
-        loss = mean over all b*t tokens; parameter .grad += d loss / d parameter
-    The batch is split into `SCHEDULES[schedule].sub_batches` parts along dim 0 (odd sizes
-    unevenly: 3 -> 2 + 1). Returns the loss (a detached scalar).
+
+def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_sum: LossSum,
+               normalizer: float, comm: Communicator, schedule: str = "oases",
+               sub_batches: Optional[int] = None, dropout_seed: Optional[int] = None,
+               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
+
+        for rows in split(batch, sub_batches):                # interleaved, see the module docstring
+            loss += loss_sum(stack.head(stack_forward(input_ids[rows])), labels[rows]) / normalizer
+        parameter .grad += d loss / d parameter;  return loss (a detached scalar)
+    `sub_batches` None takes the schedule's own (megatron 1, the others 2); odd batches split
+    unevenly (3 -> 2 + 1). `comm` issues and counts the all-reduces on the TP group. Checks run
+    before any communication, so a bad argument raises on every rank alike.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
-    if tokens.shape != targets.shape:
-        raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
     plan = SCHEDULES[schedule]
-    batch = tokens.shape[0]
-    if batch < plan.sub_batches:
-        raise ValueError(f"tokens: schedule {schedule!r} splits the batch into {plan.sub_batches} "
-                         f"sub-batches; got batch size {batch} (use at least {plan.sub_batches})")
-    bounds = [batch * i // plan.sub_batches for i in range(plan.sub_batches + 1)]
-    rows = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    parts = plan.sub_batches if sub_batches is None else sub_batches
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_SUB_BATCHES:
+        raise ValueError(f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
+                         f"own), got {sub_batches!r}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [batch, seq], got shape {tuple(input_ids.shape)}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids' {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' "
+                         f"{tuple(input_ids.shape)}")
+    batch = input_ids.shape[0]
+    if batch < parts:
+        raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
+                         f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
     programs = [
-        _program(model, tokens[r], targets[r], targets.numel(), _Rows(r, batch, dropout_seed), plan)
-        for r in rows
+        _program(stack, input_ids[r], labels[r],
+                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                 loss_sum, normalizer, plan, comm)
+        for r in split_rows(batch, parts)
     ]
-    return sum(interleave(programs)) / targets.numel()
+    return sum(interleave(programs)) / normalizer

@@ -1,0 +1,90 @@
+"""What the training examples share: a deterministic corpus, batches, a progress bar, the
+summary table, and the re-launch through oases-launch when started outside a distributed launch."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+VOCAB = "abcdefghijklmnopqrstuvwxyz .\n"
+WORDS = {
+    "det": ["the", "a", "every", "no"],
+    "adj": ["small", "quiet", "red", "clever", "old", "bright"],
+    "noun": ["server", "link", "rank", "kernel", "model", "switch", "cluster"],
+    "verb": ["sends", "waits for", "computes", "gathers", "reduces", "overlaps"],
+}
+SENTENCE = ["det", "adj", "noun", "verb", "det", "adj", "noun"]
+
+
+def corpus(chars: int, seed: int = 0) -> torch.Tensor:
+    """`chars` tokens (ids into VOCAB) of sentences like "the quiet link overlaps a red kernel."."""
+    g = torch.Generator().manual_seed(seed)
+    text, length = [], 0
+    while length < chars:
+        words = [WORDS[part][int(torch.randint(0, len(WORDS[part]), (), generator=g))] for part in SENTENCE]
+        line = " ".join(words) + ".\n"
+        text.append(line)
+        length += len(line)
+    return torch.tensor([VOCAB.index(c) for c in "".join(text)[:chars]], dtype=torch.long)
+
+
+def batches(data: torch.Tensor, steps: int, batch: int, seq_len: int, seed: int = 1):
+    """`steps` (tokens, targets) pairs of [batch, seq_len] windows; targets shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
+        window = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+def progress(label: str, done: int, total: int, loss: float) -> None:
+    """A bar redrawn in place on a terminal; every 10th step on its own line in a log."""
+    width = 30
+    bar = "#" * (width * done // total) + "-" * (width - width * done // total)
+    line = f"  {label:<10} [{bar}] {done:>3}/{total} loss {loss:.4f}"
+    if sys.stdout.isatty():
+        print("\r" + line, end="\n" if done == total else "", flush=True)
+    elif done % 10 == 0 or done == total:
+        print(line, flush=True)
+
+
+def summarize(schedule: str, times: list[float], waited: list[float], losses: list[float], tokens: int) -> dict:
+    """One schedule's figures over every rank: median step time of the slowest rank, the least
+    busy rank's busy fraction (share of the step not blocked on communication), first/last loss."""
+    warm = 2 if len(times) > 4 else 0  # the first steps pay one-off allocation costs
+    timed = torch.tensor(times[warm:], dtype=torch.float64)
+    dist.all_reduce(timed, op=dist.ReduceOp.MAX)
+    busy = torch.tensor([1.0 - sum(waited[warm:]) / sum(times[warm:])], dtype=torch.float64)
+    dist.all_reduce(busy, op=dist.ReduceOp.MIN)
+    step_time = float(timed.median())
+    return {"schedule": schedule, "step_s": step_time, "tokens_per_s": tokens / step_time,
+            "busy": float(busy), "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def print_table(results: list[dict]) -> None:
+    """The comparison table; the first result is the baseline of the speedup column."""
+    base = results[0]
+    print(f"\n{'schedule':<12} {'step ms':>9} {'tokens/s':>10} {'busy':>6} {'loss first':>11} "
+          f"{'loss last':>10} {'speedup':>8}")
+    for r in results:
+        print(f"{r['schedule']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} {r['busy']:>6.2f} "
+              f"{r['loss_first']:>11.4f} {r['loss_last']:>10.4f} {base['step_s'] / r['step_s']:>7.2f}x")
+    print("busy: fraction of the step not blocked on communication (the least busy rank)")
+    print(f"\n{results[-1]['schedule']} vs {base['schedule']}: "
+          f"{base['step_s'] / results[-1]['step_s']:.2f}x faster per training step, same losses")
+
+
+def launch_or_run(script: str, tp: int, bandwidth: str, argv, run: Callable[[], None]) -> int:
+    """Inside a launch (RANK set): run(). Outside: re-launch `script` on `tp` ranks through
+    oases-launch, on a link shaped to `bandwidth` ('none': unshaped)."""
+    if "RANK" in os.environ:
+        run()
+        return 0
+    from oases.launch import main as launch
+
+    shaping = [] if bandwidth == "none" else ["--bandwidth", bandwidth]
+    return launch(["--nproc", str(tp), *shaping, os.path.abspath(script), *(sys.argv[1:] if argv is None else argv)])

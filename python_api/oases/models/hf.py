@@ -1,0 +1,203 @@
+"""Hugging Face decoder stacks seen as an `oases.schedule.Stack`, run by the TP schedules.
+
+    stack = HFStack(model)           # LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM,
+                                     # GPTNeoXForCausalLM, after oases.parallelize (or unsharded)
+Sublayers, per decoder layer (its own modules, called as its forward calls them):
+
+    Llama / Mistral / Qwen2 / Qwen3   x + self_attn(input_layernorm(x))         attention
+                                      x + mlp(post_attention_layernorm(x))      MLP
+    GPT-NeoX, use_parallel_residual   x + attention(ln1 x) + mlp(ln2 x)         one sublayer: norm
+                                      stacks [ln1 x, ln2 x], core sums both branches' partials, so
+                                      one all-reduce serves both (half of the all-reduces)
+    GPT-NeoX, sequential              as Llama, with GPT-NeoX's names
+
+`core` runs the branch under `oases.nn.no_tp_communication`: column layers skip their input's
+gradient all-reduce, row layers return their partial product; the schedule reduces both and
+`finish` adds the row layers' biases. What each layer receives besides its hidden states
+(rotary position embeddings, the causal and padding mask of its attention type, position ids)
+is taken from the model's own forward: `embed` runs the base model once with its decoder layers
+stood in for by recorders, so masks and rotary embeddings are exactly the model's.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
+from oases.schedule.protocol import SubBatch
+
+__all__ = ["HFStack", "SEQUENTIAL_LAYERS", "PARALLEL_RESIDUAL_LAYERS"]
+
+# Decoder layer classes whose forward is x + attn(norm1 x), then x + mlp(norm2 x), with these names.
+SEQUENTIAL_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
+# GPT-NeoX: parallel residual x + attention(ln1 x) + mlp(ln2 x) (or sequential when the config says so).
+PARALLEL_RESIDUAL_LAYERS = frozenset({"GPTNeoXLayer"})
+_FINAL_NORMS = ("norm", "final_layer_norm")
+_NOT_PASSED = ("hidden_states", "use_cache", "past_key_values", "layer_past", "past_key_value")
+
+
+@dataclass(frozen=True)
+class _Context:
+    """Per sub-batch: where it sits, and each decoder layer's keyword arguments from the model."""
+
+    where: SubBatch
+    layer_kwargs: tuple[dict, ...]
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer i in the base model's forward: records its arguments, passes x."""
+
+    def __init__(self, calls: list) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args:
+            raise TypeError("oases: a decoder layer got positional arguments besides its hidden states; "
+                            "this model's forward is not one the Hugging Face adapter knows")
+        self.calls.append((hidden_states, kwargs))
+        return hidden_states
+
+
+def _row_biases(module: nn.Module) -> list[torch.Tensor]:
+    return [m.bias for m in module.modules() if isinstance(m, RowParallelLinear) and m.bias is not None]
+
+
+class _Branch:
+    """One sublayer: x + finish(reduce(core(norm(x)))), over a decoder layer's own modules."""
+
+    def __init__(self, index: int, norms: tuple[nn.Module, ...], branches: tuple[nn.Module, ...],
+                 attention: Optional[nn.Module]) -> None:
+        self.index = index  # the decoder layer's
+        self.norms, self.branches, self.attention = norms, branches, attention
+        self.biases = [b for m in branches for b in _row_biases(m)]
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.norms) == 1:
+            return self.norms[0](x)
+        return torch.stack([n(x) for n in self.norms])  # [branches, b, t, h]
+
+    def core(self, h: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        inputs = [h] if len(self.norms) == 1 else h.unbind(0)
+        out = None
+        for module, x in zip(self.branches, inputs):
+            with no_tp_communication(module):
+                if module is self.attention:
+                    kwargs = {k: v for k, v in ctx.layer_kwargs[self.index].items() if k not in _NOT_PASSED}
+                    y = module(hidden_states=x, **kwargs)[0]
+                else:
+                    y = module(x)
+            out = y if out is None else out + y
+        return out
+
+    def finish(self, z: torch.Tensor, ctx: _Context) -> torch.Tensor:
+        for b in self.biases:
+            z = z + b
+        return z
+
+
+class HFStack:
+    """A Hugging Face causal LM (after oases.parallelize, or unsharded) as an oases.schedule.Stack.
+
+        x, ctx = stack.embed(input_ids[rows], where)   # the model's embeddings, masks, rotary
+        stack.layers()                                  # [(attention, mlp), ...] or [(parallel,), ...]
+        logits = stack.head(x, ctx)                     # final norm, then the LM head
+
+    Raises ValueError (before any communication) for a model it cannot run exactly: an unknown
+    decoder layer class, dropout active in training, or TP shards missing from a decoder layer
+    whose neighbours are sharded (each branch must end in a RowParallelLinear).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.base = getattr(model, "base_model", None)
+        decoder = getattr(self.base, "layers", None)
+        if self.base is None or not isinstance(decoder, nn.ModuleList) or len(decoder) == 0:
+            raise ValueError(_unknown(model, "no decoder layers at model.base_model.layers"))
+        self.decoder = decoder
+        kinds = {type(layer).__name__ for layer in decoder}
+        if not kinds <= SEQUENTIAL_LAYERS | PARALLEL_RESIDUAL_LAYERS:
+            raise ValueError(_unknown(model, f"decoder layers of class {', '.join(sorted(kinds))}"))
+        self.final_norm = next((getattr(self.base, n) for n in _FINAL_NORMS if hasattr(self.base, n)), None)
+        self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if self.final_norm is None or self.lm_head is None:
+            raise ValueError(_unknown(model, "no final norm (base_model.norm / final_layer_norm) or no output embeddings"))
+        self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
+        self._check_sharded()
+
+    @staticmethod
+    def _sublayers(i: int, layer: nn.Module) -> tuple[_Branch, ...]:
+        if type(layer).__name__ in PARALLEL_RESIDUAL_LAYERS:
+            attn, mlp = layer.attention, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            if layer.use_parallel_residual:
+                return (_Branch(i, (ln1, ln2), (attn, mlp), attn),)
+            return (_Branch(i, (ln1,), (attn,), attn), _Branch(i, (ln2,), (mlp,), None))
+        attn, mlp = layer.self_attn, layer.mlp
+        return (_Branch(i, (layer.input_layernorm,), (attn,), attn),
+                _Branch(i, (layer.post_attention_layernorm,), (mlp,), None))
+
+    def _check_sharded(self) -> None:
+        sharded = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in self.decoder.modules())
+        if not sharded:
+            return  # an unsharded model: the schedules run it with TP = 1
+        for layer in self._layers:
+            for sub in layer:
+                for module in sub.branches:
+                    plain = [n for n, m in module.named_modules() if type(m) is nn.Linear]
+                    if plain or not any(isinstance(m, RowParallelLinear) for m in module.modules()):
+                        raise ValueError(
+                            f"oases.train_step: decoder layer {sub.index}'s {type(module).__name__} is not fully "
+                            f"tensor-parallel (plain nn.Linear: {', '.join(plain) or 'none'}; it needs a row-parallel "
+                            "output projection); shard every decoder layer with oases.parallelize(model, group)")
+
+    def check_trainable(self) -> None:
+        """Dropout inside the recomputed sublayers would draw different masks when recomputed."""
+        if not self.model.training:
+            return
+        for i, layer in enumerate(self.decoder):
+            for name, m in layer.named_modules():
+                p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0.0)
+                if isinstance(p, float) and p > 0:
+                    raise ValueError(
+                        f"oases.train_step: decoder layer {i} has dropout {p} ({name or 'the layer'}); the schedules "
+                        "recompute sublayers and would draw other masks. Set the config's dropout to 0 or call "
+                        "model.eval()")
+
+    def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
+        calls: list = []
+        with _standing_in(self.base, _Recorder(calls), len(self.decoder)):
+            self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
+        if len(calls) != len(self.decoder):
+            raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
+        x = calls[0][0]
+        return x, _Context(where, tuple(kwargs for _, kwargs in calls))
+
+    def layers(self) -> list[tuple[_Branch, ...]]:
+        return self._layers
+
+    def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return self.lm_head(self.final_norm(x))
+
+
+@contextlib.contextmanager
+def _standing_in(base: nn.Module, recorder: nn.Module, n: int) -> Iterator[None]:
+    """base.layers replaced by `n` references to `recorder` for the block (restored after)."""
+    layers = base.layers
+    base.layers = nn.ModuleList([recorder] * n)
+    try:
+        yield
+    finally:
+        base.layers = layers
+
+
+def _unknown(model: nn.Module, what: str) -> str:
+    return (f"oases: no adapter for {type(model).__name__} ({what}). Known: Hugging Face decoder layers "
+            f"{', '.join(sorted(SEQUENTIAL_LAYERS | PARALLEL_RESIDUAL_LAYERS))}, and oases.models.GPT. For another "
+            "model, implement oases.schedule.Stack: embed(input_ids, where) -> (x, ctx), layers() -> "
+            "[[sublayer with norm(x), core(h, ctx) (this rank's partial sum), finish(z, ctx)], ...], "
+            "head(x, ctx) -> logits; and pass it to oases.train_step")

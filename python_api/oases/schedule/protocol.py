@@ -1,0 +1,71 @@
+"""What a schedule needs from a model: a pre-LN stack seen as embed, sublayers, head.
+
+    x, ctx = stack.embed(input_ids, where)               # x [b, t, h] replicated on the TP ranks
+    for layer in stack.layers():                          # a layer: 1 or more sublayers
+        for sub in layer:
+            x = x + sub.finish(all_reduce(sub.core(sub.norm(x), ctx)), ctx)
+    logits = stack.head(x, ctx)                           # [b, t, vocab]
+
+`core` is this rank's share of the sublayer: column-parallel projections on its heads or
+features, then the row-parallel projection *without* its reduction and bias, so the sum of
+`core` over the TP ranks is the unsharded sublayer's output. `finish` is affine in its input
+(the replicated bias, residual dropout): the schedules rely on that to differentiate through it
+without the value it was applied to. `norm` may return anything `core` takes as one tensor (a
+parallel-residual layer stacks its two norms). The schedule owns every all-reduce: of `core`'s
+output forward, and of the gradient of `core`'s input backward.
+
+`oases.models.GPT` implements `Stack` itself; `oases.models.adapt` finds adapters for models
+`oases.parallelize` has sharded (Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-NeoX) and accepts
+any object that implements `Stack` (a user's own model: see the README).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = ["SubBatch", "Sublayer", "Stack"]
+
+
+@dataclass(frozen=True)
+class SubBatch:
+    """Where a sub-batch sits in the step's batch, and what comes with it.
+
+    rows: its rows of the batch (dim 0); batch: the batch size (dropout masks are drawn over the
+    whole batch and sliced, so they do not depend on the split); seed: the step's dropout seed
+    (None: no dropout); attention_mask: its rows of the padding mask [b, t] (None: no padding).
+    """
+
+    rows: slice
+    batch: int
+    seed: Optional[int] = None
+    attention_mask: Optional[torch.Tensor] = None
+
+
+@runtime_checkable
+class Sublayer(Protocol):
+    """One residual branch: x -> x + finish(reduce(core(norm(x), ctx)), ctx)."""
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, t, h] -> the input of `core` (differentiable; replicated parameters only)."""
+
+    def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """This rank's partial sum [b, t, h] of the branch's output, before bias and dropout."""
+
+    def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The reduced output z [b, t, h] -> what is added to x; affine in z."""
+
+
+@runtime_checkable
+class Stack(Protocol):
+    """A decoder stack: embedding, layers of sublayers, head (see the module docstring)."""
+
+    def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, Any]:
+        """input_ids [b, t] (the sub-batch's rows) -> (x [b, t, h], ctx passed to every call below)."""
+
+    def layers(self) -> Sequence[Sequence[Sublayer]]:
+        """The stack's layers in order, each as its sublayers (recomputation reruns a whole layer)."""
+
+    def head(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Final hidden states x [b, t, h] -> logits [b, t, vocab] (final norm included)."""

@@ -1,0 +1,110 @@
+"""oases.train_step: one training step of any supported model on an overlapped TP schedule.
+
+    model = oases.parallelize(LlamaForCausalLM(config), tp_group)
+    loss = oases.train_step(model, input_ids, labels, schedule="oases")   # grads in .grad
+    optimizer.step(); optimizer.zero_grad()
+
+The model is seen through `oases.schedule.Stack` (`adapt` below finds the adapter); the loss is
+the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from oases.models.hf import HFStack
+from oases.schedule import Communicator, Stack, train_step as _run_schedule
+
+__all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100
+
+
+def adapt(model: object) -> Stack:
+    """The `oases.schedule.Stack` view of `model`: itself if it implements the protocol (as
+    oases.models.GPT and a user's own stack do), an `HFStack` for a Hugging Face causal LM whose
+    decoder layers the adapter knows; otherwise ValueError naming what is needed."""
+    if all(inspect.ismethod(getattr(model, name, None)) for name in ("embed", "layers", "head")):
+        return model  # type: ignore[return-value]
+    if isinstance(model, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+        return HFStack(model)
+    raise ValueError(
+        f"model: {type(model).__name__} is neither a Hugging Face causal LM nor an oases.schedule.Stack; "
+        "implement embed(input_ids, where) -> (x, ctx), layers() -> [[sublayer, ...], ...] (each with "
+        "norm(x), core(h, ctx), finish(z, ctx)) and head(x, ctx) -> logits (see oases.schedule.protocol)")
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss, summed: token i predicts labels[i + 1]; IGNORE_INDEX skipped.
+
+        shifted = cat(labels[:, 1:], IGNORE_INDEX)     # [b, t]
+        sum over tokens with shifted != IGNORE_INDEX of cross_entropy(logits.float(), shifted)
+    """
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def _tp_communicator(model: object) -> Communicator:
+    """A Communicator on the one TP group the model's sharded modules share (none: TP = 1)."""
+    own = getattr(model, "comm", None)
+    if isinstance(own, Communicator):
+        return own
+    groups = []
+    if isinstance(model, nn.Module):
+        for m in model.modules():
+            if hasattr(m, "tp_layout") and not any(m.group is g for g in groups):
+                groups.append(m.group)
+    if len(groups) > 1:
+        raise ValueError("model: its tensor-parallel modules use different process groups; oases.train_step "
+                         "runs one TP group (parallelize the model once, with one group)")
+    if not groups or not dist.is_initialized():
+        return Communicator(None, 1)
+    return Communicator(groups[0], dist.get_world_size(groups[0]))
+
+
+def train_step(
+    model: object,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    schedule: str = "oases",
+    sub_batches: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    comm: Optional[Communicator] = None,
+) -> torch.Tensor:
+    """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
+
+        loss = sum over the batch of causal_lm_loss_sum(model(input_ids).logits, labels)
+               / number of labels[:, 1:] != -100                  # Hugging Face's mean
+        parameter .grad += d loss / d parameter                   # accumulated, as loss.backward()
+    `schedule`: "megatron", "merak", "cross_pass" or "oases" (oases.schedule.SCHEDULES);
+    `sub_batches`: how many interleaved parts the batch is split into (1..8; None: the
+    schedule's own, 1 for megatron and 2 for the others). `attention_mask` [b, t]: 1 for tokens,
+    0 for padding, as Hugging Face takes it. `loss_fn(logits, labels)` replaces the loss: it
+    returns the summed loss of the rows it is given, and the step's loss is the sum over the
+    batch divided by the number of labels != -100. `comm`: an oases.schedule.Communicator on the
+    model's TP group, to count calls, bytes and time waited across steps (default: a new one).
+    The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
+    LM after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
+    gradients of the unsharded model; every check runs before any communication.
+    """
+    stack = adapt(model)
+    if isinstance(stack, HFStack):
+        stack.check_trainable()
+    comm = _tp_communicator(model) if comm is None else comm
+    if loss_fn is None:
+        loss_sum, normalizer = causal_lm_loss_sum, int((labels[:, 1:] != IGNORE_INDEX).sum())
+    else:
+        loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
+    step_seed = getattr(stack, "step_seed", None)
+    seed = step_seed() if callable(step_seed) else None
+    return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
+                         schedule=schedule, sub_batches=sub_batches, dropout_seed=seed,
+                         attention_mask=attention_mask)

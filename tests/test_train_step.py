@@ -1,0 +1,201 @@
+"""oases.train_step on parallelized Hugging Face models (Llama with GQA, Qwen2, Qwen3, GPT-NeoX
+with parallel and sequential residual), on every schedule and several sub-batch counts, against
+the unsharded model's own forward and loss.backward(); all-reduce counts per layer; bad input.
+
+Each rank builds the whole model from a shared seed, keeps a copy as the reference, parallelizes
+the other, and compares the loss and every gradient (sliced by each module's tp_layout()).
+"""
+import copy
+import importlib.util
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _spawn import run_ranks
+
+import oases
+from oases.schedule import SCHEDULES, Communicator
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed")
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=96,
+             max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager")
+
+
+def _model(kind, heads=4, kv_heads=2, seed=0):
+    """A small causal LM; heads / kv_heads: query and key-value heads (GQA when they differ)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    attn = dict(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, **attn))
+    if kind == "qwen2":  # q/k/v with biases
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, **attn))
+    if kind == "qwen3":  # per-head q/k norms
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, **attn, head_dim=64 // heads))
+    if kind in ("neox", "neox-sequential"):
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+            **SMALL, num_attention_heads=heads, hidden_dropout=0.0, attention_dropout=0.0,
+            use_parallel_residual=kind == "neox"))
+    raise AssertionError(kind)
+
+
+def _expected(tp_model, name, full, rank, p):
+    """The slice of the unsharded tensor that parameter `name` of the sharded model holds."""
+    owner, _, leaf = name.rpartition(".")
+    module = tp_model.get_submodule(owner)
+    rule = module.tp_layout().get(leaf) if hasattr(module, "tp_layout") else None
+    return full if rule is None else rule.shard(full, rank, p)
+
+
+def _batch(b, t, seed, padded):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (b, t), generator=g)
+    labels = ids.clone()
+    mask = None
+    if padded:  # right padding of different lengths; padded labels ignored
+        mask = torch.ones(b, t, dtype=torch.long)
+        for i in range(b):
+            mask[i, t - i:] = 0
+        labels[mask == 0] = -100
+        labels[0, 3] = -100  # and one ignored token inside a sequence
+    return ids, labels, mask
+
+
+def _reference(model, ids, labels, mask):
+    out = model(input_ids=ids, labels=labels, attention_mask=mask)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_models(rank, world_size, models, cases):
+    for kind, heads, kv_heads in models:
+        ref = _model(kind, heads, kv_heads)
+        tp = copy.deepcopy(ref)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            oases.parallelize(tp)
+        for schedule, sub_batches, b, padded in cases:
+            ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
+            ref.zero_grad(set_to_none=True)
+            tp.zero_grad(set_to_none=True)
+            want_loss, want_grads = _reference(ref, ids, labels, mask)
+            loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask)
+            where = (f"{kind} heads={heads}/{kv_heads} p={world_size} {schedule} sub_batches={sub_batches} "
+                     f"batch={b} padded={padded}")
+            torch.testing.assert_close(loss, want_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
+            for name, param in tp.named_parameters():
+                assert param.grad is not None, f"{where}: {name} got no gradient"
+                torch.testing.assert_close(param.grad, _expected(tp, name, want_grads[name], rank, world_size),
+                                           **TOL, msg=lambda m: f"{where}: grad of {name}: {m}")
+    return True
+
+
+_EVERY_SCHEDULE = [(s, None, 4, False) for s in SCHEDULES]
+_SPLITS = [("oases", 1, 3, False), ("oases", 3, 3, True), ("cross_pass", 4, 5, True)]
+
+
+def test_llama_and_qwen2_with_gqa_every_schedule_match_unsharded_tp2():
+    run_ranks(_check_models, 2, [("llama", 4, 2), ("qwen2", 4, 2)], _EVERY_SCHEDULE + _SPLITS, timeout=240)
+
+
+def test_llama_with_gqa_matches_unsharded_tp4():
+    run_ranks(_check_models, 4, [("llama", 8, 4)], _EVERY_SCHEDULE + _SPLITS[1:2], timeout=240)
+
+
+def test_qwen3_and_neox_every_schedule_match_unsharded():
+    models = [("qwen3", 4, 2), ("neox", 4, 4), ("neox-sequential", 4, 4)]
+    run_ranks(_check_models, 2, models, _EVERY_SCHEDULE + _SPLITS[1:2], timeout=240)
+
+
+def _count(rank, world_size):
+    counts = {}
+    for kind in ("llama", "neox"):
+        model = _model(kind)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            oases.parallelize(model)
+        ids, labels, _ = _batch(4, 12, 0, False)
+        for schedule in SCHEDULES:
+            comm = Communicator(dist.group.WORLD, world_size)
+            oases.train_step(model, ids, labels, schedule=schedule, comm=comm)
+            counts[kind, schedule] = (dict(comm.calls), dict(comm.bytes))
+    return counts
+
+
+def test_all_reduces_per_layer():
+    counts = run_ranks(_count, 2)[0]
+    layers, activation = SMALL["num_hidden_layers"], 4 * 12 * SMALL["hidden_size"] * 4  # fp32 bytes of [4, 12, h]
+    # Llama: two sublayers per layer. megatron 2 fwd + 2 recompute + 2 bwd; oases none in recompute.
+    calls, sent = counts["llama", "megatron"]
+    assert calls == {"forward": 2 * layers, "recompute": 2 * layers, "backward": 2 * layers}
+    assert sent == {phase: 2 * layers * activation for phase in calls}
+    calls, sent = counts["llama", "oases"]
+    assert calls == {"forward": 4 * layers, "backward": 4 * layers}  # 2 sub-batches: half-size calls
+    assert sent == {"forward": 2 * layers * activation, "backward": 2 * layers * activation}
+    # GPT-NeoX, parallel residual: one all-reduce serves both branches forward; backward reduces
+    # the stacked [ln1 x, ln2 x] gradient in one call (twice an activation).
+    calls, sent = counts["neox", "megatron"]
+    assert calls == {"forward": layers, "recompute": layers, "backward": layers}
+    assert sent == {"forward": layers * activation, "recompute": layers * activation,
+                    "backward": 2 * layers * activation}
+    calls, _ = counts["neox", "oases"]
+    assert calls == {"forward": 2 * layers, "backward": 2 * layers}
+
+
+def _check_bad_input(rank, world_size):
+    model = _model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model)
+    ids, labels, _ = _batch(4, 12, 0, False)
+    with pytest.raises(ValueError, match="sub_batches: expected an int in 1..8"):
+        oases.train_step(model, ids, labels, sub_batches=9)
+    with pytest.raises(ValueError, match="splits the batch into 3 sub-batches; got batch size 2"):
+        oases.train_step(model, ids[:2], labels[:2], sub_batches=3)
+    with pytest.raises(ValueError, match="labels: shape"):
+        oases.train_step(model, ids, labels[:, :5])
+    with pytest.raises(ValueError, match="schedule: 'fast'"):
+        oases.train_step(model, ids, labels, schedule="fast")
+    dropout = _model("neox")
+    dropout.config.hidden_dropout = 0.1
+    for layer in dropout.gpt_neox.layers:
+        layer.post_mlp_dropout.p = 0.1
+    with pytest.raises(ValueError, match="decoder layer 0 has dropout 0.1"):
+        oases.train_step(dropout.train(), ids, labels)
+    half = _model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(half, plan={"model.layers.0.*.o_proj": "row", "model.layers.0.*.down_proj": "row",
+                                      "model.layers.0.*_proj": "column"})
+    with pytest.raises(ValueError, match="decoder layer 1's LlamaAttention is not fully tensor-parallel"):
+        oases.train_step(half, ids, labels)
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.layers, self.head = nn.Embedding(8, 4), nn.ModuleList(), nn.Linear(4, 8)
+
+    with pytest.raises(ValueError, match="Plain is neither a Hugging Face causal LM nor an oases.schedule.Stack"):
+        oases.train_step(Plain(), ids, labels)
+    assert all(p.grad is None for p in model.parameters()), "nothing ran"
+    dist.barrier()  # every rank got here: no rank was left in a collective
+    return True
+
+
+def test_bad_input_raises_on_every_rank_before_communication():
+    run_ranks(_check_bad_input, 2)
+
+
+def test_unknown_architecture_names_what_the_adapter_needs():
+    import transformers as tf
+
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"no adapter for GPT2LMHeadModel .*implement oases.schedule.Stack"):
+        oases.train_step(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
