@@ -29,10 +29,12 @@ def _single_process(config, batch, seed, dropout_seed):
 def _check_schedules(rank, world_size, cases):
     for config, batch, seed, dropout_seed, want_loss, want_grads in cases:
         tokens, targets = _batch(batch, seed)
-        for schedule in SCHEDULES:
-            model = GPT(config, schedule=schedule, seed=seed)
+        for schedule, vocab_parallel in [(s, False) for s in SCHEDULES] + [("oases", True), ("megatron", True)]:
+            model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel)
             loss = model.train_step(tokens, targets, dropout_seed=dropout_seed)
-            where = f"{schedule} tp={world_size} batch={batch} dropout={config.dropout}"
+            where = f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} vocab_parallel={vocab_parallel}"
+            if vocab_parallel:
+                assert model.wte.weight.shape[0] == config.vocab_size // world_size
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}")
             for name, p in model.named_parameters():
                 torch.testing.assert_close(p.grad, model.shard_of(name, want_grads[name]), rtol=1e-4, atol=1e-6,
@@ -100,16 +102,23 @@ def test_dropout_masks_agree_across_ranks_without_a_seed():
 
 
 
-def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want_shifted):
+def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want_shifted, want_logits, want_state):
     """At TP > 1, model(tokens, targets).backward() and every sub-batch count give the golden gradients;
     oases.train_step(gpt, ...) gives Hugging Face's shifted loss."""
     import oases
 
     tokens, targets = _batch(5, 3)
-    model = GPT(GPTConfig(**CONFIG), seed=3)
-    loss = model(tokens, targets)
-    loss.backward()
-    cases = [("forward", loss.detach(), model)]
+    cases = []
+    for vocab_parallel in (False, True):
+        model = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel)
+        loss = model(tokens, targets)
+        loss.backward()
+        cases.append((f"forward vocab_parallel={vocab_parallel}", loss.detach(), model))
+        with torch.no_grad():
+            torch.testing.assert_close(model(tokens), want_logits, rtol=1e-5, atol=1e-5)
+        state = oases.full_state_dict(model)  # the single-process model's, exactly
+        assert state.keys() == want_state.keys()
+        assert all(torch.equal(state[k], want_state[k]) for k in state), vocab_parallel
     for parts in (1, 3, 5):
         m = GPT(GPTConfig(**CONFIG), schedule="oases", seed=3)
         cases.append((f"sub_batches={parts}", m.train_step(tokens, targets, sub_batches=parts), m))
@@ -118,9 +127,10 @@ def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want
         for name, p in m.named_parameters():
             torch.testing.assert_close(p.grad, m.shard_of(name, want_grads[name]), rtol=1e-4, atol=1e-6,
                                        msg=lambda msg: f"{where}: grad of {name}: {msg}")
-    m = GPT(GPTConfig(**CONFIG), seed=3)
-    shifted = oases.train_step(m, tokens, targets, schedule="cross_pass", sub_batches=2)
-    torch.testing.assert_close(shifted, want_shifted, rtol=1e-5, atol=1e-6)
+    for vocab_parallel in (False, True):
+        m = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel)
+        shifted = oases.train_step(m, tokens, targets, schedule="cross_pass", sub_batches=2)
+        torch.testing.assert_close(shifted, want_shifted, rtol=1e-5, atol=1e-6)
     return True
 
 
@@ -135,4 +145,4 @@ def test_forward_is_differentiable_and_sub_batches_are_a_parameter():
         logits = model(tokens)
         shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
     grads = {n: p.grad for n, p in model.named_parameters()}
-    run_ranks(_check_forward_and_sub_batches, 2, loss.detach(), grads, shifted)
+    run_ranks(_check_forward_and_sub_batches, 2, loss.detach(), grads, shifted, logits, model.state_dict())

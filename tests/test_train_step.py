@@ -74,13 +74,13 @@ def _reference(model, ids, labels, mask):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _check_models(rank, world_size, models, cases):
+def _check_models(rank, world_size, models, cases, plan=None):
     for kind, heads, kv_heads in models:
         ref = _model(kind, heads, kv_heads)
         tp = copy.deepcopy(ref)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            oases.parallelize(tp)
+            oases.parallelize(tp, plan=plan)
         for schedule, sub_batches, b, padded in cases:
             ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
             ref.zero_grad(set_to_none=True)
@@ -107,6 +107,12 @@ def test_llama_and_qwen2_with_gqa_every_schedule_match_unsharded_tp2():
 
 def test_llama_with_gqa_matches_unsharded_tp4():
     run_ranks(_check_models, 4, [("llama", 8, 4)], _EVERY_SCHEDULE + _SPLITS[1:2], timeout=240)
+
+
+def test_vocab_parallel_llama_matches_unsharded():
+    plan = {**oases.nn.DEFAULT_PLAN, "embed_tokens": "vocab", "lm_head": "vocab_head"}
+    cases = [("oases", None, 4, True), ("megatron", None, 3, False)]
+    run_ranks(_check_models, 2, [("llama", 4, 2)], cases, plan, timeout=240)
 
 
 def test_qwen3_and_neox_every_schedule_match_unsharded():

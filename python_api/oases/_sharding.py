@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardRule", "column_shard", "row_shard"]
+__all__ = ["ShardRule", "column_shard", "row_shard", "sharded_parameters"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +49,18 @@ def column_shard(t: torch.Tensor, rank: int, world_size: int, stacked: int = 1) 
 
 def row_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t.chunk(world_size, dim=-1)[rank]
+
+
+def sharded_parameters(model: torch.nn.Module) -> dict[int, "object"]:
+    """{id(parameter): its process group} for every parameter a module's `tp_layout()` lists."""
+    found: dict[int, object] = {}
+    for module in model.modules():
+        layout = getattr(module, "tp_layout", None)
+        if not callable(layout):
+            continue
+        for name in layout():
+            param = module
+            for part in name.split("."):
+                param = getattr(param, part)
+            found[id(param)] = module.group
+    return found

@@ -67,7 +67,9 @@ def _shards(model: nn.Module) -> dict[str, _Shard]:
                             f"(its process group, None for the world)")
         ring = ring_of(module.group)
         for name, rule in layout().items():
-            local = getattr(module, name, None)
+            local = module
+            for part in name.split("."):  # a dotted name reaches into a child ("qkv.weight")
+                local = getattr(local, part, None)
             if not isinstance(rule, ShardRule) or not isinstance(local, torch.Tensor):
                 raise TypeError(f"{where}: tp_layout() must map tensor attribute names to ShardRule, "
                                 f"got {name!r}: {rule!r} (attribute: {type(local).__name__})")

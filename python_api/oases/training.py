@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models.hf import HFStack
+from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.schedule import Communicator, Stack, train_step as _run_schedule
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
@@ -39,13 +40,19 @@ def adapt(model: object) -> Stack:
         "norm(x), core(h, ctx), finish(z, ctx)) and head(x, ctx) -> logits (see oases.schedule.protocol)")
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
+                       group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Hugging Face's causal-LM loss, summed: token i predicts labels[i + 1]; IGNORE_INDEX skipped.
 
         shifted = cat(labels[:, 1:], IGNORE_INDEX)     # [b, t]
         sum over tokens with shifted != IGNORE_INDEX of cross_entropy(logits.float(), shifted)
+    With `group`, logits [b, t, vocab/p] are this rank's vocabulary slice over that group, and
+    the same sum comes from oases.nn.vocab_parallel_cross_entropy (the logits never gathered).
     """
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+    if group is not None:
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1), shifted.flatten(), group,
+                                            ignore_index=IGNORE_INDEX, reduction="sum")
     return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
@@ -89,7 +96,8 @@ def train_step(
     schedule's own, 1 for megatron and 2 for the others). `attention_mask` [b, t]: 1 for tokens,
     0 for padding, as Hugging Face takes it. `loss_fn(logits, labels)` replaces the loss: it
     returns the summed loss of the rows it is given, and the step's loss is the sum over the
-    batch divided by the number of labels != -100. `comm`: an oases.schedule.Communicator on the
+    batch divided by the number of labels != -100 (with a vocab-parallel head it receives
+    this rank's slice of the logits: see oases.schedule.protocol). `comm`: an oases.schedule.Communicator on the
     model's TP group, to count calls, bytes and time waited across steps (default: a new one).
     The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
     LM after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
@@ -100,7 +108,11 @@ def train_step(
         stack.check_trainable()
     comm = _tp_communicator(model) if comm is None else comm
     if loss_fn is None:
-        loss_sum, normalizer = causal_lm_loss_sum, int((labels[:, 1:] != IGNORE_INDEX).sum())
+        group = getattr(stack, "logits_group", None)
+        normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+        def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return causal_lm_loss_sum(logits, labels, group)
     else:
         loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
     step_seed = getattr(stack, "step_seed", None)

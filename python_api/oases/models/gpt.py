@@ -26,7 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases._sharding import ShardRule
-from oases.nn._mappings import copy_to_tp, reduce_from_tp
+from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from oases.nn.layers import ColumnParallelLinear
+from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.schedule import SCHEDULES, Communicator, SubBatch, train_step
 
 __all__ = ["GPTConfig", "GPT"]
@@ -125,6 +127,11 @@ class GPT(nn.Module):
         logits = model(tokens)                       # [b, t, vocab]; differentiable at any TP size
         loss = model(tokens, targets)                # mean token loss; loss.backward() works too
 
+    `vocab_parallel=True` (TP > 1) shards the token embedding and the LM head by vocabulary rows
+    (oases.nn.VocabParallelEmbedding, ColumnParallelLinear): the loss of `train_step` and of
+    `forward(tokens, targets)` comes from oases.nn.vocab_parallel_cross_entropy and the full
+    logits never exist (`forward(tokens)` alone gathers them). The vocabulary must divide by p.
+
     `train_step` runs forward and backward on `schedule` (see oases.schedule.SCHEDULES); every
     schedule gives the loss and gradients of the single-process model with the same seed, and so
     does `forward` + `backward` (blocking all-reduces on the autograd path). The model is an
@@ -133,7 +140,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
-                 schedule: str = "oases", seed: int = 0) -> None:
+                 schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -144,16 +151,23 @@ class GPT(nn.Module):
             if size % self.tp:
                 raise ValueError(f"config.{what}: {size} is not divisible by the TP size {self.tp}")
         self.config, self.schedule = config, schedule
-        self.group = group if distributed else None
+        self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
         self.comm = Communicator(self.group, self.tp)
-        self.wte = nn.Embedding(config.vocab_size, config.hidden)
+        self.logits_group = self.group if vocab_parallel and self.tp > 1 else None
+        if self.logits_group is not None:
+            self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden, group=self.group)
+        else:
+            self.wte = nn.Embedding(config.vocab_size, config.hidden)
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
         self.blocks = nn.ModuleList(
             nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group), _MLP(config, 2 * i + 1, self.tp, self.group)])
             for i in range(config.layers)
         )
         self.norm_f = nn.LayerNorm(config.hidden)
-        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        if self.logits_group is not None:
+            self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, bias=False, group=self.group)
+        else:
+            self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.reset_parameters(seed)
 
     def _rule(self, name: str) -> Optional[ShardRule]:
@@ -204,7 +218,10 @@ class GPT(nn.Module):
         return [tuple(block) for block in self.blocks]
 
     def head(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
-        return self.lm_head(self.norm_f(x))  # [b, t, vocab]
+        """Logits [b, t, vocab], or this rank's [b, t, vocab/p] with vocab_parallel."""
+        if self.logits_group is None:
+            return self.lm_head(self.norm_f(x))
+        return F.linear(copy_to_tp(self.norm_f(x), self.group), self.lm_head.weight)
 
     # --- training -----------------------------------------------------------------------------------
 
@@ -220,7 +237,7 @@ class GPT(nn.Module):
         self.embed_tokens(tokens[:0])  # shape checks before any communication
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         seed = seed if self.training and self.config.dropout > 0 else None
-        return train_step(self, tokens, targets, loss_sum=_token_loss_sum, normalizer=targets.numel(),
+        return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),
                           comm=self.comm, schedule=self.schedule, sub_batches=sub_batches, dropout_seed=seed)
 
     def step_seed(self) -> Optional[int]:
@@ -231,7 +248,7 @@ class GPT(nn.Module):
             return None
         seed = torch.randint(0, 2**31 - 1, (1,), device=self.wte.weight.device)
         if self.tp > 1:
-            dist.broadcast(seed, dist.get_global_rank(self.group or dist.group.WORLD, 0), group=self.group)
+            dist.broadcast(seed, dist.get_global_rank(self.group, 0), group=self.group)
         return int(seed)
 
     def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
@@ -252,10 +269,13 @@ class GPT(nn.Module):
                 else:
                     x = x + s.finish(s.core(h), where)
         if targets is not None:
-            return _token_loss_sum(self.head(x), targets) / targets.numel()
+            return self._loss_sum(self.head(x), targets) / targets.numel()
+        if self.logits_group is not None:
+            return gather_from_tp(self.head(x), self.group)
         return self.head(x)
 
-
-def _token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy: logits [b, t, vocab], targets [b, t] (not shifted)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+    def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""
+        if self.logits_group is not None:
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group, reduction="sum")
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")

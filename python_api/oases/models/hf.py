@@ -26,7 +26,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from oases.nn._mappings import copy_to_tp
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 from oases.schedule.protocol import SubBatch
 
@@ -107,6 +109,9 @@ class HFStack:
         stack.layers()                                  # [(attention, mlp), ...] or [(parallel,), ...]
         logits = stack.head(x, ctx)                     # final norm, then the LM head
 
+    An LM head that parallelize made vocab-parallel ("vocab_head") gives this rank's slice of the
+    logits here (never gathered; `logits_group` is its group), whatever its gather_output.
+
     Raises ValueError (before any communication) for a model it cannot run exactly: an unknown
     decoder layer class, dropout active in training, or TP shards missing from a decoder layer
     whose neighbours are sharded (each branch must end in a RowParallelLinear).
@@ -126,6 +131,7 @@ class HFStack:
         self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if self.final_norm is None or self.lm_head is None:
             raise ValueError(_unknown(model, "no final norm (base_model.norm / final_layer_norm) or no output embeddings"))
+        self.logits_group = self.lm_head.group if isinstance(self.lm_head, ColumnParallelLinear) else None
         self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
         self._check_sharded()
 
@@ -181,7 +187,11 @@ class HFStack:
         return self._layers
 
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        return self.lm_head(self.final_norm(x))
+        h = self.final_norm(x)
+        if self.logits_group is None:
+            return self.lm_head(h)  # [b, t, vocab]
+        # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
+        return F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
 
 
 @contextlib.contextmanager

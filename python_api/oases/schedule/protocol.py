@@ -14,6 +14,10 @@ without the value it was applied to. `norm` may return anything `core` takes as 
 parallel-residual layer stacks its two norms). The schedule owns every all-reduce: of `core`'s
 output forward, and of the gradient of `core`'s input backward.
 
+A stack whose LM head is vocab-parallel sets `logits_group` (a process group; absent or None
+means full logits): `head` then returns this rank's [b, t, vocab/p] slice of the logits, and the
+loss is computed from the slices (oases.nn.vocab_parallel_cross_entropy), never gathered.
+
 `oases.models.GPT` implements `Stack` itself; `oases.models.adapt` finds adapters for models
 `oases.parallelize` has sharded (Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-NeoX) and accepts
 any object that implements `Stack` (a user's own model: see the README).
