@@ -6,7 +6,8 @@
 
 The model is transformers' own LlamaForCausalLM (a small config built here, random init, GQA),
 sharded with one `oases.parallelize` call and trained with `oases.train_step` in a plain loop
-with torch.optim.AdamW. Each schedule starts from the same seed and sees the same batches of a
+with torch.optim.AdamW (labels are the inputs: the loss shifts them, as Hugging Face's does).
+`oases-sp` is the oases schedule with sequence parallelism. Each schedule starts from the same seed and sees the same batches of a
 deterministic character-level corpus, so the losses agree step by step; only the time differs.
 Started outside a distributed launch, the script re-launches itself through `oases-launch`.
 """
@@ -38,7 +39,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--schedules", default="megatron,oases", help="comma-separated, first is the baseline")
+    p.add_argument("--schedules", default="megatron,oases,oases-sp",
+                   help="comma-separated, first is the baseline; a '-sp' suffix adds sequence parallelism")
     return p.parse_args(argv)
 
 
@@ -58,7 +60,8 @@ def build(args, world: int):
         return oases.parallelize(model)
 
 
-def train(schedule: str, data: torch.Tensor, args, show: bool) -> dict:
+def train(label: str, data: torch.Tensor, args, show: bool) -> dict:
+    schedule, sp = label.removesuffix("-sp"), label.endswith("-sp")
     model = build(args, dist.get_world_size())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     comm = Communicator(dist.group.WORLD, dist.get_world_size())  # counts the time blocked on it
@@ -67,14 +70,14 @@ def train(schedule: str, data: torch.Tensor, args, show: bool) -> dict:
         dist.barrier()
         start, waited_before = time.perf_counter(), comm.waited
         optimizer.zero_grad(set_to_none=True)
-        loss = oases.train_step(model, tokens, tokens, schedule=schedule, comm=comm)  # labels shifted inside
+        loss = oases.train_step(model, tokens, tokens, schedule=schedule, sequence_parallel=sp, comm=comm)
         optimizer.step()
         times.append(time.perf_counter() - start)
         waited.append(comm.waited - waited_before)
         losses.append(float(loss))
         if show:
-            progress(schedule, step + 1, args.steps, losses[-1])
-    return summarize(schedule, times, waited, losses, args.batch * args.seq_len)
+            progress(label, step + 1, args.steps, losses[-1])
+    return summarize(label, times, waited, losses, args.batch * args.seq_len)
 
 
 def run(args) -> None:

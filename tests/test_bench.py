@@ -1,4 +1,5 @@
-"""The benchmark suite end to end: `python -m bench primitives --quick --nproc 2 --out TMP`.
+"""The benchmark suite end to end: `python -m bench primitives --quick --nproc 2 --out TMP`, and
+`layers --quick` on both models (`--model gpt`, `--model llama`).
 
 One real run (re-launched on 2 gloo ranks by the bench itself), then checks of what it wrote:
 the JSON's schema, that every case carries every figure, that the derived figures follow from
@@ -19,6 +20,7 @@ sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not inst
 
 from bench import _metrics  # noqa: E402
 WORLD_SIZE = 2
+SCHEDULES = ("megatron", "merak", "cross_pass", "oases")
 FUSED = {"all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"}
 COLLECTIVES = {"ring_all_gather", "ring_reduce_scatter", "all_reduce"}
 PEERS = {"serial", "serial_ring", "torch_tp", "torch_symm_mem", "torch_async"}
@@ -27,13 +29,13 @@ SWEEP_KEYS = ("chunks", "t_compute", "t_comm", "t_overlap", "bound", "efficiency
               "t_torch_async")
 
 
-def _run_suite(suite, out):
-    """Run `python -m bench SUITE --quick` on 2 ranks; return (document, stdout, out dir)."""
+def _run_suite(suite, out, *options):
+    """Run `python -m bench SUITE --quick [OPTIONS]` on 2 ranks; return (document, stdout, out dir)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("OASES_")}
     done = subprocess.run(
-        [sys.executable, "-m", "bench", suite, "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out)],
+        [sys.executable, "-m", "bench", suite, "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out), *options],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
     )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
@@ -202,19 +204,91 @@ def test_layers_suite(tmp_path):
     doc, stdout, _ = _run_suite("layers", tmp_path)
     assert doc["suite"] == "layers" and stdout.count("layers: GPT") == 1
     records = {r["schedule"]: r for r in doc["cases"]}
-    assert set(records) == {"megatron", "merak", "cross_pass", "oases", "torch_tp"}
+    _check_layers_records(records, ("torch_tp",))
+    assert records["megatron"]["config"]["model"] == "gpt"
     layers = records["megatron"]["config"]["layers"]
-    for name in ("megatron", "merak", "cross_pass", "oases"):
-        r = records[name]
-        assert all(_is_time(r[k]) for k in ("t_step", "t_compute", "t_comm", "bound")), name
-        assert r["bound"] == max(r["t_compute"], r["t_comm"]) and 0 <= r["busy"] <= 1, name
-        assert r["loss"] == pytest.approx(records["torch_tp"]["loss"], rel=1e-4), name
-        assert math.isclose(r["speedup_vs_megatron"], records["megatron"]["t_step"] / r["t_step"]), name
     assert records["megatron"]["all_reduces"] == 6 * layers
     assert records["oases"]["all_reduces"] == 8 * layers  # 4 per layer, each as two sub-batch halves
-    assert 3 * records["oases"]["sent_bytes"] == 2 * records["megatron"]["sent_bytes"]
+    # q, k, v and fc1 each all-reduce their input's gradient: 2 forward and 4 backward per layer
+    assert {kind: c["calls"] for kind, c in records["torch_tp"]["collectives"].items()} == {"all_reduce": 6 * layers}
+    assert records["torch_tp"]["sent_bytes"] == records["megatron"]["sent_bytes"]  # as many, as large
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == set(range(WORLD_SIZE))
     assert {e["tid"] for e in events} == {0, 1}  # steps and the waits inside them
 
+
+def _check_layers_records(records, peers):
+    """What every layers run reports, whatever the model: our schedules' figures, the peers' own."""
+    assert set(records) == set(SCHEDULES) | set(peers)
+    for name in SCHEDULES:
+        r = records[name]
+        assert all(_is_time(r[k]) for k in ("t_step", "t_compute", "t_comm", "bound")), name
+        assert r["bound"] == max(r["t_compute"], r["t_comm"]) and 0 <= r["busy"] <= 1, name
+        assert r["collectives"] is None and r["collective_calls"] == r["all_reduces"] > 0, name
+    for name, r in records.items():
+        assert r["loss"] == pytest.approx(records["megatron"]["loss"], rel=1e-4), name
+        assert math.isclose(r["speedup_vs_megatron"], records["megatron"]["t_step"] / r["t_step"]), name
+        assert set(r["speedup_vs"]) == set(peers), name
+        for peer in peers:
+            assert math.isclose(r["speedup_vs"][peer], records[peer]["t_step"] / r["t_step"]), (name, peer)
+        assert r["speedup_vs_torch_tp"] == r["speedup_vs"]["torch_tp"]
+        assert isinstance(r["sent_bytes"], int) and r["sent_bytes"] > 0, name
+        assert r["peak_mib"] is None or r["peak_mib"] >= 0, name
+    for name in peers:
+        r = records[name]
+        assert _is_time(r["t_step"]) and r["t_compute"] is r["t_comm"] is r["bound"] is r["busy"] is None, name
+        assert r["peer"]["impl"].startswith("parallelize_module(") and r["peer"]["plan"], name
+        sent = sum(_metrics.ring_bytes(kind, c["bytes"], WORLD_SIZE) for kind, c in r["collectives"].items())
+        assert r["sent_bytes"] == round(sent), name
+        assert r["collective_calls"] == sum(c["calls"] for c in r["collectives"].values()), name
+    assert 3 * records["oases"]["sent_bytes"] == 2 * records["megatron"]["sent_bytes"]
+
+
+def test_layers_suite_llama(tmp_path):
+    """The quick layers suite on transformers' LlamaForCausalLM (oases.parallelize + oases.train_step)
+    beside torchtitan's DTensor plan and DTensor TP without sequence parallelism: same loss (and, in
+    the bench, every peer gradient against the unsharded model), the collectives each peer issues."""
+    doc, stdout, _ = _run_suite("layers", tmp_path, "--model", "llama")
+    assert doc["suite"] == "layers" and stdout.count("layers: HF LlamaForCausalLM") == 1
+    assert doc["command"][-2:] == ["--model", "llama"]
+    records = {r["schedule"]: r for r in doc["cases"]}
+    _check_layers_records(records, ("torch_tp", "torch_tp_nosp"))
+    config = records["megatron"]["config"]
+    assert config["model"] == "llama" and config["vocab"] % WORLD_SIZE == 0
+    assert config["heads"] % WORLD_SIZE == 0 and config["kv_heads"] % WORLD_SIZE == 0
+    assert config["attn_implementation"] == "sdpa" and config["tie_word_embeddings"] is False
+    layers = config["layers"]
+    assert records["megatron"]["all_reduces"] == 6 * layers
+    assert records["oases"]["all_reduces"] == 8 * layers
+
+    titan = records["torch_tp"]
+    plan = titan["peer"]["plan"]
+    assert plan["model.embed_tokens"].startswith("RowwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=1),)")
+    assert plan["lm_head"].startswith("ColwiseParallel(input_layouts=(Shard(dim=1),), output_layouts=(Shard(dim=-1),)")
+    assert "use_local_output=False" in plan["lm_head"] and "loss_parallel" in titan["peer"]["impl"]
+    for norm in ("model.norm", "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"):
+        assert plan[norm].startswith("SequenceParallel("), norm
+    assert "'hidden_states': Shard(dim=1)" in plan["model.layers.*.self_attn"]
+    assert plan["model.layers.*.mlp"].startswith("PrepareModuleInput(input_layouts=(Shard(dim=1),)")
+    for proj in ("self_attn.o_proj", "mlp.down_proj"):
+        assert "output_layouts=(Shard(dim=1),)" in plan[f"model.layers.*.{proj}"], proj
+    # Sequence parallelism, per step: each block's two inputs all-gathered and two outputs
+    # reduce-scattered, and the LM head's input, the embedding's output; backward the duals.
+    # All-reduces: loss_parallel's three (max, sum of exponentials, target logit) and the
+    # sequence-parallel norms' weight gradients (2 per layer and the final norm).
+    calls = {kind: c["calls"] for kind, c in titan["collectives"].items()}
+    assert calls == {"all_gather_into_tensor": 2 * (2 * layers + 1), "reduce_scatter_tensor": 2 * (2 * layers + 1),
+                     "all_reduce": 3 + 2 * layers + 1}
+    # Megatron's layout: one all-reduce per sublayer forward and one backward (q/k/v share theirs).
+    nosp = records["torch_tp_nosp"]
+    assert {kind: c["calls"] for kind, c in nosp["collectives"].items()} == {"all_reduce": 4 * layers}
+    assert nosp["sent_bytes"] * 3 == records["megatron"]["sent_bytes"] * 2  # no recomputed all-reduces
+
+    with open(doc["files"]["trace"]) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == set(range(WORLD_SIZE))
+    assert {e["tid"] for e in events} == {0, 1}
+    for rank in range(WORLD_SIZE):
+        names = {e["name"] for e in events if e["pid"] == rank and e["tid"] == 0}
+        assert names >= {f"{s} step" for s in (*SCHEDULES, "torch_tp", "torch_tp_nosp")}, rank

@@ -29,10 +29,13 @@ def _single_process(config, batch, seed, dropout_seed):
 def _check_schedules(rank, world_size, cases):
     for config, batch, seed, dropout_seed, want_loss, want_grads in cases:
         tokens, targets = _batch(batch, seed)
-        for schedule, vocab_parallel in [(s, False) for s in SCHEDULES] + [("oases", True), ("megatron", True)]:
-            model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel)
+        variants = [(s, False, False) for s in SCHEDULES] + [(s, False, True) for s in SCHEDULES]
+        variants += [("oases", True, False), ("megatron", True, True)]
+        for schedule, vocab_parallel, sp in variants:
+            model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel, sequence_parallel=sp)
             loss = model.train_step(tokens, targets, dropout_seed=dropout_seed)
-            where = f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} vocab_parallel={vocab_parallel}"
+            where = (f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} "
+                     f"vocab_parallel={vocab_parallel} sequence_parallel={sp}")
             if vocab_parallel:
                 assert model.wte.weight.shape[0] == config.vocab_size // world_size
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}")
@@ -60,6 +63,9 @@ def _count_communication(rank, world_size):
         model = GPT(config, schedule=schedule)
         model.train_step(tokens, targets)
         counts[schedule] = (dict(model.comm.calls), dict(model.comm.bytes))
+    model = GPT(config, schedule="oases", sequence_parallel=True)
+    model.train_step(tokens, targets)
+    counts["oases-sp"] = (dict(model.comm.calls), dict(model.comm.bytes))
     return counts
 
 
@@ -76,6 +82,15 @@ def test_oases_moves_two_thirds_of_megatrons_bytes():
     calls, sent = counts["oases"]
     assert calls == {"forward": 4 * layers, "backward": 4 * layers}  # recomputation sends nothing
     assert 3 * sum(sent.values()) == 2 * sum(counts["megatron"][1].values())
+    # Sequence parallel (p = 2: a gather into n bytes or a scatter of n bytes sends n / 2): per
+    # sublayer a gather and a scatter forward and backward (one all-reduce's bytes each way) and
+    # the re-gather of the normed input in recomputation; plus the gather before the head, its
+    # adjoint before the embedding, and one all-reduce of the norms' and biases' gradients.
+    calls, sent = counts["oases-sp"]
+    sublayers, norm_and_bias = 2 * layers, 3 * CONFIG["hidden"] * 4
+    assert calls == {"forward": 2 * 2 * sublayers + 2, "recompute": 2 * sublayers, "backward": 2 * 2 * sublayers + 2 + 1}
+    assert sent == {"forward": sublayers * activation + activation // 2, "recompute": sublayers * activation // 2,
+                    "backward": sublayers * activation + activation // 2 + sublayers * norm_and_bias}
 
 
 def test_batch_smaller_than_sub_batches_is_rejected():

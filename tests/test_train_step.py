@@ -81,14 +81,16 @@ def _check_models(rank, world_size, models, cases, plan=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             oases.parallelize(tp, plan=plan)
-        for schedule, sub_batches, b, padded in cases:
+        for schedule, sub_batches, b, padded, *sp in cases:
+            sp = bool(sp and sp[0])
             ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
             ref.zero_grad(set_to_none=True)
             tp.zero_grad(set_to_none=True)
             want_loss, want_grads = _reference(ref, ids, labels, mask)
-            loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask)
+            loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask,
+                                    sequence_parallel=sp)
             where = (f"{kind} heads={heads}/{kv_heads} p={world_size} {schedule} sub_batches={sub_batches} "
-                     f"batch={b} padded={padded}")
+                     f"batch={b} padded={padded} sequence_parallel={sp}")
             torch.testing.assert_close(loss, want_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
             for name, param in tp.named_parameters():
                 assert param.grad is not None, f"{where}: {name} got no gradient"
@@ -98,26 +100,29 @@ def _check_models(rank, world_size, models, cases, plan=None):
 
 
 _EVERY_SCHEDULE = [(s, None, 4, False) for s in SCHEDULES]
-_SPLITS = [("oases", 1, 3, False), ("oases", 3, 3, True), ("cross_pass", 4, 5, True)]
+_EVERY_SCHEDULE_SP = [(s, None, 4, True, True) for s in SCHEDULES]
+_SPLITS = [("oases", 1, 3, False), ("oases", 3, 3, True), ("cross_pass", 4, 5, True), ("oases", 3, 3, True, True)]
 
 
 def test_llama_and_qwen2_with_gqa_every_schedule_match_unsharded_tp2():
-    run_ranks(_check_models, 2, [("llama", 4, 2), ("qwen2", 4, 2)], _EVERY_SCHEDULE + _SPLITS, timeout=240)
+    cases = _EVERY_SCHEDULE + _EVERY_SCHEDULE_SP + _SPLITS
+    run_ranks(_check_models, 2, [("llama", 4, 2), ("qwen2", 4, 2)], cases, timeout=240)
 
 
 def test_llama_with_gqa_matches_unsharded_tp4():
-    run_ranks(_check_models, 4, [("llama", 8, 4)], _EVERY_SCHEDULE + _SPLITS[1:2], timeout=240)
+    run_ranks(_check_models, 4, [("llama", 8, 4)], _EVERY_SCHEDULE + _SPLITS[1:2] + _SPLITS[3:], timeout=240)
 
 
 def test_vocab_parallel_llama_matches_unsharded():
     plan = {**oases.nn.DEFAULT_PLAN, "embed_tokens": "vocab", "lm_head": "vocab_head"}
-    cases = [("oases", None, 4, True), ("megatron", None, 3, False)]
+    cases = [("oases", None, 4, True), ("megatron", None, 3, False), ("oases", None, 4, True, True)]
     run_ranks(_check_models, 2, [("llama", 4, 2)], cases, plan, timeout=240)
 
 
 def test_qwen3_and_neox_every_schedule_match_unsharded():
     models = [("qwen3", 4, 2), ("neox", 4, 4), ("neox-sequential", 4, 4)]
-    run_ranks(_check_models, 2, models, _EVERY_SCHEDULE + _SPLITS[1:2], timeout=240)
+    cases = _EVERY_SCHEDULE + _SPLITS[1:2] + [("oases", None, 4, True, True), ("megatron", None, 4, False, True)]
+    run_ranks(_check_models, 2, models, cases, timeout=240)
 
 
 def _count(rank, world_size):

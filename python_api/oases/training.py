@@ -82,6 +82,7 @@ def train_step(
     *,
     schedule: str = "oases",
     sub_batches: Optional[int] = None,
+    sequence_parallel: bool = False,
     attention_mask: Optional[torch.Tensor] = None,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     comm: Optional[Communicator] = None,
@@ -93,7 +94,11 @@ def train_step(
         parameter .grad += d loss / d parameter                   # accumulated, as loss.backward()
     `schedule`: "megatron", "merak", "cross_pass" or "oases" (oases.schedule.SCHEDULES);
     `sub_batches`: how many interleaved parts the batch is split into (1..8; None: the
-    schedule's own, 1 for megatron and 2 for the others). `attention_mask` [b, t]: 1 for tokens,
+    schedule's own, 1 for megatron and 2 for the others). `sequence_parallel`: between sublayers
+    each rank keeps its slice of the sequence [b, t/p, h] (t must divide by p); each sublayer
+    all-gathers its normed input and reduce-scatters its output (ring steps interleaved with the
+    other sub-batches), norms' and row biases' gradients summed over the group; the same numbers,
+    1/p of the saved activations. `attention_mask` [b, t]: 1 for tokens,
     0 for padding, as Hugging Face takes it. `loss_fn(logits, labels)` replaces the loss: it
     returns the summed loss of the rows it is given, and the step's loss is the sum over the
     batch divided by the number of labels != -100 (with a vocab-parallel head it receives
@@ -118,5 +123,6 @@ def train_step(
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
     return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
-                         schedule=schedule, sub_batches=sub_batches, dropout_seed=seed,
+                         schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
+                         dropout_seed=seed,
                          attention_mask=attention_mask)

@@ -19,7 +19,7 @@ flight, so a caller computes on a piece while later ones travel (see `oases.ops`
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Callable, Generator, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from oases import _checks
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce"]
+__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce", "all_gather_steps", "reduce_scatter_steps"]
 
 # A lane is a direction round the ring: +1 sends to the next rank, -1 to the previous one.
 _Lane = tuple[int, int, int]  # (direction, first row within a piece, rows)
@@ -166,6 +166,53 @@ def _resolve(t: torch.Tensor, group, dim: int, chunks: int) -> tuple[Ring, int]:
     return ring_of(group), dim
 
 
+def all_gather_steps(
+    t: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks: int = 1,
+    bidirectional: bool = False,
+) -> Generator[None, None, torch.Tensor]:
+    """ring_all_gather, one ring step at a time: yields after each piece with the next pieces in
+    flight, and returns the result (`out = yield from all_gather_steps(t, group)`), so a caller
+    (oases.schedule's programs) runs other work while the pieces travel."""
+    ring, dim = _resolve(t, group, dim, chunks)
+    _checks.divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
+    shard = _to_rows(t, dim)
+    out = shard.new_empty((shard.shape[0] * ring.size, *shard.shape[1:]))
+    for _ in _all_gather_rows(shard, out, ring, chunks, bidirectional):
+        yield
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_steps(
+    t: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks: int = 1,
+    bidirectional: bool = False,
+) -> Generator[None, None, torch.Tensor]:
+    """ring_reduce_scatter, one ring step at a time: yields after each partial sum is posted, and
+    returns the result (`out = yield from reduce_scatter_steps(t, group)`)."""
+    ring, dim = _resolve(t, group, dim, chunks)
+    _checks.full_divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
+    rows = _to_rows(t, dim)
+    out = rows.new_empty((rows.shape[0] // ring.size, *rows.shape[1:]))
+    for _ in _reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional):
+        yield
+    return out.movedim(0, dim).contiguous()
+
+
+def _drain(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def ring_all_gather(
     t: torch.Tensor,
     group: Optional[dist.ProcessGroup] = None,
@@ -180,14 +227,8 @@ def ring_all_gather(
 
     `chunks` pieces per shard (must divide t.shape[dim]); each rank sends (p-1)/p of the result.
     """
-    ring, dim = _resolve(t, group, dim, chunks)
-    _checks.divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
-    shard = _to_rows(t, dim)
-    out = shard.new_empty((shard.shape[0] * ring.size, *shard.shape[1:]))
     with torch.profiler.record_function("oases::ring_all_gather"):
-        for _ in _all_gather_rows(shard, out, ring, chunks, bidirectional):
-            pass
-    return out.movedim(0, dim).contiguous()
+        return _drain(all_gather_steps(t, group, dim=dim, chunks=chunks, bidirectional=bidirectional))
 
 
 def ring_reduce_scatter(
@@ -205,14 +246,8 @@ def ring_reduce_scatter(
 
     t.shape[dim] must divide by p * chunks; each rank sends (p-1)/p of `t`.
     """
-    ring, dim = _resolve(t, group, dim, chunks)
-    _checks.full_divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
-    rows = _to_rows(t, dim)
-    out = rows.new_empty((rows.shape[0] // ring.size, *rows.shape[1:]))
     with torch.profiler.record_function("oases::ring_reduce_scatter"):
-        for _ in _reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional):
-            pass
-    return out.movedim(0, dim).contiguous()
+        return _drain(reduce_scatter_steps(t, group, dim=dim, chunks=chunks, bidirectional=bidirectional))
 
 
 def all_reduce(

@@ -51,11 +51,13 @@ class GPTConfig:
             raise ValueError(f"dropout: must be in [0, 1), got {self.dropout}")
 
 
-def _residual_dropout(y: torch.Tensor, p: float, seed: int, rows: slice, batch: int) -> torch.Tensor:
-    """Dropout with a mask drawn for the whole batch from `seed`, sliced to this sub-batch's rows:
-    the same mask in forward and recomputation, and whatever the sub-batch split."""
+def _residual_dropout(y: torch.Tensor, p: float, seed: int, where: SubBatch) -> torch.Tensor:
+    """Dropout with a mask drawn for the whole batch and sequence from `seed`, sliced to this
+    sub-batch's rows and tokens: the same mask in forward and recomputation, whatever the split."""
     g = torch.Generator(device=y.device).manual_seed(seed)
-    keep = torch.rand((batch, *y.shape[1:]), generator=g, device=y.device)[rows] >= p
+    seq_len = y.shape[1] if where.seq_len is None else where.seq_len
+    full = torch.rand((where.batch, seq_len, *y.shape[2:]), generator=g, device=y.device)
+    keep = full[where.rows][:, where.positions] >= p
     return y * keep.to(y.dtype) / (1.0 - p)
 
 
@@ -73,7 +75,11 @@ class _Sublayer(nn.Module):
         y = z + self.out_bias
         if where.seed is None or self.config.dropout == 0.0:
             return y
-        return _residual_dropout(y, self.config.dropout, where.seed * 1_000_003 + self.index, where.rows, where.batch)
+        return _residual_dropout(y, self.config.dropout, where.seed * 1_000_003 + self.index, where)
+
+    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
+        """What norm and finish use (summed over the group under sequence parallelism)."""
+        return [*self.norm.parameters(), self.out_bias]
 
 
 class _Attention(_Sublayer):
@@ -132,6 +138,9 @@ class GPT(nn.Module):
     `forward(tokens, targets)` comes from oases.nn.vocab_parallel_cross_entropy and the full
     logits never exist (`forward(tokens)` alone gathers them). The vocabulary must divide by p.
 
+    `sequence_parallel=True`: `train_step` keeps the residual stream as this rank's slice of the
+    sequence between sublayers (oases.schedule.stack); seq_len must divide by p.
+
     `train_step` runs forward and backward on `schedule` (see oases.schedule.SCHEDULES); every
     schedule gives the loss and gradients of the single-process model with the same seed, and so
     does `forward` + `backward` (blocking all-reduces on the autograd path). The model is an
@@ -140,7 +149,8 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
-                 schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False) -> None:
+                 schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -150,7 +160,7 @@ class GPT(nn.Module):
         for what, size in (("heads", config.heads), ("hidden * mlp_ratio", config.hidden * config.mlp_ratio)):
             if size % self.tp:
                 raise ValueError(f"config.{what}: {size} is not divisible by the TP size {self.tp}")
-        self.config, self.schedule = config, schedule
+        self.config, self.schedule, self.sequence_parallel = config, schedule, sequence_parallel
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
         self.comm = Communicator(self.group, self.tp)
         self.logits_group = self.group if vocab_parallel and self.tp > 1 else None
@@ -238,7 +248,8 @@ class GPT(nn.Module):
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         seed = seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),
-                          comm=self.comm, schedule=self.schedule, sub_batches=sub_batches, dropout_seed=seed)
+                          comm=self.comm, schedule=self.schedule, sub_batches=sub_batches,
+                          sequence_parallel=self.sequence_parallel, dropout_seed=seed)
 
     def step_seed(self) -> Optional[int]:
         """The dropout seed of a training step (None without dropout): drawn from the default

@@ -101,6 +101,10 @@ class _Branch:
             z = z + b
         return z
 
+    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
+        """What norm and finish use (summed over the group under sequence parallelism)."""
+        return [*(p for n in self.norms for p in n.parameters()), *self.biases]
+
 
 class HFStack:
     """A Hugging Face causal LM (after oases.parallelize, or unsharded) as an oases.schedule.Stack.

@@ -14,6 +14,10 @@ without the value it was applied to. `norm` may return anything `core` takes as 
 parallel-residual layer stacks its two norms). The schedule owns every all-reduce: of `core`'s
 output forward, and of the gradient of `core`'s input backward.
 
+With sequence parallelism the schedule keeps x as this rank's [b, t/p, h] slice of the sequence:
+`norm` and `finish` run on it, the normed slices are all-gathered for `core` (which sees the
+whole sequence, as before) and its partial sums are reduce-scattered back to slices.
+
 A stack whose LM head is vocab-parallel sets `logits_group` (a process group; absent or None
 means full logits): `head` then returns this rank's [b, t, vocab/p] slice of the logits, and the
 loss is computed from the slices (oases.nn.vocab_parallel_cross_entropy), never gathered.
@@ -24,7 +28,7 @@ any object that implements `Stack` (a user's own model: see the README).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -39,12 +43,20 @@ class SubBatch:
     rows: its rows of the batch (dim 0); batch: the batch size (dropout masks are drawn over the
     whole batch and sliced, so they do not depend on the split); seed: the step's dropout seed
     (None: no dropout); attention_mask: its rows of the padding mask [b, t] (None: no padding).
+    With sequence parallelism, `finish` sees this rank's tokens only: `positions` is their range
+    of the sequence and `seq_len` the whole sequence's length (None: all positions).
     """
 
     rows: slice
     batch: int
     seed: Optional[int] = None
     attention_mask: Optional[torch.Tensor] = None
+    positions: slice = field(default_factory=lambda: slice(None))
+    seq_len: Optional[int] = None
+
+    def tokens(self, positions: slice, seq_len: int) -> "SubBatch":
+        """The same sub-batch, seen by `finish` on the tokens at `positions` of `seq_len`."""
+        return SubBatch(self.rows, self.batch, self.seed, self.attention_mask, positions, seq_len)
 
 
 @runtime_checkable
@@ -59,6 +71,10 @@ class Sublayer(Protocol):
 
     def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
         """The reduced output z [b, t, h] -> what is added to x; affine in z."""
+
+    # Sequence parallelism (optional): the parameters `norm` and `finish` use. There they see
+    # this rank's tokens only, so their gradients are summed over the TP group after the step:
+    #     def sequence_parallel_parameters(self) -> Iterable[nn.Parameter]
 
 
 @runtime_checkable

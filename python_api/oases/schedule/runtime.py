@@ -22,6 +22,8 @@ from typing import Any, Generator, Optional
 import torch
 import torch.distributed as dist
 
+from oases.comm import all_gather_steps, reduce_scatter_steps
+
 __all__ = ["BARRIER", "Communicator", "interleave"]
 
 BARRIER = object()
@@ -29,14 +31,18 @@ Program = Generator[Any, None, Any]
 
 
 class Communicator:
-    """Issues a schedule's asynchronous all-reduces on one group; counts them and the waiting.
+    """Issues a schedule's communication on one group; counts it and the time waited for it.
 
-        work = comm.all_reduce(t, "forward")   # t summed over the group in place once work.wait()
-    `calls[pass]` and `bytes[pass]` count what was issued (pass: "forward", "recompute",
-    "backward"); `waited` is the host's seconds blocked in `wait()`, the exposed communication on
-    the CPU (on CUDA, `wait()` orders streams without blocking the host: time with CUDA events).
-    With no process group (world size 1) nothing is sent, counted or waited for. `dry_run = True`
-    counts but sends nothing (the results are then wrong): benchmarks time compute alone with it.
+        work = comm.all_reduce(t, "forward")                 # t summed in place once work.wait()
+        out = yield from comm.all_gather(t, dim, "forward")  # ring steps; yields between them
+        out = yield from comm.reduce_scatter(t, dim, "backward")
+    `calls[pass]` counts the calls and `bytes[pass]` the bytes this rank sends (pass: "forward",
+    "recompute", "backward"): an all-reduce of n bytes sends 2 (p-1)/p n, an all-gather into n
+    bytes or a reduce-scatter of n bytes (p-1)/p n. `waited` is the host's seconds blocked in
+    communication, the exposed communication on the CPU (on CUDA, `wait()` orders streams
+    without blocking the host: time with CUDA events). With no process group (world size 1)
+    nothing is sent, counted or waited for. `dry_run = True` counts but sends nothing (results
+    are then wrong): benchmarks time compute alone with it.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
@@ -47,14 +53,47 @@ class Communicator:
         self.waited = 0.0
         self.dry_run = False
 
+    def _count(self, phase: str, nbytes: int, share: float) -> None:
+        self.calls[phase] += 1
+        self.bytes[phase] += round(share * (self.world_size - 1) / self.world_size * nbytes)
+
     def all_reduce(self, t: torch.Tensor, phase: str) -> "_Work":
         if self.world_size == 1:
             return _Work(None, self)
-        self.calls[phase] += 1
-        self.bytes[phase] += t.numel() * t.element_size()
+        self._count(phase, t.numel() * t.element_size(), 2)
         if self.dry_run:
             return _Work(None, self)
         return _Work(dist.all_reduce(t, group=self.group, async_op=True), self)
+
+    def all_gather(self, t: torch.Tensor, dim: int, phase: str) -> Generator[None, None, torch.Tensor]:
+        """cat(t from every rank, dim), by ring; a generator (see the class docstring)."""
+        if self.world_size == 1:
+            return t
+        self._count(phase, t.numel() * t.element_size() * self.world_size, 1)
+        if self.dry_run:
+            return torch.cat([t] * self.world_size, dim)
+        return (yield from self._timed(all_gather_steps(t, self.group, dim=dim)))
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int, phase: str) -> Generator[None, None, torch.Tensor]:
+        """sum(t from every rank) narrowed to this rank's block of `dim`, by ring; a generator."""
+        if self.world_size == 1:
+            return t
+        self._count(phase, t.numel() * t.element_size(), 1)
+        if self.dry_run:
+            return t.chunk(self.world_size, dim)[dist.get_rank(self.group)].contiguous()
+        return (yield from self._timed(reduce_scatter_steps(t, self.group, dim=dim)))
+
+    def _timed(self, steps: Generator[None, None, torch.Tensor]) -> Generator[None, None, torch.Tensor]:
+        """Drive a ring's steps, booking the time inside them (waits; small adds) as waited."""
+        while True:
+            start = time.perf_counter()
+            try:
+                next(steps)
+            except StopIteration as done:
+                self.waited += time.perf_counter() - start
+                return done.value
+            self.waited += time.perf_counter() - start
+            yield
 
     def reset(self) -> None:
         self.calls.clear()

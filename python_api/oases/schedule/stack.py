@@ -22,11 +22,13 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator, interleave
@@ -144,6 +146,143 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
     return loss.detach()
 
 
+# ---- sequence parallelism: x is this rank's [b, t/p, h] slice of the sequence (dim 1) ----------------
+#
+#   forward of a sublayer:  h_r = norm(x_r); h = all_gather(h_r); z_r = reduce_scatter(core(h))
+#                           x_r = x_r + finish(z_r)
+#   backward (adjoints):    g_z = all_gather(grad finish); core backward -> g_h
+#                           g_h_r = reduce_scatter(g_h); norm backward -> grad x_r
+#   fine-grained recomputation keeps x_r (1/p of the sublayer input) and re-gathers h_r.
+
+_SEQ = -2  # the sequence dimension: x [b, t, h] (and a stacked norm output [k, b, t, h])
+
+
+def _record_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str) -> Generator:
+    """Rerun norm, the gather and core with autograd: the graph of one sublayer (sequence parallel)."""
+    x_r = x_r.detach().requires_grad_()
+    with torch.enable_grad():
+        h_r = sub.norm(x_r)
+    h = yield from comm.all_gather(h_r.detach(), _SEQ, phase)
+    h_leaf = h.requires_grad_()
+    with torch.enable_grad():
+        part = sub.core(h_leaf, ctx)
+    return _Recorded(x_r, h_r, h_leaf, part)
+
+
+def _forward_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str,
+                part: Optional[torch.Tensor] = None) -> Generator:
+    """x_r + finish(reduce_scatter(core(all_gather(norm(x_r))))); `part` given: core's output already."""
+    if part is None:
+        with torch.no_grad():
+            h_r = sub.norm(x_r)
+        h = yield from comm.all_gather(h_r, _SEQ, phase)
+        with torch.no_grad():
+            part = sub.core(h, ctx)
+    z_r = yield from comm.reduce_scatter(part, _SEQ, phase)
+    with torch.no_grad():
+        return x_r + sub.finish(z_r, ctx)
+
+
+def _backward_sp(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Communicator) -> Generator:
+    """Gradient of x_r for x_r + finish(RS(part)) given grad_out [b, t/p, h]; accumulates parameter grads."""
+    z = torch.zeros_like(grad_out, requires_grad=True)  # stands for RS(part): finish is affine in it
+    with torch.enable_grad():
+        sub.finish(z, ctx).backward(grad_out)
+    grad_part = yield from comm.all_gather(z.grad, _SEQ, "backward")  # reduce-scatter's adjoint
+    rec.part.backward(grad_part)
+    grad_h = rec.h_leaf.grad if rec.h_leaf.grad is not None else torch.zeros_like(rec.h_leaf)
+    grad_h_r = yield from comm.reduce_scatter(grad_h, _SEQ, "backward")  # all-gather's adjoint
+    rec.h.backward(grad_h_r)
+    return grad_out + rec.x.grad
+
+
+def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
+                plan: Schedule, comm: Communicator, rank: int) -> Generator:
+    """`_program` with the residual stream split along the sequence over the TP ranks."""
+    layers = [tuple(layer) for layer in stack.layers()]
+    with torch.enable_grad():
+        embedded, ctx = stack.embed(input_ids, where)  # [b, t, h], every rank alike
+    t = embedded.shape[_SEQ]
+    n = t // comm.world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    tokens = _with_tokens(ctx, where.tokens(mine, t))
+    x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
+    saved = []
+    for layer in layers:
+        for i, sub in enumerate(layer):
+            if plan.fine_grained_recompute or i == 0:
+                saved.append(x)
+            x = yield from _forward_sp(sub, x, tokens, comm, "forward")
+    x_full = yield from comm.all_gather(x, _SEQ, "forward")  # the head sees every token, as without SP
+    x_full.requires_grad_()
+    with torch.enable_grad():
+        loss = loss_sum(stack.head(x_full, ctx), labels)
+        (loss / normalizer).backward()
+    grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
+    if plan.pass_barriers:
+        yield BARRIER
+    for layer in reversed(layers):
+        if plan.fine_grained_recompute:
+            for sub in reversed(layer):
+                rec = yield from _record_sp(sub, saved.pop(), tokens, comm, "recompute")
+                grad = yield from _backward_sp(sub, rec, grad, tokens, comm)
+            continue
+        x_in, records = saved.pop(), []
+        for sub in layer:
+            rec = yield from _record_sp(sub, x_in, tokens, comm, "recompute")
+            records.append(rec)
+            x_in = yield from _forward_sp(sub, x_in, tokens, comm, "recompute", rec.part.detach())
+        if plan.pass_barriers:
+            yield BARRIER
+        for sub, rec in zip(reversed(layer), reversed(records)):
+            grad = yield from _backward_sp(sub, rec, grad, tokens, comm)
+        if plan.pass_barriers:
+            yield BARRIER
+    grad_full = yield from comm.all_gather(grad.contiguous(), _SEQ, "backward")  # the split's adjoint
+    embedded.backward(grad_full)
+    return loss.detach()
+
+
+def _with_tokens(ctx: Any, tokens: SubBatch) -> Any:
+    """The stack's context with its SubBatch (where `finish` reads positions) narrowed to `tokens`."""
+    if isinstance(ctx, SubBatch):
+        return tokens
+    if hasattr(ctx, "where") and dataclasses.is_dataclass(ctx):
+        return dataclasses.replace(ctx, where=tokens)
+    return ctx
+
+
+def _sequence_parallel_parameters(stack: Stack) -> list[torch.Tensor]:
+    found: dict[int, torch.Tensor] = {}
+    for layer in stack.layers():
+        for sub in layer:
+            get = getattr(sub, "sequence_parallel_parameters", None)
+            if get is None:
+                raise ValueError(f"sequence_parallel: {type(sub).__name__} has no sequence_parallel_parameters() "
+                                 "(the parameters its norm and finish use; see oases.schedule.protocol)")
+            for p in get():
+                if p.requires_grad:
+                    found[id(p)] = p
+    return list(found.values())
+
+
+def _sum_over_group(params: list[torch.Tensor], before: list[Optional[torch.Tensor]], comm: Communicator) -> None:
+    """Sum what this step added to each parameter's .grad over the TP group (one all-reduce)."""
+    added = [p.grad - b if b is not None else p.grad for p, b in zip(params, before) if p.grad is not None]
+    if not added:
+        return
+    flat = torch.cat([a.reshape(-1) for a in added])
+    comm.all_reduce(flat, "backward").wait()
+    offset = 0
+    for p, b in zip(params, before):
+        if p.grad is None:
+            continue
+        count = p.grad.numel()
+        summed = flat[offset: offset + count].view_as(p.grad)
+        p.grad.copy_(summed if b is None else b + summed)
+        offset += count
+
+
 def split_rows(batch: int, parts: int) -> list[slice]:
     """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one (3 -> 2 + 1)."""
     bounds = [batch * i // parts for i in range(parts + 1)]
@@ -152,16 +291,20 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 
 def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_sum: LossSum,
                normalizer: float, comm: Communicator, schedule: str = "oases",
-               sub_batches: Optional[int] = None, dropout_seed: Optional[int] = None,
-               attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+               sub_batches: Optional[int] = None, sequence_parallel: bool = False,
+               dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
         for rows in split(batch, sub_batches):                # interleaved, see the module docstring
             loss += loss_sum(stack.head(stack_forward(input_ids[rows])), labels[rows]) / normalizer
         parameter .grad += d loss / d parameter;  return loss (a detached scalar)
     `sub_batches` None takes the schedule's own (megatron 1, the others 2); odd batches split
-    unevenly (3 -> 2 + 1). `comm` issues and counts the all-reduces on the TP group. Checks run
-    before any communication, so a bad argument raises on every rank alike.
+    unevenly (3 -> 2 + 1). `sequence_parallel`: the residual stream between sublayers is this
+    rank's slice of the sequence (its length must divide by the TP size), each sublayer gathers
+    its normed input and reduce-scatters its output (see above), and the gradients of the
+    parameters of norm and finish are summed over the group after the step. `comm` issues and
+    counts the communication on the TP group. Checks run before any communication, so a bad
+    argument raises on every rank alike.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -181,10 +324,22 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     if batch < parts:
         raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
                          f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
+    program, extra = _program, ()
+    if sequence_parallel:
+        if input_ids.shape[1] % comm.world_size:
+            raise ValueError(f"input_ids: sequence_parallel splits the sequence over {comm.world_size} ranks; got "
+                             f"length {input_ids.shape[1]} (pad it to a multiple of {comm.world_size})")
+        params = _sequence_parallel_parameters(stack)
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
+        program, extra = _program_sp, (rank,)
     programs = [
-        _program(stack, input_ids[r], labels[r],
-                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                 loss_sum, normalizer, plan, comm)
+        program(stack, input_ids[r], labels[r],
+                SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                loss_sum, normalizer, plan, comm, *extra)
         for r in split_rows(batch, parts)
     ]
-    return sum(interleave(programs)) / normalizer
+    loss = sum(interleave(programs)) / normalizer
+    if sequence_parallel and comm.world_size > 1:
+        _sum_over_group(params, before, comm)
+    return loss
