@@ -7,6 +7,8 @@
     bus bandwidth (nccl-tests' convention, comparable across world sizes p):
         all-gather, reduce-scatter: (bytes of the full tensor / t) * (p - 1) / p
         all-reduce:                 (bytes of the tensor / t) * 2 (p - 1) / p
+    ring bytes: what each rank sends for a collective by ring (as oases.schedule.Communicator
+        counts it): all-reduce 2 (p - 1) / p n, all-gather / reduce-scatter (p - 1) / p n, n the full tensor
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ def bus_bandwidth(collective: str, nbytes: int, seconds: float, world_size: int)
     """Bytes/s on the bus; `nbytes` is the full (gathered / unscattered / reduced) tensor."""
     factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}[collective]
     return nbytes / seconds * factor * (world_size - 1) / world_size
+
+
+def ring_bytes(collective: str, nbytes: int, world_size: int) -> float:
+    """Bytes each rank sends for `collective` on a full tensor of `nbytes`, by ring."""
+    share = 2.0 if collective.startswith("all_reduce") else 1.0
+    return share * (world_size - 1) / world_size * nbytes
 
 
 def chunk_counts(world_size: int, divides: int) -> list[int]:

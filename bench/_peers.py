@@ -7,24 +7,27 @@
     *_async(...)                     PyTorch alone, pipelined: per row piece, the torch collective
                                      issued with async_op=True beside the next GEMM
     torch_all_gather / ...           torch's blocking collectives into fresh outputs
+    CollectiveLog()                  what a DTensor peer sends: its functional collectives, counted
 
 Every peer is built on every rank, and is available on all of them or on none (`agree`), so a
 collective is never entered by a subset of the ranks.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from oases.ops import _gemm
 
 __all__ = ["Peer", "agree", "materialize", "torch_tp", "torch_symm_mem", "TORCH_ASYNC_IMPL",
            "all_gather_linear_async", "linear_reduce_scatter_async", "linear_all_reduce_async",
-           "torch_all_gather", "torch_reduce_scatter", "torch_all_reduce"]
+           "torch_all_gather", "torch_reduce_scatter", "torch_all_reduce", "CollectiveLog"]
 
 
 @dataclass
@@ -238,3 +241,50 @@ def torch_reduce_scatter(t: torch.Tensor) -> torch.Tensor:
 def torch_all_reduce(t: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(t)
     return t
+
+
+# ---------------------------------------------------------------------------------------------
+# What a DTensor peer sends
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Counts the functional collectives (torch.ops._c10d_functional.*) run inside the block, as
+    DTensor issues them in forward and backward, with the bytes of each one's full tensor:
+
+        with CollectiveLog() as log:
+            step()
+        log.calls["all_gather_into_tensor"], log.bytes["all_gather_into_tensor"]
+    full tensor: the gathered output of an all-gather, the unscattered input of a reduce-scatter,
+    the tensor of an all-reduce (bench._metrics.bus_bandwidth's convention). Other ops of the
+    namespace (wait_tensor, autograd wrappers) are not collectives and are not counted.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.bytes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # A mode runs before tensor subclasses, and is off while its op runs: let DTensor run
+            # this op with the mode on, so the collectives it issues inside (redistributions,
+            # loss_parallel's reductions) come back here as ops on plain tensors.
+            return NotImplemented
+        if func.namespace.startswith("_c10d_functional"):
+            name = func._schema.name.split("::")[-1]
+            if name.startswith(_COLLECTIVES):
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                if name.startswith("all_gather"):
+                    nbytes *= next(a for a in args[1:] if isinstance(a, int))  # group_size
+                self.calls[name] += 1
+                self.bytes[name] += nbytes
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        return {name: {"calls": self.calls[name], "bytes": self.bytes[name]} for name in sorted(self.calls)}

@@ -1,35 +1,56 @@
-"""Suite `layers`: a TP GPT's training step on every schedule, beside PyTorch's own TP.
+"""Suite `layers`: a TP model's training step on every schedule, beside PyTorch's own TP.
 
-    python -m bench layers --bandwidth 500mbit      # communication comparable to compute
-    python -m bench layers                          # unshaped: what sub-batching alone does here
+    python -m bench layers --bandwidth 750mbit                  # oases.models.GPT (default --model gpt)
+    python -m bench layers --model llama --bandwidth 750mbit    # transformers' LlamaForCausalLM
+    python -m bench layers --model llama                        # unshaped: what sub-batching alone does
 
 The ablation of the Oases paper (megatron -> merak -> cross_pass -> oases) on the same model,
-data and weights, measured in one run (variants round-robin, medians, MAX over ranks). Per
-schedule:
+data and weights, measured in one run (variants round-robin, medians, MAX over ranks). Models:
 
-    t_step      forward + backward (`GPT.train_step`)
+    gpt     oases.models.GPT (2 layers, hidden 512, 8 heads, batch 8 x 64), `GPT.train_step`
+    llama   transformers' LlamaForCausalLM as examples/train_llama.py builds it (2 layers, hidden
+            512, 8 heads, 4 KV heads, intermediate 1408, vocabulary padded to a multiple of p,
+            sdpa, untied embeddings; batch 8 x 64), sharded by `oases.parallelize(model)`, one
+            step = `oases.train_step(model, ids, ids, schedule=s, comm=comm)`
+
+Per schedule:
+
+    t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
     t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run)
     t_comm      the step's all-reduces alone: as many, as large, blocking, back to back
     bound       max(t_compute, t_comm); efficiency = (t_megatron - t_step) / (t_megatron - bound)
     busy        1 - (time blocked on communication) / t_step, the least busy rank
     peak MiB    rise of the process's peak resident memory during one step (VmHWM reset first,
                 glibc set to return freed blocks at once; measured after all timings)
-    sent MiB    bytes all-reduced per step
+    sent MiB    bytes each rank sends per step, by ring (oases.schedule.Communicator's count; a
+                peer's collectives counted alike: all-reduce 2 (p-1)/p n, all-gather and
+                reduce-scatter (p-1)/p n of a full tensor of n bytes)
 
-`torch_tp` is the same model written for PyTorch's DTensor tensor parallelism
-(`parallelize_module`, ColwiseParallel for q/k/v/fc1, RowwiseParallel for proj/fc2) with the
-same weights, trained with plain autograd (no recomputation, blocking collectives); its loss is
-checked against ours before timing. Sub-batches run smaller GEMMs, which on a CPU can be faster
-by themselves (cache): compare t_compute across schedules, and run the suite unshaped too.
+The PyTorch peers hold the same weights, train with plain autograd (no recomputation) and must
+give our loss on the first step, checked before any timing (a wrong peer fails the run):
+
+    gpt     torch_tp       the same GPT written for DTensor TP (`parallelize_module`, ColwiseParallel
+                           q/k/v/fc1, RowwiseParallel proj/fc2)
+    llama   torch_tp       torchtitan's `apply_tp` plan on the HF model (sequence parallel,
+                           vocabulary-parallel embedding and LM head, loss_parallel); see bench._llama
+            torch_tp_nosp  DTensor TP in Megatron's layout (no sequence parallelism), the stronger
+                           peer on gloo, whose reduce-scatter is an all-reduce
+    (llama: every peer gradient is also checked against the unsharded model's.)
+
+Sub-batches run smaller GEMMs, which on a CPU can be faster by themselves (cache): compare
+t_compute across schedules, and run the suite unshaped too.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import ctypes
 import os
 import time
-from typing import Optional
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,29 +58,54 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import _metrics
+from bench._peers import CollectiveLog
 from bench._report import Table
 from oases.models import GPT, GPTConfig
-from oases.schedule import SCHEDULES
+from oases.schedule import SCHEDULES, Communicator
 from oases.schedule.runtime import _Work
 
 BASELINE = "megatron"
+MODELS = ("gpt", "llama")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
+_SHORT = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=MODELS, default="gpt",
+                        help="gpt: oases.models.GPT; llama: transformers' LlamaForCausalLM through "
+                             "oases.train_step, beside torchtitan's DTensor plan (default: gpt)")
     parser.add_argument("--hidden", type=int, default=None, help="default 512 (--quick: 64)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4, help="llama: key/value heads (default 4)")
     parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
 
 
-def _config(args) -> tuple[GPTConfig, int]:
+def _sizes(args) -> tuple[int, int, int]:
+    """(hidden, seq_len, batch) from the arguments, --quick's defaults when not given."""
     quick = args.quick
-    hidden = args.hidden or (64 if quick else 512)
-    seq_len = args.seq_len or (16 if quick else 64)
-    batch = args.batch or (4 if quick else 8)
+    hidden, seq_len, batch = args.hidden or (64 if quick else 512), args.seq_len or (16 if quick else 64), args.batch
+    return hidden, seq_len, batch or (4 if quick else 8)
+
+
+def _config(args) -> tuple[GPTConfig, int]:
+    hidden, seq_len, batch = _sizes(args)
     return GPTConfig(vocab_size=64, seq_len=seq_len, hidden=hidden, heads=args.heads, layers=args.layers), batch
+
+
+@dataclass
+class _Case:
+    """One model on every schedule and its PyTorch peers, built alike on every rank, ready to time."""
+
+    title: str
+    config: dict[str, Any]
+    ours: dict[str, Callable[[], torch.Tensor]]   # schedule -> one training step; returns the loss
+    comms: dict[str, Communicator]                # schedule -> the Communicator its step issues on
+    peers: dict[str, Callable[[], torch.Tensor]]  # peer -> one training step; returns the loss
+    peer_info: dict[str, dict[str, Any]]          # peer -> impl, plan, notes (for the JSON)
+    notes: list[str]                              # for the table
+    check: Optional[Callable[[], None]] = None    # after every step ran once: further checks (raise)
 
 
 # ---- PyTorch's tensor parallelism on the same model -------------------------------------------
@@ -121,6 +167,91 @@ def _torch_tp(config: GPTConfig, ours: GPT, mesh) -> nn.Module:
     return model
 
 
+def _gpt_case(args, ctx) -> _Case:
+    config, batch = _config(args)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
+    targets = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
+    models = {name: GPT(config, ctx.group, schedule=name, seed=0).to(ctx.device) for name in SCHEDULES}
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    torch_tp = _torch_tp(config, models[BASELINE], mesh)
+
+    def torch_step() -> torch.Tensor:
+        loss = torch_tp(tokens, targets)
+        loss.backward()
+        return loss.detach()
+
+    plan = {f"blocks.*.{n}": "ColwiseParallel()" for n in ("q", "k", "v", "fc1")}
+    plan.update({f"blocks.*.{n}": "RowwiseParallel()" for n in ("proj", "fc2")})
+    return _Case(
+        title=(f"GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
+               f"batch {batch} x {config.seq_len}"),
+        config={"model": "gpt", "hidden": config.hidden, "layers": config.layers, "heads": config.heads,
+                "batch": batch, "seq_len": config.seq_len},
+        ours={name: (lambda m=m: m.train_step(tokens, targets)) for name, m in models.items()},
+        comms={name: m.comm for name, m in models.items()},
+        peers={"torch_tp": torch_step},
+        peer_info={"torch_tp": {"impl": "parallelize_module(_TorchGPT, init_device_mesh(cpu, (p,)), plan)",
+                                "description": "the same GPT in DTensor TP, plain autograd", "plan": plan,
+                                "notes": ["no recomputation; gradients accumulate across steps, as ours"]}},
+        notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"])
+
+
+def _llama_case(args, ctx) -> _Case:
+    import oases
+    from bench import _llama
+    from torch.distributed.device_mesh import init_device_mesh
+
+    hidden, seq_len, batch = _sizes(args)
+    config = _llama.llama_config(hidden=hidden, heads=args.heads, kv_heads=args.kv_heads, layers=args.layers,
+                                 seq_len=seq_len, world_size=ctx.world_size)
+    reference = _llama.build(config).to(ctx.device)  # unsharded: the weights every variant copies
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    peers = {name: _llama.torch_tp(name, reference, mesh) for name in _llama.PLANS}
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the LM head stays replicated, as the warning would say
+        oases.parallelize(model)
+    comms = {name: Communicator(dist.group.WORLD, ctx.world_size) for name in SCHEDULES}
+
+    def ours(schedule: str) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        return oases.train_step(model, ids, ids, schedule=schedule, comm=comms[schedule])
+
+    def check() -> None:
+        """Every peer's gradients (of its first step) against the unsharded model's."""
+        reference.zero_grad(set_to_none=True)
+        reference(input_ids=ids, labels=ids).loss.backward()
+        for peer in peers.values():
+            _llama.check_gradients(peer, reference)
+
+    c = config
+    notes = [f"{name}: {peer.description}" for name, peer in peers.items()]
+    notes += ["both peers: parallelize_module on init_device_mesh(cpu, (p,)) over gloo, same weights, plain "
+              "autograd (no recomputation), position_ids = arange(s) passed to the HF forward; their loss "
+              "and every gradient checked before timing",
+              "gloo runs a reduce-scatter as an all-reduce: sequence parallelism's reduce-scatters move "
+              "twice their ring bytes here (hence torch_tp_nosp)"]
+    return _Case(
+        title=(f"HF LlamaForCausalLM {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+               f"{c.num_attention_heads} heads ({c.num_key_value_heads} KV), intermediate {c.intermediate_size}, "
+               f"vocab {c.vocab_size}, batch {batch} x {seq_len}"),
+        config={"model": "llama", "hidden": c.hidden_size, "layers": c.num_hidden_layers,
+                "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
+                "intermediate": c.intermediate_size, "vocab": c.vocab_size, "batch": batch, "seq_len": seq_len,
+                "attn_implementation": "sdpa", "tie_word_embeddings": False},
+        ours={name: (lambda name=name: ours(name)) for name in SCHEDULES},
+        comms=comms,
+        peers={name: (lambda peer=peer: peer.step(ids)) for name, peer in peers.items()},
+        peer_info={name: peer.describe() for name, peer in peers.items()},
+        notes=notes, check=check)
+
+
 # ---- measurements -----------------------------------------------------------------------------
 def _peak_rise_mib(step) -> Optional[float]:
     """Rise of this process's peak resident memory over one call of `step` (Linux, glibc).
@@ -165,89 +296,111 @@ def _traced_waits(ctx, label: str):
         _Work.wait = original
 
 
+@contextlib.contextmanager
+def _dry_run(comms: Iterable[Communicator]) -> Iterator[None]:
+    """The Communicators count but send nothing inside the block (results wrong: timing only)."""
+    comms = list(comms)
+    for comm in comms:
+        comm.dry_run = True
+    try:
+        yield
+    finally:
+        for comm in comms:
+            comm.dry_run = False
+
+
 def run(args, ctx) -> list[dict]:
-    config, batch = _config(args)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
-    targets = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
-    models = {name: GPT(config, ctx.group, schedule=name, seed=0).to(ctx.device) for name in SCHEDULES}
-    losses = {name: float(m.train_step(tokens, targets)) for name, m in models.items()}
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    torch_tp = _torch_tp(config, models[BASELINE], mesh)
-    with torch.no_grad():
-        losses["torch_tp"] = float(torch_tp(tokens, targets))
+    case = _llama_case(args, ctx) if args.model == "llama" else _gpt_case(args, ctx)
+    steps = {**case.ours, **case.peers}
+    losses = {name: float(step()) for name, step in steps.items()}  # the first step of each
     for name, loss in losses.items():
         if abs(loss - losses[BASELINE]) > 1e-4 * abs(losses[BASELINE]):
             raise AssertionError(f"layers: {name} loss {loss} differs from {BASELINE}'s {losses[BASELINE]}")
+    if case.check is not None:
+        case.check()
+        case.check = None  # lets go of what it held (llama: the unsharded model)
 
-    def torch_step() -> None:
-        torch_tp(tokens, targets).backward()
-
-    steps = {name: (lambda m=m: m.train_step(tokens, targets)) for name, m in models.items()}
-    timed = ctx.timer.measure({**steps, "torch_tp": torch_step})
-
-    for m in models.values():
-        m.comm.dry_run = True
-    compute = ctx.timer.measure({name: (lambda m=m: m.train_step(tokens, targets)) for name, m in models.items()})
+    timed = ctx.timer.measure(steps)
+    with _dry_run(case.comms.values()):
+        compute = ctx.timer.measure(case.ours)
 
     records = []
-    for name, m in models.items():
-        m.comm.dry_run = False
-        m.comm.reset()
+    for name, step in case.ours.items():
+        comm = case.comms[name]
+        comm.reset()
         busy_before = time.perf_counter()
         with _traced_waits(ctx, name):
-            m.train_step(tokens, targets)
+            step()
         step_s = time.perf_counter() - busy_before
-        calls, sent = sum(m.comm.calls.values()), sum(m.comm.bytes.values())
+        calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
         # MIN over ranks of the busy share (host time: on CUDA, waits do not block the host)
-        busy = -ctx.timer.max_over_ranks(torch.tensor([m.comm.waited / step_s - 1.0], dtype=torch.float64))
-        size = sent // max(calls, 1) // 4
-        replay = torch.zeros(size, device=ctx.device)
+        busy = -ctx.timer.max_over_ranks(torch.tensor([comm.waited / step_s - 1.0], dtype=torch.float64))
+        p = ctx.world_size  # all-reduces sending as many bytes by ring: 2 (p-1)/p numel*4 each
+        replay = torch.zeros(round(sent / max(calls, 1) * p / (2 * max(p - 1, 1)) / 4), device=ctx.device)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
-        records.append(_record(name, timed[name].median, compute[name].median, t_comm.median,
-                               float(busy), calls, sent, losses[name]))
-    records.append(_record("torch_tp", timed["torch_tp"].median, None, None, None, None, None,
-                           losses["torch_tp"]))
-    for r, step in zip(records, [*steps.values(), torch_step]):  # after every timing: see _peak_rise_mib
-        peak = _peak_rise_mib(step)
+        records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
+                               calls, sent, None, losses[name]))
+    for name, step in case.peers.items():
+        with ctx.trace.span(f"{name} step", 0):
+            step()
+        with CollectiveLog() as log:
+            step()
+        collectives = log.summary()
+        sent = sum(_metrics.ring_bytes(kind, c["bytes"], ctx.world_size) for kind, c in collectives.items())
+        calls = sum(c["calls"] for c in collectives.values())
+        r = _record(name, timed[name].median, None, None, None, calls, round(sent), collectives, losses[name])
+        r["peer"] = case.peer_info[name]
+        records.append(r)
+    for r in records:  # after every timing: see _peak_rise_mib
+        peak = _peak_rise_mib(steps[r["schedule"]])
         r["peak_mib"] = None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
-    base = next(r for r in records if r["schedule"] == BASELINE)
+    by_name = {r["schedule"]: r for r in records}
     for r in records:
-        r["speedup_vs_megatron"] = _metrics.speedup(base["t_step"], r["t_step"])
-        r["speedup_vs_torch_tp"] = _metrics.speedup(records[-1]["t_step"], r["t_step"])
+        r["speedup_vs_megatron"] = _metrics.speedup(by_name[BASELINE]["t_step"], r["t_step"])
+        r["speedup_vs"] = {peer: _metrics.speedup(by_name[peer]["t_step"], r["t_step"]) for peer in case.peers}
+        r["speedup_vs_torch_tp"] = r["speedup_vs"]["torch_tp"]
         r["efficiency"] = (None if r["bound"] is None
-                           else _metrics.efficiency(base["t_step"], r["t_step"], r["bound"]))
-    for r in records:
-        r["config"] = {"hidden": config.hidden, "layers": config.layers, "heads": config.heads,
-                       "batch": batch, "seq_len": config.seq_len}
+                           else _metrics.efficiency(by_name[BASELINE]["t_step"], r["t_step"], r["bound"]))
+        r["config"] = case.config
+        r["title"] = case.title
+        r["notes"] = case.notes
     return records
 
 
 def _record(name: str, t_step: float, t_compute: Optional[float], t_comm: Optional[float],
-            busy: Optional[float], calls: Optional[int], sent: Optional[int], loss: float) -> dict:
+            busy: Optional[float], calls: int, sent: int, collectives: Optional[dict], loss: float) -> dict:
+    """collectives: a peer's, {kind: {"calls", "bytes" of the full tensors}} (ours: None, counted by
+    the Communicator: `calls` all-reduces, `sent` bytes sent by ring)."""
     bound = None if t_compute is None else _metrics.bound(t_compute, t_comm)
+    all_reduces = calls if collectives is None else collectives.get("all_reduce", {}).get("calls", 0)
     return {"schedule": name, "t_step": t_step, "t_compute": t_compute, "t_comm": t_comm, "bound": bound,
-            "busy": busy, "all_reduces": calls, "sent_bytes": sent, "loss": loss}
+            "busy": busy, "all_reduces": all_reduces, "collective_calls": calls, "sent_bytes": sent,
+            "collectives": collectives, "loss": loss, "peer": None}
+
+
+def _collectives(r: dict) -> str:
+    if r["collectives"] is None:
+        return f"{r['collective_calls']} AR"
+    return " + ".join(f"{c['calls']} {_SHORT.get(kind, kind)}" for kind, c in r["collectives"].items()) or "0"
 
 
 def tables(records: list[dict]) -> list[Table]:
     def ms(v: Optional[float]) -> Optional[float]:
         return None if v is None else 1e3 * v
 
-    c = records[0]["config"]
+    peers = list(records[0]["speedup_vs"])
     rows = [[r["schedule"], ms(r["t_step"]), ms(r["t_compute"]), ms(r["t_comm"]), ms(r["bound"]),
-             r["efficiency"], r["busy"], r["speedup_vs_megatron"], r["speedup_vs_torch_tp"], r["peak_mib"],
-             None if r["sent_bytes"] is None else r["sent_bytes"] / 2**20, r["all_reduces"]] for r in records]
+             r["efficiency"], r["busy"], r["speedup_vs_megatron"], *(r["speedup_vs"][p] for p in peers),
+             r["peak_mib"], r["sent_bytes"] / 2**20, _collectives(r)] for r in records]
     return [Table(
-        f"layers: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']} x {c['seq_len']}",
+        f"layers: {records[0]['title']}",
         ["schedule", "t_step ms", "t_compute ms", "t_comm ms", "bound ms", "efficiency", "busy",
-         "x megatron", "x torch_tp", "peak MiB", "sent MiB", "all-reduces"], rows,
+         "x megatron", *(f"x {p}" for p in peers), "peak MiB", "sent MiB", "collectives"], rows,
         ["efficiency = (t_megatron - t_step) / (t_megatron - bound); busy = share of the step not "
          "blocked on communication (least busy rank)",
-         "torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"])]
+         "sent MiB = bytes each rank sends per step by ring: all-reduce (AR) 2 (p-1)/p n, all-gather (AG) "
+         "and reduce-scatter (RS) (p-1)/p n, for a full tensor of n bytes",
+         *records[0]["notes"]])]
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
@@ -266,7 +419,7 @@ def plot(records: list[dict], path: str, title: str) -> bool:
             ax.hlines(1e3 * r["bound"], i - 0.4, i + 0.4, colors="black", linestyles=":",
                       label="bound max(compute, comm)" if i == 0 else None)
     ax.set_ylabel("ms per training step (MAX over ranks)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(f"{records[0]['title']}\n{title}", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -264,8 +264,10 @@ def test_layers_suite_llama(tmp_path):
 
     titan = records["torch_tp"]
     plan = titan["peer"]["plan"]
-    assert plan["model.embed_tokens"].startswith("RowwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=1),)")
-    assert plan["lm_head"].startswith("ColwiseParallel(input_layouts=(Shard(dim=1),), output_layouts=(Shard(dim=-1),)")
+    assert plan["model.embed_tokens"].startswith(
+        "RowwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=1),)")
+    assert plan["lm_head"].startswith(
+        "ColwiseParallel(input_layouts=(Shard(dim=1),), output_layouts=(Shard(dim=-1),)")
     assert "use_local_output=False" in plan["lm_head"] and "loss_parallel" in titan["peer"]["impl"]
     for norm in ("model.norm", "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"):
         assert plan[norm].startswith("SequenceParallel("), norm
