@@ -172,9 +172,9 @@ def _check_traffic(rank, p):
     sent, reduced = [], []
     post, backend_all_reduce = ring_module._post, dist.all_reduce
 
-    def counting_post(ring, direction, send, recv):
+    def counting_post(ring, direction, send, recv, *tag):
         sent.append(send.numel())
-        return post(ring, direction, send, recv)
+        return post(ring, direction, send, recv, *tag)
 
     def counting_all_reduce(t, *args, **kwargs):
         reduced.append(t.numel())

@@ -124,9 +124,9 @@ def _check_traffic(rank, p):
     sent = []
     original = ring_module._post
 
-    def counting_post(ring, direction, send, recv):
+    def counting_post(ring, direction, send, recv, *tag):
         sent.append(send.numel())
-        return original(ring, direction, send, recv)
+        return original(ring, direction, send, recv, *tag)
 
     ring_module._post = counting_post
     try:

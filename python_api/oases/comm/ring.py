@@ -40,9 +40,10 @@ def _lanes(piece_rows: int, bidirectional: bool) -> list[_Lane]:
     return [(1, 0, half), (-1, half, piece_rows - half)]
 
 
-def _post(ring: Ring, direction: int, send: torch.Tensor, recv: torch.Tensor) -> list[dist.Work]:
-    """One ring step of one lane: send to the rank `direction` ahead, receive from the one behind."""
-    tag = 0 if direction > 0 else 1
+def _post(ring: Ring, direction: int, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> list[dist.Work]:
+    """One ring step of one lane: send to the rank `direction` ahead, receive from the one behind.
+    Messages carry `tag` (forward lane) or `tag + 1` (backward lane)."""
+    tag = tag if direction > 0 else tag + 1
     # Receive first: on gloo, a send whose receive is not yet posted on a two-way link gets half
     # its rate (measured with oases-launch --selftest); NCCL groups the pair either way.
     ops = [
@@ -58,7 +59,7 @@ def _wait(works: list[dist.Work]) -> None:
 
 
 def _all_gather_rows(
-    shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool
+    shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool, tag: int = 0
 ) -> Iterator[slice]:
     """Gather `shard` ([n, ...], contiguous) from every rank into `out` ([p*n, ...], contiguous).
 
@@ -85,7 +86,7 @@ def _all_gather_rows(
 
     def post(step: int, k: int, lane: _Lane) -> list[dist.Work]:
         return _post(ring, lane[0], out[rows(block_sent(step, lane), k, lane)],
-                     out[rows(block_received(step, lane), k, lane)])
+                     out[rows(block_received(step, lane), k, lane)], tag)
 
     pending = {(0, k, i): post(0, k, lane) for k in range(chunks) for i, lane in enumerate(lanes) if p > 1}
     for k in range(chunks):
@@ -106,6 +107,7 @@ def _reduce_scatter_rows(
     chunks: int,
     bidirectional: bool,
     accumulate: Optional[Callable[[slice, torch.Tensor], None]] = None,
+    tag: int = 0,
 ) -> Iterator[slice]:
     """out ([n, ...], contiguous) = sum over ranks of each rank's rows [r*n, (r+1)*n).
 
@@ -151,7 +153,7 @@ def _reduce_scatter_rows(
                             acc.add_(part)
                 if step < p - 1:
                     recv = torch.empty_like(acc)
-                    pending[(k, i)] = (_post(ring, direction, acc, recv), acc, recv)
+                    pending[(k, i)] = (_post(ring, direction, acc, recv, tag), acc, recv)
                 yield rows
 
 
@@ -173,15 +175,18 @@ def all_gather_steps(
     dim: int = 0,
     chunks: int = 1,
     bidirectional: bool = False,
+    tag: int = 0,
 ) -> Generator[None, None, torch.Tensor]:
     """ring_all_gather, one ring step at a time: yields after each piece with the next pieces in
     flight, and returns the result (`out = yield from all_gather_steps(t, group)`), so a caller
-    (oases.schedule's programs) runs other work while the pieces travel."""
+    (oases.schedule's programs) runs other work while the pieces travel. Rings that may run at
+    the same time on one group (from two threads) need different `tag`s (a ring uses tag and
+    tag + 1), so their messages never match each other's."""
     ring, dim = _resolve(t, group, dim, chunks)
     _checks.divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
     shard = _to_rows(t, dim)
     out = shard.new_empty((shard.shape[0] * ring.size, *shard.shape[1:]))
-    for _ in _all_gather_rows(shard, out, ring, chunks, bidirectional):
+    for _ in _all_gather_rows(shard, out, ring, chunks, bidirectional, tag):
         yield
     return out.movedim(0, dim).contiguous()
 
@@ -193,14 +198,16 @@ def reduce_scatter_steps(
     dim: int = 0,
     chunks: int = 1,
     bidirectional: bool = False,
+    tag: int = 0,
 ) -> Generator[None, None, torch.Tensor]:
     """ring_reduce_scatter, one ring step at a time: yields after each partial sum is posted, and
-    returns the result (`out = yield from reduce_scatter_steps(t, group)`)."""
+    returns the result (`out = yield from reduce_scatter_steps(t, group)`); `tag` as in
+    all_gather_steps."""
     ring, dim = _resolve(t, group, dim, chunks)
     _checks.full_divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
     rows = _to_rows(t, dim)
     out = rows.new_empty((rows.shape[0] // ring.size, *rows.shape[1:]))
-    for _ in _reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional):
+    for _ in _reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional, tag=tag):
         yield
     return out.movedim(0, dim).contiguous()
 

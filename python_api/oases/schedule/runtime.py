@@ -15,9 +15,11 @@ is resumed at once: its communication is blocking ("megatron").
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
-from typing import Any, Generator, Optional
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Generator, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from oases.comm import all_gather_steps, reduce_scatter_steps
 
 __all__ = ["BARRIER", "Communicator", "interleave"]
+
+_THREAD_TAG = 2  # rings run on the communicator's thread use message tags 2 and 3; the caller's 0 and 1
 
 BARRIER = object()
 Program = Generator[Any, None, Any]
@@ -36,6 +40,7 @@ class Communicator:
         work = comm.all_reduce(t, "forward")                 # t summed in place once work.wait()
         out = yield from comm.all_gather(t, dim, "forward")  # ring steps; yields between them
         out = yield from comm.reduce_scatter(t, dim, "backward")
+        task = comm.submit(fn); ...; result = task.wait()   # fn runs on the communicator's thread
     `calls[pass]` counts the calls and `bytes[pass]` the bytes this rank sends (pass: "forward",
     "recompute", "backward"): an all-reduce of n bytes sends 2 (p-1)/p n, an all-gather into n
     bytes or a reduce-scatter of n bytes (p-1)/p n. `waited` is the host's seconds blocked in
@@ -43,6 +48,13 @@ class Communicator:
     without blocking the host: time with CUDA events). With no process group (world size 1)
     nothing is sent, counted or waited for. `dry_run = True` counts but sends nothing (results
     are then wrong): benchmarks time compute alone with it.
+
+    `submit` runs a function on the communicator's own thread (started on first use, ended by
+    `close()`), in submission order: the CPU's counterpart of a communication stream. There,
+    `gather` / `scatter` run whole rings (blocking that thread only) with their own message tags,
+    so they never match a ring of the caller's thread; small computations chained between them
+    (a bias, a norm) run there too, while the caller's thread computes. `waited` then counts
+    the caller's time blocked in `task.wait()`.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
@@ -52,10 +64,43 @@ class Communicator:
         self.bytes: Counter = Counter()
         self.waited = 0.0
         self.dry_run = False
+        self._lock = threading.Lock()  # counters are updated from both threads
+        self._thread: Optional[ThreadPoolExecutor] = None
 
     def _count(self, phase: str, nbytes: int, share: float) -> None:
-        self.calls[phase] += 1
-        self.bytes[phase] += round(share * (self.world_size - 1) / self.world_size * nbytes)
+        with self._lock:
+            self.calls[phase] += 1
+            self.bytes[phase] += round(share * (self.world_size - 1) / self.world_size * nbytes)
+
+    def submit(self, fn: Callable[[], Any]) -> "_Task":
+        """Run `fn()` on the communicator's thread after every task submitted before it."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oases-comm")
+        return _Task(self._thread.submit(fn), self)
+
+    def gather(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+        """cat(t from every rank, dim), blocking; for tasks on the communicator's thread."""
+        if self.world_size == 1:
+            return t
+        self._count(phase, t.numel() * t.element_size() * self.world_size, 1)
+        if self.dry_run:
+            return torch.cat([t] * self.world_size, dim)
+        return _drain(all_gather_steps(t, self.group, dim=dim, tag=_THREAD_TAG))
+
+    def scatter(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+        """sum(t from every rank) narrowed to this rank's block of `dim`, blocking; for tasks."""
+        if self.world_size == 1:
+            return t
+        self._count(phase, t.numel() * t.element_size(), 1)
+        if self.dry_run:
+            return t.chunk(self.world_size, dim)[dist.get_rank(self.group)].contiguous()
+        return _drain(reduce_scatter_steps(t, self.group, dim=dim, tag=_THREAD_TAG))
+
+    def close(self) -> None:
+        """End the communicator's thread (after its pending tasks); submit starts a new one."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
 
     def all_reduce(self, t: torch.Tensor, phase: str) -> "_Work":
         if self.world_size == 1:
@@ -96,9 +141,33 @@ class Communicator:
             yield
 
     def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-        self.waited = 0.0
+        with self._lock:
+            self.calls.clear()
+            self.bytes.clear()
+            self.waited = 0.0
+
+
+def _drain(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+class _Task:
+    """A function running on a Communicator's thread; `wait()` returns its result (or raises its
+    exception) and books the time blocked."""
+
+    def __init__(self, future: Future, owner: Communicator) -> None:
+        self._future, self._owner = future, owner
+
+    def wait(self) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._future.result()
+        finally:
+            self._owner.waited += time.perf_counter() - start
 
 
 class _Work:

@@ -23,6 +23,7 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Generator, Mapping, Optional
@@ -243,6 +244,93 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
     return loss.detach()
 
 
+def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
+                     plan: Schedule, comm: Communicator, rank: int) -> Generator:
+    """Sequence parallel with fine-grained recomputation ("oases"): the program's thread runs the
+    cores; everything between two cores -- scatter, finish, norm, gather, and in backward their
+    adjoints -- is one task on the communicator's thread, so it overlaps the other sub-batch's core.
+
+        forward (A, B: sub-batches)
+          program thread:      | core A1 | core B1 | core A2 | core B2 | ...
+          communicator thread:           | RS A1, finish, norm, AG A2 | RS B1, ... AG B2 |
+        backward of sublayer l (the thread's task for l-1 waits only on l's core backward)
+          program thread:      | recompute core l + backward A | ... B |
+          communicator thread: | RS grad h, norm bwd; finish bwd l-1, AG grad, AG norm(x_{l-1}) |
+    """
+    subs = [sub for layer in stack.layers() for sub in layer]
+    with torch.enable_grad():
+        embedded, ctx = stack.embed(input_ids, where)  # [b, t, h], every rank alike
+    t = embedded.shape[_SEQ]
+    n = t // comm.world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    tokens = _with_tokens(ctx, where.tokens(mine, t))
+    x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
+    saved = []
+    task = comm.submit(functools.partial(_between_forward, None, subs[0], x, None, tokens, comm))
+    yield
+    for i, sub in enumerate(subs):
+        x, h = task.wait()
+        saved.append(x)
+        with torch.no_grad():
+            part = sub.core(h, tokens)
+        following = subs[i + 1] if i + 1 < len(subs) else None
+        task = comm.submit(functools.partial(_between_forward, sub, following, x, part, tokens, comm))
+        yield
+    _, x_full = task.wait()  # the head sees every token, as without SP
+    x_full.requires_grad_()
+    with torch.enable_grad():
+        loss = loss_sum(stack.head(x_full, ctx), labels)
+        (loss / normalizer).backward()
+    grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
+    task = comm.submit(functools.partial(_between_backward, None, subs[-1], grad, saved[-1], tokens, comm))
+    yield
+    for i in reversed(range(len(subs))):
+        grad_part, h, x_leaf, h_r, grad = task.wait()
+        h_leaf = h.requires_grad_()
+        with torch.enable_grad():
+            part = subs[i].core(h_leaf, tokens)
+        part.backward(grad_part)
+        grad_h = h_leaf.grad if h_leaf.grad is not None else torch.zeros_like(h_leaf)
+        earlier = subs[i - 1] if i > 0 else None
+        task = comm.submit(functools.partial(_between_backward, (grad_h, x_leaf, h_r), earlier, grad,
+                                             saved[i - 1] if i > 0 else None, tokens, comm))
+        yield
+    embedded.backward(task.wait())
+    return loss.detach()
+
+
+def _between_forward(done, following, x_r, part, tokens, comm: Communicator):
+    """On the communicator's thread: finish sublayer `done` (scatter its core's output), then
+    gather the normed input of `following` (or the whole x for the head). -> (x_r, gathered)."""
+    with torch.no_grad():
+        if done is not None:
+            x_r = x_r + done.finish(comm.scatter(part, _SEQ, "forward"), tokens)
+        h_r = following.norm(x_r) if following is not None else x_r
+        return x_r, comm.gather(h_r, _SEQ, "forward")
+
+
+def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicator):
+    """On the communicator's thread: the adjoints between two cores. `done` = (grad of the
+    gathered h, x leaf, normed slice) of the sublayer whose core backward just ran: scatter the
+    gradient and run its norm backward; then for the sublayer below (`following`): its finish
+    backward, the gather of its core's output gradient, and the re-gather of its normed input.
+    With nothing below, gather the gradient for the embedding instead."""
+    with torch.enable_grad():
+        if done is not None:
+            grad_h, x_leaf, h_r = done
+            h_r.backward(comm.scatter(grad_h, _SEQ, "backward"))
+            grad_r = grad_r + x_leaf.grad
+        if following is None:
+            return comm.gather(grad_r.contiguous(), _SEQ, "backward")  # the split's adjoint
+        z = torch.zeros_like(grad_r, requires_grad=True)  # stands for RS(part): finish is affine in it
+        following.finish(z, tokens).backward(grad_r)
+        grad_part = comm.gather(z.grad, _SEQ, "backward")  # reduce-scatter's adjoint
+        x_leaf = x_saved.detach().requires_grad_()
+        h_r = following.norm(x_leaf)
+    h = comm.gather(h_r.detach(), _SEQ, "recompute")
+    return grad_part, h, x_leaf, h_r, grad_r
+
+
 def _with_tokens(ctx: Any, tokens: SubBatch) -> Any:
     """The stack's context with its SubBatch (where `finish` reads positions) narrowed to `tokens`."""
     if isinstance(ctx, SubBatch):
@@ -332,7 +420,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
         params = _sequence_parallel_parameters(stack)
         before = [None if p.grad is None else p.grad.clone() for p in params]
         rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
-        program, extra = _program_sp, (rank,)
+        program, extra = (_program_sp_fine if plan.fine_grained_recompute else _program_sp), (rank,)
     programs = [
         program(stack, input_ids[r], labels[r],
                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
