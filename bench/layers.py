@@ -13,7 +13,8 @@ data and weights, measured in one run (variants round-robin, medians, MAX over r
             sdpa, untied embeddings; batch 8 x 64), sharded by `oases.parallelize(model)`, one
             step = `oases.train_step(model, ids, ids, schedule=s, comm=comm)`
 
-Per schedule:
+Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whose
+gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm):
 
     t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
     t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run)
@@ -61,11 +62,18 @@ from bench import _metrics
 from bench._peers import CollectiveLog
 from bench._report import Table
 from oases.models import GPT, GPTConfig
-from oases.schedule import SCHEDULES, Communicator
+from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
 from oases.schedule.runtime import _Work
 
 BASELINE = "megatron"
 MODELS = ("gpt", "llama")
+# Our variants: every schedule, and the oases schedule with sequence parallelism ("-sp").
+VARIANTS = (*SCHEDULES, "oases-sp")
+
+
+def _variant(name: str) -> tuple[str, bool]:
+    """(schedule, sequence_parallel) of a variant name."""
+    return name.removesuffix("-sp"), name.endswith("-sp")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 _SHORT = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
 
@@ -172,7 +180,8 @@ def _gpt_case(args, ctx) -> _Case:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
     targets = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
-    models = {name: GPT(config, ctx.group, schedule=name, seed=0).to(ctx.device) for name in SCHEDULES}
+    models = {name: GPT(config, ctx.group, schedule=_variant(name)[0], seed=0,
+                        sequence_parallel=_variant(name)[1]).to(ctx.device) for name in VARIANTS}
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -191,7 +200,8 @@ def _gpt_case(args, ctx) -> _Case:
                f"batch {batch} x {config.seq_len}"),
         config={"model": "gpt", "hidden": config.hidden, "layers": config.layers, "heads": config.heads,
                 "batch": batch, "seq_len": config.seq_len},
-        ours={name: (lambda m=m: m.train_step(tokens, targets)) for name, m in models.items()},
+        ours={name: (lambda memory=None, m=m: m.train_step(tokens, targets, memory=memory))
+              for name, m in models.items()},
         comms={name: m.comm for name, m in models.items()},
         peers={"torch_tp": torch_step},
         peer_info={"torch_tp": {"impl": "parallelize_module(_TorchGPT, init_device_mesh(cpu, (p,)), plan)",
@@ -217,11 +227,13 @@ def _llama_case(args, ctx) -> _Case:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the LM head stays replicated, as the warning would say
         oases.parallelize(model)
-    comms = {name: Communicator(dist.group.WORLD, ctx.world_size) for name in SCHEDULES}
+    comms = {name: Communicator(dist.group.WORLD, ctx.world_size) for name in VARIANTS}
 
-    def ours(schedule: str) -> torch.Tensor:
+    def ours(name: str, memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        return oases.train_step(model, ids, ids, schedule=schedule, comm=comms[schedule])
+        schedule, sequence_parallel = _variant(name)
+        return oases.train_step(model, ids, ids, schedule=schedule, sequence_parallel=sequence_parallel,
+                                comm=comms[name], memory=memory)
 
     def check() -> None:
         """Every peer's gradients (of its first step) against the unsharded model's."""
@@ -245,7 +257,7 @@ def _llama_case(args, ctx) -> _Case:
                 "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
                 "intermediate": c.intermediate_size, "vocab": c.vocab_size, "batch": batch, "seq_len": seq_len,
                 "attn_implementation": "sdpa", "tie_word_embeddings": False},
-        ours={name: (lambda name=name: ours(name)) for name in SCHEDULES},
+        ours={name: (lambda memory=None, name=name: ours(name, memory)) for name in VARIANTS},
         comms=comms,
         peers={name: (lambda peer=peer: peer.step(ids)) for name, peer in peers.items()},
         peer_info={name: peer.describe() for name, peer in peers.items()},
@@ -338,8 +350,11 @@ def run(args, ctx) -> list[dict]:
         p = ctx.world_size  # all-reduces sending as many bytes by ring: 2 (p-1)/p numel*4 each
         replay = torch.zeros(round(sent / max(calls, 1) * p / (2 * max(p - 1, 1)) / 4), device=ctx.device)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
+        memory = CheckpointMemory()
+        step(memory=memory)
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
                                calls, sent, None, losses[name]))
+        records[-1]["checkpoint_mib"] = memory.peak / 2**20
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
             step()
@@ -350,6 +365,7 @@ def run(args, ctx) -> list[dict]:
         calls = sum(c["calls"] for c in collectives.values())
         r = _record(name, timed[name].median, None, None, None, calls, round(sent), collectives, losses[name])
         r["peer"] = case.peer_info[name]
+        r["checkpoint_mib"] = None
         records.append(r)
     for r in records:  # after every timing: see _peak_rise_mib
         peak = _peak_rise_mib(steps[r["schedule"]])
@@ -379,8 +395,8 @@ def _record(name: str, t_step: float, t_compute: Optional[float], t_comm: Option
 
 
 def _collectives(r: dict) -> str:
-    if r["collectives"] is None:
-        return f"{r['collective_calls']} AR"
+    if r["collectives"] is None:  # ours, counted by the Communicator (sequence parallel: mostly AG and RS)
+        return f"{r['collective_calls']} {'AG/RS/AR' if r['schedule'].endswith('-sp') else 'AR'}"
     return " + ".join(f"{c['calls']} {_SHORT.get(kind, kind)}" for kind, c in r["collectives"].items()) or "0"
 
 
@@ -391,13 +407,15 @@ def tables(records: list[dict]) -> list[Table]:
     peers = list(records[0]["speedup_vs"])
     rows = [[r["schedule"], ms(r["t_step"]), ms(r["t_compute"]), ms(r["t_comm"]), ms(r["bound"]),
              r["efficiency"], r["busy"], r["speedup_vs_megatron"], *(r["speedup_vs"][p] for p in peers),
-             r["peak_mib"], r["sent_bytes"] / 2**20, _collectives(r)] for r in records]
+             r["peak_mib"], r["checkpoint_mib"], r["sent_bytes"] / 2**20, _collectives(r)] for r in records]
     return [Table(
         f"layers: {records[0]['title']}",
         ["schedule", "t_step ms", "t_compute ms", "t_comm ms", "bound ms", "efficiency", "busy",
-         "x megatron", *(f"x {p}" for p in peers), "peak MiB", "sent MiB", "collectives"], rows,
+         "x megatron", *(f"x {p}" for p in peers), "peak MiB", "ckpt MiB", "sent MiB", "collectives"], rows,
         ["efficiency = (t_megatron - t_step) / (t_megatron - bound); busy = share of the step not "
          "blocked on communication (least busy rank)",
+         "ckpt MiB = sublayer inputs kept for recomputation at most at once (oases.schedule.CheckpointMemory; "
+         "peers keep autograd's activations instead)",
          "sent MiB = bytes each rank sends per step by ring: all-reduce (AR) 2 (p-1)/p n, all-gather (AG) "
          "and reduce-scatter (RS) (p-1)/p n, for a full tensor of n bytes",
          *records[0]["notes"]])]

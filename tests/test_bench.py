@@ -20,7 +20,7 @@ sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not inst
 
 from bench import _metrics  # noqa: E402
 WORLD_SIZE = 2
-SCHEDULES = ("megatron", "merak", "cross_pass", "oases")
+SCHEDULES = ("megatron", "merak", "cross_pass", "oases", "oases-sp")
 FUSED = {"all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"}
 COLLECTIVES = {"ring_all_gather", "ring_reduce_scatter", "all_reduce"}
 PEERS = {"serial", "serial_ring", "torch_tp", "torch_symm_mem", "torch_async"}
@@ -235,6 +235,9 @@ def _check_layers_records(records, peers):
         assert r["speedup_vs_torch_tp"] == r["speedup_vs"]["torch_tp"]
         assert isinstance(r["sent_bytes"], int) and r["sent_bytes"] > 0, name
         assert r["peak_mib"] is None or r["peak_mib"] >= 0, name
+    assert all(records[name]["checkpoint_mib"] > 0 for name in SCHEDULES)
+    assert records["oases-sp"]["checkpoint_mib"] == pytest.approx(records["oases"]["checkpoint_mib"] / WORLD_SIZE)
+    assert all(records[name]["checkpoint_mib"] is None for name in peers)
     for name in peers:
         r = records[name]
         assert _is_time(r["t_step"]) and r["t_compute"] is r["t_comm"] is r["bound"] is r["busy"] is None, name

@@ -5,7 +5,7 @@ import torch
 from _spawn import run_ranks
 
 from oases.models import GPT, GPTConfig
-from oases.schedule import SCHEDULES
+from oases.schedule import SCHEDULES, CheckpointMemory
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2)
 
@@ -59,19 +59,24 @@ def _count_communication(rank, world_size):
     config = GPTConfig(**CONFIG)
     tokens, targets = _batch(4, 0)
     counts = {}
-    for schedule in SCHEDULES:
-        model = GPT(config, schedule=schedule)
-        model.train_step(tokens, targets)
-        counts[schedule] = (dict(model.comm.calls), dict(model.comm.bytes))
-    model = GPT(config, schedule="oases", sequence_parallel=True)
-    model.train_step(tokens, targets)
-    counts["oases-sp"] = (dict(model.comm.calls), dict(model.comm.bytes))
+    for name, schedule, sp in [(s, s, False) for s in SCHEDULES] + [("oases-sp", "oases", True)]:
+        model = GPT(config, schedule=schedule, sequence_parallel=sp)
+        memory = CheckpointMemory()
+        model.train_step(tokens, targets, memory=memory)
+        assert memory.held == 0, name
+        counts[name] = (dict(model.comm.calls), dict(model.comm.bytes), memory.peak)
     return counts
 
 
 def test_oases_moves_two_thirds_of_megatrons_bytes():
-    counts = run_ranks(_count_communication, 2)[0]
+    world_size = 2
+    counts = run_ranks(_count_communication, world_size)[0]
     layers, activation = CONFIG["layers"], 4 * CONFIG["seq_len"] * CONFIG["hidden"] * 4  # fp32 bytes
+    peaks = {name: c[2] for name, c in counts.items()}  # inputs kept for recomputation, whole batch
+    assert peaks["oases"] == 2 * layers * activation  # every sublayer's input
+    assert peaks["megatron"] == peaks["merak"] == peaks["cross_pass"] == layers * activation  # every layer's
+    assert peaks["oases-sp"] == peaks["oases"] // world_size  # this rank's slice of the sequence
+    counts = {name: c[:2] for name, c in counts.items()}
     calls, sent = counts["megatron"]
     assert calls == {"forward": 2 * layers, "recompute": 2 * layers, "backward": 2 * layers}
     assert sent == {phase: 2 * layers * activation for phase in calls}

@@ -210,3 +210,31 @@ def test_unknown_architecture_names_what_the_adapter_needs():
     model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match=r"no adapter for GPT2LMHeadModel .*implement oases.schedule.Stack"):
         oases.train_step(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
+
+
+def _check_nanogpt(rank, world_size):
+    from test_parallelize import GPT as NanoGPT
+
+    torch.manual_seed(3)
+    ref = NanoGPT(n_embd=48, n_head=12)
+    tp = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    logits = ref(idx)
+    want_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
+    want_loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for schedule, sp in (("oases", False), ("megatron", False), ("oases", True)):
+        tp.zero_grad(set_to_none=True)
+        loss = oases.train_step(tp, idx, idx, schedule=schedule, sequence_parallel=sp)
+        torch.testing.assert_close(loss, want_loss.detach(), **TOL)
+        for name, param in tp.named_parameters():
+            torch.testing.assert_close(param.grad, _expected(tp, name, want[name], rank, world_size), **TOL,
+                                       msg=lambda m: f"nanoGPT {schedule} sp={sp} {name}: {m}")
+    return True
+
+
+def test_nanogpt_style_model_matches_unsharded():
+    run_ranks(_check_nanogpt, 2, timeout=120)

@@ -18,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models.hf import HFStack
+from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
-from oases.schedule import Communicator, Stack, train_step as _run_schedule
+from oases.schedule import CheckpointMemory, Communicator, Stack, train_step as _run_schedule
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -29,11 +30,14 @@ IGNORE_INDEX = -100
 def adapt(model: object) -> Stack:
     """The `oases.schedule.Stack` view of `model`: itself if it implements the protocol (as
     oases.models.GPT and a user's own stack do), an `HFStack` for a Hugging Face causal LM whose
-    decoder layers the adapter knows; otherwise ValueError naming what is needed."""
+    decoder layers the adapter knows, a `NanoGPTStack` for nanoGPT's layout; otherwise
+    ValueError naming what is needed."""
     if all(inspect.ismethod(getattr(model, name, None)) for name in ("embed", "layers", "head")):
         return model  # type: ignore[return-value]
     if isinstance(model, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
         return HFStack(model)
+    if is_nanogpt(model):
+        return NanoGPTStack(model)
     raise ValueError(
         f"model: {type(model).__name__} is neither a Hugging Face causal LM nor an oases.schedule.Stack; "
         "implement embed(input_ids, where) -> (x, ctx), layers() -> [[sublayer, ...], ...] (each with "
@@ -86,6 +90,7 @@ def train_step(
     attention_mask: Optional[torch.Tensor] = None,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     comm: Optional[Communicator] = None,
+    memory: Optional[CheckpointMemory] = None,
 ) -> torch.Tensor:
     """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
 
@@ -103,13 +108,15 @@ def train_step(
     returns the summed loss of the rows it is given, and the step's loss is the sum over the
     batch divided by the number of labels != -100 (with a vocab-parallel head it receives
     this rank's slice of the logits: see oases.schedule.protocol). `comm`: an oases.schedule.Communicator on the
-    model's TP group, to count calls, bytes and time waited across steps (default: a new one).
+    model's TP group, to count calls, bytes and time waited across steps (default: a new one);
+    `memory`: an oases.schedule.CheckpointMemory that accounts the activations kept for
+    recomputation (its `peak`, in bytes, over every sub-batch).
     The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
-    LM after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
+    LM or a nanoGPT-style model after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
     gradients of the unsharded model; every check runs before any communication.
     """
     stack = adapt(model)
-    if isinstance(stack, HFStack):
+    if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable()
     comm = _tp_communicator(model) if comm is None else comm
     if loss_fn is None:
@@ -124,5 +131,4 @@ def train_step(
     seed = step_seed() if callable(step_seed) else None
     return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
                          schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                         dropout_seed=seed,
-                         attention_mask=attention_mask)
+                         dropout_seed=seed, attention_mask=attention_mask, memory=memory)

@@ -1,5 +1,7 @@
-"""Models whose stacks run on the Oases schedules: our GPT, and Hugging Face decoders through HFStack."""
+"""Models whose stacks run on the Oases schedules: our GPT, Hugging Face decoders (HFStack) and
+nanoGPT-style models (NanoGPTStack), each an oases.schedule.Stack."""
 from oases.models.gpt import GPT, GPTConfig
 from oases.models.hf import HFStack
+from oases.models.nanogpt import NanoGPTStack
 
-__all__ = ["GPT", "GPTConfig", "HFStack"]
+__all__ = ["GPT", "GPTConfig", "HFStack", "NanoGPTStack"]

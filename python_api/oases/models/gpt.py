@@ -29,7 +29,7 @@ from oases._sharding import ShardRule
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from oases.schedule import SCHEDULES, Communicator, SubBatch, train_step
+from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, train_step
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -236,7 +236,7 @@ class GPT(nn.Module):
     # --- training -----------------------------------------------------------------------------------
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
-                   sub_batches: Optional[int] = None) -> torch.Tensor:
+                   sub_batches: Optional[int] = None, memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
             loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
@@ -249,7 +249,7 @@ class GPT(nn.Module):
         seed = seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),
                           comm=self.comm, schedule=self.schedule, sub_batches=sub_batches,
-                          sequence_parallel=self.sequence_parallel, dropout_seed=seed)
+                          sequence_parallel=self.sequence_parallel, dropout_seed=seed, memory=memory)
 
     def step_seed(self) -> Optional[int]:
         """The dropout seed of a training step (None without dropout): drawn from the default

@@ -28,8 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases.models._branch import Branch, check_no_dropout, check_sharded
 from oases.nn._mappings import copy_to_tp
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
+from oases.nn.layers import ColumnParallelLinear
 from oases.schedule.protocol import SubBatch
 
 __all__ = ["HFStack", "SEQUENTIAL_LAYERS", "PARALLEL_RESIDUAL_LAYERS"]
@@ -39,7 +40,6 @@ SEQUENTIAL_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen
 # GPT-NeoX: parallel residual x + attention(ln1 x) + mlp(ln2 x) (or sequential when the config says so).
 PARALLEL_RESIDUAL_LAYERS = frozenset({"GPTNeoXLayer"})
 _FINAL_NORMS = ("norm", "final_layer_norm")
-_NOT_PASSED = ("hidden_states", "use_cache", "past_key_values", "layer_past", "past_key_value")
 
 
 @dataclass(frozen=True)
@@ -63,47 +63,6 @@ class _Recorder(nn.Module):
                             "this model's forward is not one the Hugging Face adapter knows")
         self.calls.append((hidden_states, kwargs))
         return hidden_states
-
-
-def _row_biases(module: nn.Module) -> list[torch.Tensor]:
-    return [m.bias for m in module.modules() if isinstance(m, RowParallelLinear) and m.bias is not None]
-
-
-class _Branch:
-    """One sublayer: x + finish(reduce(core(norm(x)))), over a decoder layer's own modules."""
-
-    def __init__(self, index: int, norms: tuple[nn.Module, ...], branches: tuple[nn.Module, ...],
-                 attention: Optional[nn.Module]) -> None:
-        self.index = index  # the decoder layer's
-        self.norms, self.branches, self.attention = norms, branches, attention
-        self.biases = [b for m in branches for b in _row_biases(m)]
-
-    def norm(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.norms) == 1:
-            return self.norms[0](x)
-        return torch.stack([n(x) for n in self.norms])  # [branches, b, t, h]
-
-    def core(self, h: torch.Tensor, ctx: _Context) -> torch.Tensor:
-        inputs = [h] if len(self.norms) == 1 else h.unbind(0)
-        out = None
-        for module, x in zip(self.branches, inputs):
-            with no_tp_communication(module):
-                if module is self.attention:
-                    kwargs = {k: v for k, v in ctx.layer_kwargs[self.index].items() if k not in _NOT_PASSED}
-                    y = module(hidden_states=x, **kwargs)[0]
-                else:
-                    y = module(x)
-            out = y if out is None else out + y
-        return out
-
-    def finish(self, z: torch.Tensor, ctx: _Context) -> torch.Tensor:
-        for b in self.biases:
-            z = z + b
-        return z
-
-    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
-        """What norm and finish use (summed over the group under sequence parallelism)."""
-        return [*(p for n in self.norms for p in n.parameters()), *self.biases]
 
 
 class HFStack:
@@ -137,46 +96,23 @@ class HFStack:
             raise ValueError(_unknown(model, "no final norm (base_model.norm / final_layer_norm) or no output embeddings"))
         self.logits_group = self.lm_head.group if isinstance(self.lm_head, ColumnParallelLinear) else None
         self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
-        self._check_sharded()
+        check_sharded(self._layers, decoder)
 
     @staticmethod
-    def _sublayers(i: int, layer: nn.Module) -> tuple[_Branch, ...]:
+    def _sublayers(i: int, layer: nn.Module) -> tuple[Branch, ...]:
         if type(layer).__name__ in PARALLEL_RESIDUAL_LAYERS:
             attn, mlp = layer.attention, layer.mlp
             ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             if layer.use_parallel_residual:
-                return (_Branch(i, (ln1, ln2), (attn, mlp), attn),)
-            return (_Branch(i, (ln1,), (attn,), attn), _Branch(i, (ln2,), (mlp,), None))
+                return (Branch(i, (ln1, ln2), (attn, mlp), attn),)
+            return (Branch(i, (ln1,), (attn,), attn), Branch(i, (ln2,), (mlp,), None))
         attn, mlp = layer.self_attn, layer.mlp
-        return (_Branch(i, (layer.input_layernorm,), (attn,), attn),
-                _Branch(i, (layer.post_attention_layernorm,), (mlp,), None))
-
-    def _check_sharded(self) -> None:
-        sharded = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in self.decoder.modules())
-        if not sharded:
-            return  # an unsharded model: the schedules run it with TP = 1
-        for layer in self._layers:
-            for sub in layer:
-                for module in sub.branches:
-                    plain = [n for n, m in module.named_modules() if type(m) is nn.Linear]
-                    if plain or not any(isinstance(m, RowParallelLinear) for m in module.modules()):
-                        raise ValueError(
-                            f"oases.train_step: decoder layer {sub.index}'s {type(module).__name__} is not fully "
-                            f"tensor-parallel (plain nn.Linear: {', '.join(plain) or 'none'}; it needs a row-parallel "
-                            "output projection); shard every decoder layer with oases.parallelize(model, group)")
+        return (Branch(i, (layer.input_layernorm,), (attn,), attn),
+                Branch(i, (layer.post_attention_layernorm,), (mlp,), None))
 
     def check_trainable(self) -> None:
         """Dropout inside the recomputed sublayers would draw different masks when recomputed."""
-        if not self.model.training:
-            return
-        for i, layer in enumerate(self.decoder):
-            for name, m in layer.named_modules():
-                p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0.0)
-                if isinstance(p, float) and p > 0:
-                    raise ValueError(
-                        f"oases.train_step: decoder layer {i} has dropout {p} ({name or 'the layer'}); the schedules "
-                        "recompute sublayers and would draw other masks. Set the config's dropout to 0 or call "
-                        "model.eval()")
+        check_no_dropout(self.model, self.decoder)
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         calls: list = []
@@ -187,7 +123,7 @@ class HFStack:
         x = calls[0][0]
         return x, _Context(where, tuple(kwargs for _, kwargs in calls))
 
-    def layers(self) -> list[tuple[_Branch, ...]]:
+    def layers(self) -> list[tuple[Branch, ...]]:
         return self._layers
 
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "train_step"]
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "train_step"]
 
 MAX_SUB_BATCHES = 8
 
@@ -56,6 +56,33 @@ SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
     "cross_pass": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=False),
     "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
 })
+
+@dataclass
+class CheckpointMemory:
+    """Bytes of the sublayer (or layer) inputs a step keeps for recomputation, over every
+    sub-batch: `held` now, `peak` the most at once (the activation memory a schedule controls)."""
+
+    held: int = 0
+    peak: int = 0
+
+
+class _Checkpoints:
+    """A program's stack of kept inputs, accounted in a CheckpointMemory shared by the programs."""
+
+    def __init__(self, memory: CheckpointMemory) -> None:
+        self._items: list[torch.Tensor] = []
+        self._memory = memory
+
+    def push(self, t: torch.Tensor) -> None:
+        self._items.append(t)
+        self._memory.held += t.numel() * t.element_size()
+        self._memory.peak = max(self._memory.peak, self._memory.held)
+
+    def pop(self) -> torch.Tensor:
+        t = self._items.pop()
+        self._memory.held -= t.numel() * t.element_size()
+        return t
+
 
 # loss_sum(logits [b, t, vocab], labels [b, t]) -> the sub-batch's summed loss (a scalar)
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -106,17 +133,17 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-             plan: Schedule, comm: Communicator) -> Generator:
+             plan: Schedule, comm: Communicator, memory: CheckpointMemory) -> Generator:
     """One sub-batch's forward, loss and backward, yielding at each communication."""
     layers = [tuple(layer) for layer in stack.layers()]
     with torch.enable_grad():
         embedded, ctx = stack.embed(input_ids, where)
     x = embedded.detach()
-    saved = []  # inputs of each recomputation sequence: per sublayer (oases) or per layer
+    saved = _Checkpoints(memory)  # inputs of each recomputation sequence: per sublayer (oases) or per layer
     for layer in layers:
         for i, sub in enumerate(layer):
             if plan.fine_grained_recompute or i == 0:
-                saved.append(x)
+                saved.push(x)
             with torch.no_grad():
                 part = sub.core(sub.norm(x), ctx)
             x = yield from _finish_reduced(sub, x, part, ctx, comm, "forward")
@@ -198,7 +225,7 @@ def _backward_sp(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                plan: Schedule, comm: Communicator, rank: int) -> Generator:
+                plan: Schedule, comm: Communicator, memory: CheckpointMemory, rank: int) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
     with torch.enable_grad():
@@ -208,11 +235,11 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
     mine = slice(rank * n, (rank + 1) * n)
     tokens = _with_tokens(ctx, where.tokens(mine, t))
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
-    saved = []
+    saved = _Checkpoints(memory)
     for layer in layers:
         for i, sub in enumerate(layer):
             if plan.fine_grained_recompute or i == 0:
-                saved.append(x)
+                saved.push(x)
             x = yield from _forward_sp(sub, x, tokens, comm, "forward")
     x_full = yield from comm.all_gather(x, _SEQ, "forward")  # the head sees every token, as without SP
     x_full.requires_grad_()
@@ -245,7 +272,7 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
 
 
 def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                     plan: Schedule, comm: Communicator, rank: int) -> Generator:
+                     plan: Schedule, comm: Communicator, memory: CheckpointMemory, rank: int) -> Generator:
     """Sequence parallel with fine-grained recomputation ("oases"): the program's thread runs the
     cores; everything between two cores -- scatter, finish, norm, gather, and in backward their
     adjoints -- is one task on the communicator's thread, so it overlaps the other sub-batch's core.
@@ -265,12 +292,12 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
     mine = slice(rank * n, (rank + 1) * n)
     tokens = _with_tokens(ctx, where.tokens(mine, t))
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
-    saved = []
+    saved = _Checkpoints(memory)
     task = comm.submit(functools.partial(_between_forward, None, subs[0], x, None, tokens, comm))
     yield
     for i, sub in enumerate(subs):
         x, h = task.wait()
-        saved.append(x)
+        saved.push(x)
         with torch.no_grad():
             part = sub.core(h, tokens)
         following = subs[i + 1] if i + 1 < len(subs) else None
@@ -282,7 +309,7 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
         loss = loss_sum(stack.head(x_full, ctx), labels)
         (loss / normalizer).backward()
     grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
-    task = comm.submit(functools.partial(_between_backward, None, subs[-1], grad, saved[-1], tokens, comm))
+    task = comm.submit(functools.partial(_between_backward, None, subs[-1], grad, saved.pop(), tokens, comm))
     yield
     for i in reversed(range(len(subs))):
         grad_part, h, x_leaf, h_r, grad = task.wait()
@@ -293,7 +320,7 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
         grad_h = h_leaf.grad if h_leaf.grad is not None else torch.zeros_like(h_leaf)
         earlier = subs[i - 1] if i > 0 else None
         task = comm.submit(functools.partial(_between_backward, (grad_h, x_leaf, h_r), earlier, grad,
-                                             saved[i - 1] if i > 0 else None, tokens, comm))
+                                             saved.pop() if i > 0 else None, tokens, comm))
         yield
     embedded.backward(task.wait())
     return loss.detach()
@@ -380,7 +407,8 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_sum: LossSum,
                normalizer: float, comm: Communicator, schedule: str = "oases",
                sub_batches: Optional[int] = None, sequence_parallel: bool = False,
-               dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+               dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
+               memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
         for rows in split(batch, sub_batches):                # interleaved, see the module docstring
@@ -391,8 +419,9 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     rank's slice of the sequence (its length must divide by the TP size), each sublayer gathers
     its normed input and reduce-scatters its output (see above), and the gradients of the
     parameters of norm and finish are summed over the group after the step. `comm` issues and
-    counts the communication on the TP group. Checks run before any communication, so a bad
-    argument raises on every rank alike.
+    counts the communication on the TP group; `memory` (a CheckpointMemory) accounts the inputs
+    kept for recomputation. Checks run before any communication, so a bad argument raises on
+    every rank alike.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -412,6 +441,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     if batch < parts:
         raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
                          f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
+    memory = CheckpointMemory() if memory is None else memory
     program, extra = _program, ()
     if sequence_parallel:
         if input_ids.shape[1] % comm.world_size:
@@ -424,7 +454,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     programs = [
         program(stack, input_ids[r], labels[r],
                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                loss_sum, normalizer, plan, comm, *extra)
+                loss_sum, normalizer, plan, comm, memory, *extra)
         for r in split_rows(batch, parts)
     ]
     loss = sum(interleave(programs)) / normalizer

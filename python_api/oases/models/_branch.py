@@ -1,0 +1,95 @@
+"""One residual branch of a model's own decoder layer, as an oases.schedule.Sublayer.
+
+    Branch(index, norms, branches, attention)
+        norm(x)      = norms[0](x), or stack([n(x) for n in norms]) for a parallel residual
+        core(h, ctx) = sum over branches of branch(its input) under no_tp_communication: this
+                       rank's partial sum (the row-parallel output projections unreduced, no bias);
+                       `attention` (if one of them) also gets ctx.layer_kwargs[index] (masks, rotary)
+        finish(z)    = z + the row-parallel layers' biases
+
+Shared by the adapters of Hugging Face and nanoGPT-style models.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
+
+__all__ = ["Branch", "NOT_PASSED", "check_sharded", "check_no_dropout"]
+
+# Keyword arguments of a decoder layer that its attention must not get in a training step.
+NOT_PASSED = ("hidden_states", "use_cache", "past_key_values", "layer_past", "past_key_value")
+
+
+def _row_biases(module: nn.Module) -> list[torch.Tensor]:
+    return [m.bias for m in module.modules() if isinstance(m, RowParallelLinear) and m.bias is not None]
+
+
+class Branch:
+    """One sublayer: x + finish(reduce(core(norm(x)))), over a decoder layer's own modules."""
+
+    def __init__(self, index: int, norms: tuple[nn.Module, ...], branches: tuple[nn.Module, ...],
+                 attention: Optional[nn.Module]) -> None:
+        self.index = index  # the decoder layer's
+        self.norms, self.branches, self.attention = norms, branches, attention
+        self.biases = [b for m in branches for b in _row_biases(m)]
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.norms) == 1:
+            return self.norms[0](x)
+        return torch.stack([n(x) for n in self.norms])  # [branches, b, t, h]
+
+    def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        inputs = [h] if len(self.norms) == 1 else h.unbind(0)
+        out = None
+        for module, x in zip(self.branches, inputs):
+            with no_tp_communication(module):
+                if module is self.attention:
+                    kwargs = {k: v for k, v in ctx.layer_kwargs[self.index].items() if k not in NOT_PASSED}
+                    y = module(hidden_states=x, **kwargs)[0]
+                else:
+                    y = module(x)
+            out = y if out is None else out + y
+        return out
+
+    def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
+        for b in self.biases:
+            z = z + b
+        return z
+
+    def sequence_parallel_parameters(self) -> list[nn.Parameter]:
+        """What norm and finish use (summed over the group under sequence parallelism)."""
+        return [*(p for n in self.norms for p in n.parameters()), *self.biases]
+
+
+def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
+    """Either nothing in `decoder` is TP-sharded (TP = 1), or every branch is: no plain nn.Linear
+    left in it, and a row-parallel output projection that makes its output a partial sum."""
+    if not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in decoder.modules()):
+        return
+    for layer in layers:
+        for sub in layer:
+            for module in sub.branches:
+                plain = [n for n, m in module.named_modules() if type(m) is nn.Linear]
+                if plain or not any(isinstance(m, RowParallelLinear) for m in module.modules()):
+                    raise ValueError(
+                        f"oases.train_step: decoder layer {sub.index}'s {type(module).__name__} is not fully "
+                        f"tensor-parallel (plain nn.Linear: {', '.join(plain) or 'none'}; it needs a row-parallel "
+                        "output projection); shard every decoder layer with oases.parallelize(model, group)")
+
+
+def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
+    """Dropout inside recomputed sublayers would draw other masks when recomputed: refuse it."""
+    if not model.training:
+        return
+    for i, layer in enumerate(decoder):
+        for name, m in layer.named_modules():
+            p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0.0)
+            if isinstance(p, float) and p > 0:
+                raise ValueError(
+                    f"oases.train_step: decoder layer {i} has dropout {p} ({name or 'the layer'}); the schedules "
+                    "recompute sublayers and would draw other masks. Set the config's dropout to 0 or call "
+                    "model.eval()")

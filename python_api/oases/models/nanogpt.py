@@ -1,0 +1,76 @@
+"""nanoGPT-style models seen as an `oases.schedule.Stack`, run by the TP schedules.
+
+The layout of Karpathy's nanoGPT (`model.py`), with or without its `transformer` ModuleDict:
+
+    container = model.transformer (or model itself): wte, wpe (optional), drop (optional), h, ln_f
+    model.lm_head
+    each block of h:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))       # attn(x) is causal
+
+After `oases.parallelize(model)` (c_attn "column:3", c_fc "column", c_proj "row"), each block is
+two sublayers whose cores are the block's own attn and mlp under no_tp_communication; `attn`
+must view its heads with -1 (see oases.parallelize). The embedding is wte(ids) + wpe(arange(t)).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+
+from oases.models._branch import Branch, check_no_dropout, check_sharded
+from oases.schedule.protocol import SubBatch
+
+__all__ = ["NanoGPTStack", "is_nanogpt"]
+
+_BLOCK_PARTS = ("ln_1", "attn", "ln_2", "mlp")
+
+
+def _container(model: nn.Module) -> Optional[nn.Module]:
+    container = getattr(model, "transformer", model)
+    if not isinstance(container, nn.Module):
+        return None
+    parts = [getattr(container, n, None) for n in ("wte", "h", "ln_f")]
+    if not (isinstance(parts[0], nn.Module) and isinstance(parts[1], nn.ModuleList) and len(parts[1])
+            and isinstance(parts[2], nn.Module) and isinstance(getattr(model, "lm_head", None), nn.Module)):
+        return None
+    if not all(all(isinstance(getattr(b, n, None), nn.Module) for n in _BLOCK_PARTS) for b in parts[1]):
+        return None
+    return container
+
+
+def is_nanogpt(model: object) -> bool:
+    """Whether `model` has nanoGPT's layout (see the module docstring)."""
+    return isinstance(model, nn.Module) and _container(model) is not None
+
+
+class NanoGPTStack:
+    """A nanoGPT-style model (after oases.parallelize, or unsharded) as an oases.schedule.Stack."""
+
+    def __init__(self, model: nn.Module) -> None:
+        container = _container(model)
+        if container is None:
+            raise ValueError(f"{type(model).__name__}: not a nanoGPT-style model (wte, h of blocks with "
+                             f"{', '.join(_BLOCK_PARTS)}, ln_f, lm_head)")
+        self.model, self.container = model, container
+        self.lm_head = model.lm_head
+        self.logits_group = None
+        self._layers = [(Branch(i, (b.ln_1,), (b.attn,), None), Branch(i, (b.ln_2,), (b.mlp,), None))
+                        for i, b in enumerate(container.h)]
+        check_sharded(self._layers, container.h)
+
+    def check_trainable(self) -> None:
+        check_no_dropout(self.model, self.container.h)
+
+    def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
+        x = self.container.wte(input_ids)  # [b, t, h]
+        wpe = getattr(self.container, "wpe", None)
+        if wpe is not None:
+            x = x + wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
+        drop = getattr(self.container, "drop", None)
+        return (drop(x) if drop is not None else x), where
+
+    def layers(self) -> list[tuple[Branch, ...]]:
+        return self._layers
+
+    def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        return self.lm_head(self.container.ln_f(x))
