@@ -74,8 +74,11 @@ def print_table(results: list[dict]) -> None:
         print(f"{r['schedule']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} {r['busy']:>6.2f} "
               f"{r['loss_first']:>11.4f} {r['loss_last']:>10.4f} {base['step_s'] / r['step_s']:>7.2f}x")
     print("busy: fraction of the step not blocked on communication (the least busy rank)")
-    print(f"\n{results[-1]['schedule']} vs {base['schedule']}: "
-          f"{base['step_s'] / results[-1]['step_s']:.2f}x faster per training step, same losses")
+    same = all(abs(r["loss_last"] - base["loss_last"]) <= 1e-4 * abs(base["loss_last"]) for r in results)
+    print()
+    for r in results[1:]:
+        print(f"{r['schedule']} vs {base['schedule']}: {base['step_s'] / r['step_s']:.2f}x faster per training step"
+              + (", same losses (to 1e-4)" if same else ""))
 
 
 def launch_or_run(script: str, tp: int, bandwidth: str, argv, run: Callable[[], None]) -> int:

@@ -38,7 +38,9 @@ attention module between them must think in per-rank counts. An attention module
 of a sharded head projection (a name in HEAD_PROJECTIONS). parallelize divides by p every integer
 attribute in PER_RANK_ATTRIBUTES that such a module holds itself -- head counts and the widths
 made of them -- and never touches the shared config. Ratios and per-head sizes (head_dim,
-num_key_value_groups, scaling) stay as they are. Per architecture:
+num_key_value_groups, scaling) stay as they are. Parameters of such a module outside its TP layers
+(Qwen3's per-head q_norm / k_norm weights, shared by every head) see only this rank's heads, so
+a hook sums their gradient over the group. Per architecture:
 
     transformers 5.x Llama/Mistral/Qwen2   views with (..., -1, head_dim) and reads only head_dim and
                                            num_key_value_groups: nothing to change
@@ -50,7 +52,9 @@ num_key_value_groups, scaling) stay as they are. Per architecture:
 
 Sequence parallelism (sequence_parallel=True) is for models written for it: activations between
 blocks are [s/p, b, h] sequence shards and the model itself sums its norms' gradients over the
-ranks. Hugging Face models are not, so asking for it on one raises a ValueError.
+ranks. Hugging Face models are not, so asking for it on one raises a ValueError; for them,
+`oases.train_step(model, ..., sequence_parallel=True)` keeps the residual stream sequence-sharded
+between sublayers itself.
 """
 from __future__ import annotations
 
@@ -306,7 +310,8 @@ def parallelize(
         raise ValueError(
             f"sequence_parallel=True: {hf} is a Hugging Face transformers model, whose embeddings, "
             "norms and attention expect the whole sequence on every rank; sequence parallelism needs "
-            "a model written for [s/p, b, h] activations. Use sequence_parallel=False"
+            "a model written for [s/p, b, h] activations. Use sequence_parallel=False here, and "
+            "oases.train_step(model, ..., sequence_parallel=True) for sequence parallelism in training"
         )
     plan = DEFAULT_PLAN if plan is None else plan
     if not isinstance(plan, Mapping):
