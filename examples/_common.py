@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable
+import time
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,41 @@ def print_table(results: list[dict]) -> None:
     for r in results[1:]:
         print(f"{r['schedule']} vs {base['schedule']}: {base['step_s'] / r['step_s']:.2f}x faster per training step"
               + (", same losses (to 1e-4)" if same else ""))
+
+
+def train_loop(label: str, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               optimizer: torch.optim.Optimizer, data: Iterable, waited: Callable[[], float], steps: int,
+               tokens_per_step: int, show: bool) -> dict:
+    """`steps` timed training steps (step(tokens, targets) -> loss, then optimizer.step());
+    `waited()` is the communicator's running time blocked on communication. -> summarize(...)."""
+    losses, times, blocked = [], [], []
+    for i, (tokens, targets) in enumerate(data):
+        dist.barrier()
+        start, waited_before = time.perf_counter(), waited()
+        optimizer.zero_grad(set_to_none=True)
+        loss = step(tokens, targets)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+        blocked.append(waited() - waited_before)
+        losses.append(float(loss))
+        if show:
+            progress(label, i + 1, steps, losses[-1])
+    return summarize(label, times, blocked, losses, tokens_per_step)
+
+
+def compare(describe: str, labels: list[str], train: Callable[[str, bool], dict]) -> None:
+    """One rank of a launch: train each of `labels` in turn, print the table on rank 0."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    link = os.environ.get("OASES_BANDWIDTH", "unshaped loopback")
+    if rank == 0:
+        print(describe.format(tp=world, link=link))
+    results = [train(label, rank == 0) for label in labels]
+    if rank == 0:
+        print_table(results)
+    dist.barrier()  # no rank tears its connections down while another still uses them
+    dist.destroy_process_group()
 
 
 def launch_or_run(script: str, tp: int, bandwidth: str, argv, run: Callable[[], None]) -> int:

@@ -12,14 +12,11 @@ overlaps a red kernel."), so their losses agree step by step; only the step time
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
-from _common import VOCAB, batches, corpus, launch_or_run, print_table, progress, summarize
+from _common import VOCAB, batches, compare, corpus, launch_or_run, train_loop
 from oases.models import GPT, GPTConfig
 
 
@@ -41,37 +38,17 @@ def _args(argv=None) -> argparse.Namespace:
 def train(schedule: str, config: GPTConfig, data: torch.Tensor, args, show: bool) -> dict:
     model = GPT(config, schedule=schedule, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    losses, times, waited = [], [], []
-    for step, (tokens, targets) in enumerate(batches(data, args.steps, args.batch, config.seq_len)):
-        dist.barrier()
-        start, waited_before = time.perf_counter(), model.comm.waited
-        optimizer.zero_grad(set_to_none=True)
-        loss = model.train_step(tokens, targets)
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        waited.append(model.comm.waited - waited_before)
-        losses.append(float(loss))
-        if show:
-            progress(schedule, step + 1, args.steps, losses[-1])
-    return summarize(schedule, times, waited, losses, args.batch * config.seq_len)
+    return train_loop(schedule, model.train_step, optimizer, batches(data, args.steps, args.batch, config.seq_len),
+                      lambda: model.comm.waited, args.steps, args.batch * config.seq_len, show)
 
 
 def run(args) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank, world = dist.get_rank(), dist.get_world_size()
     config = GPTConfig(vocab_size=len(VOCAB), seq_len=args.seq_len, hidden=args.hidden, heads=args.heads,
                        layers=args.layers)
     data = corpus(200_000)
-    link = os.environ.get("OASES_BANDWIDTH", "unshaped loopback")
-    if rank == 0:
-        print(f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads; batch {args.batch} x "
-              f"{args.seq_len} tokens; TP={world} on {link}; {args.steps} steps per schedule")
-    results = [train(s, config, data, args, show=rank == 0) for s in args.schedules.split(",")]
-    if rank == 0:
-        print_table(results)
-    dist.barrier()  # no rank tears its connections down while another still uses them
-    dist.destroy_process_group()
+    describe = (f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads; batch {args.batch} x "
+                f"{args.seq_len} tokens; TP={{tp}} on {{link}}; {args.steps} steps per schedule")
+    compare(describe, args.schedules.split(","), lambda schedule, show: train(schedule, config, data, args, show))
 
 
 def main(argv=None) -> int:

@@ -14,16 +14,14 @@ Started outside a distributed launch, the script re-launches itself through `oas
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
 import oases
-from _common import VOCAB, batches, corpus, launch_or_run, print_table, progress, summarize
+from _common import VOCAB, batches, compare, corpus, launch_or_run, train_loop
 from oases.schedule import Communicator
 
 
@@ -65,36 +63,20 @@ def train(label: str, data: torch.Tensor, args, show: bool) -> dict:
     model = build(args, dist.get_world_size())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     comm = Communicator(dist.group.WORLD, dist.get_world_size())  # counts the time blocked on it
-    losses, times, waited = [], [], []
-    for step, (tokens, _) in enumerate(batches(data, args.steps, args.batch, args.seq_len)):
-        dist.barrier()
-        start, waited_before = time.perf_counter(), comm.waited
-        optimizer.zero_grad(set_to_none=True)
-        loss = oases.train_step(model, tokens, tokens, schedule=schedule, sequence_parallel=sp, comm=comm)
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-        waited.append(comm.waited - waited_before)
-        losses.append(float(loss))
-        if show:
-            progress(label, step + 1, args.steps, losses[-1])
-    return summarize(label, times, waited, losses, args.batch * args.seq_len)
+
+    def step(tokens: torch.Tensor, _: torch.Tensor) -> torch.Tensor:  # labels = inputs, shifted inside
+        return oases.train_step(model, tokens, tokens, schedule=schedule, sequence_parallel=sp, comm=comm)
+
+    return train_loop(label, step, optimizer, batches(data, args.steps, args.batch, args.seq_len),
+                      lambda: comm.waited, args.steps, args.batch * args.seq_len, show)
 
 
 def run(args) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    rank, world = dist.get_rank(), dist.get_world_size()
     data = corpus(200_000)
-    link = os.environ.get("OASES_BANDWIDTH", "unshaped loopback")
-    if rank == 0:
-        print(f"Hugging Face LlamaForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-              f"({args.kv_heads} KV); batch {args.batch} x {args.seq_len} tokens; TP={world} on {link}; "
-              f"{args.steps} steps per schedule")
-    results = [train(s, data, args, show=rank == 0) for s in args.schedules.split(",")]
-    if rank == 0:
-        print_table(results)
-    dist.barrier()  # no rank tears its connections down while another still uses them
-    dist.destroy_process_group()
+    describe = (f"Hugging Face LlamaForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+                f"({args.kv_heads} KV); batch {args.batch} x {args.seq_len} tokens; TP={{tp}} on {{link}}; "
+                f"{args.steps} steps per schedule")
+    compare(describe, args.schedules.split(","), lambda label, show: train(label, data, args, show))
 
 
 def main(argv=None) -> int:

@@ -227,15 +227,17 @@ def ring_all_gather(
     dim: int = 0,
     chunks: int = 1,
     bidirectional: bool = False,
+    tag: int = 0,
 ) -> torch.Tensor:
     """Concatenate every rank's `t` along `dim`, by ring.
 
         out = cat([t from rank 0, ..., t from rank p-1], dim)      # t.shape[dim] * p along dim
 
     `chunks` pieces per shard (must divide t.shape[dim]); each rank sends (p-1)/p of the result.
+    `tag`: see all_gather_steps.
     """
     with torch.profiler.record_function("oases::ring_all_gather"):
-        return _drain(all_gather_steps(t, group, dim=dim, chunks=chunks, bidirectional=bidirectional))
+        return _drain(all_gather_steps(t, group, dim=dim, chunks=chunks, bidirectional=bidirectional, tag=tag))
 
 
 def ring_reduce_scatter(
@@ -245,16 +247,18 @@ def ring_reduce_scatter(
     dim: int = 0,
     chunks: int = 1,
     bidirectional: bool = False,
+    tag: int = 0,
 ) -> torch.Tensor:
     """Sum `t` over ranks and keep this rank's block along `dim`, by ring.
 
         n = t.shape[dim] // p
         out = sum(t from every rank).narrow(dim, rank * n, n)
 
-    t.shape[dim] must divide by p * chunks; each rank sends (p-1)/p of `t`.
+    t.shape[dim] must divide by p * chunks; each rank sends (p-1)/p of `t`. `tag`: see
+    all_gather_steps.
     """
     with torch.profiler.record_function("oases::ring_reduce_scatter"):
-        return _drain(reduce_scatter_steps(t, group, dim=dim, chunks=chunks, bidirectional=bidirectional))
+        return _drain(reduce_scatter_steps(t, group, dim=dim, chunks=chunks, bidirectional=bidirectional, tag=tag))
 
 
 def all_reduce(

@@ -24,7 +24,7 @@ from typing import Any, Callable, Generator, Optional
 import torch
 import torch.distributed as dist
 
-from oases.comm import all_gather_steps, reduce_scatter_steps
+from oases.comm import all_gather_steps, reduce_scatter_steps, ring_all_gather, ring_reduce_scatter
 
 __all__ = ["BARRIER", "Communicator", "interleave"]
 
@@ -85,7 +85,7 @@ class Communicator:
         self._count(phase, t.numel() * t.element_size() * self.world_size, 1)
         if self.dry_run:
             return torch.cat([t] * self.world_size, dim)
-        return _drain(all_gather_steps(t, self.group, dim=dim, tag=_THREAD_TAG))
+        return ring_all_gather(t, self.group, dim=dim, tag=_THREAD_TAG)
 
     def scatter(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
         """sum(t from every rank) narrowed to this rank's block of `dim`, blocking; for tasks."""
@@ -94,7 +94,7 @@ class Communicator:
         self._count(phase, t.numel() * t.element_size(), 1)
         if self.dry_run:
             return t.chunk(self.world_size, dim)[dist.get_rank(self.group)].contiguous()
-        return _drain(reduce_scatter_steps(t, self.group, dim=dim, tag=_THREAD_TAG))
+        return ring_reduce_scatter(t, self.group, dim=dim, tag=_THREAD_TAG)
 
     def close(self) -> None:
         """End the communicator's thread (after its pending tasks); submit starts a new one."""
@@ -145,14 +145,6 @@ class Communicator:
             self.calls.clear()
             self.bytes.clear()
             self.waited = 0.0
-
-
-def _drain(steps: Generator[None, None, torch.Tensor]) -> torch.Tensor:
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 class _Task:

@@ -228,12 +228,7 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
                 plan: Schedule, comm: Communicator, memory: CheckpointMemory, rank: int) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
-    with torch.enable_grad():
-        embedded, ctx = stack.embed(input_ids, where)  # [b, t, h], every rank alike
-    t = embedded.shape[_SEQ]
-    n = t // comm.world_size
-    mine = slice(rank * n, (rank + 1) * n)
-    tokens = _with_tokens(ctx, where.tokens(mine, t))
+    embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
     saved = _Checkpoints(memory)
     for layer in layers:
@@ -285,12 +280,7 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
           communicator thread: | RS grad h, norm bwd; finish bwd l-1, AG grad, AG norm(x_{l-1}) |
     """
     subs = [sub for layer in stack.layers() for sub in layer]
-    with torch.enable_grad():
-        embedded, ctx = stack.embed(input_ids, where)  # [b, t, h], every rank alike
-    t = embedded.shape[_SEQ]
-    n = t // comm.world_size
-    mine = slice(rank * n, (rank + 1) * n)
-    tokens = _with_tokens(ctx, where.tokens(mine, t))
+    embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
     saved = _Checkpoints(memory)
     task = comm.submit(functools.partial(_between_forward, None, subs[0], x, None, tokens, comm))
@@ -356,6 +346,16 @@ def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicat
         h_r = following.norm(x_leaf)
     h = comm.gather(h_r.detach(), _SEQ, "recompute")
     return grad_part, h, x_leaf, h_r, grad_r
+
+
+def _embed_sharded(stack: Stack, input_ids, where: SubBatch, comm: Communicator, rank: int):
+    """(embedded [b, t, h] with its graph, ctx, ctx for this rank's tokens, their slice of t)."""
+    with torch.enable_grad():
+        embedded, ctx = stack.embed(input_ids, where)  # every rank alike
+    t = embedded.shape[_SEQ]
+    n = t // comm.world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    return embedded, ctx, _with_tokens(ctx, where.tokens(mine, t)), mine
 
 
 def _with_tokens(ctx: Any, tokens: SubBatch) -> Any:
