@@ -35,6 +35,8 @@ def _model(kind, heads=4, kv_heads=2, seed=0):
     attn = dict(num_attention_heads=heads, num_key_value_heads=kv_heads)
     if kind == "llama":
         return tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, **attn))
+    if kind == "mistral":  # sliding-window attention (window shorter than the sequence)
+        return tf.MistralForCausalLM(tf.MistralConfig(**SMALL, **attn, sliding_window=8))
     if kind == "qwen2":  # q/k/v with biases
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, **attn))
     if kind == "qwen3":  # per-head q/k norms
@@ -109,8 +111,9 @@ def test_llama_and_qwen2_with_gqa_every_schedule_match_unsharded_tp2():
     run_ranks(_check_models, 2, [("llama", 4, 2), ("qwen2", 4, 2)], cases, timeout=240)
 
 
-def test_llama_with_gqa_matches_unsharded_tp4():
-    run_ranks(_check_models, 4, [("llama", 8, 4)], _EVERY_SCHEDULE + _SPLITS[1:2] + _SPLITS[3:], timeout=240)
+def test_gqa_models_match_unsharded_tp4():
+    models = [("llama", 8, 4), ("qwen3", 8, 4), ("neox", 4, 4)]
+    run_ranks(_check_models, 4, models, _EVERY_SCHEDULE[:1] + _SPLITS[1:2] + _SPLITS[3:], timeout=300)
 
 
 def test_vocab_parallel_llama_matches_unsharded():
@@ -119,8 +122,8 @@ def test_vocab_parallel_llama_matches_unsharded():
     run_ranks(_check_models, 2, [("llama", 4, 2)], cases, plan, timeout=240)
 
 
-def test_qwen3_and_neox_every_schedule_match_unsharded():
-    models = [("qwen3", 4, 2), ("neox", 4, 4), ("neox-sequential", 4, 4)]
+def test_qwen3_mistral_and_neox_every_schedule_match_unsharded():
+    models = [("qwen3", 4, 2), ("mistral", 4, 2), ("neox", 4, 4), ("neox-sequential", 4, 4)]
     cases = _EVERY_SCHEDULE + _SPLITS[1:2] + [("oases", None, 4, True, True), ("megatron", None, 4, False, True)]
     run_ranks(_check_models, 2, models, cases, timeout=240)
 
@@ -238,3 +241,76 @@ def _check_nanogpt(rank, world_size):
 
 def test_nanogpt_style_model_matches_unsharded():
     run_ranks(_check_nanogpt, 2, timeout=120)
+
+
+def _check_loss_fn_and_own_stack(rank, world_size):
+    """loss_fn replaces the loss; a user's own Stack (the README's shape) runs on the schedules."""
+    import torch.nn.functional as F
+
+    ref = _model("llama")
+    tp = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    ids, labels, _ = _batch(4, 12, 5, False)
+    labels[1, 2:5] = -100
+    logits = ref(input_ids=ids).logits  # unshifted token loss, z-loss term included
+    mask = labels != -100
+    token = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+    want = ((token * mask.flatten()).sum() + 1e-3 * (logits.logsumexp(-1) ** 2)[mask].sum()) / mask.sum()
+    want.backward()
+
+    def loss_fn(logits, labels):  # summed over the rows given
+        keep = labels != -100
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+        return (ce * keep.flatten()).sum() + 1e-3 * (logits.logsumexp(-1) ** 2)[keep].sum()
+
+    loss = oases.train_step(tp, ids, labels, schedule="oases", sub_batches=3, loss_fn=loss_fn)
+    torch.testing.assert_close(loss, want.detach(), **TOL)
+    for name, param in tp.named_parameters():
+        torch.testing.assert_close(param.grad, _expected(tp, name, dict(ref.named_parameters())[name].grad, rank,
+                                                         world_size), **TOL, msg=lambda m: f"loss_fn {name}: {m}")
+
+    class OwnStack:  # a user's own stack over the same sharded modules, as the README shows
+        def __init__(self, model):
+            self.model = model
+            self.subs = oases.models.HFStack(model).layers()
+
+        def embed(self, input_ids, where):
+            x = self.model.model.embed_tokens(input_ids)
+            position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
+            rotary = self.model.model.rotary_emb(x, position_ids)
+            t = input_ids.shape[1]
+            causal = torch.full((t, t), float("-inf")).triu(1)[None, None]  # eager attention's additive mask
+            kwargs = dict(position_embeddings=rotary, attention_mask=causal, position_ids=position_ids)
+            return x, _OwnContext(where, tuple(kwargs for _ in self.subs))
+
+        def layers(self):
+            return self.subs
+
+        def head(self, x, ctx):
+            return self.model.lm_head(self.model.model.norm(x))
+
+    tp.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    for sp in (False, True):
+        tp.zero_grad(set_to_none=True)
+        loss = oases.train_step(OwnStack(tp), ids, ids, schedule="oases", sequence_parallel=sp,
+                                comm=Communicator(dist.group.WORLD, world_size))
+        torch.testing.assert_close(loss, want.detach(), **TOL)
+        for name, param in tp.named_parameters():
+            torch.testing.assert_close(param.grad, _expected(tp, name, dict(ref.named_parameters())[name].grad,
+                                                             rank, world_size), **TOL,
+                                       msg=lambda m: f"own stack sp={sp} {name}: {m}")
+    return True
+
+
+class _OwnContext:
+    def __init__(self, where, layer_kwargs):
+        self.where, self.layer_kwargs = where, layer_kwargs
+
+
+def test_loss_fn_and_a_users_own_stack():
+    run_ranks(_check_loss_fn_and_own_stack, 2, timeout=120)
