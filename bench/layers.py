@@ -17,7 +17,7 @@ Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whos
 gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm):
 
     t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
-    t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run)
+    t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run())
     t_comm      the step's all-reduces alone: as many, as large, blocking, back to back
     bound       max(t_compute, t_comm); efficiency = (t_megatron - t_step) / (t_megatron - bound)
     busy        1 - (time blocked on communication) / t_step, the least busy rank
@@ -51,7 +51,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ from bench._peers import CollectiveLog
 from bench._report import Table
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
-from oases.schedule.runtime import _Work
+from oases.schedule.runtime import _Task, _Work
 
 BASELINE = "megatron"
 MODELS = ("gpt", "llama")
@@ -294,31 +294,22 @@ def _peak_rise_mib(step) -> Optional[float]:
 @contextlib.contextmanager
 def _traced_waits(ctx, label: str):
     """Record every communication wait of the block as a span on tid 1, the block on tid 0."""
-    original = _Work.wait
+    originals = {cls: cls.wait for cls in (_Work, _Task)}
 
-    def wait(work):
-        with ctx.trace.span(f"{label} wait", 1):
-            original(work)
+    def traced(original):
+        def wait(work):
+            with ctx.trace.span(f"{label} wait", 1):
+                return original(work)
+        return wait
 
-    _Work.wait = wait
+    for cls, original in originals.items():
+        cls.wait = traced(original)
     try:
         with ctx.trace.span(f"{label} step", 0):
             yield
     finally:
-        _Work.wait = original
-
-
-@contextlib.contextmanager
-def _dry_run(comms: Iterable[Communicator]) -> Iterator[None]:
-    """The Communicators count but send nothing inside the block (results wrong: timing only)."""
-    comms = list(comms)
-    for comm in comms:
-        comm.dry_run = True
-    try:
-        yield
-    finally:
-        for comm in comms:
-            comm.dry_run = False
+        for cls, original in originals.items():
+            cls.wait = original
 
 
 def run(args, ctx) -> list[dict]:
@@ -333,7 +324,9 @@ def run(args, ctx) -> list[dict]:
         case.check = None  # lets go of what it held (llama: the unsharded model)
 
     timed = ctx.timer.measure(steps)
-    with _dry_run(case.comms.values()):
+    with contextlib.ExitStack() as dry:
+        for comm in case.comms.values():
+            dry.enter_context(comm.dry_run())
         compute = ctx.timer.measure(case.ours)
 
     records = []

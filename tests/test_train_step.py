@@ -73,7 +73,7 @@ def _batch(b, t, seed, padded):
 def _reference(model, ids, labels, mask):
     out = model(input_ids=ids, labels=labels, attention_mask=mask)
     out.loss.backward()
-    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _check_models(rank, world_size, models, cases, plan=None):
@@ -83,6 +83,8 @@ def _check_models(rank, world_size, models, cases, plan=None):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             oases.parallelize(tp, plan=plan)
+        if plan is not None and "lm_head" in plan:  # the schedules must not need the gathered logits
+            tp.lm_head.gather_output = False
         for schedule, sub_batches, b, padded, *sp in cases:
             sp = bool(sp and sp[0])
             ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
@@ -177,6 +179,13 @@ def _check_bad_input(rank, world_size):
         oases.train_step(model, ids, labels[:, :5])
     with pytest.raises(ValueError, match="schedule: 'fast'"):
         oases.train_step(model, ids, labels, schedule="fast")
+    with pytest.raises(ValueError, match="comm: its group .size 1. is not the model's TP group"):
+        oases.train_step(model, ids, labels, comm=Communicator(None, 1))
+    with pytest.raises(ValueError, match="sequence_parallel splits the sequence over 2 ranks; got length 11"):
+        oases.train_step(model, ids[:, :11], labels[:, :11], sequence_parallel=True)
+    gpt = oases.models.GPT(oases.models.GPTConfig(vocab_size=96, seq_len=12, hidden=32, heads=4))
+    with pytest.raises(ValueError, match="attention_mask: GPT has no padding mask"):
+        oases.train_step(gpt, ids, labels, attention_mask=torch.ones_like(ids))
     dropout = _model("neox")
     dropout.config.hidden_dropout = 0.1
     for layer in dropout.gpt_neox.layers:
@@ -314,3 +323,28 @@ class _OwnContext:
 
 def test_loss_fn_and_a_users_own_stack():
     run_ranks(_check_loss_fn_and_own_stack, 2, timeout=120)
+
+
+def _check_frozen_embedding(rank, world_size):
+    ref = _model("llama")
+    ref.model.embed_tokens.weight.requires_grad_(False)
+    tp = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    ids, labels, _ = _batch(4, 12, 3, False)
+    want_loss, want = _reference(ref, ids, labels, None)
+    for schedule, sp in (("megatron", False), ("oases", False), ("oases", True), ("cross_pass", True)):
+        tp.zero_grad(set_to_none=True)
+        loss = oases.train_step(tp, ids, labels, schedule=schedule, sequence_parallel=sp)
+        torch.testing.assert_close(loss, want_loss, **TOL)
+        assert tp.model.embed_tokens.weight.grad is None
+        for name, param in tp.named_parameters():
+            if param.requires_grad:
+                torch.testing.assert_close(param.grad, _expected(tp, name, want[name], rank, world_size), **TOL,
+                                           msg=lambda m: f"frozen embedding {schedule} sp={sp} {name}: {m}")
+    return True
+
+
+def test_frozen_embedding():
+    run_ranks(_check_frozen_embedding, 2, timeout=120)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
-from oases.schedule import CheckpointMemory, Communicator, Stack, train_step as _run_schedule
+from oases.schedule import CheckpointMemory, Communicator, Stack, check_step, train_step as _run_schedule
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -61,16 +61,18 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
                            reduction="sum")
 
 
-def _tp_communicator(model: object) -> Communicator:
-    """A Communicator on the one TP group the model's sharded modules share (none: TP = 1)."""
+def _tp_communicator(model: object) -> Optional[Communicator]:
+    """A Communicator on the one TP group the model's sharded modules share (none: TP = 1);
+    None when the model is not an nn.Module (a user's Stack: the caller passes `comm`)."""
     own = getattr(model, "comm", None)
     if isinstance(own, Communicator):
         return own
+    if not isinstance(model, nn.Module):
+        return None
     groups = []
-    if isinstance(model, nn.Module):
-        for m in model.modules():
-            if hasattr(m, "tp_layout") and not any(m.group is g for g in groups):
-                groups.append(m.group)
+    for m in model.modules():
+        if hasattr(m, "tp_layout") and not any(_same_group(m.group, g) for g in groups):
+            groups.append(m.group)
     if len(groups) > 1:
         raise ValueError("model: its tensor-parallel modules use different process groups; oases.train_step "
                          "runs one TP group (parallelize the model once, with one group)")
@@ -118,7 +120,22 @@ def train_step(
     stack = adapt(model)
     if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable()
-    comm = _tp_communicator(model) if comm is None else comm
+    tp = _tp_communicator(model)
+    if comm is None and tp is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
+                             "comm=oases.schedule.Communicator(tp_group, tp_group.size())")
+        tp = Communicator(None, 1)
+    if comm is None:
+        comm = tp
+    elif tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
+        raise ValueError(f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
+                         f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)")
+    if attention_mask is not None and not getattr(stack, "takes_attention_mask", True):
+        raise ValueError(f"attention_mask: {type(stack).__name__} has no padding mask to apply it to; pass None "
+                         "(or pad with tokens whose labels are -100)")
+    check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
+               attention_mask=attention_mask, world_size=comm.world_size)  # before step_seed's broadcast
     if loss_fn is None:
         group = getattr(stack, "logits_group", None)
         normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())
@@ -132,3 +149,11 @@ def train_step(
     return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
                          schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
                          dropout_seed=seed, attention_mask=attention_mask, memory=memory)
+
+
+def _same_group(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:
+    """Whether two group arguments name the same group (None: the world)."""
+    if not dist.is_initialized():
+        return True
+    world = dist.group.WORLD
+    return (a or world) is (b or world)

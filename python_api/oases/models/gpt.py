@@ -29,7 +29,7 @@ from oases._sharding import ShardRule
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
-from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, train_step
+from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, check_step, train_step
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -216,6 +216,8 @@ class GPT(nn.Module):
 
     # --- oases.schedule.Stack ---------------------------------------------------------------------
 
+    takes_attention_mask = False  # every sequence is whole: no padding mask
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.shape[1] > self.config.seq_len:
             raise ValueError(f"tokens: expected [batch, t <= {self.config.seq_len}], got {tuple(tokens.shape)}")
@@ -245,6 +247,8 @@ class GPT(nn.Module):
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self.embed_tokens(tokens[:0])  # shape checks before any communication
+        check_step(tokens, targets, schedule=self.schedule, sub_batches=sub_batches,
+                   sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         seed = seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -94,7 +95,8 @@ class HFStack:
         self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if self.final_norm is None or self.lm_head is None:
             raise ValueError(_unknown(model, "no final norm (base_model.norm / final_layer_norm) or no output embeddings"))
-        self.logits_group = self.lm_head.group if isinstance(self.lm_head, ColumnParallelLinear) else None
+        vocab_parallel = isinstance(self.lm_head, ColumnParallelLinear)  # parallelize's "vocab_head"
+        self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
         self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
         check_sharded(self._layers, decoder)
 

@@ -46,6 +46,8 @@ def is_nanogpt(model: object) -> bool:
 class NanoGPTStack:
     """A nanoGPT-style model (after oases.parallelize, or unsharded) as an oases.schedule.Stack."""
 
+    takes_attention_mask = False  # nanoGPT's attention is causal only
+
     def __init__(self, model: nn.Module) -> None:
         container = _container(model)
         if container is None:

@@ -6,14 +6,16 @@
     vocab_parallel_cross_entropy  F.cross_entropy of the full logits from a [..., V/p] shard of them
     parallelize(model)            nn.Linear (and, by plan, nn.Embedding) -> the layers above, in place
     clip_grad_norm_(model, max)   clip by the unsharded model's gradient norm (shards summed over the group)
+    ShardRule                     how a module's tp_layout() says a parameter is cut (checkpoints read it)
     no_tp_communication(module)   inside, the TP linears compute this rank's part only (schedules reduce)
 
 The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn._mappings`.
 """
+from oases._sharding import ShardRule
 from oases.nn.clip import clip_grad_norm_
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_"]
+           "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_", "ShardRule"]

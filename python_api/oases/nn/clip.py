@@ -27,7 +27,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
         total = norm of cat(every parameter's full gradient)       # as the unsharded model has it
         if total > max_norm: every .grad *= max_norm / (total + 1e-6)
-    Returns `total` (an fp32 scalar, the same on every rank). Call it on every rank of the TP
+    Returns `total` (an fp32 scalar on the gradients' device, the same on every rank). Call it on every rank of the TP
     group(s), like the backward. norm_type: 2.0 or inf.
     """
     if norm_type not in (2.0, math.inf):
@@ -38,16 +38,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     grads = [(p.grad, groups.get(id(p), _REPLICATED)) for p in _unique(model.parameters()) if p.grad is not None]
     inf = norm_type == math.inf
     combine = torch.maximum if inf else torch.add
-    total = torch.zeros((), dtype=torch.float32)
+    device = grads[0][0].device if grads else torch.device("cpu")  # NCCL reduces device tensors
+    total = torch.zeros((), dtype=torch.float32, device=device)
     per_group: dict[int, tuple[object, torch.Tensor]] = {}
     for g, group in grads:
-        part = g.detach().float().abs().max() if inf else g.detach().float().pow(2).sum()
-        part = part.cpu() if g.numel() else torch.zeros(())
+        if g.numel() == 0:
+            continue
+        part = (g.detach().float().abs().max() if inf else g.detach().float().pow(2).sum()).to(device)
         if group is _REPLICATED:
             total = combine(total, part)
         else:
             key = id(group)
-            _, acc = per_group.get(key, (group, torch.zeros((), dtype=torch.float32)))
+            _, acc = per_group.get(key, (group, torch.zeros((), dtype=torch.float32, device=device)))
             per_group[key] = (group, combine(acc, part))
     for group, acc in per_group.values():
         if dist.is_initialized():

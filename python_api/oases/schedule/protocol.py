@@ -18,6 +18,20 @@ With sequence parallelism the schedule keeps x as this rank's [b, t/p, h] slice 
 `norm` and `finish` run on it, the normed slices are all-gathered for `core` (which sees the
 whole sequence, as before) and its partial sums are reduce-scattered back to slices.
 
+Optional members a schedule reads with getattr (absent: the default in brackets):
+
+    stack.logits_group               a process group: `head` returns vocab slices (below) [None]
+    stack.step_seed()                the step's dropout seed, the same on every rank [None]
+    stack.takes_attention_mask       whether `embed` applies where.attention_mask [True]
+    sublayer.sequence_parallel_parameters()   required for sequence_parallel=True: the parameters
+                                     norm and finish use (their gradients are summed over the group)
+
+`finish` runs in forward and again, on a zero input, to get its gradient, so any randomness in it
+(residual dropout) must come from `where.seed` and the positions in `where` (see
+oases.models.GPT), never from the global generator. `ctx` is passed back as given; under
+sequence parallelism a ctx that is a SubBatch, or has one as its `where` attribute, is narrowed
+to this rank's tokens (a shallow copy) before `finish` sees it.
+
 A stack whose LM head is vocab-parallel sets `logits_group` (a process group; absent or None
 means full logits): `head` then returns this rank's [b, t, vocab/p] slice of the logits, and the
 loss is computed from the slices (oases.nn.vocab_parallel_cross_entropy), never gathered.

@@ -15,11 +15,12 @@ is resumed at once: its communication is blocking ("megatron").
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,24 +47,26 @@ class Communicator:
     bytes or a reduce-scatter of n bytes (p-1)/p n. `waited` is the host's seconds blocked in
     communication, the exposed communication on the CPU (on CUDA, `wait()` orders streams
     without blocking the host: time with CUDA events). With no process group (world size 1)
-    nothing is sent, counted or waited for. `dry_run = True` counts but sends nothing (results
-    are then wrong): benchmarks time compute alone with it.
+    nothing is sent, counted or waited for. Inside `with comm.dry_run():` it counts but sends
+    nothing (results are then wrong): benchmarks time compute alone with it.
 
     `submit` runs a function on the communicator's own thread (started on first use, ended by
     `close()`), in submission order: the CPU's counterpart of a communication stream. There,
-    `gather` / `scatter` run whole rings (blocking that thread only) with their own message tags,
+    `all_gather_sync` / `reduce_scatter_sync` run whole rings (blocking that thread only) with their own message tags,
     so they never match a ring of the caller's thread; small computations chained between them
     (a bias, a norm) run there too, while the caller's thread computes. `waited` then counts
     the caller's time blocked in `task.wait()`.
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
+        if world_size > 1 and dist.get_world_size(group) != world_size:
+            raise ValueError(f"world_size: {world_size}, but the group has {dist.get_world_size(group)} ranks")
         self.group = group
         self.world_size = world_size
         self.calls: Counter = Counter()
         self.bytes: Counter = Counter()
         self.waited = 0.0
-        self.dry_run = False
+        self._dry_run = False  # see dry_run()
         self._lock = threading.Lock()  # counters are updated from both threads
         self._thread: Optional[ThreadPoolExecutor] = None
 
@@ -72,27 +75,44 @@ class Communicator:
             self.calls[phase] += 1
             self.bytes[phase] += round(share * (self.world_size - 1) / self.world_size * nbytes)
 
+    @contextlib.contextmanager
+    def dry_run(self) -> Iterator[None]:
+        """Inside: count every call as usual but send nothing (results wrong: for timing compute)."""
+        previous, self._dry_run = self._dry_run, True
+        try:
+            yield
+        finally:
+            self._dry_run = previous
+
+    @property
+    def has_thread(self) -> bool:
+        """Whether `submit` may run rings on a thread of its own beside the caller's: on gloo,
+        whose point-to-point messages are matched by tag. NCCL matches them by order on one
+        communicator, so two threads must not interleave rings there (schedules then step the
+        rings from the caller's thread)."""
+        return self.world_size == 1 or dist.get_backend(self.group) == "gloo"
+
     def submit(self, fn: Callable[[], Any]) -> "_Task":
         """Run `fn()` on the communicator's thread after every task submitted before it."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oases-comm")
         return _Task(self._thread.submit(fn), self)
 
-    def gather(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+    def all_gather_sync(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
         """cat(t from every rank, dim), blocking; for tasks on the communicator's thread."""
         if self.world_size == 1:
             return t
         self._count(phase, t.numel() * t.element_size() * self.world_size, 1)
-        if self.dry_run:
+        if self._dry_run:
             return torch.cat([t] * self.world_size, dim)
         return ring_all_gather(t, self.group, dim=dim, tag=_THREAD_TAG)
 
-    def scatter(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+    def reduce_scatter_sync(self, t: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
         """sum(t from every rank) narrowed to this rank's block of `dim`, blocking; for tasks."""
         if self.world_size == 1:
             return t
         self._count(phase, t.numel() * t.element_size(), 1)
-        if self.dry_run:
+        if self._dry_run:
             return t.chunk(self.world_size, dim)[dist.get_rank(self.group)].contiguous()
         return ring_reduce_scatter(t, self.group, dim=dim, tag=_THREAD_TAG)
 
@@ -103,10 +123,11 @@ class Communicator:
             self._thread = None
 
     def all_reduce(self, t: torch.Tensor, phase: str) -> "_Work":
+        """Start summing `t` over the group in place (the backend's asynchronous all-reduce)."""
         if self.world_size == 1:
             return _Work(None, self)
         self._count(phase, t.numel() * t.element_size(), 2)
-        if self.dry_run:
+        if self._dry_run:
             return _Work(None, self)
         return _Work(dist.all_reduce(t, group=self.group, async_op=True), self)
 
@@ -115,7 +136,7 @@ class Communicator:
         if self.world_size == 1:
             return t
         self._count(phase, t.numel() * t.element_size() * self.world_size, 1)
-        if self.dry_run:
+        if self._dry_run:
             return torch.cat([t] * self.world_size, dim)
         return (yield from self._timed(all_gather_steps(t, self.group, dim=dim)))
 
@@ -124,7 +145,7 @@ class Communicator:
         if self.world_size == 1:
             return t
         self._count(phase, t.numel() * t.element_size(), 1)
-        if self.dry_run:
+        if self._dry_run:
             return t.chunk(self.world_size, dim)[dist.get_rank(self.group)].contiguous()
         return (yield from self._timed(reduce_scatter_steps(t, self.group, dim=dim)))
 
@@ -141,6 +162,7 @@ class Communicator:
             yield
 
     def reset(self) -> None:
+        """Zero the counters and the time waited."""
         with self._lock:
             self.calls.clear()
             self.bytes.clear()

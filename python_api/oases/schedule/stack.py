@@ -22,7 +22,7 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "train_step"]
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "train_step", "check_step"]
 
 MAX_SUB_BATCHES = 8
 
@@ -170,7 +170,8 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
             grad = yield from _backward(sub, rec, grad, ctx, comm)
         if plan.pass_barriers:
             yield BARRIER
-    embedded.backward(grad)
+    if embedded.requires_grad:  # a frozen embedding has nothing to learn
+        embedded.backward(grad)
     return loss.detach()
 
 
@@ -262,7 +263,8 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
         if plan.pass_barriers:
             yield BARRIER
     grad_full = yield from comm.all_gather(grad.contiguous(), _SEQ, "backward")  # the split's adjoint
-    embedded.backward(grad_full)
+    if embedded.requires_grad:
+        embedded.backward(grad_full)
     return loss.detach()
 
 
@@ -312,7 +314,9 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
         task = comm.submit(functools.partial(_between_backward, (grad_h, x_leaf, h_r), earlier, grad,
                                              saved.pop() if i > 0 else None, tokens, comm))
         yield
-    embedded.backward(task.wait())
+    grad_full = task.wait()
+    if embedded.requires_grad:
+        embedded.backward(grad_full)
     return loss.detach()
 
 
@@ -321,9 +325,9 @@ def _between_forward(done, following, x_r, part, tokens, comm: Communicator):
     gather the normed input of `following` (or the whole x for the head). -> (x_r, gathered)."""
     with torch.no_grad():
         if done is not None:
-            x_r = x_r + done.finish(comm.scatter(part, _SEQ, "forward"), tokens)
+            x_r = x_r + done.finish(comm.reduce_scatter_sync(part, _SEQ, "forward"), tokens)
         h_r = following.norm(x_r) if following is not None else x_r
-        return x_r, comm.gather(h_r, _SEQ, "forward")
+        return x_r, comm.all_gather_sync(h_r, _SEQ, "forward")
 
 
 def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicator):
@@ -335,16 +339,16 @@ def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicat
     with torch.enable_grad():
         if done is not None:
             grad_h, x_leaf, h_r = done
-            h_r.backward(comm.scatter(grad_h, _SEQ, "backward"))
+            h_r.backward(comm.reduce_scatter_sync(grad_h, _SEQ, "backward"))
             grad_r = grad_r + x_leaf.grad
         if following is None:
-            return comm.gather(grad_r.contiguous(), _SEQ, "backward")  # the split's adjoint
+            return comm.all_gather_sync(grad_r.contiguous(), _SEQ, "backward")  # the split's adjoint
         z = torch.zeros_like(grad_r, requires_grad=True)  # stands for RS(part): finish is affine in it
         following.finish(z, tokens).backward(grad_r)
-        grad_part = comm.gather(z.grad, _SEQ, "backward")  # reduce-scatter's adjoint
+        grad_part = comm.all_gather_sync(z.grad, _SEQ, "backward")  # reduce-scatter's adjoint
         x_leaf = x_saved.detach().requires_grad_()
         h_r = following.norm(x_leaf)
-    h = comm.gather(h_r.detach(), _SEQ, "recompute")
+    h = comm.all_gather_sync(h_r.detach(), _SEQ, "recompute")
     return grad_part, h, x_leaf, h_r, grad_r
 
 
@@ -359,11 +363,14 @@ def _embed_sharded(stack: Stack, input_ids, where: SubBatch, comm: Communicator,
 
 
 def _with_tokens(ctx: Any, tokens: SubBatch) -> Any:
-    """The stack's context with its SubBatch (where `finish` reads positions) narrowed to `tokens`."""
+    """The stack's context with its SubBatch (where `finish` reads positions) narrowed to `tokens`:
+    ctx itself if it is a SubBatch, else a shallow copy whose `where` attribute is replaced."""
     if isinstance(ctx, SubBatch):
         return tokens
-    if hasattr(ctx, "where") and dataclasses.is_dataclass(ctx):
-        return dataclasses.replace(ctx, where=tokens)
+    if isinstance(getattr(ctx, "where", None), SubBatch):
+        narrowed = copy.copy(ctx)
+        object.__setattr__(narrowed, "where", tokens)  # frozen dataclasses too
+        return narrowed
     return ctx
 
 
@@ -404,6 +411,33 @@ def split_rows(batch: int, parts: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
+               sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int) -> int:
+    """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
+    communication); return the number of sub-batches."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_SUB_BATCHES:
+        raise ValueError(f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
+                         f"own), got {sub_batches!r}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [batch, seq], got shape {tuple(input_ids.shape)}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids' {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' "
+                         f"{tuple(input_ids.shape)}")
+    batch = input_ids.shape[0]
+    if batch < parts:
+        raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
+                         f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
+    if sequence_parallel and input_ids.shape[1] % world_size:
+        raise ValueError(f"input_ids: sequence_parallel splits the sequence over {world_size} ranks; got "
+                         f"length {input_ids.shape[1]} (pad it to a multiple of {world_size})")
+    return parts
+
+
 def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_sum: LossSum,
                normalizer: float, comm: Communicator, schedule: str = "oases",
                sub_batches: Optional[int] = None, sequence_parallel: bool = False,
@@ -423,34 +457,18 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     kept for recomputation. Checks run before any communication, so a bad argument raises on
     every rank alike.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
-    plan = SCHEDULES[schedule]
-    parts = plan.sub_batches if sub_batches is None else sub_batches
-    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_SUB_BATCHES:
-        raise ValueError(f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
-                         f"own), got {sub_batches!r}")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids: expected [batch, seq], got shape {tuple(input_ids.shape)}")
-    if labels.shape != input_ids.shape:
-        raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids' {tuple(input_ids.shape)}")
-    if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' "
-                         f"{tuple(input_ids.shape)}")
-    batch = input_ids.shape[0]
-    if batch < parts:
-        raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
-                         f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
+    parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
+                       sequence_parallel=sequence_parallel, attention_mask=attention_mask,
+                       world_size=comm.world_size)
+    plan, batch = SCHEDULES[schedule], input_ids.shape[0]
     memory = CheckpointMemory() if memory is None else memory
     program, extra = _program, ()
     if sequence_parallel:
-        if input_ids.shape[1] % comm.world_size:
-            raise ValueError(f"input_ids: sequence_parallel splits the sequence over {comm.world_size} ranks; got "
-                             f"length {input_ids.shape[1]} (pad it to a multiple of {comm.world_size})")
         params = _sequence_parallel_parameters(stack)
         before = [None if p.grad is None else p.grad.clone() for p in params]
         rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
-        program, extra = (_program_sp_fine if plan.fine_grained_recompute else _program_sp), (rank,)
+        threaded = plan.fine_grained_recompute and comm.has_thread
+        program, extra = (_program_sp_fine if threaded else _program_sp), (rank,)
     programs = [
         program(stack, input_ids[r], labels[r],
                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
