@@ -2,6 +2,7 @@
 summary table, and the re-launch through oases-launch when started outside a distributed launch."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -82,6 +83,21 @@ def print_table(results: list[dict]) -> bool:
         print(f"{r['schedule']} vs {base['schedule']}: {base['step_s'] / r['step_s']:.2f}x faster per training step"
               + (", same losses (to 1e-4)" if same else ", BUT THE LOSSES DIFFER"))
     return same
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options both examples take: ranks, link, steps and the model's sizes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    p.add_argument("--bandwidth", default="750mbit", help="emulated link rate, or 'none' (default 750mbit)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-3)
+    return p
 
 
 def train_loop(label: str, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

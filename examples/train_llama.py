@@ -21,22 +21,13 @@ import torch
 import torch.distributed as dist
 
 import oases
-from _common import VOCAB, batches, compare, corpus, launch_or_run, train_loop
+from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, train_loop
 from oases.schedule import Communicator
 
 
 def _args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    p.add_argument("--bandwidth", default="750mbit", help="emulated link rate, or 'none' (default 750mbit)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
+    p = parser(__doc__.splitlines()[0])
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--schedules", default="megatron,oases,oases-sp",
                    help="comma-separated, first is the baseline; a '-sp' suffix adds sequence parallelism")
     return p.parse_args(argv)
