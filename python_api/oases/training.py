@@ -10,6 +10,7 @@ the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable, Optional
 
 import torch
@@ -126,6 +127,7 @@ def train_step(
             raise ValueError(f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
                              "comm=oases.schedule.Communicator(tp_group, tp_group.size())")
         tp = Communicator(None, 1)
+    owned = comm is None and not isinstance(getattr(model, "comm", None), Communicator)  # made for this call
     if comm is None:
         comm = tp
     elif tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
@@ -146,9 +148,13 @@ def train_step(
         loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
-    return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
-                         schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                         dropout_seed=seed, attention_mask=attention_mask, memory=memory)
+    try:
+        return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
+                             schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
+                             dropout_seed=seed, attention_mask=attention_mask, memory=memory)
+    finally:
+        if owned and not sys.exc_info()[0]:
+            comm.close()  # its thread, if it started one (after a failure a ring may never finish)
 
 
 def _same_group(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:
