@@ -8,11 +8,11 @@
     oases.models       a GPT, and adapters that show Hugging Face stacks to the schedules
     oases.train_step   one step of a parallelized model (GPT, HF Llama / Qwen / NeoX, any Stack) on a schedule
 """
-from oases import comm, models, ops, schedule
+from oases import comm, models, ops, pipeline, schedule
 from oases.nn import parallelize  # also binds the subpackage oases.nn
 from oases.training import train_step
 from oases.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 
 __version__ = "0.1.0"
-__all__ = ["comm", "ops", "nn", "parallelize", "schedule", "models", "train_step", "__version__",
+__all__ = ["comm", "ops", "nn", "parallelize", "schedule", "models", "pipeline", "train_step", "__version__",
            "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint"]

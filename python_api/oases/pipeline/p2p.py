@@ -1,0 +1,79 @@
+"""Point-to-point transfers between pipeline stages (FOLD3D Algorithm 2, PPComm).
+
+    comm = StageComm(pp_group, stages)
+    comm.post_recv(key, shape)        # irecv posted early (before the computation before its use)
+    x = comm.recv(key, shape)         # waits for it (posts it first if it was not posted)
+    comm.send(key, tensor)            # isend; never waited before wait_sends()
+    comm.wait_sends()                 # end of the step: every send delivered
+
+A key is (kind, edge, micro_batch): over edge e, "act" travels from virtual stage e to e+1 and
+"grad" from e+1 to e, where (segment k, stage s) is virtual stage k*p + s (oases.pipeline.stages).
+Each key is its own message tag, so messages match by key whatever order the two ends post
+them in. With one stage (p = 1) the peer is this rank: the tensor is handed over in memory.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["StageComm"]
+
+Key = tuple[str, int, int]  # (kind "act" | "grad", edge, micro_batch)
+_TAG_BASE = 16  # above the tags oases.comm's rings use (0-3)
+
+
+class StageComm:
+    """Async sends and receives of one rank's pipeline stage over the `pp` group; owns its handles."""
+
+    def __init__(self, group: dist.ProcessGroup, stages: int, micro_batches: int) -> None:
+        self.group, self.stages, self.micro_batches = group, stages, micro_batches
+        self.stage = dist.get_rank(group)
+        self._ranks = dist.get_process_group_ranks(group)
+        self._pending: dict[Key, tuple[Optional[dist.Work], torch.Tensor]] = {}
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._local: dict[Key, torch.Tensor] = {}  # p = 1: messages to this rank itself
+
+    def _tag(self, key: Key) -> int:
+        kind, edge, micro_batch = key
+        return _TAG_BASE + 2 * (edge * self.micro_batches + micro_batch) + (kind == "grad")
+
+    def _peer(self, key: Key, *, sending: bool) -> int:
+        """Global rank of the other end: activations go to stage s+1, gradients to s-1 (mod p)."""
+        ahead = (key[0] == "act") == sending
+        return self._ranks[(self.stage + (1 if ahead else -1)) % self.stages]
+
+    def post_recv(self, key: Key, shape: torch.Size, dtype: torch.dtype = torch.float32) -> None:
+        """Post the receive of `key` into a new buffer (no-op if already posted)."""
+        if key in self._pending or self.stages == 1:
+            return
+        buf = torch.empty(shape, dtype=dtype)
+        work = dist.irecv(buf, self._peer(key, sending=False), group=self.group, tag=self._tag(key))
+        self._pending[key] = (work, buf)
+
+    def recv(self, key: Key, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor of `key` ([shape]), once it has arrived."""
+        if self.stages == 1:
+            return self._local.pop(key)
+        self.post_recv(key, shape, dtype)
+        work, buf = self._pending.pop(key)
+        work.wait()
+        return buf
+
+    def send(self, key: Key, tensor: torch.Tensor) -> None:
+        """Start sending `tensor` as `key`; it is kept alive until wait_sends()."""
+        tensor = tensor.detach().contiguous()
+        if self.stages == 1:
+            self._local[key] = tensor
+            return
+        work = dist.isend(tensor, self._peer(key, sending=True), group=self.group, tag=self._tag(key))
+        self._sends.append((work, tensor))
+
+    def wait_sends(self) -> None:
+        """Wait for every send; after it, nothing of this step is in flight (checked)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        if self._pending or self._local:
+            raise RuntimeError(f"pipeline step ended with unreceived messages: {sorted(self._pending or self._local)}")

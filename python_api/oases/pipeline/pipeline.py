@@ -1,0 +1,253 @@
+"""`Pipeline`: a GPT trained with pipeline x data x tensor parallelism on a (dp, pp, tp) device mesh.
+
+    mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(config, mesh, schedule="aiao", segments=2, micro_batches=4,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), seed=0)
+    loss = pipe.train_step(tokens, targets)   # global batch [B, t], the same on every rank
+    state = pipe.state_dict()                 # the full GPT's state dict, on every rank
+
+One step, on the rank at (d, s, t) of the mesh:
+
+    rows = B / dp; block = tokens[d*rows : (d+1)*rows]          # this DP rank's rows
+    micro-batches = block split into m near-equal row ranges (sizes differ by at most one)
+    for action in schedules.actions(schedule, stage=s, ...):    # F(k, i) / B(k, i)
+        post the receive the next action needs                  # PPComm: one action ahead
+        F(k, i): x = recv act (or tokens); y = layers of (k, s) on x
+                 last virtual stage: loss_i = loss_sum(y, targets_i) / (B * t) else send y
+        B(k, i): g = recv grad (or 1 for loss_i); backward(y, g); send x.grad (unless first)
+    for each segment k: sync_segment(k)                        # grads summed over dp
+    optimizer.step()
+    return sum over dp and micro-batches of loss_i              # broadcast from the last stage
+
+Dividing each micro-batch's summed token loss by the *global* token count makes the sum of the
+DP ranks' gradients the single-process gradient of the mean loss: the DP sync is a plain sum.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.checkpoint import full_state_dict
+from oases.comm import all_reduce
+from oases.models.gpt import GPTConfig
+from oases.pipeline.p2p import StageComm
+from oases.pipeline.schedules import SCHEDULES, Action, actions
+from oases.pipeline.stages import Stage, StageLayout
+
+__all__ = ["Pipeline"]
+
+_MESH_DIMS = ("dp", "pp", "tp")
+_BUCKET_NUMEL = 1 << 22  # elements per flat gradient bucket of the DP sync (16 MiB in fp32)
+
+
+@dataclass
+class _Step:
+    """What one train_step's actions share: micro-batches, their activation shapes, kept tensors."""
+
+    micro: list[tuple[torch.Tensor, torch.Tensor]]  # (tokens, targets) [b_i, t] per micro-batch
+    shapes: list[torch.Size]  # activation [b_i, t, h] per micro-batch
+    dtype: torch.dtype  # of activations and their gradients
+    normalizer: int  # tokens in the global batch: each micro-batch's loss is divided by it
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> stage input
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> output / loss
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
+
+
+def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _check_config(config: GPTConfig, mesh, schedule: str, segments: int, micro_batches: int) -> None:
+    """Every argument check of Pipeline(...): local only, so every rank raises the same error."""
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config: expected an oases.models.GPTConfig, got {type(config).__name__}")
+    if config.dropout != 0.0:
+        raise ValueError(f"config.dropout: the pipeline does not apply dropout yet, got {config.dropout}")
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if sorted(names) != sorted(_MESH_DIMS):
+        raise ValueError(f"mesh: expected dimensions named {_MESH_DIMS}, got {names or 'none'}")
+    sizes = {name: mesh.size(names.index(name)) for name in _MESH_DIMS}
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("mesh: torch.distributed is not initialized")
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(f"mesh: dp * pp * tp = {sizes['dp']} * {sizes['pp']} * {sizes['tp']} = {mesh.size()}, "
+                         f"but the world size is {world}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments: expected an int >= 1 ('auto' is not supported yet), got {segments!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches: expected an int >= 1, got {micro_batches!r}")
+    if schedule == "1f1b" and segments != 1:
+        raise ValueError(f"segments: the 1f1b schedule runs one segment, got {segments} (use 'aiao')")
+    if schedule == "1f1b" and micro_batches < sizes["pp"]:
+        raise ValueError(f"micro_batches: 1f1b needs at least pp = {sizes['pp']} micro-batches, got {micro_batches}")
+    if config.layers % (sizes["pp"] * segments):
+        raise ValueError(f"config.layers: {config.layers} is not divisible by pp * segments = "
+                         f"{sizes['pp']} * {segments}")
+    for what, size in (("heads", config.heads), ("hidden * mlp_ratio", config.hidden * config.mlp_ratio)):
+        if size % sizes["tp"]:
+            raise ValueError(f"config.{what}: {size} is not divisible by tp = {sizes['tp']}")
+
+
+class Pipeline:
+    """A GPT cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
+
+    `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
+    oases.pipeline.schedules); `optimizer(params)` builds the optimizer of this rank's parameters;
+    parameters start as `GPT(config, seed=seed)`'s. Every argument is checked (ValueError naming
+    it) on every rank before any communication.
+    """
+
+    def __init__(self, config: GPTConfig, mesh, *, schedule: str = "1f1b", segments: int = 1,
+                 micro_batches: int = 4,
+                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
+                 seed: int = 0) -> None:
+        _check_config(config, mesh, schedule, segments, micro_batches)
+        self.config, self.schedule, self.segments, self.micro_batches = config, schedule, segments, micro_batches
+        self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
+        self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
+        self.dp_rank, stage = dist.get_rank(self.dp_group), dist.get_rank(self.pp_group)
+        self.layout = StageLayout(config.layers, self.pp, segments, stage)
+        self.stage = Stage(config, self.layout, self.tp_group, seed=seed)
+        self.optimizer = optimizer(list(self.stage.parameters()))
+        self.plan: list[Action] = actions(schedule, stage=stage, stages=self.pp, segments=segments,
+                                          micro_batches=micro_batches)
+        self.comm = StageComm(self.pp_group, self.pp, micro_batches)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def _check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
+            raise ValueError(f"tokens: expected an int64 tensor [batch, t], got "
+                             f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+        if not isinstance(targets, torch.Tensor) or targets.shape != tokens.shape:
+            raise ValueError(f"targets: expected the tokens' shape {tuple(tokens.shape)}, "
+                             f"got {tuple(getattr(targets, 'shape', ()))}")
+        if tokens.shape[1] > self.config.seq_len:
+            raise ValueError(f"tokens: {tokens.shape[1]} positions, more than config.seq_len = {self.config.seq_len}")
+        if tokens.shape[0] % self.dp:
+            raise ValueError(f"tokens: {tokens.shape[0]} rows are not divisible by dp = {self.dp}")
+        if tokens.shape[0] // self.dp < self.micro_batches:
+            raise ValueError(f"micro_batches: {self.micro_batches} micro-batches, but each DP rank has only "
+                             f"{tokens.shape[0] // self.dp} rows")
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank);
+        returns the mean token loss of the whole batch, the same on every rank (see the module doc)."""
+        self._check_batch(tokens, targets)
+        step = self._split(tokens, targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        for j, action in enumerate(self.plan):
+            if j + 1 < len(self.plan):  # PPComm: the next action's input is on its way meanwhile
+                key = self._recv_key(self.plan[j + 1])
+                if key is not None:
+                    self.comm.post_recv(key, step.shapes[key[2]], step.dtype)
+            with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
+                self._run(action, step)
+        self.comm.wait_sends()
+        for k in reversed(range(self.segments)):
+            self.sync_segment(k)
+        self.optimizer.step()
+        return self._global_loss(step.loss)
+
+    def _split(self, tokens: torch.Tensor, targets: torch.Tensor) -> _Step:
+        """This DP rank's contiguous block of rows, cut into micro-batches of near-equal rows."""
+        rows = tokens.shape[0] // self.dp
+        block = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        parts = torch.arange(rows).tensor_split(self.micro_batches)  # sizes differ by at most one
+        micro = [(tokens[block][p[0]:p[-1] + 1], targets[block][p[0]:p[-1] + 1]) for p in parts]
+        shapes = [torch.Size((len(p), tokens.shape[1], self.config.hidden)) for p in parts]  # [b_i, t, h]
+        return _Step(micro, shapes, next(self.stage.parameters()).dtype, targets.numel())
+
+    def _run(self, action: Action, step: _Step) -> None:
+        """F(k, i): receive (or embed), run the segment, send (or add the loss), keep (input, output).
+        B(k, i): receive the output's gradient (or start from the loss), back-propagate, send the
+        input's gradient (unless virtual stage 0)."""
+        k, i = action.segment, action.micro_batch
+        v = self.layout.virtual(k)
+        if action.kind == "F":
+            if self.layout.is_first(k):
+                x = step.micro[i][0]
+            else:
+                x = self.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype).requires_grad_()
+            y = self.stage.forward_segment(k, x)
+            if self.layout.is_last(k):
+                y = self.stage.loss_sum(y, step.micro[i][1]) / step.normalizer
+                step.loss += y.detach()
+            else:
+                self.comm.send(("act", v, i), y)
+            step.inputs[k, i], step.outputs[k, i] = x, y
+        else:
+            x, y = step.inputs.pop((k, i)), step.outputs.pop((k, i))
+            if self.layout.is_last(k):
+                y.backward()
+            else:
+                torch.autograd.backward(y, self.comm.recv(("grad", v, i), step.shapes[i], step.dtype))
+            if not self.layout.is_first(k):
+                self.comm.send(("grad", v - 1, i), x.grad)
+
+    def _recv_key(self, action: Action) -> Optional[tuple[str, int, int]]:
+        """The message `action` waits for (None: it needs none)."""
+        v = self.layout.virtual(action.segment)
+        if action.kind == "F":
+            return None if self.layout.is_first(action.segment) else ("act", v - 1, action.micro_batch)
+        return None if self.layout.is_last(action.segment) else ("grad", v, action.micro_batch)
+
+    def sync_segment(self, segment: int) -> None:
+        """Sum segment `segment`'s gradients of this stage over dp, in flat buckets (in place).
+
+            for bucket in flat buckets of [p.grad for p in stage.segment_parameters(segment)]:
+                oases.comm.all_reduce(bucket, dp_group)      # sum: the loss is already / (B * t)
+        The seam for FOLD3D's per-segment asynchronous DP sync: called once per segment, after
+        that segment's backward of every micro-batch."""
+        if self.dp == 1:
+            return
+        params = self.stage.segment_parameters(segment)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        start = 0
+        while start < len(params):
+            end, numel = start, 0
+            while end < len(params) and (end == start or numel + params[end].numel() <= _BUCKET_NUMEL):
+                numel += params[end].numel()
+                end += 1
+            bucket = params[start:end]
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [numel]
+            all_reduce(flat, self.dp_group)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            start = end
+
+    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Sum of the last stage's micro-batch losses over dp, broadcast over pp to every stage."""
+        if self.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)
+        if self.pp > 1:
+            dist.broadcast(loss, dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
+        return loss
+
+    # --- state ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full GPT's state dict (keys, order and shapes of `oases.models.GPT`'s), on every rank.
+
+            mine = oases.full_state_dict(stage)                  # gathered over tp
+            every stage's = all_gather_object(mine, pp_group)    # merged, in the GPT's key order
+        A collective over the whole mesh (every rank calls it)."""
+        mine = full_state_dict(self.stage)
+        parts: list[Optional[dict[str, torch.Tensor]]] = [None] * self.pp
+        if self.pp > 1:
+            dist.all_gather_object(parts, mine, group=self.pp_group)
+        else:
+            parts[0] = mine
+        merged = {key: value for part in parts for key, value in part.items()}
+        return {key: merged[key] for key in self.stage.key_order}

@@ -1,0 +1,170 @@
+"""oases.pipeline trains exactly like the single-process GPT: every schedule, PP x DP x TP layouts.
+
+Each rank function runs many cases to pay the process start-up once. The golden run is
+`GPT(config, seed=seed)` on one process (no process group: computed inside each rank, which is
+cheaper than shipping tensors to the ranks), trained on the same global batches with the same
+optimizer; after 3 steps every parameter of `Pipeline.state_dict()` and every loss must match.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from _spawn import run_ranks
+
+from oases.models import GPT, GPTConfig
+from oases.pipeline import Pipeline, actions
+
+CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2)
+STEPS, SEED = 3, 7
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+}
+
+
+def _batches(batch):
+    g = torch.Generator().manual_seed(batch)
+    return [(torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g),
+             torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g))
+            for _ in range(STEPS)]
+
+
+def _golden(layers, optimizer, batch, alone):
+    """(losses, state_dict) of the single-process GPT after STEPS steps (`alone`: a group of one)."""
+    model = GPT(GPTConfig(**CONFIG, layers=layers), alone, seed=SEED)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    losses = []
+    for tokens, targets in _batches(batch):
+        opt.zero_grad()
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, model.state_dict()
+
+
+# (dp, pp, tp), layers, schedule, segments, micro_batches, optimizer, global batch
+CASES_2 = [
+    ((1, 2, 1), 4, "gpipe", 1, 3, "sgd", 4),      # m not divisible by pp; micro-batches of 2, 1, 1 rows
+    ((1, 2, 1), 4, "1f1b", 1, 3, "adamw", 4),
+    ((1, 2, 1), 4, "aiao", 2, 3, "sgd", 4),
+]
+CASES_4 = [
+    ((1, 4, 1), 4, "gpipe", 1, 4, "adamw", 4),
+    ((1, 4, 1), 4, "1f1b", 1, 5, "sgd", 6),
+    ((1, 4, 1), 4, "aiao", 1, 4, "sgd", 4),
+    ((2, 2, 1), 4, "gpipe", 1, 2, "sgd", 6),
+    ((2, 2, 1), 4, "1f1b", 1, 3, "adamw", 6),     # each DP rank: 3 rows, 3 micro-batches
+    ((2, 2, 1), 4, "aiao", 2, 3, "sgd", 8),       # 4 rows -> micro-batches of 2, 1, 1
+    ((2, 2, 1), 4, "aiao", 1, 2, "adamw", 4),
+    ((1, 2, 2), 4, "gpipe", 1, 2, "adamw", 4),
+    ((1, 2, 2), 4, "1f1b", 1, 3, "sgd", 4),
+    ((1, 2, 2), 4, "aiao", 2, 3, "adamw", 3),
+    ((1, 2, 2), 6, "aiao", 3, 2, "sgd", 4),       # 6 layers: 3 segments of 2 stages of 1 layer
+    ((1, 2, 2), 4, "gpipe", 2, 2, "sgd", 4),      # gpipe over 2 segments: micro-batch-major
+    ((2, 1, 2), 4, "aiao", 2, 2, "adamw", 4),     # pp = 1: segments chained in memory
+]
+CASES_8 = [
+    ((2, 2, 2), 4, "1f1b", 1, 3, "sgd", 6),
+    ((2, 2, 2), 4, "aiao", 2, 2, "adamw", 4),
+]
+
+
+def _train_cases(rank, world_size, cases):
+    alone, _ = dist.new_subgroups(group_size=1)  # this rank by itself: the unsharded GPT
+    for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch in cases:
+        want_losses, want_state = _golden(layers, optimizer, batch, alone)
+        where = f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} {optimizer} B={batch}"
+        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
+                        micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED)
+        for step, (tokens, targets) in enumerate(_batches(batch)):
+            loss = pipe.train_step(tokens, targets)
+            torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
+                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+        held = set(pipe.stage.state_dict())  # this stage's part of the model only
+        assert held < set(want_state) if pp > 1 else held == set(want_state), where
+        state = pipe.state_dict()
+        assert list(state) == list(want_state), where
+        for name, value in state.items():
+            torch.testing.assert_close(value, want_state[name], rtol=1e-5, atol=1e-5,
+                                       msg=lambda msg: f"{where}: {name}: {msg}")
+    return True
+
+
+def test_pp2_matches_single_process_2_ranks():
+    run_ranks(_train_cases, 2, CASES_2, timeout=60)
+
+
+def test_every_schedule_and_layout_matches_single_process_4_ranks():
+    run_ranks(_train_cases, 4, CASES_4, timeout=120)
+
+
+def test_dp2_pp2_tp2_matches_single_process_8_ranks():
+    run_ranks(_train_cases, 8, CASES_8, timeout=120)
+
+
+def _bad_configurations(rank, world_size):
+    config = GPTConfig(**CONFIG, layers=4)
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    bad = [
+        (dict(config=GPTConfig(**CONFIG, layers=3)), "config.layers"),            # 3 % (pp=2)
+        (dict(segments=3, schedule="aiao"), "config.layers"),                     # 4 % (2 * 3)
+        (dict(schedule="interleaved"), "schedule"),
+        (dict(schedule="1f1b", segments=2), "segments"),
+        (dict(schedule="1f1b", micro_batches=1), "micro_batches"),
+        (dict(segments="auto"), "segments"),
+        (dict(mesh=init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),
+        (dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))), "mesh"),
+    ]
+    for change, match in bad:
+        kwargs = dict(config=config, mesh=mesh, schedule="gpipe", segments=1, micro_batches=2) | change
+        with pytest.raises(ValueError, match=match):
+            Pipeline(kwargs.pop("config"), kwargs.pop("mesh"), **kwargs)
+    pipe = Pipeline(config, mesh, schedule="1f1b", micro_batches=2)
+    tokens, targets = _batches(3)[0]
+    with pytest.raises(ValueError, match="dp = 2"):          # 3 rows over 2 DP ranks
+        pipe.train_step(tokens, targets)
+    tokens, targets = _batches(2)[0]
+    with pytest.raises(ValueError, match="micro_batches"):   # 1 row per DP rank, 2 micro-batches
+        pipe.train_step(tokens, targets)
+    with pytest.raises(ValueError, match="targets"):
+        pipe.train_step(tokens, targets[:, :-1])
+    dist.barrier()  # no rank was left inside a collective
+    return True
+
+
+def test_bad_configurations_raise_on_every_rank():
+    assert run_ranks(_bad_configurations, 4, timeout=60) == [True] * 4
+
+
+def test_stage_layout_folds_segments():
+    from oases.pipeline import StageLayout
+
+    # FOLD3D §3.2: 12 layers, ns = 2, p = 3 -> stage 0 holds (0, 1) and (6, 7)
+    held = [[list(StageLayout(12, 3, 2, s).layers_of(k)) for k in range(2)] for s in range(3)]
+    assert held == [[[0, 1], [6, 7]], [[2, 3], [8, 9]], [[4, 5], [10, 11]]]
+    assert StageLayout(12, 3, 2, 0).is_first(0) and not StageLayout(12, 3, 2, 0).is_first(1)
+    assert StageLayout(12, 3, 2, 2).is_last(1) and not StageLayout(12, 3, 2, 2).is_last(0)
+
+
+@pytest.mark.parametrize("schedule,segments", [("gpipe", 1), ("gpipe", 2), ("1f1b", 1), ("aiao", 1), ("aiao", 3)])
+@pytest.mark.parametrize("stages,micro_batches", [(2, 3), (4, 4), (4, 7)])
+def test_schedules_run_every_action_once_forward_first(schedule, segments, stages, micro_batches):
+    for stage in range(stages):
+        plan = actions(schedule, stage=stage, stages=stages, segments=segments, micro_batches=micro_batches)
+        everything = {(kind, k, i) for kind in "FB" for k in range(segments) for i in range(micro_batches)}
+        assert sorted(plan) == sorted(everything) and len(plan) == len(everything)
+        for a in plan:  # a backward comes after its forward and after the later segment's backward
+            assert plan.index(("F", a.segment, a.micro_batch)) <= plan.index(a)
+            if a.kind == "B" and a.segment + 1 < segments:
+                assert plan.index(("B", a.segment + 1, a.micro_batch)) < plan.index(a)
+
+
+def test_one_f_one_b_is_megatrons_order():
+    def names(stage):
+        return " ".join(f"{a.kind}{a.micro_batch}" for a in actions("1f1b", stage=stage, stages=2, segments=1,
+                                                                        micro_batches=3))
+    assert names(0) == "F0 F1 B0 F2 B1 B2"
+    assert names(1) == "F0 B0 F1 B1 F2 B2"
