@@ -1,5 +1,6 @@
 """oases-launch end to end: rank environment, a failing rank, clean-up, the unshaped fallback,
-and (as root with iproute2) the shaped links' achieved bandwidth.
+and (as root with iproute2) the shaped links' achieved bandwidth; on one emulated server and on
+several (--hosts).
 
 Each test runs `python -m oases.launch` as a subprocess with a hard timeout below the test's own
 limit; a launcher that overruns gets SIGTERM (it stops its ranks and deletes its namespaces),
@@ -39,7 +40,8 @@ dist.all_reduce(total)
 probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 probe.connect((os.environ["MASTER_ADDR"], 9))  # no packet: only asks which source address routes
 names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-         "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "OASES_BANDWIDTH", "OASES_TOPOLOGY"]
+         "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "OASES_BANDWIDTH", "OASES_TOPOLOGY",
+         "GROUP_RANK", "GROUP_WORLD_SIZE", "OASES_HOSTS", "OASES_INTRA_BANDWIDTH"]
 record = {name: os.environ.get(name) for name in names}
 record.update(all_reduce=total.item(), argv=sys.argv[2:], source=probe.getsockname()[0],
               netns=os.readlink("/proc/self/ns/net"))
@@ -108,6 +110,12 @@ def namespaces_of(pid: int) -> list[str]:
     return [name for name in names if name == f"oases-{pid}" or name.startswith(f"oases-{pid}-")]
 
 
+def root_links() -> set[str]:
+    """Network devices of the launcher's (this test's) namespace: a run must add none for good."""
+    listing = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in listing.splitlines() if line.strip()}
+
+
 def write_script(directory: Path, source: str) -> str:
     path = directory / "rank_script.py"
     path.write_text(textwrap.dedent(source))
@@ -141,12 +149,27 @@ def test_parse_bandwidth_reads_tc_rates():
     ["--topology", "switch", "x.py"],                     # topology without a bandwidth
     ["--nproc", "1", "--selftest"],
     ["--nproc", "2", "--selftest", "x.py"],
+    ["--nproc", "4", "--hosts", "2", "x.py"],                                 # hosts without a bandwidth
+    ["--nproc", "4", "--bandwidth", "1gbit", "--intra-bandwidth", "8gbit", "x.py"],  # one host
+    ["--nproc", "4", "--hosts", "2", "--bandwidth", "1gbit", "--topology", "switch", "x.py"],
+    ["--nproc", "2", "--hosts", "2", "--bandwidth", "1gbit", "--selftest"],  # no pair inside a host
+    ["--nproc", "4", "--hosts", "0", "--bandwidth", "1gbit", "x.py"],
 ])
 def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit:
         main(argv)
     assert exit.value.code == 2
     assert "oases-launch: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nproc, hosts", [(3, 2), (8, 3), (1, 2)])
+def test_nproc_not_divisible_by_hosts_is_a_clear_error(capsys, nproc, hosts):
+    with pytest.raises(SystemExit) as exit:
+        main(["--nproc", str(nproc), "--hosts", str(hosts), "--bandwidth", "1gbit", "x.py"])
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == (f"oases-launch: error: --nproc {nproc} ranks cannot be packed evenly into "
+                     f"--hosts {hosts}: --nproc must be divisible by --hosts")
 
 
 # (topology, nproc, launcher options, launcher environment, expected OMP_NUM_THREADS): the three
@@ -198,28 +221,85 @@ def test_ranks_get_torchrun_environment(tmp_path, topology, nproc, options, extr
         assert namespaces_of(run.pid) == []
 
 
-def test_failing_rank_ends_the_run(tmp_path):
+@pytest.mark.parametrize("shaped", [pytest.param(True, id="shaped", marks=needs_shaping),
+                                    pytest.param(False, id="unshaped")])
+def test_hosts_give_each_rank_its_host(tmp_path, shaped):
+    """--hosts 2 --nproc 4: ranks 0, 1 on host 0 and 2, 3 on host 1, with torchrun's multi-node
+    environment; shaped, each host is a namespace with its own address (unshaped: the layout only)."""
+    nproc, hosts = 4, 2
+    script = write_script(tmp_path, ENV_SCRIPT)
+    env = env_without("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")
+    if not shaped:  # a PATH without iproute2, as on a machine without it
+        (tmp_path / "bin").mkdir()
+        env["PATH"] = str(tmp_path / "bin")
+    links_before = root_links() if shaped else set()
+    run = launch("--nproc", str(nproc), "--hosts", str(hosts), "--bandwidth", "1gbit", script,
+                 str(tmp_path), "--lr", "3", env=env)
+    assert run.returncode == 0, run.stderr
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    per_host = nproc // hosts
+    for r, rank in enumerate(ranks):
+        assert (rank["RANK"], rank["WORLD_SIZE"]) == (str(r), str(nproc))
+        assert (rank["LOCAL_RANK"], rank["LOCAL_WORLD_SIZE"]) == (str(r % per_host), str(per_host))
+        assert (rank["GROUP_RANK"], rank["GROUP_WORLD_SIZE"]) == (str(r // per_host), str(hosts))
+        assert rank["all_reduce"] == nproc * (nproc + 1) / 2  # rendezvous worked across hosts
+        assert rank["argv"] == ["--lr", "3"]
+        assert rank["OASES_BANDWIDTH"] == ("1gbit" if shaped else None)
+        assert rank["OASES_TOPOLOGY"] == ("hosts" if shaped else None)
+        assert rank["OASES_HOSTS"] == (str(hosts) if shaped else None)
+        assert rank["OASES_INTRA_BANDWIDTH"] is None
+    assert len({rank["MASTER_ADDR"] for rank in ranks}) == 1
+    own_netns = os.readlink("/proc/self/ns/net")
+    if not shaped:
+        assert {rank["netns"] for rank in ranks} == {own_netns}
+        assert ranks[0]["MASTER_ADDR"] == "127.0.0.1"
+        return
+    # (namespace, address) of each rank: one pair per host, the same for all its ranks
+    where = [(rank["netns"], rank["source"]) for rank in ranks]
+    assert len(set(where)) == hosts
+    assert all(where[r] == where[r - r % per_host] for r in range(nproc))
+    assert len({address for _, address in where}) == hosts
+    assert own_netns not in {space for space, _ in where}
+    assert ranks[0]["source"] == ranks[0]["MASTER_ADDR"] != "127.0.0.1"  # host 0's address
+    assert {rank["GLOO_SOCKET_IFNAME"] for rank in ranks} == {"eth0"}
+    assert namespaces_of(run.pid) == []
+    assert root_links() <= links_before  # no veth left behind
+
+
+# Shaping options of the clean-up tests: nproc 2 makes three namespaces either way (bridge + 2).
+CLEANUP_CASES = [
+    pytest.param(["--topology", "switch"], id="switch"),
+    pytest.param(["--hosts", "2"], id="hosts"),
+]
+
+
+@pytest.mark.parametrize("shaping", CLEANUP_CASES)
+def test_failing_rank_ends_the_run(tmp_path, shaping):
     # Shaped when possible: then the namespaces must be gone too.
-    shaping = ["--bandwidth", "1gbit", "--topology", "switch"] if CAN_SHAPE else []
+    shaping = ["--bandwidth", "1gbit", *shaping] if CAN_SHAPE else []
+    links_before = root_links() if CAN_SHAPE else set()
     run = launch("--nproc", "2", *shaping, write_script(tmp_path, CRASH_SCRIPT))
     assert run.returncode == 3
     assert "RuntimeError: rank 1 fails on purpose" in run.stderr  # its traceback came through
     assert run.seconds < 30  # rank 0, asleep for 120 s, was stopped (it held the output pipes)
     if CAN_SHAPE:
         assert namespaces_of(run.pid) == []
+        assert root_links() <= links_before
 
 
 @needs_shaping
-def test_ctrl_c_stops_ranks_and_deletes_namespaces(tmp_path):
+@pytest.mark.parametrize("shaping", CLEANUP_CASES)
+def test_ctrl_c_stops_ranks_and_deletes_namespaces(tmp_path, shaping):
     script = write_script(tmp_path, WAIT_SCRIPT)
-    command = [*LAUNCH, "--nproc", "2", "--bandwidth", "1gbit", "--topology", "switch", script, str(tmp_path)]
+    command = [*LAUNCH, "--nproc", "2", "--bandwidth", "1gbit", *shaping, script, str(tmp_path)]
+    links_before = root_links()
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             deadline = time.monotonic() + 40
             while not all((tmp_path / f"started{r}").exists() for r in range(2)):
                 assert proc.poll() is None and time.monotonic() < deadline, "ranks did not start"
                 time.sleep(0.1)
-            assert len(namespaces_of(proc.pid)) == 3  # bridge + one per rank
+            assert len(namespaces_of(proc.pid)) == 3  # bridge + one per rank (or host)
             proc.send_signal(signal.SIGINT)
             proc.communicate(timeout=20)  # returns once the ranks, holding the pipes, are gone
         finally:
@@ -227,6 +307,7 @@ def test_ctrl_c_stops_ranks_and_deletes_namespaces(tmp_path):
                 _stop(proc)
     assert proc.returncode == 128 + signal.SIGINT
     assert namespaces_of(proc.pid) == []
+    assert root_links() <= links_before
 
 
 def test_without_tc_the_selftest_runs_unshaped_after_one_line(tmp_path):
@@ -260,4 +341,36 @@ def test_shaped_link_delivers_requested_bandwidth(tmp_path, topology):
         assert 0.25 <= both_ways <= 0.65, result
     else:
         assert 0.5 <= both_ways <= 1.2, result
+    assert namespaces_of(run.pid) == []
+
+
+@needs_shaping
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bandwidth, intra_bandwidth", [("1gbit", None), ("250mbit", "1gbit")])
+def test_hosts_selftest_measures_both_link_kinds(tmp_path, bandwidth, intra_bandwidth):
+    """--hosts 2: a pair across hosts gets the NIC's rate, each way at once (full duplex); a pair
+    inside a host gets the loopback: unshaped (much faster), or --intra-bandwidth shared by both
+    directions. Broad bands: shared machine."""
+    result_path = tmp_path / "selftest.json"
+    intra = ["--intra-bandwidth", intra_bandwidth] if intra_bandwidth else []
+    run = launch("--nproc", "4", "--hosts", "2", "--bandwidth", bandwidth, *intra,
+                 "-m", "oases.launch._selftest", "--mib", "4", "--repeats", "3", "--json", str(result_path),
+                 timeout=70)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(result_path.read_text())
+    assert (result["topology"], result["hosts"]) == ("hosts", 2)
+    inter, intra_host = result["inter_host"], result["intra_host"]
+    assert (inter["ranks"], intra_host["ranks"]) == ([0, 2], [0, 1])
+    requested = parse_bandwidth(bandwidth)
+    assert inter["requested_bytes_per_s"] == requested
+    assert 0.6 <= inter["one_way_bytes_per_s"] / requested <= 1.3, result
+    assert 0.6 <= inter["both_ways_bytes_per_s"] / requested <= 1.3, result
+    if intra_bandwidth is None:
+        assert intra_host["requested"] is None
+        assert intra_host["one_way_bytes_per_s"] >= 3 * inter["one_way_bytes_per_s"], result
+    else:
+        intra_requested = parse_bandwidth(intra_bandwidth)
+        assert intra_host["requested_bytes_per_s"] == intra_requested
+        assert 0.6 <= intra_host["one_way_bytes_per_s"] / intra_requested <= 1.3, result
+        assert 0.25 <= intra_host["both_ways_bytes_per_s"] / intra_requested <= 0.65, result
     assert namespaces_of(run.pid) == []

@@ -5,6 +5,8 @@
     oases-launch --nproc 2 --bandwidth 1gbit train.py            # ranks talk at ~125 MB/s
     oases-launch --nproc 4 --bandwidth 8gbit --topology switch train.py
     oases-launch --nproc 2 --bandwidth 1gbit --selftest          # measure the shaped link
+    oases-launch --nproc 8 --hosts 2 --bandwidth 1gbit train.py  # 2 servers of 4 ranks, 1 Gbit NICs
+    oases-launch --nproc 8 --hosts 2 --bandwidth 1gbit --intra-bandwidth 8gbit --selftest
     python -m oases.launch ...                                   # the same
 
 Every rank runs `sys.executable SCRIPT ARGS` (or `-m MODULE ARGS`) with torchrun's single-node
@@ -33,6 +35,20 @@ host memory). There the box's aggregate bandwidth, not a per-GPU link, is the bo
 ring's simultaneous sends contend for it; `switch` would credit every rank a private full-duplex
 link and overstate concurrent communication by up to the number of concurrent flows. Use
 `switch` to model one NIC per GPU into a non-blocking switch (a multi-node cluster).
+
+--hosts H emulates H servers (see `_netns`): NPROC must be divisible by H, and the ranks are
+packed in order, NPROC/H per host (8 ranks, 2 hosts: 0..3 on host 0, 4..7 on host 1). Each host
+is a namespace with its own address (10.88.0.h+1) and one NIC into a switch, shaped to
+--bandwidth RATE both ways: a host sends at RATE and receives at RATE at once, so two hosts
+talking both ways get RATE in each direction, and the hosts' traffic to one host shares its
+NIC. Ranks of one host talk over the host's loopback: unshaped, or one link of --intra-bandwidth
+shared by the host's ranks like `shared`. So tensor parallelism inside a host runs on the fast
+link and pipeline/data parallelism across hosts on the NICs, as on a cluster. The environment is
+torchrun's on H nodes: LOCAL_RANK = the index within the host, LOCAL_WORLD_SIZE = NPROC/H,
+GROUP_RANK = the host, GROUP_WORLD_SIZE = H, MASTER_ADDR = host 0's address; shaped runs also
+get OASES_TOPOLOGY=hosts, OASES_HOSTS=H and, if given, OASES_INTRA_BANDWIDTH. `--selftest`
+measures a pair inside host 0 and a pair across hosts (needs 2 or more ranks per host). Without
+root or iproute2 the layout (the environment) stays and the links are unshaped, as above.
 """
 from oases.launch._cli import main
 from oases.launch._rate import parse_bandwidth

@@ -1,12 +1,13 @@
 """Rate-limited links for the ranks of one run, built from Linux network namespaces and tc.
 
-Two topologies; each link is `tc qdisc add dev DEV root tbf rate R burst 128kb latency 200ms` (tbf
-shapes what a device sends). The burst must exceed the 64 KiB loopback/GSO packets, or TCP stalls;
-and it should not be much larger: a link left idle refills its bucket and then passes `burst`
-bytes at memory speed, a gift no PCIe or Ethernet link gives, worth most to blocking schedules
-that idle the link between collectives (with 1mb, megatron's 12 blocking 1 MiB all-reduces at
-500mbit waited 228 ms per step in all, against 401 ms for the same all-reduces back to back).
-128kb holds 0.5, 1 and 8 Gbit/s (selftest):
+Two topologies of one server, and a cluster of servers (`hosts`, below); each link is
+`tc qdisc add dev DEV root tbf rate R burst 128kb latency 200ms` (tbf shapes what a device
+sends). The burst must exceed the 64 KiB loopback/GSO packets, or TCP stalls; and it should not
+be much larger: a link left idle refills its bucket and then passes `burst` bytes at memory speed,
+a gift no PCIe or Ethernet link gives, worth most to blocking schedules that idle the link between
+collectives (with 1mb, megatron's 12 blocking 1 MiB all-reduces at 500mbit waited 228 ms per step
+in all, against 401 ms for the same all-reduces back to back). 128kb holds 0.5, 1 and 8 Gbit/s
+(selftest):
 
     shared: one namespace                   switch: a namespace per rank, the bridge in its own
     +------------------------------+        rank0 [nic0] =tbf=>  <=tbf= [port0] --+
@@ -20,10 +21,28 @@ that idle the link between collectives (with 1mb, megatron's 12 blocking 1 MiB a
 In `switch`, R is the rate on the wire of 1500-byte frames, as on a real NIC: TCP payload gets
 about 0.96 R (1gbit -> ~119.5 MB/s); `shared` runs over 64 KiB loopback packets (~R).
 
+`hosts` emulates H servers (`build_hosts`): a namespace per host, the host's ranks all in it.
+
+    host 0: oases-<pid>-h0                     bridge: oases-<pid>-br
+    +----------------------------------+
+    | rank0 rank1 .. rank(k-1)         |
+    |   lo (unshaped, or tbf INTRA)    |
+    |   eth0 10.88.0.1 =tbf R=>  <=tbf R= port0 --+
+    +----------------------------------+           br0
+    host 1: oases-<pid>-h1 (ranks k..2k-1)         |
+    |   eth0 10.88.0.2 =tbf R=>  <=tbf R= port1 --+
+
+Every rank of host h binds gloo to eth0 (GLOO_SOCKET_IFNAME), so its address is the host's. A
+packet to an address of its own namespace never leaves through eth0: the kernel delivers it
+over `lo`. So a pair inside a host talks over the host's loopback (one queue for the host, like
+`shared`, at INTRA or memory speed) and a pair across hosts over the two hosts' shaped NICs:
+each host sends at R and receives at R at once, whatever the other hosts do (full duplex).
+
 Namespaces are named after the launcher's pid, so one run never meets another's; deleting a
 namespace removes the devices in it (veth pairs, the bridge) with it. A rank's /etc/hosts (`ip
 netns exec` mounts /etc/netns/NAME/hosts over it) also names its peers' addresses (`switch`:
-rank0, rank1, ...), for reverse lookups that DNS, unreachable from a namespace, cannot answer.
+rank0, rank1, ...; `hosts`: host0, host1, ...), for reverse lookups that DNS, unreachable from a
+namespace, cannot answer.
 """
 from __future__ import annotations
 
@@ -33,14 +52,15 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Sequence
+from typing import Literal, Mapping, Optional, Sequence
 
 from oases.launch._signals import signals_deferred
 
 Topology = Literal["shared", "switch"]
 TOPOLOGIES: tuple[Topology, ...] = ("shared", "switch")
-# Rank i's NIC address in the switch topology: the (i+1)-th host of this private net.
-_SWITCH_NET = ipaddress.ip_network("10.88.0.0/16")
+# NIC addresses: rank i's in `switch`, host i's in `hosts`: the (i+1)-th address of this net.
+_NET = ipaddress.ip_network("10.88.0.0/16")
+_HOST_NIC = "eth0"
 _NETNS_ETC = "/etc/netns"
 _BURST = "128kb"
 _LATENCY = "200ms"
@@ -87,6 +107,7 @@ class Namespaces:
 
         with Namespaces(tools, f"oases-{os.getpid()}") as spaces:
             placements = spaces.build("switch", nproc=4, rate_bits=10**9)   # one per rank
+            # or: hosts = spaces.build_hosts(2, rate_bits=10**9)            # one per host
             ...                                                             # run the ranks
         # all namespaces gone, also after an exception
 
@@ -115,6 +136,27 @@ class Namespaces:
             return self._switch(nproc, rate_bits)
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
 
+    def build_hosts(self, hosts: int, rate_bits: int,
+                    intra_rate_bits: Optional[int] = None) -> list[Placement]:
+        """Create `hosts` emulated servers: a namespace each, whose NIC sends and receives at
+        `rate_bits` bit/s; traffic inside a host goes over its loopback, shaped to
+        `intra_rate_bits` if given, else unshaped. Returns one placement per host."""
+        if not 2 <= hosts <= _NET.num_addresses - 2:
+            raise ValueError(f"hosts must be in 2..{_NET.num_addresses - 2}, got {hosts}")
+        bridge = self._add_bridge()
+        addresses = [str(_NET[host + 1]) for host in range(hosts)]
+        names = [(address, f"host{host}") for host, address in enumerate(addresses)]
+        placements = []
+        for host, address in enumerate(addresses):
+            name = self._add_namespace(f"{self._prefix}-h{host}")
+            self._write_hosts(name, names)
+            self._plug(bridge, f"port{host}", name, _HOST_NIC, address, rate_bits)
+            if intra_rate_bits is not None:
+                self._shape(name, "lo", intra_rate_bits)
+            placements.append(Placement(prefix=self._exec(name), address=address,
+                                        env={"GLOO_SOCKET_IFNAME": _HOST_NIC}))
+        return placements
+
     def close(self) -> None:
         """Delete the namespaces made so far (idempotent; SIGINT/SIGTERM wait until it is done)."""
         with signals_deferred():
@@ -139,28 +181,38 @@ class Namespaces:
         return [placement] * nproc
 
     def _switch(self, nproc: int, rate_bits: int) -> list[Placement]:
-        if nproc > _SWITCH_NET.num_addresses - 2:
-            raise ValueError(f"switch topology supports at most {_SWITCH_NET.num_addresses - 2} ranks")
-        bridge = self._add_namespace(f"{self._prefix}-br")
-        self._ip("-n", bridge, "link", "add", "br0", "type", "bridge")
-        self._ip("-n", bridge, "link", "set", "br0", "up")
-        addresses = [str(_SWITCH_NET[rank + 1]) for rank in range(nproc)]
+        if nproc > _NET.num_addresses - 2:
+            raise ValueError(f"switch topology supports at most {_NET.num_addresses - 2} ranks")
+        bridge = self._add_bridge()
+        addresses = [str(_NET[rank + 1]) for rank in range(nproc)]
         names = [(address, f"rank{rank}") for rank, address in enumerate(addresses)]
         placements = []
         for rank, address in enumerate(addresses):
             name = self._add_namespace(f"{self._prefix}-r{rank}")
             self._write_hosts(name, names)
-            nic, port = f"nic{rank}", f"port{rank}"
-            self._ip("-n", bridge, "link", "add", port, "type", "veth", "peer", "name", nic, "netns", name)
-            self._ip("-n", bridge, "link", "set", port, "master", "br0", "up")
-            self._ip("-n", name, "addr", "add", f"{address}/{_SWITCH_NET.prefixlen}", "dev", nic)
-            self._ip("-n", name, "link", "set", nic, "up")
-            self._ip("-n", name, "link", "set", "lo", "up")
-            self._shape(name, nic, rate_bits)     # what the rank sends
-            self._shape(bridge, port, rate_bits)  # what the rank receives
+            nic = f"nic{rank}"
+            self._plug(bridge, f"port{rank}", name, nic, address, rate_bits)
             placements.append(Placement(prefix=self._exec(name), address=address,
                                         env={"GLOO_SOCKET_IFNAME": nic}))
         return placements
+
+    def _add_bridge(self) -> str:
+        """The namespace of the switch: a bridge `br0` that the NICs' far ends join."""
+        bridge = self._add_namespace(f"{self._prefix}-br")
+        self._ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", bridge, "link", "set", "br0", "up")
+        return bridge
+
+    def _plug(self, bridge: str, port: str, namespace: str, nic: str, address: str, rate_bits: int) -> None:
+        """A veth pair from `nic` (with `address`, in `namespace`) to `port` on the bridge, each
+        end shaped to `rate_bits`: the nic shapes what the namespace sends, the port what it receives."""
+        self._ip("-n", bridge, "link", "add", port, "type", "veth", "peer", "name", nic, "netns", namespace)
+        self._ip("-n", bridge, "link", "set", port, "master", "br0", "up")
+        self._ip("-n", namespace, "addr", "add", f"{address}/{_NET.prefixlen}", "dev", nic)
+        self._ip("-n", namespace, "link", "set", nic, "up")
+        self._ip("-n", namespace, "link", "set", "lo", "up")
+        self._shape(namespace, nic, rate_bits)
+        self._shape(bridge, port, rate_bits)
 
     def _add_namespace(self, name: str) -> str:
         self._names.append(name)  # first: an interrupt right after `add` still deletes it
