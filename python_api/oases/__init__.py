@@ -7,6 +7,7 @@
     oases.schedule     megatron / merak / cross_pass / oases training schedules for TP stacks
     oases.models       a GPT, and adapters that show Hugging Face stacks to the schedules
     oases.train_step   one step of a parallelized model (GPT, HF Llama / Qwen / NeoX, any Stack) on a schedule
+    oases.pipeline     Pipeline: the GPT on a (dp, pp, tp) mesh with gpipe / 1f1b / FOLD3D's aiao schedules
 """
 from oases import comm, models, ops, pipeline, schedule
 from oases.nn import parallelize  # also binds the subpackage oases.nn
