@@ -5,6 +5,8 @@ Each rank function runs many cases to pay the process start-up once. The golden 
 cheaper than shipping tensors to the ranks), trained on the same global batches with the same
 optimizer; after 3 steps every parameter of `Pipeline.state_dict()` and every loss must match.
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,16 +75,35 @@ CASES_8 = [
 
 def _train_cases(rank, world_size, cases):
     alone, _ = dist.new_subgroups(group_size=1)  # this rank by itself: the unsharded GPT
-    for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch in cases:
+    counters = []
+    for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch, *options in cases:
+        options = options[0] if options else {}
         want_losses, want_state = _golden(layers, optimizer, batch, alone)
-        where = f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} {optimizer} B={batch}"
+        where = (f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} {optimizer} B={batch} "
+                 f"{options}")
         mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
-                        micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED)
+                        micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED,
+                        **{k: v for k, v in options.items() if k != "probe"})
+        if options.get("dp_overlap_ratio", 1.0) < 1.0:  # some buckets really are deferred
+            assert any(now < len(b) for now, b in zip(pipe.sync.now, pipe.sync.buckets)), where
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
             torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+            if options.get("probe") == step:  # applies the pending updates mid-run: never twice
+                pipe.state_dict()
+        if dp > 1 and options.get("probe") is None:  # the last step's updates wait for state_dict()
+            assert pipe._update_pending == set(range(segments)), where
+        sched = pipe.scheduler
+        if sched.preemption:  # a DP chunk went while PP flew only if the main thread waited for DP (or at timeout)
+            assert sched.overlapped_chunks == sched.forced_chunks + sched.inherited_chunks, where
+        else:
+            assert sched.deferred_chunks == sched.forced_chunks == sched.inherited_chunks == 0, where
+        if dp > 1:
+            assert sched.dp_chunks > 0, where
+        counters.append((sched.preemption, sched.dp_chunks, sched.deferred_chunks, sched.forced_chunks,
+                         sched.inherited_chunks, sched.overlapped_chunks))
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
         assert held < set(want_state) if pp > 1 else held == set(want_state), where
         state = pipe.state_dict()
@@ -90,7 +111,25 @@ def _train_cases(rank, world_size, cases):
         for name, value in state.items():
             torch.testing.assert_close(value, want_state[name], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: {name}: {msg}")
-    return True
+        pipe.close()
+    return counters
+
+
+# Per-segment asynchronous DP sync: small buckets so a segment has several (some deferred at r < 1).
+DP_ASYNC_4 = [
+    ((2, 2, 1), 4, "aiao", 1, 2, "sgd", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800)),
+    ((2, 2, 1), 4, "aiao", 2, 3, "adamw", 6, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800, probe=0)),
+    ((2, 2, 1), 4, "aiao", 2, 2, "sgd", 4, dict(dp_overlap_ratio=1.0, preemption=False)),
+    ((2, 2, 1), 6, "aiao", 3, 2, "adamw", 4, dict(dp_overlap_ratio=1.0, dp_bucket_numel=800)),
+    ((2, 2, 1), 6, "aiao", 3, 3, "sgd", 6, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800, preemption=False)),
+    ((2, 2, 1), 4, "1f1b", 1, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800)),
+    ((2, 2, 1), 4, "1f1b", 1, 3, "sgd", 6, dict(dp_overlap_ratio=0.0, dp_bucket_numel=800, preemption=False)),
+]
+DP_ASYNC_8 = [
+    ((2, 2, 2), 6, "aiao", 3, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=400)),
+    ((2, 2, 2), 4, "aiao", 2, 3, "sgd", 6, dict(dp_overlap_ratio=1.0, preemption=False)),
+    ((2, 2, 2), 4, "1f1b", 1, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=400, probe=1)),
+]
 
 
 def test_pp2_matches_single_process_2_ranks():
@@ -105,6 +144,53 @@ def test_dp2_pp2_tp2_matches_single_process_8_ranks():
     run_ranks(_train_cases, 8, CASES_8, timeout=120)
 
 
+def test_async_dp_sync_matches_single_process_pp2_dp2():
+    run_ranks(_train_cases, 4, DP_ASYNC_4, timeout=120)
+
+
+def test_async_dp_sync_matches_single_process_pp2_dp2_tp2():
+    run_ranks(_train_cases, 8, DP_ASYNC_8, timeout=120)
+
+
+def _preemption(rank, world_size):
+    """Two ranks, two groups over them ("pp" and "dp"). Rank 0 has a PP receive in flight when its
+    DP all-reduce starts; rank 1 sends that message only after a pause, so with preemption rank 0's
+    first DP chunk must wait for the receive, and without it must go while the receive flies."""
+    from oases.pipeline.comm_scheduler import CommScheduler
+
+    pp_group, dp_group = dist.new_group([0, 1]), dist.new_group([0, 1])
+    results = {}
+    for preemption in (True, False):
+        sched = CommScheduler(preemption=preemption, hold_timeout=60.0)
+        flat = torch.arange(12, dtype=torch.float32) * (rank + 1)
+        message = torch.full((4,), 7.0) if rank == 1 else torch.zeros(4)
+        if rank == 0:
+            recv = sched.track(dist.irecv(message, 1, group=pp_group, tag=16), "recv", 1)
+        synced = sched.submit(lambda: sched.all_reduce(flat, dp_group, chunks=2))
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's DP thread reaches its gate meanwhile (with the receive in flight)
+            sched.track(dist.isend(message, 0, group=pp_group, tag=16), "send", 0).wait()
+        else:
+            recv.wait()
+        synced.result()
+        torch.testing.assert_close(flat, torch.arange(12, dtype=torch.float32) * 3)  # summed over both
+        torch.testing.assert_close(message, torch.full((4,), 7.0))
+        results[preemption] = (sched.deferred_chunks, sched.overlapped_chunks, sched.forced_chunks,
+                               sched.dp_chunks, sorted(sched.pp_latency["recv"] + sched.pp_latency["send"]))
+        sched.close()
+    return results
+
+
+def test_pp_transfer_preempts_dp_chunks():
+    results = run_ranks(_preemption, 2, timeout=60)
+    on, off = results[0][True], results[0][False]
+    deferred, overlapped, forced, chunks, latency = on
+    assert deferred == 1 and overlapped == 0 and forced == 0 and chunks > 1  # held once, then free
+    assert latency[0] >= 0.25  # the receive flew for rank 1's pause
+    deferred, overlapped, forced, chunks, latency = off
+    assert deferred == 0 and overlapped >= 1 and forced == 0  # its first chunk went beside the receive
+
+
 def _bad_configurations(rank, world_size):
     config = GPTConfig(**CONFIG, layers=4)
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
@@ -115,6 +201,8 @@ def _bad_configurations(rank, world_size):
         (dict(schedule="1f1b", segments=2), "segments"),
         (dict(schedule="1f1b", micro_batches=1), "micro_batches"),
         (dict(segments="auto"), "segments"),
+        (dict(dp_overlap_ratio=1.5), "dp_overlap_ratio"),
+        (dict(dp_bucket_numel=0), "dp_bucket_numel"),
         (dict(mesh=init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),
         (dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))), "mesh"),
     ]

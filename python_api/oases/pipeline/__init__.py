@@ -4,9 +4,13 @@
     oases.pipeline.schedules    gpipe / 1f1b / aiao (FOLD3D) as per-stage action lists, with timelines
     oases.pipeline.stages       which layers a stage holds (FOLD3D's folding into segments), the stage module
     oases.pipeline.p2p          asynchronous activation / gradient transfers between stages
+    oases.pipeline.dp_sync      per-segment asynchronous DP gradient sync (FOLD3D DPComm), flat buckets
+    oases.pipeline.comm_scheduler  one rank's comm scheduler: PP transfers preempt chunked DP sync
 """
+from oases.pipeline.comm_scheduler import CommScheduler
+from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.pipeline import Pipeline
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.pipeline.stages import Stage, StageLayout
 
-__all__ = ["Pipeline", "SCHEDULES", "Action", "actions", "Stage", "StageLayout"]
+__all__ = ["Pipeline", "CommScheduler", "SegmentSync", "SCHEDULES", "Action", "actions", "Stage", "StageLayout"]

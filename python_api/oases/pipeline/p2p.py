@@ -1,6 +1,6 @@
 """Point-to-point transfers between pipeline stages (FOLD3D Algorithm 2, PPComm).
 
-    comm = StageComm(pp_group, stages)
+    comm = StageComm(pp_group, stages, micro_batches, scheduler)
     comm.post_recv(key, shape)        # irecv posted early (before the computation before its use)
     x = comm.recv(key, shape)         # waits for it (posts it first if it was not posted)
     comm.send(key, tensor)            # isend; never waited before wait_sends()
@@ -10,29 +10,32 @@ A key is (kind, edge, micro_batch): over edge e, "act" travels from virtual stag
 "grad" from e+1 to e, where (segment k, stage s) is virtual stage k*p + s (oases.pipeline.stages).
 Each key is its own message tag, so messages match by key whatever order the two ends post
 them in. With one stage (p = 1) the peer is this rank: the tensor is handed over in memory.
+Every transfer is tracked by the rank's CommScheduler (oases.pipeline.comm_scheduler): while one
+is in flight, the data-parallel sync holds back its next chunk, and its latency is recorded.
 """
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from oases.pipeline.comm_scheduler import CommScheduler, Transfer
+
 __all__ = ["StageComm"]
 
 Key = tuple[str, int, int]  # (kind "act" | "grad", edge, micro_batch)
-_TAG_BASE = 16  # above the tags oases.comm's rings use (0-3)
+_TAG_BASE = 16  # above the tags rings use (0-5: oases.comm, the Communicator, the DP thread)
 
 
 class StageComm:
     """Async sends and receives of one rank's pipeline stage over the `pp` group; owns its handles."""
 
-    def __init__(self, group: dist.ProcessGroup, stages: int, micro_batches: int) -> None:
-        self.group, self.stages, self.micro_batches = group, stages, micro_batches
+    def __init__(self, group: dist.ProcessGroup, stages: int, micro_batches: int,
+                 scheduler: CommScheduler) -> None:
+        self.group, self.stages, self.micro_batches, self.scheduler = group, stages, micro_batches, scheduler
         self.stage = dist.get_rank(group)
         self._ranks = dist.get_process_group_ranks(group)
-        self._pending: dict[Key, tuple[Optional[dist.Work], torch.Tensor]] = {}
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending: dict[Key, tuple[Transfer, torch.Tensor]] = {}
+        self._sends: list[tuple[Transfer, torch.Tensor]] = []
         self._local: dict[Key, torch.Tensor] = {}  # p = 1: messages to this rank itself
 
     def _tag(self, key: Key) -> int:
@@ -45,12 +48,14 @@ class StageComm:
         return self._ranks[(self.stage + (1 if ahead else -1)) % self.stages]
 
     def post_recv(self, key: Key, shape: torch.Size, dtype: torch.dtype = torch.float32) -> None:
-        """Post the receive of `key` into a new buffer (no-op if already posted)."""
+        """Post the receive of `key` into a new buffer (no-op if already posted). Receives must be
+        posted in the order they are waited for (their scheduler lane is waited in that order)."""
         if key in self._pending or self.stages == 1:
             return
         buf = torch.empty(shape, dtype=dtype)
-        work = dist.irecv(buf, self._peer(key, sending=False), group=self.group, tag=self._tag(key))
-        self._pending[key] = (work, buf)
+        peer = self._peer(key, sending=False)
+        work = dist.irecv(buf, peer, group=self.group, tag=self._tag(key))
+        self._pending[key] = (self.scheduler.track(work, "recv", peer), buf)
 
     def recv(self, key: Key, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor of `key` ([shape]), once it has arrived."""
@@ -67,8 +72,9 @@ class StageComm:
         if self.stages == 1:
             self._local[key] = tensor
             return
-        work = dist.isend(tensor, self._peer(key, sending=True), group=self.group, tag=self._tag(key))
-        self._sends.append((work, tensor))
+        peer = self._peer(key, sending=True)
+        work = dist.isend(tensor, peer, group=self.group, tag=self._tag(key))
+        self._sends.append((self.scheduler.track(work, "send", peer), tensor))
 
     def wait_sends(self) -> None:
         """Wait for every send; after it, nothing of this step is in flight (checked)."""

@@ -2,25 +2,46 @@
 
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(config, mesh, schedule="aiao", segments=2, micro_batches=4,
-                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), seed=0)
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), seed=0,
+                    dp_overlap_ratio=1.0, preemption=True)
     loss = pipe.train_step(tokens, targets)   # global batch [B, t], the same on every rank
-    state = pipe.state_dict()                 # the full GPT's state dict, on every rank
+    state = pipe.state_dict()                 # applies pending updates; the full GPT's state dict, on every rank
 
 One step, on the rank at (d, s, t) of the mesh:
 
     rows = B / dp; block = tokens[d*rows : (d+1)*rows]          # this DP rank's rows
     micro-batches = block split into m near-equal row ranges (sizes differ by at most one)
+    sync.launch_deferred()                                      # last step's deferred DP buckets
     for action in schedules.actions(schedule, stage=s, ...):    # F(k, i) / B(k, i)
+        first F of segment k: sync.wait(k); optimizer[k].step(); zero grads   # last step's update
         post the receive the next action needs                  # PPComm: one action ahead
         F(k, i): x = recv act (or tokens); y = layers of (k, s) on x
                  last virtual stage: loss_i = loss_sum(y, targets_i) / (B * t) else send y
         B(k, i): g = recv grad (or 1 for loss_i); backward(y, g); send x.grad (unless first)
-    for each segment k: sync_segment(k)                        # grads summed over dp
-    optimizer.step()
+        last B of segment k: sync.launch(k)                     # DPComm: sum over dp, async
     return sum over dp and micro-batches of loss_i              # broadcast from the last stage
 
 Dividing each micro-batch's summed token loss by the *global* token count makes the sum of the
 DP ranks' gradients the single-process gradient of the mean loss: the DP sync is a plain sum.
+
+Per-segment DP sync (FOLD3D Algorithm 2, DPComm; oases.pipeline.dp_sync): a segment's gradients
+start reducing over dp on this rank's DP thread as soon as its backward is over for every
+micro-batch, while the segments below it run their backward (aiao: segments finish one after
+another from the last; gpipe / 1f1b with ns = 1: one segment, at the end). `dp_overlap_ratio` of
+its buckets start then, the rest at the next train_step, under its forwards. Each segment has
+its own optimizer (`optimizer(segment's parameters)`), stepped right before the segment's next
+forward, after its sync: bulk synchronous, so parameters and losses are those of sequential
+training; only *when* the step of iteration n is applied moves (into iteration n + 1, or
+`state_dict()`, which applies every pending update first).
+
+    aiao, ns = 2, pp = 2, stage 0, r = 1     time ->
+    compute : .. F⁰ F¹ | B¹ (all i) | B⁰ (all i) |  wait⁰ step⁰ F⁰ (all i) | wait¹ step¹ F¹ ...
+    DP      :                       | sync seg 1 | sync seg 0 ......|
+    PP      : PP transfers preempt DP chunks (oases.pipeline.comm_scheduler)
+
+Preemptive communication (FOLD3D §5.1): `pipe.scheduler` (a CommScheduler) tracks every PP
+send / receive; with `preemption=True` a DP chunk is held back while one is in flight. Its
+counters: `deferred_chunks`, `pp_latency`, ... (see oases.pipeline.comm_scheduler).
 """
 from __future__ import annotations
 
@@ -32,8 +53,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.checkpoint import full_state_dict
-from oases.comm import all_reduce
 from oases.models.gpt import GPTConfig
+from oases.pipeline.comm_scheduler import CommScheduler
+from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.p2p import StageComm
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.pipeline.stages import Stage, StageLayout
@@ -61,8 +83,14 @@ def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _check_config(config: GPTConfig, mesh, schedule: str, segments: int, micro_batches: int) -> None:
+def _check_config(config: GPTConfig, mesh, schedule: str, segments: int, micro_batches: int,
+                  dp_overlap_ratio: float, dp_bucket_numel: int) -> None:
     """Every argument check of Pipeline(...): local only, so every rank raises the same error."""
+    if isinstance(dp_overlap_ratio, bool) or not isinstance(dp_overlap_ratio, (int, float)) \
+            or not 0.0 <= dp_overlap_ratio <= 1.0:
+        raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1], got {dp_overlap_ratio!r}")
+    if isinstance(dp_bucket_numel, bool) or not isinstance(dp_bucket_numel, int) or dp_bucket_numel < 1:
+        raise ValueError(f"dp_bucket_numel: expected an int >= 1, got {dp_bucket_numel!r}")
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config: expected an oases.models.GPTConfig, got {type(config).__name__}")
     if config.dropout != 0.0:
@@ -99,26 +127,42 @@ class Pipeline:
     """A GPT cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
 
     `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
-    oases.pipeline.schedules); `optimizer(params)` builds the optimizer of this rank's parameters;
-    parameters start as `GPT(config, seed=seed)`'s. Every argument is checked (ValueError naming
-    it) on every rank before any communication.
+    oases.pipeline.schedules); `optimizer(params)` builds the optimizer of one segment's
+    parameters on this rank (called once per segment; it must treat parameters independently, as
+    SGD and AdamW do, so per-segment optimizers equal one over the whole model); parameters start
+    as `GPT(config, seed=seed)`'s. `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's
+    gradient buckets whose DP sync starts as soon as its backward ends (the rest start at the next
+    train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
+    `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
+    (ValueError naming it) on every rank before any communication. `close()` ends the threads.
     """
 
     def __init__(self, config: GPTConfig, mesh, *, schedule: str = "1f1b", segments: int = 1,
                  micro_batches: int = 4,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
-                 seed: int = 0) -> None:
-        _check_config(config, mesh, schedule, segments, micro_batches)
+                 seed: int = 0, dp_overlap_ratio: float = 1.0, preemption: bool = True,
+                 dp_bucket_numel: int = _BUCKET_NUMEL) -> None:
+        _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
         self.config, self.schedule, self.segments, self.micro_batches = config, schedule, segments, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank, stage = dist.get_rank(self.dp_group), dist.get_rank(self.pp_group)
         self.layout = StageLayout(config.layers, self.pp, segments, stage)
         self.stage = Stage(config, self.layout, self.tp_group, seed=seed)
-        self.optimizer = optimizer(list(self.stage.parameters()))
+        segment_params = [self.stage.segment_parameters(k) for k in range(segments)]
+        self.optimizers = [optimizer(params) for params in segment_params]  # one per segment
         self.plan: list[Action] = actions(schedule, stage=stage, stages=self.pp, segments=segments,
                                           micro_batches=micro_batches)
-        self.comm = StageComm(self.pp_group, self.pp, micro_batches)
+        # Where each segment's first forward and last backward sit in the plan.
+        self._first_forward = {k: min(j for j, a in enumerate(self.plan) if a.kind == "F" and a.segment == k)
+                               for k in range(segments)}
+        self._last_backward = {max(j for j, a in enumerate(self.plan) if a.kind == "B" and a.segment == k): k
+                               for k in range(segments)}
+        self.scheduler = CommScheduler(preemption=preemption)
+        self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler)
+        self.sync = SegmentSync(segment_params, self.dp_group, self.scheduler,
+                                overlap_ratio=dp_overlap_ratio, bucket_numel=dp_bucket_numel)
+        self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -142,19 +186,34 @@ class Pipeline:
         returns the mean token loss of the whole batch, the same on every rank (see the module doc)."""
         self._check_batch(tokens, targets)
         step = self._split(tokens, targets)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.launch_deferred()  # the last step's deferred buckets overlap the forwards up to them
+        self._post_recv(0, step)  # receives are posted in the order they are waited for
         for j, action in enumerate(self.plan):
-            if j + 1 < len(self.plan):  # PPComm: the next action's input is on its way meanwhile
-                key = self._recv_key(self.plan[j + 1])
-                if key is not None:
-                    self.comm.post_recv(key, step.shapes[key[2]], step.dtype)
+            if self._first_forward[action.segment] == j:
+                self._apply_update(action.segment)
+            self._post_recv(j + 1, step)  # PPComm: the next action's input is on its way meanwhile
             with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
                 self._run(action, step)
+            if j in self._last_backward:  # DPComm: this segment's gradients are final
+                self.sync.launch(self._last_backward[j])
+                self._update_pending.add(self._last_backward[j])
         self.comm.wait_sends()
-        for k in reversed(range(self.segments)):
-            self.sync_segment(k)
-        self.optimizer.step()
         return self._global_loss(step.loss)
+
+    def _post_recv(self, j: int, step: _Step) -> None:
+        """Post the receive plan[j] waits for, if any."""
+        key = self._recv_key(self.plan[j]) if j < len(self.plan) else None
+        if key is not None:
+            self.comm.post_recv(key, step.shapes[key[2]], step.dtype)
+
+    def _apply_update(self, segment: int) -> None:
+        """Segment `segment`'s pending optimizer step: wait for its DP sync, step, clear its grads."""
+        if segment not in self._update_pending:
+            return
+        self.sync.wait(segment)
+        self.optimizers[segment].step()
+        self.optimizers[segment].zero_grad(set_to_none=True)
+        self._update_pending.discard(segment)
 
     def _split(self, tokens: torch.Tensor, targets: torch.Tensor) -> _Step:
         """This DP rank's contiguous block of rows, cut into micro-batches of near-equal rows."""
@@ -200,32 +259,14 @@ class Pipeline:
         return None if self.layout.is_last(action.segment) else ("grad", v, action.micro_batch)
 
     def sync_segment(self, segment: int) -> None:
-        """Sum segment `segment`'s gradients of this stage over dp, in flat buckets (in place).
+        """Sum segment `segment`'s gradients of this stage over dp now, blocking (in place).
 
             for bucket in flat buckets of [p.grad for p in stage.segment_parameters(segment)]:
-                oases.comm.all_reduce(bucket, dp_group)      # sum: the loss is already / (B * t)
-        The seam for FOLD3D's per-segment asynchronous DP sync: called once per segment, after
-        that segment's backward of every micro-batch."""
-        if self.dp == 1:
-            return
-        params = self.stage.segment_parameters(segment)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        start = 0
-        while start < len(params):
-            end, numel = start, 0
-            while end < len(params) and (end == start or numel + params[end].numel() <= _BUCKET_NUMEL):
-                numel += params[end].numel()
-                end += 1
-            bucket = params[start:end]
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [numel]
-            all_reduce(flat, self.dp_group)
-            offset = 0
-            for p in bucket:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            start = end
+                ring reduce-scatter + all-gather over dp_group      # sum: the loss is already / (B * t)
+        train_step does the same asynchronously (launch after the segment's backward, wait before
+        its next forward); this is the plain blocking form of it."""
+        self.sync.launch(segment)
+        self.sync.wait(segment)
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum of the last stage's micro-batch losses over dp, broadcast over pp to every stage."""
@@ -242,7 +283,10 @@ class Pipeline:
 
             mine = oases.full_state_dict(stage)                  # gathered over tp
             every stage's = all_gather_object(mine, pp_group)    # merged, in the GPT's key order
-        A collective over the whole mesh (every rank calls it)."""
+        Applies every pending update first (waits for its DP sync, steps its optimizer). A
+        collective over the whole mesh (every rank calls it)."""
+        for k in range(self.segments):
+            self._apply_update(k)
         mine = full_state_dict(self.stage)
         parts: list[Optional[dict[str, torch.Tensor]]] = [None] * self.pp
         if self.pp > 1:
@@ -251,3 +295,10 @@ class Pipeline:
             parts[0] = mine
         merged = {key: value for part in parts for key, value in part.items()}
         return {key: merged[key] for key in self.stage.key_order}
+
+    def close(self) -> None:
+        """Apply every pending update (every rank calls it, as its DP sync is collective over dp),
+        then end the scheduler's threads; a later train_step starts new ones."""
+        for k in range(self.segments):
+            self._apply_update(k)
+        self.scheduler.close()

@@ -28,7 +28,7 @@ from the last segment down, every micro-batch's backward), segments as superscri
     stage 1:  .. F0⁰ F1⁰ .. .. F0¹ F1¹ B0¹ B1¹ .. .. B0⁰ B1⁰ ..
 
 A segment's backward of all micro-batches ends before the next (lower) segment's begins, so its
-gradients are final there: the seam for a per-segment data-parallel sync (`segment_done`).
+gradients are final there: the per-segment data-parallel sync starts (oases.pipeline.dp_sync).
 """
 from __future__ import annotations
 

@@ -1,0 +1,109 @@
+"""Per-segment asynchronous data-parallel gradient sync (FOLD3D Algorithm 2, DPComm).
+
+    sync = SegmentSync(segment_params, dp_group, scheduler, overlap_ratio=r, bucket_numel=n)
+    sync.launch(k)          # segment k's backward is done for every micro-batch: ceil(r * b_k) of
+                            # its b_k buckets start reducing on the DP thread now
+    sync.launch_deferred()  # next train_step's start: the other buckets of every segment start
+    sync.wait(k)            # before segment k's next forward: its gradients are summed over dp
+
+Each segment's gradients are cut into flat buckets of at most `bucket_numel` elements (parameters
+in order, a parameter never split); a bucket is summed over `dp` by the scheduler's chunked ring
+reduce-scatter + all-gather on its DP thread and copied back into each `p.grad`. Buckets run in
+submission order on one thread, so every DP rank runs the same rings in the same order.
+
+`overlap_ratio` r in [0, 1]: the fraction of each segment's buckets launched as soon as its
+backward ends (they overlap the backward of the segments below it, and the end of the step);
+the other buckets wait for the next train_step and overlap its forward up to that segment (the
+forwards of the segments before it). r = 1: everything at once; r = 0: everything deferred.
+
+    aiao, ns = 2, r = 0.5 (stage 0)   time ->
+    compute : | F⁰ F¹ | B¹ ........ | B⁰ ........ |(next step) step⁰ F⁰ | step¹ F¹ | ...
+    DP      :         |             | seg 1 now   | seg 0 now ...| seg 0, 1 deferred ...
+                                                                ^ wait(0)  ^ wait(1)
+
+The main thread never touches a segment's gradients between launch(k) and wait(k): the segment's
+backward is over, and its optimizer step comes after wait(k). With dp = 1 there is nothing to
+sum and every call is a no-op.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.pipeline.comm_scheduler import CommScheduler
+
+__all__ = ["SegmentSync", "buckets_of"]
+
+DP_CHUNKS = 2  # pieces per rank's block in each ring: the DP sync's preemption granularity
+
+
+def buckets_of(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of `params` of at most `bucket_numel` elements (at least one parameter each)."""
+    buckets: list[list[nn.Parameter]] = []
+    numel = 0
+    for p in params:
+        if buckets and numel + p.numel() <= bucket_numel:
+            buckets[-1].append(p)
+            numel += p.numel()
+        else:
+            buckets.append([p])
+            numel = p.numel()
+    return buckets
+
+
+class SegmentSync:
+    """The DP sync of one stage's segments: buckets, what is launched, what is pending."""
+
+    def __init__(self, segment_params: list[list[nn.Parameter]], group: dist.ProcessGroup,
+                 scheduler: CommScheduler, *, overlap_ratio: float, bucket_numel: int) -> None:
+        self.group, self.scheduler = group, scheduler
+        self.dp = dist.get_world_size(group)
+        self.buckets = [buckets_of(params, bucket_numel) for params in segment_params]
+        self.now = [math.ceil(overlap_ratio * len(b)) for b in self.buckets]  # launched at once
+        self._pending: dict[int, list[Future]] = {}  # segment -> its launched buckets' futures
+        self._deferred: dict[int, list[list[nn.Parameter]]] = {}  # segment -> buckets not launched yet
+
+    def launch(self, segment: int) -> None:
+        """Segment `segment`'s backward is over: start its first ceil(r * b) buckets, defer the rest."""
+        if self.dp == 1:
+            return
+        buckets = self.buckets[segment]
+        self._pending[segment] = [self._submit(b) for b in buckets[:self.now[segment]]]
+        self._deferred[segment] = buckets[self.now[segment]:]
+
+    def launch_deferred(self) -> None:
+        """Start every deferred bucket, lowest segment first (the order their forwards need them)."""
+        for segment in sorted(self._deferred):
+            self._pending[segment] += [self._submit(b) for b in self._deferred.pop(segment)]
+
+    def pending(self, segment: int) -> bool:
+        return segment in self._pending
+
+    def wait(self, segment: int) -> None:
+        """Block until segment `segment`'s gradients are summed over dp (launching what was deferred)."""
+        if segment in self._deferred:
+            self.launch_deferred()  # keeps every rank's submission order: lowest segment first
+        futures = self._pending.pop(segment, [])
+        if futures:
+            with torch.profiler.record_function("oases::pipeline::dp_wait"), self.scheduler.urgent():
+                for future in futures:
+                    future.result()
+
+    def _submit(self, bucket: list[nn.Parameter]) -> Future:
+        return self.scheduler.submit(lambda: self._sync_bucket(bucket))
+
+    def _sync_bucket(self, bucket: list[nn.Parameter]) -> None:
+        """On the DP thread: p.grad = sum over dp of p.grad, for p in the bucket, as one flat ring."""
+        for p in bucket:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [numel]
+        self.scheduler.all_reduce(flat, self.group, chunks=DP_CHUNKS)
+        offset = 0
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
