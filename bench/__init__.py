@@ -27,6 +27,7 @@ max(t_compute, t_comm) and the overlap efficiency (see bench._metrics).
 SUITES: dict[str, str] = {
     "primitives": "bench.primitives",
     "layers": "bench.layers",
+    "pipeline": "bench.pipeline",
 }
 
 __all__ = ["SUITES"]

@@ -1,4 +1,4 @@
-"""`python -m bench <suite> [--nproc N] [--bandwidth B] [--topology T] [--quick] [--out DIR]`.
+"""`python -m bench <suite> [--nproc N] [--bandwidth B] [--topology T | --hosts H [--intra-bandwidth B]] [--quick] [--out DIR]`.
 
 Outside a distributed launch this re-launches itself on N ranks:
 
@@ -42,6 +42,10 @@ def _parser(load_suites: bool) -> tuple[argparse.ArgumentParser, dict[str, Modul
                         help="shape the links to RATE, tc syntax (250mbit, 1gbit, 8gbit); default unshaped")
     common.add_argument("--topology", choices=("shared", "switch"), default="shared",
                         help="shaped-link topology, see oases.launch (default: shared)")
+    common.add_argument("--hosts", type=_positive_int, default=1,
+                        help="emulated servers (oases-launch --hosts): --bandwidth between them (default: 1)")
+    common.add_argument("--intra-bandwidth", metavar="RATE",
+                        help="with --hosts: shape the links inside a host to RATE (default: unshaped)")
     common.add_argument("--threads", type=_positive_int, default=1, help="intra-op threads per rank (default: 1)")
     common.add_argument("--quick", action="store_true", help="small shapes, few iterations (seconds; for tests)")
     common.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
@@ -99,7 +103,10 @@ def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
     if _launcher_installed():
         command = [sys.executable, "-m", "oases.launch", "--nproc", str(args.nproc),
                    "--threads", str(args.threads)]
-        if args.bandwidth:
+        if args.bandwidth and args.hosts > 1:
+            command += ["--bandwidth", args.bandwidth, "--hosts", str(args.hosts)]
+            command += ["--intra-bandwidth", args.intra_bandwidth] if args.intra_bandwidth else []
+        elif args.bandwidth:
             command += ["--bandwidth", args.bandwidth, "--topology", args.topology]
     elif args.bandwidth:
         print("bench: oases.launch is not installed, so the link cannot be shaped; run under a "

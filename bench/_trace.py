@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-COMPUTE, COMM, OP = 0, 1, 2
-THREAD_NAMES = {COMPUTE: "compute", COMM: "communication", OP: "op"}
+COMPUTE, COMM, OP, DP = 0, 1, 2, 3
+THREAD_NAMES = {COMPUTE: "compute", COMM: "communication", OP: "op", DP: "data-parallel sync"}
 
 
 class Recorder:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,17 +54,19 @@ def progress(label: str, done: int, total: int, loss: float) -> None:
         print(line, flush=True)
 
 
-def summarize(schedule: str, times: list[float], waited: list[float], losses: list[float], tokens: int) -> dict:
+def summarize(schedule: str, times: list[float], waited: Optional[list[float]], losses: list[float], tokens: int) -> dict:
     """One schedule's figures over every rank: median step time of the slowest rank, the least
     busy rank's busy fraction (share of the step not blocked on communication), first/last loss."""
     warm = 2 if len(times) > 4 else 0  # the first steps pay one-off allocation costs
     timed = torch.tensor(times[warm:], dtype=torch.float64)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)
-    busy = torch.tensor([1.0 - sum(waited[warm:]) / sum(times[warm:])], dtype=torch.float64)
-    dist.all_reduce(busy, op=dist.ReduceOp.MIN)
+    busy = None
+    if waited is not None:  # None: the step's waits are not observable from the example
+        busy = torch.tensor([1.0 - sum(waited[warm:]) / sum(times[warm:])], dtype=torch.float64)
+        dist.all_reduce(busy, op=dist.ReduceOp.MIN)
     step_time = float(timed.median())
     return {"schedule": schedule, "step_s": step_time, "tokens_per_s": tokens / step_time,
-            "busy": float(busy), "loss_first": losses[0], "loss_last": losses[-1]}
+            "busy": None if busy is None else float(busy), "loss_first": losses[0], "loss_last": losses[-1]}
 
 
 def print_table(results: list[dict]) -> bool:
@@ -74,7 +76,8 @@ def print_table(results: list[dict]) -> bool:
     print(f"\n{'schedule':<12} {'step ms':>9} {'tokens/s':>10} {'busy':>6} {'loss first':>11} "
           f"{'loss last':>10} {'speedup':>8}")
     for r in results:
-        print(f"{r['schedule']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} {r['busy']:>6.2f} "
+        busy = "n/a" if r["busy"] is None else f"{r['busy']:.2f}"
+        print(f"{r['schedule']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} {busy:>6} "
               f"{r['loss_first']:>11.4f} {r['loss_last']:>10.4f} {base['step_s'] / r['step_s']:>7.2f}x")
     print("busy: fraction of the step not blocked on communication (the least busy rank)")
     same = all(abs(r["loss_last"] - base["loss_last"]) <= 1e-4 * abs(base["loss_last"]) for r in results)
@@ -137,13 +140,17 @@ def compare(describe: str, labels: list[str], train: Callable[[str, bool], dict]
         raise SystemExit("the schedules' losses differ: a numerics bug")
 
 
-def launch_or_run(script: str, tp: int, bandwidth: str, argv, run: Callable[[], None]) -> int:
+def launch_or_run(script: str, tp: int, bandwidth: str, argv, run: Callable[[], None], *, hosts: int = 1,
+                  intra_bandwidth: Optional[str] = None) -> int:
     """Inside a launch (RANK set): run(). Outside: re-launch `script` on `tp` ranks through
-    oases-launch, on a link shaped to `bandwidth` ('none': unshaped)."""
+    oases-launch, on a link shaped to `bandwidth` ('none': unshaped); with `hosts` > 1 the ranks
+    are packed into that many emulated servers joined by `bandwidth` (`intra_bandwidth` inside one)."""
     if "RANK" in os.environ:
         run()
         return 0
     from oases.launch import main as launch
 
     shaping = [] if bandwidth == "none" else ["--bandwidth", bandwidth]
+    if shaping and hosts > 1:
+        shaping += ["--hosts", str(hosts)] + ([] if intra_bandwidth is None else ["--intra-bandwidth", intra_bandwidth])
     return launch(["--nproc", str(tp), *shaping, os.path.abspath(script), *(sys.argv[1:] if argv is None else argv)])

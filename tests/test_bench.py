@@ -1,5 +1,5 @@
 """The benchmark suite end to end: `python -m bench primitives --quick --nproc 2 --out TMP`, and
-`layers --quick` on both models (`--model gpt`, `--model llama`).
+`layers --quick` on both models (`--model gpt`, `--model llama`), and `pipeline --quick` on 4 ranks.
 
 One real run (re-launched on 2 gloo ranks by the bench itself), then checks of what it wrote:
 the JSON's schema, that every case carries every figure, that the derived figures follow from
@@ -297,3 +297,37 @@ def test_layers_suite_llama(tmp_path):
     for rank in range(WORLD_SIZE):
         names = {e["name"] for e in events if e["pid"] == rank and e["tid"] == 0}
         assert names >= {f"{s} step" for s in (*SCHEDULES, "torch_tp", "torch_tp_nosp")}, rank
+
+
+def test_pipeline_suite(tmp_path):
+    """The quick pipeline suite on 4 ranks (PP2 x DP2, unshaped): every schedule, same losses,
+    consistent figures, a timeline per variant and the trace's compute / PP / DP rows."""
+    doc, stdout, _ = _run_suite("pipeline", tmp_path, "--nproc", "4")
+    assert doc["suite"] == "pipeline" and doc["world_size"] == 4 and stdout.count("pipeline: GPT") == 1
+    records = {r["variant"]: r for r in doc["cases"]}
+    layers = records["1f1b"]["config"]["layers"]
+    expected = {"gpipe", "1f1b"} | {f"aiao-ns{ns}" for ns in (1, 2, 4) if layers % (2 * ns) == 0}
+    assert set(records) == expected | {"aiao-ns2-nopre"}
+    assert not records["aiao-ns2-nopre"]["preemption"] and records["aiao-ns2"]["preemption"]
+    for name, r in records.items():
+        assert r["losses"] == pytest.approx(records["1f1b"]["losses"], rel=1e-5), name
+        assert _is_time(r["t_iter"]) and r["t_iter_min"] <= r["t_iter"], name
+        assert r["speedup_vs_1f1b"] == pytest.approx(records["1f1b"]["t_iter"] / r["t_iter"]), name
+        for key in ("dp_exposed", "pp_wait", "fwd", "bwd", "send_latency", "recv_latency", "deferred_chunks",
+                    "forced_chunks", "overlapped_chunks"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (name, key)
+        assert r["fwd"] > 0 and r["bwd"] > 0 and r["dp_chunks"] > 0, name
+        assert r["peak_mib"] is None or r["peak_mib"] >= 0, name
+        assert len(r["timeline"]) == 4, name  # one list of spans per rank
+        for rank, spans in enumerate(r["timeline"]):
+            rows = {row for row, _, _, _ in spans}
+            assert rows == {"compute", "pp", "dp"}, (name, rank, rows)
+            assert all(stop >= start >= 0 for _, _, start, stop in spans), (name, rank)
+    assert records["aiao-ns2-nopre"]["deferred_chunks"] == 0  # nothing held back without preemption
+    assert _is_time(records["1f1b"]["dp_alone"]) and _is_time(records["1f1b"]["pp_idle"])
+    with open(doc["files"]["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(doc["files"]["trace"]) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    for rank in range(4):
+        assert {e["tid"] for e in events if e["pid"] == rank} == {0, 1, 2, 3}, rank

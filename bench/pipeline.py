@@ -1,0 +1,387 @@
+"""Suite `pipeline`: PP2 x DP2 training steps of oases.pipeline on every schedule (FOLD3D's setting).
+
+    python -m bench pipeline --nproc 4 --hosts 2 --bandwidth 500mbit     # DP across 2 emulated servers
+    python -m bench pipeline --nproc 4                                   # unshaped: the same, no NIC
+
+Mesh and placement: init_device_mesh("cpu", (dp, pp, 1), ("dp", "pp", "tp")), so global rank
+r = d * pp + s; oases-launch packs ranks r // (nproc / hosts) into a host. With 4 ranks on 2
+hosts: host 0 holds (d=0, s=0), (d=0, s=1), host 1 the d=1 replica. The pipeline (PP) stays
+inside a host (loopback, or --intra-bandwidth), the data-parallel (DP) sync of both stages
+crosses the shaped NICs (each host's NIC carries both stages' DP rings). PP transfers therefore
+do not share the NIC with DP here; they share the CPU and gloo's threads with it.
+
+Variants (same model, seed, batches, optimizer; losses of two steps checked equal before timing):
+
+    gpipe        all forwards, then all backwards; DP sync of the whole stage after the backward
+    1f1b         Megatron's one-forward-one-backward (the baseline of the x columns)
+    aiao-nsK     FOLD3D's all-in-all-out over K segments: segment k's DP sync overlaps the
+                 backward of the segments below it and the next step's forwards up to k
+    aiao-ns2-nopre  aiao ns=2 with preemption off (DP chunks go out beside PP transfers)
+
+A timed call is `--steps` train_steps then `pipe.close()`, which waits for every DP sync still
+in flight: no variant's sync leaks out of its timed region (or into another variant's). Per
+variant (medians over calls, then MAX over ranks; per iteration = per call / steps). With
+--dp-overlap-ratio r < 1 the deferred buckets overlap the next train_step's forwards only
+inside a call: give --steps >= 2 then (close() exposes the last step's deferred part).
+
+Per variant:
+
+    t_iter       wall time per iteration
+    dp_exposed   time the main thread waits for DP sync (SegmentSync.wait, incl. close)
+    pp_wait      time the main thread waits for a PP receive (the bubble, as seen by this rank)
+    fwd, bwd     forward / backward compute of the actions (receive waits excluded; bwd
+                 includes the recomputation of per-layer activation checkpointing)
+    send/recv    median PP transfer latency from the CommScheduler's counters (posting to
+                 completion; a receive posted one action ahead includes the sender's compute)
+    deferred     DP chunks held back by a PP transfer, per iteration (forced: released at the
+                 scheduler's hold timeout)
+    peak MiB     rise of peak resident memory over one iteration (after all timings)
+
+Beside them: `dp_alone`, the stage's whole DP sync (1f1b's buckets) alone on the link, and
+`pp_idle`, one micro-batch activation sent between PP peers with nothing else running.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from bench import _metrics
+from bench._report import Table
+from bench._trace import COMM, COMPUTE, DP, OP
+from oases.models import GPTConfig
+from oases.pipeline import Pipeline
+
+BASELINE = "1f1b"
+PP = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=None, help="default 256 (--quick: 32)")
+    parser.add_argument("--layers", type=int, default=None, help="default 8 (--quick: 4); divisible by 2*ns")
+    parser.add_argument("--heads", type=int, default=None, help="default 8 (--quick: 4)")
+    parser.add_argument("--batch", type=int, default=None, help="global batch rows, default 16 (--quick: 8)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--dp-overlap-ratio", type=float, default=1.0,
+                        help="Pipeline(dp_overlap_ratio=...) of every variant (default 1.0: all at once)")
+    parser.add_argument("--steps", type=int, default=1, help="train_steps per timed call (default 1)")
+
+
+@dataclass(frozen=True)
+class _Variant:
+    name: str
+    schedule: str
+    segments: int
+    preemption: bool = True
+
+
+def _variants(layers: int) -> list[_Variant]:
+    out = [_Variant("gpipe", "gpipe", 1), _Variant("1f1b", "1f1b", 1)]
+    out += [_Variant(f"aiao-ns{ns}", "aiao", ns) for ns in (1, 2, 4) if layers % (PP * ns) == 0]
+    if layers % (PP * 2) == 0:
+        out.append(_Variant("aiao-ns2-nopre", "aiao", 2, preemption=False))
+    return out
+
+
+@dataclass
+class _Probe:
+    """Observes one Pipeline through its public objects: what the main thread waits for, the
+    compute of each action, PP transfers and DP buckets (intervals only while `tracing`)."""
+
+    pipe: Pipeline
+    rank: int
+    dp_wait: float = 0.0
+    pp_wait: float = 0.0
+    fwd: float = 0.0
+    bwd: float = 0.0
+    tracing: bool = False
+    spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (row, name, start, stop)
+    transfers: list[Any] = field(default_factory=list)
+    _recv_end: float = 0.0
+
+    def __post_init__(self) -> None:
+        pipe = self.pipe
+        wait, recv, track, all_reduce, run = (pipe.sync.wait, pipe.comm.recv, pipe.scheduler.track,
+                                              pipe.scheduler.all_reduce, pipe._run)
+
+        def timed_wait(segment: int) -> None:
+            start = time.perf_counter()
+            wait(segment)
+            stop = time.perf_counter()
+            self.dp_wait += stop - start
+            if self.tracing and stop - start > 1e-5:
+                self.spans.append(("compute", f"dp wait {segment}", start, stop))
+
+        def timed_recv(*args, **kwargs):
+            start = time.perf_counter()
+            out = recv(*args, **kwargs)
+            stop = self._recv_end = time.perf_counter()
+            self.pp_wait += stop - start
+            if self.tracing:
+                self.spans.append(("pp", f"recv wait {args[0][0]}", start, stop))
+            return out
+
+        def traced_track(work, kind, peer):
+            transfer = track(work, kind, peer)
+            if self.tracing:
+                self.transfers.append(transfer)
+            return transfer
+
+        def traced_all_reduce(flat, group, *, chunks):
+            start = time.perf_counter()
+            out = all_reduce(flat, group, chunks=chunks)
+            if self.tracing:
+                self.spans.append(("dp", f"bucket {flat.numel() * flat.element_size() / 2**20:.1f} MiB",
+                                   start, time.perf_counter()))
+            return out
+
+        def timed_run(action, step) -> None:  # pipe._run: no public per-action hook yet
+            start = time.perf_counter()
+            run(action, step)
+            stop = time.perf_counter()
+            begin = max(start, self._recv_end)  # compute starts once the input has arrived
+            if action.kind == "F":
+                self.fwd += stop - begin
+            else:
+                self.bwd += stop - begin
+            if self.tracing:
+                self.spans.append(("compute", repr(action), begin, stop))
+
+        pipe.sync.wait, pipe.comm.recv, pipe.scheduler.track = timed_wait, timed_recv, traced_track
+        pipe.scheduler.all_reduce, pipe._run = traced_all_reduce, timed_run
+
+    def reset(self) -> None:
+        self.dp_wait = self.pp_wait = self.fwd = self.bwd = 0.0
+        self.pipe.scheduler.reset_counters()
+
+    def figures(self) -> dict[str, float]:
+        """This rank's figures of the calls since reset() (call after pipe.close())."""
+        s = self.pipe.scheduler
+        lat = {k: (statistics.median(v) if v else 0.0) for k, v in s.pp_latency.items()}
+        return {"dp_wait": self.dp_wait, "pp_wait": self.pp_wait, "fwd": self.fwd, "bwd": self.bwd,
+                "send_latency": lat["send"], "recv_latency": lat["recv"],
+                "deferred": float(s.deferred_chunks), "forced": float(s.forced_chunks),
+                "dp_chunks": float(s.dp_chunks), "overlapped": float(s.overlapped_chunks)}
+
+    def timeline(self) -> list[tuple[str, str, float, float]]:
+        """The traced spans and every tracked PP transfer as (row, name, start, stop)."""
+        pp = [("pp", t.kind, t.posted, t.posted + (t.latency or 0.0)) for t in self.transfers]
+        return self.spans + pp
+
+
+def _sizes(args) -> dict[str, int]:
+    q = args.quick
+    return {"hidden": args.hidden or (32 if q else 256), "layers": args.layers or (4 if q else 8),
+            "heads": args.heads or (4 if q else 8), "batch": args.batch or (8 if q else 16),
+            "seq_len": args.seq_len or (16 if q else 64)}
+
+
+def _median_max(ctx, per_call: list[dict[str, float]], scale: float) -> dict[str, float]:
+    """Per key: the median over this rank's calls, then the MAX over ranks, times `scale`."""
+    keys = list(per_call[0])
+    local = torch.tensor([statistics.median(c[k] for c in per_call) for k in keys], dtype=torch.float64)
+    return dict(zip(keys, (scale * v for v in ctx.timer.max_over_ranks(local).tolist())))
+
+
+def run(args, ctx) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench.layers import _peak_rise_mib
+
+    if ctx.world_size % PP:
+        raise SystemExit(f"pipeline: needs a multiple of pp = {PP} ranks, got {ctx.world_size}")
+    dp = ctx.world_size // PP
+    sizes = _sizes(args)
+    config = GPTConfig(vocab_size=64, seq_len=sizes["seq_len"], hidden=sizes["hidden"], heads=sizes["heads"],
+                       layers=sizes["layers"])
+    mesh = init_device_mesh("cpu", (dp, PP, 1), mesh_dim_names=("dp", "pp", "tp"))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g),
+                torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g)) for _ in range(2)]
+    variants = _variants(config.layers)
+    pipes = {v.name: Pipeline(config, mesh, schedule=v.schedule, segments=v.segments,
+                              micro_batches=args.micro_batches, preemption=v.preemption, seed=0,
+                              dp_overlap_ratio=args.dp_overlap_ratio,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.01)) for v in variants}
+    probes = {name: _Probe(pipe, ctx.rank) for name, pipe in pipes.items()}
+
+    # Same losses (two steps: the second shows the first's update) before any timing.
+    losses = {name: [float(pipe.train_step(*b)) for b in batches] for name, pipe in pipes.items()}
+    for name, pipe in pipes.items():
+        pipe.close()
+        for got, want in zip(losses[name], losses[BASELINE]):
+            if abs(got - want) > 1e-5 * abs(want):
+                raise AssertionError(f"pipeline: {name} losses {losses[name]} differ from {BASELINE}'s "
+                                     f"{losses[BASELINE]}")
+
+    tokens, targets = batches[0]
+    per_call: dict[str, list[dict[str, float]]] = {name: [] for name in pipes}
+
+    def call(name: str) -> Callable[[], None]:
+        def fn() -> None:
+            probes[name].reset()
+            for _ in range(args.steps):
+                pipes[name].train_step(tokens, targets)
+            pipes[name].close()
+            per_call[name].append(probes[name].figures())
+        return fn
+
+    timed = ctx.timer.measure({name: call(name) for name in pipes})
+    figures = {name: _median_max(ctx, calls[args.warmup:], 1.0) for name, calls in per_call.items()}
+
+    # References: the whole DP sync of a stage alone (1f1b's buckets), one PP transfer on an idle link.
+    base = pipes[BASELINE]
+    base.train_step(tokens, targets)
+    base.close()
+    dp_alone = ctx.timer.measure({"dp": lambda: base.sync_segment(0)})["dp"]
+    act = torch.randn(sizes["batch"] // dp // args.micro_batches, sizes["seq_len"], sizes["hidden"])
+    stage, peers = dist.get_rank(base.pp_group), dist.get_process_group_ranks(base.pp_group)
+
+    def ping() -> None:
+        if stage == 0:
+            dist.isend(act, peers[1], group=base.pp_group, tag=99).wait()
+        elif stage == 1:
+            dist.irecv(act, peers[0], group=base.pp_group, tag=99).wait()
+    pp_idle = ctx.timer.measure({"pp": ping})["pp"]
+
+    # One traced iteration per variant (timeline and Perfetto trace), then peak memory.
+    timelines = {}
+    for name, pipe in pipes.items():
+        probe = probes[name]
+        probe.spans, probe.transfers, probe.tracing = [], [], True
+        dist.barrier()
+        with ctx.trace.span(f"{name} iteration", OP):
+            pipe.train_step(tokens, targets)
+            pipe.close()
+        probe.tracing = False
+        rows = {"compute": COMPUTE, "pp": COMM, "dp": DP}
+        for row, label, start, stop in probe.timeline():
+            ctx.trace.events.append({"name": f"{name}: {label}", "ph": "X", "pid": ctx.rank, "tid": rows[row],
+                                     "ts": start * 1e6, "dur": (stop - start) * 1e6, "args": {"variant": name}})
+        mine = probe.timeline()
+        gathered: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(gathered, mine)
+        origin = min(s for spans in gathered for _, _, s, _ in spans)
+        timelines[name] = [[(row, label, s - origin, e - origin) for row, label, s, e in spans] for spans in gathered]
+    peaks = {}
+    for name, pipe in pipes.items():
+        peak = _peak_rise_mib(lambda: (pipe.train_step(tokens, targets), pipe.close()))
+        peaks[name] = None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
+    for pipe in pipes.values():
+        pipe.close()
+
+    link = ctx.meta["link"]
+    params_stage = sum(p.numel() for p in base.stage.parameters())
+    config_record = {**sizes, "micro_batches": args.micro_batches, "steps_per_call": args.steps,
+                     "dp_overlap_ratio": args.dp_overlap_ratio, "dp": dp, "pp": PP,
+                     "tp": 1, "stage_params": params_stage, "dp_sync_mib": params_stage * 4 / 2**20,
+                     "mapping": "rank = d*pp + s; PP inside a host, DP across hosts (with --hosts 2)",
+                     "hosts": int(os.environ.get("OASES_HOSTS", "1")),
+                     "intra_bandwidth": os.environ.get("OASES_INTRA_BANDWIDTH")}
+    records = []
+    base_t = timed[BASELINE].median / args.steps
+    for v in variants:
+        f = figures[v.name]
+        t_iter = timed[v.name].median / args.steps
+        per_iter = {k: f[k] / args.steps for k in ("dp_wait", "pp_wait", "fwd", "bwd", "deferred", "forced",
+                                                   "dp_chunks", "overlapped")}
+        records.append({
+            "variant": v.name, "schedule": v.schedule, "segments": v.segments, "preemption": v.preemption,
+            "t_iter": t_iter, "t_iter_min": timed[v.name].min / args.steps,
+            "dp_exposed": per_iter["dp_wait"], "pp_wait": per_iter["pp_wait"],
+            "fwd": per_iter["fwd"], "bwd": per_iter["bwd"],
+            "send_latency": f["send_latency"], "recv_latency": f["recv_latency"],
+            "deferred_chunks": per_iter["deferred"], "forced_chunks": per_iter["forced"],
+            "dp_chunks": per_iter["dp_chunks"], "overlapped_chunks": per_iter["overlapped"],
+            "speedup_vs_1f1b": _metrics.speedup(base_t, t_iter),
+            "losses": losses[v.name], "peak_mib": peaks[v.name],
+            "dp_alone": dp_alone.median, "pp_idle": pp_idle.median, "link": link["bandwidth"],
+            "config": config_record, "timeline": timelines[v.name],
+        })
+    return records
+
+
+def tables(records: list[dict]) -> list[Table]:
+    def ms(v: Optional[float]) -> Optional[float]:
+        return None if v is None else 1e3 * v
+
+    rows = [[r["variant"], ms(r["t_iter"]), r["speedup_vs_1f1b"], ms(r["dp_exposed"]), ms(r["pp_wait"]),
+             ms(r["fwd"]), ms(r["bwd"]), ms(r["send_latency"]), ms(r["recv_latency"]), r["deferred_chunks"],
+             r["forced_chunks"], r["dp_chunks"], r["peak_mib"], f"{r['losses'][-1]:.6f}"] for r in records]
+    c, r0 = records[0]["config"], records[0]
+    title = (f"pipeline: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']} x "
+             f"{c['seq_len']}, {c['micro_batches']} micro-batches; PP{c['pp']} x DP{c['dp']}, "
+             f"{c['hosts']} host(s)")
+    return [Table(title, ["variant", "t_iter ms", "x 1f1b", "dp_exposed ms", "pp_wait ms", "fwd ms", "bwd ms",
+                          "send lat ms", "recv lat ms", "deferred/it", "forced/it", "dp chunks/it", "peak MiB",
+                          "loss (2nd step)"], rows,
+                  [f"per iteration: medians over calls of {c['steps_per_call']} train_steps + close(), MAX over "
+                   "ranks; dp_exposed = main thread waiting for DP sync, pp_wait = waiting for PP receives",
+                   f"stage DP sync {c['dp_sync_mib']:.1f} MiB; dp_alone (whole stage's sync, nothing else running) "
+                   f"= {ms(r0['dp_alone']):.1f} ms vs 1f1b bwd {ms(next(r['bwd'] for r in records if r['variant'] == BASELINE)):.1f} ms; "
+                   f"pp_idle (one activation, idle link) = {ms(r0['pp_idle']):.2f} ms",
+                   "send/recv lat: CommScheduler.pp_latency medians, posting to completion (a receive posted ahead "
+                   "includes the sender's compute)",
+                   f"mapping: {c['mapping']}"])]
+
+
+_COLORS = {"F": "tab:blue", "B": "tab:green", "dp wait": "tab:red", "send": "tab:orange", "recv": "tab:purple",
+           "recv wait": "black", "bucket": "tab:brown"}
+
+
+def _color(label: str) -> str:
+    for key in ("dp wait", "recv wait", "bucket", "send", "recv"):
+        if label.startswith(key):
+            return _COLORS[key]
+    return _COLORS.get(label[:1], "tab:gray")
+
+
+def plot(records: list[dict], path: str, title: str) -> bool:
+    """FOLD3D Fig. 4-like timelines of one traced iteration per variant: rows per rank, compute /
+    PP / DP (+ close's waits)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(records), 1, figsize=(12, 2.0 + 1.6 * len(records)), squeeze=False)
+    row_names = ("compute", "pp", "dp")
+    for ax, r in zip(axes[:, 0], records):
+        labels = []
+        for rank, spans in enumerate(r["timeline"]):
+            for j, row in enumerate(row_names):
+                y = len(labels)
+                labels.append(f"r{rank} {row}")
+                for kind, label, start, stop in spans:
+                    if kind == row:
+                        height = 0.8 if row != "pp" else (0.4 if label in ("send", "recv") else 0.8)
+                        ax.broken_barh([(1e3 * start, max(1e3 * (stop - start), 0.05))], (y - 0.4, height),
+                                       facecolors=_color(label), alpha=0.6 if row == "pp" else 0.9)
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=6)
+        ax.invert_yaxis()
+        ax.set_title(f"{r['variant']}: {1e3 * r['t_iter']:.0f} ms/iteration (median), traced iteration below",
+                     fontsize=8)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("ms since the traced iteration's first event (one train_step + close)")
+    legend = [Patch(color=c, label=n) for n, c in (("forward", _COLORS["F"]), ("backward", _COLORS["B"]),
+                                                     ("main waits for DP", _COLORS["dp wait"]),
+                                                     ("PP send in flight", _COLORS["send"]),
+                                                     ("PP recv posted..done", _COLORS["recv"]),
+                                                     ("main waits for PP recv", _COLORS["recv wait"]),
+                                                     ("DP bucket sync (DP thread)", _COLORS["bucket"]))]
+    fig.legend(handles=legend, loc="upper right", fontsize=7, ncol=4)
+    fig.suptitle(title, fontsize=9, x=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
