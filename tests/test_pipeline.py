@@ -219,6 +219,15 @@ def _bad_configurations(rank, world_size):
         pipe.train_step(tokens, targets)
     with pytest.raises(ValueError, match="targets"):
         pipe.train_step(tokens, targets[:, :-1])
+    tokens, targets = _batches(4)[0]
+    with pytest.raises(ValueError, match="targets: expected int64"):  # would raise on the last stage only
+        pipe.train_step(tokens, targets.float())
+    with pytest.raises(ValueError, match=r"targets: values must lie in \[0, vocab_size"):
+        pipe.train_step(tokens, targets + config.vocab_size)
+    with pytest.raises(ValueError, match=r"tokens: values must lie"):  # would raise on the first stage only
+        pipe.train_step(tokens - config.vocab_size, targets)
+    with pytest.raises(ValueError, match="positions"):
+        pipe.train_step(tokens[:, :0], targets[:, :0])
     dist.barrier()  # no rank was left inside a collective
     return True
 

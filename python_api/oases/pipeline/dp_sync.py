@@ -63,7 +63,7 @@ class SegmentSync:
         self.group, self.scheduler = group, scheduler
         self.dp = dist.get_world_size(group)
         self.buckets = [buckets_of(params, bucket_numel) for params in segment_params]
-        self.now = [math.ceil(overlap_ratio * len(b)) for b in self.buckets]  # launched at once
+        self.now = [min(len(b), math.ceil(overlap_ratio * len(b) - 1e-9)) for b in self.buckets]  # at once
         self._pending: dict[int, list[Future]] = {}  # segment -> its launched buckets' futures
         self._deferred: dict[int, list[list[nn.Parameter]]] = {}  # segment -> buckets not launched yet
 

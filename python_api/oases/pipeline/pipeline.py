@@ -173,8 +173,15 @@ class Pipeline:
         if not isinstance(targets, torch.Tensor) or targets.shape != tokens.shape:
             raise ValueError(f"targets: expected the tokens' shape {tuple(tokens.shape)}, "
                              f"got {tuple(getattr(targets, 'shape', ()))}")
-        if tokens.shape[1] > self.config.seq_len:
-            raise ValueError(f"tokens: {tokens.shape[1]} positions, more than config.seq_len = {self.config.seq_len}")
+        if targets.dtype != torch.int64:
+            raise ValueError(f"targets: expected int64 class indices, got {targets.dtype}")
+        if not 0 < tokens.shape[1] <= self.config.seq_len:
+            raise ValueError(f"tokens: {tokens.shape[1]} positions; expected 1 to config.seq_len = {self.config.seq_len}")
+        vocab = self.config.vocab_size
+        for name, t in (("tokens", tokens), ("targets", targets)):  # they would raise mid-step on one stage
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+                raise ValueError(f"{name}: values must lie in [0, vocab_size = {vocab}), got "
+                                 f"[{int(t.min())}, {int(t.max())}]")
         if tokens.shape[0] % self.dp:
             raise ValueError(f"tokens: {tokens.shape[0]} rows are not divisible by dp = {self.dp}")
         if tokens.shape[0] // self.dp < self.micro_batches:
@@ -182,7 +189,8 @@ class Pipeline:
                              f"{tokens.shape[0] // self.dp} rows")
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank);
+        """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank:
+        this is not checked, as checking would cost a collective);
         returns the mean token loss of the whole batch, the same on every rank (see the module doc)."""
         self._check_batch(tokens, targets)
         step = self._split(tokens, targets)
@@ -264,7 +272,11 @@ class Pipeline:
             for bucket in flat buckets of [p.grad for p in stage.segment_parameters(segment)]:
                 ring reduce-scatter + all-gather over dp_group      # sum: the loss is already / (B * t)
         train_step does the same asynchronously (launch after the segment's backward, wait before
-        its next forward); this is the plain blocking form of it."""
+        its next forward); this is the plain blocking form of it, for gradients made outside
+        train_step. After a train_step, its own sync of the segment is pending: RuntimeError."""
+        if segment in self._update_pending:
+            raise RuntimeError(f"sync_segment({segment}): the last train_step already syncs this segment's "
+                               "gradients; call state_dict() or close() to finish it first")
         self.sync.launch(segment)
         self.sync.wait(segment)
 
