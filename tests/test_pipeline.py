@@ -75,7 +75,6 @@ CASES_8 = [
 
 def _train_cases(rank, world_size, cases):
     alone, _ = dist.new_subgroups(group_size=1)  # this rank by itself: the unsharded GPT
-    counters = []
     for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch, *options in cases:
         options = options[0] if options else {}
         want_losses, want_state = _golden(layers, optimizer, batch, alone)
@@ -95,15 +94,9 @@ def _train_cases(rank, world_size, cases):
                 pipe.state_dict()
         if dp > 1 and options.get("probe") is None:  # the last step's updates wait for state_dict()
             assert pipe._update_pending == set(range(segments)), where
-        sched = pipe.scheduler
-        if sched.preemption:  # a DP chunk went while PP flew only if the main thread waited for DP (or at timeout)
-            assert sched.overlapped_chunks == sched.forced_chunks + sched.inherited_chunks, where
-        else:
-            assert sched.deferred_chunks == sched.forced_chunks == sched.inherited_chunks == 0, where
+        sched = pipe.scheduler  # (the preemption invariant itself: test_pp_transfer_preempts_dp_chunks)
         if dp > 1:
             assert sched.dp_chunks > 0, where
-        counters.append((sched.preemption, sched.dp_chunks, sched.deferred_chunks, sched.forced_chunks,
-                         sched.inherited_chunks, sched.overlapped_chunks))
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
         assert held < set(want_state) if pp > 1 else held == set(want_state), where
         state = pipe.state_dict()
@@ -112,7 +105,7 @@ def _train_cases(rank, world_size, cases):
             torch.testing.assert_close(value, want_state[name], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: {name}: {msg}")
         pipe.close()
-    return counters
+    return True
 
 
 # Per-segment asynchronous DP sync: small buckets so a segment has several (some deferred at r < 1).

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardRule", "column_shard", "row_shard", "sharded_parameters"]
+__all__ = ["ShardRule", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
 
 
 @dataclass(frozen=True)
@@ -51,16 +51,18 @@ def row_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return t.chunk(world_size, dim=-1)[rank]
 
 
+def tp_rules(model: torch.nn.Module) -> dict[str, tuple[ShardRule, "object"]]:
+    """{qualified parameter name: (its ShardRule, its module's group)} for every parameter a
+    module's `tp_layout()` lists (a name there may reach into a child: "qkv.weight")."""
+    found: dict[str, tuple[ShardRule, object]] = {}
+    for prefix, module in model.named_modules():
+        layout = getattr(module, "tp_layout", None)
+        if callable(layout):
+            for name, rule in layout().items():
+                found[f"{prefix}.{name}" if prefix else name] = (rule, module.group)
+    return found
+
+
 def sharded_parameters(model: torch.nn.Module) -> dict[int, "object"]:
     """{id(parameter): its process group} for every parameter a module's `tp_layout()` lists."""
-    found: dict[int, object] = {}
-    for module in model.modules():
-        layout = getattr(module, "tp_layout", None)
-        if not callable(layout):
-            continue
-        for name in layout():
-            param = module
-            for part in name.split("."):
-                param = getattr(param, part)
-            found[id(param)] = module.group
-    return found
+    return {id(model.get_parameter(name)): group for name, (_, group) in tp_rules(model).items()}

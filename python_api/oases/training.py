@@ -10,7 +10,6 @@ the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
 from __future__ import annotations
 
 import inspect
-import sys
 from typing import Callable, Optional
 
 import torch
@@ -148,13 +147,12 @@ def train_step(
         loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
-    try:
-        return _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
-                             schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                             dropout_seed=seed, attention_mask=attention_mask, memory=memory)
-    finally:
-        if owned and not sys.exc_info()[0]:
-            comm.close()  # its thread, if it started one (after a failure a ring may never finish)
+    loss = _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
+                         schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
+                         dropout_seed=seed, attention_mask=attention_mask, memory=memory)
+    if owned:
+        comm.close()  # its thread, if it started one (not after a failure: a ring may never finish)
+    return loss
 
 
 def _same_group(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:

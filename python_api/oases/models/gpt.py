@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases._sharding import ShardRule
+from oases._sharding import ShardRule, tp_rules
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -180,24 +180,14 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.reset_parameters(seed)
 
-    def _rule(self, name: str) -> Optional[ShardRule]:
-        """The shard rule of parameter `name` (None: replicated)."""
-        owner, _, leaf = name.rpartition(".")
-        while owner:
-            module = self.get_submodule(owner)
-            if hasattr(module, "tp_layout"):
-                return module.tp_layout().get(leaf)
-            owner, _, parent_leaf = owner.rpartition(".")
-            leaf = f"{parent_leaf}.{leaf}"
-        return None
-
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Initialise the full model from `seed` (GPT-2 style) and keep this rank's shards."""
         g = torch.Generator().manual_seed(seed)
         std_out = 0.02 / math.sqrt(2 * self.config.layers)
+        rules = tp_rules(self)
         for name, p in self.named_parameters():
-            shape, rule = list(p.shape), self._rule(name)
+            shape, rule = list(p.shape), rules.get(name, (None,))[0]
             if rule is not None:
                 shape[rule.dim] *= self.tp
             if name.endswith("norm.weight") or name == "norm_f.weight":
@@ -207,11 +197,11 @@ class GPT(nn.Module):
             else:
                 std = std_out if name.endswith(("proj.weight", "fc2.weight")) and "blocks" in name else 0.02
                 full = torch.randn(shape, generator=g) * std
-            p.copy_(self.shard_of(name, full))
+            p.copy_(full if rule is None else rule.shard(full, self.tp_rank, self.tp))
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full model's tensor `name` (a parameter or its gradient)."""
-        rule = self._rule(name)
+        rule = tp_rules(self).get(name, (None,))[0]
         return full if rule is None else rule.shard(full, self.tp_rank, self.tp)
 
     # --- oases.schedule.Stack ---------------------------------------------------------------------
