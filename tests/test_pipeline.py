@@ -145,6 +145,79 @@ def test_async_dp_sync_matches_single_process_pp2_dp2_tp2():
     run_ranks(_train_cases, 8, DP_ASYNC_8, timeout=120)
 
 
+# Hugging Face models through a factory (the adapters of oases.train_step), against the same model
+# made the same way in one process, with the pipeline's loss (mean token cross-entropy, targets as given).
+HF_SMALL = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64, vocab_size=CONFIG["vocab_size"],
+                max_position_embeddings=16, tie_word_embeddings=False, attn_implementation="eager",
+                num_attention_heads=4)
+
+
+def _hf(kind):
+    import transformers as tf
+
+    if kind == "llama":  # GQA
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**HF_SMALL, num_key_value_heads=2))
+    if kind == "qwen3":  # per-head q/k norms (their gradient is summed over TP)
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**HF_SMALL, num_key_value_heads=2, head_dim=8))
+    if kind == "neox":  # parallel residual: one sublayer per layer
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**HF_SMALL, hidden_dropout=0.0, attention_dropout=0.0,
+                                                      use_parallel_residual=True))
+    raise AssertionError(kind)
+
+
+def _hf_golden(kind, optimizer, batch):
+    torch.manual_seed(SEED)
+    model = _hf(kind)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    losses = []
+    for tokens, targets in _batches(batch):
+        opt.zero_grad()
+        logits = model(input_ids=tokens).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses, model.state_dict()
+
+
+def _train_hf_cases(rank, world_size, cases):
+    for kind, (dp, pp, tp), schedule, segments, m, optimizer, batch in cases:
+        where = f"{kind} dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} B={batch}"
+        want_losses, want_state = _hf_golden(kind, optimizer, batch)
+        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        pipe = Pipeline(lambda: _hf(kind), mesh, schedule=schedule, segments=segments, micro_batches=m,
+                        optimizer=OPTIMIZERS[optimizer], seed=SEED)
+        for step, (tokens, targets) in enumerate(_batches(batch)):
+            loss = pipe.train_step(tokens, targets)
+            torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
+                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+        state = pipe.state_dict()
+        assert list(state) == list(want_state), where
+        for name, value in state.items():
+            torch.testing.assert_close(value, want_state[name], rtol=1e-4, atol=1e-5,
+                                       msg=lambda msg: f"{where}: {name}: {msg}")
+        pipe.close()
+    return True
+
+
+HF_CASES_2 = [("llama", (1, 2, 1), "aiao", 2, 3, "sgd", 4)]
+HF_CASES_4 = [
+    ("llama", (1, 2, 2), "1f1b", 1, 3, "adamw", 4),
+    ("qwen3", (2, 2, 1), "aiao", 2, 2, "sgd", 4),
+    ("neox", (1, 2, 2), "gpipe", 1, 2, "sgd", 4),
+]
+
+
+def test_hf_model_factory_matches_single_process_pp2():
+    pytest.importorskip("transformers")
+    run_ranks(_train_hf_cases, 2, HF_CASES_2, timeout=90)
+
+
+def test_hf_model_factory_matches_single_process_4_ranks():
+    pytest.importorskip("transformers")
+    run_ranks(_train_hf_cases, 4, HF_CASES_4, timeout=150)
+
+
 def _preemption(rank, world_size):
     """Two ranks, two groups over them ("pp" and "dp"). Rank 0 has a PP receive in flight when its
     DP all-reduce starts; rank 1 sends that message only after a pause, so with preemption rank 0's
@@ -198,6 +271,16 @@ def _bad_configurations(rank, world_size):
         (dict(dp_bucket_numel=0), "dp_bucket_numel"),
         (dict(mesh=init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),
         (dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))), "mesh"),
+        (dict(config=3), "config: expected an oases.models.GPTConfig or a model factory"),
+        (dict(config=lambda: 3), "the factory returned int"),
+    ]
+    import transformers as tf
+
+    tied = dict(HF_SMALL, tie_word_embeddings=True)
+    bad += [
+        (dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**tied))), "tied embeddings"),
+        (dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, num_hidden_layers=3)))),
+         "model: 3 layers are not divisible by pp"),
     ]
     for change, match in bad:
         kwargs = dict(config=config, mesh=mesh, schedule="gpipe", segments=1, micro_batches=2) | change

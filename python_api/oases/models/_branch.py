@@ -60,6 +60,14 @@ class Branch:
             z = z + b
         return z
 
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter the sublayer uses: its norms' and its branches' (each once)."""
+        seen: dict[int, nn.Parameter] = {}
+        for module in (*self.norms, *self.branches):
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
     def sequence_parallel_parameters(self) -> list[nn.Parameter]:
         """What norm and finish use (summed over the group under sequence parallelism)."""
         return [*(p for n in self.norms for p in n.parameters()), *self.biases]

@@ -1,11 +1,12 @@
-"""`Pipeline`: a GPT trained with pipeline x data x tensor parallelism on a (dp, pp, tp) device mesh.
+"""`Pipeline`: a model trained with pipeline x data x tensor parallelism on a (dp, pp, tp) device mesh.
 
     mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    pipe = Pipeline(config, mesh, schedule="aiao", segments=2, micro_batches=4,
+    pipe = Pipeline(config, mesh, schedule="aiao", segments=2, micro_batches=4,   # a GPTConfig, or
+                                                      # a factory: lambda: LlamaForCausalLM(cfg)
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), seed=0,
                     dp_overlap_ratio=1.0, preemption=True)
     loss = pipe.train_step(tokens, targets)   # global batch [B, t], the same on every rank
-    state = pipe.state_dict()                 # applies pending updates; the full GPT's state dict, on every rank
+    state = pipe.state_dict()                 # applies pending updates; the full model's state dict, on every rank
 
 One step, on the rank at (d, s, t) of the mesh:
 
@@ -15,8 +16,8 @@ One step, on the rank at (d, s, t) of the mesh:
     for action in schedules.actions(schedule, stage=s, ...):    # F(k, i) / B(k, i)
         first F of segment k: sync.wait(k); optimizer[k].step(); zero grads   # last step's update
         post the receive the next action needs                  # PPComm: one action ahead
-        F(k, i): x = recv act (or tokens); y = layers of (k, s) on x
-                 last virtual stage: loss_i = loss_sum(y, targets_i) / (B * t) else send y
+        F(k, i): x = recv act (or embed(tokens)); y = layers of (k, s) on x
+                 last virtual stage: loss_i = loss_sum(head(y), targets_i) / (B * t) else send y
         B(k, i): g = recv grad (or 1 for loss_i); backward(y, g); send x.grad (unless first)
         last B of segment k: sync.launch(k)                     # DPComm: sum over dp, async
     return sum over dp and micro-batches of loss_i              # broadcast from the last stage
@@ -52,13 +53,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.checkpoint import full_state_dict
-from oases.models.gpt import GPTConfig
+from oases.models.gpt import GPT, GPTConfig
+from oases.nn.parallelize import parallelize
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.p2p import StageComm
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.pipeline.stages import Stage, StageLayout
+from oases.schedule import SubBatch
 
 __all__ = ["Pipeline"]
 
@@ -71,6 +73,7 @@ class _Step:
     """What one train_step's actions share: micro-batches, their activation shapes, kept tensors."""
 
     micro: list[tuple[torch.Tensor, torch.Tensor]]  # (tokens, targets) [b_i, t] per micro-batch
+    ctx: dict[int, object]  # micro-batch -> what stack.embed gives every layer (rotary, masks)
     shapes: list[torch.Size]  # activation [b_i, t, h] per micro-batch
     dtype: torch.dtype  # of activations and their gradients
     normalizer: int  # tokens in the global batch: each micro-batch's loss is divided by it
@@ -83,17 +86,19 @@ def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _check_config(config: GPTConfig, mesh, schedule: str, segments: int, micro_batches: int,
-                  dp_overlap_ratio: float, dp_bucket_numel: int) -> None:
-    """Every argument check of Pipeline(...): local only, so every rank raises the same error."""
+def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: str, segments: int,
+                  micro_batches: int, dp_overlap_ratio: float, dp_bucket_numel: int) -> dict[str, int]:
+    """Every argument check of Pipeline(...) that needs no model: local only, so every rank raises
+    the same error. Returns the mesh sizes {"dp": .., "pp": .., "tp": ..}."""
     if isinstance(dp_overlap_ratio, bool) or not isinstance(dp_overlap_ratio, (int, float)) \
             or not 0.0 <= dp_overlap_ratio <= 1.0:
         raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1], got {dp_overlap_ratio!r}")
     if isinstance(dp_bucket_numel, bool) or not isinstance(dp_bucket_numel, int) or dp_bucket_numel < 1:
         raise ValueError(f"dp_bucket_numel: expected an int >= 1, got {dp_bucket_numel!r}")
-    if not isinstance(config, GPTConfig):
-        raise ValueError(f"config: expected an oases.models.GPTConfig, got {type(config).__name__}")
-    if config.dropout != 0.0:
+    if not isinstance(config, GPTConfig) and not callable(config):
+        raise ValueError(f"config: expected an oases.models.GPTConfig or a model factory (a callable returning "
+                         f"the model), got {type(config).__name__}")
+    if isinstance(config, GPTConfig) and config.dropout != 0.0:
         raise ValueError(f"config.dropout: the pipeline does not apply dropout yet, got {config.dropout}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if sorted(names) != sorted(_MESH_DIMS):
@@ -115,40 +120,81 @@ def _check_config(config: GPTConfig, mesh, schedule: str, segments: int, micro_b
         raise ValueError(f"segments: the 1f1b schedule runs one segment, got {segments} (use 'aiao')")
     if schedule == "1f1b" and micro_batches < sizes["pp"]:
         raise ValueError(f"micro_batches: 1f1b needs at least pp = {sizes['pp']} micro-batches, got {micro_batches}")
-    if config.layers % (sizes["pp"] * segments):
-        raise ValueError(f"config.layers: {config.layers} is not divisible by pp * segments = "
-                         f"{sizes['pp']} * {segments}")
-    for what, size in (("heads", config.heads), ("hidden * mlp_ratio", config.hidden * config.mlp_ratio)):
-        if size % sizes["tp"]:
-            raise ValueError(f"config.{what}: {size} is not divisible by tp = {sizes['tp']}")
+    if isinstance(config, GPTConfig):
+        _check_layers("config.layers", config.layers, sizes["pp"], segments)
+        for what, size in (("heads", config.heads), ("hidden * mlp_ratio", config.hidden * config.mlp_ratio)):
+            if size % sizes["tp"]:
+                raise ValueError(f"config.{what}: {size} is not divisible by tp = {sizes['tp']}")
+    return sizes
+
+
+def _check_layers(what: str, layers: int, pp: int, segments: int) -> None:
+    if layers % (pp * segments):
+        raise ValueError(f"{what}: {layers} layers are not divisible by pp * segments = {pp} * {segments}")
+
+
+def _build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGroup, tp: int,
+           seed: int) -> tuple[nn.Module, object]:
+    """(model, its Stack view): GPT(config, tp_group, seed=seed), or factory() made under
+    torch.manual_seed(seed) and parallelized over tp_group (unless it is already sharded).
+    Local: no communication."""
+    from oases.training import adapt  # oases.training imports the schedules, which import models
+
+    if isinstance(config, GPTConfig):
+        model = GPT(config, tp_group, seed=seed)
+        return model, model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = config()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"config: the factory returned {type(model).__name__}, expected an nn.Module "
+                         "(a Hugging Face causal LM, a nanoGPT-style model or an oases.schedule.Stack module)")
+    if tp > 1 and not any(hasattr(m, "tp_layout") for m in model.modules()):
+        parallelize(model, tp_group)
+    stack = adapt(model)
+    check = getattr(stack, "check_trainable", None)
+    if check is not None:
+        check()
+    return model, stack
 
 
 class Pipeline:
-    """A GPT cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
+    """A model cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
+
+    `config`: an `oases.models.GPTConfig` (parameters start as `GPT(config, seed=seed)`'s), or a
+    factory: a callable returning the unsharded model, e.g. `lambda: LlamaForCausalLM(cfg)`; every
+    rank calls it under `torch.manual_seed(seed)` (so parameters start as the single-process model
+    made the same way), shards it with `oases.parallelize` over tp (unless already sharded) and
+    sees it through `oases.train_step`'s adapters (Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
+    GPT-NeoX, nanoGPT, any `oases.schedule.Stack` module). Every rank keeps the whole model as
+    built and trains its stage's parameters. The loss is the GPT's: mean over every token of
+    cross_entropy(logits, targets), targets not shifted.
 
     `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
     oases.pipeline.schedules); `optimizer(params)` builds the optimizer of one segment's
     parameters on this rank (called once per segment; it must treat parameters independently, as
-    SGD and AdamW do, so per-segment optimizers equal one over the whole model); parameters start
-    as `GPT(config, seed=seed)`'s. `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's
+    SGD and AdamW do, so per-segment optimizers equal one over the whole model). `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's
     gradient buckets whose DP sync starts as soon as its backward ends (the rest start at the next
     train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
     `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
     """
 
-    def __init__(self, config: GPTConfig, mesh, *, schedule: str = "1f1b", segments: int = 1,
+    def __init__(self, config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str = "1f1b", segments: int = 1,
                  micro_batches: int = 4,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
                  seed: int = 0, dp_overlap_ratio: float = 1.0, preemption: bool = True,
                  dp_bucket_numel: int = _BUCKET_NUMEL) -> None:
-        _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
+        sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
         self.config, self.schedule, self.segments, self.micro_batches = config, schedule, segments, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank, stage = dist.get_rank(self.dp_group), dist.get_rank(self.pp_group)
-        self.layout = StageLayout(config.layers, self.pp, segments, stage)
-        self.stage = Stage(config, self.layout, self.tp_group, seed=seed)
+        self.model, stack = _build(config, self.tp_group, sizes["tp"], seed)
+        layers = len(stack.layers())
+        _check_layers("config" if isinstance(config, GPTConfig) else "model", layers, self.pp, segments)
+        self.layout = StageLayout(layers, self.pp, segments, stage)
+        self.stage = Stage(self.model, stack, self.layout, self.tp_group)
         segment_params = [self.stage.segment_parameters(k) for k in range(segments)]
         self.optimizers = [optimizer(params) for params in segment_params]  # one per segment
         self.plan: list[Action] = actions(schedule, stage=stage, stages=self.pp, segments=segments,
@@ -175,9 +221,10 @@ class Pipeline:
                              f"got {tuple(getattr(targets, 'shape', ()))}")
         if targets.dtype != torch.int64:
             raise ValueError(f"targets: expected int64 class indices, got {targets.dtype}")
-        if not 0 < tokens.shape[1] <= self.config.seq_len:
-            raise ValueError(f"tokens: {tokens.shape[1]} positions; expected 1 to config.seq_len = {self.config.seq_len}")
-        vocab = self.config.vocab_size
+        seq_len = self.config.seq_len if isinstance(self.config, GPTConfig) else None
+        if tokens.shape[1] == 0 or (seq_len is not None and tokens.shape[1] > seq_len):
+            raise ValueError(f"tokens: {tokens.shape[1]} positions; expected 1 to config.seq_len = {seq_len}")
+        vocab = self.stage.vocab_size
         for name, t in (("tokens", tokens), ("targets", targets)):  # they would raise mid-step on one stage
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
                 raise ValueError(f"{name}: values must lie in [0, vocab_size = {vocab}), got "
@@ -229,8 +276,14 @@ class Pipeline:
         block = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         parts = torch.arange(rows).tensor_split(self.micro_batches)  # sizes differ by at most one
         micro = [(tokens[block][p[0]:p[-1] + 1], targets[block][p[0]:p[-1] + 1]) for p in parts]
-        shapes = [torch.Size((len(p), tokens.shape[1], self.config.hidden)) for p in parts]  # [b_i, t, h]
-        return _Step(micro, shapes, next(self.stage.parameters()).dtype, targets.numel())
+        shapes = [torch.Size((len(p), tokens.shape[1], self.stage.hidden)) for p in parts]  # [b_i, t, h]
+        return _Step(micro, {}, shapes, self.stage.dtype, targets.numel())
+
+    def _embed(self, step: _Step, i: int) -> Optional[torch.Tensor]:
+        """Micro-batch i's embedding on virtual stage 0 (None elsewhere); its ctx is kept for every layer."""
+        tokens = step.micro[i][0]
+        x, step.ctx[i] = self.stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))
+        return x if self.layout.is_first(0) else None
 
     def _run(self, action: Action, step: _Step) -> None:
         """F(k, i): receive (or embed), run the segment, send (or add the loss), keep (input, output).
@@ -240,12 +293,14 @@ class Pipeline:
         v = self.layout.virtual(k)
         if action.kind == "F":
             if self.layout.is_first(k):
-                x = step.micro[i][0]
+                x = self._embed(step, i)
             else:
+                if i not in step.ctx:
+                    self._embed(step, i)
                 x = self.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype).requires_grad_()
-            y = self.stage.forward_segment(k, x)
+            y = self.stage.forward_segment(k, x, step.ctx[i])
             if self.layout.is_last(k):
-                y = self.stage.loss_sum(y, step.micro[i][1]) / step.normalizer
+                y = self.stage.loss_sum(y, step.micro[i][1], step.ctx[i]) / step.normalizer
                 step.loss += y.detach()
             else:
                 self.comm.send(("act", v, i), y)
@@ -291,15 +346,15 @@ class Pipeline:
     # --- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full GPT's state dict (keys, order and shapes of `oases.models.GPT`'s), on every rank.
+        """The full model's state dict (keys, order and shapes of the unsharded model's), on every rank.
 
-            mine = oases.full_state_dict(stage)                  # gathered over tp
-            every stage's = all_gather_object(mine, pp_group)    # merged, in the GPT's key order
+            mine = this stage's entries of oases.full_state_dict(model)   # gathered over tp
+            every stage's = all_gather_object(mine, pp_group)             # merged, in the model's key order
         Applies every pending update first (waits for its DP sync, steps its optimizer). A
         collective over the whole mesh (every rank calls it)."""
         for k in range(self.segments):
             self._apply_update(k)
-        mine = full_state_dict(self.stage)
+        mine = self.stage.state_dict()
         parts: list[Optional[dict[str, torch.Tensor]]] = [None] * self.pp
         if self.pp > 1:
             dist.all_gather_object(parts, mine, group=self.pp_group)

@@ -8,8 +8,12 @@ segment into p chunks of c = L/(ns*p) layers; stage s holds chunk s of every seg
 
 Seen as one chain, (segment k, stage s) is the *virtual stage* v = k*p + s: activations flow
 v -> v+1 (from stage p-1 of segment k to stage 0 of segment k+1 between segments), gradients
-v+1 -> v. The embedding (wte + wpe) sits before v = 0, the final norm, LM head and loss after
+v+1 -> v. The embedding sits before v = 0, the head (final norm, LM head) and loss after
 v = ns*p - 1.
+
+A stage runs any `oases.schedule.Stack` (oases.models.GPT, a Hugging Face model through
+oases.models.HFStack, nanoGPT, a user's own stack): layer i is `stack.layers()[i]`, each
+sublayer x + finish(reduce_from_tp(core(copy_to_tp(norm(x)), ctx)), ctx) as in GPT.forward.
 """
 from __future__ import annotations
 
@@ -22,9 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from oases.models.gpt import GPT, GPTConfig
+from oases.checkpoint import full_state_dict
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
-from oases.schedule import SubBatch
+from oases.nn.vocab import vocab_parallel_cross_entropy
+from oases.schedule import Stack, SubBatch
 
 __all__ = ["StageLayout", "Stage"]
 
@@ -65,63 +70,135 @@ class StageLayout:
         return self.virtual(segment) == self.stages * self.segments - 1
 
 
-class Stage(nn.Module):
-    """This rank's part of a GPT: its layers of every segment, the embedding on the first stage,
-    the head on the last. State-dict keys are the GPT's own ("blocks.6.0.qkv.weight", ...).
+class Stage:
+    """This rank's part of a model seen as a Stack: its layers of every segment, the embedding
+    on the first virtual stage, the head and loss on the last.
 
-        stage = Stage(config, layout, tp_group, seed=0)  # values: GPT(config, tp_group, seed=0)'s
-        y = stage.forward_segment(k, x)       # x [b, t, h] (tokens [b, t] on virtual stage 0)
-        loss_sum = stage.loss_sum(y, targets) # last virtual stage: summed token cross-entropy
+        stage = Stage(model, stack, layout, tp_group)    # model: the nn.Module behind `stack`
+        x, ctx = stage.embed(tokens, where)              # every stage: ctx (x used on virtual stage 0)
+        y = stage.forward_segment(k, x, ctx)             # x [b, t, h]: segment k's layers of this stage
+        loss_sum = stage.loss_sum(y, targets, ctx)       # last virtual stage: summed token cross-entropy
+        stage.segment_parameters(k), stage.state_dict()  # what it trains; the full model's state
 
     Each layer runs under torch.utils.checkpoint (non-reentrant): only its input is kept, its
     inside is recomputed in backward, TP all-reduces included.
+
+    Which parameters are the embedding's and which the head's is found by differentiating
+    `stack.embed` and `stack.head` once on a one-token input (no communication unless the head
+    gathers logits over TP); the parameters of layers are their sublayers' `parameters()` (nn.Module
+    sublayers, oases.models' branches). Every rank holds the whole model as built; it trains,
+    syncs and reports only its own parameters. Input and output embeddings tied across different
+    stages are refused (ValueError): their gradient would need a sum across stages.
     """
 
-    def __init__(self, config: GPTConfig, layout: StageLayout, tp_group: Optional[dist.ProcessGroup],
-                 *, seed: int = 0) -> None:
-        super().__init__()
-        # Build the whole (TP-sharded) GPT so initialisation is exactly GPT's, then keep our part.
-        # Costs the full model's memory once, at construction (fine for the models tested here).
-        full = GPT(config, tp_group, seed=seed)
-        self.config, self.layout, self.tp, self.group = config, layout, full.tp, full.group
-        self.key_order = list(full.state_dict())  # the GPT's state-dict order, for state_dict()
-        held = [i for k in range(layout.segments) for i in layout.layers_of(k)]
-        self.blocks = nn.ModuleDict({str(i): full.blocks[i] for i in held})
-        self.wte = full.wte if layout.is_first(0) else None
-        self.wpe = full.wpe if layout.is_first(0) else None
-        last = layout.is_last(layout.segments - 1)
-        self.norm_f = full.norm_f if last else None
-        self.lm_head = full.lm_head if last else None
+    def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
+                 tp_group: Optional[dist.ProcessGroup]) -> None:
+        self.model, self.stack, self.layout = model, stack, layout
+        distributed = dist.is_available() and dist.is_initialized()
+        self.tp = dist.get_world_size(tp_group) if distributed and tp_group is not None else 1
+        self.group = tp_group if self.tp > 1 else None
+        self.logits_group = getattr(stack, "logits_group", None)
+        self._layers = list(stack.layers())
+        if len(self._layers) != layout.layers:
+            raise ValueError(f"model: {len(self._layers)} layers, but the layout was made for {layout.layers}")
+        layer_params = [_unique(p for sub in layer for p in _parameters_of(sub, i)) for i, layer in enumerate(self._layers)]
+        in_layers = {id(p) for params in layer_params for p in params}
+        rest = _unique(p for p in model.parameters() if id(p) not in in_layers)
+        # One token through embed and head: activation size and dtype, vocabulary, who uses what.
+        tokens = torch.zeros((1, 1), dtype=torch.long, device=rest[0].device if rest else None)
+        x, ctx = stack.embed(tokens, SubBatch(slice(0, 1), 1))
+        logits = stack.head(x.detach(), ctx)
+        self.hidden, self.dtype = x.shape[-1], x.dtype
+        self.vocab_size = logits.shape[-1] * (dist.get_world_size(self.logits_group) if self.logits_group else 1)
+        embed_params, head_params = _used_by(x, rest), _used_by(logits, rest)
+        tied = [p for p in embed_params if any(p is q for q in head_params)]
+        first_and_last_apart = layout.stages > 1  # virtual stages 0 and ns*p-1 sit on stages 0 and p-1
+        if tied and first_and_last_apart:
+            raise ValueError("model: its input embedding and LM head share parameters (tied embeddings); the "
+                             "pipeline puts them on different stages. Untie them (e.g. tie_word_embeddings=False)")
+        head_ids = {id(p) for p in head_params}
+        self._embed_params = [p for p in rest if id(p) not in head_ids]  # unused ones go with the embedding
+        self._head_params = [p for p in rest if id(p) in head_ids]
+        self._layer_params = layer_params
+        owned = {id(p) for p in self.parameters()}
+        names = dict((id(p), n) for n, p in model.named_parameters(remove_duplicate=False))
+        self._owned_keys = {names[i] for i in owned if i in names}
+        self.key_order = list(model.state_dict())  # the model's state-dict order, for Pipeline.state_dict()
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter this rank trains (its segments' layers, embedding and head as placed)."""
+        return _unique(p for k in range(self.layout.segments) for p in self.segment_parameters(k))
 
     def segment_parameters(self, segment: int) -> list[nn.Parameter]:
         """The parameters segment `segment` of this stage uses (embedding / head included)."""
-        params = [p for i in self.layout.layers_of(segment) for p in self.blocks[str(i)].parameters()]
+        params = [p for i in self.layout.layers_of(segment) for p in self._layer_params[i]]
         if self.layout.is_first(segment):
-            params = [*self.wte.parameters(), *self.wpe.parameters(), *params]
+            params = [*self._embed_params, *params]
         if self.layout.is_last(segment):
-            params += [*self.norm_f.parameters(), *self.lm_head.parameters()]
+            params += self._head_params
         return params
 
-    def _layer(self, index: int, x: torch.Tensor) -> torch.Tensor:
-        """GPT.forward's block `index`: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x))))) twice."""
-        where = SubBatch(slice(0, x.shape[0]), x.shape[0])  # no dropout (checked by the Pipeline)
-        for s in self.blocks[str(index)]:
+    def embed(self, tokens: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, object]:
+        """stack.embed(tokens, where): on virtual stage 0 differentiable, elsewhere only for its ctx
+        (rotary embeddings, masks: what every layer gets), without a graph."""
+        if self.layout.is_first(0):
+            return self.stack.embed(tokens, where)
+        with torch.no_grad():
+            return self.stack.embed(tokens, where)
+
+    def _layer(self, index: int, x: torch.Tensor, ctx: object) -> torch.Tensor:
+        """Layer `index` as GPT.forward runs it: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x))))) per sublayer."""
+        for s in self._layers[index]:
             h = s.norm(x)
             if self.tp > 1:
-                x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, self.group)), self.group), where)
+                x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, self.group), ctx), self.group), ctx)
             else:
-                x = x + s.finish(s.core(h), where)
+                x = x + s.finish(s.core(h, ctx), ctx)
         return x
 
-    def forward_segment(self, segment: int, x: torch.Tensor) -> torch.Tensor:
-        """Segment `segment`'s layers on x [b, t, h]; on virtual stage 0, x is tokens [b, t] (int64)."""
-        if self.layout.is_first(segment):
-            x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))  # (b, t, h)
+    def forward_segment(self, segment: int, x: torch.Tensor, ctx: object) -> torch.Tensor:
+        """Segment `segment`'s layers of this stage on x [b, t, h] (the embedding's output on virtual stage 0)."""
         for i in self.layout.layers_of(segment):
-            x = checkpoint(self._layer, i, x, use_reentrant=False)
+            x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)
         return x
 
-    def loss_sum(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token cross-entropy of the head on x [b, t, h] against targets [b, t] (not shifted)."""
-        logits = self.lm_head(self.norm_f(x))  # (b, t, vocab)
+    def loss_sum(self, x: torch.Tensor, targets: torch.Tensor, ctx: object) -> torch.Tensor:
+        """Summed token cross-entropy of the head on x [b, t, h] against targets [b, t] (not shifted);
+        from the vocabulary slices when the head is vocab-parallel (logits never gathered)."""
+        logits = self.stack.head(x, ctx)  # [b, t, vocab] or [b, t, vocab/p]
+        if self.logits_group is not None:
+            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.logits_group,
+                                                reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's entries of the full (TP-gathered) model's state dict: its parameters, and
+        the buffers on stage 0. A collective over the TP group (oases.full_state_dict)."""
+        full = full_state_dict(self.model)
+        params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        keep = self._owned_keys | (set() if self.layout.stage else set(full) - params)
+        return {k: v for k, v in full.items() if k in keep}
+
+
+def _unique(params) -> list[nn.Parameter]:
+    """`params` without repeats (tied parameters once), in first-seen order."""
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _parameters_of(sublayer: object, index: int) -> list[nn.Parameter]:
+    if isinstance(sublayer, nn.Module) or callable(getattr(sublayer, "parameters", None)):
+        return list(sublayer.parameters())
+    raise ValueError(f"model: a sublayer of layer {index} ({type(sublayer).__name__}) is not an nn.Module and has "
+                     "no parameters() method; the pipeline needs each sublayer's parameters to place them")
+
+
+def _used_by(out: torch.Tensor, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """The trainable parameters among `params` that `out` depends on (differentiated once)."""
+    trainable = [p for p in params if p.requires_grad]
+    if not trainable or not out.requires_grad:
+        return []
+    grads = torch.autograd.grad(out.float().sum(), trainable, allow_unused=True)
+    return [p for p, g in zip(trainable, grads) if g is not None]
