@@ -84,7 +84,7 @@ def _train_cases(rank, world_size, cases):
         pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
                         micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED,
                         **{k: v for k, v in options.items() if k != "probe"})
-        if options.get("dp_overlap_ratio", 1.0) < 1.0:  # some buckets really are deferred
+        if options.get("dp_overlap_ratio", 1.0) in (0.0, 0.5):  # some buckets really are deferred
             assert any(now < len(b) for now, b in zip(pipe.sync.now, pipe.sync.buckets)), where
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
@@ -93,7 +93,18 @@ def _train_cases(rank, world_size, cases):
             if options.get("probe") == step:  # applies the pending updates mid-run: never twice
                 pipe.state_dict()
         if dp > 1 and options.get("probe") is None:  # the last step's updates wait for state_dict()
-            assert pipe._update_pending == set(range(segments)), where
+            assert pipe._update_pending == set(range(pipe.segments)), where
+        if "auto" in (segments, options.get("dp_overlap_ratio")):  # chosen by FOLD3D's rules from measured times
+            from oases.planner.fold3d import choose_segments, dp_overlap_ratio
+
+            t = pipe.measured
+            assert t["forward_s"] > 0 and t["backward_s"] > 0 and t["pp_comm_s"] > 0 and t["dp_comm_s"] > 0, t
+            want = segments if segments != "auto" else choose_segments(
+                layers, pp, t["forward_s"], t["backward_s"], t["pp_comm_s"], t["dp_comm_s"], micro_batches=m)
+            assert pipe.segments == want and layers % (pp * want) == 0, (where, t, pipe.segments)
+            if options.get("dp_overlap_ratio") == "auto":
+                assert pipe.dp_overlap_ratio == dp_overlap_ratio(t["forward_s"], t["backward_s"], t["dp_comm_s"],
+                                                                 segments=want, micro_batches=m), where
         sched = pipe.scheduler  # (the preemption invariant itself: test_pp_transfer_preempts_dp_chunks)
         if dp > 1:
             assert sched.dp_chunks > 0, where
@@ -117,6 +128,7 @@ DP_ASYNC_4 = [
     ((2, 2, 1), 6, "aiao", 3, 3, "sgd", 6, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800, preemption=False)),
     ((2, 2, 1), 4, "1f1b", 1, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800)),
     ((2, 2, 1), 4, "1f1b", 1, 3, "sgd", 6, dict(dp_overlap_ratio=0.0, dp_bucket_numel=800, preemption=False)),
+    ((2, 2, 1), 8, "aiao", "auto", 2, "adamw", 4, dict(dp_overlap_ratio="auto", dp_bucket_numel=800)),
 ]
 DP_ASYNC_8 = [
     ((2, 2, 2), 6, "aiao", 3, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=400)),
@@ -266,7 +278,8 @@ def _bad_configurations(rank, world_size):
         (dict(schedule="interleaved"), "schedule"),
         (dict(schedule="1f1b", segments=2), "segments"),
         (dict(schedule="1f1b", micro_batches=1), "micro_batches"),
-        (dict(segments="auto"), "segments"),
+        (dict(segments="many"), "segments"),
+        (dict(dp_overlap_ratio="fast"), "dp_overlap_ratio"),
         (dict(dp_overlap_ratio=1.5), "dp_overlap_ratio"),
         (dict(dp_bucket_numel=0), "dp_bucket_numel"),
         (dict(mesh=init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),

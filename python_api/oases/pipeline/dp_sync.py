@@ -28,6 +28,7 @@ sum and every call is a no-op.
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import Future
 
 import torch
@@ -61,7 +62,7 @@ class SegmentSync:
     def __init__(self, segment_params: list[list[nn.Parameter]], group: dist.ProcessGroup,
                  scheduler: CommScheduler, *, overlap_ratio: float, bucket_numel: int) -> None:
         self.group, self.scheduler = group, scheduler
-        self.dp = dist.get_world_size(group)
+        self.dp, self.bucket_numel = dist.get_world_size(group), bucket_numel
         self.buckets = [buckets_of(params, bucket_numel) for params in segment_params]
         self.now = [min(len(b), math.ceil(overlap_ratio * len(b) - 1e-9)) for b in self.buckets]  # at once
         self._pending: dict[int, list[Future]] = {}  # segment -> its launched buckets' futures
@@ -92,6 +93,19 @@ class SegmentSync:
             with torch.profiler.record_function("oases::pipeline::dp_wait"), self.scheduler.urgent():
                 for future in futures:
                     future.result()
+
+    def time_sync(self, numel: int) -> float:
+        """Seconds to sum `numel` gradient elements over dp as train_step does (0 with dp = 1): the
+        ring of one bucket (at most bucket_numel elements) timed on the DP thread after a warm-up
+        run, scaled to `numel`. A collective over dp: every DP rank calls it."""
+        if self.dp == 1 or numel == 0:
+            return 0.0
+        flat = torch.zeros(min(numel, self.bucket_numel))
+        ring = lambda: self.scheduler.all_reduce(flat, self.group, chunks=DP_CHUNKS)  # noqa: E731
+        self.scheduler.submit(ring).result()
+        start = time.perf_counter()
+        self.scheduler.submit(ring).result()
+        return (time.perf_counter() - start) * numel / flat.numel()
 
     def _submit(self, bucket: list[nn.Parameter]) -> Future:
         return self.scheduler.submit(lambda: self._sync_bucket(bucket))

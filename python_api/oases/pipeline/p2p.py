@@ -15,6 +15,8 @@ is in flight, the data-parallel sync holds back its next chunk, and its latency 
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,7 @@ __all__ = ["StageComm"]
 
 Key = tuple[str, int, int]  # (kind "act" | "grad", edge, micro_batch)
 _TAG_BASE = 16  # above the tags rings use (0-5: oases.comm, the Communicator, the DP thread)
+_TIMING_TAG = _TAG_BASE - 1  # time_transfer's messages
 
 
 class StageComm:
@@ -75,6 +78,21 @@ class StageComm:
         peer = self._peer(key, sending=True)
         work = dist.isend(tensor, peer, group=self.group, tag=self._tag(key))
         self._sends.append((self.scheduler.track(work, "send", peer), tensor))
+
+    def time_transfer(self, shape: torch.Size, dtype: torch.dtype = torch.float32) -> float:
+        """Seconds for one [shape] tensor to reach the next stage while the previous stage's reaches
+        this one (a ring exchange over pp, timed after a warm-up; 0 with p = 1). Every stage calls it."""
+        if self.stages == 1:
+            return 0.0
+        out, into = torch.zeros(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        ahead, behind = (self._ranks[(self.stage + d) % self.stages] for d in (1, -1))
+        for _ in range(2):
+            start = time.perf_counter()
+            works = [dist.isend(out, ahead, group=self.group, tag=_TIMING_TAG),
+                     dist.irecv(into, behind, group=self.group, tag=_TIMING_TAG)]
+            for work in works:
+                work.wait()
+        return time.perf_counter() - start
 
     def wait_sends(self) -> None:
         """Wait for every send; after it, nothing of this step is in flight (checked)."""

@@ -90,9 +90,9 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
                   micro_batches: int, dp_overlap_ratio: float, dp_bucket_numel: int) -> dict[str, int]:
     """Every argument check of Pipeline(...) that needs no model: local only, so every rank raises
     the same error. Returns the mesh sizes {"dp": .., "pp": .., "tp": ..}."""
-    if isinstance(dp_overlap_ratio, bool) or not isinstance(dp_overlap_ratio, (int, float)) \
-            or not 0.0 <= dp_overlap_ratio <= 1.0:
-        raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1], got {dp_overlap_ratio!r}")
+    if dp_overlap_ratio != "auto" and (isinstance(dp_overlap_ratio, bool) or not isinstance(dp_overlap_ratio, (int, float))
+                                       or not 0.0 <= dp_overlap_ratio <= 1.0):
+        raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1] or 'auto', got {dp_overlap_ratio!r}")
     if isinstance(dp_bucket_numel, bool) or not isinstance(dp_bucket_numel, int) or dp_bucket_numel < 1:
         raise ValueError(f"dp_bucket_numel: expected an int >= 1, got {dp_bucket_numel!r}")
     if not isinstance(config, GPTConfig) and not callable(config):
@@ -112,16 +112,16 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
                          f"but the world size is {world}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
-    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
-        raise ValueError(f"segments: expected an int >= 1 ('auto' is not supported yet), got {segments!r}")
+    if segments != "auto" and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+        raise ValueError(f"segments: expected an int >= 1 or 'auto', got {segments!r}")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches: expected an int >= 1, got {micro_batches!r}")
-    if schedule == "1f1b" and segments != 1:
+    if schedule == "1f1b" and segments not in (1, "auto"):
         raise ValueError(f"segments: the 1f1b schedule runs one segment, got {segments} (use 'aiao')")
     if schedule == "1f1b" and micro_batches < sizes["pp"]:
         raise ValueError(f"micro_batches: 1f1b needs at least pp = {sizes['pp']} micro-batches, got {micro_batches}")
     if isinstance(config, GPTConfig):
-        _check_layers("config.layers", config.layers, sizes["pp"], segments)
+        _check_layers("config.layers", config.layers, sizes["pp"], 1 if segments == "auto" else segments)
         for what, size in (("heads", config.heads), ("hidden * mlp_ratio", config.hidden * config.mlp_ratio)):
             if size % sizes["tp"]:
                 raise ValueError(f"config.{what}: {size} is not divisible by tp = {sizes['tp']}")
@@ -178,36 +178,57 @@ class Pipeline:
     train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
     `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
+
+    `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
+    (oases.planner.fold3d: choose_segments, dp_overlap_ratio) from times measured on the first
+    train_step's batch, before it runs (`self.measured` keeps them; the same on every rank):
+
+        forward_s, backward_s = one layer's forward / backward (with recomputation) on micro-batch 0,
+                                times this stage's layers (MAX over ranks)
+        dp_comm_s  = this stage's gradient sync over dp (a ring all-reduce of one bucket, scaled)
+        pp_comm_s  = one activation between neighbouring stages (a ring exchange over pp)
+    Until then the pipeline runs as segments=1 (state_dict() works; no update is pending).
     """
 
-    def __init__(self, config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str = "1f1b", segments: int = 1,
-                 micro_batches: int = 4,
+    def __init__(self, config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str = "1f1b",
+                 segments: int | str = 1, micro_batches: int = 4,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
-                 seed: int = 0, dp_overlap_ratio: float = 1.0, preemption: bool = True,
+                 seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
                  dp_bucket_numel: int = _BUCKET_NUMEL) -> None:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
-        self.config, self.schedule, self.segments, self.micro_batches = config, schedule, segments, micro_batches
+        self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
-        self.dp_rank, stage = dist.get_rank(self.dp_group), dist.get_rank(self.pp_group)
-        self.model, stack = _build(config, self.tp_group, sizes["tp"], seed)
-        layers = len(stack.layers())
-        _check_layers("config" if isinstance(config, GPTConfig) else "model", layers, self.pp, segments)
-        self.layout = StageLayout(layers, self.pp, segments, stage)
-        self.stage = Stage(self.model, stack, self.layout, self.tp_group)
+        self.dp_rank = dist.get_rank(self.dp_group)
+        self.model, self._stack = _build(config, self.tp_group, sizes["tp"], seed)
+        self._layers = len(self._stack.layers())
+        self._make_optimizer, self._bucket_numel = optimizer, dp_bucket_numel
+        self._auto = {"segments": segments == "auto" and schedule != "1f1b",
+                      "dp_overlap_ratio": dp_overlap_ratio == "auto"}
+        self.measured: Optional[dict[str, float]] = None  # the times "auto" was chosen from
+        self.scheduler = CommScheduler(preemption=preemption)
+        self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler)
+        self._configure(1 if segments == "auto" else segments,
+                        1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
+
+    def _configure(self, segments: int, dp_overlap_ratio: float) -> None:
+        """Everything that depends on the segment count and r: layout, stage, optimizers, plan, sync."""
+        _check_layers("config" if isinstance(self.config, GPTConfig) else "model", self._layers, self.pp, segments)
+        self.segments, self.dp_overlap_ratio = segments, dp_overlap_ratio
+        stage = dist.get_rank(self.pp_group)
+        self.layout = StageLayout(self._layers, self.pp, segments, stage)
+        self.stage = Stage(self.model, self._stack, self.layout, self.tp_group)
         segment_params = [self.stage.segment_parameters(k) for k in range(segments)]
-        self.optimizers = [optimizer(params) for params in segment_params]  # one per segment
-        self.plan: list[Action] = actions(schedule, stage=stage, stages=self.pp, segments=segments,
-                                          micro_batches=micro_batches)
+        self.optimizers = [self._make_optimizer(params) for params in segment_params]  # one per segment
+        self.plan: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
+                                          micro_batches=self.micro_batches)
         # Where each segment's first forward and last backward sit in the plan.
         self._first_forward = {k: min(j for j, a in enumerate(self.plan) if a.kind == "F" and a.segment == k)
                                for k in range(segments)}
         self._last_backward = {max(j for j, a in enumerate(self.plan) if a.kind == "B" and a.segment == k): k
                                for k in range(segments)}
-        self.scheduler = CommScheduler(preemption=preemption)
-        self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler)
         self.sync = SegmentSync(segment_params, self.dp_group, self.scheduler,
-                                overlap_ratio=dp_overlap_ratio, bucket_numel=dp_bucket_numel)
+                                overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel)
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
@@ -241,6 +262,8 @@ class Pipeline:
         returns the mean token loss of the whole batch, the same on every rank (see the module doc)."""
         self._check_batch(tokens, targets)
         step = self._split(tokens, targets)
+        if any(self._auto.values()):
+            self._choose(step)
         self.sync.launch_deferred()  # the last step's deferred buckets overlap the forwards up to them
         self._post_recv(0, step)  # receives are posted in the order they are waited for
         for j, action in enumerate(self.plan):
@@ -254,6 +277,32 @@ class Pipeline:
                 self._update_pending.add(self._last_backward[j])
         self.comm.wait_sends()
         return self._global_loss(step.loss)
+
+    def _choose(self, step: _Step) -> None:
+        """segments / dp_overlap_ratio "auto": measure (see the class doc), choose, reconfigure."""
+        from oases.planner.fold3d import choose_segments, dp_overlap_ratio
+
+        per_stage = self._layers // self.pp
+        tokens = step.micro[0][0]
+        _, ctx = self.stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))
+        forward, backward = self.stage.time_layer(step.shapes[0], step.dtype, ctx)
+        numel = sum(p.numel() for p in self.stage.parameters())
+        times = torch.tensor([forward * per_stage, backward * per_stage,
+                              self.sync.time_sync(numel), self.comm.time_transfer(step.shapes[0], step.dtype)],
+                             dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank decides the same
+        f, b, dp_s, pp_s = times.tolist()
+        self.measured = dict(forward_s=f, backward_s=b, dp_comm_s=dp_s, pp_comm_s=pp_s)
+        m = self.micro_batches
+        segments = self.segments
+        if self._auto["segments"]:
+            segments = choose_segments(self._layers, self.pp, f, b, pp_s, dp_s, micro_batches=m)
+        ratio = self.dp_overlap_ratio
+        if self._auto["dp_overlap_ratio"]:
+            ratio = dp_overlap_ratio(f, b, dp_s, segments=segments, micro_batches=m)
+        self._auto = {key: False for key in self._auto}
+        if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
+            self._configure(segments, ratio)
 
     def _post_recv(self, j: int, step: _Step) -> None:
         """Post the receive plan[j] waits for, if any."""

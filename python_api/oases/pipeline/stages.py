@@ -17,6 +17,7 @@ sublayer x + finish(reduce_from_tp(core(copy_to_tp(norm(x)), ctx)), ctx) as in G
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -155,6 +156,21 @@ class Stage:
             else:
                 x = x + s.finish(s.core(h, ctx), ctx)
         return x
+
+    def time_layer(self, shape: torch.Size, dtype: torch.dtype, ctx: object, *, repeats: int = 2) -> tuple[float, float]:
+        """Seconds of one layer's forward and backward (with its recomputation) on x [shape], as
+        forward_segment runs it (the last of `repeats` runs; gradients returned, not accumulated).
+        A collective over the TP group when tp > 1."""
+        index = self.layout.layers_of(0)[0]
+        x = torch.randn(shape, dtype=dtype, requires_grad=True)
+        inputs = [x, *(p for p in self._layer_params[index] if p.requires_grad)]
+        for _ in range(repeats):
+            start = time.perf_counter()
+            y = checkpoint(self._layer, index, x, ctx, use_reentrant=False)
+            middle = time.perf_counter()
+            torch.autograd.grad(y, inputs, torch.ones_like(y))
+            end = time.perf_counter()
+        return middle - start, end - middle
 
     def forward_segment(self, segment: int, x: torch.Tensor, ctx: object) -> torch.Tensor:
         """Segment `segment`'s layers of this stage on x [b, t, h] (the embedding's output on virtual stage 0)."""
