@@ -100,7 +100,7 @@ class SegmentSync:
         run, scaled to `numel`. A collective over dp: every DP rank calls it."""
         if self.dp == 1 or numel == 0:
             return 0.0
-        flat = torch.zeros(min(numel, self.bucket_numel))
+        flat = torch.zeros(min(numel, self.bucket_numel), device=self.buckets[0][0][0].device)
         ring = lambda: self.scheduler.all_reduce(flat, self.group, chunks=DP_CHUNKS)  # noqa: E731
         self.scheduler.submit(ring).result()
         start = time.perf_counter()

@@ -207,7 +207,8 @@ class Pipeline:
                       "dp_overlap_ratio": dp_overlap_ratio == "auto"}
         self.measured: Optional[dict[str, float]] = None  # the times "auto" was chosen from
         self.scheduler = CommScheduler(preemption=preemption)
-        self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler)
+        device = next(iter(self.model.parameters())).device
+        self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler, device)
         self._configure(1 if segments == "auto" else segments,
                         1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
 
@@ -269,6 +270,7 @@ class Pipeline:
         for j, action in enumerate(self.plan):
             if self._first_forward[action.segment] == j:
                 self._apply_update(action.segment)
+                self._post_lazy(action.segment, step)
             self._post_recv(j + 1, step)  # PPComm: the next action's input is on its way meanwhile
             with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
                 self._run(action, step)
@@ -304,6 +306,16 @@ class Pipeline:
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)
 
+    def _post_lazy(self, segment: int, step: _Step) -> None:
+        """Stage 0, at segment k's first forward: post the receives of every micro-batch's
+        activation from segment k's last stage (needed by segment k+1) into host memory
+        (oases.pipeline.p2p: inter-segment lazy communication)."""
+        if self.layout.stage != 0 or segment + 1 >= self.segments:
+            return
+        edge = self.layout.virtual(segment + 1) - 1  # stage p-1 of segment k -> stage 0 of segment k+1
+        keys = [("act", edge, i) for i in range(self.micro_batches)]
+        self.comm.post_lazy(keys, step.shapes, step.dtype)
+
     def _post_recv(self, j: int, step: _Step) -> None:
         """Post the receive plan[j] waits for, if any."""
         key = self._recv_key(self.plan[j]) if j < len(self.plan) else None
@@ -326,7 +338,8 @@ class Pipeline:
         parts = torch.arange(rows).tensor_split(self.micro_batches)  # sizes differ by at most one
         micro = [(tokens[block][p[0]:p[-1] + 1], targets[block][p[0]:p[-1] + 1]) for p in parts]
         shapes = [torch.Size((len(p), tokens.shape[1], self.stage.hidden)) for p in parts]  # [b_i, t, h]
-        return _Step(micro, {}, shapes, self.stage.dtype, targets.numel())
+        return _Step(micro, {}, shapes, self.stage.dtype, targets.numel(),
+                     loss=torch.zeros((), dtype=torch.float32, device=self.comm.device))
 
     def _embed(self, step: _Step, i: int) -> Optional[torch.Tensor]:
         """Micro-batch i's embedding on virtual stage 0 (None elsewhere); its ctx is kept for every layer."""
