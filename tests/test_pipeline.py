@@ -356,3 +356,44 @@ def test_one_f_one_b_is_megatrons_order():
                                                                         micro_batches=3))
     assert names(0) == "F0 F1 B0 F2 B1 B2"
     assert names(1) == "F0 B0 F1 B1 F2 B2"
+
+
+DYING_RANK_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from oases.models import GPTConfig
+from oases.pipeline import Pipeline
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+pipe = Pipeline(GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=4), mesh,
+                schedule="aiao", segments=2, micro_batches=2)
+tokens = torch.randint(0, 32, (4, 8))
+pipe.train_step(tokens, tokens)
+if dist.get_rank() == 3:  # stage 1 of DP replica 1: its peers wait for its activations and DP sync
+    forward = pipe.stage.forward_segment
+    def dying(k, x, ctx):
+        if k == 1:
+            raise RuntimeError("rank 3 dies mid-iteration on purpose")
+        return forward(k, x, ctx)
+    pipe.stage.forward_segment = dying
+pipe.train_step(tokens, tokens)
+print("unreachable: the step finished")
+"""
+
+
+def test_a_rank_dying_mid_iteration_ends_the_run_with_its_error(tmp_path):
+    """Under oases-launch (torchrun), the other ranks, blocked in receives and the DP sync, are
+    stopped and the run ends with the dead rank's traceback instead of hanging."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "dying.py"
+    script.write_text(DYING_RANK_SCRIPT)
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "oases.launch", "--nproc", "4", str(script)],
+                         capture_output=True, text=True, timeout=90)
+    assert run.returncode != 0
+    assert "RuntimeError: rank 3 dies mid-iteration on purpose" in run.stderr
+    assert "unreachable" not in run.stdout
+    assert time.monotonic() - start < 60

@@ -42,10 +42,11 @@ thread waited for DP), with it off every such chunk. Decided under the scheduler
 chunk is posted: a PP transfer posted a moment later overlaps that chunk, by design of
 chunk-boundary preemption.
 
-On CUDA the same design maps to streams, not threads: PP send/receive on a high-priority stream
-(priority -1, as TransformerEngine and PyTorch's async-TP use), the DP chunks on a low-priority
-stream, and the gate becomes "do not enqueue the next DP chunk while a PP event is unrecorded".
-Only the CPU path is written and tested here; nothing is claimed about GPU behaviour.
+On CUDA (NCCL) the gate works the same, and stream priority adds to it: the Pipeline makes its
+pp groups with high-priority NCCL streams (priority -1, as TransformerEngine and PyTorch's async
+TP use; oases.comm.new_group), while the DP chunks run on the mesh's dp group at default
+priority, so a PP kernel is scheduled ahead of DP kernels already enqueued. Only the CPU path is
+run and tested here (no GPU on these machines); nothing is claimed about GPU behaviour.
 """
 from __future__ import annotations
 

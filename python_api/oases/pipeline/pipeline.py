@@ -158,6 +158,27 @@ def _build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGr
     return model, stack
 
 
+def _prioritized_pp_group(mesh, group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """On NCCL: this rank's pp group made again with high-priority CUDA streams (oases.comm.new_group),
+    so PP transfers go ahead of the DP sync, which stays on the mesh's default-priority dp group
+    (FOLD3D §5.1 on GPUs). Elsewhere (gloo: priorities do not exist) the mesh's group itself.
+    On NCCL a collective over the world: every rank makes every pp group, in mesh order."""
+    if dist.get_backend(group) != "nccl":
+        return group
+    from oases.comm import new_group
+
+    names = list(mesh.mesh_dim_names)
+    ranks = mesh.mesh.permute(*(names.index(n) for n in _MESH_DIMS))  # [dp, pp, tp] global ranks
+    me, mine = dist.get_rank(), group
+    for d in range(ranks.shape[0]):
+        for t in range(ranks.shape[2]):
+            members = ranks[d, :, t].tolist()
+            made = new_group(members, high_priority=True)
+            if me in members:
+                mine = made
+    return mine
+
+
 class Pipeline:
     """A model cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
 
@@ -198,6 +219,7 @@ class Pipeline:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
+        self.pp_group = _prioritized_pp_group(mesh, self.pp_group)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         self.model, self._stack = _build(config, self.tp_group, sizes["tp"], seed)
