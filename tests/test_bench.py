@@ -307,8 +307,11 @@ def test_pipeline_suite(tmp_path):
     records = {r["variant"]: r for r in doc["cases"]}
     layers = records["1f1b"]["config"]["layers"]
     expected = {"gpipe", "1f1b"} | {f"aiao-ns{ns}" for ns in (1, 2, 4) if layers % (2 * ns) == 0}
-    assert set(records) == expected | {"aiao-ns2-nopre"}
+    assert set(records) == expected | {"aiao-ns2-nopre", "aiao-auto"}
     assert not records["aiao-ns2-nopre"]["preemption"] and records["aiao-ns2"]["preemption"]
+    auto = records["aiao-auto"]  # segments and r chosen from the times measured on the first step
+    assert layers % (2 * auto["segments"]) == 0 and 0 < auto["dp_overlap_ratio"] <= 1
+    assert all(auto["measured"][k] > 0 for k in ("forward_s", "backward_s", "dp_comm_s", "pp_comm_s"))
     for name, r in records.items():
         assert r["losses"] == pytest.approx(records["1f1b"]["losses"], rel=1e-5), name
         assert _is_time(r["t_iter"]) and r["t_iter_min"] <= r["t_iter"], name

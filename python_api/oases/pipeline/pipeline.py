@@ -199,6 +199,8 @@ class Pipeline:
     train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
     `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
+    Pipelines on one mesh share its groups and message tags: close() one (its DP sync may still
+    be in flight after train_step returns) before another trains.
 
     `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
     (oases.planner.fold3d: choose_segments, dp_overlap_ratio) from times measured on the first
