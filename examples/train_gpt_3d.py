@@ -33,22 +33,26 @@ def _args(argv=None) -> argparse.Namespace:
     p.set_defaults(tp=1, bandwidth="500mbit", layers=8, hidden=256, batch=16, steps=20)
     p.add_argument("--intra-bandwidth", default=None, help="link rate inside a host (default unshaped)")
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--segments", type=int, default=2, help="aiao's segments ns (layers divisible by 2 * ns)")
+    p.add_argument("--segments", default="2",
+                   help="aiao's segments ns (layers divisible by 2 * ns), or 'auto' (FOLD3D's rule, measured)")
     p.add_argument("--schedules", default="1f1b,aiao", help="comma-separated, first is the baseline")
     return p.parse_args(argv)
 
 
 def train(schedule: str, config: GPTConfig, data: torch.Tensor, args, show: bool) -> dict:
     mesh = init_device_mesh("cpu", (DP, PP, args.tp), mesh_dim_names=("dp", "pp", "tp"))
-    pipe = Pipeline(config, mesh, schedule=schedule, segments=1 if schedule == "1f1b" else args.segments,
+    segments = args.segments if args.segments == "auto" else int(args.segments)
+    pipe = Pipeline(config, mesh, schedule=schedule, segments=1 if schedule == "1f1b" else segments,
                     micro_batches=args.micro_batches, seed=0,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0))
-    label = schedule if schedule == "1f1b" else f"{schedule}-ns{pipe.segments}"
+    label = schedule if schedule == "1f1b" else f"{schedule}-ns{args.segments}"
     losses, times = [], []
     for i, (tokens, targets) in enumerate(batches(data, args.steps, args.batch, config.seq_len)):
         dist.barrier()
         start = time.perf_counter()
         losses.append(float(pipe.train_step(tokens, targets)))
+        if i == 0 and schedule != "1f1b":  # "auto" is chosen on the first step
+            label = f"{schedule}-ns{pipe.segments}"
         if i == args.steps - 1:
             pipe.close()  # the last step's DP sync and update, inside its time
         times.append(time.perf_counter() - start)
