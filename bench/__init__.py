@@ -28,6 +28,7 @@ SUITES: dict[str, str] = {
     "primitives": "bench.primitives",
     "layers": "bench.layers",
     "pipeline": "bench.pipeline",
+    "offload": "bench.offload",
 }
 
 __all__ = ["SUITES"]

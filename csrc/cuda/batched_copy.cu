@@ -1,5 +1,10 @@
-// One launch copies many (src, dst, nbytes) pairs: block b walks pair b's bytes in 16-byte words
-// where both ends are aligned, bytes elsewhere. Same contract as the host path in batched_copy.cpp.
+// Batched copies on the current CUDA stream, with the contract of the host path in batched_copy.cpp:
+//   batched_copy_cuda          one launch copies many (src, dst, nbytes) pairs on one GPU: block b
+//                              walks pair b's bytes in 16-byte words where both ends are aligned,
+//                              bytes elsewhere;
+//   batched_memcpy_async_cuda  GPU <-> pinned host: one cudaMemcpyAsync per pair (the DMA engines,
+//                              no SMs), issued back to back; the offload engine's path.
+// Neither synchronises the host: callers order them with events (oases.offload.CopyEngine).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -67,6 +72,20 @@ void batched_copy_cuda(const std::vector<void*>& src, const std::vector<void*>& 
   check(cudaFreeAsync(device_table, stream), "cudaFreeAsync");
   // No host synchronisation: a copy from pageable host memory returns only once `table` has been
   // staged, so it may go out of scope now; the kernel and the free are ordered on `stream`.
+}
+
+void batched_memcpy_async_cuda(const std::vector<void*>& src, const std::vector<void*>& dst,
+                               const std::vector<int64_t>& nbytes) {
+#ifdef OASES_WITH_CUDA
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+#else
+  cudaStream_t stream = nullptr;
+#endif
+  for (size_t i = 0; i < src.size(); ++i) {
+    if (nbytes[i] == 0) continue;  // an empty tensor's pointer may be null
+    check(cudaMemcpyAsync(dst[i], src[i], static_cast<size_t>(nbytes[i]), cudaMemcpyDefault, stream),
+          "cudaMemcpyAsync");
+  }
 }
 
 }  // namespace oases

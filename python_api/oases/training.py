@@ -10,7 +10,7 @@ the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
+from oases.offload import Offloader
 from oases.schedule import CheckpointMemory, Communicator, Stack, check_step, train_step as _run_schedule
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
@@ -93,6 +94,7 @@ def train_step(
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     comm: Optional[Communicator] = None,
     memory: Optional[CheckpointMemory] = None,
+    offload: Union[bool, Offloader] = False,
 ) -> torch.Tensor:
     """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
 
@@ -112,7 +114,11 @@ def train_step(
     this rank's slice of the logits: see oases.schedule.protocol). `comm`: an oases.schedule.Communicator on the
     model's TP group, to count calls, bytes and time waited across steps (default: a new one);
     `memory`: an oases.schedule.CheckpointMemory that accounts the activations kept for
-    recomputation (its `peak`, in bytes, over every sub-batch).
+    recomputation (its `peak`, in bytes, over every sub-batch). `offload`: move those inputs to
+    host memory in batches during the forward and bring them back, in the backward's order of
+    use, just before recomputation (oases.offload; bit-exact). True uses the model's own
+    Offloader (`model.offloader`, as GPT(..., offload=True) has), else a new one for this call;
+    pass an oases.offload.Offloader to keep one across steps: its first step sizes its HostSlab.
     The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
     LM or a nanoGPT-style model after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
     gradients of the unsharded model; every check runs before any communication.
@@ -145,14 +151,29 @@ def train_step(
             return causal_lm_loss_sum(logits, labels, group)
     else:
         loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
+    offloader = _offloader(model, offload)
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
     loss = _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
                          schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                         dropout_seed=seed, attention_mask=attention_mask, memory=memory)
+                         dropout_seed=seed, attention_mask=attention_mask, memory=memory, offload=offloader)
+    if offloader is not None and offload is True and getattr(model, "offloader", None) is not offloader:
+        offloader.close()  # made for this call
     if owned:
         comm.close()  # its thread, if it started one (not after a failure: a ring may never finish)
     return loss
+
+
+def _offloader(model: object, offload: Union[bool, Offloader]) -> Optional[Offloader]:
+    """The Offloader a step uses: `offload` itself, the model's own for True (else a new one), or None."""
+    if isinstance(offload, Offloader):
+        return offload
+    if offload is True:
+        own = getattr(model, "offloader", None)
+        return own if isinstance(own, Offloader) else Offloader()
+    if offload is False:
+        return None
+    raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
 
 
 def _same_group(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:

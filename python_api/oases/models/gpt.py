@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from oases._sharding import ShardRule, tp_rules
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from oases.offload import Offloader
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, check_step, train_step
 
 __all__ = ["GPTConfig", "GPT"]
@@ -138,6 +139,10 @@ class GPT(nn.Module):
     `forward(tokens, targets)` comes from oases.nn.vocab_parallel_cross_entropy and the full
     logits never exist (`forward(tokens)` alone gathers them). The vocabulary must divide by p.
 
+    `offload=True` (or an oases.offload.Offloader): `train_step` moves the sublayer inputs it keeps
+    for recomputation to host memory in batches and back before use (`self.offloader`; its first
+    step sizes its HostSlab); the same losses and gradients.
+
     `sequence_parallel=True`: `train_step` keeps the residual stream as this rank's slice of the
     sequence between sublayers (oases.schedule.stack); seq_len must divide by p.
 
@@ -150,7 +155,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
                  schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, offload: Union[bool, Offloader] = False) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -161,6 +166,9 @@ class GPT(nn.Module):
             if size % self.tp:
                 raise ValueError(f"config.{what}: {size} is not divisible by the TP size {self.tp}")
         self.config, self.schedule, self.sequence_parallel = config, schedule, sequence_parallel
+        if not isinstance(offload, (bool, Offloader)):
+            raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
+        self.offloader = Offloader() if offload is True else (offload or None)
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
         self.comm = Communicator(self.group, self.tp)
         self.logits_group = self.group if vocab_parallel and self.tp > 1 else None
@@ -243,7 +251,8 @@ class GPT(nn.Module):
         seed = seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),
                           comm=self.comm, schedule=self.schedule, sub_batches=sub_batches,
-                          sequence_parallel=self.sequence_parallel, dropout_seed=seed, memory=memory)
+                          sequence_parallel=self.sequence_parallel, dropout_seed=seed, memory=memory,
+                          offload=self.offloader)
 
     def step_seed(self) -> Optional[int]:
         """The dropout seed of a training step (None without dropout): drawn from the default

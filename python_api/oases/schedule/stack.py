@@ -31,6 +31,7 @@ from typing import Any, Callable, Generator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from oases.offload import CheckpointStack, Offloader
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 
@@ -83,6 +84,15 @@ class _Checkpoints:
         self._memory.held -= t.numel() * t.element_size()
         return t
 
+    def flush(self) -> None:
+        """The forward is done (nothing to do: the inputs stay on the device)."""
+
+
+class _OffloadedCheckpoints(CheckpointStack):
+    """A program's kept inputs through an oases.offload.Offloader: they leave the device in
+    batches as they are pushed and come back, a batch ahead, as they are popped. The offloader
+    accounts the device-resident bytes (train_step copies its peak into the CheckpointMemory)."""
+
 
 # loss_sum(logits [b, t, vocab], labels [b, t]) -> the sub-batch's summed loss (a scalar)
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -133,13 +143,13 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-             plan: Schedule, comm: Communicator, memory: CheckpointMemory) -> Generator:
+             plan: Schedule, comm: Communicator, saved: _Checkpoints) -> Generator:
     """One sub-batch's forward, loss and backward, yielding at each communication."""
     layers = [tuple(layer) for layer in stack.layers()]
     with torch.enable_grad():
         embedded, ctx = stack.embed(input_ids, where)
     x = embedded.detach()
-    saved = _Checkpoints(memory)  # inputs of each recomputation sequence: per sublayer (oases) or per layer
+    # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer
     for layer in layers:
         for i, sub in enumerate(layer):
             if plan.fine_grained_recompute or i == 0:
@@ -147,6 +157,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
             with torch.no_grad():
                 part = sub.core(sub.norm(x), ctx)
             x = yield from _finish_reduced(sub, x, part, ctx, comm, "forward")
+    saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
     x = x.requires_grad_()
     with torch.enable_grad():
         loss = loss_sum(stack.head(x, ctx), labels)
@@ -226,17 +237,17 @@ def _backward_sp(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                plan: Schedule, comm: Communicator, memory: CheckpointMemory, rank: int) -> Generator:
+                plan: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
     embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
-    saved = _Checkpoints(memory)
     for layer in layers:
         for i, sub in enumerate(layer):
             if plan.fine_grained_recompute or i == 0:
                 saved.push(x)
             x = yield from _forward_sp(sub, x, tokens, comm, "forward")
+    saved.flush()
     x_full = yield from comm.all_gather(x, _SEQ, "forward")  # the head sees every token, as without SP
     x_full.requires_grad_()
     with torch.enable_grad():
@@ -269,7 +280,7 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
 
 
 def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                     plan: Schedule, comm: Communicator, memory: CheckpointMemory, rank: int) -> Generator:
+                     plan: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
     """Sequence parallel with fine-grained recomputation ("oases"): the program's thread runs the
     cores; everything between two cores -- scatter, finish, norm, gather, and in backward their
     adjoints -- is one task on the communicator's thread, so it overlaps the other sub-batch's core.
@@ -284,7 +295,6 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
     subs = [sub for layer in stack.layers() for sub in layer]
     embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
-    saved = _Checkpoints(memory)
     task = comm.submit(functools.partial(_between_forward, None, subs[0], x, None, tokens, comm))
     yield
     for i, sub in enumerate(subs):
@@ -296,6 +306,7 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
         task = comm.submit(functools.partial(_between_forward, sub, following, x, part, tokens, comm))
         yield
     _, x_full = task.wait()  # the head sees every token, as without SP
+    saved.flush()
     x_full.requires_grad_()
     with torch.enable_grad():
         loss = loss_sum(stack.head(x_full, ctx), labels)
@@ -442,7 +453,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
                normalizer: float, comm: Communicator, schedule: str = "oases",
                sub_batches: Optional[int] = None, sequence_parallel: bool = False,
                dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-               memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
+               memory: Optional[CheckpointMemory] = None, offload: Optional[Offloader] = None) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
         for rows in split(batch, sub_batches):                # interleaved, see the module docstring
@@ -454,7 +465,11 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     its normed input and reduce-scatters its output (see above), and the gradients of the
     parameters of norm and finish are summed over the group after the step. `comm` issues and
     counts the communication on the TP group; `memory` (a CheckpointMemory) accounts the inputs
-    kept for recomputation. Checks run before any communication, so a bad argument raises on
+    kept for recomputation (on the device). `offload` (an oases.offload.Offloader) moves those
+    inputs to host memory in batches as the forward saves them and brings them back, a batch
+    ahead, in the backward's order of use (one group per sub-batch: copies per step
+    = sum over sub-batches of ceil(inputs / offload.batch) each way); the same losses and
+    gradients, bit for bit. Checks run before any communication, so a bad argument raises on
     every rank alike.
     """
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
@@ -462,6 +477,8 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
                        world_size=comm.world_size)
     plan, batch = SCHEDULES[schedule], input_ids.shape[0]
     memory = CheckpointMemory() if memory is None else memory
+    if offload is not None and not isinstance(offload, Offloader):
+        raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
     program, extra = _program, ()
     if sequence_parallel:
         params = _sequence_parallel_parameters(stack)
@@ -472,10 +489,15 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     programs = [
         program(stack, input_ids[r], labels[r],
                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                loss_sum, normalizer, plan, comm, memory, *extra)
-        for r in split_rows(batch, parts)
+                loss_sum, normalizer, plan, comm,
+                _Checkpoints(memory) if offload is None else _OffloadedCheckpoints(offload, k), *extra)
+        for k, r in enumerate(split_rows(batch, parts))
     ]
+    if offload is not None:
+        offload.begin_step()
     loss = sum(interleave(programs)) / normalizer
+    if offload is not None:
+        memory.peak = max(memory.peak, offload.end_step().peak_resident_bytes)
     if sequence_parallel and comm.world_size > 1:
         _sum_over_group(params, before, comm)
     return loss

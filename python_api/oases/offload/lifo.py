@@ -1,0 +1,82 @@
+"""CheckpointStack: one program's checkpoints, pushed in forward and popped in reverse in backward
+(the use order of a layer stack), offloaded in batches and prefetched ahead of their use.
+
+    saved = CheckpointStack(offloader, group=k)     # k: the sub-batch (or micro-batch)
+    saved.push(x)          # forward: every `batch` pushes leave the device in one copy
+    saved.flush()          # forward done: the last (partial) batch too; the first batch the
+                           # backward needs starts coming back (overlapping the loss and the head)
+    x = saved.pop()        # backward: the newest; its batch and `ahead` more are on their way in
+
+    forward (batch 2):   push c0 c1 | c2 c3 | c4        flush
+    copies out:                 [c0 c1] [c2 c3]  [c4]
+    backward:            pop c4 | c3 c2 | c1 c0
+    copies in:          [c4] [c3 c2]  [c1 c0]            ([c4] at flush, then each `ahead` batches early)
+
+Copies per step = ceil(pushes / batch) out, as many in. A popped tensor is released from the
+offloader at once: the caller holds the only reference.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Optional
+
+import torch
+
+from oases.offload.offloader import Checkpoint, CheckpointState, Offloader
+
+__all__ = ["CheckpointStack"]
+
+_COMING_BACK = (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST)
+
+
+class CheckpointStack:
+    """LIFO of one group's checkpoints in an Offloader (see the module docstring).
+
+    ahead: batches prefetched beyond the one in use (0: a batch is fetched at its first pop).
+    """
+
+    def __init__(self, offloader: Offloader, group: Hashable, *, ahead: int = 1) -> None:
+        if not isinstance(offloader, Offloader):
+            raise TypeError(f"offloader: expected an oases.offload.Offloader, got {type(offloader).__name__}")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise ValueError(f"ahead: expected an int >= 0 (batches prefetched early), got {ahead!r}")
+        self.offloader, self.group, self.ahead = offloader, group, ahead
+        self._items: list[Checkpoint] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, t: torch.Tensor) -> None:
+        self._items.append(self.offloader.save(t, group=self.group))
+
+    def flush(self) -> None:
+        """Offload what is still on the device, then start bringing back the first batch used (the
+        ones after it follow as the pops begin)."""
+        self.offloader.flush(self.group)
+        self._prefetch_ahead(0)
+
+    def pop(self) -> torch.Tensor:
+        c = self._items.pop()
+        self._items.append(c)  # keep c in view while its own batch is prefetched
+        self._prefetch_ahead()
+        self._items.pop()
+        t = self.offloader.get(c)
+        self.offloader.release(c)
+        return t
+
+    def _prefetch_ahead(self, ahead: Optional[int] = None) -> None:
+        """Prefetch the next 1 + ahead distinct batches in use order (newest first)."""
+        ahead = self.ahead if ahead is None else ahead
+        batches: list[int] = []
+        wanted: list[Checkpoint] = []
+        for c in reversed(self._items):
+            b = c.batch
+            if b is None:
+                continue  # never offloaded: still on the device
+            if b not in batches:
+                if len(batches) == 1 + ahead:
+                    break
+                batches.append(b)
+            if c.state in _COMING_BACK:
+                wanted.append(c)
+        if wanted:
+            self.offloader.prefetch(wanted)
