@@ -372,10 +372,10 @@ tokens = torch.randint(0, 32, (4, 8))
 pipe.train_step(tokens, tokens)
 if dist.get_rank() == 3:  # stage 1 of DP replica 1: its peers wait for its activations and DP sync
     forward = pipe.stage.forward_segment
-    def dying(k, x, ctx):
+    def dying(k, x, ctx, **options):
         if k == 1:
             raise RuntimeError("rank 3 dies mid-iteration on purpose")
-        return forward(k, x, ctx)
+        return forward(k, x, ctx, **options)
     pipe.stage.forward_segment = dying
 pipe.train_step(tokens, tokens)
 print("unreachable: the step finished")
@@ -397,3 +397,46 @@ def test_a_rank_dying_mid_iteration_ends_the_run_with_its_error(tmp_path):
     assert "RuntimeError: rank 3 dies mid-iteration on purpose" in run.stderr
     assert "unreachable" not in run.stdout
     assert time.monotonic() - start < 60
+
+
+def _offload_cases(rank, world_size, cases):
+    """Pipeline(offload=True) against the same pipeline without: the same losses and parameters,
+    bit for bit; the per-layer checkpoints went through the offloader in batched copies."""
+    for (dp, pp, tp), layers, schedule, segments, m, batch, offload_batch in cases:
+        where = f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} batch={offload_batch}"
+        runs = {}
+        for offload in (False, True):
+            from oases.offload import Offloader
+
+            mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
+                            micro_batches=m, optimizer=OPTIMIZERS["adamw"], seed=SEED,
+                            offload=Offloader(batch=offload_batch) if offload else False)
+            losses = [pipe.train_step(tokens, targets) for tokens, targets in _batches(batch)]
+            stats = pipe.offload_stats
+            runs[offload] = (losses, pipe.state_dict())
+            pipe.close()
+        for a, b in zip(runs[False][0], runs[True][0]):
+            assert torch.equal(a, b), (where, a, b)
+        for name, value in runs[False][1].items():
+            assert torch.equal(value, runs[True][1][name]), (where, name)
+        per_action = layers // (pp * segments)  # layer inputs saved per forward action of this stage
+        saves = m * segments * per_action
+        assert stats.checkpoints == saves, (where, stats)
+        copies = m * segments * -(-per_action // offload_batch)  # ceil per (segment, micro-batch) group
+        assert stats.copies_out == copies and stats.copies_in == copies, (where, stats)
+        one_action = per_action * max(CONFIG["seq_len"] * CONFIG["hidden"] * 4 * -(-batch // dp // m), 0)
+        # Resident at most what one forward keeps before its flush, plus two backwards' prefetches.
+        assert stats.peak_resident_bytes <= 3 * one_action, (where, stats)
+    return True
+
+
+OFFLOAD_4 = [
+    ((2, 2, 1), 8, "aiao", 2, 4, 8, 1),   # each F(k, i): 2 layer inputs, 2 copies each way
+    ((2, 2, 1), 4, "1f1b", 1, 3, 6, 2),
+    ((1, 2, 2), 4, "aiao", 2, 2, 4, 2),   # TP inside a stage: recomputation all-reduces too
+]
+
+
+def test_offload_is_bit_exact_and_batched_pp2_dp2():
+    run_ranks(_offload_cases, 4, OFFLOAD_4, timeout=150)

@@ -59,7 +59,8 @@ from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.p2p import StageComm
 from oases.pipeline.schedules import SCHEDULES, Action, actions
-from oases.pipeline.stages import Stage, StageLayout
+from oases.offload import Offloader, OffloadStats
+from oases.pipeline.stages import Stage, StageInput, StageLayout
 from oases.schedule import SubBatch
 
 __all__ = ["Pipeline"]
@@ -77,7 +78,9 @@ class _Step:
     shapes: list[torch.Size]  # activation [b_i, t, h] per micro-batch
     dtype: torch.dtype  # of activations and their gradients
     normalizer: int  # tokens in the global batch: each micro-batch's loss is divided by it
-    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> stage input
+    inputs: dict[tuple[int, int], Optional[torch.Tensor]] = field(default_factory=dict)  # (k, i) -> stage input
+    saved: dict[tuple[int, int], list] = field(default_factory=dict)  # offload: (k, i) -> its layers' Checkpoints
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # offload: (k, i) -> input's gradient
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> output / loss
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
 
@@ -217,8 +220,10 @@ class Pipeline:
                  segments: int | str = 1, micro_batches: int = 4,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
                  seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
-                 dp_bucket_numel: int = _BUCKET_NUMEL) -> None:
+                 dp_bucket_numel: int = _BUCKET_NUMEL, offload: bool | Offloader = False) -> None:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
+        if not isinstance(offload, (bool, Offloader)):
+            raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
         self.pp_group = _prioritized_pp_group(mesh, self.pp_group)
@@ -230,6 +235,9 @@ class Pipeline:
         self._auto = {"segments": segments == "auto" and schedule != "1f1b",
                       "dp_overlap_ratio": dp_overlap_ratio == "auto"}
         self.measured: Optional[dict[str, float]] = None  # the times "auto" was chosen from
+        self.offloader: Optional[Offloader] = Offloader() if offload is True else (offload or None)
+        self.offload_stats: Optional[OffloadStats] = None  # the last train_step's (with offload)
+        self._anchor = torch.empty(0, requires_grad=True)  # offload: what received inputs hang from
         self.scheduler = CommScheduler(preemption=preemption)
         device = next(iter(self.model.parameters())).device
         self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler, device)
@@ -247,6 +255,8 @@ class Pipeline:
         self.optimizers = [self._make_optimizer(params) for params in segment_params]  # one per segment
         self.plan: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
                                           micro_batches=self.micro_batches)
+        backward = [(a.segment, a.micro_batch) for a in self.plan if a.kind == "B"]
+        self._next_backward = dict(zip(backward, backward[1:]))  # offload: what to prefetch during B(k, i)
         # Where each segment's first forward and last backward sit in the plan.
         self._first_forward = {k: min(j for j, a in enumerate(self.plan) if a.kind == "F" and a.segment == k)
                                for k in range(segments)}
@@ -290,6 +300,8 @@ class Pipeline:
         if any(self._auto.values()):
             self._choose(step)
         self.sync.launch_deferred()  # the last step's deferred buckets overlap the forwards up to them
+        if self.offloader is not None:
+            self.offloader.begin_step()
         self._post_recv(0, step)  # receives are posted in the order they are waited for
         for j, action in enumerate(self.plan):
             if self._first_forward[action.segment] == j:
@@ -302,6 +314,8 @@ class Pipeline:
                 self.sync.launch(self._last_backward[j])
                 self._update_pending.add(self._last_backward[j])
         self.comm.wait_sends()
+        if self.offloader is not None:
+            self.offload_stats = self.offloader.end_step()  # the first step also sizes its HostSlab
         return self._global_loss(step.loss)
 
     def _choose(self, step: _Step) -> None:
@@ -376,29 +390,40 @@ class Pipeline:
         B(k, i): receive the output's gradient (or start from the loss), back-propagate, send the
         input's gradient (unless virtual stage 0)."""
         k, i = action.segment, action.micro_batch
-        v = self.layout.virtual(k)
+        v, off = self.layout.virtual(k), self.offloader
         if action.kind == "F":
             if self.layout.is_first(k):
                 x = self._embed(step, i)
             else:
                 if i not in step.ctx:
                     self._embed(step, i)
-                x = self.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype).requires_grad_()
-            y = self.stage.forward_segment(k, x, step.ctx[i])
+                x = self.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype)
+                # Offloading, the received input is not kept here: layer 0's checkpoint holds it.
+                x = x.requires_grad_() if off is None else StageInput.apply(self._anchor, x, step.grads, (k, i))
+            keep = None if off is None else (off, (k, i), step.saved.setdefault((k, i), []))
+            y = self.stage.forward_segment(k, x, step.ctx[i], offload=keep)
+            if off is not None:
+                off.flush((k, i))  # this micro-batch's checkpoints leave while the next one computes
             if self.layout.is_last(k):
                 y = self.stage.loss_sum(y, step.micro[i][1], step.ctx[i]) / step.normalizer
                 step.loss += y.detach()
             else:
                 self.comm.send(("act", v, i), y)
-            step.inputs[k, i], step.outputs[k, i] = x, y
+            step.inputs[k, i], step.outputs[k, i] = (x if off is None else None), y
         else:
             x, y = step.inputs.pop((k, i)), step.outputs.pop((k, i))
+            if off is not None:  # FOLD3D §4: this backward's checkpoints (if not yet), then the next one's
+                off.prefetch(reversed(step.saved[k, i]))
+                following = self._next_backward.get((k, i))
+                if following is not None:
+                    off.prefetch(reversed(step.saved.get(following, [])))
             if self.layout.is_last(k):
                 y.backward()
             else:
                 torch.autograd.backward(y, self.comm.recv(("grad", v, i), step.shapes[i], step.dtype))
+            step.saved.pop((k, i), None)
             if not self.layout.is_first(k):
-                self.comm.send(("grad", v - 1, i), x.grad)
+                self.comm.send(("grad", v - 1, i), x.grad if off is None else step.grads.pop((k, i)))
 
     def _recv_key(self, action: Action) -> Optional[tuple[str, int, int]]:
         """The message `action` waits for (None: it needs none)."""
@@ -455,3 +480,5 @@ class Pipeline:
         for k in range(self.segments):
             self._apply_update(k)
         self.scheduler.close()
+        if self.offloader is not None:
+            self.offloader.close()

@@ -17,9 +17,10 @@ sublayer x + finish(reduce_from_tp(core(copy_to_tp(norm(x)), ctx)), ctx) as in G
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from oases.checkpoint import full_state_dict
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import vocab_parallel_cross_entropy
+from oases.offload import Offloader
 from oases.schedule import Stack, SubBatch
 
 __all__ = ["StageLayout", "Stage"]
@@ -172,10 +174,19 @@ class Stage:
             end = time.perf_counter()
         return middle - start, end - middle
 
-    def forward_segment(self, segment: int, x: torch.Tensor, ctx: object) -> torch.Tensor:
-        """Segment `segment`'s layers of this stage on x [b, t, h] (the embedding's output on virtual stage 0)."""
+    def forward_segment(self, segment: int, x: torch.Tensor, ctx: object, *,
+                        offload: Optional[tuple[Offloader, Hashable, list]] = None) -> torch.Tensor:
+        """Segment `segment`'s layers of this stage on x [b, t, h] (the embedding's output on virtual stage 0).
+
+        offload = (offloader, group, handles): each layer's input is saved in the offloader under
+        `group` (its Checkpoint appended to `handles`, in layer order) instead of being kept by
+        torch.utils.checkpoint; backward gets it back (waiting for its copy in), releases it and
+        recomputes the layer, as the checkpoint would."""
         for i in self.layout.layers_of(segment):
-            x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)
+            if offload is None:
+                x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)
+            else:
+                x = _OffloadedLayer.apply(x, functools.partial(self._layer, i, ctx=ctx), *offload)
         return x
 
     def loss_sum(self, x: torch.Tensor, targets: torch.Tensor, ctx: object) -> torch.Tensor:
@@ -194,6 +205,44 @@ class Stage:
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
         keep = self._owned_keys | (set() if self.layout.stage else set(full) - params)
         return {k: v for k, v in full.items() if k in keep}
+
+
+class _OffloadedLayer(torch.autograd.Function):
+    """y = layer(x) with x kept in an Offloader, recomputed in backward (reentrant-style checkpoint:
+    the recomputation's backward accumulates the parameters' .grad and returns x's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer, offloader: Offloader, group: Hashable, handles: list) -> torch.Tensor:
+        ctx.layer, ctx.offloader = layer, offloader
+        ctx.saved = offloader.save(x.detach(), group=group)
+        handles.append(ctx.saved)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x = ctx.offloader.get(ctx.saved).detach().requires_grad_(True)
+        ctx.offloader.release(ctx.saved)
+        with torch.enable_grad():
+            y = ctx.layer(x)
+        torch.autograd.backward(y, grad)
+        return x.grad, None, None, None, None
+
+
+class StageInput(torch.autograd.Function):
+    """x = StageInput.apply(anchor, received, sink, key): `received` entering the stage's autograd
+    graph without becoming a leaf the pipeline must keep (its memory can go with its offloaded
+    copy); backward puts its gradient in sink[key]. `anchor`: any tensor requiring grad."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, received: torch.Tensor, sink: dict, key: Hashable) -> torch.Tensor:
+        ctx.sink, ctx.key = sink, key
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sink[ctx.key] = grad
+        return None, None, None, None
 
 
 def _unique(params) -> list[nn.Parameter]:
