@@ -55,7 +55,7 @@ setup(
     + ["oases_kernels"],
     ext_modules=_ext_modules,
     cmdclass=_cmdclass,
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.4", "numpy", "scipy"],
     extras_require={"triton": ["triton"], "bench": ["matplotlib"]},
-    entry_points={"console_scripts": ["oases-launch=oases.launch:main"]},
+    entry_points={"console_scripts": ["oases-launch=oases.launch:main", "oases=oases.planner.cli:main"]},
 )

@@ -29,6 +29,8 @@ SUITES: dict[str, str] = {
     "layers": "bench.layers",
     "pipeline": "bench.pipeline",
     "offload": "bench.offload",
+    "profile": "bench.profile",
+    "planner": "bench.planner",
 }
 
 __all__ = ["SUITES"]

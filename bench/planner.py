@@ -1,0 +1,183 @@
+"""Suite `planner`: the cost model's predicted step time against the measured one.
+
+    python -m bench planner --bandwidth 750mbit           # 2 ranks, hidden 256 and 512
+    python -m bench planner --bandwidth 250mbit --hiddens 512
+    python -m bench planner --quick                       # seconds (tests)
+
+One run profiles this machine and link first (bench.profile's microbenchmarks: sublayer compute
+per TP degree and rows, all-reduce / all-gather fits), then, for each configuration, predicts
+the step with oases.planner (Workload + step_cost, eqs. 3-5) and measures it (median, MAX over
+ranks) with oases.models.GPT on the existing runtime:
+
+    tp2-<schedule>[-n]   GPT on the 2-rank TP group, train_step on `schedule` with n sub-batches
+                         (every layer at TP degree 2)
+    dp-<schedule>[-n]    every layer at TP degree 1: GPT on a group of one, each rank its half of
+                         the batch, then the gradients summed over the ranks (one flat all-reduce)
+
+Reports per configuration predicted / measured / error, and over all: Spearman's rank
+correlation and the mean and largest |error| (targets: Spearman >= 0.9, within 20%); a scatter
+plot (PNG). Links differ between runs, not within one: run the suite at several --bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bench import profile as _profile
+from bench._report import Table
+from oases.models import GPT, GPTConfig
+from oases.planner import ModelShape, Workload, step_cost
+from oases.planner.profile import profile_from_dict
+
+VARIANTS = (("megatron", 1), ("merak", 2), ("cross_pass", 2), ("oases", 2), ("oases", 4))
+DP_VARIANTS = (("megatron", 1), ("oases", 2))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hiddens", default=None, help="hidden sizes, comma-separated (default 256,512; --quick: 64)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
+
+
+def _flat_all_reduce(model: torch.nn.Module) -> None:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(x, y).statistic)
+
+
+def run(args, ctx) -> list[dict]:
+    if ctx.world_size != 2:
+        raise ValueError(f"--nproc: the planner suite runs on 2 ranks (TP 2 and its DP counterpart), got {ctx.world_size}")
+    quick = args.quick
+    hiddens = [int(h) for h in (args.hiddens or ("64" if quick else "256,512")).split(",")]
+    batch, seq_len = args.batch or (4 if quick else 8), args.seq_len or (16 if quick else 64)
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # every rank makes every group
+    alone = singles[ctx.rank]
+    g = torch.Generator().manual_seed(0)
+    records = []
+    for hidden in hiddens:
+        config = GPTConfig(vocab_size=64, seq_len=seq_len, hidden=hidden, heads=args.heads, layers=args.layers)
+        shape = ModelShape(layers=config.layers, hidden=hidden, heads=config.heads, seq_len=seq_len,
+                           vocab_size=config.vocab_size, ffn_hidden=config.mlp_ratio * hidden, name=f"gpt-h{hidden}")
+        started = time.perf_counter()
+        rows = sorted({max(batch * d // 2 // n, 1) for d in (1, 2) for _, n in (*VARIANTS, *DP_VARIANTS)})
+        compute = _profile.measure_compute(ctx, config, [1, 2], rows)
+        head = _profile.measure_head(ctx, config, sorted({batch // 2, batch}))
+        row_bytes = seq_len * hidden * 4
+        layer_bytes = _profile.measure_memory(config, [1])[0]["layer_param_bytes"]
+        sizes = sorted({row_bytes * r for r in rows} | {layer_bytes * config.layers})
+        collectives = _profile.measure_collectives(ctx, sizes)
+        overlap = _profile.measure_overlap(ctx, config, batch // 2, 2)  # the oases schedule's unit
+        doc = _profile.profile_document(ctx, config, compute, head, collectives, [], overlap)
+        profile = replace(profile_from_dict(doc, source="measured in this run"), element_bytes=4)
+        profile_s = time.perf_counter() - started
+
+        tokens = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
+        targets = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
+        half = slice(ctx.rank * batch // 2, (ctx.rank + 1) * batch // 2)
+        steps, predicted = {}, {}
+        for schedule, n in VARIANTS:
+            name = f"tp2-{schedule}" + (f"-{n}" if n != (1 if schedule == "megatron" else 2) else "")
+            model = GPT(config, ctx.group, schedule=schedule, seed=0)
+            steps[name] = (lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n))
+            work = Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n)
+            predicted[name] = (step_cost(work, profile, [2] * config.layers), schedule, n, 2)
+        for schedule, n in DP_VARIANTS:
+            name = f"dp-{schedule}"
+            model = GPT(config, alone, schedule=schedule, seed=0)
+
+            def dp_step(m=model, n=n) -> None:
+                m.train_step(tokens[half], targets[half], sub_batches=n)
+                _flat_all_reduce(m)
+
+            steps[name] = dp_step
+            work = Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n)
+            predicted[name] = (step_cost(work, profile, [1] * config.layers), schedule, n, 1)
+        measured = ctx.timer.measure(steps)
+        for name, (cost, schedule, n, degree) in predicted.items():
+            t = measured[name].median
+            records.append({"config": name, "hidden": hidden, "layers": config.layers, "batch": batch,
+                            "seq_len": seq_len, "schedule": schedule, "sub_batches": n, "tp_degree": degree,
+                            "predicted_s": cost.time_s, "predicted_compute_s": cost.compute_s,
+                            "predicted_comm_s": cost.comm_s, "predicted_memory_bytes": cost.memory_bytes,
+                            "measured_s": t, "measured_min_s": measured[name].min,
+                            "error": (cost.time_s - t) / t, "profile_s": profile_s,
+                            "overlap_efficiency": profile.overlap,
+                            "profile": {"compute": compute, "head": head, "collectives": collectives}})
+    predicted_all = [r["predicted_s"] for r in records]
+    measured_all = [r["measured_s"] for r in records]
+    rho = _spearman(predicted_all, measured_all) if len(records) > 2 else float("nan")
+    errors = [abs(r["error"]) for r in records]
+    for r in records:
+        r["spearman"] = None if np.isnan(rho) else rho
+        r["mean_abs_error"] = float(np.mean(errors))
+        r["max_abs_error"] = float(np.max(errors))
+        r["within_20pct"] = sum(e <= 0.2 for e in errors)
+    return records
+
+
+def tables(records: list[dict]) -> list[Table]:
+    rows = [[r["config"], r["hidden"], r["tp_degree"], r["sub_batches"], 1e3 * r["predicted_compute_s"],
+             1e3 * r["predicted_comm_s"], 1e3 * r["predicted_s"], 1e3 * r["measured_s"], 100 * r["error"]]
+            for r in records]
+    r0 = records[0]
+    spearman = "n/a" if r0["spearman"] is None else f"{r0['spearman']:.3f}"
+    return [Table(f"planner: predicted vs measured step ({r0['layers']} layers, batch {r0['batch']} x {r0['seq_len']})",
+                  ["config", "hidden", "degree", "n", "pred comp ms", "pred comm ms", "predicted ms", "measured ms",
+                   "error %"], rows,
+                  [f"Spearman {spearman} over {len(records)} configurations; |error| mean "
+                   f"{100 * r0['mean_abs_error']:.1f}%, max {100 * r0['max_abs_error']:.1f}%, "
+                   f"{r0['within_20pct']}/{len(records)} within 20%",
+                   "predicted: oases.planner.step_cost from a profile measured in this run (compute per sublayer, "
+                   "TP degree and rows; collectives fitted as latency + bytes / bandwidth; overlap efficiency "
+                   + ", ".join(f"{o:.2f}" for o in sorted({r['overlap_efficiency'] for r in records})) + ")"])]
+
+
+def plot(records: list[dict], path: str, title: str) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    pred = np.array([1e3 * r["predicted_s"] for r in records])
+    meas = np.array([1e3 * r["measured_s"] for r in records])
+    for hidden in sorted({r["hidden"] for r in records}):
+        pick = [i for i, r in enumerate(records) if r["hidden"] == hidden]
+        ax.scatter(meas[pick], pred[pick], label=f"hidden {hidden}")
+        for i in pick:
+            ax.annotate(records[i]["config"], (meas[i], pred[i]), fontsize=6)
+    top = 1.1 * max(pred.max(), meas.max())
+    line = np.array([0, top])
+    ax.plot(line, line, color="black", linewidth=1, label="predicted = measured")
+    ax.fill_between(line, 0.8 * line, 1.2 * line, color="0.85", label="within 20%")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured step ms (median, MAX over ranks)")
+    ax.set_ylabel("predicted step ms (oases.planner)")
+    rho = records[0]["spearman"]
+    ax.set_title(f"{title}\nSpearman {rho if rho is None else round(rho, 3)}", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

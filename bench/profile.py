@@ -1,0 +1,314 @@
+"""Suite `profile`: the microbenchmarks the planner reads (oases.planner.load_profile).
+
+    python -m bench profile                          # 2 ranks, unshaped loopback
+    python -m bench profile --bandwidth 750mbit      # the links shaped as for training
+    python -m bench profile --quick --out /tmp/p     # small shapes (tests)
+
+Measured on every rank at once (each rank's median, then the MAX over ranks), for one
+transformer layer of oases.models.GPT (hidden, heads, seq_len from the options):
+
+    compute      attention and MLP sublayers (norm + TP-local core + finish), forward (no grad, as
+                 the schedules run it) and backward (autograd, after a recording forward), per TP
+                 degree d (this rank's 1/d shard: heads / d, MLP width / d) and rows per sub-batch
+    head         final norm + LM head + cross-entropy, forward + backward, per rows
+    collectives  all-reduce and all-gather per group size (2, 4, ... up to the ranks), p2p between
+                 ranks 0 and 1, over a sweep of sizes; each fitted by least squares to
+                 t = latency_s + nbytes / bytes_per_s (nbytes: the full tensor)
+    memory       per TP degree: a layer's parameter bytes and the bytes of one row's sublayer input
+
+Writes the profile to `--profile-out` (default bench/profiles/<device>.json, named by the CPU
+model or GPU name), beside the run's usual JSON; the profile carries the versions and the link.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from bench._report import Table, write_json
+from oases.models import GPTConfig
+from oases.models.gpt import _MLP, _Attention  # the GPT's own sublayers: the planner models exactly these
+from oases.planner.profile import PROFILE_FORMAT, PROFILE_VERSION
+from oases.schedule import SubBatch
+
+PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+_SUBLAYERS = {"attention": _Attention, "mlp": _MLP}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=None, help="default 512 (--quick: 64)")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--rows", default=None, help="rows per sub-batch to time, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--profile-out", default=None,
+                        help="where to write the profile (default bench/profiles/<device>.json)")
+
+
+def _config(args) -> GPTConfig:
+    hidden = args.hidden or (64 if args.quick else 512)
+    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len or (16 if args.quick else 64), hidden=hidden,
+                     heads=args.heads, layers=1)
+
+
+def _degrees(world: int, config: GPTConfig) -> list[int]:
+    out, d = [], 1
+    while d <= world:
+        if config.heads % d == 0:
+            out.append(d)
+        d *= 2
+    return out
+
+
+# ---- compute -------------------------------------------------------------------------------------
+def measure_compute(ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int]) -> list[dict[str, Any]]:
+    """Seconds of each sublayer's forward and backward per TP degree and rows (MAX over ranks)."""
+    torch.manual_seed(0)
+    out = []
+    for d in degrees:
+        for kind, cls in _SUBLAYERS.items():
+            sub = cls(config, 0, d, None)
+            for r in rows:
+                x = torch.randn(r, config.seq_len, config.hidden)
+                where = SubBatch(slice(0, r), r, None)
+                grad = torch.randn_like(x)
+
+                def forward() -> torch.Tensor:
+                    with torch.no_grad():
+                        return x + sub.finish(sub.core(sub.norm(x)), where)
+
+                def backward() -> None:
+                    leaf = x.detach().requires_grad_()
+                    y = leaf + sub.finish(sub.core(sub.norm(leaf)), where)
+                    y.backward(grad)
+
+                def record_only() -> None:
+                    leaf = x.detach().requires_grad_()
+                    leaf + sub.finish(sub.core(sub.norm(leaf)), where)
+
+                t = ctx.timer.measure({"forward": forward, "both": backward, "record": record_only})
+                out.append({"sublayer": kind, "tp": d, "rows": r, "seq_len": config.seq_len,
+                            "hidden": config.hidden, "heads": config.heads,
+                            "ffn_hidden": config.hidden * config.mlp_ratio, "forward_s": t["forward"].median,
+                            "backward_s": max(t["both"].median - t["record"].median, 0.0),
+                            "record_s": t["record"].median})
+    return out
+
+
+def measure_head(ctx, config: GPTConfig, rows: Sequence[int]) -> list[dict[str, Any]]:
+    """Seconds of the GPT's head (final norm, LM head, summed cross-entropy) forward and backward."""
+    torch.manual_seed(0)
+    norm, head = torch.nn.LayerNorm(config.hidden), torch.nn.Linear(config.hidden, config.vocab_size, bias=False)
+    out = []
+    for r in rows:
+        x = torch.randn(r, config.seq_len, config.hidden)
+        targets = torch.randint(0, config.vocab_size, (r, config.seq_len))
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                return F.cross_entropy(head(norm(x)).flatten(0, 1), targets.flatten(), reduction="sum")
+
+        def both() -> None:
+            leaf = x.detach().requires_grad_()
+            F.cross_entropy(head(norm(leaf)).flatten(0, 1), targets.flatten(), reduction="sum").backward()
+
+        t = ctx.timer.measure({"forward": forward, "both": both})
+        out.append({"rows": r, "tokens": r * config.seq_len, "hidden": config.hidden, "vocab_size": config.vocab_size,
+                    "forward_s": t["forward"].median, "backward_s": max(t["both"].median - t["forward"].median, 0.0)})
+    return out
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+def fit_link(samples: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Least-squares t = latency_s + nbytes / bytes_per_s over (nbytes, seconds) samples (relative
+    error); the latency is clipped at 0 and the slope kept positive."""
+    n = np.array([s[0] for s in samples], dtype=float)
+    t = np.array([s[1] for s in samples], dtype=float)
+    # weights 1/t: least squares of the relative error, so small messages count as much as large ones
+    slope, intercept = np.polyfit(n, t, 1, w=1 / np.maximum(t, 1e-9)) if len(samples) > 1 else (t[0] / n[0], 0.0)
+    slope = max(float(slope), 1e-15)
+    return {"latency_s": max(float(intercept), 0.0), "bytes_per_s": 1.0 / slope,
+            "samples": [[float(a), float(b)] for a, b in zip(n, t)]}
+
+
+def _subgroups(world: int, size: int) -> list:
+    """Every rank creates every block's group (new_group is collective); returns them all."""
+    return [dist.new_group(list(range(start, start + size))) for start in range(0, world, size)]
+
+
+def measure_collectives(ctx, sizes: Sequence[int]) -> dict[str, dict[str, dict[str, Any]]]:
+    """{kind: {group size: fit}} for all_reduce and all_gather over powers of two up to the world,
+    and p2p ("2": ranks 0 -> 1). `sizes` are the full tensors' bytes."""
+    out: dict[str, dict[str, dict[str, Any]]] = {"all_reduce": {}, "all_gather": {}, "p2p": {}}
+    group_size = 2
+    while group_size <= ctx.world_size:
+        groups = _subgroups(ctx.world_size, group_size) if group_size < ctx.world_size else [None]
+        mine = groups[ctx.rank // group_size]
+        ar, ag = [], []
+        for nbytes in sizes:
+            numel = max(nbytes // 4 // group_size * group_size, group_size)
+            full = torch.zeros(numel)
+            shard = torch.zeros(numel // group_size)
+            t = ctx.timer.measure({
+                "all_reduce": lambda: dist.all_reduce(full, group=mine),
+                "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=mine),
+            })
+            ar.append((numel * 4, t["all_reduce"].median))
+            ag.append((numel * 4, t["all_gather"].median))
+        out["all_reduce"][str(group_size)] = fit_link(ar)
+        out["all_gather"][str(group_size)] = fit_link(ag)
+        group_size *= 2
+    if ctx.world_size >= 2:
+        p2p = []
+        for nbytes in sizes:
+            buf = torch.zeros(max(nbytes // 4, 1))
+
+            def send_recv() -> None:
+                if ctx.rank == 0:
+                    dist.send(buf, 1)
+                elif ctx.rank == 1:
+                    dist.recv(buf, 0)
+
+            p2p.append((buf.numel() * 4, ctx.timer.measure({"p2p": send_recv})["p2p"].median))
+        out["p2p"]["2"] = fit_link(p2p)
+    return out
+
+
+def measure_overlap(ctx, config: GPTConfig, rows: int, degree: int) -> dict[str, float]:
+    """How much of an all-reduce a sublayer's compute hides on this device: the MLP forward on
+    `rows` (at `degree`) alone, an all-reduce of its output alone, and both at once (the
+    all-reduce asynchronous) -> overlap = (t_c + t_a - t_both) / min(t_c, t_a), in [0, 1]."""
+    sub = _MLP(config, 0, degree, None)
+    x = torch.randn(rows, config.seq_len, config.hidden)
+    buf = torch.zeros(rows, config.seq_len, config.hidden)
+
+    def compute() -> None:
+        with torch.no_grad():
+            sub.core(sub.norm(x))
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t = ctx.timer.measure({"compute": compute, "comm": lambda: dist.all_reduce(buf), "both": both})
+    c, a, ab = t["compute"].median, t["comm"].median, t["both"].median
+    eta = (c + a - ab) / max(min(c, a), 1e-12)
+    return {"compute_s": c, "comm_s": a, "both_s": ab, "overlap_efficiency": float(min(max(eta, 0.0), 1.0))}
+
+
+# ---- memory --------------------------------------------------------------------------------------
+def measure_memory(config: GPTConfig, degrees: Sequence[int]) -> list[dict[str, Any]]:
+    """Per TP degree: parameter bytes of one layer's shard (counted from the modules) and the bytes
+    of one row's sublayer input (what fine-grained recomputation keeps per sublayer)."""
+    out = []
+    for d in degrees:
+        params = sum(p.numel() * p.element_size() for cls in _SUBLAYERS.values()
+                     for p in cls(config, 0, d, None).parameters())
+        out.append({"tp": d, "layer_param_bytes": params, "input_bytes_per_row": config.seq_len * config.hidden * 4})
+    return out
+
+
+def device_slug(device: dict[str, str]) -> str:
+    """A file name for a device: {"type": "cpu", "name": "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz"}
+    -> "cpu-intel-xeon-platinum-8375c"."""
+    text = re.sub(r"\((r|tm)\)", "", device["name"].lower())
+    text = re.sub(r"\bcpu\b.*$", "", text)  # "... CPU @ 2.90GHz": the model is what comes before
+    return "-".join([device["type"], *re.findall(r"[a-z0-9]+", text)])[:60]
+
+
+def profile_document(ctx, config: GPTConfig, compute, head, collectives, memory,
+                     overlap: Optional[dict[str, float]] = None) -> dict[str, Any]:
+    """The planner's profile (oases.planner.profile_from_dict reads it)."""
+    flops = []
+    for c in compute:  # achieved FLOP/s of the largest samples, for shapes the profile did not sample
+        tokens = c["rows"] * c["seq_len"]
+        h, f, s = c["hidden"], c["ffn_hidden"], c["seq_len"]
+        fl = (8 * tokens * h * h + 4 * tokens * s * h) / c["tp"] if c["sublayer"] == "attention" \
+            else 4 * tokens * h * f / c["tp"]
+        flops.append((fl, fl / max(c["forward_s"], 1e-9)))
+    rate = float(np.median([r for fl, r in sorted(flops)[-max(1, len(flops) // 3):]]))
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+            "created": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": ctx.meta["device"], "versions": ctx.meta["versions"], "link": ctx.meta["link"],
+            "threads_per_rank": ctx.meta["threads_per_rank"], "world_size": ctx.world_size,
+            "element_bytes": 4, "flops_per_s": rate,
+            "overlap_efficiency": 1.0 if overlap is None else overlap["overlap_efficiency"], "overlap": overlap,
+            "model": {"hidden": config.hidden, "heads": config.heads, "seq_len": config.seq_len,
+                      "ffn_hidden": config.hidden * config.mlp_ratio, "vocab_size": config.vocab_size},
+            "compute": compute, "head": head, "collectives": collectives, "memory": memory}
+
+
+def run(args, ctx) -> list[dict]:
+    config = _config(args)
+    rows = [int(r) for r in args.rows.split(",")] if args.rows else ([1, 2] if args.quick else [1, 2, 4, 8])
+    degrees = _degrees(ctx.world_size, config)
+    row_bytes = config.seq_len * config.hidden * 4
+    sizes = sorted({row_bytes * r for r in rows} | ({16384} if args.quick else {65536, 4 * 2**20}))
+    compute = measure_compute(ctx, config, degrees, rows)
+    head = measure_head(ctx, config, rows)
+    collectives = measure_collectives(ctx, sizes)
+    memory = measure_memory(config, degrees)
+    overlap = measure_overlap(ctx, config, max(rows), degrees[-1]) if ctx.world_size > 1 else None
+    doc = profile_document(ctx, config, compute, head, collectives, memory, overlap)
+    if ctx.rank == 0:
+        path = args.profile_out or os.path.join(PROFILES_DIR, device_slug(ctx.meta["device"]) + ".json")
+        write_json(path, doc)
+        print(f"wrote profile {path}", flush=True)
+    records = [{"kind": "compute", **c} for c in compute] + [{"kind": "head", **h} for h in head]
+    for kind, fits in collectives.items():
+        for group, fit in fits.items():
+            records.append({"kind": kind, "group": int(group), "latency_s": fit["latency_s"],
+                            "bytes_per_s": fit["bytes_per_s"], "samples": fit["samples"]})
+    records += [{"kind": "memory", **m} for m in memory]
+    if overlap is not None:
+        records.append({"kind": "overlap", **overlap})
+    return records
+
+
+def tables(records: list[dict]) -> list[Table]:
+    compute = [[r["sublayer"], r["tp"], r["rows"], 1e3 * r["forward_s"], 1e3 * r["backward_s"]]
+               for r in records if r["kind"] == "compute"]
+    links = [[r["kind"], r["group"], 1e6 * r["latency_s"], r["bytes_per_s"] / 1e6, len(r["samples"])]
+             for r in records if r["kind"] in ("all_reduce", "all_gather", "p2p")]
+    head = [[r["rows"], 1e3 * r["forward_s"], 1e3 * r["backward_s"]] for r in records if r["kind"] == "head"]
+    overlap = [f"overlap efficiency {r['overlap_efficiency']:.2f}: MLP forward {1e3 * r['compute_s']:.1f} ms, its "
+               f"all-reduce {1e3 * r['comm_s']:.1f} ms, both at once {1e3 * r['both_s']:.1f} ms"
+               for r in records if r["kind"] == "overlap"]
+    return [Table("profile: sublayer compute per TP degree (this rank's shard)",
+                  ["sublayer", "tp", "rows", "forward ms", "backward ms"], compute),
+            Table("profile: LM head", ["rows", "forward ms", "backward ms"], head),
+            Table("profile: communication, t = latency + bytes / bandwidth (bytes: the full tensor)",
+                  ["kind", "group", "latency us", "MB/s", "sizes"], links, overlap)]
+
+
+def plot(records: list[dict], path: str, title: str) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fits = [r for r in records if r["kind"] in ("all_reduce", "all_gather", "p2p")]
+    if not fits:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in fits:
+        n = np.array([s[0] for s in r["samples"]])
+        ax.scatter(n / 2**20, [1e3 * s[1] for s in r["samples"]], label=f"{r['kind']} ({r['group']})")
+        ax.plot(n / 2**20, 1e3 * (r["latency_s"] + n / r["bytes_per_s"]), linewidth=1)
+    ax.set_xlabel("MiB (full tensor)")
+    ax.set_ylabel("ms (MAX over ranks)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,37 @@
+"""Plans written by `oases plan` (oases.planner), read back for the runtime.
+
+    degrees = oases.plan.load("plan.json")       # [2, 2, 4, 4, ..., 2]: one TP degree per layer
+    doc = oases.plan.read("plan.json")           # the whole document: layout, predictions, per layer
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
+
+__all__ = ["load", "read", "Plan"]
+
+
+def read(path: str) -> dict[str, Any]:
+    """The plan document at `path` (checked: an oases plan of a version this library reads)."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as err:
+        raise ValueError(f"path: cannot read {path!r} ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"path: {path!r} is not JSON ({err})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+        raise ValueError(f"path: {path!r} is not an oases plan (write one with `oases plan ...`)")
+    if doc.get("version") != PLAN_VERSION:
+        raise ValueError(f"path: {path!r} is plan version {doc.get('version')!r}; this library reads {PLAN_VERSION}")
+    degrees = doc.get("tp_degrees")
+    if not isinstance(degrees, list) or not degrees or not all(isinstance(d, int) and d >= 1 for d in degrees):
+        raise ValueError(f"path: {path!r} has no valid tp_degrees list")
+    return doc
+
+
+def load(path: str) -> list[int]:
+    """The per-layer TP degrees of the plan at `path`: `GPT(config, group, tp_degrees=load(path))`."""
+    return list(read(path)["tp_degrees"])

@@ -1,0 +1,109 @@
+"""`oases plan`: pick a layout and per-layer TP degrees for a model on a cluster, print it, write JSON.
+
+    oases plan --model llama-7b --world 16 --device-memory 24GB --link 25gbit
+    oases plan --model my_config.json --world 8 --device-memory 16GB --profile bench/profiles/cpu-x.json
+    python -m oases.planner.cli plan ...                     # the same
+
+The JSON (default plan.json) is read back by `oases.plan.load(path)` (the per-layer degrees).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from oases.planner.model import PRESETS, load_model
+from oases.planner.profile import analytical_profile, load_profile
+from oases.planner.search import Plan, plan
+
+__all__ = ["main", "render"]
+
+
+def _runs(values: Sequence) -> list[tuple[int, int]]:
+    """[(first, last)] index ranges of equal consecutive values."""
+    out, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            out.append((start, i - 1))
+            start = i
+    return out
+
+
+def render(p: Plan) -> str:
+    """The plan as a table: layout, per-layer degrees (runs of equal layers folded), predictions."""
+    m = p.model
+    lines = [f"oases plan: {m.name} ({m.layers} layers, hidden {m.hidden}, {m.heads} heads, seq {m.seq_len}), "
+             f"batch {p.batch}, {p.world} devices of {p.device_memory / 1e9:.3g} GB, profile {p.profile.get('source')}",
+             f"layout: dp {p.dp} x pp {p.pp} x tp {p.tp}; schedule {p.schedule}, {p.sub_batches} sub-batch(es), "
+             f"{p.micro_batches} micro-batch(es), {p.segments} segment(s), dp overlap ratio {p.dp_overlap_ratio:.2f}",
+             ""]
+    header = ["layers", "TP degree", "time ms", "compute ms", "comm ms", "memory MB", "dominated by"]
+    rows = []
+    keys = [(x["degree"], round(x["time_s"], 9), round(x["memory_bytes"])) for x in p.layers]
+    for a, b in _runs(keys):
+        x = p.layers[a]
+        span = str(a) if a == b else f"{a}-{b}"
+        rows.append([span, str(x["degree"]), f"{1e3 * x['time_s']:.2f}", f"{1e3 * x['compute_s']:.2f}",
+                     f"{1e3 * x['comm_s']:.2f}", f"{x['memory_bytes'] / 1e6:.1f}", x["dominated_by"]])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    rule = "  ".join("-" * w for w in widths)
+    lines += [f"per layer of one pipeline stage ({m.layers // p.pp} layers" + (", repeated on each stage)" if p.pp > 1 else ")"),
+              rule, "  ".join(h.rjust(w) for h, w in zip(header, widths)), rule]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines += [rule, ""]
+    uniform = p.uniform_step_s
+    if p.mixed:
+        verdict = (f"mixed per-layer degrees: {uniform / p.step_s:.3f}x faster than uniform TP {p.tp} "
+                   f"({1e3 * uniform:.1f} ms)" if uniform != float("inf") else f"uniform TP {p.tp} does not fit in memory")
+    else:
+        verdict = "uniform: no mixed plan of this layout is predicted faster"
+    lines += [f"predicted step: {1e3 * p.step_s:.1f} ms   memory: {p.memory_bytes / 1e9:.2f} GB per device   "
+              f"dominated by: {p.dominated_by} (compute {1e3 * p.compute_s:.1f} ms, exposed comm "
+              f"{1e3 * p.exposed_comm_s:.1f} ms)",
+              verdict,
+              f"TP degrees per layer: {list(p.tp_degrees)}",
+              f"planned in {1e3 * p.planner_s:.0f} ms over {p.candidates} layouts"]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="oases", description="Oases command line")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("plan", help="choose (dp, pp, tp), schedule and per-layer TP degrees for a model",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a JSON config file "
+                   "(ModelShape fields, GPTConfig's or a Hugging Face config.json)")
+    p.add_argument("--world", required=True, type=int, help="number of devices (ranks)")
+    p.add_argument("--device-memory", required=True, help="memory per device, e.g. 24GB, 80GiB")
+    p.add_argument("--link", help="link rate, tc syntax (25gbit, 750mbit); with --profile it replaces the "
+                   "measured link (required without --profile)")
+    p.add_argument("--profile", help="a profile JSON from `python -m bench profile` (default: analytical)")
+    p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 2 x world)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--tp-max", type=int, default=8, help="largest TP group, e.g. GPUs per server (default 8)")
+    p.add_argument("--flops", type=float, default=100e12,
+                   help="device FLOP/s for the analytical model without --profile (default 1e14)")
+    p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
+    args = parser.parse_args(argv)
+    try:
+        shape = load_model(args.model, seq_len=args.seq_len)
+        if args.profile:
+            profile = load_profile(args.profile, link=args.link)
+        elif args.link:
+            profile = analytical_profile(flops_per_s=args.flops, link=args.link)
+        else:
+            raise ValueError("link: give --link RATE (e.g. 25gbit) or --profile FILE")
+        batch = 2 * args.world if args.batch is None else args.batch
+        result = plan(shape, world=args.world, device_memory=args.device_memory, batch=batch, profile=profile,
+                      tp_max=args.tp_max)
+    except (ValueError, TypeError) as err:
+        print(f"oases plan: {err}", file=sys.stderr)
+        return 2
+    print(render(result))
+    result.save(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

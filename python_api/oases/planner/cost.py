@@ -1,0 +1,246 @@
+"""The overlap-aware cost model of a TP stack (Oases §V, eqs. 2-6), per layer and TP degree.
+
+A layer at TP degree d inside a TP group of T ranks runs as T/d replicas ("data parallel inside
+the group"), each on rows * d / T of the group's rows, cut into n sub-batches of r = rows * d / (T n).
+Per sublayer k (attention, MLP) and sub-batch, from the profile:
+
+    c_f, c_b = forward / backward seconds of one rank's shard on r rows      (compute)
+    a        = all_reduce(d ranks, r * seq_len * hidden * element_bytes)    (communication)
+
+Node cost (eq. 3), one pass of a sublayer: n units of (compute c, communication a). A schedule
+that interleaves sub-batches hides each unit's all-reduce behind the next unit's compute, so a
+pass costs the sum over its op pairs of max(compute, comm); megatron (n = 1) serialises them:
+
+    overlapped (n >= 2):  n * max(c, a)        serial (n = 1):  c + a
+                          (a device that hides only a share eta of the shorter one, measured in the
+                          profile: n * (max(c, a) + (1 - eta) min(c, a)); eta = 1 analytically)
+    passes per sublayer:  forward (c_f, a); backward (c_b [+ c_f recomputed], a);
+                          recompute (c_f, a) only without fine-grained recomputation
+    merak holds every sub-batch at 2 barriers per layer in backward: + 2 a exposed
+    d < T: the layer's gradients all-reduced over the T/d replicas: + all_reduce(T/d, P/d * e)
+    first / last layer (n >= 2): the pass's first all-reduce has no compute to hide behind: + a each
+
+Edge cost (eq. 4), between consecutive layers at degrees d1 != d2 (hi, lo = max, min): the
+activation [rows * hi / T, s, h] is all-gathered over hi / lo ranks once per step (forward when
+the degree rises, the gradient in backward when it falls), per sub-batch:
+
+    edge(d1, d2) = n * all_gather(hi / lo, rows * hi / T / n * s * h * e)
+
+Memory (eq. 6), per rank: model states of the layer's shard plus the inputs kept for
+recomputation; buffers (one layer's activations while it is recomputed) and the replicated
+embedding / head are fixed:
+
+    memory(l, d) = P_l / d * state_bytes + keep * rows * d / T * s * h * e
+                   (keep = 2 sublayer inputs with fine-grained recomputation, else 1)
+    fixed = P_embed * state_bytes + max_d buffer(d) + logits (fp32, one sub-batch)
+Step time (eq. 5) = sum of node costs + sum of edge costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from oases.planner.model import SUBLAYERS, ModelShape
+from oases.planner.profile import Profile
+
+__all__ = ["Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory", "step_cost",
+           "tp_degrees"]
+
+DEFAULT_STATE_BYTES = 16.0  # per parameter: weights + gradients + Adam's two moments (fp32, or bf16 + fp32 master)
+
+
+def _traits(schedule: str) -> tuple[int, bool, bool]:
+    """(default sub-batches, fine-grained recomputation, pass barriers) of an oases schedule."""
+    from oases.schedule import SCHEDULES  # the runtime's own table: one source of truth
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    s = SCHEDULES[schedule]
+    return s.sub_batches, s.fine_grained_recompute, s.pass_barriers
+
+
+def tp_degrees(shape: ModelShape, tp: int) -> tuple[int, ...]:
+    """TP degrees a layer may take in a group of `tp`: powers of two up to tp that divide tp, the
+    heads (and KV heads) and the MLP width."""
+    out, d = [], 1
+    while d <= tp:
+        if tp % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0 and shape.ffn_hidden % d == 0:
+            out.append(d)
+        d *= 2
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One TP group's step: `rows` sequences of `shape` on `tp` ranks, on `schedule` with
+    `sub_batches` (None: the schedule's own)."""
+
+    shape: ModelShape
+    rows: int
+    tp: int
+    schedule: str = "oases"
+    sub_batches: Optional[int] = None
+    state_bytes: float = DEFAULT_STATE_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        default, _, _ = _traits(self.schedule)
+        n = default if self.sub_batches is None else self.sub_batches
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 8:
+            raise ValueError(f"sub_batches: expected an int in 1..8 or None, got {self.sub_batches!r}")
+        object.__setattr__(self, "sub_batches", n)
+
+    @property
+    def n(self) -> int:
+        return int(self.sub_batches)  # type: ignore[arg-type]
+
+    def rows_at(self, degree: int) -> float:
+        """Rows one replica of a degree-`degree` layer processes per step."""
+        return self.rows * degree / self.tp
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer at one degree: seconds (total, compute, communication, exposed communication), bytes."""
+
+    degree: int
+    time_s: float
+    compute_s: float
+    comm_s: float
+    states_bytes: float  # the layer's shard of weights, gradients and optimizer states
+    saved_bytes: float   # inputs kept for recomputation, per step (micro-batch)
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.states_bytes + self.saved_bytes
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.time_s - self.compute_s)
+
+    @property
+    def dominated_by(self) -> str:
+        return "comm" if self.comm_s > self.compute_s else "compute"
+
+
+def _unit(work: Workload, profile: Profile, sublayer: str, degree: int) -> tuple[float, float, float]:
+    """(c_f, c_b, a) of one sub-batch of one sublayer at `degree` (see the module docstring)."""
+    shape = work.shape
+    tokens = work.rows_at(degree) / work.n * shape.seq_len
+    c_f = profile.compute_time(sublayer, shape, tokens, degree, "forward")
+    c_b = profile.compute_time(sublayer, shape, tokens, degree, "backward")
+    a = profile.collective_time("all_reduce", degree, tokens * shape.hidden * profile.element_bytes)
+    return c_f, c_b, a
+
+
+def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = False,
+               last: bool = False) -> LayerCost:
+    """Node cost (eq. 3) and memory (eq. 6) of one layer at TP degree `degree`; the LM head's
+    forward + backward is counted in the `last` layer (it runs on that layer's rows)."""
+    if degree not in tp_degrees(work.shape, work.tp):
+        raise ValueError(f"degree: {degree} is not one of {tp_degrees(work.shape, work.tp)} (powers of two "
+                         f"dividing the TP group {work.tp}, the heads and the MLP width)")
+    _, fine, barriers = _traits(work.schedule)
+    n, shape, e = work.n, work.shape, profile.element_bytes
+    time = compute = comm = 0.0
+
+    def passes(c: float, a: float, count: int = 1) -> None:
+        nonlocal time, compute, comm
+        time += count * (n * profile.overlapped(c, a) if n >= 2 else c + a)
+        compute += count * n * c
+        comm += count * n * a
+
+    a_unit = 0.0
+    for sublayer in SUBLAYERS:
+        c_f, c_b, a = _unit(work, profile, sublayer, degree)
+        a_unit = max(a_unit, a)
+        passes(c_f, a)                                   # forward
+        passes(c_b + (c_f if fine else 0.0), a)          # backward (fine-grained: recompute inside)
+        if not fine:
+            passes(c_f, a)                               # recomputation of the layer, with its all-reduces
+    if barriers and n >= 2:
+        time += 2 * a_unit
+    if n >= 2:
+        time += a_unit * (int(first) + int(last))
+    replicas = work.tp // degree
+    if replicas > 1:  # data parallel inside the group: sum the replicas' gradients
+        grad = profile.collective_time("all_reduce", replicas, shape.layer_parameters() / degree * e)
+        time += grad
+        comm += grad
+    if last:
+        head = profile.head_time(shape, work.rows_at(degree) * shape.seq_len)
+        time += head
+        compute += head
+    keep = 2 if fine else 1
+    states = shape.layer_parameters() / degree * work.state_bytes
+    saved = keep * work.rows_at(degree) * shape.seq_len * shape.hidden * e
+    return LayerCost(degree, time, compute, comm, states, saved)
+
+
+def edge_cost(work: Workload, profile: Profile, a: int, b: int) -> float:
+    """Resharding seconds between consecutive layers at degrees a and b (eq. 4; 0 when equal)."""
+    if a == b:
+        return 0.0
+    hi, lo = max(a, b), min(a, b)
+    per_sub_batch = work.rows_at(hi) / work.n * work.shape.seq_len * work.shape.hidden * profile.element_bytes
+    return work.n * profile.collective_time("all_gather", hi // lo, per_sub_batch)
+
+
+def _buffer_bytes(work: Workload, profile: Profile, degree: int) -> float:
+    """Activations of one layer of one sub-batch while autograd holds them (recomputation)."""
+    s = work.shape
+    per_token = 2 * s.hidden + (4 * s.hidden + 2 * s.ffn_hidden + 2 * s.heads * s.seq_len) / degree
+    return work.rows_at(degree) / work.n * s.seq_len * per_token * profile.element_bytes
+
+
+def fixed_memory(work: Workload, profile: Profile) -> float:
+    """Bytes every plan pays alike: the replicated embedding and head states, one layer's
+    buffers at the worst degree, one sub-batch's fp32 logits and their gradient."""
+    s = work.shape
+    buffers = max(_buffer_bytes(work, profile, d) for d in tp_degrees(s, work.tp))
+    logits = 2 * work.rows / work.n * s.seq_len * s.vocab_size * 4
+    return s.embedding_parameters() * work.state_bytes + buffers + logits
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A per-layer plan's predicted step: seconds, bytes per rank, and the parts."""
+
+    degrees: tuple[int, ...]
+    time_s: float
+    memory_bytes: float
+    layers: tuple[LayerCost, ...]
+    edges_s: tuple[float, ...] = field(default=())
+
+    @property
+    def compute_s(self) -> float:
+        return sum(c.compute_s for c in self.layers)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.comm_s for c in self.layers) + sum(self.edges_s)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.time_s - self.compute_s)
+
+    @property
+    def dominated_by(self) -> str:
+        """What the step waits on most: compute, or communication left exposed."""
+        return "exposed comm" if self.exposed_comm_s > self.compute_s else "compute"
+
+
+def step_cost(work: Workload, profile: Profile, degrees: Sequence[int]) -> StepCost:
+    """Eq. 5 for a given per-layer degree list: sum of node costs + edge costs, and memory."""
+    degrees = tuple(degrees)
+    if len(degrees) != work.shape.layers:
+        raise ValueError(f"degrees: expected {work.shape.layers} (one per layer), got {len(degrees)}")
+    layers = tuple(layer_cost(work, profile, d, first=i == 0, last=i == len(degrees) - 1)
+                   for i, d in enumerate(degrees))
+    edges = tuple(edge_cost(work, profile, a, b) for a, b in zip(degrees, degrees[1:]))
+    time = sum(c.time_s for c in layers) + sum(edges)
+    memory = sum(c.memory_bytes for c in layers) + fixed_memory(work, profile)
+    return StepCost(degrees, time, memory, layers, edges)

@@ -1,0 +1,224 @@
+"""The search: per-layer TP degrees by the ILP inside an outer search over the 3D layout.
+
+    p = plan(load_model("llama-7b"), world=16, device_memory="24GB", link="25gbit", batch=32)
+    p.tp_degrees        # one TP degree per layer, e.g. (2, 2, 4, 4, ..., 2)
+    p.step_s, p.memory_bytes, p.dp, p.pp, p.tp, p.schedule, p.sub_batches, p.segments
+
+Outer loop, for every layout with dp * pp * tp = world (tp a power of two up to `tp_max`, pp
+dividing the layers, dp dividing the batch), micro-batch count m (1 without a pipeline; pp, 2 pp,
+4 pp with one), schedule and sub-batch count:
+
+    stage = Workload(shape with layers / pp layers, rows = batch / dp / m, tp, schedule, n)
+    degrees, t_mb = solve_chain(node, edge, memory of states + in-flight saved inputs, budget)  # ILP
+    ns, r = choose_segments(...), dp_overlap_ratio(...)             # FOLD3D, with a pipeline and dp > 1
+    step = (m + pp - 1) t_mb + 2 (pp - 1) ns p2p(activation) + exposed DP sync
+    exposed DP sync = dp_sync / ns - (1 - r) m forward / ns      (pp > 1: the last segment's, FOLD3D)
+                    = dp_sync                                     (pp = 1: summed after the step)
+The plan with the least predicted step time wins; `uniform_step_s` is the best plan of the same
+layout with one degree everywhere, so a reader sees what the per-layer choice bought.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from oases.planner.cost import LayerCost, Workload, edge_cost, fixed_memory, layer_cost, tp_degrees
+from oases.planner.fold3d import choose_segments, dp_overlap_ratio
+from oases.planner.ilp import solve_chain
+from oases.planner.model import ModelShape
+from oases.planner.profile import Profile, analytical_profile, parse_bytes
+
+__all__ = ["Plan", "DegreePlan", "plan", "plan_degrees", "PLAN_FORMAT", "PLAN_VERSION", "DEFAULT_VARIANTS"]
+
+PLAN_FORMAT = "oases-plan"
+PLAN_VERSION = 1
+# (schedule, sub-batches) the outer search tries
+DEFAULT_VARIANTS = (("megatron", 1), ("merak", 2), ("cross_pass", 2), ("oases", 2), ("oases", 4))
+
+
+@dataclass(frozen=True)
+class DegreePlan:
+    """The ILP's answer for one TP group's stack: a degree per layer and the costs it predicts."""
+
+    degrees: tuple[int, ...]
+    time_s: float
+    memory_bytes: float          # per rank, fixed memory included
+    layers: tuple[LayerCost, ...]
+    edges_s: tuple[float, ...]
+    method: str                  # "dp" (memory not binding) or "milp"
+
+    @property
+    def compute_s(self) -> float:
+        return sum(c.compute_s for c in self.layers)
+
+
+def plan_degrees(work: Workload, profile: Profile, memory_budget: float, *, in_flight: int = 1,
+                 degrees: Optional[Sequence[int]] = None) -> DegreePlan:
+    """One degree per layer of `work.shape` minimising the step time (eq. 5) with per-rank memory
+    (eq. 6, saved inputs counted `in_flight` times: micro-batches a pipeline stage holds) within
+    `memory_budget` bytes. `degrees`: the candidates (default: every power of two up to work.tp)."""
+    options = tuple(tp_degrees(work.shape, work.tp) if degrees is None else degrees)
+    if not options:
+        raise ValueError(f"degrees: no TP degree fits tp = {work.tp} and the model's heads / MLP width")
+    layers = work.shape.layers
+    kinds = {}  # (first, last) -> cost per option: the layers of a stack differ only at its ends
+    for first, last in {(i == 0, i == layers - 1) for i in range(layers)}:
+        kinds[first, last] = [layer_cost(work, profile, d, first=first, last=last) for d in options]
+    per_layer = [kinds[i == 0, i == layers - 1] for i in range(layers)]
+    node = [[c.time_s for c in row] for row in per_layer]
+    memory = [[c.states_bytes + in_flight * c.saved_bytes for c in row] for row in per_layer]
+    edge = [[edge_cost(work, profile, a, b) for b in options] for a in options]
+    fixed = fixed_memory(work, profile)
+    try:
+        solution = solve_chain(node, edge, memory, memory_budget - fixed)
+    except ValueError as err:
+        raise ValueError(f"memory_budget: {memory_budget:.4g} bytes per rank minus {fixed:.4g} fixed leaves too "
+                         f"little for the layers ({str(err).removeprefix('budget: ')})") from None
+    chosen = tuple(options[i] for i in solution.choice)
+    costs = tuple(per_layer[l][i] for l, i in enumerate(solution.choice))
+    edges = tuple(edge[a][b] for a, b in zip(solution.choice, solution.choice[1:]))
+    return DegreePlan(chosen, solution.objective, solution.memory + fixed, costs, edges, solution.method)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planned training layout and what the cost model predicts for it (see `plan`)."""
+
+    model: ModelShape
+    world: int
+    batch: int
+    device_memory: int
+    dp: int
+    pp: int
+    tp: int
+    schedule: str
+    sub_batches: int
+    micro_batches: int
+    segments: int
+    dp_overlap_ratio: float
+    tp_degrees: tuple[int, ...]        # one per layer of the whole model
+    step_s: float
+    memory_bytes: float
+    compute_s: float
+    exposed_comm_s: float
+    dominated_by: str
+    uniform_step_s: float              # best single-degree plan of the same layout (inf: none fits)
+    layers: tuple[dict[str, Any], ...] = ()   # per layer of one stage: degree, time, compute, comm, memory
+    profile: dict[str, Any] = field(default_factory=dict)
+    planner_s: float = 0.0
+    candidates: int = 0
+
+    @property
+    def mixed(self) -> bool:
+        return len(set(self.tp_degrees)) > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["model"] = self.model.to_dict()
+        doc["tp_degrees"] = list(self.tp_degrees)
+        doc["layers"] = [dict(x) for x in self.layers]
+        doc["uniform_step_s"] = None if self.uniform_step_s == float("inf") else self.uniform_step_s
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **doc}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1, allow_nan=False)
+            f.write("\n")
+
+
+def _powers_of_two(limit: int) -> Iterable[int]:
+    d = 1
+    while d <= limit:
+        yield d
+        d *= 2
+
+
+def _count(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def plan(model: ModelShape, *, world: int, device_memory: Union[int, str], batch: int,
+         link: Union[str, float, None] = None, profile: Optional[Profile] = None, tp_max: int = 8,
+         flops_per_s: float = 100e12, variants: Sequence[tuple[str, int]] = DEFAULT_VARIANTS) -> Plan:
+    """The fastest predicted layout for `world` ranks of `device_memory` bytes training `model`
+    on `batch` sequences per step (see the module docstring). `profile` gives the device's and
+    links' costs; without one, `link` (bytes/s or "25gbit") and `flops_per_s` make an analytical
+    profile. Raises ValueError naming the argument when nothing fits."""
+    started = time.perf_counter()
+    if not isinstance(model, ModelShape):
+        raise TypeError(f"model: expected an oases.planner.ModelShape (see load_model), got {type(model).__name__}")
+    world, batch, tp_max = _count("world", world), _count("batch", batch), _count("tp_max", tp_max)
+    budget = parse_bytes(device_memory)
+    if profile is None:
+        if link is None:
+            raise ValueError("link: give the link's rate (e.g. 25gbit) or a measured profile")
+        profile = analytical_profile(flops_per_s=flops_per_s, link=link)
+    best: Optional[Plan] = None
+    count = 0
+    for tp in _powers_of_two(min(tp_max, world)):
+        if world % tp or not tp_degrees(model, tp) or tp_degrees(model, tp)[-1] != tp:
+            continue
+        for pp in (p for p in range(1, world // tp + 1) if (world // tp) % p == 0 and model.layers % p == 0):
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            rows = batch // dp
+            for m in ([1] if pp == 1 else [pp, 2 * pp, 4 * pp]):
+                if rows % m:
+                    continue
+                for schedule, n in variants:
+                    if rows // m < n:
+                        continue
+                    count += 1
+                    candidate = _evaluate(model, profile, budget, world, batch, dp, pp, tp, m, schedule, n)
+                    if candidate is not None and (best is None or candidate.step_s < best.step_s):
+                        best = candidate
+    if best is None:
+        raise ValueError(f"device_memory: no layout of {world} ranks fits {model.name} with batch {batch} in "
+                         f"{budget / 1e9:.3g} GB per rank (more memory or ranks, or a smaller batch)")
+    return replace(best, planner_s=time.perf_counter() - started, candidates=count)
+
+
+def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batch: int, dp: int, pp: int, tp: int,
+              m: int, schedule: str, n: int) -> Optional[Plan]:
+    stage = replace(model, layers=model.layers // pp)
+    work = Workload(stage, rows=batch // dp // m, tp=tp, schedule=schedule, sub_batches=n)
+    in_flight = min(pp, m)
+    try:
+        chosen = plan_degrees(work, profile, budget, in_flight=in_flight)
+    except ValueError:
+        return None
+    uniform = float("inf")
+    try:
+        uniform = plan_degrees(work, profile, budget, in_flight=in_flight, degrees=(tp,)).time_s
+    except ValueError:
+        pass
+    t_mb = chosen.time_s
+    e = profile.element_bytes
+    pp_comm = profile.collective_time("p2p", 2, work.rows * stage.seq_len * stage.hidden * e) if pp > 1 else 0.0
+    dp_comm = profile.collective_time("all_reduce", dp, stage.layer_parameters() * stage.layers / tp * e)
+    forward, backward = t_mb / 3, 2 * t_mb / 3
+    if pp > 1 and dp > 1:  # the pipeline's per-segment DP sync (FOLD3D)
+        ns = choose_segments(model.layers, pp, forward, backward, pp_comm, dp_comm, micro_batches=m)
+        ratio = dp_overlap_ratio(forward, backward, dp_comm, segments=ns, micro_batches=m)
+        exposed_dp = max(0.0, dp_comm / ns - (1 - ratio) * m * forward / ns)
+    else:  # no pipeline: the gradients are summed over dp after the step (train_step, then all-reduce)
+        ns, ratio, exposed_dp = 1, 1.0, dp_comm
+    pipeline = (m + pp - 1) * t_mb + 2 * (pp - 1) * ns * pp_comm
+    step = pipeline + exposed_dp
+    uniform_step = (m + pp - 1) * uniform + 2 * (pp - 1) * ns * pp_comm + exposed_dp
+    compute = m * chosen.compute_s
+    exposed = max(0.0, step - compute)
+    layers = tuple({"layer": i, "degree": c.degree, "time_s": c.time_s, "compute_s": c.compute_s,
+                    "comm_s": c.comm_s, "memory_bytes": c.states_bytes + in_flight * c.saved_bytes,
+                    "dominated_by": c.dominated_by} for i, c in enumerate(chosen.layers))
+    return Plan(model=model, world=world, batch=batch, device_memory=budget, dp=dp, pp=pp, tp=tp,
+                schedule=schedule, sub_batches=n, micro_batches=m, segments=ns, dp_overlap_ratio=ratio,
+                tp_degrees=chosen.degrees * pp, step_s=step, memory_bytes=chosen.memory_bytes,
+                compute_s=compute, exposed_comm_s=exposed,
+                dominated_by="exposed comm" if exposed > compute else "compute",
+                uniform_step_s=uniform_step, layers=layers, profile=profile.to_dict())

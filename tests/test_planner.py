@@ -1,0 +1,279 @@
+"""The planner (oases.planner): cost formulas on hand-computed cases, the ILP against brute force,
+Centauri's chunk rule and backward priority, FOLD3D's numbers, `oases plan` and oases.plan.load."""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import oases.plan
+from oases import planner as P
+from oases.planner.cli import main as cli_main
+from oases.planner.profile import ComputeSample, LinkFit, Profile, profile_from_dict
+
+TINY = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32)
+
+
+def _profile(a: float, rows: tuple[int, ...] = (2, 4)) -> Profile:
+    """Compute fixed by samples (attention fwd 1 s / bwd 2 s, MLP 3 s / 6 s at TP 2, whatever the
+    rows), an all-reduce of `a` seconds on 2 ranks, all-gathers free of latency."""
+    samples = tuple(ComputeSample(kind, 2, r, TINY.seq_len, TINY.hidden, TINY.heads, TINY.ffn_hidden, f, b)
+                    for r in rows for kind, f, b in (("attention", 1.0, 2.0), ("mlp", 3.0, 6.0)))
+    return Profile(device="test", flops_per_s=1e9, link_bytes_per_s=1e3, latency_s=0.0, element_bytes=4,
+                   compute=samples, head=((1, 0.0, 0.0),),
+                   collectives={("all_reduce", 2): LinkFit(a, 1e30)})
+
+
+# ---- cost model (eqs. 3, 4, 6) --------------------------------------------------------------------
+def test_node_cost_megatron_serialises_compute_and_all_reduce():
+    work = P.Workload(TINY, rows=4, tp=2, schedule="megatron")
+    c = P.layer_cost(work, _profile(0.5), 2)
+    # per sublayer: forward (c_f + a) + backward (c_b + a) + recompute (c_f + a)
+    # attention 1.5 + 2.5 + 1.5 = 5.5; MLP 3.5 + 6.5 + 3.5 = 13.5
+    assert c.time_s == pytest.approx(19.0)
+    assert c.compute_s == pytest.approx(16.0) and c.comm_s == pytest.approx(3.0)
+
+
+def test_node_cost_oases_overlaps_sub_batches():
+    work = P.Workload(TINY, rows=4, tp=2, schedule="oases")  # 2 sub-batches of 2 rows
+    # compute-bound (a = 0.5): attention 2 max(1, a) + 2 max(1 + 2, a) = 8; MLP 2*3 + 2*9 = 24
+    assert P.layer_cost(work, _profile(0.5), 2).time_s == pytest.approx(32.0)
+    # the first (and last) layer's first all-reduce has nothing to hide behind: + a
+    assert P.layer_cost(work, _profile(0.5), 2, first=True).time_s == pytest.approx(32.5)
+    # comm-bound (a = 5): attention 2*5 + 2*5; MLP 2*5 + 2*max(9, 5) = 28 -> 48
+    comm_bound = P.layer_cost(work, _profile(5.0), 2)
+    assert comm_bound.time_s == pytest.approx(48.0) and comm_bound.dominated_by == "comm"
+    # a device that hides half of the shorter side (profile overlap 0.5): + n * 0.5 * min(c, a) per pass
+    half = replace(_profile(0.5), overlap=0.5)
+    assert P.layer_cost(work, half, 2).time_s == pytest.approx(32.0 + 4 * 2 * 0.5 * 0.5)
+
+
+def test_merak_pays_its_barriers_and_cross_pass_recomputes_with_all_reduces():
+    prof = _profile(0.5)
+    cross = P.layer_cost(P.Workload(TINY, rows=4, tp=2, schedule="cross_pass"), prof, 2)
+    merak = P.layer_cost(P.Workload(TINY, rows=4, tp=2, schedule="merak"), prof, 2)
+    # cross_pass, per sublayer: forward, recompute 2 max(c_f, a), backward 2 max(c_b, a)
+    assert cross.time_s == pytest.approx((2 + 2 + 4) + (6 + 6 + 12))
+    assert merak.time_s == pytest.approx(cross.time_s + 2 * 0.5)
+
+
+def test_edge_cost_is_one_all_gather_of_the_wider_activation():
+    prof = P.analytical_profile(flops_per_s=1e12, link=1e6, latency_s=0.0, element_bytes=4)
+    work = P.Workload(TINY, rows=8, tp=4, schedule="oases")  # n = 2
+    assert P.edge_cost(work, prof, 2, 2) == 0.0
+    # degree 1 -> 4: [8 * 4/4 = 8 rows, 4, 8] fp32 = 1024 bytes, gathered over 4 ranks in 2 sub-batches:
+    # 2 * (3/4 * 512 / 1e6)
+    assert P.edge_cost(work, prof, 1, 4) == pytest.approx(2 * 0.75 * 512 / 1e6)
+    assert P.edge_cost(work, prof, 4, 1) == P.edge_cost(work, prof, 1, 4)
+
+
+def test_memory_of_a_layer_shrinks_with_its_degree_and_grows_with_its_rows():
+    prof = P.analytical_profile(flops_per_s=1e12, link="1gbit", element_bytes=2)
+    work = P.Workload(TINY, rows=8, tp=4, schedule="oases", state_bytes=16)
+    for d in (1, 2, 4):
+        c = P.layer_cost(work, prof, d)
+        assert c.states_bytes == pytest.approx(TINY.layer_parameters() / d * 16)
+        assert c.saved_bytes == pytest.approx(2 * (8 * d / 4) * TINY.seq_len * TINY.hidden * 2)  # 2 sublayer inputs
+    megatron = P.layer_cost(P.Workload(TINY, rows=8, tp=4, schedule="megatron"), prof, 2)
+    assert megatron.saved_bytes == pytest.approx(P.layer_cost(work, prof, 2).saved_bytes / 2)  # one per layer
+
+
+def test_profile_scales_unsampled_shapes_by_flops():
+    doc = {"format": "oases-profile", "version": 1, "device": {"name": "x"}, "flops_per_s": 1e9, "element_bytes": 4,
+           "compute": [{"sublayer": "mlp", "tp": 1, "rows": 2, "seq_len": 4, "hidden": 8, "heads": 4,
+                        "ffn_hidden": 32, "forward_s": 0.25, "backward_s": 0.5}],
+           "collectives": {"all_reduce": {"2": {"latency_s": 1e-3, "bytes_per_s": 1e6}}}}
+    prof = profile_from_dict(doc)
+    assert prof.compute_time("mlp", TINY, 8, 1, "forward") == 0.25  # sampled: 2 rows x 4 tokens
+    assert prof.compute_time("mlp", TINY, 16, 1, "backward") == pytest.approx(1.0)  # twice the FLOPs
+    assert prof.compute_time("mlp", TINY, 8, 2, "forward") == pytest.approx(0.125)  # half a shard's FLOPs
+    assert prof.collective_time("all_reduce", 2, 1e6) == pytest.approx(1.001)
+    # several rows of one shape and degree: a line through them (t = 0.1 + 0.1 s per row here)
+    doc["compute"] = [dict(doc["compute"][0], rows=r, forward_s=0.1 + 0.1 * r, backward_s=0.2 + 0.2 * r)
+                      for r in (1, 3)]
+    line = profile_from_dict(doc)
+    assert line.compute_time("mlp", TINY, 2 * 4, 1, "forward") == pytest.approx(0.3)  # 2 rows, not sampled
+    assert line.compute_time("mlp", TINY, 3 * 4, 1, "backward") == pytest.approx(0.8)
+    assert prof.collective_time("all_reduce", 1, 1e6) == 0.0
+
+
+# ---- the ILP -------------------------------------------------------------------------------------
+def _brute_force(node, edge, memory, budget):
+    best = None
+    for choice in itertools.product(range(len(node[0])), repeat=len(node)):
+        if sum(memory[l][i] for l, i in enumerate(choice)) > budget:
+            continue
+        cost = sum(node[l][i] for l, i in enumerate(choice)) + sum(edge[a][b] for a, b in zip(choice, choice[1:]))
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("method", ["milp", "pareto", "auto"])
+def test_ilp_known_optimum_with_and_without_memory_pressure(method):
+    node = [[1.0, 2.0]] * 3
+    edge = [[0.0, 0.1], [0.1, 0.0]]
+    memory = [[10.0, 5.0]] * 3
+    free = P.solve_chain(node, edge, memory, 30, method=method)
+    assert free.choice == (0, 0, 0) and free.objective == pytest.approx(3.0)
+    one = P.solve_chain(node, edge, memory, 25, method=method)  # one layer must shrink: at an end (one edge)
+    assert one.choice in ((0, 0, 1), (1, 0, 0)) and one.objective == pytest.approx(4.1) and one.memory <= 25
+    two = P.solve_chain(node, edge, memory, 20, method=method)
+    assert two.choice in ((0, 1, 1), (1, 1, 0)) and two.objective == pytest.approx(5.1)
+    with pytest.raises(ValueError, match="budget"):
+        P.solve_chain(node, edge, memory, 14, method=method)
+
+
+def test_ilp_matches_brute_force_on_random_chains():
+    rng = np.random.default_rng(0)
+    for trial in range(12):
+        layers, k = 5, 3
+        node = rng.uniform(1, 3, (layers, k)).tolist()
+        edge = rng.uniform(0, 1, (k, k))
+        np.fill_diagonal(edge, 0.0)
+        memory = rng.integers(1, 10, (layers, k)).astype(float).tolist()
+        budget = float(np.min(memory, 1).sum() + rng.integers(0, 12))
+        expected = _brute_force(node, edge.tolist(), memory, budget)
+        for method in ("milp", "pareto"):
+            got = P.solve_chain(node, edge, memory, budget, method=method)
+            assert got.objective == pytest.approx(expected), (trial, method)
+            assert got.memory <= budget + 1e-9
+
+
+def test_plan_degrees_mixes_degrees_only_when_memory_binds():
+    shape = P.load_model("gpt3-1.3b")
+    prof = P.analytical_profile(flops_per_s=100e12, link="10gbit")
+    work = P.Workload(shape, rows=8, tp=8, schedule="oases")
+    roomy = P.plan_degrees(work, prof, 200e9)
+    assert len(set(roomy.degrees)) == 1  # nothing binds: the fastest degree everywhere
+    fast = roomy.degrees[0]
+    uniform_fast = P.plan_degrees(work, prof, 200e9, degrees=(fast,))
+    # a budget between "every layer at the fastest degree" and "every layer one degree up"
+    budget = (uniform_fast.memory_bytes + P.plan_degrees(work, prof, 200e9, degrees=(2 * fast,)).memory_bytes) / 2
+    mixed = P.plan_degrees(work, prof, budget)
+    assert set(mixed.degrees) == {fast, 2 * fast} and mixed.memory_bytes <= budget
+    uniform_fitting = P.plan_degrees(work, prof, budget, degrees=(2 * fast,))
+    assert mixed.time_s < uniform_fitting.time_s  # Table II's pattern: mixed beats the uniform plan that fits
+    with pytest.raises(ValueError, match="memory_budget"):
+        P.plan_degrees(work, prof, budget, degrees=(fast,))  # the fast degree alone no longer fits
+
+
+def test_ilp_24_layers_4_degrees_is_quick():
+    shape = P.load_model("gpt3-1.3b")  # 24 layers
+    prof = P.analytical_profile(flops_per_s=100e12, link="10gbit")
+    work = P.Workload(shape, rows=8, tp=8, schedule="oases")
+    options = P.tp_degrees(shape, 8)
+    assert options == (1, 2, 4, 8)
+    per = [[P.layer_cost(work, prof, d, first=i == 0, last=i == 23) for d in options] for i in range(24)]
+    node = [[c.time_s for c in row] for row in per]
+    memory = [[c.memory_bytes for c in row] for row in per]
+    edge = [[P.edge_cost(work, prof, a, b) for b in options] for a in options]
+    budget = 0.9 * sum(row[1] for row in memory)  # memory-bound: degree 2 everywhere does not fit
+    started = time.perf_counter()
+    milp = P.solve_chain(node, edge, memory, budget, method="milp")
+    milp_s = time.perf_counter() - started
+    pareto = P.solve_chain(node, edge, memory, budget, method="pareto")
+    assert pareto.objective == pytest.approx(milp.objective, rel=1e-6)
+    assert milp_s < 5.0  # loose: the figure belongs in bench (paper: 157-451 ms)
+
+
+# ---- Centauri ------------------------------------------------------------------------------------
+def test_chunk_count_algorithm_1():
+    # nothing to hide behind and free chunks: as many as allowed
+    assert P.chunk_count(1.0, 1.0, 0.0, max_chunks=16) == 16
+    # overhead per chunk larger than what a chunk hides: one chunk
+    assert P.chunk_count(1.0, 1.0, 1.0) == 1
+    # comp 1, comm 0.01, in_cost 1e-3: T(1) = 1.011, T(2) = 1.007, T(4) = 1.0065, T(8) = 1.00925
+    assert P.chunk_count(1.0, 0.01, 1e-3) == 4
+    assert P.chunk_count(1.0, 0.01, 1e-3, allowed=[1, 3]) == 3  # T(3) = 1.00633
+    assert P.overlapped_time(1.0, 0.01, 1e-3, 4) == pytest.approx(1.0065)
+    with pytest.raises(ValueError, match="comm_cost"):
+        P.chunk_count(1.0, -1.0, 0.0)
+
+
+def test_backward_priority_eq_1():
+    # dX's reduction (1 s) hides behind dW (1 s): activation first 2 s, weight first 3 s
+    assert P.backward_priority(1.0, 1.0, 1.0) == "activation_first"
+    # a long reduction the next layer's compute hides anyway: weight first 2 s, activation first 6 s
+    assert P.backward_priority(1.0, 1.0, 5.0, next_comp=10.0) == "weight_first"
+
+
+def test_ops_default_chunks_follow_the_chunk_rule():
+    from oases.planner.chunks import op_chunks
+
+    assert op_chunks(4, 4, 4, comm_bytes=64, divides=4) == 1  # tiny: the per-chunk overhead dominates
+    big = op_chunks(4096, 1024, 1024, comm_bytes=4096 * 1024 * 4, divides=4096)
+    assert big > 1 and 4096 % big == 0
+
+
+# ---- FOLD3D --------------------------------------------------------------------------------------
+def test_choose_segments_and_dp_overlap_ratio():
+    # 12 layers on 3 stages: ns in {1, 2, 4}; exposed(ns) = 8/ns + max(0, 2*4*ns*pp - 4*3)
+    assert P.choose_segments(12, 3, 1.0, 2.0, 0.1, 8.0, micro_batches=4) == 4
+    assert P.choose_segments(12, 3, 1.0, 2.0, 1.0, 8.0, micro_batches=4) == 1  # exposed(2) = 4 + 4: no gain
+    with pytest.raises(ValueError, match="layers"):
+        P.choose_segments(10, 3, 1.0, 2.0, 0.1, 8.0, micro_batches=4)
+    assert P.dp_overlap_ratio(1.0, 2.0, 1.0, segments=2, micro_batches=1) == 1.0  # fits under the backward
+    assert P.dp_overlap_ratio(1.0, 2.0, 4.0, segments=2, micro_batches=1) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="segments"):
+        P.dp_overlap_ratio(1.0, 2.0, 4.0, segments=0, micro_batches=1)
+
+
+# ---- search, CLI, oases.plan ---------------------------------------------------------------------
+def test_plan_search_is_consistent_and_quick():
+    started = time.perf_counter()
+    p = P.plan(P.load_model("gpt3-1.3b"), world=8, device_memory="16GB", link="10gbit", batch=16)
+    assert time.perf_counter() - started < 5.0
+    assert p.dp * p.pp * p.tp == 8 and len(p.tp_degrees) == 24 and p.memory_bytes <= 16e9
+    assert all(p.tp % d == 0 for d in p.tp_degrees)
+    assert p.step_s <= p.uniform_step_s
+
+
+def test_cli_writes_a_plan_that_oases_plan_load_reads(tmp_path, capsys):
+    config = tmp_path / "model.json"  # a Hugging Face config.json
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 1024,
+                                  "num_attention_heads": 16, "intermediate_size": 2816,
+                                  "max_position_embeddings": 1024, "vocab_size": 32000}))
+    out = tmp_path / "plan.json"
+    code = cli_main(["plan", "--model", str(config), "--world", "4", "--device-memory", "8GB", "--link", "10gbit",
+                     "--batch", "8", "--out", str(out)])
+    assert code == 0 and capsys.readouterr().out
+    expected = P.plan(P.load_model(str(config)), world=4, device_memory="8GB", link="10gbit", batch=8)
+    assert oases.plan.load(str(out)) == list(expected.tp_degrees)
+    doc = oases.plan.read(str(out))
+    assert doc["model"]["layers"] == 8 and doc["dp"] * doc["pp"] * doc["tp"] == 4
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--model", "no-such-model"], "model"),
+    (["--device-memory", "24 parsecs"], "device_memory"),
+    (["--link", "fast"], "link"),
+    (["--world", "0"], "world"),
+    (["--device-memory", "1MB"], "device_memory"),
+])
+def test_cli_bad_input_names_the_argument(tmp_path, capsys, argv, named):
+    base = {"--model": "gpt2-small", "--world": "4", "--device-memory": "16GB", "--link": "10gbit"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    args = ["plan", *itertools.chain.from_iterable(base.items()), "--out", str(tmp_path / "p.json")]
+    assert cli_main(args) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_bad_inputs_raise_naming_the_argument(tmp_path):
+    with pytest.raises(ValueError, match="hidden"):
+        P.ModelShape(layers=2, hidden=10, heads=4, seq_len=8, vocab_size=8)
+    with pytest.raises(TypeError, match="model"):
+        P.plan("llama-7b", world=4, device_memory="8GB", link="1gbit", batch=4)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="schedule"):
+        P.Workload(TINY, rows=4, tp=2, schedule="fastest")
+    not_a_plan = tmp_path / "x.json"
+    not_a_plan.write_text("{}")
+    with pytest.raises(ValueError, match="path"):
+        oases.plan.load(str(not_a_plan))
+    with pytest.raises(ValueError, match="profile"):
+        P.load_profile(str(not_a_plan))
+    with pytest.raises(ValueError, match="degree"):
+        P.layer_cost(P.Workload(TINY, rows=4, tp=2), _profile(0.5), 3)
