@@ -334,3 +334,26 @@ def test_pipeline_suite(tmp_path):
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     for rank in range(4):
         assert {e["tid"] for e in events if e["pid"] == rank} == {0, 1, 2, 3}, rank
+
+
+def test_offload_suite(tmp_path):
+    """The quick offload suite on 2 ranks: copy paths give tensors back and report throughput, the
+    TP schedule and the AIAO pipeline train to the same loss with offload on and off, and the AIAO
+    checkpoints kept on the device fall from m x ns forward actions' worth to at most two."""
+    doc, stdout, _ = _run_suite("offload", tmp_path)
+    assert doc["suite"] == "offload" and stdout.count("offload: AIAO pipeline") == 1
+    copies = [r for r in doc["cases"] if r["kind"] == "copy"]
+    assert [r["tensors"] for r in copies] == [1, 2, 4, 8, 16, 32, 64]
+    for r in copies:
+        assert all(v > 0 and math.isfinite(v) for v in r["gb_per_s"].values()), r
+        assert r["calls_per_round_trip"]["ours"] == 2 and r["calls_per_round_trip"]["to"] == 2 * r["tensors"]
+    step = next(r for r in doc["cases"] if r["kind"] == "step")
+    assert step["copies_out"] == step["copies_in"] > 0 and _is_time(step["t_step"]["on"])
+    aiao = next(r for r in doc["cases"] if r["kind"] == "aiao")
+    m, ns = aiao["micro_batches"], aiao["segments"]
+    assert aiao["peak_resident_bytes"]["off"] == m * ns * aiao["action_bytes"]
+    assert 0 < aiao["peak_resident_bytes"]["on"] <= 2 * aiao["action_bytes"]
+    assert aiao["copies_out"] == aiao["copies_in"] >= m * ns
+    assert aiao["host_and_device_memory"] == "the same RAM"  # said in the JSON: this CPU has one memory
+    with open(doc["files"]["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
