@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-overlap-ratio", type=float, default=1.0,
                         help="Pipeline(dp_overlap_ratio=...) of every variant (default 1.0: all at once)")
     parser.add_argument("--steps", type=int, default=1, help="train_steps per timed call (default 1)")
+    parser.add_argument("--dp-chunk-kib", type=int, default=256,
+                        help="Pipeline(dp_chunk_bytes=...): KiB per DP ring piece, the preemption granularity")
 
 
 @dataclass(frozen=True)
@@ -212,6 +214,7 @@ def run(args, ctx) -> list[dict]:
                               micro_batches=args.micro_batches, preemption=v.preemption, seed=0,
                               dp_overlap_ratio=args.dp_overlap_ratio if v.dp_overlap_ratio is None
                               else v.dp_overlap_ratio,
+                              dp_chunk_bytes=args.dp_chunk_kib << 10,
                               optimizer=lambda params: torch.optim.SGD(params, lr=0.01)) for v in variants}
 
     # Same losses (two steps: the second shows the first's update) before any timing.
@@ -288,7 +291,7 @@ def run(args, ctx) -> list[dict]:
     link = ctx.meta["link"]
     params_stage = sum(p.numel() for p in base.stage.parameters())
     config_record = {**sizes, "micro_batches": args.micro_batches, "steps_per_call": args.steps,
-                     "dp_overlap_ratio": args.dp_overlap_ratio, "dp": dp, "pp": PP,
+                     "dp_overlap_ratio": args.dp_overlap_ratio, "dp_chunk_kib": args.dp_chunk_kib, "dp": dp, "pp": PP,
                      "tp": 1, "stage_params": params_stage, "dp_sync_mib": params_stage * 4 / 2**20,
                      "mapping": "rank = d*pp + s; PP inside a host, DP across hosts (with --hosts 2)",
                      "hosts": int(os.environ.get("OASES_HOSTS", "1")),

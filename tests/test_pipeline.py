@@ -131,6 +131,7 @@ DP_ASYNC_4 = [
     ((2, 2, 1), 4, "1f1b", 1, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=800)),
     ((2, 2, 1), 4, "1f1b", 1, 3, "sgd", 6, dict(dp_overlap_ratio=0.0, dp_bucket_numel=800, preemption=False)),
     ((2, 2, 1), 8, "aiao", "auto", 2, "adamw", 4, dict(dp_overlap_ratio="auto", dp_bucket_numel=800)),
+    ((2, 2, 1), 4, "aiao", 2, 2, "sgd", 4, dict(dp_chunk_bytes=256)),  # many small preemptible pieces
 ]
 DP_ASYNC_8 = [
     ((2, 2, 2), 6, "aiao", 3, 2, "adamw", 4, dict(dp_overlap_ratio=0.5, dp_bucket_numel=400)),
@@ -284,6 +285,7 @@ def _bad_configurations(rank, world_size):
         (dict(dp_overlap_ratio="fast"), "dp_overlap_ratio"),
         (dict(dp_overlap_ratio=1.5), "dp_overlap_ratio"),
         (dict(dp_bucket_numel=0), "dp_bucket_numel"),
+        (dict(dp_chunk_bytes=0), "dp_chunk_bytes"),
         (dict(mesh=init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),
         (dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))), "mesh"),
         (dict(config=3), "config: expected an oases.models.GPTConfig or a model factory"),
@@ -325,6 +327,15 @@ def _bad_configurations(rank, world_size):
 
 def test_bad_configurations_raise_on_every_rank():
     assert run_ranks(_bad_configurations, 4, timeout=60) == [True] * 4
+
+
+def test_dp_chunks_bound_the_bytes_a_ring_piece_moves():
+    from oases.pipeline.dp_sync import chunks_for
+
+    assert chunks_for(1000, 4, 2, 1 << 18) == 1                 # small bucket: one piece per block
+    assert chunks_for(4 << 20, 4, 2, 1 << 20) == 8              # 8 MiB block, 1 MiB pieces
+    assert chunks_for(4 << 20, 4, 2, 3 << 20) == 3              # rounded up: pieces <= 3 MiB
+    assert chunks_for(10, 2, 4, 1) == 6                          # block of ceil(10 / 4) = 3 elements
 
 
 def test_stage_layout_folds_segments():

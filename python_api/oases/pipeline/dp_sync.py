@@ -1,6 +1,6 @@
 """Per-segment asynchronous data-parallel gradient sync (FOLD3D Algorithm 2, DPComm).
 
-    sync = SegmentSync(segment_params, dp_group, scheduler, overlap_ratio=r, bucket_numel=n)
+    sync = SegmentSync(segment_params, dp_group, scheduler, overlap_ratio=r, bucket_numel=n, chunk_bytes=c)
     sync.launch(k)          # segment k's backward is done for every micro-batch: ceil(r * b_k) of
                             # its b_k buckets start reducing on the DP thread now
     sync.launch_deferred()  # next train_step's start: the other buckets of every segment start
@@ -37,9 +37,18 @@ import torch.nn as nn
 
 from oases.pipeline.comm_scheduler import CommScheduler
 
-__all__ = ["SegmentSync", "buckets_of"]
+__all__ = ["SegmentSync", "buckets_of", "chunks_for", "CHUNK_BYTES"]
 
-DP_CHUNKS = 2  # pieces per rank's block in each ring: the DP sync's preemption granularity
+CHUNK_BYTES = 1 << 18  # default bytes per ring piece: the DP sync's preemption granularity
+
+
+def chunks_for(numel: int, element_size: int, dp: int, chunk_bytes: int) -> int:
+    """Pieces per rank's block so that a ring piece moves at most `chunk_bytes` (at least 1).
+
+        block = ceil(numel / dp) elements;  chunks = ceil(block * element_size / chunk_bytes)
+    A PP transfer posted while the DP sync runs waits at most for the piece in flight."""
+    block = -(-numel // dp)
+    return max(1, -(-block * element_size // chunk_bytes))
 
 
 def buckets_of(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
@@ -60,9 +69,10 @@ class SegmentSync:
     """The DP sync of one stage's segments: buckets, what is launched, what is pending."""
 
     def __init__(self, segment_params: list[list[nn.Parameter]], group: dist.ProcessGroup,
-                 scheduler: CommScheduler, *, overlap_ratio: float, bucket_numel: int) -> None:
+                 scheduler: CommScheduler, *, overlap_ratio: float, bucket_numel: int,
+                 chunk_bytes: int = CHUNK_BYTES) -> None:
         self.group, self.scheduler = group, scheduler
-        self.dp, self.bucket_numel = dist.get_world_size(group), bucket_numel
+        self.dp, self.bucket_numel, self.chunk_bytes = dist.get_world_size(group), bucket_numel, chunk_bytes
         self.buckets = [buckets_of(params, bucket_numel) for params in segment_params]
         self.now = [min(len(b), math.ceil(overlap_ratio * len(b) - 1e-9)) for b in self.buckets]  # at once
         self._pending: dict[int, list[Future]] = {}  # segment -> its launched buckets' futures
@@ -101,7 +111,8 @@ class SegmentSync:
         if self.dp == 1 or numel == 0:
             return 0.0
         flat = torch.zeros(min(numel, self.bucket_numel), device=self.buckets[0][0][0].device)
-        ring = lambda: self.scheduler.all_reduce(flat, self.group, chunks=DP_CHUNKS)  # noqa: E731
+        chunks = chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes)
+        ring = lambda: self.scheduler.all_reduce(flat, self.group, chunks=chunks)  # noqa: E731
         self.scheduler.submit(ring).result()
         start = time.perf_counter()
         self.scheduler.submit(ring).result()
@@ -116,7 +127,8 @@ class SegmentSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [numel]
-        self.scheduler.all_reduce(flat, self.group, chunks=DP_CHUNKS)
+        self.scheduler.all_reduce(flat, self.group,
+                                  chunks=chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes))
         offset = 0
         for p in bucket:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))

@@ -56,7 +56,7 @@ import torch.nn as nn
 from oases.models.gpt import GPT, GPTConfig
 from oases.nn.parallelize import parallelize
 from oases.pipeline.comm_scheduler import CommScheduler
-from oases.pipeline.dp_sync import SegmentSync
+from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync
 from oases.pipeline.p2p import StageComm
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.offload import Offloader, OffloadStats
@@ -90,7 +90,8 @@ def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: str, segments: int,
-                  micro_batches: int, dp_overlap_ratio: float, dp_bucket_numel: int) -> dict[str, int]:
+                  micro_batches: int, dp_overlap_ratio: float, dp_bucket_numel: int,
+                  dp_chunk_bytes: int) -> dict[str, int]:
     """Every argument check of Pipeline(...) that needs no model: local only, so every rank raises
     the same error. Returns the mesh sizes {"dp": .., "pp": .., "tp": ..}."""
     if dp_overlap_ratio != "auto" and (isinstance(dp_overlap_ratio, bool) or not isinstance(dp_overlap_ratio, (int, float))
@@ -98,6 +99,8 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
         raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1] or 'auto', got {dp_overlap_ratio!r}")
     if isinstance(dp_bucket_numel, bool) or not isinstance(dp_bucket_numel, int) or dp_bucket_numel < 1:
         raise ValueError(f"dp_bucket_numel: expected an int >= 1, got {dp_bucket_numel!r}")
+    if isinstance(dp_chunk_bytes, bool) or not isinstance(dp_chunk_bytes, int) or dp_chunk_bytes < 1:
+        raise ValueError(f"dp_chunk_bytes: expected an int >= 1 (bytes per DP ring piece), got {dp_chunk_bytes!r}")
     if not isinstance(config, GPTConfig) and not callable(config):
         raise ValueError(f"config: expected an oases.models.GPTConfig or a model factory (a callable returning "
                          f"the model), got {type(config).__name__}")
@@ -200,6 +203,7 @@ class Pipeline:
     SGD and AdamW do, so per-segment optimizers equal one over the whole model). `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's
     gradient buckets whose DP sync starts as soon as its backward ends (the rest start at the next
     train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
+    `dp_chunk_bytes`: the most a DP ring piece moves (what a PP transfer may wait behind);
     `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
     Pipelines on one mesh share its groups and message tags: close() one (its DP sync may still
@@ -220,8 +224,10 @@ class Pipeline:
                  segments: int | str = 1, micro_batches: int = 4,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
                  seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
-                 dp_bucket_numel: int = _BUCKET_NUMEL, offload: bool | Offloader = False) -> None:
-        sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel)
+                 dp_bucket_numel: int = _BUCKET_NUMEL, dp_chunk_bytes: int = CHUNK_BYTES,
+                 offload: bool | Offloader = False) -> None:
+        sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel,
+                              dp_chunk_bytes)
         if not isinstance(offload, (bool, Offloader)):
             raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
@@ -231,7 +237,7 @@ class Pipeline:
         self.dp_rank = dist.get_rank(self.dp_group)
         self.model, self._stack = _build(config, self.tp_group, sizes["tp"], seed)
         self._layers = len(self._stack.layers())
-        self._make_optimizer, self._bucket_numel = optimizer, dp_bucket_numel
+        self._make_optimizer, self._bucket_numel, self._chunk_bytes = optimizer, dp_bucket_numel, dp_chunk_bytes
         self._auto = {"segments": segments == "auto" and schedule != "1f1b",
                       "dp_overlap_ratio": dp_overlap_ratio == "auto"}
         self.measured: Optional[dict[str, float]] = None  # the times "auto" was chosen from
@@ -263,7 +269,8 @@ class Pipeline:
         self._last_backward = {max(j for j, a in enumerate(self.plan) if a.kind == "B" and a.segment == k): k
                                for k in range(segments)}
         self.sync = SegmentSync(segment_params, self.dp_group, self.scheduler,
-                                overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel)
+                                overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel,
+                                chunk_bytes=self._chunk_bytes)
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
