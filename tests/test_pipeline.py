@@ -172,6 +172,13 @@ def _hf(kind):
 
     if kind == "llama":  # GQA
         return tf.LlamaForCausalLM(tf.LlamaConfig(**HF_SMALL, num_key_value_heads=2))
+    if kind == "llama-tied":  # input and output embeddings share one parameter
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, tie_word_embeddings=True), num_key_value_heads=2))
+    if kind == "llama-frozen":  # frozen parameters: never stepped (AdamW's weight decay would move them)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**HF_SMALL, num_key_value_heads=2))
+        model.model.embed_tokens.weight.requires_grad_(False)
+        model.model.layers[0].input_layernorm.weight.requires_grad_(False)
+        return model
     if kind == "qwen3":  # per-head q/k norms (their gradient is summed over TP)
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**HF_SMALL, num_key_value_heads=2, head_dim=8))
     if kind == "neox":  # parallel residual: one sublayer per layer
@@ -206,20 +213,31 @@ def _train_hf_cases(rank, world_size, cases):
             loss = pipe.train_step(tokens, targets)
             torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+        if kind == "llama-tied":  # tied weights stay in one segment whatever "auto" measured
+            assert pipe.segments == 1, where
         state = pipe.state_dict()
         assert list(state) == list(want_state), where
         for name, value in state.items():
             torch.testing.assert_close(value, want_state[name], rtol=1e-4, atol=1e-5,
                                        msg=lambda msg: f"{where}: {name}: {msg}")
         pipe.close()
+    if world_size == 2:  # tied weights over two segments of one stage: refused on every rank
+        mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+        with pytest.raises(ValueError, match="used in more than one place"):
+            Pipeline(lambda: _hf("llama-tied"), mesh, schedule="aiao", segments=2, micro_batches=2)
+        dist.barrier()
     return True
 
 
-HF_CASES_2 = [("llama", (1, 2, 1), "aiao", 2, 3, "sgd", 4)]
+HF_CASES_2 = [
+    ("llama", (1, 2, 1), "aiao", 2, 3, "sgd", 4),
+    ("llama-tied", (2, 1, 1), "aiao", "auto", 2, "adamw", 4),  # pp = 1: tied weights allowed, in one segment
+]
 HF_CASES_4 = [
     ("llama", (1, 2, 2), "1f1b", 1, 3, "adamw", 4),
     ("qwen3", (2, 2, 1), "aiao", 2, 2, "sgd", 4),
     ("neox", (1, 2, 2), "gpipe", 1, 2, "sgd", 4),
+    ("llama-frozen", (2, 2, 1), "aiao", 2, 2, "adamw", 4),    # frozen: unchanged; DP sums the others
 ]
 
 
@@ -295,7 +313,7 @@ def _bad_configurations(rank, world_size):
 
     tied = dict(HF_SMALL, tie_word_embeddings=True)
     bad += [
-        (dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**tied))), "tied embeddings"),
+        (dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**tied))), "used in more than one place"),
         (dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, num_hidden_layers=3)))),
          "model: 3 layers are not divisible by pp"),
     ]

@@ -42,11 +42,10 @@ thread waited for DP), with it off every such chunk. Decided under the scheduler
 chunk is posted: a PP transfer posted a moment later overlaps that chunk, by design of
 chunk-boundary preemption.
 
-On CUDA (NCCL) the gate works the same, and stream priority adds to it: the Pipeline makes its
-pp groups with high-priority NCCL streams (priority -1, as TransformerEngine and PyTorch's async
-TP use; oases.comm.new_group), while the DP chunks run on the mesh's dp group at default
-priority, so a PP kernel is scheduled ahead of DP kernels already enqueued. Only the CPU path is
-run and tested here (no GPU on these machines); nothing is claimed about GPU behaviour.
+On CUDA the same design would map to streams: PP transfers on groups with high-priority NCCL
+streams (oases.comm.new_group), DP chunks at default priority, the gate unchanged. It is not
+built: the pipeline refuses NCCL groups today (oases.pipeline.pipeline._check_backend: its
+transfers rely on gloo's tag matching). Only the CPU path exists and is tested.
 """
 from __future__ import annotations
 

@@ -123,13 +123,20 @@ class SegmentSync:
 
     def _sync_bucket(self, bucket: list[nn.Parameter]) -> None:
         """On the DP thread: p.grad = sum over dp of p.grad, for p in the bucket, as one flat ring."""
-        for p in bucket:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])  # [numel]
+        # One flag per parameter rides along: a parameter no DP rank has a gradient for keeps
+        # grad None (as in single-process training, where optimizers then skip it).
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in bucket]
+        flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=parts[0].dtype, device=parts[0].device)
+        flat = torch.cat([*parts, flags])  # [numel + len(bucket)]
         self.scheduler.all_reduce(flat, self.group,
                                   chunks=chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes))
         offset = 0
-        for p in bucket:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+        for p, has in zip(bucket, flat[-len(bucket):].tolist()):
+            if has == 0:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            else:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()

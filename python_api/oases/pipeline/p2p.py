@@ -85,18 +85,14 @@ class StageComm:
         return buf
 
     def post_lazy(self, keys: list[Key], shapes: list[torch.Size], dtype: torch.dtype = torch.float32) -> None:
-        """Post the receives of `keys` now, into host memory (pinned where CUDA is; on NCCL, which
-        receives into device memory only, into the device), untracked by the scheduler; `recv` of
+        """Post the receives of `keys` now, into host memory, untracked by the scheduler; `recv` of
         one of them waits for it and moves it to the device. Keys already posted are skipped."""
         if self.stages == 1:
             return
-        # NCCL receives into device memory only: there the buffer stays on the device.
-        on_host = dist.get_backend(self.group) == "gloo"
-        pinned = on_host and self.device.type == "cuda"
         for key, shape in zip(keys, shapes):
             if key in self._pending or key in self._lazy:
                 continue
-            host = torch.empty(shape, dtype=dtype, device="cpu" if on_host else self.device, pin_memory=pinned)
+            host = torch.empty(shape, dtype=dtype, device="cpu")
             self._lazy[key] = (dist.irecv(host, self._peer(key, sending=False), group=self.group,
                                           tag=self._tag(key)), host)
             self.lazy_receives += 1

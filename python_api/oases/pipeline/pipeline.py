@@ -134,6 +134,16 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
     return sizes
 
 
+def _check_backend(group: dist.ProcessGroup) -> None:
+    """The pipeline's transfers match by message tag (posted ahead, in any order), as gloo does;
+    NCCL runs one pair's transfers in posting order, where a receive posted ahead of a send to
+    the same peer can deadlock: refused until the transfers are ordered per peer (issue 12)."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend:
+        raise ValueError(f"mesh: the pipeline's groups use {backend!r}; oases.pipeline runs on gloo (CPU tensors) "
+                         "for now: its PP transfers rely on tag matching, which NCCL does not do. Use a 'cpu' mesh")
+
+
 def _check_layers(what: str, layers: int, pp: int, segments: int) -> None:
     if layers % (pp * segments):
         raise ValueError(f"{what}: {layers} layers are not divisible by pp * segments = {pp} * {segments}")
@@ -162,27 +172,6 @@ def _build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGr
     if check is not None:
         check()
     return model, stack
-
-
-def _prioritized_pp_group(mesh, group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """On NCCL: this rank's pp group made again with high-priority CUDA streams (oases.comm.new_group),
-    so PP transfers go ahead of the DP sync, which stays on the mesh's default-priority dp group
-    (FOLD3D §5.1 on GPUs). Elsewhere (gloo: priorities do not exist) the mesh's group itself.
-    On NCCL a collective over the world: every rank makes every pp group, in mesh order."""
-    if dist.get_backend(group) != "nccl":
-        return group
-    from oases.comm import new_group
-
-    names = list(mesh.mesh_dim_names)
-    ranks = mesh.mesh.permute(*(names.index(n) for n in _MESH_DIMS))  # [dp, pp, tp] global ranks
-    me, mine = dist.get_rank(), group
-    for d in range(ranks.shape[0]):
-        for t in range(ranks.shape[2]):
-            members = ranks[d, :, t].tolist()
-            made = new_group(members, high_priority=True)
-            if me in members:
-                mine = made
-    return mine
 
 
 class Pipeline:
@@ -232,10 +221,14 @@ class Pipeline:
             raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
-        self.pp_group = _prioritized_pp_group(mesh, self.pp_group)
+        _check_backend(self.pp_group)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         self.model, self._stack = _build(config, self.tp_group, sizes["tp"], seed)
+        devices = {p.device.type for p in self.model.parameters()}
+        if devices - {"cpu"}:
+            raise ValueError(f"config: the model's parameters are on {sorted(devices)}; oases.pipeline runs on "
+                             "CPU tensors with gloo for now (a GPU pipeline needs NCCL, see the mesh check)")
         self._layers = len(self._stack.layers())
         self._make_optimizer, self._bucket_numel, self._chunk_bytes = optimizer, dp_bucket_numel, dp_chunk_bytes
         self._auto = {"segments": segments == "auto" and schedule != "1f1b",
@@ -336,7 +329,7 @@ class Pipeline:
         numel = sum(p.numel() for p in self.stage.parameters())
         times = torch.tensor([forward * per_stage, backward * per_stage,
                               self.sync.time_sync(numel), self.comm.time_transfer(step.shapes[0], step.dtype)],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=self.comm.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank decides the same
         f, b, dp_s, pp_s = times.tolist()
         self.measured = dict(forward_s=f, backward_s=b, dp_comm_s=dp_s, pp_comm_s=pp_s)
@@ -347,6 +340,8 @@ class Pipeline:
         ratio = self.dp_overlap_ratio
         if self._auto["dp_overlap_ratio"]:
             ratio = dp_overlap_ratio(f, b, dp_s, segments=segments, micro_batches=m)
+        if self.stage.shared_at(segments):  # e.g. tied embeddings at pp = 1: one segment keeps them together
+            segments = self.segments
         self._auto = {key: False for key in self._auto}
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)

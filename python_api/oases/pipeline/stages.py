@@ -113,33 +113,43 @@ class Stage:
         logits = stack.head(x.detach(), ctx)
         self.hidden, self.dtype = x.shape[-1], x.dtype
         self.vocab_size = logits.shape[-1] * (dist.get_world_size(self.logits_group) if self.logits_group else 1)
-        embed_params, head_params = _used_by(x, rest), _used_by(logits, rest)
-        tied = [p for p in embed_params if any(p is q for q in head_params)]
-        first_and_last_apart = layout.stages > 1  # virtual stages 0 and ns*p-1 sit on stages 0 and p-1
-        if tied and first_and_last_apart:
-            raise ValueError("model: its input embedding and LM head share parameters (tied embeddings); the "
-                             "pipeline puts them on different stages. Untie them (e.g. tie_word_embeddings=False)")
-        head_ids = {id(p) for p in head_params}
+        head_ids, embed_ids = {id(p) for p in _used_by(logits, rest)}, {id(p) for p in _used_by(x, rest)}
         self._embed_params = [p for p in rest if id(p) not in head_ids]  # unused ones go with the embedding
+        self._embed_uses = [p for p in rest if id(p) in embed_ids or id(p) not in head_ids]  # tied ones too
         self._head_params = [p for p in rest if id(p) in head_ids]
         self._layer_params = layer_params
-        owned = {id(p) for p in self.parameters()}
-        names = dict((id(p), n) for n, p in model.named_parameters(remove_duplicate=False))
-        self._owned_keys = {names[i] for i in owned if i in names}
+        shared = self.shared_at(layout.segments)
+        if shared:
+            raise ValueError(f"model: parameter {shared} is used in more than one place of the pipeline (a "
+                             f"(segment, stage) pair: pp = {layout.stages}, segments = {layout.segments}), e.g. "
+                             "tied input/output embeddings; its gradient would need a sum across them. Untie it "
+                             "(e.g. tie_word_embeddings=False), or use pp = segments = 1")
+        owned = {id(p) for k in range(layout.segments) for p in self._placed(k)}
+        self._owned_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
         self.key_order = list(model.state_dict())  # the model's state-dict order, for Pipeline.state_dict()
+
+    def shared_at(self, segments: int) -> Optional[str]:
+        """A parameter that `segments` segments would place at two (segment, stage) pairs, or None."""
+        return shared_across_placements(self.model, self._layer_params, self._embed_uses, self._head_params,
+                                        self.layout.stages, segments)
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank trains (its segments' layers, embedding and head as placed)."""
         return _unique(p for k in range(self.layout.segments) for p in self.segment_parameters(k))
 
-    def segment_parameters(self, segment: int) -> list[nn.Parameter]:
-        """The parameters segment `segment` of this stage uses (embedding / head included)."""
+    def _placed(self, segment: int) -> list[nn.Parameter]:
+        """Every parameter segment `segment` of this stage uses (embedding / head included), frozen ones too."""
         params = [p for i in self.layout.layers_of(segment) for p in self._layer_params[i]]
         if self.layout.is_first(segment):
             params = [*self._embed_params, *params]
         if self.layout.is_last(segment):
             params += self._head_params
-        return params
+        return _unique(params)
+
+    def segment_parameters(self, segment: int) -> list[nn.Parameter]:
+        """What segment `segment` of this stage trains: its parameters that require grad (frozen
+        ones are placed, reported by state_dict(), never stepped nor synced)."""
+        return [p for p in self._placed(segment) if p.requires_grad]
 
     def embed(self, tokens: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, object]:
         """stack.embed(tokens, where): on virtual stage 0 differentiable, elsewhere only for its ctx
@@ -164,7 +174,9 @@ class Stage:
         forward_segment runs it (the last of `repeats` runs; gradients returned, not accumulated).
         A collective over the TP group when tp > 1."""
         index = self.layout.layers_of(0)[0]
-        x = torch.randn(shape, dtype=dtype, requires_grad=True)
+        device = next((p.device for p in self._layer_params[index]), None)
+        x = torch.randn(shape, dtype=dtype, device=device, generator=torch.Generator(device or "cpu").manual_seed(0))
+        x.requires_grad_(True)
         inputs = [x, *(p for p in self._layer_params[index] if p.requires_grad)]
         for _ in range(repeats):
             start = time.perf_counter()
@@ -243,6 +255,29 @@ class StageInput(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.sink[ctx.key] = grad
         return None, None, None, None
+
+
+def placement_of_layer(index: int, layers: int, stages: int, segments: int) -> tuple[int, int]:
+    """(segment, stage) holding layer `index` (StageLayout's folding, seen from any stage)."""
+    per_segment = layers // segments
+    return index // per_segment, (index % per_segment) // (per_segment // stages)
+
+
+def shared_across_placements(model: nn.Module, layer_params: list[list[nn.Parameter]],
+                             embed_params: list[nn.Parameter], head_params: list[nn.Parameter],
+                             stages: int, segments: int) -> Optional[str]:
+    """The name of a parameter used at two (segment, stage) placements, or None.
+
+        place(layer i) = placement_of_layer(i);  place(embedding) = (0, 0);  place(head) = (ns-1, p-1)"""
+    places: dict[int, set[tuple[int, int]]] = {}
+    for i, params in enumerate(layer_params):
+        for p in params:
+            places.setdefault(id(p), set()).add(placement_of_layer(i, len(layer_params), stages, segments))
+    for params, place in ((embed_params, (0, 0)), (head_params, (segments - 1, stages - 1))):
+        for p in params:
+            places.setdefault(id(p), set()).add(place)
+    names = {id(p): n for n, p in model.named_parameters()}
+    return next((names.get(i, "?") for i, where in places.items() if len(where) > 1), None)
 
 
 def _unique(params) -> list[nn.Parameter]:
