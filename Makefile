@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo demo-gpt test bench clean
+.PHONY: setup demo demo-gpt test bench clean cuda-build gpu-check
 
 setup: $(STAMP)
 
@@ -27,6 +27,16 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench primitives
+
+# oases._C as a CUDAExtension (sm_80, sm_90) against the CUDA build of the pinned torch, in
+# .venv-cuda; checks that it imports there and reports CUDA (CI runs it; see .ci/cuda_build.sh).
+cuda-build:
+	bash .ci/cuda_build.sh
+
+# On a machine with GPUs: cuda-build, the test suite on NCCL, every bench suite, one results file
+# per GPU type (bench/gpu_check.py). Without a GPU: a message and exit code 2.
+gpu-check:
+	$(PYTHON) -m bench all --device cuda
 
 clean:
 	rm -rf $(VENV) build *.egg-info python_api/*.egg-info python_api/oases/_C*.so

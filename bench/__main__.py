@@ -6,6 +6,9 @@ Outside a distributed launch this re-launches itself on N ranks:
 
 (torchrun when oases.launch is not installed, unshaped only). Inside a launch (RANK is set) it
 runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG and trace.
+
+`python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): see
+bench/gpu_check.py.
 """
 from __future__ import annotations
 
@@ -69,6 +72,10 @@ def _parser(load_suites: bool) -> tuple[argparse.ArgumentParser, dict[str, Modul
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["all"]:  # not a suite: build, test and bench on the GPUs (bench.gpu_check)
+        from bench import gpu_check
+
+        return gpu_check.main(argv[1:])
     inside = "RANK" in os.environ
     if inside or "-h" in argv or "--help" in argv:
         parser, modules = _parser(load_suites=True)

@@ -5,7 +5,17 @@
 Every operand is read through its own strides, so transposed and sliced views need no copy, and
 `out` may be a row slice of a larger buffer: the tiles are stored straight into it. Accumulation
 is fp32; bias and acc are added in fp32 in the epilogue; the result is cast to out's dtype.
+
+How a launch is made depends on where Triton runs (`launch_plan`):
+
+    on a GPU                  tl.dot in the input dtype (fp16/bf16 tensor cores; fp32 as torch's
+                              matmul precision says), fp32 accumulator; autotuned over GPU_TILES
+                              (the first call per (M, N, K) times them, later calls reuse the pick)
+    TRITON_INTERPRET=1 (CPU)  operands upcast to fp32 before tl.dot (the interpreter's bf16 dot is
+                              wrong; exact for fp16/bf16) and one config, INTERPRETER_TILES
+                              (multi-config autotuning needs a driver to time candidates)
 """
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -18,7 +28,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class Tiles:
-    """One launch config: multi-config @triton.autotune needs a GPU driver to time candidates."""
+    """One launch config: tile sizes, grouped ordering, warps and software-pipeline stages."""
 
     block_m: int = 64
     block_n: int = 64
@@ -27,8 +37,48 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
 
+    def config(self) -> "triton.Config":
+        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
+                              "GROUP_M": self.group_m}, num_warps=self.num_warps, num_stages=self.num_stages)
 
-DEFAULT_TILES = Tiles()
+
+INTERPRETER_TILES = Tiles()
+DEFAULT_TILES = INTERPRETER_TILES  # the name older callers use
+
+# Candidates for sm_80 / sm_90 (the shapes of the Triton matmul tutorial's list), small enough
+# that the first call's tuning stays short: large square tiles for big pieces, narrow ones for
+# the thin pieces a ring cuts a shard into.
+GPU_TILES: tuple[Tiles, ...] = (
+    Tiles(128, 256, 64, 8, num_warps=8, num_stages=3),
+    Tiles(128, 128, 32, 8, num_warps=4, num_stages=4),
+    Tiles(128, 64, 32, 8, num_warps=4, num_stages=4),
+    Tiles(64, 128, 32, 8, num_warps=4, num_stages=4),
+    Tiles(64, 64, 64, 8, num_warps=4, num_stages=3),
+    Tiles(32, 64, 32, 8, num_warps=2, num_stages=5),
+)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to launch: upcast before tl.dot or not, and the configs (one: as is; several: autotune)."""
+
+    upcast: bool
+    tiles: tuple[Tiles, ...]
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "off")
+
+
+def launch_plan(interpret: bool) -> LaunchPlan:
+    """The interpreter-safe plan under TRITON_INTERPRET=1, the GPU plan otherwise (see the module doc)."""
+    if interpret:
+        return LaunchPlan(upcast=True, tiles=(INTERPRETER_TILES,))
+    return LaunchPlan(upcast=False, tiles=GPU_TILES)
 
 
 @triton.jit
@@ -37,7 +87,7 @@ def _gemm_kernel(
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk,
     stride_om, stride_on, stride_am, stride_an, stride_b,
-    HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M consecutive row tiles sweep the column tiles together, so the
@@ -62,10 +112,12 @@ def _gemm_kernel(
     result = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = rk < K - k0
-        # Upcast before tl.dot: exact for fp16/bf16, and the interpreter's bf16 dot is wrong.
-        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        result = tl.dot(a, b, result, input_precision=INPUT_PRECISION)
+        a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong; exact for fp16/bf16
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        result = tl.dot(a, b, result, input_precision=INPUT_PRECISION)  # fp32 accumulator
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
@@ -79,8 +131,16 @@ def _gemm_kernel(
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# The autotuned launcher for GPUs. `out` is restored after each timed candidate: with acc = out
+# (an in-place accumulate) the timing runs would otherwise add the product several times.
+_gemm_kernel_tuned = triton.autotune(
+    configs=[t.config() for t in GPU_TILES], key=["M", "N", "K"], restore_value=["out_ptr"],
+)(_gemm_kernel)
+
+
 def _input_precision(dtype: torch.dtype) -> str:
-    # fp16/bf16 upcast to fp32 fit tf32's 10-bit mantissa exactly; fp32 follows torch's setting.
+    # fp16/bf16 upcast to fp32 fit tf32's 10-bit mantissa exactly (and a 16-bit dot ignores the
+    # setting); fp32 follows torch's setting.
     if dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
@@ -93,27 +153,42 @@ def launch_gemm(
     *,
     bias: Optional[torch.Tensor] = None,
     acc: Optional[torch.Tensor] = None,
-    tiles: Tiles = DEFAULT_TILES,
+    tiles: Optional[Tiles] = None,
+    plan: Optional[LaunchPlan] = None,
 ) -> None:
-    """out[:M, :N] = x @ weight.T (+ bias) (+ acc); the caller has checked every argument."""
+    """out[:M, :N] = x @ weight.T (+ bias) (+ acc); the caller has checked every argument.
+
+    plan: default launch_plan(interpreting()). tiles: launch with exactly this config (no
+    autotuning), keeping the plan's upcast choice.
+    """
     M, K = x.shape
     N = weight.shape[0]
     if M == 0 or N == 0:
         return
-    grid = (triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n),)
+    plan = plan if plan is not None else launch_plan(interpreting())
+    if tiles is not None:
+        plan = LaunchPlan(plan.upcast, (tiles,))
     acc_strides = acc.stride() if acc is not None else (0, 0)
-    _gemm_kernel[grid](
+    args = (
         x, weight, out,
         bias if bias is not None else out,  # placeholders are never read: HAS_* is False
         acc if acc is not None else out,
         M, N, K,
         *x.stride(), *weight.stride(), *out.stride(), *acc_strides,
         bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, HAS_ACC=acc is not None,
-        INPUT_PRECISION=_input_precision(x.dtype),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    flags = dict(HAS_BIAS=bias is not None, HAS_ACC=acc is not None,
+                 INPUT_PRECISION=_input_precision(x.dtype), UPCAST=plan.upcast)
+    if len(plan.tiles) == 1:
+        t = plan.tiles[0]
+        grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
+        _gemm_kernel[grid](*args, **flags, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                           GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
+    else:
+        def grid(meta):
+            return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+        _gemm_kernel_tuned[grid](*args, **flags)
 
 
 def _names(dtypes: Sequence[torch.dtype]) -> str:

@@ -9,11 +9,17 @@ fails it when `timeout` expires. Either way every child is killed before this re
 costs seconds, never the suite. The store lives in this process on a port the OS picked, so no
 free-port race. Ranks are forked from a forkserver that has torch preloaded (fast, and free of
 the OpenMP-after-fork deadlock). Put many checks in one `fn` to pay the start-up once.
+
+Device: `harness_device()` is OASES_TEST_DEVICE (cpu | cuda), else cuda where GPUs exist, else
+cpu. On cpu the ranks run gloo, as always. On cuda each rank gets GPU `rank % device_count` and
+a process group with a backend per device ("cpu:gloo,cuda:nccl"): tests that put their tensors on
+`harness_device()` run on NCCL; tests written for CPU tensors keep running on gloo.
 """
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -21,6 +27,27 @@ import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
+
+_DEVICES = ("cpu", "cuda")
+
+
+def harness_device() -> str:
+    """The device of the suite's distributed tests: "cpu" (gloo) or "cuda" (NCCL)."""
+    chosen = os.environ.get("OASES_TEST_DEVICE", "").strip().lower()
+    if chosen and chosen not in _DEVICES:
+        raise ValueError(f"OASES_TEST_DEVICE: expected one of {', '.join(_DEVICES)} (or unset), got {chosen!r}")
+    import torch
+
+    if chosen == "cuda" and not torch.cuda.is_available():
+        raise ValueError("OASES_TEST_DEVICE=cuda, but torch sees no GPU (torch.cuda.is_available() is False)")
+    if chosen:
+        return chosen
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backend(device: str) -> str:
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
 
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
@@ -33,9 +60,12 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
 
     torch.set_num_threads(1)
     try:
+        device = harness_device()
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
@@ -47,7 +77,8 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo, or see harness_device);
+    return the results by rank."""
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout))
     results = _CONTEXT.Queue()

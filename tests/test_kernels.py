@@ -1,6 +1,8 @@
-"""Triton GEMM kernels against torch (fp64 oracle), under TRITON_INTERPRET=1 (see conftest.py)."""
+"""Triton GEMM kernels against torch (fp64 oracle), under TRITON_INTERPRET=1 (see conftest.py),
+or compiled for the GPU when the harness runs on CUDA (tensors on harness_device())."""
 import pytest
 import torch
+from _spawn import harness_device
 
 from oases_kernels import linear_accumulate, linear_into
 from oases_kernels._gemm import Tiles, launch_gemm
@@ -15,9 +17,12 @@ TOL = {
 M, N, K = 37, 45, 70  # none a multiple of a tile: every mask is exercised
 
 
+DEVICE = harness_device()
+
+
 def _rand(*shape, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(DEVICE)
 
 
 def _reference(x, weight, bias=None, acc=None):
@@ -32,7 +37,7 @@ def _reference(x, weight, bias=None, acc=None):
 
 def _nan(*shape, dtype):
     """An output buffer whose unwritten elements cannot pass a comparison."""
-    return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

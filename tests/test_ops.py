@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _spawn import run_ranks
+from _spawn import harness_device, run_ranks
 
 import oases.comm
 import oases.comm.ring as ring_module
@@ -272,8 +272,8 @@ def test_bad_inputs_raise_on_every_rank_before_communicating():
 
 
 def _check_kernel_path(rank, p):
-    """The CUDA path (Triton linear_into, and linear_accumulate in the reduce-scatter pipeline),
-    forced on CPU tensors under TRITON_INTERPRET, against the single-process model."""
+    """The CUDA path's Triton GEMM (linear_into for each gathered piece; main_grad is covered in
+    test_gpu_path.py), forced on CPU tensors under TRITON_INTERPRET, against the single-process model."""
     from oases.ops import _gemm
 
     _gemm._use_triton = lambda x: True
@@ -286,5 +286,6 @@ def _check_kernel_path(rank, p):
     return cases
 
 
+@pytest.mark.skipif(harness_device() != "cpu", reason="forces Triton on CPU tensors: the interpreter only")
 def test_kernel_path_matches_single_process():
     assert run_ranks(_check_kernel_path, 2, timeout=120) == [6, 6]

@@ -1,10 +1,12 @@
 """Process groups for tensor parallelism, with communication on high-priority streams on CUDA.
 
-On NCCL, the ring steps of `oases.comm` and `oases.ops` run on the process group's own CUDA
-streams, and `work.wait()` makes the computing stream wait for them by event: no host
-synchronisation. Creating the group with `is_high_priority_stream` puts those streams at priority
--1 (what TransformerEngine and PyTorch's async TP use), so a chunk's transfer is scheduled ahead of
-the GEMMs it overlaps. On gloo (CPU) the option does not exist and a plain group is made.
+On NCCL, the ring steps of `oases.comm` and `oases.ops` are posted and waited for from a
+high-priority (-1) stream of Oases' own (`oases.comm._streams`); the transfers themselves run on
+the process group's internal NCCL streams. Creating the group with `is_high_priority_stream`
+puts those at priority -1 too (what TransformerEngine and PyTorch's async TP use), so a piece's
+transfer is scheduled ahead of the GEMMs it overlaps. Groups made elsewhere (the default group of
+`init_process_group`) get the same with TORCH_NCCL_HIGH_PRIORITY=1, which `python -m bench all`
+sets. On gloo (CPU) the option does not exist and a plain group is made.
 """
 from __future__ import annotations
 

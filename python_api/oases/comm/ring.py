@@ -10,6 +10,12 @@ travel opposite ways round the ring ("lanes"). Each ring step of one piece is on
 The schedules are generators: they yield after each piece, with the next pieces already in
 flight, so a caller computes on a piece while later ones travel (see `oases.ops`).
 
+Who waits for whom is the `side` of `oases.comm._streams`: on CPU the host thread waits for each
+transfer; on CUDA the steps are posted, waited for and (reduce-scatter) accumulated on a
+high-priority comm stream of Oases' own, so the caller's compute stream waits only where it
+reads a received piece (all-gather) or the result (the end of a reduce-scatter), by events, and
+the host never waits.
+
     all-gather, p=2, chunks=2 (rank 0):
       comm : |send own0/recv 1.0|send own1/recv 1.1|
       yield: own0 own1 |1.0 (consume)    |1.1 (consume)
@@ -25,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from oases import _checks
+from oases.comm._streams import _Side, side_for
 from oases.comm._topology import Ring, ring_of
 
 __all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce", "all_gather_steps", "reduce_scatter_steps"]
@@ -59,14 +66,20 @@ def _wait(works: list[dist.Work]) -> None:
 
 
 def _all_gather_rows(
-    shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool, tag: int = 0
+    shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool, tag: int = 0,
+    side: Optional[_Side] = None,
 ) -> Iterator[slice]:
     """Gather `shard` ([n, ...], contiguous) from every rank into `out` ([p*n, ...], contiguous).
 
     Yields slices of `out`'s rows as they become valid: this rank's pieces first, then the
     received pieces in arrival order. While the caller holds a yielded slice, the pieces after it
-    are in flight.
+    are in flight. On CUDA a received piece is forwarded from the comm stream as soon as it has
+    arrived, never behind the caller's GEMMs:
+
+        compute: | own0 | own1 |(wait ev 1.0) 1.0 |(wait ev 1.1) 1.1 |
+        comm   : post 0.*  |wait 1.0, post 2.0, ev|wait 1.1, post 2.1, ev|     (p > 2: forward)
     """
+    side = side if side is not None else side_for(out)
     n, p, r = shard.shape[0], ring.size, ring.rank
     own = out[r * n : (r + 1) * n]
     if own.data_ptr() != shard.data_ptr():
@@ -88,15 +101,19 @@ def _all_gather_rows(
         return _post(ring, lane[0], out[rows(block_sent(step, lane), k, lane)],
                      out[rows(block_received(step, lane), k, lane)], tag)
 
-    pending = {(0, k, i): post(0, k, lane) for k in range(chunks) for i, lane in enumerate(lanes) if p > 1}
+    side.handoff(out)  # the comm side sends this rank's rows: after the copy above
+    with side.comm():
+        pending = {(0, k, i): post(0, k, lane) for k in range(chunks) for i, lane in enumerate(lanes) if p > 1}
     for k in range(chunks):
         yield slice(r * n + k * m, r * n + (k + 1) * m)
     for step in range(p - 1):
         for k in range(chunks):
             for i, lane in enumerate(lanes):
-                _wait(pending.pop((step, k, i)))
-                if step + 1 < p - 1:  # forward what just arrived while the caller consumes it
-                    pending[(step + 1, k, i)] = post(step + 1, k, lane)
+                with side.comm():
+                    _wait(pending.pop((step, k, i)))  # on CUDA: the comm stream waits
+                    if step + 1 < p - 1:  # forward what just arrived while the caller consumes it
+                        pending[(step + 1, k, i)] = post(step + 1, k, lane)
+                side.to_compute()  # the caller reads the piece that arrived
                 yield rows(block_received(step, lane), k, lane)
 
 
@@ -106,8 +123,8 @@ def _reduce_scatter_rows(
     ring: Ring,
     chunks: int,
     bidirectional: bool,
-    accumulate: Optional[Callable[[slice, torch.Tensor], None]] = None,
     tag: int = 0,
+    side: Optional[_Side] = None,
 ) -> Iterator[slice]:
     """out ([n, ...], contiguous) = sum over ranks of each rank's rows [r*n, (r+1)*n).
 
@@ -117,15 +134,20 @@ def _reduce_scatter_rows(
     in time. Yields each produced slice after its partial sum has been posted, so the caller can
     do more work while it travels.
 
-    With `accumulate(rows, acc)` (acc += this rank's contribution to rows, in place: a GEMM with
-    an accumulate epilogue), every step after the first waits for the partial sum first and
-    accumulates into it, instead of computing the contribution while it arrives and adding it
-    after: one pass over the partial fewer, for devices where waiting does not block the host.
+    Each contribution is produced before the partial sum it extends is waited for, and only the
+    accumulate (received partial += contribution) waits for the transfer. On CUDA the wait, the
+    accumulate and the next send run on the comm stream, so the compute stream runs every
+    contribution's GEMM back to back and waits once, at the end, for `out`:
+
+        compute: | P1.0 | P1.1 | P0.0        | P0.1        |(wait ev) out ready
+        comm   :   |post P1.0|post P1.1|wait P0.0', += P0.0|wait P0.1', += P0.1| ev
     """
+    side = side if side is not None else side_for(out)
     n, p, r = out.shape[0], ring.size, ring.rank
     m = n // chunks
     lanes = _lanes(m, bidirectional)
     pending: dict[tuple[int, int], tuple[list[dist.Work], torch.Tensor, torch.Tensor]] = {}
+    side.handoff(out)  # the comm side writes the sums into out
     for step in range(p):
         for k in range(chunks):
             for i, (direction, offset, count) in enumerate(lanes):
@@ -133,28 +155,27 @@ def _reduce_scatter_rows(
                 block = (r - direction * (step + 1)) % p
                 rows = slice(block * n + k * m + offset, block * n + k * m + offset + count)
                 mine = out[k * m + offset : k * m + offset + count]
-                if step == 0:
-                    acc = produce(rows)
-                    if p == 1:
-                        mine.copy_(acc)
-                else:
-                    works, _sent, acc = pending.pop((k, i))
-                    if accumulate is not None:
-                        _wait(works)
-                        accumulate(rows, acc)
-                        if step == p - 1:
-                            mine.copy_(acc)
+                part = produce(rows)  # compute side: computed while the partial sum arrives
+                if p == 1:
+                    mine.copy_(part)
+                    yield rows
+                    continue
+                side.handoff(part)
+                with side.comm():
+                    if step == 0:
+                        acc = part
                     else:
-                        part = produce(rows)  # computed while the partial sum arrives
-                        _wait(works)
+                        works, _sent, acc = pending.pop((k, i))
+                        _wait(works)  # on CUDA: the comm stream waits
                         if step == p - 1:
                             torch.add(acc, part, out=mine)
                         else:
                             acc.add_(part)
-                if step < p - 1:
-                    recv = torch.empty_like(acc)
-                    pending[(k, i)] = (_post(ring, direction, acc, recv, tag), acc, recv)
+                    if step < p - 1:
+                        recv = torch.empty_like(acc)
+                        pending[(k, i)] = (_post(ring, direction, acc, recv, tag), acc, recv)
                 yield rows
+    side.to_compute()  # the caller reads out
 
 
 def _to_rows(t: torch.Tensor, dim: int) -> torch.Tensor:

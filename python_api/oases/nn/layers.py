@@ -27,6 +27,16 @@ all-reduce backward), so .grad holds the sum over ranks -- the full gradient -- 
 backward returns, with no optimizer- or DDP-side hook to remember (one all-reduce of `out`
 elements per backward).
 
+Gradient-accumulation fusion (opt-in, `gradient_accumulation_fusion=True`, Megatron's name):
+the weight's gradient is added, in fp32, into `weight.main_grad` (an fp32 tensor of the weight's
+shape, created zeroed by the first forward that needs it) instead of being returned to autograd:
+`weight.grad` stays None, and with bf16/fp16 weights the products are summed in fp32 inside the
+backward GEMMs rather than rounded to 16 bits per call and summed in fresh buffers. The caller
+owns main_grad: read it for the optimizer step, then `weight.main_grad.zero_()`. The bias
+gradient is unaffected (.grad, as usual).
+
+    backward:  weight.main_grad += dL/dweight   (fp32)      weight.grad: None
+
 Initialisation: the full layer is built with nn.Linear's own init (same RNG draws as
 `nn.Linear(in, out)`) on every rank, and each rank keeps its shard. With the same
 `torch.manual_seed` on every rank the shards tile exactly the weights the unsharded layer would
@@ -44,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks, ops
+from oases.ops import _gemm
 from oases._sharding import ShardRule, column_shard, row_shard
 from oases.comm._topology import ring_of
 from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
@@ -97,6 +108,50 @@ class _SharedEntry:
         self._last = None
 
 
+class _LinearMainGrad(torch.autograd.Function):
+    """y = F.linear(x, weight, bias); backward: main_grad += grad_w in fp32, no grad for weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, main_grad):
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad, ctx.has_bias = main_grad, bias is not None
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [m, o]
+        grad_x = torch.matmul(grad_y, weight) if need_x else None
+        if need_w:
+            _gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
+        grad_b = g2.sum(0) if ctx.has_bias and need_b else None
+        return grad_x, None, grad_b, None
+
+
+def _main_grad(layer: nn.Module) -> Optional[torch.Tensor]:
+    """`layer.weight.main_grad` when this forward's weight gradient goes there, else None."""
+    weight = layer.weight
+    if not layer.gradient_accumulation_fusion or not (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    if getattr(weight, "main_grad", None) is None:
+        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    _gemm.check_main_grad(weight.main_grad, weight)
+    return weight.main_grad
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+            main_grad: Optional[torch.Tensor]) -> torch.Tensor:
+    if main_grad is None:
+        return nn.functional.linear(x, weight, bias)
+    return _LinearMainGrad.apply(x, weight, bias, main_grad)
+
+
+def _check_flag(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a bool, got {value!r}")
+
+
 def _resolve_chunks(chunks: Optional[int]) -> Optional[int]:
     if chunks is not None:
         _checks.chunks_arg(chunks)
@@ -119,6 +174,7 @@ class ColumnParallelLinear(nn.Module):
     [q_r | k_r | v_r] and a model's `split` into equal thirds still finds q, k and v.
     `chunks`: pieces per shard for all_gather_linear's overlap (None: the op chooses); unused
     without sequence parallelism, where the forward has no communication to hide.
+    `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
     """
 
     def __init__(
@@ -132,12 +188,15 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         chunks: Optional[int] = None,
         stacked: int = 1,
+        gradient_accumulation_fusion: bool = False,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
+        _check_flag(type(self).__name__, "gradient_accumulation_fusion", gradient_accumulation_fusion)
         ring = ring_of(group)
         check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_features, self.out_features = in_features, out_features
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -166,8 +225,10 @@ class ColumnParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main_grad = _main_grad(self)
         if self.sequence_parallel:
-            y = ops.all_gather_linear(x, self.weight, self.bias, self.group, dim=0, chunks=self.chunks)
+            y = ops.all_gather_linear(x, self.weight, self.bias, self.group, dim=0, chunks=self.chunks,
+                                      main_grad=main_grad)
         else:
             if not self._communicate:
                 pass  # the caller all-reduces the input's gradient (no_tp_communication)
@@ -175,7 +236,7 @@ class ColumnParallelLinear(nn.Module):
                 x = copy_to_tp(x, self.group)
             else:
                 x = self._entry.enter(x)
-            y = nn.functional.linear(x, self.weight, self.bias)  # [..., out/p]
+            y = _linear(x, self.weight, self.bias, main_grad)  # [..., out/p]
         if not self.gather_output:
             return y
         y = gather_from_tp(y, self.group)  # [..., p * out/p] in rank order: [r][block][features]
@@ -189,8 +250,9 @@ class ColumnParallelLinear(nn.Module):
              f"{self.weight.shape[0]})")
         if self.stacked > 1:
             s += f", stacked={self.stacked}"
-        return s + (f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
-                    f"chunks={self.chunks}")
+        s += (f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
+              f"chunks={self.chunks}")
+        return s + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else "")
 
 
 class RowParallelLinear(nn.Module):
@@ -206,6 +268,7 @@ class RowParallelLinear(nn.Module):
                                                                    # bwd: grad_x all-gathered,
                                                                    # grad_bias all-reduced (full)
     `chunks`: pieces for the fused op's overlap (None: the op chooses).
+    `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
     """
 
     def __init__(
@@ -218,12 +281,15 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         chunks: Optional[int] = None,
+        gradient_accumulation_fusion: bool = False,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
+        _check_flag(type(self).__name__, "gradient_accumulation_fusion", gradient_accumulation_fusion)
         ring = ring_of(group)
         check_shardable(type(self).__name__, "in_features", in_features, ring.size)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_features, self.out_features = in_features, out_features
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
@@ -250,21 +316,25 @@ class RowParallelLinear(nn.Module):
         return _from_linear(cls, linear, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        main_grad = _main_grad(self)
         if not self._communicate:
-            return nn.functional.linear(x, self.weight)  # this rank's partial sum; the caller reduces
+            return _linear(x, self.weight, None, main_grad)  # this rank's partial sum; the caller reduces
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
         if self.sequence_parallel:
             # Each rank's grad_bias covers its s/p rows only: copy_to_tp sums it over the ranks.
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
-            return ops.linear_reduce_scatter(x, self.weight, bias, self.group, dim=0, chunks=self.chunks)
-        return ops.linear_all_reduce(x, self.weight, self.bias, self.group, chunks=self.chunks)
+            return ops.linear_reduce_scatter(x, self.weight, bias, self.group, dim=0, chunks=self.chunks,
+                                             main_grad=main_grad)
+        return ops.linear_all_reduce(x, self.weight, self.bias, self.group, chunks=self.chunks,
+                                     main_grad=main_grad)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
                 f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}")
+                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
+                + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else ""))
 
 
 @contextlib.contextmanager

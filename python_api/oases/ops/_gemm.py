@@ -1,12 +1,25 @@
 """The compute side of the fused ops: `out = x @ W.T (+ bias)` written into a caller's slice.
 
-Paths are chosen by named predicates only:
-  _use_triton(x)       CUDA fp32/fp16/bf16 tensors with Triton importable: oases_kernels.linear_into, and
-                       linear_accumulate for the reduce-scatter pipeline (accumulate_linear)
-  _needs_row_padding(x) CPU BLAS (MKL) takes a different kernel below 16 rows, whose results
-                        differ in the last bit; such pieces are computed padded to 16 rows so a
-                        row's result never depends on how the rows were chunked.
-  otherwise            torch.addmm / torch.mm into the output slice.
+Paths are chosen by named predicates only. On CUDA, Triton runs only where it fuses something
+cuBLAS does not do in one call; every other GEMM is cuBLAS (torch.mm / torch.addmm with out=):
+
+  linear_into_gathered   all_gather_linear's forward: each arriving piece's rows of y
+      _use_triton(x)       CUDA fp32/fp16/bf16 with Triton importable: oases_kernels.linear_into
+                           stores the tiles straight into the slice of the gathered output, bias
+                           added in the epilogue
+      otherwise            linear_into
+  linear_into            torch.addmm / torch.mm into the output slice (cuBLAS on CUDA)
+      _needs_row_padding(x) CPU BLAS (MKL) takes a different kernel below 16 rows, whose results
+                            differ in the last bit; such pieces are computed padded to 16 rows so
+                            a row's result never depends on how the rows were chunked.
+  accumulate_main_grad   main_grad += grad_y.T @ x in fp32 (Megatron's gradient-accumulation
+                         fusion) for 16-bit x
+      _use_triton(x)       oases_kernels.linear_accumulate: 16-bit tl.dot, fp32 accumulator,
+                           main_grad added and stored in fp32 by the epilogue (one pass)
+      otherwise            fp32 addmm_ of the upcast operands (exact products, fp32 sums)
+
+The reduce-scatter's accumulate of a received partial is not fused into a GEMM: that GEMM would
+have to wait for the transfer (see oases.comm.ring); it is an elementwise add on the comm side.
 """
 from __future__ import annotations
 
@@ -28,6 +41,7 @@ def _triton_available() -> bool:
 
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -39,12 +53,8 @@ def _needs_row_padding(x: torch.Tensor) -> bool:
 
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
-    """out[...] = x @ weight.T (+ bias), for 2-D x [m, k] and out [m, n] (a contiguous slice)."""
-    if _use_triton(x):
-        import oases_kernels
-
-        oases_kernels.linear_into(x, weight, out, 0, bias)
-    elif _needs_row_padding(x):
+    """out[...] = x @ weight.T (+ bias), for 2-D x [m, k] and out [m, n] (a contiguous slice); cuBLAS on CUDA."""
+    if _needs_row_padding(x):
         padded = x.new_zeros((_SMALL_GEMM_ROWS, x.shape[1]))
         padded[: x.shape[0]].copy_(x)
         result = padded.new_empty((_SMALL_GEMM_ROWS, weight.shape[0]))
@@ -56,11 +66,16 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         torch.addmm(bias, x, weight.t(), out=out)
 
 
-def accumulate_linear(x: torch.Tensor, weight: torch.Tensor, acc: torch.Tensor) -> None:
-    """acc += x @ weight.T in place (x [..., k], acc [..., o]), with the Triton accumulate epilogue."""
-    import oases_kernels
+def linear_into_gathered(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor
+) -> None:
+    """linear_into for a piece of a gathered input: Triton stores into the slice on CUDA."""
+    if _use_triton(x):
+        import oases_kernels
 
-    oases_kernels.linear_accumulate(rows2d(x), weight, rows2d(acc), out=rows2d(acc))
+        oases_kernels.linear_into(x, weight, out, 0, bias)
+    else:
+        linear_into(x, weight, bias, out)
 
 
 def rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +97,7 @@ def default_chunks(rows_per_shard: int, row_elems: int) -> int:
 
 def weight_grad_buffer(weight: torch.Tensor) -> torch.Tensor:
     """A zeroed accumulator for a weight gradient summed over pieces (fp32 for 16-bit weights)."""
-    low = weight.dtype in (torch.float16, torch.bfloat16)
+    low = weight.dtype in _LOW_PRECISION
     return torch.zeros(weight.shape, dtype=torch.float32 if low else weight.dtype, device=weight.device)
 
 
@@ -92,3 +107,33 @@ def accumulate_weight_grad(acc: torch.Tensor, grad_y: torch.Tensor, x: torch.Ten
         acc.addmm_(grad_y.t(), x)
     else:
         acc.add_(torch.mm(grad_y.t(), x))
+
+
+def check_main_grad(main_grad: Optional[torch.Tensor], weight: torch.Tensor) -> None:
+    """main_grad: None, or an fp32 tensor of weight's shape on weight's device."""
+    if main_grad is None:
+        return
+    if not isinstance(main_grad, torch.Tensor):
+        raise TypeError(f"main_grad: expected a torch.Tensor or None, got {type(main_grad).__name__}")
+    if main_grad.dtype != torch.float32:
+        raise TypeError(f"main_grad: must be float32 (the fp32 gradient accumulator), got {main_grad.dtype}")
+    if main_grad.shape != weight.shape or main_grad.device != weight.device:
+        raise ValueError(f"main_grad: must have weight's shape {tuple(weight.shape)} on {weight.device}, "
+                         f"got {tuple(main_grad.shape)} on {main_grad.device}")
+
+
+def accumulate_main_grad(main_grad: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:
+    """main_grad += grad_y.T @ x in fp32, for 2-D grad_y [m, o] and x [m, k] of any float dtype.
+
+    16-bit operands are multiplied exactly (upcast, or tensor cores with an fp32 accumulator on
+    CUDA) and summed in fp32, with no rounding to 16 bits in between.
+    """
+    if grad_y.dtype not in _LOW_PRECISION:
+        main_grad.addmm_(grad_y.t().to(main_grad.dtype), x.to(main_grad.dtype))
+    elif _use_triton(grad_y):
+        import oases_kernels
+
+        # out [o, k] = grad_y.T [o, m] @ (x.T [k, m]).T + main_grad, read through strides.
+        oases_kernels.linear_accumulate(grad_y.t(), x.t(), main_grad, out=main_grad)
+    else:
+        main_grad.addmm_(grad_y.t().float(), x.float())

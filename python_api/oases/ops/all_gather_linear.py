@@ -9,6 +9,9 @@ bwd: dual: grad_x is a pipelined ring reduce-scatter of grad_y @ W. If W needs a
      weight-gradient GEMM while both rings travel. Without a gradient for W there is no
      re-gather; without one for x, the re-gather alone, each piece's weight-gradient GEMM run
      while the next piece travels.
+On CUDA the forward's per-piece GEMM is Triton (oases_kernels.linear_into: tiles stored straight
+into the piece's slice of y, bias in the epilogue); backward's GEMMs are cuBLAS. The rings run on
+Oases' comm stream (oases.comm.ring): the compute stream waits only for the piece it reads next.
 
     forward, p=2, chunks=1 (rank 0):
       comm:  |--- x1 arrives ---|
@@ -31,24 +34,26 @@ from oases import _checks
 from oases.comm._topology import Ring, ring_of
 from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
 from oases.ops import _gemm
+from oases.planner.chunks import op_chunks
 
 __all__ = ["all_gather_linear"]
 
 
 class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool):
+    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool,
+                main_grad: Optional[torch.Tensor]):
         shard = x.movedim(dim, 0).contiguous()  # [n, ..., k]
         n = shard.shape[0]
         gathered = shard.new_empty((ring.size * n, *shard.shape[1:]))  # [p n, ..., k]
         y = shard.new_empty((ring.size * n, *shard.shape[1:-1], weight.shape[0]))  # [p n, ..., o]
         for rows in _all_gather_rows(shard, gathered, ring, chunks, bidirectional):
-            _gemm.linear_into(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
+            _gemm.linear_into_gathered(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
         # Only the weight gradient reads x: keep this rank's shard (the input itself), re-gathered
         # in backward; the gathered copy dies here.
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
         ctx.ring, ctx.dim, ctx.chunks, ctx.bidirectional = ring, dim, chunks, bidirectional
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.main_grad = bias is not None, main_grad
         return y
 
     @staticmethod
@@ -58,7 +63,8 @@ class _AllGatherLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()  # [p n, ..., o]
         grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
-        grad_w = _gemm.weight_grad_buffer(weight) if need_w else None
+        main_grad = ctx.main_grad if need_w else None
+        grad_w = _gemm.weight_grad_buffer(weight) if need_w and main_grad is None else None
         arrived: Iterator[slice] = iter(())  # rows of the re-gathered x, as they become valid
         if need_w:
             shard = x.movedim(ctx.dim, 0).contiguous()  # [n, ..., k]
@@ -68,7 +74,11 @@ class _AllGatherLinear(torch.autograd.Function):
             arrived = itertools.chain([next(ring_pieces)], ring_pieces)
 
         def weight_grad(rows: slice) -> None:
-            _gemm.accumulate_weight_grad(grad_w, _gemm.rows2d(grad_y[rows]), _gemm.rows2d(gathered[rows]))
+            g, xs = _gemm.rows2d(grad_y[rows]), _gemm.rows2d(gathered[rows])
+            if main_grad is not None:
+                _gemm.accumulate_main_grad(main_grad, g, xs)
+            else:
+                _gemm.accumulate_weight_grad(grad_w, g, xs)
 
         grad_x = None
         if need_x:
@@ -85,7 +95,7 @@ class _AllGatherLinear(torch.autograd.Function):
             weight_grad(rows)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def all_gather_linear(
@@ -97,6 +107,7 @@ def all_gather_linear(
     dim: int = 0,
     chunks: Optional[int] = None,
     bidirectional: bool = False,
+    main_grad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Linear of the input gathered from every rank along `dim` (the column-parallel pattern).
 
@@ -110,14 +121,19 @@ def all_gather_linear(
     is this rank's shard of the output features). Only x (not the gathered input) is kept for
     backward, which gathers it again if `weight` needs a gradient: one more all-gather of x per
     backward, overlapped with the grad_x reduce-scatter, for p times less saved activation.
+
+    main_grad (fp32, weight's shape): backward adds weight's gradient into it in fp32
+    (`main_grad += grad_w`, Megatron's gradient-accumulation fusion) and returns none for weight.
     """
     dim = _checks.sharded_linear("all_gather_linear", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
-    if chunks is None:
-        chunks = _gemm.default_chunks(x.shape[dim], row_elems)
+    if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.planner.chunks.op_chunks)
+        chunks = op_chunks(ring.size * x.shape[dim] * row_elems, x.shape[-1], weight.shape[0], divides=x.shape[dim],
+                           comm_bytes=(ring.size - 1) * x.numel() * x.element_size())
     _checks.chunks_arg(chunks)
     _checks.divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
+    _gemm.check_main_grad(main_grad, weight)
     with torch.profiler.record_function("oases::all_gather_linear"):
-        y = _AllGatherLinear.apply(x, weight, bias, ring, dim, chunks, bidirectional)
+        y = _AllGatherLinear.apply(x, weight, bias, ring, dim, chunks, bidirectional, main_grad)
     return y.movedim(0, dim)

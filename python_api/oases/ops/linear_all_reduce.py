@@ -4,6 +4,10 @@ fwd: the rows are cut into `chunks` pieces; each piece's all-reduce is started a
      (the backend's own: NCCL's stream, gloo's threads) as soon as its GEMM is done, and runs
      while the next pieces' GEMMs compute.
 bwd: dual: identity for the all-reduce, so grad_x = grad_y @ W locally, with no communication.
+GEMMs are cuBLAS (torch.mm into each piece's rows) on CUDA; each piece's all-reduce runs on the
+process group's NCCL stream, which waits (by event) for the compute stream at the moment the
+all-reduce is issued, that is for this piece's GEMM, and the compute stream waits for the
+all-reduces only before the bias add.
 
     forward, p=2, chunks=3:
       gemm: | Y0 = X0 W^T | Y1 = X1 W^T | Y2 = X2 W^T |
@@ -24,13 +28,14 @@ import torch.distributed as dist
 from oases import _checks
 from oases.comm._topology import Ring, ring_of
 from oases.ops import _gemm
+from oases.planner.chunks import op_chunks
 
 __all__ = ["linear_all_reduce"]
 
 
 class _LinearAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, chunks: int):
+    def forward(ctx, x, weight, bias, ring: Ring, chunks: int, main_grad: Optional[torch.Tensor]):
         x2 = x.reshape(-1, x.shape[-1])  # [m, k]
         y = x2.new_empty((*x.shape[:-1], weight.shape[0]))  # [..., o], returned as is (no view)
         y2 = y.view(-1, weight.shape[0])  # [m, o]
@@ -48,7 +53,7 @@ class _LinearAllReduce(torch.autograd.Function):
         if bias is not None:
             y2.add_(bias)
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.main_grad = bias is not None, main_grad
         return y
 
     @staticmethod
@@ -57,9 +62,13 @@ class _LinearAllReduce(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
         grad_x = torch.matmul(grad_y, weight) if need_x else None
-        grad_w = g2.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+        grad_w = None
+        if need_w and ctx.main_grad is not None:
+            _gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
+        elif need_w:
+            grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias and need_b else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def linear_all_reduce(
@@ -69,6 +78,7 @@ def linear_all_reduce(
     group: Optional[dist.ProcessGroup] = None,
     *,
     chunks: Optional[int] = None,
+    main_grad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """All-reduced linear of a feature shard (the row-parallel pattern without sequence parallel).
 
@@ -78,13 +88,18 @@ def linear_all_reduce(
     The flattened rows are cut into `chunks` near-equal pieces (any row count works); each
     piece's all-reduce overlaps the next piece's GEMM. Backward needs no communication (the
     all-reduce's adjoint is the identity on a replicated grad_y), so grad_bias is complete.
+
+    main_grad (fp32, weight's shape): backward adds weight's gradient into it in fp32
+    (`main_grad += grad_w`, Megatron's gradient-accumulation fusion) and returns none for weight.
     """
     _checks.floating("x", x)
     _checks.weight_bias(x, weight, bias)
     ring = ring_of(group)
     rows = x.numel() // max(x.shape[-1], 1)
-    if chunks is None:
-        chunks = 2 if rows >= 128 else 1
+    if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.planner.chunks.op_chunks)
+        chunks = op_chunks(rows, x.shape[-1], weight.shape[0], divides=None, max_chunks=max(1, min(8, rows)),
+                           comm_bytes=2 * (ring.size - 1) / ring.size * rows * weight.shape[0] * x.element_size())
     _checks.chunks_arg(chunks)
+    _gemm.check_main_grad(main_grad, weight)
     with torch.profiler.record_function("oases::linear_all_reduce"):
-        return _LinearAllReduce.apply(x, weight, bias, ring, chunks)
+        return _LinearAllReduce.apply(x, weight, bias, ring, chunks, main_grad)

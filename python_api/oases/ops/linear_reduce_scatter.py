@@ -4,6 +4,9 @@ fwd: each block's partial product is computed just before it is sent; the partia
      from the previous rank is added to it (ring reduce-scatter), bias added once at the end.
 bwd: dual: ring all-gather of grad_y, each piece's grad_x and weight-gradient GEMMs run while the
      next piece travels.
+GEMMs are cuBLAS (torch.mm) on CUDA: each block's product is computed on the compute stream
+before the partial sum it extends is waited for; the wait and the add run on Oases' comm stream
+(oases.comm.ring), so no GEMM queues behind a transfer.
 
     forward, p=2, chunks=1 (rank 0):
       gemm:  | P1 = x[1] W^T | P0 = x[0] W^T |
@@ -22,28 +25,25 @@ from oases import _checks
 from oases.comm._topology import Ring, ring_of
 from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
 from oases.ops import _gemm
+from oases.planner.chunks import op_chunks
 
 __all__ = ["linear_reduce_scatter"]
 
 
 class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool):
+    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool,
+                main_grad: Optional[torch.Tensor]):
         rows = x.movedim(dim, 0).contiguous()  # [p n, ..., k]
         n = rows.shape[0] // ring.size
         y = rows.new_empty((n, *rows.shape[1:-1], weight.shape[0]))  # [n, ..., o]
-        accumulate = _gemm.accumulate_linear if _gemm._use_triton(rows) else None
-        pieces = _reduce_scatter_rows(
-            lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional,
-            accumulate and (lambda r, acc: accumulate(rows[r], weight, acc)),
-        )
-        for _ in pieces:
+        for _ in _reduce_scatter_rows(lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional):
             pass
         if bias is not None:
             y.add_(bias)
         ctx.save_for_backward(rows, weight)
         ctx.ring, ctx.dim, ctx.chunks, ctx.bidirectional = ring, dim, chunks, bidirectional
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.main_grad = bias is not None, main_grad
         return y
 
     @staticmethod
@@ -52,7 +52,8 @@ class _LinearReduceScatter(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()  # [n, ..., o]
         grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
-        grad_w = _gemm.weight_grad_buffer(weight) if need_w else None
+        main_grad = ctx.main_grad if need_w else None
+        grad_w = _gemm.weight_grad_buffer(weight) if need_w and main_grad is None else None
         grad_x = torch.empty_like(rows) if need_x else None  # [p n, ..., k]
         if need_x or need_w:
             gathered = grad_y.new_empty((rows.shape[0], *grad_y.shape[1:]))  # [p n, ..., o]
@@ -60,13 +61,15 @@ class _LinearReduceScatter(torch.autograd.Function):
                 g = _gemm.rows2d(gathered[r])
                 if need_x:
                     torch.mm(g, weight, out=_gemm.rows2d(grad_x[r]))
-                if need_w:
+                if main_grad is not None:
+                    _gemm.accumulate_main_grad(main_grad, g, _gemm.rows2d(rows[r]))
+                elif need_w:
                     _gemm.accumulate_weight_grad(grad_w, g, _gemm.rows2d(rows[r]))
         if grad_x is not None:
             grad_x = grad_x.movedim(0, ctx.dim)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def linear_reduce_scatter(
@@ -78,6 +81,7 @@ def linear_reduce_scatter(
     dim: int = 0,
     chunks: Optional[int] = None,
     bidirectional: bool = False,
+    main_grad: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reduce-scatter of a feature-sharded linear (the sequence-parallel row-parallel pattern).
 
@@ -88,15 +92,21 @@ def linear_reduce_scatter(
     Each partial product is computed while the previous one travels, and the partial sum
     received is accumulated into it. The bias is added once, after the reduction. grad_bias is
     this rank's contribution (sum over ranks for the gradient of a shared bias).
+
+    main_grad (fp32, weight's shape): backward adds weight's gradient into it in fp32
+    (`main_grad += grad_w`, Megatron's gradient-accumulation fusion) and returns none for weight.
     """
     dim = _checks.sharded_linear("linear_reduce_scatter", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
-    if chunks is None and x.shape[dim] % ring.size == 0:
-        chunks = _gemm.default_chunks(x.shape[dim] // ring.size, row_elems)
+    if chunks is None and x.shape[dim] % ring.size == 0:  # Centauri's Algorithm 1 (oases.planner.chunks)
+        chunks = op_chunks(x.shape[dim] * row_elems, x.shape[-1], weight.shape[0], divides=x.shape[dim] // ring.size,
+                           comm_bytes=(ring.size - 1) / ring.size * x.numel() // x.shape[-1] * weight.shape[0]
+                           * x.element_size())
     chunks = 1 if chunks is None else chunks
     _checks.chunks_arg(chunks)
     _checks.full_divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
+    _gemm.check_main_grad(main_grad, weight)
     with torch.profiler.record_function("oases::linear_reduce_scatter"):
-        y = _LinearReduceScatter.apply(x, weight, bias, ring, dim, chunks, bidirectional)
+        y = _LinearReduceScatter.apply(x, weight, bias, ring, dim, chunks, bidirectional, main_grad)
     return y.movedim(0, dim)
