@@ -17,13 +17,24 @@ ranks) with oases.models.GPT on the existing runtime:
 Reports per configuration predicted / measured / error, and over all: Spearman's rank
 correlation and the mean and largest |error| (targets: Spearman >= 0.9, within 20%); a scatter
 plot (PNG). Links differ between runs, not within one: run the suite at several --bandwidth.
+
+`--mixed` times a per-layer plan instead (the Oases Table II pattern): with the same measured
+profile, oases.planner.plan_degrees picks a degree per layer under a per-rank memory budget
+(default: halfway between uniform degree 1 and uniform degree 2, so degree 1 everywhere does not
+fit), and the suite measures GPT(config, group, tp_degrees=planned) against the uniform plans
+[2]*L and [1]*L on the same runtime (forward + backward, blocking collectives), and against
+train_step on the overlapped "oases" schedule at TP 2 (the best uniform runtime without tp_degrees):
+
+    python -m bench planner --bandwidth 250mbit --mixed --hiddens 128 --layers 4 --batch 16
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import replace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -32,7 +43,7 @@ import torch.distributed as dist
 from bench import profile as _profile
 from bench._report import Table
 from oases.models import GPT, GPTConfig
-from oases.planner import ModelShape, Workload, step_cost
+from oases.planner import ModelShape, Workload, plan_degrees, step_cost
 from oases.planner.profile import profile_from_dict
 
 VARIANTS = (("megatron", 1), ("merak", 2), ("cross_pass", 2), ("oases", 2), ("oases", 4))
@@ -45,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
+    parser.add_argument("--mixed", action="store_true",
+                        help="time the planner's per-layer plan against the uniform plans (see above)")
+    parser.add_argument("--memory-budget", type=float, default=None,
+                        help="with --mixed: per-rank bytes (default: halfway between uniform degree 1 and 2)")
 
 
 def _flat_all_reduce(model: torch.nn.Module) -> None:
@@ -92,6 +107,9 @@ def run(args, ctx) -> list[dict]:
 
         tokens = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
         targets = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
+        if args.mixed:
+            records += _mixed_case(ctx, config, shape, profile, tokens, targets, args.memory_budget)
+            continue
         half = slice(ctx.rank * batch // 2, (ctx.rank + 1) * batch // 2)
         steps, predicted = {}, {}
         for schedule, n in VARIANTS:
@@ -122,6 +140,8 @@ def run(args, ctx) -> list[dict]:
                             "error": (cost.time_s - t) / t, "profile_s": profile_s,
                             "overlap_efficiency": profile.overlap,
                             "profile": {"compute": compute, "head": head, "collectives": collectives}})
+    if args.mixed:
+        return records
     predicted_all = [r["predicted_s"] for r in records]
     measured_all = [r["measured_s"] for r in records]
     rho = _spearman(predicted_all, measured_all) if len(records) > 2 else float("nan")
@@ -134,7 +154,61 @@ def run(args, ctx) -> list[dict]:
     return records
 
 
+def _mixed_case(ctx, config: GPTConfig, shape: ModelShape, profile, tokens: torch.Tensor, targets: torch.Tensor,
+                budget: Optional[float]) -> list[dict]:
+    """The planner's per-layer degrees under `budget` against the uniform plans, all measured."""
+    work = Workload(shape, rows=tokens.shape[0], tp=2, schedule="megatron", sub_batches=1)
+    uniform = {d: plan_degrees(work, profile, math.inf, degrees=(d,)) for d in (1, 2)}
+    budget = budget or (uniform[1].memory_bytes + uniform[2].memory_bytes) / 2
+    planned = plan_degrees(work, profile, budget)
+    plans = {"planned": planned.degrees, "uniform-2": (2,) * config.layers, "uniform-1": (1,) * config.layers}
+    steps = {}
+    for name, degrees in plans.items():
+        model = GPT(config, ctx.group, tp_degrees=list(degrees), seed=0)
+        steps[name] = (lambda m=model: m.train_step(tokens, targets))
+    overlapped = GPT(config, ctx.group, schedule="oases", seed=0)
+    steps["tp2-oases"] = lambda: overlapped.train_step(tokens, targets)
+    predicted = {name: plan_degrees(work, profile, math.inf, degrees=tuple(sorted(set(d))))
+                 if len(set(d)) == 1 else planned for name, d in plans.items()}
+    measured = ctx.timer.measure(steps)
+    fits = [name for name in ("uniform-1", "uniform-2") if predicted[name].memory_bytes <= budget]
+    best = min(fits, key=lambda name: measured[name].median, default=None)
+    records = []
+    for name, timing in measured.items():
+        p = predicted.get(name)
+        records.append({"case": "mixed", "config": name, "hidden": config.hidden, "layers": config.layers,
+                        "batch": tokens.shape[0], "seq_len": tokens.shape[1],
+                        "tp_degrees": list(plans.get(name, (2,) * config.layers)),
+                        "runtime": "train_step, schedule oases" if p is None else "tp_degrees: forward + backward",
+                        "predicted_s": None if p is None else p.time_s,
+                        "predicted_memory_bytes": None if p is None else p.memory_bytes,
+                        "fits_budget": None if p is None else p.memory_bytes <= budget,
+                        "memory_budget_bytes": budget, "measured_s": timing.median, "measured_min_s": timing.min,
+                        "best_fitting_uniform": best,
+                        "speedup_vs_best_fitting_uniform": None if best is None else measured[best].median / timing.median})
+    return records
+
+
+def _mixed_tables(records: list[dict]) -> list[Table]:
+    rows = [[r["config"], r["hidden"], str(r["tp_degrees"]), r["runtime"],
+             "-" if r["predicted_s"] is None else 1e3 * r["predicted_s"],
+             "-" if r["predicted_memory_bytes"] is None else r["predicted_memory_bytes"] / 1e6,
+             "-" if r["fits_budget"] is None else ("yes" if r["fits_budget"] else "no"), 1e3 * r["measured_s"],
+             "-" if r["speedup_vs_best_fitting_uniform"] is None else r["speedup_vs_best_fitting_uniform"]]
+            for r in records]
+    r0 = records[0]
+    return [Table(f"planner --mixed: per-layer plan vs uniform ({r0['layers']} layers, batch {r0['batch']} x "
+                  f"{r0['seq_len']}, memory budget {r0['memory_budget_bytes'] / 1e6:.2f} MB per rank)",
+                  ["config", "hidden", "degrees", "runtime", "predicted ms", "pred MB", "fits", "measured ms",
+                   "x vs best fitting uniform"], rows,
+                  ["predicted: oases.planner.plan_degrees (schedule megatron, 1 sub-batch) from the profile measured "
+                   "in this run; the tp_degrees runtime does not recompute, the megatron schedule's cost does",
+                   "the budget is declared, not this machine's: every plan fits in its RAM"])]
+
+
 def tables(records: list[dict]) -> list[Table]:
+    if records and records[0].get("case") == "mixed":
+        return _mixed_tables(records)
     rows = [[r["config"], r["hidden"], r["tp_degree"], r["sub_batches"], 1e3 * r["predicted_compute_s"],
              1e3 * r["predicted_comm_s"], 1e3 * r["predicted_s"], 1e3 * r["measured_s"], 100 * r["error"]]
             for r in records]
@@ -152,6 +226,8 @@ def tables(records: list[dict]) -> list[Table]:
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
+    if records and records[0].get("case") == "mixed":
+        return False
     import matplotlib
 
     matplotlib.use("Agg")

@@ -13,18 +13,34 @@ With no process group (or a group of one) the same module is the plain single-pr
 `GPT(config, seed=s)` on one process and `GPT(config, group, seed=s)` on each TP rank hold the
 same weights (each rank keeps its shard of the full initialisation), so their losses and
 gradients can be compared exactly.
+
+Per-layer TP degrees (`tp_degrees=[d_0, ..., d_{L-1}]`, each a power of two dividing p, e.g. from
+`oases.plan.load`): block l runs as p/d_l replicas, replica j on the d_l consecutive ranks
+j*d_l .. j*d_l + d_l - 1 and on row block j of p/d_l of the batch ("data parallel inside the
+group"); the embedding and the head run at degree p (the whole batch on every rank):
+
+    x = embed(tokens)                                 # [B, t, h] on every rank (degree p)
+    for l: x = reshard_rows(x, d_{l-1} -> d_l); x = block_l(x)    # [B d_l / p, t, h]
+    loss = head(reshard_rows(x, d_{L-1} -> p))
+    reshard_rows to a lower degree:  fwd: keep this rank's sub-block   bwd: all-gather the rows
+    reshard_rows to a higher degree: fwd: all-gather the rows          bwd: keep this rank's sub-block
+    (over the hi/lo ranks that share the higher degree's replica and the lower degree's TP position)
+and each parameter gradient of a block with d_l < p is summed over its p/d_l replicas (an
+all-reduce over the ranks at the same TP position, by a hook as autograd produces the gradient).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases import comm as _comm
 from oases._sharding import ShardRule, tp_rules
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
@@ -60,6 +76,117 @@ def _residual_dropout(y: torch.Tensor, p: float, seed: int, where: SubBatch) -> 
     full = torch.rand((where.batch, seq_len, *y.shape[2:]), generator=g, device=y.device)
     keep = full[where.rows][:, where.positions] >= p
     return y * keep.to(y.dtype) / (1.0 - p)
+
+
+# --- per-layer TP degrees -------------------------------------------------------------------------
+# Ranks are positions 0..p-1 in the model's group. At degree d, rank r is TP rank r % d of replica
+# r // d, which holds row block r // d of the batch's p / d blocks.
+
+
+class _RowsDown(torch.autograd.Function):
+    """fwd: keep sub-block `index` of `parts` along dim 0 (local); bwd: all-gather dim 0 over `group`.
+    Dual of _RowsUp."""
+
+    @staticmethod
+    def forward(ctx, x, group, parts: int, index: int):
+        ctx.group = group
+        n = x.shape[0] // parts
+        return x.narrow(0, index * n, n).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _comm.ring_all_gather(grad.contiguous(), ctx.group, dim=0), None, None, None
+
+
+class _RowsUp(torch.autograd.Function):
+    """fwd: all-gather dim 0 over `group` (`parts` ranks); bwd: keep sub-block `index`. Dual of _RowsDown."""
+
+    @staticmethod
+    def forward(ctx, x, group, parts: int, index: int):
+        ctx.parts, ctx.index = parts, index
+        return _comm.ring_all_gather(x.contiguous(), group, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[0] // ctx.parts
+        return grad.narrow(0, ctx.index * n, n).clone(memory_format=torch.contiguous_format), None, None, None
+
+
+def _sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A parameter gradient hook: the sum of `grad` over the replicas of its block (a new tensor)."""
+    return _comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), group)
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where this rank runs a block of TP degree `degree` (of a group of p ranks)."""
+
+    degree: int
+    tp_group: Optional[dist.ProcessGroup]       # the replica's `degree` consecutive ranks
+    replica_group: Optional[dist.ProcessGroup]  # the p / degree ranks at this TP position; None at degree p
+    replica: int                                # this rank's replica: rank // degree
+    replicas: int                               # p // degree
+
+    def rows(self, batch: int) -> slice:
+        n = batch // self.replicas
+        return slice(self.replica * n, (self.replica + 1) * n)
+
+
+def _check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]:
+    """The degrees as a tuple, or ValueError / TypeError (local checks: the same on every rank)."""
+    if isinstance(tp_degrees, (str, bytes)) or not isinstance(tp_degrees, Sequence):
+        raise TypeError(f"tp_degrees: expected a list of ints (one TP degree per layer, e.g. oases.plan.load(path)), "
+                        f"got {type(tp_degrees).__name__}")
+    degrees = tuple(tp_degrees)
+    if len(degrees) != layers:
+        raise ValueError(f"tp_degrees: expected one degree per layer ({layers}), got {len(degrees)}: {list(degrees)}")
+    for i, d in enumerate(degrees):
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise TypeError(f"tp_degrees[{i}]: expected an int, got {type(d).__name__}")
+        if d < 1 or d & (d - 1) or p % d:
+            raise ValueError(f"tp_degrees[{i}]: {d} is not a power of two dividing the group size {p} "
+                             f"(allowed: {[2 ** k for k in range(p.bit_length()) if p % 2 ** k == 0]})")
+    return degrees
+
+
+def _make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees: tuple[int, ...]
+                     ) -> tuple[dict[int, _Placement], dict[tuple[int, int], tuple[Optional[dist.ProcessGroup], int]]]:
+    """({degree: this rank's _Placement}, {(lo, hi): (resharding group, this rank's index in it)}).
+
+    Collective on every rank of the world (group == the world), in the same order everywhere:
+    for each degree d < p, the replicas' TP groups and the same-position groups; for each pair of
+    neighbouring degrees lo < hi (the embedding and head count as degree p), the groups of the
+    hi / lo ranks {r: r // hi, r % lo fixed}. A rank list made before is reused (so is `group`)."""
+    ranks = dist.get_process_group_ranks(group) if p > 1 else [0]
+    made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {tuple(range(p)): group}
+
+    def make(members: list[int]) -> None:  # every rank makes every group (non-members get a placeholder)
+        if tuple(members) not in made:
+            made[tuple(members)] = _comm.new_group([ranks[m] for m in members])
+
+    def own(members: range) -> Optional[dist.ProcessGroup]:  # a group this rank is in
+        return made[tuple(members)]
+
+    for d in sorted(set(degrees)):
+        for j in range(p // d):
+            make(list(range(j * d, (j + 1) * d)))
+        for t in range(d):
+            make(list(range(t, p, d)))
+    edges = sorted({tuple(sorted(pair)) for pair in zip((p, *degrees), (*degrees, p)) if pair[0] != pair[1]})
+    for lo, hi in edges:
+        for j in range(p // hi):
+            for t in range(lo):
+                make([j * hi + t + k * lo for k in range(hi // lo)])
+    placements = {}
+    for d in set(degrees):
+        j = me // d
+        placements[d] = _Placement(d, own(range(j * d, (j + 1) * d)),
+                                   None if d == p else own(range(me % d, p, d)), j, p // d)
+    rows = {}
+    for lo, hi in edges:
+        base = (me // hi) * hi + me % lo
+        rows[lo, hi] = (own(range(base, base + hi, lo)), (me % hi) // lo)
+    return placements, rows
 
 
 class _Sublayer(nn.Module):
@@ -151,11 +278,23 @@ class GPT(nn.Module):
     does `forward` + `backward` (blocking all-reduces on the autograd path). The model is an
     `oases.schedule.Stack`: `oases.train_step(model, input_ids, labels)` runs it too (with
     Hugging Face's shifted-label loss).
+
+    `tp_degrees=[d_0, ..., d_{L-1}]` (one per layer, each a power of two dividing p; e.g.
+    `oases.plan.load("plan.json")`): layer l runs at TP degree d_l as p/d_l replicas, each on its
+    d_l consecutive ranks of `group` and its block of the batch rows, resharding the rows between
+    layers of different degrees (see the module docstring); `group` must be the whole world
+    (the subgroups are made at construction, collectively on every rank). Same loss and per-shard
+    gradients as the single-process model; the batch must divide by p / min(tp_degrees).
+    `forward` + `backward` and `train_step` run it with blocking collectives on the autograd path
+    (`train_step` then ignores `schedule`: no sub-batch overlap, no recomputation).
+    vocab_parallel, sequence_parallel and offload do not combine with it (ValueError), nor do
+    `oases.train_step` and `oases.pipeline` (they need `layers()`, which then raises).
     """
 
     def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
                  schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False,
-                 sequence_parallel: bool = False, offload: Union[bool, Offloader] = False) -> None:
+                 sequence_parallel: bool = False, offload: Union[bool, Offloader] = False,
+                 tp_degrees: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
@@ -168,6 +307,17 @@ class GPT(nn.Module):
         self.config, self.schedule, self.sequence_parallel = config, schedule, sequence_parallel
         if not isinstance(offload, (bool, Offloader)):
             raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
+        self.tp_degrees: Optional[tuple[int, ...]] = None  # None: every layer at degree self.tp
+        if tp_degrees is not None:  # every check before the subgroups are made
+            self.tp_degrees = _check_tp_degrees(tp_degrees, config.layers, self.tp)
+            for name, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel),
+                                ("offload", offload)):
+                if value is not False:
+                    raise ValueError(f"{name}: not supported with per-layer tp_degrees; pass {name}=False "
+                                     f"(or tp_degrees=None)")
+            if self.tp > 1 and self.tp != dist.get_world_size():
+                raise ValueError(f"group: per-layer tp_degrees make subgroups on every rank of the world, so the "
+                                 f"group must be the whole world ({dist.get_world_size()} ranks), got {self.tp} ranks")
         self.offloader = Offloader() if offload is True else (offload or None)
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
         self.comm = Communicator(self.group, self.tp)
@@ -177,10 +327,23 @@ class GPT(nn.Module):
         else:
             self.wte = nn.Embedding(config.vocab_size, config.hidden)
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
-        self.blocks = nn.ModuleList(
-            nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group), _MLP(config, 2 * i + 1, self.tp, self.group)])
-            for i in range(config.layers)
-        )
+        if self.tp_degrees is None:
+            self.blocks = nn.ModuleList(
+                nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group), _MLP(config, 2 * i + 1, self.tp, self.group)])
+                for i in range(config.layers)
+            )
+        else:
+            self._placements, self._row_groups = _make_placements(self.group, self.tp, self.tp_rank, self.tp_degrees)
+            where = [self._placements[d] for d in self.tp_degrees]
+            self.blocks = nn.ModuleList(
+                nn.ModuleList([_Attention(config, 2 * i, at.degree, at.tp_group),
+                               _MLP(config, 2 * i + 1, at.degree, at.tp_group)])
+                for i, at in enumerate(where)
+            )
+            for block, at in zip(self.blocks, where):
+                if at.replica_group is not None:
+                    for param in block.parameters():
+                        param.register_hook(functools.partial(_sum_over_replicas, group=at.replica_group))
         self.norm_f = nn.LayerNorm(config.hidden)
         if self.logits_group is not None:
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, bias=False, group=self.group)
@@ -196,8 +359,9 @@ class GPT(nn.Module):
         rules = tp_rules(self)
         for name, p in self.named_parameters():
             shape, rule = list(p.shape), rules.get(name, (None,))[0]
+            rank, size = self._shard_position(name)
             if rule is not None:
-                shape[rule.dim] *= self.tp
+                shape[rule.dim] *= size
             if name.endswith("norm.weight") or name == "norm_f.weight":
                 full = torch.ones(shape)
             elif name.endswith("bias"):
@@ -205,12 +369,19 @@ class GPT(nn.Module):
             else:
                 std = std_out if name.endswith(("proj.weight", "fc2.weight")) and "blocks" in name else 0.02
                 full = torch.randn(shape, generator=g) * std
-            p.copy_(full if rule is None else rule.shard(full, self.tp_rank, self.tp))
+            p.copy_(full if rule is None else rule.shard(full, rank, size))
 
     def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full model's tensor `name` (a parameter or its gradient)."""
         rule = tp_rules(self).get(name, (None,))[0]
-        return full if rule is None else rule.shard(full, self.tp_rank, self.tp)
+        return full if rule is None else rule.shard(full, *self._shard_position(name))
+
+    def _shard_position(self, name: str) -> tuple[int, int]:
+        """(TP rank, TP size) of the parameter `name`: its block's degree with tp_degrees."""
+        if self.tp_degrees is None or not name.startswith("blocks."):
+            return self.tp_rank, self.tp
+        degree = self.tp_degrees[int(name.split(".")[1])]
+        return self.tp_rank % degree, degree
 
     # --- oases.schedule.Stack ---------------------------------------------------------------------
 
@@ -225,6 +396,10 @@ class GPT(nn.Module):
         return self.embed_tokens(input_ids), where
 
     def layers(self) -> list[tuple[_Sublayer, ...]]:
+        if self.tp_degrees is not None:
+            raise ValueError("tp_degrees: the schedules, oases.train_step and oases.pipeline run every layer on one TP "
+                             "group; a GPT with per-layer tp_degrees trains with model.train_step(tokens, targets) or "
+                             "model(tokens, targets).backward()")
         return [tuple(block) for block in self.blocks]
 
     def head(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
@@ -241,10 +416,23 @@ class GPT(nn.Module):
 
             loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
         With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
-        of the group's first rank and broadcast, so every rank uses the same masks)."""
+        of the group's first rank and broadcast, so every rank uses the same masks).
+
+        With `tp_degrees`: `loss = self(tokens, targets); loss.backward()` with blocking
+        collectives (`schedule` is not used; `sub_batches` and `memory` must be None)."""
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self.embed_tokens(tokens[:0])  # shape checks before any communication
+        if self.tp_degrees is not None:
+            for name, value in (("sub_batches", sub_batches), ("memory", memory)):
+                if value is not None:
+                    raise ValueError(f"{name}: a GPT with tp_degrees trains by forward + backward without sub-batches "
+                                     f"or recomputation; pass {name}=None")
+            self._check_rows(tokens)
+            seed = self.step_seed() if dropout_seed is None else dropout_seed
+            loss = self(tokens, targets, dropout_seed=seed)
+            loss.backward()
+            return loss.detach()
         check_step(tokens, targets, schedule=self.schedule, sub_batches=sub_batches,
                    sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
@@ -275,18 +463,57 @@ class GPT(nn.Module):
         identity). Dropout applies only with a `dropout_seed` (the masks `train_step` draws)."""
         x = self.embed_tokens(tokens)
         where = SubBatch(slice(0, tokens.shape[0]), tokens.shape[0], dropout_seed if self.training else None)
-        for layer in self.layers():
-            for s in layer:
-                h = s.norm(x)
-                if self.tp > 1:
-                    x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, self.group)), self.group), where)
-                else:
-                    x = x + s.finish(s.core(h), where)
+        if self.tp_degrees is not None:
+            x = self._per_layer_blocks(x, where)
+        else:
+            for layer in self.layers():
+                for s in layer:
+                    h = s.norm(x)
+                    if self.tp > 1:
+                        x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, self.group)), self.group), where)
+                    else:
+                        x = x + s.finish(s.core(h), where)
         if targets is not None:
             return self._loss_sum(self.head(x), targets) / targets.numel()
         if self.logits_group is not None:
             return gather_from_tp(self.head(x), self.group)
         return self.head(x)
+
+    def _check_rows(self, tokens: torch.Tensor) -> None:
+        """ValueError unless the batch splits into the replicas of every layer (before communication)."""
+        most = self.tp // min(self.tp_degrees)
+        if tokens.shape[0] % most:
+            raise ValueError(f"tokens: tp_degrees {list(self.tp_degrees)} run up to {most} replicas, each on an equal "
+                             f"block of the batch; got batch size {tokens.shape[0]} (use a multiple of {most})")
+
+    def _per_layer_blocks(self, x: torch.Tensor, where: SubBatch) -> torch.Tensor:
+        """The blocks at their own degrees: x [B, t, h] (degree p) -> [B, t, h] (degree p).
+
+            for block l at degree d:  x = reshard_rows(x, -> d)     # [B d / p, t, h], this replica's rows
+                                      x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))  # on its TP group
+            x = reshard_rows(x, -> p)"""
+        self._check_rows(x)
+        batch, degree = x.shape[0], self.tp
+        for block, d in zip(self.blocks, self.tp_degrees):
+            x, degree = self._reshard_rows(x, degree, d), d
+            at = self._placements[d]
+            rows = SubBatch(at.rows(batch), batch, where.seed)  # dropout masks: this replica's rows
+            for s in block:
+                h = s.norm(x)
+                if d > 1:
+                    x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, at.tp_group)), at.tp_group), rows)
+                else:
+                    x = x + s.finish(s.core(h), rows)
+        return self._reshard_rows(x, degree, self.tp)
+
+    def _reshard_rows(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """x in the row layout of degree a -> that of degree b (see the module docstring)."""
+        if a == b:
+            return x
+        lo, hi = min(a, b), max(a, b)
+        group, index = self._row_groups[lo, hi]
+        move = _RowsDown if b < a else _RowsUp
+        return move.apply(x, group, hi // lo, index)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""
