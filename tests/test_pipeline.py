@@ -110,6 +110,8 @@ def _train_cases(rank, world_size, cases):
             assert sched.dp_chunks > 0, where
         lazy = pp > 1 and pipe.segments > 1 and pipe.layout.stage == 0  # segment k -> k+1 activations
         assert (pipe.comm.lazy_receives == STEPS * m * (pipe.segments - 1)) if lazy else pipe.comm.lazy_receives == 0
+        if pp > 1:  # other stages' layers are freed on this rank
+            assert pipe.freed_bytes > 0 and any(p.numel() == 0 for p in pipe.model.parameters()), where
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
         assert held < set(want_state) if pp > 1 else held == set(want_state), where
         state = pipe.state_dict()

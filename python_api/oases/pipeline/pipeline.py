@@ -182,8 +182,9 @@ class Pipeline:
     rank calls it under `torch.manual_seed(seed)` (so parameters start as the single-process model
     made the same way), shards it with `oases.parallelize` over tp (unless already sharded) and
     sees it through `oases.train_step`'s adapters (Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-    GPT-NeoX, nanoGPT, any `oases.schedule.Stack` module). Every rank keeps the whole model as
-    built and trains its stage's parameters. The loss is the GPT's: mean over every token of
+    GPT-NeoX, nanoGPT, any `oases.schedule.Stack` module). Every rank builds the whole model,
+    then frees the parameters of other stages' layers once the layout is final (`freed_bytes`;
+    embedding and head stay on every rank: every stage runs the embedding for its ctx). The loss is the GPT's: mean over every token of
     cross_entropy(logits, targets), targets not shifted.
 
     `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
@@ -242,6 +243,9 @@ class Pipeline:
         self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler, device)
         self._configure(1 if segments == "auto" else segments,
                         1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
+        self.freed_bytes = 0  # parameters of other stages released (once the layout is final)
+        if not any(self._auto.values()):
+            self.freed_bytes = self.stage.release_unowned()
 
     def _configure(self, segments: int, dp_overlap_ratio: float) -> None:
         """Everything that depends on the segment count and r: layout, stage, optimizers, plan, sync."""
@@ -345,6 +349,7 @@ class Pipeline:
         self._auto = {key: False for key in self._auto}
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)
+        self.freed_bytes = self.stage.release_unowned()
 
     def _post_lazy(self, segment: int, step: _Step) -> None:
         """Stage 0, at segment k's first forward: post the receives of every micro-batch's

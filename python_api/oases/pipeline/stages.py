@@ -89,9 +89,10 @@ class Stage:
     Which parameters are the embedding's and which the head's is found by differentiating
     `stack.embed` and `stack.head` once on a one-token input (no communication unless the head
     gathers logits over TP); the parameters of layers are their sublayers' `parameters()` (nn.Module
-    sublayers, oases.models' branches). Every rank holds the whole model as built; it trains,
-    syncs and reports only its own parameters. Input and output embeddings tied across different
-    stages are refused (ValueError): their gradient would need a sum across stages.
+    sublayers, oases.models' branches). Every rank builds the whole model; it trains, syncs and
+    reports only its own parameters, and `release_unowned()` frees the ones it never uses. A
+    parameter used at two (segment, stage) placements (tied input and output embeddings across
+    stages or segments) is refused (ValueError): its gradient would need a sum across them.
     """
 
     def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
@@ -212,11 +213,35 @@ class Stage:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's entries of the full (TP-gathered) model's state dict: its parameters, and
-        the buffers on stage 0. A collective over the TP group (oases.full_state_dict)."""
-        full = full_state_dict(self.model)
+        the buffers on stage 0. A collective over the TP group (oases.full_state_dict of the
+        modules this stage owns whole; of the whole model if its parameters are not all in such
+        modules, which release_unowned() then refuses to free)."""
+        owned = _owned_modules(self.model, self._owned_keys)
+        full = full_state_dict(self.model if owned is None else owned)
         params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        keep = self._owned_keys | (set() if self.layout.stage else set(full) - params)
-        return {k: v for k, v in full.items() if k in keep}
+        mine = {k: v for k, v in full.items() if k in self._owned_keys}
+        if self.layout.stage == 0:  # buffers are never freed nor sharded: stage 0 reports them all
+            mine.update((k, v.detach().clone()) for k, v in self.model.state_dict().items() if k not in params)
+        return mine
+
+    def release_unowned(self) -> int:
+        """Free the parameters of other stages' layers, which this rank never runs (embedding and
+        head stay everywhere: every stage runs the embedding for its ctx, and a model's own
+        forward may run its final norm too). Their tensors become empty; the model's structure
+        stays. Returns the bytes freed (0 when this stage's parameters are not all in modules it
+        owns whole: then nothing is freed)."""
+        if _owned_modules(self.model, self._owned_keys) is None:
+            return 0
+        keep = {id(p) for p in (*self._embed_params, *self._head_params)}
+        keep |= {id(p) for k in range(self.layout.segments) for p in self._placed(k)}
+        freed = 0
+        with torch.no_grad():
+            for p in _unique(self.model.parameters()):
+                if id(p) not in keep and p.numel():
+                    freed += p.numel() * p.element_size()
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                    p.grad = None
+        return freed
 
 
 class _OffloadedLayer(torch.autograd.Function):
@@ -255,6 +280,33 @@ class StageInput(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.sink[ctx.key] = grad
         return None, None, None, None
+
+
+def _owned_modules(model: nn.Module, owned_keys: set[str]) -> Optional[nn.Module]:
+    """A module tree holding, at their own qualified names, the largest submodules of `model` whose
+    parameters are all in `owned_keys` (their state-dict keys are the model's); None when some owned
+    parameter sits in no such submodule (e.g. directly on a module that also holds others')."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    whole: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(w + ".") for w in whole):
+            continue
+        inside = [f"{name}.{n}" for n, _ in module.named_parameters(remove_duplicate=False)]
+        if inside and all(k in owned_keys for k in inside):
+            whole.append(name)
+    covered = {k for k in params if any(k.startswith(w + ".") for w in whole)}
+    if not owned_keys <= covered:
+        return None
+    root = nn.Module()
+    for name in whole:
+        parent = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, model.get_submodule(name))
+    return root
 
 
 def placement_of_layer(index: int, layers: int, stages: int, segments: int) -> tuple[int, int]:
