@@ -109,8 +109,15 @@ def plot_panels(panels: Sequence[Panel], path: str, title: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> bool:
+    """Lay out `fig`, write it to `path` as PNG (making its folder), close it; True (written)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return True

@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import copy
 import ctypes
-import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ import torch.nn.functional as F
 
 from bench import _metrics
 from bench._peers import CollectiveLog
-from bench._report import Table
+from bench._report import Table, save_figure
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
 from oases.schedule.runtime import _Task, _Work
@@ -432,8 +431,4 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     ax.set_ylabel("ms per training step (MAX over ranks)")
     ax.set_title(f"{records[0]['title']}\n{title}", fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)

@@ -27,11 +27,10 @@ GPU would keep.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from bench._report import Table
+from bench._report import Table, save_figure
 from oases.models import GPT, GPTConfig
 from oases.offload import ALIGNMENT, CopyEngine, HostSlab, Offloader
 from oases.schedule import CheckpointMemory
@@ -276,9 +275,5 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     right.set_ylabel("ms per training step (MAX over ranks)")
     right.set_title(f"GPT oases schedule, offload off / on (x{step['ratio_on_off']:.2f})", fontsize=9)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 

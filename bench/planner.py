@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from dataclasses import replace
 from typing import Optional
@@ -41,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from bench import profile as _profile
-from bench._report import Table
+from bench._report import Table, save_figure
 from oases.models import GPT, GPTConfig
 from oases.planner import ModelShape, Workload, plan_degrees, step_cost
 from oases.planner.profile import profile_from_dict
@@ -252,8 +251,4 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     rho = records[0]["spearman"]
     ax.set_title(f"{title}\nSpearman {rho if rho is None else round(rho, 3)}", fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench._report import Table, write_json
+from bench._report import Table, save_figure, write_json
 from oases.models import GPTConfig
 from oases.models.gpt import _MLP, _Attention  # the GPT's own sublayers: the planner models exactly these
 from oases.planner.profile import PROFILE_FORMAT, PROFILE_VERSION
@@ -307,8 +307,4 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     ax.set_ylabel("ms (MAX over ranks)")
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)

@@ -5,9 +5,9 @@
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from oases.planner._files import read_json
 from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
 
 __all__ = ["load", "read", "Plan"]
@@ -15,13 +15,7 @@ __all__ = ["load", "read", "Plan"]
 
 def read(path: str) -> dict[str, Any]:
     """The plan document at `path` (checked: an oases plan of a version this library reads)."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as err:
-        raise ValueError(f"path: cannot read {path!r} ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"path: {path!r} is not JSON ({err})") from None
+    doc = read_json(path, "path")
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         raise ValueError(f"path: {path!r} is not an oases plan (write one with `oases plan ...`)")
     if doc.get("version") != PLAN_VERSION:

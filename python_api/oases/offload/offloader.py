@@ -31,7 +31,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, replace
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Hashable, Iterable, Optional
 
 import torch
 

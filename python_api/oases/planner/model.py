@@ -10,11 +10,12 @@ element-wise work are left to the measured profile.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
+
+from oases.planner._files import read_json
 
 __all__ = ["ModelShape", "PRESETS", "SUBLAYERS", "load_model"]
 
@@ -120,12 +121,7 @@ def load_model(spec: str, *, seq_len: Optional[int] = None) -> ModelShape:
     if spec in PRESETS:
         shape = PRESETS[spec]
     elif os.path.exists(spec):
-        with open(spec) as f:
-            try:
-                config = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"model: {spec} is not JSON ({err})") from err
-        shape = _from_config(config, os.path.splitext(os.path.basename(spec))[0])
+        shape = _from_config(read_json(spec, "model"), os.path.splitext(os.path.basename(spec))[0])
     else:
         raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing config file")
     return shape if seq_len is None else replace(shape, seq_len=seq_len)

@@ -21,13 +21,13 @@ is FLOPs / flops_per_s.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from oases.planner._files import read_json
 from oases.planner.model import SUBLAYERS, ModelShape
 
 __all__ = ["LinkFit", "ComputeSample", "Profile", "analytical_profile", "load_profile", "parse_bytes",
@@ -214,14 +214,7 @@ def analytical_profile(*, flops_per_s: float, link: Union[str, float], latency_s
 def load_profile(path: str, *, link: Optional[Union[str, float]] = None) -> Profile:
     """Read a profile written by `python -m bench profile`. `link` replaces the measured link
     (its bandwidth, keeping the measured latency): plan for another network with this device's compute."""
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as err:
-        raise ValueError(f"profile: cannot read {path!r} ({err.strerror})") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"profile: {path!r} is not JSON ({err})") from None
-    return profile_from_dict(doc, link=link, source=path)
+    return profile_from_dict(read_json(path, "profile"), link=link, source=path)
 
 
 def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float]] = None,
