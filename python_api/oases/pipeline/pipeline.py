@@ -207,7 +207,10 @@ class Pipeline:
                                 times this stage's layers (MAX over ranks)
         dp_comm_s  = this stage's gradient sync over dp (a ring all-reduce of one bucket, scaled)
         pp_comm_s  = one activation between neighbouring stages (a ring exchange over pp)
-    Until then the pipeline runs as segments=1 (state_dict() works; no update is pending).
+    Until then the pipeline runs as segments=1 (state_dict() works; no update is pending). That
+    first step rebuilds `optimizers`, `stage` and `sync` (calling `optimizer` again): make LR
+    schedulers on `pipe.optimizers` after it. FOLD3D's rule models aiao; with gpipe or 1f1b,
+    "auto" means one segment.
     """
 
     def __init__(self, config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str = "1f1b",
@@ -232,7 +235,7 @@ class Pipeline:
                              "CPU tensors with gloo for now (a GPU pipeline needs NCCL, see the mesh check)")
         self._layers = len(self._stack.layers())
         self._make_optimizer, self._bucket_numel, self._chunk_bytes = optimizer, dp_bucket_numel, dp_chunk_bytes
-        self._auto = {"segments": segments == "auto" and schedule != "1f1b",
+        self._auto = {"segments": segments == "auto" and schedule == "aiao",  # the rule models aiao's overlap
                       "dp_overlap_ratio": dp_overlap_ratio == "auto"}
         self.measured: Optional[dict[str, float]] = None  # the times "auto" was chosen from
         self.offloader: Optional[Offloader] = Offloader() if offload is True else (offload or None)

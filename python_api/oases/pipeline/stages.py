@@ -87,8 +87,8 @@ class Stage:
     inside is recomputed in backward, TP all-reduces included.
 
     Which parameters are the embedding's and which the head's is found by differentiating
-    `stack.embed` and `stack.head` once on a one-token input (no communication unless the head
-    gathers logits over TP); the parameters of layers are their sublayers' `parameters()` (nn.Module
+    `stack.embed` and `stack.head` once on a one-token input (on every rank of the stage alike: a
+    vocab-parallel embedding or head communicates over TP there); the parameters of layers are their sublayers' `parameters()` (nn.Module
     sublayers, oases.models' branches). Every rank builds the whole model; it trains, syncs and
     reports only its own parameters, and `release_unowned()` frees the ones it never uses. A
     parameter used at two (segment, stage) placements (tied input and output embeddings across
