@@ -205,12 +205,13 @@ def _hf_golden(kind, optimizer, batch):
 
 
 def _train_hf_cases(rank, world_size, cases):
-    for kind, (dp, pp, tp), schedule, segments, m, optimizer, batch in cases:
-        where = f"{kind} dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} B={batch}"
+    for kind, (dp, pp, tp), schedule, segments, m, optimizer, batch, *options in cases:
+        options = options[0] if options else {}
+        where = f"{kind} dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} B={batch} {options}"
         want_losses, want_state = _hf_golden(kind, optimizer, batch)
         mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(lambda: _hf(kind), mesh, schedule=schedule, segments=segments, micro_batches=m,
-                        optimizer=OPTIMIZERS[optimizer], seed=SEED)
+                        optimizer=OPTIMIZERS[optimizer], seed=SEED, **options)
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
             torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
@@ -240,6 +241,7 @@ HF_CASES_4 = [
     ("qwen3", (2, 2, 1), "aiao", 2, 2, "sgd", 4),
     ("neox", (1, 2, 2), "gpipe", 1, 2, "sgd", 4),
     ("llama-frozen", (2, 2, 1), "aiao", 2, 2, "adamw", 4),    # frozen: unchanged; DP sums the others
+    ("llama-frozen", (1, 2, 2), "aiao", 2, 2, "sgd", 4, dict(offload=True)),  # frozen embedding, offloaded layers
 ]
 
 
@@ -355,7 +357,7 @@ def test_dp_chunks_bound_the_bytes_a_ring_piece_moves():
     assert chunks_for(1000, 4, 2, 1 << 18) == 1                 # small bucket: one piece per block
     assert chunks_for(4 << 20, 4, 2, 1 << 20) == 8              # 8 MiB block, 1 MiB pieces
     assert chunks_for(4 << 20, 4, 2, 3 << 20) == 3              # rounded up: pieces <= 3 MiB
-    assert chunks_for(10, 2, 4, 1) == 6                          # block of ceil(10 / 4) = 3 elements
+    assert chunks_for(10, 2, 4, 1) == 3                          # never more pieces than the block's 3 elements
 
 
 def test_stage_layout_folds_segments():

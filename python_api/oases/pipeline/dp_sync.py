@@ -47,8 +47,8 @@ def chunks_for(numel: int, element_size: int, dp: int, chunk_bytes: int) -> int:
 
         block = ceil(numel / dp) elements;  chunks = ceil(block * element_size / chunk_bytes)
     A PP transfer posted while the DP sync runs waits at most for the piece in flight."""
-    block = -(-numel // dp)
-    return max(1, -(-block * element_size // chunk_bytes))
+    block = max(1, -(-numel // dp))
+    return max(1, min(block, -(-block * element_size // chunk_bytes)))  # never more pieces than elements
 
 
 def buckets_of(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Parameter]]:
@@ -110,7 +110,8 @@ class SegmentSync:
         run, scaled to `numel`. A collective over dp: every DP rank calls it."""
         if self.dp == 1 or numel == 0:
             return 0.0
-        flat = torch.zeros(min(numel, self.bucket_numel), device=self.buckets[0][0][0].device)
+        device = next(b[0].device for buckets in self.buckets for b in buckets)
+        flat = torch.zeros(min(numel, self.bucket_numel), device=device)
         chunks = chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes)
         ring = lambda: self.scheduler.all_reduce(flat, self.group, chunks=chunks)  # noqa: E731
         self.scheduler.submit(ring).result()
@@ -136,7 +137,7 @@ class SegmentSync:
             if has == 0:
                 p.grad = None
             elif p.grad is None:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
             else:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()

@@ -135,13 +135,17 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
 
 
 def _check_backend(group: dist.ProcessGroup) -> None:
-    """The pipeline's transfers match by message tag (posted ahead, in any order), as gloo does;
-    NCCL runs one pair's transfers in posting order, where a receive posted ahead of a send to
-    the same peer can deadlock: refused until the transfers are ordered per peer (issue 12)."""
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend:
-        raise ValueError(f"mesh: the pipeline's groups use {backend!r}; oases.pipeline runs on gloo (CPU tensors) "
-                         "for now: its PP transfers rely on tag matching, which NCCL does not do. Use a 'cpu' mesh")
+    """The pipeline's transfers (CPU tensors) match by message tag (posted ahead, in any order), as
+    gloo does; NCCL runs one pair's transfers in posting order, where a receive posted ahead of a
+    send to the same peer can deadlock: a group whose CPU tensors would go over anything but gloo
+    is refused ("cpu:gloo,cuda:nccl" is fine: the pipeline's tensors take gloo)."""
+    config = str(dist.get_backend_config(group) if hasattr(dist, "get_backend_config") else dist.get_backend(group))
+    per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    cpu = per_device.get("cpu", config if not per_device else None)
+    if cpu != "gloo":
+        raise ValueError(f"mesh: the pipeline's groups use {config!r}, so its CPU tensors would not go over gloo; "
+                         "oases.pipeline runs on gloo for now (its PP transfers rely on tag matching, which NCCL "
+                         "does not do): init the process group with 'gloo' or 'cpu:gloo,cuda:nccl'")
 
 
 def _check_layers(what: str, layers: int, pp: int, segments: int) -> None:
@@ -194,6 +198,10 @@ class Pipeline:
     gradient buckets whose DP sync starts as soon as its backward ends (the rest start at the next
     train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
     `dp_chunk_bytes`: the most a DP ring piece moves (what a PP transfer may wait behind);
+    `offload` (True or an oases.offload.Offloader): the per-layer checkpoints go to host memory
+    in batches after each forward action and come back before their backward (`offload_stats`
+    after each step; bit-exact; the slab is sized by the first step, so a later step with larger
+    micro-batches raises SlabTooSmallError: pass an Offloader with a larger HostSlab then);
     `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
     Pipelines on one mesh share its groups and message tags: close() one (its DP sync may still
@@ -344,11 +352,11 @@ class Pipeline:
         segments = self.segments
         if self._auto["segments"]:
             segments = choose_segments(self._layers, self.pp, f, b, pp_s, dp_s, micro_batches=m)
+        if self.stage.shared_at(segments):  # e.g. tied embeddings at pp = 1: one segment keeps them together
+            segments = self.segments
         ratio = self.dp_overlap_ratio
         if self._auto["dp_overlap_ratio"]:
             ratio = dp_overlap_ratio(f, b, dp_s, segments=segments, micro_batches=m)
-        if self.stage.shared_at(segments):  # e.g. tied embeddings at pp = 1: one segment keeps them together
-            segments = self.segments
         self._auto = {key: False for key in self._auto}
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from oases._sharding import tp_rules
 from oases.checkpoint import full_state_dict
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import vocab_parallel_cross_entropy
@@ -83,8 +84,9 @@ class Stage:
         loss_sum = stage.loss_sum(y, targets, ctx)       # last virtual stage: summed token cross-entropy
         stage.segment_parameters(k), stage.state_dict()  # what it trains; the full model's state
 
-    Each layer runs under torch.utils.checkpoint (non-reentrant): only its input is kept, its
-    inside is recomputed in backward, TP all-reduces included.
+    Each layer runs under torch.utils.checkpoint (non-reentrant), or with offload under an
+    equivalent that keeps its input in an Offloader: only the input is kept, the inside is
+    recomputed in backward, TP all-reduces included.
 
     Which parameters are the embedding's and which the head's is found by differentiating
     `stack.embed` and `stack.head` once on a one-token input (on every rank of the stage alike: a
@@ -98,6 +100,7 @@ class Stage:
     def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
                  tp_group: Optional[dist.ProcessGroup]) -> None:
         self.model, self.stack, self.layout = model, stack, layout
+        self._anchor = torch.empty(0, requires_grad=True)  # see _OffloadedLayer
         distributed = dist.is_available() and dist.is_initialized()
         self.tp = dist.get_world_size(tp_group) if distributed and tp_group is not None else 1
         self.group = tp_group if self.tp > 1 else None
@@ -198,8 +201,8 @@ class Stage:
         for i in self.layout.layers_of(segment):
             if offload is None:
                 x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)
-            else:
-                x = _OffloadedLayer.apply(x, functools.partial(self._layer, i, ctx=ctx), *offload)
+            else:  # the anchor makes the output need grad even when x does not (a frozen embedding)
+                x = _OffloadedLayer.apply(x, self._anchor, functools.partial(self._layer, i, ctx=ctx), *offload)
         return x
 
     def loss_sum(self, x: torch.Tensor, targets: torch.Tensor, ctx: object) -> torch.Tensor:
@@ -246,11 +249,15 @@ class Stage:
 
 class _OffloadedLayer(torch.autograd.Function):
     """y = layer(x) with x kept in an Offloader, recomputed in backward (reentrant-style checkpoint:
-    the recomputation's backward accumulates the parameters' .grad and returns x's gradient)."""
+    the recomputation's backward accumulates the parameters' .grad and returns x's gradient; the
+    CPU random state of the forward is restored for it, as torch.utils.checkpoint does).
+    `anchor`: a tensor that requires grad, so the output does even when x does not."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layer, offloader: Offloader, group: Hashable, handles: list) -> torch.Tensor:
-        ctx.layer, ctx.offloader = layer, offloader
+    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, layer, offloader: Offloader, group: Hashable,
+                handles: list) -> torch.Tensor:
+        ctx.layer, ctx.offloader, ctx.needs_x = layer, offloader, x.requires_grad
+        ctx.rng = torch.get_rng_state()
         ctx.saved = offloader.save(x.detach(), group=group)
         handles.append(ctx.saved)
         with torch.no_grad():
@@ -258,12 +265,13 @@ class _OffloadedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x = ctx.offloader.get(ctx.saved).detach().requires_grad_(True)
+        x = ctx.offloader.get(ctx.saved).detach().requires_grad_(ctx.needs_x)
         ctx.offloader.release(ctx.saved)
-        with torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(ctx.rng)
             y = ctx.layer(x)
         torch.autograd.backward(y, grad)
-        return x.grad, None, None, None, None
+        return (x.grad if ctx.needs_x else None), None, None, None, None, None
 
 
 class StageInput(torch.autograd.Function):
@@ -297,6 +305,14 @@ def _owned_modules(model: nn.Module, owned_keys: set[str]) -> Optional[nn.Module
     covered = {k for k in params if any(k.startswith(w + ".") for w in whole)}
     if not owned_keys <= covered:
         return None
+    sharded = {k for k in tp_rules(model) if k in owned_keys}
+    if not sharded <= set(tp_rules(_tree(model, whole))):  # a tp_layout() above the owned modules
+        return None
+    return _tree(model, whole)
+
+
+def _tree(model: nn.Module, whole: list[str]) -> nn.Module:
+    """A module holding model's submodules `whole` at their own qualified names."""
     root = nn.Module()
     for name in whole:
         parent = root
