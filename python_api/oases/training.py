@@ -123,6 +123,9 @@ def train_step(
     LM or a nanoGPT-style model after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
     gradients of the unsharded model; every check runs before any communication.
     """
+    if getattr(model, "tp_degrees", None) is not None:  # GPT(tp_degrees=...) or parallelize(..., tp_degrees=...)
+        raise ValueError("tp_degrees: oases.train_step runs every layer on one TP group; a model with per-layer "
+                         "tp_degrees trains with loss = model(...) then loss.backward() (a GPT: model.train_step)")
     stack = adapt(model)
     if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable()

@@ -40,8 +40,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases import comm as _comm
 from oases._sharding import ShardRule, tp_rules
+from oases.nn._degrees import check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows, sum_over_replicas
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -76,117 +76,6 @@ def _residual_dropout(y: torch.Tensor, p: float, seed: int, where: SubBatch) -> 
     full = torch.rand((where.batch, seq_len, *y.shape[2:]), generator=g, device=y.device)
     keep = full[where.rows][:, where.positions] >= p
     return y * keep.to(y.dtype) / (1.0 - p)
-
-
-# --- per-layer TP degrees -------------------------------------------------------------------------
-# Ranks are positions 0..p-1 in the model's group. At degree d, rank r is TP rank r % d of replica
-# r // d, which holds row block r // d of the batch's p / d blocks.
-
-
-class _RowsDown(torch.autograd.Function):
-    """fwd: keep sub-block `index` of `parts` along dim 0 (local); bwd: all-gather dim 0 over `group`.
-    Dual of _RowsUp."""
-
-    @staticmethod
-    def forward(ctx, x, group, parts: int, index: int):
-        ctx.group = group
-        n = x.shape[0] // parts
-        return x.narrow(0, index * n, n).clone(memory_format=torch.contiguous_format)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _comm.ring_all_gather(grad.contiguous(), ctx.group, dim=0), None, None, None
-
-
-class _RowsUp(torch.autograd.Function):
-    """fwd: all-gather dim 0 over `group` (`parts` ranks); bwd: keep sub-block `index`. Dual of _RowsDown."""
-
-    @staticmethod
-    def forward(ctx, x, group, parts: int, index: int):
-        ctx.parts, ctx.index = parts, index
-        return _comm.ring_all_gather(x.contiguous(), group, dim=0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = grad.shape[0] // ctx.parts
-        return grad.narrow(0, ctx.index * n, n).clone(memory_format=torch.contiguous_format), None, None, None
-
-
-def _sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """A parameter gradient hook: the sum of `grad` over the replicas of its block (a new tensor)."""
-    return _comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), group)
-
-
-@dataclass(frozen=True)
-class _Placement:
-    """Where this rank runs a block of TP degree `degree` (of a group of p ranks)."""
-
-    degree: int
-    tp_group: Optional[dist.ProcessGroup]       # the replica's `degree` consecutive ranks
-    replica_group: Optional[dist.ProcessGroup]  # the p / degree ranks at this TP position; None at degree p
-    replica: int                                # this rank's replica: rank // degree
-    replicas: int                               # p // degree
-
-    def rows(self, batch: int) -> slice:
-        n = batch // self.replicas
-        return slice(self.replica * n, (self.replica + 1) * n)
-
-
-def _check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]:
-    """The degrees as a tuple, or ValueError / TypeError (local checks: the same on every rank)."""
-    if isinstance(tp_degrees, (str, bytes)) or not isinstance(tp_degrees, Sequence):
-        raise TypeError(f"tp_degrees: expected a list of ints (one TP degree per layer, e.g. oases.plan.load(path)), "
-                        f"got {type(tp_degrees).__name__}")
-    degrees = tuple(tp_degrees)
-    if len(degrees) != layers:
-        raise ValueError(f"tp_degrees: expected one degree per layer ({layers}), got {len(degrees)}: {list(degrees)}")
-    for i, d in enumerate(degrees):
-        if isinstance(d, bool) or not isinstance(d, int):
-            raise TypeError(f"tp_degrees[{i}]: expected an int, got {type(d).__name__}")
-        if d < 1 or d & (d - 1) or p % d:
-            raise ValueError(f"tp_degrees[{i}]: {d} is not a power of two dividing the group size {p} "
-                             f"(allowed: {[2 ** k for k in range(p.bit_length()) if p % 2 ** k == 0]})")
-    return degrees
-
-
-def _make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees: tuple[int, ...]
-                     ) -> tuple[dict[int, _Placement], dict[tuple[int, int], tuple[Optional[dist.ProcessGroup], int]]]:
-    """({degree: this rank's _Placement}, {(lo, hi): (resharding group, this rank's index in it)}).
-
-    Collective on every rank of the world (group == the world), in the same order everywhere:
-    for each degree d < p, the replicas' TP groups and the same-position groups; for each pair of
-    neighbouring degrees lo < hi (the embedding and head count as degree p), the groups of the
-    hi / lo ranks {r: r // hi, r % lo fixed}. A rank list made before is reused (so is `group`)."""
-    ranks = dist.get_process_group_ranks(group) if p > 1 else [0]
-    made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {tuple(range(p)): group}
-
-    def make(members: list[int]) -> None:  # every rank makes every group (non-members get a placeholder)
-        if tuple(members) not in made:
-            made[tuple(members)] = _comm.new_group([ranks[m] for m in members])
-
-    def own(members: range) -> Optional[dist.ProcessGroup]:  # a group this rank is in
-        return made[tuple(members)]
-
-    for d in sorted(set(degrees)):
-        for j in range(p // d):
-            make(list(range(j * d, (j + 1) * d)))
-        for t in range(d):
-            make(list(range(t, p, d)))
-    edges = sorted({tuple(sorted(pair)) for pair in zip((p, *degrees), (*degrees, p)) if pair[0] != pair[1]})
-    for lo, hi in edges:
-        for j in range(p // hi):
-            for t in range(lo):
-                make([j * hi + t + k * lo for k in range(hi // lo)])
-    placements = {}
-    for d in set(degrees):
-        j = me // d
-        placements[d] = _Placement(d, own(range(j * d, (j + 1) * d)),
-                                   None if d == p else own(range(me % d, p, d)), j, p // d)
-    rows = {}
-    for lo, hi in edges:
-        base = (me // hi) * hi + me % lo
-        rows[lo, hi] = (own(range(base, base + hi, lo)), (me % hi) // lo)
-    return placements, rows
 
 
 class _Sublayer(nn.Module):
@@ -333,7 +222,7 @@ class GPT(nn.Module):
                 for i in range(config.layers)
             )
         else:
-            self._placements, self._row_groups = _make_placements(self.group, self.tp, self.tp_rank, self.tp_degrees)
+            self._placements, self._row_groups = make_placements(self.group, self.tp, self.tp_rank, self.tp_degrees)
             where = [self._placements[d] for d in self.tp_degrees]
             self.blocks = nn.ModuleList(
                 nn.ModuleList([_Attention(config, 2 * i, at.degree, at.tp_group),
@@ -343,7 +232,7 @@ class GPT(nn.Module):
             for block, at in zip(self.blocks, where):
                 if at.replica_group is not None:
                     for param in block.parameters():
-                        param.register_hook(functools.partial(_sum_over_replicas, group=at.replica_group))
+                        param.register_hook(functools.partial(sum_over_replicas, group=at.replica_group))
         self.norm_f = nn.LayerNorm(config.hidden)
         if self.logits_group is not None:
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, bias=False, group=self.group)
@@ -508,12 +397,7 @@ class GPT(nn.Module):
 
     def _reshard_rows(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """x in the row layout of degree a -> that of degree b (see the module docstring)."""
-        if a == b:
-            return x
-        lo, hi = min(a, b), max(a, b)
-        group, index = self._row_groups[lo, hi]
-        move = _RowsDown if b < a else _RowsUp
-        return move.apply(x, group, hi // lo, index)
+        return reshard_rows(x, a, b, self._row_groups)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""

@@ -55,14 +55,29 @@ blocks are [s/p, b, h] sequence shards and the model itself sums its norms' grad
 ranks. Hugging Face models are not, so asking for it on one raises a ValueError; for them,
 `oases.train_step(model, ..., sequence_parallel=True)` keeps the residual stream sequence-sharded
 between sublayers itself.
+
+Per-layer TP degrees (tp_degrees=[d_0, ..., d_{L-1}], one per decoder layer at
+model.base_model.layers, each a power of two dividing p; e.g. oases.plan.load(path)): decoder
+layer l is sharded over the d_l consecutive ranks of its replica and runs on that replica's
+block of the batch rows (p / d_l replicas; d_l = 1: left unsharded), as oases.models.GPT does:
+
+    x = embed(input_ids)                                    # [B, t, h] on every rank (degree p)
+    for l: x = layer_l(reshard_rows(x, d_{l-1} -> d_l), **kwargs cut to the same rows)
+    logits = lm_head(norm(reshard_rows(x, d_{L-1} -> p)))   # [B, t, V] on every rank
+Hooks on the decoder layers do the resharding and the cutting (oases.nn._degrees), and each
+parameter gradient of a layer with d_l < p is summed over its replicas, so model(...) and
+loss.backward() give the unsharded model's loss and gradients. `group` must be the world (the
+subgroups are made on every rank); no vocabulary entries, no sequence_parallel, and
+oases.train_step refuses such a model (it runs one TP group).
 """
 from __future__ import annotations
 
 import fnmatch
+import functools
 import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 import torch.nn as nn
@@ -70,6 +85,7 @@ import torch.nn as nn
 from oases import _checks
 from oases.comm._topology import ring_of
 from oases.nn import _mappings
+from oases.nn._degrees import check_tp_degrees, hook_decoder_layers, make_placements, sum_over_replicas
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
 from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
 
@@ -263,6 +279,43 @@ def _sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGro
             param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
 
 
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(qualified name, module) of the decoder layers a per-layer plan applies to, or ValueError."""
+    layers = getattr(getattr(model, "base_model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        name = next(n for n, m in model.named_modules() if m is layers)
+        return name, layers
+    raise ValueError(f"tp_degrees: {type(model).__name__} has no decoder layers at model.base_model.layers (an "
+                     f"nn.ModuleList, as Hugging Face decoder models such as LlamaForCausalLM have); "
+                     f"pass tp_degrees=None")
+
+
+def _check_degree_plan(model: nn.Module, tp_degrees: object, styles: dict[str, _Style], p: int
+                       ) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
+    """(decoder layers' name, the layers, the degrees) of a per-layer plan, or ValueError / TypeError
+    (local checks, the same on every rank, before any subgroup is made)."""
+    prefix, layers = _decoder_layers(model)
+    degrees = check_tp_degrees(tp_degrees, len(layers), p)
+    if p > 1 and p != dist.get_world_size():
+        raise ValueError(f"group: per-layer tp_degrees make subgroups on every rank of the world, so the group "
+                         f"must be the whole world ({dist.get_world_size()} ranks), got {p} ranks")
+    for pattern, style in styles.items():
+        if style.kind in ("vocab", "vocab_head"):
+            raise ValueError(f"plan[{pattern!r}]: {style.kind!r} is not supported with per-layer tp_degrees (the "
+                             f"embedding and the LM head run replicated on every rank); remove it or pass "
+                             f"tp_degrees=None")
+    return prefix, layers, degrees
+
+
+def _degree_of(prefix: Optional[str], degrees: Optional[tuple[int, ...]], p: int) -> Callable[[str], int]:
+    """name -> the TP degree of the module: its decoder layer's, else p (embedding, head, no plan)."""
+    def degree(name: str) -> int:
+        if prefix is None or not name.startswith(prefix + "."):
+            return p
+        return degrees[int(name[len(prefix) + 1:].split(".")[0])]
+    return degree
+
+
 def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent), leaf, layer)
@@ -275,6 +328,7 @@ def parallelize(
     *,
     sequence_parallel: bool = False,
     chunks: Optional[int] = None,
+    tp_degrees: Optional[Sequence[int]] = None,
 ) -> nn.Module:
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
@@ -293,6 +347,8 @@ def parallelize(
     Run it on every rank of `group` (default: the world) with the same model (same seed or the
     same checkpoint). `plan` None means DEFAULT_PLAN; an explicit plan replaces it (merge with
     {**DEFAULT_PLAN, ...} to extend it). `sequence_parallel` and `chunks` go to every layer.
+    `tp_degrees` (one per decoder layer): decoder layer l is sharded over d_l ranks and runs on
+    its replica's rows (module docstring); the batch must divide by p / min(tp_degrees).
     """
     ring = ring_of(group)
     p = ring.size
@@ -305,6 +361,9 @@ def parallelize(
         raise TypeError("model: is itself an nn.Embedding; use VocabParallelEmbedding.from_embedding")
     if chunks is not None:
         _checks.chunks_arg(chunks)
+    if tp_degrees is not None and sequence_parallel:
+        raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
+                         "degrees split the batch rows, not the sequence); pass sequence_parallel=False")
     hf = _transformers_module(model) if sequence_parallel else None
     if hf is not None:
         raise ValueError(
@@ -321,10 +380,15 @@ def parallelize(
     linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
     embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
 
+    prefix, layers, degrees = None, None, None
+    if tp_degrees is not None:
+        prefix, layers, degrees = _check_degree_plan(model, tp_degrees, styles, p)
+    degree = _degree_of(prefix, degrees, p)  # p for every module without tp_degrees
     placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind != "vocab"})
     placed_embeddings = _plan_layers(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"})
     _check_kinds(styles, linears, embeddings)
-    _check_layers(placed, linears, p)
+    for name, style in placed.items():
+        _check_layers({name: style}, linears, degree(name))
     for name in placed_embeddings:
         embedding = embeddings[name]
         check_embedding(f"{name} (nn.Embedding {embedding.num_embeddings} x {embedding.embedding_dim}, "
@@ -332,26 +396,43 @@ def parallelize(
     _check_ties(model, [n for n, s in placed.items() if s.kind == "vocab_head"] + list(placed_embeddings))
     attention = _attention_modules(model, placed)
     for name, module in attention.items():
-        _check_heads(name, module, p)
+        _check_heads(name, module, degree(name))
 
-    entry = _SharedEntry(group)  # q, k, v (gate, up) share one all-reduce of their input's gradient
+    groups = {p: group}  # {degree: this rank's TP group at that degree}
+    if degrees is not None:  # collective: every rank of the world makes every subgroup
+        placements, row_groups = make_placements(group or dist.group.WORLD, p, ring.rank, degrees)
+        groups.update((d, at.tp_group) for d, at in placements.items() if d < p)
+    # q, k, v (gate, up) share one all-reduce of their input's gradient, one entry per group
+    entries = {d: _SharedEntry(g) for d, g in groups.items()}
     for name, style in placed.items():  # nothing is changed before every check has passed
-        linear = linears[name]
+        linear, d = linears[name], degree(name)
+        if d == 1 < p:
+            continue  # a decoder layer of degree 1 stays unsharded (its replica's rows, on this rank alone)
         if style.kind == "column":
-            layer = ColumnParallelLinear.from_linear(linear, group, stacked=style.stacked,
+            layer = ColumnParallelLinear.from_linear(linear, groups[d], stacked=style.stacked,
                                                      sequence_parallel=sequence_parallel, chunks=chunks)
-            layer._entry = entry
+            layer._entry = entries[d]
         elif style.kind == "vocab_head":  # the full logits, for the model's own forward and loss
             layer = ColumnParallelLinear.from_linear(linear, group, gather_output=True,
                                                      sequence_parallel=sequence_parallel, chunks=chunks)
         else:
-            layer = RowParallelLinear.from_linear(linear, group, sequence_parallel=sequence_parallel, chunks=chunks)
+            layer = RowParallelLinear.from_linear(linear, groups[d], sequence_parallel=sequence_parallel, chunks=chunks)
         _replace(model, name, layer)
     for name in placed_embeddings:
         _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
-    for module in attention.values():
-        _localize_heads(module, p)
-        _sum_head_shared_grads(module, group)
+    for name, module in attention.items():
+        d = degree(name)
+        if not d == 1 < p:
+            _localize_heads(module, d)
+            _sum_head_shared_grads(module, groups[d])
+    if degrees is not None:
+        for layer, d in zip(layers, degrees):
+            if d < p:  # each replica saw its rows only: sum the gradients over the replicas
+                for param in layer.parameters():
+                    if param.requires_grad:
+                        param.register_hook(functools.partial(sum_over_replicas, group=placements[d].replica_group))
+        hook_decoder_layers(layers, degrees, p, placements, row_groups)
+        model.tp_degrees = degrees  # oases.train_step reads it (and refuses)
 
     unplaced = [name for name in linears if name not in placed]
     explicit = plan is not DEFAULT_PLAN

@@ -169,6 +169,9 @@ def _build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGr
     if not isinstance(model, nn.Module):
         raise ValueError(f"config: the factory returned {type(model).__name__}, expected an nn.Module "
                          "(a Hugging Face causal LM, a nanoGPT-style model or an oases.schedule.Stack module)")
+    if getattr(model, "tp_degrees", None) is not None:
+        raise ValueError("config: the factory's model has per-layer tp_degrees; the pipeline runs every layer "
+                         "of a stage on the mesh's tp group (build the model without tp_degrees)")
     if tp > 1 and not any(hasattr(m, "tp_layout") for m in model.modules()):
         parallelize(model, tp_group)
     stack = adapt(model)
