@@ -73,6 +73,14 @@ CASES_8 = [
 ]
 
 
+def _assert_state(state, want_state, where, *, rtol):
+    """The pipeline's full state dict: the single-process model's keys, in order, and values."""
+    assert list(state) == list(want_state), where
+    for name, value in state.items():
+        torch.testing.assert_close(value, want_state[name], rtol=rtol, atol=1e-5,
+                                   msg=lambda msg: f"{where}: {name}: {msg}")
+
+
 def _train_cases(rank, world_size, cases):
     alone, _ = dist.new_subgroups(group_size=1)  # this rank by itself: the unsharded GPT
     for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch, *options in cases:
@@ -114,11 +122,7 @@ def _train_cases(rank, world_size, cases):
             assert pipe.freed_bytes > 0 and any(p.numel() == 0 for p in pipe.model.parameters()), where
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
         assert held < set(want_state) if pp > 1 else held == set(want_state), where
-        state = pipe.state_dict()
-        assert list(state) == list(want_state), where
-        for name, value in state.items():
-            torch.testing.assert_close(value, want_state[name], rtol=1e-5, atol=1e-5,
-                                       msg=lambda msg: f"{where}: {name}: {msg}")
+        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5)
         pipe.close()
     return True
 
@@ -218,11 +222,7 @@ def _train_hf_cases(rank, world_size, cases):
                                        msg=lambda msg: f"{where}: loss of step {step}: {msg}")
         if kind == "llama-tied":  # tied weights stay in one segment whatever "auto" measured
             assert pipe.segments == 1, where
-        state = pipe.state_dict()
-        assert list(state) == list(want_state), where
-        for name, value in state.items():
-            torch.testing.assert_close(value, want_state[name], rtol=1e-4, atol=1e-5,
-                                       msg=lambda msg: f"{where}: {name}: {msg}")
+        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-4)
         pipe.close()
     if world_size == 2:  # tied weights over two segments of one stage: refused on every rank
         mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
