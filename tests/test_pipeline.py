@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _spawn import run_ranks
+from _spawn import harness_device, run_ranks
 
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline, actions
@@ -77,7 +77,7 @@ def _assert_state(state, want_state, where, *, rtol):
     """The pipeline's full state dict: the single-process model's keys, in order, and values."""
     assert list(state) == list(want_state), where
     for name, value in state.items():
-        torch.testing.assert_close(value, want_state[name], rtol=rtol, atol=1e-5,
+        torch.testing.assert_close(value.cpu(), want_state[name], rtol=rtol, atol=1e-5,
                                    msg=lambda msg: f"{where}: {name}: {msg}")
 
 
@@ -117,7 +117,14 @@ def _train_cases(rank, world_size, cases):
         if dp > 1:
             assert sched.dp_chunks > 0, where
         lazy = pp > 1 and pipe.segments > 1 and pipe.layout.stage == 0  # segment k -> k+1 activations
-        assert (pipe.comm.lazy_receives == STEPS * m * (pipe.segments - 1)) if lazy else pipe.comm.lazy_receives == 0
+        if lazy and schedule == "aiao":  # every one, into one slab sized for a step and kept across steps
+            assert pipe.comm.lazy_receives == STEPS * m * (pipe.segments - 1), where
+            each = sum(-(-s.numel() * 4 // 256) * 256 for s in pipe._split(*_batches(batch)[0]).shapes)
+            assert pipe.comm.slab.capacity == each * (pipe.segments - 1) and pipe.comm.slab.in_use == 0, where
+        elif lazy:  # gpipe: only those that are their link's next receive (send order)
+            assert 0 < pipe.comm.lazy_receives <= STEPS * m * (pipe.segments - 1), where
+        else:
+            assert pipe.comm.lazy_receives == 0 and pipe.comm.slab is None, where
         if pp > 1:  # other stages' layers are freed on this rank
             assert pipe.freed_bytes > 0 and any(p.numel() == 0 for p in pipe.model.parameters()), where
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
@@ -208,17 +215,17 @@ def _hf_golden(kind, optimizer, batch):
     return losses, model.state_dict()
 
 
-def _train_hf_cases(rank, world_size, cases):
+def _train_hf_cases(rank, world_size, cases, device="cpu"):
     for kind, (dp, pp, tp), schedule, segments, m, optimizer, batch, *options in cases:
         options = options[0] if options else {}
         where = f"{kind} dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} B={batch} {options}"
-        want_losses, want_state = _hf_golden(kind, optimizer, batch)
-        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-        pipe = Pipeline(lambda: _hf(kind), mesh, schedule=schedule, segments=segments, micro_batches=m,
+        want_losses, want_state = _hf_golden(kind, optimizer, batch)  # on CPU
+        mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        pipe = Pipeline(lambda: _hf(kind).to(device), mesh, schedule=schedule, segments=segments, micro_batches=m,
                         optimizer=OPTIMIZERS[optimizer], seed=SEED, **options)
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
-            torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
+            torch.testing.assert_close(loss.cpu(), want_losses[step], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: loss of step {step}: {msg}")
         if kind == "llama-tied":  # tied weights stay in one segment whatever "auto" measured
             assert pipe.segments == 1, where
@@ -253,6 +260,17 @@ def test_hf_model_factory_matches_single_process_pp2():
 def test_hf_model_factory_matches_single_process_4_ranks():
     pytest.importorskip("transformers")
     run_ranks(_train_hf_cases, 4, HF_CASES_4, timeout=150)
+
+
+@pytest.mark.skipif(harness_device() != "cuda", reason="needs the harness on CUDA (OASES_TEST_DEVICE=cuda)")
+def test_hf_model_factory_on_cuda_matches_single_process_pp2():
+    """The GPU path: NCCL links (send order), the DP thread's stream, lazy receives through the
+    slab, CUDA transfers polled by the scheduler. Not run here (no GPU); `make gpu-check` runs it."""
+    pytest.importorskip("transformers")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cases = [("llama", (1, 2, 1), "aiao", 2, 3, "sgd", 4), ("llama", (1, 2, 1), "1f1b", 1, 3, "adamw", 4)]
+    run_ranks(_train_hf_cases, 2, cases, "cuda", timeout=180)
 
 
 def _preemption(rank, world_size):
@@ -389,6 +407,85 @@ def test_one_f_one_b_is_megatrons_order():
                                                                         micro_batches=3))
     assert names(0) == "F0 F1 B0 F2 B1 B2"
     assert names(1) == "F0 B0 F1 B1 F2 B2"
+
+
+class _NoLinks:
+    """Links without groups: StageComm.expect and post order checks need only the ranks."""
+
+    def __init__(self, stages):
+        self.ranks, self.groups = tuple(range(stages)), {}
+
+
+@pytest.mark.parametrize("schedule,segments", [("gpipe", 1), ("gpipe", 3), ("1f1b", 1), ("aiao", 1), ("aiao", 3)])
+@pytest.mark.parametrize("stages,micro_batches", [(2, 3), (3, 4), (4, 7)])
+def test_each_link_delivers_in_the_order_its_receiver_uses(schedule, segments, stages, micro_batches):
+    """Links match messages by order (as NCCL does): for every stage and link, the keys the
+    neighbour sends, in its order, are the keys this stage's actions wait for, in their order."""
+    from oases.pipeline.p2p import StageComm, link_of
+    from oases.pipeline.comm_scheduler import CommScheduler
+
+    last = stages * segments - 1
+    for stage in range(stages):
+        comm = StageComm(_NoLinks(stages), stage, stages, CommScheduler())
+        comm.expect(schedule, segments, micro_batches)
+        used: dict = {}
+        for a in actions(schedule, stage=stage, stages=stages, segments=segments, micro_batches=micro_batches):
+            v = a.segment * stages + stage
+            key = (("act", v - 1, a.micro_batch) if a.kind == "F" and v > 0 else
+                   ("grad", v, a.micro_batch) if a.kind == "B" and v < last else None)
+            if key is not None:
+                used.setdefault(link_of(key, stages)[0], []).append(key)
+        assert {name: lane.keys for name, lane in comm._lanes.items()} == used, (stage, used)
+        assert sum(map(len, used.values())) == 2 * micro_batches * segments - micro_batches * (
+            (stage == 0) + (stage == stages - 1))  # every F/B waits for one, but on the chain's two ends
+
+
+def _link_order(rank, world_size):
+    """Over a link, a receive takes the next message sent (not the one with its key): posting out
+    of the send order raises before anything is received; in order, each buffer gets its key's data."""
+    from oases.pipeline.comm_scheduler import CommScheduler
+    from oases.pipeline.p2p import StageComm
+
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    from oases.pipeline.p2p import make_links
+
+    comm = StageComm(make_links(mesh), rank, 2, CommScheduler())
+    comm.expect("gpipe", 1, 3)
+    shape = torch.Size((2, 3))
+    if rank == 0:  # stage 0 sends activations of micro-batches 0, 1, 2 and receives their gradients
+        for i in range(3):
+            comm.send(("act", 0, i), torch.full(shape, float(i)))
+        with pytest.raises(RuntimeError, match="out of send order"):
+            comm.post_recv(("grad", 0, 1), shape)
+        got = [comm.recv(("grad", 0, i), shape) for i in range(3)]
+    else:
+        comm.post_recv(("act", 0, 0), shape)
+        with pytest.raises(RuntimeError, match="out of send order"):
+            comm.post_recv(("act", 0, 2), shape)
+        got = [comm.recv(("act", 0, i), shape) for i in range(3)]
+        for i in range(3):
+            comm.send(("grad", 0, i), torch.full(shape, 10.0 + i))
+    comm.wait_sends()
+    comm.scheduler.close()
+    return [float(t[0, 0]) for t in got]
+
+
+def test_link_receives_are_matched_in_send_order():
+    got = run_ranks(_link_order, 2, timeout=60)
+    assert got == [[10.0, 11.0, 12.0], [0.0, 1.0, 2.0]]
+
+
+def _backend_check(rank, world_size):
+    from oases.pipeline.pipeline import _check_backend
+
+    _check_backend(dist.group.WORLD, torch.device("cpu"))  # gloo carries CPU tensors
+    with pytest.raises(ValueError, match="cuda tensors need 'nccl'"):
+        _check_backend(dist.group.WORLD, torch.device("cuda"))
+    return True
+
+
+def test_backend_must_carry_the_models_device():
+    assert run_ranks(_backend_check, 2, timeout=60) == [True, True]
 
 
 DYING_RANK_SCRIPT = """

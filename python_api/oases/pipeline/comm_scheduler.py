@@ -42,10 +42,13 @@ thread waited for DP), with it off every such chunk. Decided under the scheduler
 chunk is posted: a PP transfer posted a moment later overlaps that chunk, by design of
 chunk-boundary preemption.
 
-On CUDA the same design would map to streams: PP transfers on groups with high-priority NCCL
-streams (oases.comm.new_group), DP chunks at default priority, the gate unchanged. It is not
-built: the pipeline refuses NCCL groups today (oases.pipeline.pipeline._check_backend: its
-transfers rely on gloo's tag matching). Only the CPU path exists and is tested.
+On CUDA (NCCL) the same design maps to streams: PP transfers go over the links of
+oases.pipeline.p2p, groups with high-priority NCCL streams; DP chunks over the dp group at
+default priority, posted from the DP thread on a stream of its own (oases.pipeline.dp_sync); the
+gate is unchanged. A CUDA transfer's `wait()` makes the caller's current stream wait for it (no
+host block, as ProcessGroupNCCL's wait does), and its reaper polls `is_completed()` to count it
+in flight until the GPU has finished it. That path is written to this contract but has not run:
+no machine here has a GPU (README: what was verified where).
 """
 from __future__ import annotations
 
@@ -63,20 +66,25 @@ from oases.comm import all_gather_steps, reduce_scatter_steps
 
 __all__ = ["CommScheduler", "Transfer"]
 
+_POLL_S = 50e-6  # how often a CUDA transfer's reaper asks whether it completed
 DP_TAG = 4  # the DP thread's rings use message tags 4 and 5 (main thread's rings 0-1, Communicator 2-3)
 
 
 class Transfer:
     """One tracked PP send or receive; `wait()` returns once its reaper saw it complete."""
 
-    def __init__(self, work: dist.Work, kind: str) -> None:
-        self.work, self.kind = work, kind
+    def __init__(self, work: dist.Work, kind: str, cuda: bool = False) -> None:
+        self.work, self.kind, self.cuda = work, kind, cuda
         self.posted = time.perf_counter()
         self.latency: Optional[float] = None  # seconds from posting to completion
         self.error: Optional[BaseException] = None
         self._done = threading.Event()
 
     def wait(self) -> None:
+        """CPU: block until the reaper saw it complete. CUDA: the current stream waits for it."""
+        if self.cuda:
+            self.work.wait()
+            return
         self._done.wait()
         if self.error is not None:
             raise self.error
@@ -133,10 +141,11 @@ class CommScheduler:
 
     # --- PP side (main thread) ------------------------------------------------------------------
 
-    def track(self, work: dist.Work, kind: str, peer: int) -> Transfer:
-        """Register a posted PP transfer (`kind` "send" | "recv", with global rank `peer`); DP
-        chunks wait while it flies. Transfers of one (kind, peer) lane are waited in posting order."""
-        transfer = Transfer(work, kind)
+    def track(self, work: dist.Work, kind: str, peer: int, *, device: Optional[torch.device] = None) -> Transfer:
+        """Register a posted PP transfer (`kind` "send" | "recv", with global rank `peer`, of a
+        tensor on `device`, CPU if None); DP chunks wait while it flies. Transfers of one (kind,
+        peer) lane are waited in posting order."""
+        transfer = Transfer(work, kind, cuda=device is not None and torch.device(device).type == "cuda")
         with self._cond:
             self._in_flight += 1
         lane = f"{kind}-{peer}"
@@ -147,7 +156,11 @@ class CommScheduler:
 
     def _reap(self, transfer: Transfer) -> None:
         try:
-            transfer.work.wait()
+            if transfer.cuda:  # wait() would only make this thread's stream wait: poll the GPU's progress
+                while not transfer.work.is_completed():
+                    time.sleep(_POLL_S)
+            else:
+                transfer.work.wait()
         except BaseException as error:  # handed to the waiter
             transfer.error = error
         transfer.latency = time.perf_counter() - transfer.posted

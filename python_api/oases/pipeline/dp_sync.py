@@ -24,6 +24,12 @@ forwards of the segments before it). r = 1: everything at once; r = 0: everythin
 The main thread never touches a segment's gradients between launch(k) and wait(k): the segment's
 backward is over, and its optimizer step comes after wait(k). With dp = 1 there is nothing to
 sum and every call is a no-op.
+
+On CUDA the DP thread works on a stream of its own at default (low) priority, below the
+pipeline's high-priority links: a bucket's ring starts after an event recorded on the launching
+thread's stream (its gradients are computed), and `wait(k)` makes the caller's stream wait for
+the event recorded after the bucket's gradients were written back. Written to that contract,
+not run here (no GPU).
 """
 from __future__ import annotations
 
@@ -77,6 +83,8 @@ class SegmentSync:
         self.now = [min(len(b), math.ceil(overlap_ratio * len(b) - 1e-9)) for b in self.buckets]  # at once
         self._pending: dict[int, list[Future]] = {}  # segment -> its launched buckets' futures
         self._deferred: dict[int, list[list[nn.Parameter]]] = {}  # segment -> buckets not launched yet
+        device = next((b[0].device for buckets in self.buckets for b in buckets), torch.device("cpu"))
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # the DP thread's
 
     def launch(self, segment: int) -> None:
         """Segment `segment`'s backward is over: start its first ceil(r * b) buckets, defer the rest."""
@@ -102,7 +110,9 @@ class SegmentSync:
         if futures:
             with torch.profiler.record_function("oases::pipeline::dp_wait"), self.scheduler.urgent():
                 for future in futures:
-                    future.result()
+                    done = future.result()  # CUDA: the event after the bucket's write-back
+                    if done is not None:
+                        torch.cuda.current_stream(done.device).wait_event(done)
 
     def time_sync(self, numel: int) -> float:
         """Seconds to sum `numel` gradient elements over dp as train_step does (0 with dp = 1): the
@@ -113,14 +123,30 @@ class SegmentSync:
         device = next(b[0].device for buckets in self.buckets for b in buckets)
         flat = torch.zeros(min(numel, self.bucket_numel), device=device)
         chunks = chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes)
-        ring = lambda: self.scheduler.all_reduce(flat, self.group, chunks=chunks)  # noqa: E731
+
+        def ring() -> None:
+            self.scheduler.all_reduce(flat, self.group, chunks=chunks)
+            if flat.is_cuda:  # the ring's work is only enqueued
+                torch.cuda.synchronize(flat.device)
         self.scheduler.submit(ring).result()
         start = time.perf_counter()
         self.scheduler.submit(ring).result()
         return (time.perf_counter() - start) * numel / flat.numel()
 
     def _submit(self, bucket: list[nn.Parameter]) -> Future:
-        return self.scheduler.submit(lambda: self._sync_bucket(bucket))
+        if self._stream is None:
+            return self.scheduler.submit(lambda: self._sync_bucket(bucket))
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self._stream.device))  # the gradients are computed
+
+        def on_stream() -> torch.cuda.Event:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                self._sync_bucket(bucket)
+                done = torch.cuda.Event()
+                done.record()
+                return done
+        return self.scheduler.submit(on_stream)
 
     def _sync_bucket(self, bucket: list[nn.Parameter]) -> None:
         """On the DP thread: p.grad = sum over dp of p.grad, for p in the bucket, as one flat ring."""

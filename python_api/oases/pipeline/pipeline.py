@@ -57,7 +57,7 @@ from oases.models.gpt import GPT, GPTConfig
 from oases.nn.parallelize import parallelize
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync
-from oases.pipeline.p2p import StageComm
+from oases.pipeline.p2p import StageComm, make_links
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.offload import Offloader, OffloadStats
 from oases.pipeline.stages import Stage, StageInput, StageLayout
@@ -134,18 +134,17 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
     return sizes
 
 
-def _check_backend(group: dist.ProcessGroup) -> None:
-    """The pipeline's transfers (CPU tensors) match by message tag (posted ahead, in any order), as
-    gloo does; NCCL runs one pair's transfers in posting order, where a receive posted ahead of a
-    send to the same peer can deadlock: a group whose CPU tensors would go over anything but gloo
-    is refused ("cpu:gloo,cuda:nccl" is fine: the pipeline's tensors take gloo)."""
+def _check_backend(group: dist.ProcessGroup, device: torch.device) -> None:
+    """The pipeline's tensors live on `device`: the group must carry that device's tensors (gloo
+    for CPU, NCCL for CUDA; "cpu:gloo,cuda:nccl" carries both)."""
     config = str(dist.get_backend_config(group) if hasattr(dist, "get_backend_config") else dist.get_backend(group))
     per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
-    cpu = per_device.get("cpu", config if not per_device else None)
-    if cpu != "gloo":
-        raise ValueError(f"mesh: the pipeline's groups use {config!r}, so its CPU tensors would not go over gloo; "
-                         "oases.pipeline runs on gloo for now (its PP transfers rely on tag matching, which NCCL "
-                         "does not do): init the process group with 'gloo' or 'cpu:gloo,cuda:nccl'")
+    backend = per_device.get(device.type, config if not per_device else None)
+    want = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
+    if backend != want:
+        raise ValueError(f"mesh: the model's parameters are on {device.type} but the mesh's groups use {config!r}; "
+                         f"{device.type} tensors need {want!r} (init the process group with {want!r} or "
+                         "'cpu:gloo,cuda:nccl', and the mesh on the model's device type)")
 
 
 def _check_layers(what: str, layers: int, pp: int, segments: int) -> None:
@@ -207,7 +206,7 @@ class Pipeline:
     micro-batches raises SlabTooSmallError: pass an Offloader with a larger HostSlab then);
     `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
-    Pipelines on one mesh share its groups and message tags: close() one (its DP sync may still
+    Pipelines on one mesh share its dp group and the DP rings' message tags: close() one (its DP sync may still
     be in flight after train_step returns) before another trains.
 
     `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
@@ -236,14 +235,15 @@ class Pipeline:
             raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
-        _check_backend(self.pp_group)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         self.model, self._stack = _build(config, self.tp_group, sizes["tp"], seed)
-        devices = {p.device.type for p in self.model.parameters()}
-        if devices - {"cpu"}:
-            raise ValueError(f"config: the model's parameters are on {sorted(devices)}; oases.pipeline runs on "
-                             "CPU tensors with gloo for now (a GPU pipeline needs NCCL, see the mesh check)")
+        devices = {p.device for p in self.model.parameters()}
+        if len(devices) != 1:
+            raise ValueError(f"config: the model's parameters are on {len(devices)} devices ({sorted(map(str, devices))}); "
+                             "a stage runs on one device: move the model there in the factory")
+        device = devices.pop()
+        _check_backend(self.pp_group, device)
         self._layers = len(self._stack.layers())
         self._make_optimizer, self._bucket_numel, self._chunk_bytes = optimizer, dp_bucket_numel, dp_chunk_bytes
         self._auto = {"segments": segments == "auto" and schedule == "aiao",  # the rule models aiao's overlap
@@ -253,8 +253,7 @@ class Pipeline:
         self.offload_stats: Optional[OffloadStats] = None  # the last train_step's (with offload)
         self._anchor = torch.empty(0, requires_grad=True)  # offload: what received inputs hang from
         self.scheduler = CommScheduler(preemption=preemption)
-        device = next(iter(self.model.parameters())).device
-        self.comm = StageComm(self.pp_group, self.pp, micro_batches, self.scheduler, device)
+        self.comm = StageComm(make_links(mesh), dist.get_rank(self.pp_group), self.pp, self.scheduler, device)
         self._configure(1 if segments == "auto" else segments,
                         1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
         self.freed_bytes = 0  # parameters of other stages released (once the layout is final)
@@ -272,6 +271,7 @@ class Pipeline:
         self.optimizers = [self._make_optimizer(params) for params in segment_params]  # one per segment
         self.plan: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
                                           micro_batches=self.micro_batches)
+        self.comm.expect(self.schedule, segments, self.micro_batches)  # each link's arrivals, in send order
         backward = [(a.segment, a.micro_batch) for a in self.plan if a.kind == "B"]
         self._next_backward = dict(zip(backward, backward[1:]))  # offload: what to prefetch during B(k, i)
         # Where each segment's first forward and last backward sit in the plan.
@@ -318,6 +318,8 @@ class Pipeline:
         if any(self._auto.values()):
             self._choose(step)
         self.sync.launch_deferred()  # the last step's deferred buckets overlap the forwards up to them
+        if self.layout.stage == 0 and self.segments > 1:  # lazy inter-segment receives land in the slab
+            self.comm.reserve_lazy(step.shapes, step.dtype, self.segments)
         if self.offloader is not None:
             self.offloader.begin_step()
         self._post_recv(0, step)  # receives are posted in the order they are waited for
@@ -395,9 +397,10 @@ class Pipeline:
         rows = tokens.shape[0] // self.dp
         block = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
         parts = torch.arange(rows).tensor_split(self.micro_batches)  # sizes differ by at most one
-        micro = [(tokens[block][p[0]:p[-1] + 1], targets[block][p[0]:p[-1] + 1]) for p in parts]
+        mine = [t[block].to(self.comm.device) for t in (tokens, targets)]  # on the model's device
+        micro = [tuple(t[p[0]:p[-1] + 1] for t in mine) for p in parts]
         shapes = [torch.Size((len(p), tokens.shape[1], self.stage.hidden)) for p in parts]  # [b_i, t, h]
-        return _Step(micro, {}, shapes, self.stage.dtype, targets.numel(),
+        return _Step(micro, {}, shapes, self.stage.dtype, targets.numel(),  # normalizer: the global batch's tokens
                      loss=torch.zeros((), dtype=torch.float32, device=self.comm.device))
 
     def _embed(self, step: _Step, i: int) -> Optional[torch.Tensor]:

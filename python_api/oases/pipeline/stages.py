@@ -182,11 +182,15 @@ class Stage:
         x = torch.randn(shape, dtype=dtype, device=device, generator=torch.Generator(device or "cpu").manual_seed(0))
         x.requires_grad_(True)
         inputs = [x, *(p for p in self._layer_params[index] if p.requires_grad)]
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda device: None)  # CUDA: kernels only enqueued
         for _ in range(repeats):
+            sync(x.device)
             start = time.perf_counter()
             y = checkpoint(self._layer, index, x, ctx, use_reentrant=False)
+            sync(x.device)
             middle = time.perf_counter()
             torch.autograd.grad(y, inputs, torch.ones_like(y))
+            sync(x.device)
             end = time.perf_counter()
         return middle - start, end - middle
 
