@@ -31,6 +31,13 @@ Collective cases: oases.comm.ring_all_gather / ring_reduce_scatter / all_reduce 
 dist.all_gather_into_tensor / reduce_scatter_tensor / all_reduce on the fused cases' tensors:
 time, algorithm and bus bandwidth.
 
+Hierarchical cases (when hosts are emulated: `oases-launch --hosts H`, or asked for by --cases):
+oases.comm.hierarchical_reduce_scatter / hierarchical_all_gather / hierarchical_all_reduce (intra-
+host rings, then inter-host rings) against the flat ring on the same tensor (--hier-mib MiB, the
+full tensor), with oases.planner.partition's modelled times and choice for the launcher's links
+(HostLinks.from_env) beside the measured winner, and the bytes each form sends through one
+host's NIC, each way: flat (P-1)/P T, hierarchical (h-1)/h T (twice that for all-reduce).
+
 Default shapes balance t_comm and t_compute at 1 Gbit/s, 2 ranks, 1 thread each, on the shared
 topology (both directions of the ring share one 125 MB/s queue): see DEFAULT_SHAPES.
 
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -52,7 +60,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from oases import comm, ops
+from oases.comm.hierarchical import UNSHAPED_BYTES_PER_S
 from oases.ops import _gemm
+from oases.planner import partition
 
 from bench import _metrics, _peers
 from bench._peers import Peer
@@ -61,6 +71,9 @@ from bench._trace import OP, instrument
 
 FUSED = ("all_gather_linear", "linear_reduce_scatter", "linear_all_reduce")
 COLLECTIVES = ("ring_all_gather", "ring_reduce_scatter", "all_reduce")
+HIERARCHICAL = {"hierarchical_reduce_scatter": "reduce_scatter", "hierarchical_all_gather": "all_gather",
+                "hierarchical_all_reduce": "all_reduce"}
+ALL_CASES = FUSED + COLLECTIVES + tuple(HIERARCHICAL)
 # (s, k, o) per case; see the module docstring for what each means. Every case sends 4 MiB per
 # rank (fp32) and does 2 * 2048 * 1024 * 1280 GEMM flops per rank. Measured on this 2-core Xeon,
 # 1 thread per rank, both ranks busy: ~92 GFLOP/s per rank, so t_compute ≈ 58 ms, and at 1gbit
@@ -77,8 +90,11 @@ LOW_PRECISION_TOLERANCE = dict(rtol=3e-2, atol=6e-2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default=",".join(FUSED + COLLECTIVES),
-                        help="comma-separated cases (default: all): " + ", ".join(FUSED + COLLECTIVES))
+    parser.add_argument("--cases", default=None,
+                        help="comma-separated cases (default: all; the hierarchical ones only when hosts are "
+                             "emulated, GROUP_WORLD_SIZE > 1): " + ", ".join(ALL_CASES))
+    parser.add_argument("--hier-mib", type=float, default=None,
+                        help="full tensor of the hierarchical cases, MiB (default: 4; --quick: 1/16)")
     parser.add_argument("--shape", action="append", default=[], metavar="CASE=SxKxO",
                         help="override a fused case's shape (its collective uses the same tensors)")
     parser.add_argument("--chunks", help="comma-separated chunk counts instead of the sweep 1,2,p,2p,4p")
@@ -307,11 +323,17 @@ COLLECTIVE_OF = {"ring_all_gather": "all_gather_linear", "ring_reduce_scatter": 
 # Running
 
 
+def _hosts_emulated() -> bool:
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+
+
 def _parse_cases(args) -> list[str]:
+    if args.cases is None:
+        return list(ALL_CASES if _hosts_emulated() else FUSED + COLLECTIVES)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(FUSED + COLLECTIVES))
+    unknown = sorted(set(cases) - set(ALL_CASES))
     if unknown:
-        raise SystemExit(f"--cases: unknown {unknown}; choose from {', '.join(FUSED + COLLECTIVES)}")
+        raise SystemExit(f"--cases: unknown {unknown}; choose from {', '.join(ALL_CASES)}")
     return cases
 
 
@@ -354,6 +376,11 @@ def run(args, ctx) -> list[dict]:
     for name in COLLECTIVES:
         if name in cases:
             records.append(_run_collective(env, builds[COLLECTIVE_OF[name]].collective))
+    wanted_hierarchical = [c for c in HIERARCHICAL if c in cases]
+    if wanted_hierarchical:
+        hosts = comm.HostGroups.from_env()  # collective: every rank runs the same cases
+        for name in wanted_hierarchical:
+            records.append(_run_hierarchical(env, name, hosts, args))
     return records
 
 
@@ -483,6 +510,49 @@ def _run_collective(env: _Env, case: CollectiveCase) -> dict:
     }
 
 
+def _run_hierarchical(env: _Env, name: str, hosts: comm.HostGroups, args) -> dict:
+    """Flat ring against the two-level form on one tensor of T bytes, with the planner's
+    prediction for the launcher's links (see the module docstring)."""
+    kind, p = HIERARCHICAL[name], env.p
+    mib = args.hier_mib if args.hier_mib is not None else (1 / 16 if args.quick else 4.0)
+    elem = torch.empty((), dtype=env.dtype).element_size()
+    cols = 256
+    rows = max(1, round(mib * 2**20 / (elem * cols * p))) * p  # full tensor [rows, cols], rows % p == 0
+    full = env.to(_randn((rows, cols), 31 + env.r))            # RS input / AR tensor: T bytes
+    shard = full[: rows // p].contiguous()                     # AG input: T / p bytes
+    nbytes = full.numel() * elem
+    if kind == "reduce_scatter":
+        flat, hier = (lambda: comm.ring_reduce_scatter(full)), (lambda: comm.hierarchical_reduce_scatter(full, hosts))
+    elif kind == "all_gather":
+        flat, hier = (lambda: comm.ring_all_gather(shard)), (lambda: comm.hierarchical_all_gather(shard, hosts))
+    else:  # in place on zeros: repeated calls keep the values
+        zeros_flat, zeros_hier = torch.zeros_like(full), torch.zeros_like(full)
+        flat = lambda: comm.all_reduce(zeros_flat)  # noqa: E731
+        hier = lambda: comm.hierarchical_all_reduce(zeros_hier, hosts)  # noqa: E731
+    if kind == "all_reduce":
+        _check(name, comm.hierarchical_all_reduce(full.clone(), hosts), comm.all_reduce(full.clone()), env.dtype)
+    else:
+        _check(name, hier(), flat(), env.dtype)
+    timings = env.ctx.timer.measure({"flat": flat, "hierarchical": hier})
+    links = comm.HostLinks.from_env()
+    h, k = hosts.hosts, hosts.ranks_per_host
+    predicted = partition(kind, nbytes, k, h, links.intra, links.inter)
+    t = {form: v.median for form, v in timings.items()}
+    passes = 2 if kind == "all_reduce" else 1
+    return {
+        "case": name, "kind": "hierarchical", "collective": kind, "dtype": str(env.dtype).replace("torch.", ""),
+        "bytes": nbytes, "hosts": h, "ranks_per_host": k,
+        "links": {"intra_bytes_per_s": links.intra.bytes_per_s, "inter_bytes_per_s": links.inter.bytes_per_s,
+                  "latency_s": links.inter.latency_s},
+        "nic_bytes_per_host": {"flat": passes * (p - 1) / p * nbytes, "hierarchical": passes * (h - 1) / h * nbytes},
+        "t_flat": t["flat"], "t_hierarchical": t["hierarchical"],
+        "speedup_hierarchical": _metrics.speedup(t["flat"], t["hierarchical"]),
+        "measured_winner": "hierarchical" if t["hierarchical"] < t["flat"] else "flat",
+        "predicted": {"choice": predicted.choice, **{f"{f}_s": v for f, v in predicted.seconds.items()}},
+        "min": {"t_flat": timings["flat"].min, "t_hierarchical": timings["hierarchical"].min},
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Reporting
 
@@ -543,6 +613,21 @@ def tables(records: list[dict]) -> list[Table]:
               r["busbw_torch"] / 1e6, r["speedup_vs_torch"], _ms(r["min"]["t_ours"]), _ms(r["min"]["t_torch"])]
              for r in collectives],
             [f"{r['case']}: torch = {r['torch_impl']}" for r in collectives]))
+    hierarchical = [r for r in records if r["kind"] == "hierarchical"]
+    if hierarchical:
+        out.append(Table(
+            "hierarchical vs flat ring (ms; model: oases.planner.partition on the launcher's links)",
+            ["case", "hosts x k", "MiB", "t_flat", "t_hier", "x hier", "model flat", "model hier", "predicted",
+             "measured", "NIC MiB flat", "NIC MiB hier"],
+            [[r["case"], f"{r['hosts']}x{r['ranks_per_host']}", r["bytes"] / 2**20, _ms(r["t_flat"]),
+              _ms(r["t_hierarchical"]), r["speedup_hierarchical"], _ms(r["predicted"]["flat_s"]),
+              _ms(r["predicted"]["hierarchical_s"]), r["predicted"]["choice"], r["measured_winner"],
+              r["nic_bytes_per_host"]["flat"] / 2**20, r["nic_bytes_per_host"]["hierarchical"] / 2**20]
+             for r in hierarchical],
+            [f"links: inter {hierarchical[0]['links']['inter_bytes_per_s'] / 1e6:.1f} MB/s per host NIC, intra "
+             f"{hierarchical[0]['links']['intra_bytes_per_s'] / 1e6:.1f} MB/s (unshaped: the assumed "
+             f"{UNSHAPED_BYTES_PER_S / 1e6:.0f} MB/s); x hier = t_flat / t_hier; "
+             "NIC MiB: bytes through one host's NIC, each way"]))
     return out
 
 

@@ -6,11 +6,13 @@
     oases.planner.ilp       the Oases ILP over per-layer strategies (scipy.optimize.milp)
     oases.planner.search    plan(): per-layer TP degrees inside a search over (dp, pp, tp, schedule, ...)
     oases.planner.chunks    Centauri: chunk count (Algorithm 1), backward priority (eq. 1)
+    oases.planner.collectives  Centauri: flat or hierarchical collective, all-reduce or RS + AG
     oases.planner.fold3d    FOLD3D: segment count and DP overlap ratio (eqs. 2-5)
     oases.planner.cli       `oases plan ...`
 Pure functions of costs: nothing here talks to a process group.
 """
 from oases.planner.chunks import backward_priority, chunk_count, overlapped_time
+from oases.planner.collectives import CollectiveChoice, all_reduce_form, flat_time, hierarchical_time, partition
 from oases.planner.cost import LayerCost, StepCost, Workload, edge_cost, fixed_memory, layer_cost, step_cost, tp_degrees
 from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.planner.ilp import Solution, solve_chain
@@ -21,4 +23,5 @@ from oases.planner.search import DegreePlan, Plan, plan, plan_degrees
 __all__ = ["ModelShape", "PRESETS", "load_model", "Profile", "analytical_profile", "load_profile", "parse_bytes",
            "parse_link", "Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory",
            "step_cost", "tp_degrees", "Solution", "solve_chain", "DegreePlan", "Plan", "plan", "plan_degrees",
-           "chunk_count", "overlapped_time", "backward_priority", "choose_segments", "dp_overlap_ratio"]
+           "chunk_count", "overlapped_time", "backward_priority", "choose_segments", "dp_overlap_ratio",
+           "CollectiveChoice", "partition", "all_reduce_form", "flat_time", "hierarchical_time"]
