@@ -148,49 +148,83 @@ def reshard_rows(x: torch.Tensor, a: int, b: int, row_groups: RowGroups) -> torc
     return move.apply(x, group, hi // lo, index)
 
 
-# --- decoder layers called as layer(hidden_states, **kwargs) (Hugging Face) ------------------------
+# --- decoder layers called as layer(hidden_states, *args, **kwargs) ------------------------------
+
+# Keywords never cut: cache_position [t] (older transformers) indexes the sequence, not the batch.
+_NOT_ROWS = frozenset({"hidden_states", "cache_position"})
+
 
 def _rows_of(value: object, batch: int, rows: slice) -> object:
-    """`value` with each batch-shaped tensor ([batch, ...], 2 dims or more) cut to `rows`, in tuples
-    and lists too; anything else (a [1, ...] broadcast mask or rotary table, cache_position [t],
-    a cache object, None) as it is."""
+    """`value` with each batch-shaped tensor ([batch, ...]: first dim == batch) cut to `rows`, in
+    tuples, lists and dicts too; anything else (a [1, ...] broadcast mask or rotary table, a
+    number, a cache object, None) as it is."""
     if isinstance(value, torch.Tensor):
-        return value[rows] if value.dim() >= 2 and value.shape[0] == batch else value
+        return value[rows] if value.dim() >= 1 and value.shape[0] == batch else value
     if isinstance(value, (tuple, list)):
         return type(value)(_rows_of(v, batch, rows) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows_of(v, batch, rows) for k, v in value.items()}
     return value
 
 
+def _needs_grad(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(map(_needs_grad, value))
+    return isinstance(value, dict) and any(map(_needs_grad, value.values()))
+
+
 def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, ...], p: int,
-                        placements: dict[int, Placement], row_groups: RowGroups) -> list:
+                        placements: dict[int, Placement], row_groups: RowGroups, *, where: str = "layers"
+                        ) -> list:
     """Run decoder layer l on this rank's replica rows at degree d_l, by hooks; return their handles.
 
         pre-hook of layer l:   x = reshard_rows(x, d_{l-1} -> d_l)         # [B d_l / p, t, h]
-                               kwargs: each [B, ...] tensor -> its rows     # masks, cos/sin, position ids
+                               every other argument: each [B, ...] tensor -> its rows   (d_l < p)
+                                                    # masks, cos/sin, position ids, per-row scalars
         hook after layer L-1:  y = reshard_rows(y, d_{L-1} -> p)           # [B, t, h] for the final norm
-    (d_{-1} = p: the embeddings run on the whole batch on every rank). The model passes every layer
-    the same full-batch keyword arguments, so each layer slices its own; the hooks keep no state, so
-    a recomputed (checkpointed) layer reshards the same way. ValueError at layer 0, on every rank
-    before any communication, unless the batch B divides into p / min(degrees) replicas."""
+    (d_{-1} = p: the embeddings run on the whole batch on every rank). x is the first positional
+    argument, else the keyword hidden_states; a layer may return y or a tuple (y, ...), and the
+    model must hand y (as it is) to the next layer. The model passes every layer the same
+    full-batch arguments, so each layer cuts its own; the hooks keep no state, so a recomputed
+    (checkpointed) layer reshards the same way. Each layer's pre-hook raises, on every rank before
+    its communication (at layer 0: before any): TypeError unless x is a tensor, ValueError if an
+    argument other than x requires grad (its gradient would be this replica's share only); at
+    layer 0, ValueError unless the batch B divides into p / min(degrees) replicas. `where` names
+    the layers in the messages."""
     most = p // min(degrees)
 
     def before(layer_index: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         prev, d = (degrees[layer_index - 1] if layer_index else p), degrees[layer_index]
-        x = args[0] if args else kwargs["hidden_states"]
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise TypeError(f"{where}[{layer_index}]: per-layer tp_degrees need the hidden states [b, t, h] as the "
+                            f"layer's first positional argument (or keyword hidden_states), got "
+                            f"{type(x).__name__}; name an nn.ModuleList of layers called as layer(x, ...)")
+        others = {**{f"argument {i + 1}": a for i, a in enumerate(args[1:])},
+                  **{f"keyword {k}": v for k, v in kwargs.items() if k != "hidden_states"}}
+        needy = [k for k, v in others.items() if _needs_grad(v)] if torch.is_grad_enabled() else []
+        if needy:
+            raise ValueError(f"{where}[{layer_index}]: {needy[0]} requires grad; per-layer tp_degrees route only the "
+                             f"hidden states' gradient between replicas, so the gradient of any other input of a "
+                             f"layer would be partial. Compute it without grad (torch.no_grad(), .detach()), or make "
+                             f"its parameters the layer's own")
         batch = x.shape[0] * p // prev
         if layer_index == 0 and batch % most:
             raise ValueError(f"batch: tp_degrees {list(degrees)} run up to {most} replicas, each on an equal block "
                              f"of the batch; got batch size {batch} (use a multiple of {most})")
-        x = reshard_rows(x, prev, d, row_groups)
+        x, rest = reshard_rows(x, prev, d, row_groups), args[1:]
         if d < p:
             rows = placements[d].rows(batch)
-            kwargs = {k: v if k == "hidden_states" else _rows_of(v, batch, rows) for k, v in kwargs.items()}
+            rest = tuple(_rows_of(a, batch, rows) for a in rest)
+            kwargs = {k: v if k in _NOT_ROWS else _rows_of(v, batch, rows) for k, v in kwargs.items()}
         if args:
-            return (x, *args[1:]), kwargs
+            return (x, *rest), kwargs
         return args, {**kwargs, "hidden_states": x}
 
     def after(module: torch.nn.Module, args: tuple, kwargs: dict, out: object) -> object:
-        if isinstance(out, tuple):  # older transformers: (hidden_states, ...)
+        if isinstance(out, tuple):  # (hidden_states, ...): older transformers, a user's layers
             return (reshard_rows(out[0], degrees[-1], p, row_groups), *out[1:])
         return reshard_rows(out, degrees[-1], p, row_groups)
 

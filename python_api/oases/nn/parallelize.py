@@ -56,19 +56,49 @@ ranks. Hugging Face models are not, so asking for it on one raises a ValueError;
 `oases.train_step(model, ..., sequence_parallel=True)` keeps the residual stream sequence-sharded
 between sublayers itself.
 
-Per-layer TP degrees (tp_degrees=[d_0, ..., d_{L-1}], one per decoder layer at
-model.base_model.layers, each a power of two dividing p; e.g. oases.plan.load(path)): decoder
-layer l is sharded over the d_l consecutive ranks of its replica and runs on that replica's
-block of the batch rows (p / d_l replicas; d_l = 1: left unsharded), as oases.models.GPT does:
+Per-layer TP degrees (tp_degrees=[d_0, ..., d_{L-1}], one per decoder layer, each a power of two
+dividing p; e.g. oases.plan.load(path)): decoder layer l is sharded over the d_l consecutive ranks
+of its replica and runs on that replica's block of the batch rows (p / d_l replicas; d_l = 1: left
+unsharded), as oases.models.GPT does. The decoder layers are the nn.ModuleList at the dotted path
+`layers` (e.g. layers="model.blocks"), else the first non-empty nn.ModuleList of KNOWN_LAYERS:
+model.base_model.layers (Hugging Face Llama, Mistral, Qwen2/3: model.layers; GPT-NeoX:
+gpt_neox.layers), model.transformer.h or model.h (nanoGPT-style). Rank r runs layer l as TP rank
+r % d_l of replica r // d_l, on rows [j B d_l / p, (j + 1) B d_l / p) of the batch, j = r // d_l:
 
-    x = embed(input_ids)                                    # [B, t, h] on every rank (degree p)
-    for l: x = layer_l(reshard_rows(x, d_{l-1} -> d_l), **kwargs cut to the same rows)
-    logits = lm_head(norm(reshard_rows(x, d_{L-1} -> p)))   # [B, t, V] on every rank
+    x = <the model's code before layers[0]>           # [B, ...] on every rank (degree p): embeddings
+    for l, layer in enumerate(layers):                # as the model's own forward calls them
+        x = reshard_rows(x, d_{l-1} -> d_l)           # [B d_l / p, ...]: replica j's rows (d_{-1} = p)
+        args, kwargs = cut(args), cut(kwargs)         # every tensor with shape[0] == B -> its rows [j]
+        out = layer(x, *args, **kwargs)               # (or layer(hidden_states=x, ...))
+        x = out[0] if isinstance(out, tuple) else out
+    x = reshard_rows(x, d_{L-1} -> p)                 # [B, ...] on every rank, in layers[-1]'s output
+    <the model's code after layers[-1]>               # final norm, head, loss: the whole batch
+
 Hooks on the decoder layers do the resharding and the cutting (oases.nn._degrees), and each
 parameter gradient of a layer with d_l < p is summed over its replicas, so model(...) and
-loss.backward() give the unsharded model's loss and gradients. `group` must be the world (the
-subgroups are made on every rank); no vocabulary entries, no sequence_parallel, and
-oases.train_step refuses such a model (it runs one TP group).
+loss.backward() give the unsharded model's loss, logits and gradients when the model keeps this
+contract (Hugging Face Llama, Mistral, Qwen2, GPT-NeoX and nanoGPT-style models do):
+  - batch first: the hidden states reaching each layer are [B, ...] (not sequence-first [t, B, h]);
+    they are the layer's first positional argument, or the keyword hidden_states;
+  - a layer returns y or a tuple (y, ...); the model hands y to the next layer and does nothing
+    between layers that mixes rows or needs the whole batch (it sees only the replica's rows); the
+    other tuple elements of a layer's output stay at the replica's rows;
+  - per-example arguments are tensors whose first dim is B (in tuples, lists and dicts too): masks
+    [B, ...], position ids [B, t], rotary tables [B, t, d], per-row scalars [B]; they are cut.
+    Everything else is passed as it is, so a tensor shared by every row must not have first dim B
+    (give it a leading broadcast dim: [1, t, t], not [t, t] when t == B); cache_position is never cut;
+  - only the hidden states carry a gradient into a layer: any other tensor argument that requires
+    grad raises a ValueError (its gradient would be one replica's share); masks, position ids and
+    Hugging Face rotary tables (computed under no_grad) do not;
+  - each layer treats rows independently (no batch norm, no batch-wide reductions), its parameters
+    are its own (not tied to another layer or the embedding), no dropout (replicas draw different
+    masks), and the code outside the layers runs the same on every rank.
+`group` must be the world (the subgroups are made on every rank); no vocabulary entries, no
+sequence_parallel, and oases.train_step refuses such a model (it runs one TP group). Bad input
+raises on every rank before any communication: a `layers` path that does not name an nn.ModuleList
+(ValueError / TypeError), tp_degrees of the wrong length or with a degree that is not a power of
+two dividing p (ValueError), and, at the first forward, a batch that p / min(tp_degrees) does not
+divide (ValueError).
 """
 from __future__ import annotations
 
@@ -89,7 +119,7 @@ from oases.nn._degrees import check_tp_degrees, hook_decoder_layers, make_placem
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
 from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
 
-__all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "PER_RANK_ATTRIBUTES"]
+__all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "KNOWN_LAYERS", "PER_RANK_ATTRIBUTES"]
 
 DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
     # LLaMA, Mistral, Qwen2 (Hugging Face naming)
@@ -279,23 +309,63 @@ def _sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGro
             param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
 
 
-def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """(qualified name, module) of the decoder layers a per-layer plan applies to, or ValueError."""
-    layers = getattr(getattr(model, "base_model", None), "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-        name = next(n for n, m in model.named_modules() if m is layers)
-        return name, layers
-    raise ValueError(f"tp_degrees: {type(model).__name__} has no decoder layers at model.base_model.layers (an "
-                     f"nn.ModuleList, as Hugging Face decoder models such as LlamaForCausalLM have); "
-                     f"pass tp_degrees=None")
+# Where per-layer tp_degrees find decoder layers without `layers=` (the first that is a non-empty
+# nn.ModuleList wins): Hugging Face decoders (LlamaForCausalLM's model.layers, GPTNeoXForCausalLM's
+# gpt_neox.layers: base_model is the inner model), nanoGPT-style models (with or without `transformer`).
+KNOWN_LAYERS = ("base_model.layers", "transformer.h", "h")
 
 
-def _check_degree_plan(model: nn.Module, tp_degrees: object, styles: dict[str, _Style], p: int
-                       ) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
+def _module_list(model: nn.Module, path: str) -> Optional[nn.ModuleList]:
+    owner: object = model
+    for part in path.split("."):
+        owner = getattr(owner, part, None)
+    return owner if isinstance(owner, nn.ModuleList) and len(owner) > 0 else None
+
+
+def _decoder_layers(model: nn.Module, layers: Optional[str]) -> tuple[str, nn.ModuleList]:
+    """(qualified name, module) of the decoder layers a per-layer plan applies to: `layers` (a dotted
+    path), else the first of KNOWN_LAYERS; else ValueError / TypeError naming the fix."""
+    if layers is None:
+        found = next((m for m in (_module_list(model, path) for path in KNOWN_LAYERS) if m is not None), None)
+        if found is None:
+            raise ValueError(f"tp_degrees: {type(model).__name__} has no decoder layers where oases looks "
+                             f"({', '.join('model.' + k for k in KNOWN_LAYERS)}: a non-empty nn.ModuleList); "
+                             f"pass layers='dotted.path' naming your nn.ModuleList of decoder layers "
+                             f"(e.g. layers='blocks'), or tp_degrees=None")
+    else:
+        if not isinstance(layers, str):
+            raise TypeError(f"layers: expected a dotted path (str) to the model's nn.ModuleList of decoder layers, "
+                            f"e.g. layers='model.blocks', got {type(layers).__name__}")
+        try:
+            found = model.get_submodule(layers) if layers else None
+        except AttributeError:
+            found = None
+        if found is None:
+            raise ValueError(f"layers: {type(model).__name__} has no submodule {layers!r}; pass the dotted path of "
+                             f"its nn.ModuleList of decoder layers, as model.named_modules() names it")
+        if not isinstance(found, nn.ModuleList):
+            raise TypeError(f"layers: model.{layers} is a {type(found).__name__}, not an nn.ModuleList; name the "
+                            f"nn.ModuleList holding the decoder layers (one tp_degrees entry per element)")
+        if len(found) == 0:
+            raise ValueError(f"layers: model.{layers} is an empty nn.ModuleList; name the one holding the "
+                             f"decoder layers")
+    name = next((n for n, m in model.named_modules() if m is found), "")
+    if not name:  # the model itself, or a ModuleList held outside the module tree
+        raise ValueError(f"layers: the decoder layers must be a registered submodule of {type(model).__name__} "
+                         f"(a name in model.named_modules()); pass layers='dotted.path' naming it")
+    return name, found
+
+
+def _check_degree_plan(model: nn.Module, tp_degrees: object, layers: Optional[str], styles: dict[str, _Style],
+                       p: int) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
     """(decoder layers' name, the layers, the degrees) of a per-layer plan, or ValueError / TypeError
     (local checks, the same on every rank, before any subgroup is made)."""
-    prefix, layers = _decoder_layers(model)
-    degrees = check_tp_degrees(tp_degrees, len(layers), p)
+    prefix, found = _decoder_layers(model, layers)
+    if isinstance(tp_degrees, Sequence) and not isinstance(tp_degrees, (str, bytes)) and len(tp_degrees) != len(found):
+        raise ValueError(f"tp_degrees: expected one degree per layer of model.{prefix} ({len(found)} layers), got "
+                         f"{len(tp_degrees)}: {list(tp_degrees)}; pass {len(found)} degrees"
+                         + ("" if layers else ", or layers='dotted.path' naming other decoder layers"))
+    degrees = check_tp_degrees(tp_degrees, len(found), p)
     if p > 1 and p != dist.get_world_size():
         raise ValueError(f"group: per-layer tp_degrees make subgroups on every rank of the world, so the group "
                          f"must be the whole world ({dist.get_world_size()} ranks), got {p} ranks")
@@ -304,7 +374,7 @@ def _check_degree_plan(model: nn.Module, tp_degrees: object, styles: dict[str, _
             raise ValueError(f"plan[{pattern!r}]: {style.kind!r} is not supported with per-layer tp_degrees (the "
                              f"embedding and the LM head run replicated on every rank); remove it or pass "
                              f"tp_degrees=None")
-    return prefix, layers, degrees
+    return prefix, found, degrees
 
 
 def _degree_of(prefix: Optional[str], degrees: Optional[tuple[int, ...]], p: int) -> Callable[[str], int]:
@@ -329,6 +399,7 @@ def parallelize(
     sequence_parallel: bool = False,
     chunks: Optional[int] = None,
     tp_degrees: Optional[Sequence[int]] = None,
+    layers: Optional[str] = None,
 ) -> nn.Module:
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
@@ -348,7 +419,18 @@ def parallelize(
     same checkpoint). `plan` None means DEFAULT_PLAN; an explicit plan replaces it (merge with
     {**DEFAULT_PLAN, ...} to extend it). `sequence_parallel` and `chunks` go to every layer.
     `tp_degrees` (one per decoder layer): decoder layer l is sharded over d_l ranks and runs on
-    its replica's rows (module docstring); the batch must divide by p / min(tp_degrees).
+    its replica's rows; the batch must divide by p / min(tp_degrees). `layers` (only with
+    tp_degrees): the dotted path of the nn.ModuleList of decoder layers, as model.named_modules()
+    names it, for models whose layers are not at a KNOWN_LAYERS path:
+
+        oases.parallelize(model, plan={"up": "column", "down": "row"}, tp_degrees=[1, 2, 2, 1], layers="blocks")
+        # for l, layer in enumerate(model.blocks):   (the model's own loop)
+        #     x [B, t, h] -> this replica's rows [B d_l / p, t, h]; every other [B, ...] tensor argument too
+        #     x = layer(x, ...) (or its tuple's first element), sharded over d_l ranks
+        # after model.blocks[-1]: x -> [B, t, h] on every rank
+
+    The contract a model keeps for this to be exact is in the module docstring (batch-first hidden
+    states as the first argument, per-example tensors with first dim B, rows independent).
     """
     ring = ring_of(group)
     p = ring.size
@@ -361,6 +443,9 @@ def parallelize(
         raise TypeError("model: is itself an nn.Embedding; use VocabParallelEmbedding.from_embedding")
     if chunks is not None:
         _checks.chunks_arg(chunks)
+    if layers is not None and tp_degrees is None:
+        raise ValueError(f"layers={layers!r}: names the decoder layers of a per-layer plan, and no tp_degrees "
+                         f"was given; pass tp_degrees=[one degree per layer] too, or drop layers")
     if tp_degrees is not None and sequence_parallel:
         raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
                          "degrees split the batch rows, not the sequence); pass sequence_parallel=False")
@@ -380,9 +465,9 @@ def parallelize(
     linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
     embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
 
-    prefix, layers, degrees = None, None, None
+    prefix, decoder_layers, degrees = None, None, None
     if tp_degrees is not None:
-        prefix, layers, degrees = _check_degree_plan(model, tp_degrees, styles, p)
+        prefix, decoder_layers, degrees = _check_degree_plan(model, tp_degrees, layers, styles, p)
     degree = _degree_of(prefix, degrees, p)  # p for every module without tp_degrees
     placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind != "vocab"})
     placed_embeddings = _plan_layers(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"})
@@ -426,12 +511,12 @@ def parallelize(
             _localize_heads(module, d)
             _sum_head_shared_grads(module, groups[d])
     if degrees is not None:
-        for layer, d in zip(layers, degrees):
+        for layer, d in zip(decoder_layers, degrees):
             if d < p:  # each replica saw its rows only: sum the gradients over the replicas
                 for param in layer.parameters():
                     if param.requires_grad:
                         param.register_hook(functools.partial(sum_over_replicas, group=placements[d].replica_group))
-        hook_decoder_layers(layers, degrees, p, placements, row_groups)
+        hook_decoder_layers(decoder_layers, degrees, p, placements, row_groups, where=prefix)
         model.tp_degrees = degrees  # oases.train_step reads it (and refuses)
 
     unplaced = [name for name in linears if name not in placed]
