@@ -136,13 +136,17 @@ class SegmentSync:
     def _submit(self, bucket: list[nn.Parameter]) -> Future:
         if self._stream is None:
             return self.scheduler.submit(lambda: self._sync_bucket(bucket))
+        compute = torch.cuda.current_stream(self._stream.device)
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self._stream.device))  # the gradients are computed
+        ready.record(compute)  # the gradients are computed
 
         def on_stream() -> torch.cuda.Event:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
                 self._sync_bucket(bucket)
+                for p in bucket:  # a gradient made on this stream is used (and freed) on the compute stream
+                    if p.grad is not None:
+                        p.grad.record_stream(compute)
                 done = torch.cuda.Event()
                 done.record()
                 return done
