@@ -101,8 +101,8 @@ def _bad_arguments(world_size):
         model.train_step(tokens, targets, sub_batches=2)
     with pytest.raises(ValueError, match="multiple of"):
         model.train_step(tokens[:world_size - 1], targets[:world_size - 1])
-    with pytest.raises(ValueError, match="tp_degrees"):
-        oases.train_step(model, tokens, targets)
+    with pytest.raises(ValueError, match="sequence_parallel"):  # the schedules run tp_degrees without SP
+        oases.train_step(model, tokens, targets, sequence_parallel=True)
 
 
 def _ranks_main(rank, world_size, plans, plan_path, golden):

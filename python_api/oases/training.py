@@ -22,6 +22,7 @@ from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import CheckpointMemory, Communicator, Stack, check_step, train_step as _run_schedule
+from oases.schedule.stack import check_placements
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -122,14 +123,35 @@ def train_step(
     The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
     LM or a nanoGPT-style model after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
     gradients of the unsharded model; every check runs before any communication.
+    Per-layer TP degrees (GPT(config, group, tp_degrees=[...]), a Hugging Face model after
+    parallelize(..., tp_degrees=[...]), a stack with layer_placements()): each layer communicates
+    on its own degree's Communicator (the model's), so `comm`, `offload` and `sequence_parallel`
+    are refused, and each sub-batch's rows must divide by p / min(tp_degrees); nanoGPT-style
+    models with tp_degrees are refused.
     """
-    if getattr(model, "tp_degrees", None) is not None:  # GPT(tp_degrees=...) or parallelize(..., tp_degrees=...)
-        raise ValueError("tp_degrees: oases.train_step runs every layer on one TP group; a model with per-layer "
-                         "tp_degrees trains with loss = model(...) then loss.backward() (a GPT: model.train_step)")
     stack = adapt(model)
+    get_placements = getattr(stack, "layer_placements", None)
+    if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
+        raise ValueError(f"tp_degrees: oases.train_step runs per-layer tp_degrees on oases.models.GPT, Hugging Face "
+                         f"causal LMs and stacks with layer_placements(), not yet on {type(stack).__name__}; train "
+                         f"it with loss = model(...) then loss.backward()")
+    per_layer = getattr(model, "tp_degrees", None) is not None  # GPT or parallelize(..., tp_degrees=...)
+    placements = None
+    if not per_layer and get_placements is not None:  # a user's stack may have them (GPT without: None)
+        placements = get_placements()
+        per_layer = placements is not None
+    if per_layer:  # local checks first: an HF model's placements are made (collectively) after check_step
+        if sequence_parallel:
+            raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
+                             "degrees would split the sequence differently); pass sequence_parallel=False")
+        for name, value in (("comm", comm), ("offload", offload)):
+            if value is not None and value is not False:
+                raise ValueError(f"{name}: not supported with per-layer tp_degrees (the model's layers communicate on "
+                                 f"Communicators of their own, one per degree: model.layer_placements()); pass "
+                                 f"{name}={'None' if name == 'comm' else 'False'}")
     if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable()
-    tp = _tp_communicator(model)
+    tp = Communicator(None, 1) if per_layer else _tp_communicator(model)  # per layer: unused (the layers' own)
     if comm is None and tp is None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
@@ -144,8 +166,15 @@ def train_step(
     if attention_mask is not None and not getattr(stack, "takes_attention_mask", True):
         raise ValueError(f"attention_mask: {type(stack).__name__} has no padding mask to apply it to; pass None "
                          "(or pad with tokens whose labels are -100)")
-    check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-               attention_mask=attention_mask, world_size=comm.world_size)  # before step_seed's broadcast
+    parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
+                       sequence_parallel=sequence_parallel, attention_mask=attention_mask,
+                       world_size=comm.world_size)  # before step_seed's broadcast
+    if per_layer and placements is None:
+        placements = get_placements()  # an HF model's first step makes its groups: every rank alike
+        if placements is None:
+            raise ValueError(f"tp_degrees: {type(stack).__name__}.layer_placements() returned None for a model with "
+                             f"per-layer tp_degrees")
+    check_placements(placements, input_ids.shape[0], parts, sequence_parallel=sequence_parallel)
     if loss_fn is None:
         group = getattr(stack, "logits_group", None)
         normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -26,14 +26,17 @@ group"); the embedding and the head run at degree p (the whole batch on every ra
     reshard_rows to a higher degree: fwd: all-gather the rows          bwd: keep this rank's sub-block
     (over the hi/lo ranks that share the higher degree's replica and the lower degree's TP position)
 and each parameter gradient of a block with d_l < p is summed over its p/d_l replicas (an
-all-reduce over the ranks at the same TP position, by a hook as autograd produces the gradient).
+all-reduce over the ranks at the same TP position, by a hook as autograd produces the gradient;
+under oases.train_step's schedules the hooks stand down and the schedule sums each block's
+gradients once, per step, as the block's backward ends: see `layer_placements`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,7 @@ from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, check_step, train_step
+from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -176,8 +180,12 @@ class GPT(nn.Module):
     gradients as the single-process model; the batch must divide by p / min(tp_degrees).
     `forward` + `backward` and `train_step` run it with blocking collectives on the autograd path
     (`train_step` then ignores `schedule`: no sub-batch overlap, no recomputation).
-    vocab_parallel, sequence_parallel and offload do not combine with it (ValueError), nor do
-    `oases.train_step` and `oases.pipeline` (they need `layers()`, which then raises).
+    `oases.train_step(model, ids, labels, schedule=s)` runs it on the overlapped schedules
+    (megatron, merak, cross_pass, oases): `layer_placements()` gives them each block's
+    Communicator (one per degree), row moves and replica group (oases.schedule.protocol); each
+    sub-batch's rows must divide by p / min(tp_degrees).
+    vocab_parallel, sequence_parallel and offload do not combine with it (ValueError), nor does
+    `oases.pipeline`.
     """
 
     def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
@@ -229,10 +237,13 @@ class GPT(nn.Module):
                                _MLP(config, 2 * i + 1, at.degree, at.tp_group)])
                 for i, at in enumerate(where)
             )
+            self._hooks_on = [True]  # off while a schedule runs the stack (it sums the gradients itself)
             for block, at in zip(self.blocks, where):
                 if at.replica_group is not None:
                     for param in block.parameters():
-                        param.register_hook(functools.partial(sum_over_replicas, group=at.replica_group))
+                        param.register_hook(functools.partial(_sum_over_replicas_if, self._hooks_on,
+                                                              group=at.replica_group))
+            self._layer_placements: Optional[LayerPlacements] = None  # made on first use (Communicators)
         self.norm_f = nn.LayerNorm(config.hidden)
         if self.logits_group is not None:
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, bias=False, group=self.group)
@@ -285,11 +296,50 @@ class GPT(nn.Module):
         return self.embed_tokens(input_ids), where
 
     def layers(self) -> list[tuple[_Sublayer, ...]]:
-        if self.tp_degrees is not None:
-            raise ValueError("tp_degrees: the schedules, oases.train_step and oases.pipeline run every layer on one TP "
-                             "group; a GPT with per-layer tp_degrees trains with model.train_step(tokens, targets) or "
-                             "model(tokens, targets).backward()")
         return [tuple(block) for block in self.blocks]
+
+    def layer_placements(self) -> Optional[LayerPlacements]:
+        """With tp_degrees: where each block runs for the schedules (oases.schedule.protocol), its
+        Communicators made once and kept (one per distinct degree, one per replica group and per
+        pair of neighbouring degrees); None without (every block on `self.comm`)."""
+        if self.tp_degrees is None:
+            return None
+        if self._layer_placements is None:
+            self._layer_placements = self._make_layer_placements()
+        return self._layer_placements
+
+    def _make_layer_placements(self) -> LayerPlacements:
+        p, comms, replica_comms, moves = self.tp, {}, {}, {}
+        for d, at in self._placements.items():
+            comms[d] = self.comm if d == p else Communicator(at.tp_group if d > 1 else None, d)
+            replica_comms[d] = None if at.replica_group is None else Communicator(at.replica_group, at.replicas)
+
+        def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
+            if a == b:
+                return None
+            lo, hi = min(a, b), max(a, b)
+            if (lo, hi) not in moves:
+                group, index = self._row_groups[lo, hi]
+                moves[lo, hi] = (Communicator(group, hi // lo), index)
+            comm, index = moves[lo, hi]
+            return RowMove(comm, b < a, hi // lo, index)
+
+        layers, previous = [], p
+        for block, d in zip(self.blocks, self.tp_degrees):
+            at = self._placements[d]
+            layers.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms[d],
+                                         tuple(block.parameters())))
+            previous = d
+        return LayerPlacements(tuple(layers), move(previous, p), self._scheduled)
+
+    @contextlib.contextmanager
+    def _scheduled(self) -> Iterator[None]:
+        """While a schedule runs the stack: the replica-sum hooks stand down (it sums the gradients)."""
+        previous, self._hooks_on[0] = self._hooks_on[0], False
+        try:
+            yield
+        finally:
+            self._hooks_on[0] = previous
 
     def head(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
         """Logits [b, t, vocab], or this rank's [b, t, vocab/p] with vocab_parallel."""
@@ -404,3 +454,8 @@ class GPT(nn.Module):
         if self.logits_group is not None:
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group, reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def _sum_over_replicas_if(on: list[bool], grad: torch.Tensor, group: dist.ProcessGroup) -> Optional[torch.Tensor]:
+    """A parameter gradient hook: sum_over_replicas while `on[0]` (the blocking forward + backward)."""
+    return sum_over_replicas(grad, group) if on[0] else None

@@ -17,12 +17,20 @@ gradient all-reduce, row layers return their partial product; the schedule reduc
 (rotary position embeddings, the causal and padding mask of its attention type, position ids)
 is taken from the model's own forward: `embed` runs the base model once with its decoder layers
 stood in for by recorders, so masks and rotary embeddings are exactly the model's.
+
+After `oases.parallelize(model, tp_degrees=[...])`, `layer_placements()` gives the schedules each
+decoder layer's degree (oases.schedule.protocol): its all-reduces on a Communicator of its own
+degree's TP group, its replica's rows (`replica_ctx` cuts every [b, ...] keyword argument of the
+layers -- masks, rotary tables, position ids -- to them), rows moved between degrees. Those
+groups are made once, collectively, at the first step, and kept on the model
+(`model.oases_layer_placements`). The replicas' gradient sums stay parallelize's hooks (they fire
+in every backward call: blocking, per parameter), so the placements give the schedule none to sum.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,9 +38,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
+from oases.nn._degrees import make_placements
 from oases.nn._mappings import copy_to_tp
 from oases.nn.layers import ColumnParallelLinear
-from oases.schedule.protocol import SubBatch
+from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove, SubBatch
+from oases.schedule.runtime import Communicator
 
 __all__ = ["HFStack", "SEQUENTIAL_LAYERS", "PARALLEL_RESIDUAL_LAYERS"]
 
@@ -98,7 +108,13 @@ class HFStack:
         vocab_parallel = isinstance(self.lm_head, ColumnParallelLinear)  # parallelize's "vocab_head"
         self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
         self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
-        check_sharded(self._layers, decoder)
+        degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
+        self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
+        if self.degrees is not None and len(self.degrees) != len(decoder):
+            raise ValueError(f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
+                             f"parallelize the model with one degree per decoder layer")
+        check_sharded([layer for i, layer in enumerate(self._layers) if self.degrees is None or self.degrees[i] > 1],
+                      decoder)
 
     @staticmethod
     def _sublayers(i: int, layer: nn.Module) -> tuple[Branch, ...]:
@@ -128,12 +144,71 @@ class HFStack:
     def layers(self) -> list[tuple[Branch, ...]]:
         return self._layers
 
+    def layer_placements(self) -> Optional[LayerPlacements]:
+        """Per-layer TP degrees (parallelize(..., tp_degrees=...)): the decoder layers' placements,
+        made at the first call (collective on every rank of the world) and kept on the model; None
+        without tp_degrees."""
+        if self.degrees is None:
+            return None
+        kept = getattr(self.model, "oases_layer_placements", None)
+        if not isinstance(kept, LayerPlacements) or tuple(at.degree for at in kept.layers) != self.degrees:
+            kept = _placements(self.degrees)
+            self.model.oases_layer_placements = kept
+        return kept
+
+    def replica_ctx(self, ctx: _Context, rows: slice) -> _Context:
+        """ctx narrowed to a replica's `rows` of the sub-batch: its SubBatch, and every tensor of
+        the layers' keyword arguments whose first dim is the sub-batch's row count."""
+        batch = ctx.where.rows.stop - ctx.where.rows.start
+        kwargs = tuple({k: _rows_of(v, batch, rows) for k, v in layer.items()} for layer in ctx.layer_kwargs)
+        return _Context(ctx.where.replica_rows(rows), kwargs)
+
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
         h = self.final_norm(x)
         if self.logits_group is None:
             return self.lm_head(h)  # [b, t, vocab]
         # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
         return F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
+
+
+def _placements(degrees: tuple[int, ...]) -> LayerPlacements:
+    """LayerPlacements over the world (parallelize's tp_degrees need the whole world), its groups
+    made here (collective). Replica sums: none for the schedule (parallelize's hooks do them)."""
+    p = dist.get_world_size() if dist.is_initialized() else 1
+    me = dist.get_rank() if p > 1 else 0
+    where, row_groups = make_placements(dist.group.WORLD if p > 1 else None, p, me, degrees)
+    comms = {d: Communicator(at.tp_group if d > 1 else None, d) for d, at in where.items()}
+    moves: dict[tuple[int, int], RowMove] = {}
+
+    def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
+        if a == b:
+            return None
+        lo, hi = min(a, b), max(a, b)
+        if (lo, hi) not in moves:
+            group, index = row_groups[lo, hi]
+            moves[lo, hi] = RowMove(Communicator(group, hi // lo), False, hi // lo, index)
+        up = moves[lo, hi]
+        return RowMove(up.comm, b < a, up.parts, up.index)
+
+    layers, previous = [], p
+    for d in degrees:
+        at = where[d]
+        layers.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), None, ()))
+        previous = d
+    return LayerPlacements(tuple(layers), move(previous, p))
+
+
+def _rows_of(value: Any, batch: int, rows: slice) -> Any:
+    """`value` with each [batch, ...] tensor (2 dims or more) cut to `rows`, in tuples, lists and
+    dicts too; anything else (a [1, ...] broadcast mask or rotary table, cache_position [t], None)
+    as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.dim() >= 2 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows_of(v, batch, rows) for v in value)
+    if isinstance(value, dict):
+        return {k: _rows_of(v, batch, rows) for k, v in value.items()}
+    return value
 
 
 @contextlib.contextmanager

@@ -25,12 +25,37 @@ Optional members a schedule reads with getattr (absent: the default in brackets)
     stack.takes_attention_mask       whether `embed` applies where.attention_mask [True]
     sublayer.sequence_parallel_parameters()   required for sequence_parallel=True: the parameters
                                      norm and finish use (their gradients are summed over the group)
+    stack.layer_placements()         per-layer TP degrees: a LayerPlacements, or None (every layer
+                                     on the schedule's one communicator) [None]
+    stack.replica_ctx(ctx, rows)     ctx for a replica's `rows` of the sub-batch (below) [the default]
 
 `finish` runs in forward and again, on a zero input, to get its gradient, so any randomness in it
 (residual dropout) must come from `where.seed` and the positions in `where` (see
 oases.models.GPT), never from the global generator. `ctx` is passed back as given; under
 sequence parallelism a ctx that is a SubBatch, or has one as its `where` attribute, is narrowed
 to this rank's tokens (a shallow copy) before `finish` sees it.
+
+Per-layer TP degrees (`layer_placements()` not None: oases.models.GPT(tp_degrees=...), a Hugging
+Face model after oases.parallelize(..., tp_degrees=...); no sequence parallelism, no offload): layer l
+runs at degree d_l on its own communicator as p/d_l replicas, replica j on row block j of the
+p/d_l blocks of each sub-batch (the embedding and head run at degree p, every row on every rank):
+
+    x, ctx = stack.embed(input_ids[rows], where)                   # [b, t, h], degree p
+    for l, layer in enumerate(stack.layers()):
+        at = placements.layers[l]
+        x = move(at.rows_in, x)                                    # [b d_l / p, t, h]: replica's rows
+        ctx_l = stack.replica_ctx(ctx, at.rows(b))                 # that replica's rows of the ctx
+        x = layer(x, ctx_l) with each all-reduce on at.comm         # the degree's TP group
+    logits = stack.head(move(placements.rows_out, x), ctx)         # [b, t, vocab], degree p
+    after layer l's backward: grad of each of at.parameters summed over at.replica_comm (p/d_l replicas)
+
+`move` is a RowMove (fwd keep a block of rows / bwd all-gather them, or the reverse); the
+schedule runs it at the boundary between two layers, per sub-batch, so each sub-batch's row
+count must divide by p / min(d_l) (ValueError before any communication). `replica_ctx` (absent:
+a ctx that is a SubBatch, or has one as `where`, gets it narrowed by SubBatch.replica_rows)
+must narrow whatever in ctx has one entry per row (a padding mask, position ids). While the
+schedule runs it enters `placements.while_scheduled()`: the stack must not sum those gradients
+over the replicas itself then (GPT's autograd hooks, used by its blocking forward, stand down).
 
 A stack whose LM head is vocab-parallel sets `logits_group` (a process group; absent or None
 means full logits): `head` then returns this rank's [b, t, vocab/p] slice of the logits, and the
@@ -42,12 +67,15 @@ any object that implements `Stack` (a user's own model: see the README).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["SubBatch", "Sublayer", "Stack"]
+from oases.schedule.runtime import Communicator
+
+__all__ = ["SubBatch", "Sublayer", "Stack", "RowMove", "LayerPlacement", "LayerPlacements"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +99,68 @@ class SubBatch:
     def tokens(self, positions: slice, seq_len: int) -> "SubBatch":
         """The same sub-batch, seen by `finish` on the tokens at `positions` of `seq_len`."""
         return SubBatch(self.rows, self.batch, self.seed, self.attention_mask, positions, seq_len)
+
+    def replica_rows(self, rows: slice) -> "SubBatch":
+        """The same sub-batch narrowed to its `rows` (relative to it): rows and padding mask."""
+        start = self.rows.start or 0
+        mask = None if self.attention_mask is None else self.attention_mask[rows]
+        return SubBatch(slice(start + rows.start, start + rows.stop), self.batch, self.seed, mask,
+                        self.positions, self.seq_len)
+
+
+@dataclass(frozen=True)
+class RowMove:
+    """Rows of x between two TP degrees, over the `parts` ranks of `comm`'s group (this one: `index`).
+
+        down (to the lower degree):  fwd: x [n, ...] -> block `index` of `parts` along dim 0 (local)
+                                     bwd: all-gather dim 0 over comm
+        up (to the higher degree):   fwd: all-gather dim 0 over comm;  bwd: keep block `index`
+    """
+
+    comm: Communicator
+    down: bool
+    parts: int
+    index: int
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where one layer runs under per-layer TP degrees: its sublayers' all-reduces on `comm` (this
+    rank's replica's `degree` ranks); `replica` of `replicas` (p / degree), on row block `replica`
+    of each sub-batch; `rows_in` moves x from the previous layer's rows (the embedding's: degree
+    p) to this layer's (None: the same degrees); `parameters`' gradients are summed over
+    `replica_comm` by the schedule as the layer's backward ends (None, or no parameters: nothing
+    for the schedule to sum -- one replica, or a stack that sums them itself in every backward
+    call, as parallelize's hooks do)."""
+
+    degree: int
+    comm: Communicator
+    replica: int
+    replicas: int
+    rows_in: Optional[RowMove]
+    replica_comm: Optional[Communicator]
+    parameters: tuple[torch.Tensor, ...]
+
+    def rows(self, batch: int) -> slice:
+        """This replica's rows of a sub-batch of `batch` rows (batch divisible by replicas)."""
+        n = batch // self.replicas
+        return slice(self.replica * n, (self.replica + 1) * n)
+
+
+@dataclass(frozen=True)
+class LayerPlacements:
+    """What `stack.layer_placements()` returns: one LayerPlacement per layer; `rows_out` moves the
+    last layer's rows back to degree p for the head (None: it runs at p); `while_scheduled()` is
+    entered around a schedule's step (see the module docstring)."""
+
+    layers: tuple[LayerPlacement, ...]
+    rows_out: Optional[RowMove]
+    while_scheduled: Callable[[], ContextManager[None]] = contextlib.nullcontext
+
+    @property
+    def most_replicas(self) -> int:
+        """The largest replica count: each sub-batch's rows must divide by it."""
+        return max((at.replicas for at in self.layers), default=1)
 
 
 @runtime_checkable

@@ -19,6 +19,12 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
       compute: | A: recompute+bwd mlp | B: recompute+bwd mlp | A: attn | B: attn | A: next layer ...
       comm   :                        | A: AR grad           | B: AR   | A: AR   | B: AR ...
     merak holds A at the end of each pass until B gets there (B's last all-reduce is exposed).
+
+A stack with per-layer TP degrees (`stack.layer_placements()`, see oases.schedule.protocol) runs
+the same programs with each layer on its own Communicator and its replica's rows of the
+sub-batch: the rows move at layer boundaries (a local split going down a degree, an all-gather
+going up; adjoints in backward), and each layer's parameter gradients are summed over its
+replicas once the last sub-batch's backward of it ends (asynchronous, waited for at the end).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from oases.offload import CheckpointStack, Offloader
-from oases.schedule.protocol import Stack, SubBatch
+from oases.schedule.protocol import LayerPlacements, RowMove, Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 
 __all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "train_step", "check_step"]
@@ -143,47 +149,193 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-             plan: Schedule, comm: Communicator, saved: _Checkpoints) -> Generator:
-    """One sub-batch's forward, loss and backward, yielding at each communication."""
+             plan: Schedule, comm: Communicator, saved: _Checkpoints,
+             placed: Optional["_PlacedStep"] = None) -> Generator:
+    """One sub-batch's forward, loss and backward, yielding at each communication. `placed`:
+    per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows
+    moved at the layer boundaries; see oases.schedule.protocol)."""
     layers = [tuple(layer) for layer in stack.layers()]
     with torch.enable_grad():
         embedded, ctx = stack.embed(input_ids, where)
     x = embedded.detach()
+    if placed is None:
+        comms, ctxs, moves, move_out = [comm] * len(layers), [ctx] * len(layers), [None] * len(layers), None
+    else:
+        comms, ctxs, moves, move_out = placed.per_layer(stack, ctx, x.shape[0])
     # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer
-    for layer in layers:
+    for layer, c, lctx, move in zip(layers, comms, ctxs, moves):
+        if move is not None:  # the boundary between layers of different degrees: this replica's rows
+            x = yield from _move_rows(move, x, "forward")
         for i, sub in enumerate(layer):
             if plan.fine_grained_recompute or i == 0:
                 saved.push(x)
             with torch.no_grad():
-                part = sub.core(sub.norm(x), ctx)
-            x = yield from _finish_reduced(sub, x, part, ctx, comm, "forward")
+                part = sub.core(sub.norm(x), lctx)
+            x = yield from _finish_reduced(sub, x, part, lctx, c, "forward")
+    if move_out is not None:  # the head runs on every row of the sub-batch
+        x = yield from _move_rows(move_out, x, "forward")
     saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
     x = x.requires_grad_()
     with torch.enable_grad():
         loss = loss_sum(stack.head(x, ctx), labels)
         (loss / normalizer).backward()
     grad = x.grad
+    if move_out is not None:
+        grad = yield from _move_rows_adjoint(move_out, grad)
     if plan.pass_barriers:
         yield BARRIER
-    for layer in reversed(layers):
+    for index in reversed(range(len(layers))):
+        layer, c, lctx = layers[index], comms[index], ctxs[index]
         if plan.fine_grained_recompute:
             for sub in reversed(layer):
-                grad = yield from _backward(sub, _record(sub, saved.pop(), ctx), grad, ctx, comm)
-            continue
-        x_in, records = saved.pop(), []
-        for sub in layer:  # activation checkpointing reruns the whole layer, its all-reduces included
-            rec = _record(sub, x_in, ctx)
-            records.append(rec)
-            x_in = yield from _finish_reduced(sub, x_in, rec.part.detach().clone(), ctx, comm, "recompute")
-        if plan.pass_barriers:
-            yield BARRIER
-        for sub, rec in zip(reversed(layer), reversed(records)):
-            grad = yield from _backward(sub, rec, grad, ctx, comm)
-        if plan.pass_barriers:
-            yield BARRIER
+                grad = yield from _backward(sub, _record(sub, saved.pop(), lctx), grad, lctx, c)
+        else:
+            x_in, records = saved.pop(), []
+            for sub in layer:  # activation checkpointing reruns the whole layer, its all-reduces included
+                rec = _record(sub, x_in, lctx)
+                records.append(rec)
+                x_in = yield from _finish_reduced(sub, x_in, rec.part.detach().clone(), lctx, c, "recompute")
+            if plan.pass_barriers:
+                yield BARRIER
+            for sub, rec in zip(reversed(layer), reversed(records)):
+                grad = yield from _backward(sub, rec, grad, lctx, c)
+            if plan.pass_barriers:
+                yield BARRIER
+        if placed is not None:
+            placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
+            if moves[index] is not None:
+                grad = yield from _move_rows_adjoint(moves[index], grad)
     if embedded.requires_grad:  # a frozen embedding has nothing to learn
         embedded.backward(grad)
     return loss.detach()
+
+
+# ---- per-layer TP degrees: rows moved at layer boundaries, gradients summed over replicas -------------
+#
+#   forward, layer l at degree d_l (R_l = p / d_l replicas), sub-batch of b rows:
+#     x [b d_{l-1} / p, t, h] --RowMove--> [b d_l / p, t, h]; layer l on comm_l (its replica's TP group)
+#   backward: the RowMove's adjoint at the same boundary (all-gather <-> keep a block)
+#   after the last sub-batch's backward of layer l: start the all-reduce of its parameter gradients
+#   over its R_l replicas (asynchronous; waited for at the end of the step)
+#     compute: | A: bwd layer 3 | B: bwd layer 3 | A: bwd layer 2 | B: bwd layer 2 | ...
+#     comm   :                                   | sum layer 3 over replicas       | sum layer 2 ...
+
+
+def _move_rows(move: RowMove, x: torch.Tensor, phase: str) -> Generator:
+    """RowMove forward: keep this rank's block of rows (down), or all-gather the rows (up)."""
+    if move.down:
+        n = x.shape[0] // move.parts
+        return x[move.index * n:(move.index + 1) * n].clone()  # not a view: x itself may go
+    return (yield from move.comm.all_gather(x.contiguous(), 0, phase))
+
+
+def _move_rows_adjoint(move: RowMove, grad: torch.Tensor) -> Generator:
+    """RowMove backward: all-gather the rows' gradients (down), or keep this rank's block (up)."""
+    if move.down:
+        return (yield from move.comm.all_gather(grad.contiguous(), 0, "backward"))
+    n = grad.shape[0] // move.parts
+    return grad[move.index * n:(move.index + 1) * n].clone()
+
+
+def _with_replica_rows(stack: Stack, ctx: Any, rows: slice) -> Any:
+    """ctx narrowed to a replica's `rows` of the sub-batch: the stack's replica_ctx, or by default
+    its SubBatch (ctx itself, or its `where`) narrowed by SubBatch.replica_rows."""
+    narrow = getattr(stack, "replica_ctx", None)
+    if narrow is not None:
+        return narrow(ctx, rows)
+    where = ctx if isinstance(ctx, SubBatch) else getattr(ctx, "where", None)
+    return _with_tokens(ctx, where.replica_rows(rows)) if isinstance(where, SubBatch) else ctx
+
+
+class _PlacedStep:
+    """A step's per-layer placements, shared by its programs: each program's per-layer
+    communicators, ctxs and row moves; and the sums of the layers' parameter gradients over their
+    replicas, each started (asynchronously) when the last program has finished that layer's
+    backward. The step's gradients are kept apart from what .grad held before (`begin`), so only
+    they are summed; `finish` waits, and adds them back."""
+
+    def __init__(self, placements: LayerPlacements, programs: int) -> None:
+        self.placements, self._programs = placements, programs
+        self._done = [0] * len(placements.layers)
+        self._params: list[list[torch.Tensor]] = []
+        for at in placements.layers:
+            seen: dict[int, torch.Tensor] = {}
+            if at.replica_comm is not None and at.replica_comm.world_size > 1:
+                seen = {id(p): p for p in at.parameters if p.requires_grad}
+            self._params.append(list(seen.values()))
+        self._before: dict[int, Optional[torch.Tensor]] = {}
+        self._pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+
+    def per_layer(self, stack: Stack, ctx: Any, batch: int):
+        """(communicators, ctxs, row moves into each layer, row move out) for a sub-batch of `batch` rows."""
+        layers = self.placements.layers
+        narrowed: dict[tuple[int, int], Any] = {}  # one narrowed ctx per distinct (replica, replicas)
+        ctxs = []
+        for at in layers:
+            key = (at.replica, at.replicas)
+            if key not in narrowed:
+                narrowed[key] = ctx if at.replicas == 1 else _with_replica_rows(stack, ctx, at.rows(batch))
+            ctxs.append(narrowed[key])
+        return [at.comm for at in layers], ctxs, [at.rows_in for at in layers], self.placements.rows_out
+
+    def begin(self) -> None:
+        """Set aside the gradients the summed parameters hold before the step."""
+        for params in self._params:
+            for p in params:
+                if id(p) not in self._before:
+                    self._before[id(p)] = p.grad
+                    p.grad = None
+
+    def layer_done(self, index: int) -> None:
+        self._done[index] += 1
+        params = self._params[index]
+        if self._done[index] < self._programs or not params:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = self.placements.layers[index].replica_comm.all_reduce(flat, "backward")
+        self._pending.append((work, flat, [p for p in params if p.grad is not None]))
+
+    def finish(self) -> None:
+        """Wait for the sums, write them to .grad and add back what .grad held before the step."""
+        for work, flat, params in self._pending:
+            work.wait()
+            offset = 0
+            for p in params:
+                count = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + count].view_as(p.grad))
+                offset += count
+        self._pending.clear()
+        self.restore()
+
+    def restore(self) -> None:
+        """Add back what .grad held before the step (also after a failure: nothing is lost)."""
+        for params in self._params:
+            for p in params:
+                if id(p) not in self._before:
+                    continue
+                before = self._before.pop(id(p))
+                if before is not None:
+                    p.grad = before if p.grad is None else before.add_(p.grad)
+
+
+def check_placements(placements: Optional[LayerPlacements], batch: int, parts: int, *,
+                     sequence_parallel: bool) -> None:
+    """ValueError unless every sub-batch's rows split into each layer's replicas (before any
+    communication, the same on every rank)."""
+    if placements is None:
+        return
+    if sequence_parallel:
+        raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
+                         "degrees would split the sequence differently); pass sequence_parallel=False")
+    most = placements.most_replicas
+    sizes = [r.stop - r.start for r in split_rows(batch, parts)]
+    if any(n % most for n in sizes):
+        raise ValueError(f"input_ids: per-layer tp_degrees run up to {most} replicas, each on an equal block of "
+                         f"every sub-batch's rows; batch size {batch} in {parts} sub-batches gives {sizes} rows "
+                         f"(use a batch that is a multiple of {most * parts}, or fewer sub_batches)")
 
 
 # ---- sequence parallelism: x is this rank's [b, t/p, h] slice of the sequence (dim 1) ----------------
@@ -469,16 +621,27 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     inputs to host memory in batches as the forward saves them and brings them back, a batch
     ahead, in the backward's order of use (one group per sub-batch: copies per step
     = sum over sub-batches of ceil(inputs / offload.batch) each way); the same losses and
-    gradients, bit for bit. Checks run before any communication, so a bad argument raises on
-    every rank alike.
+    gradients, bit for bit. With `stack.layer_placements()` (per-layer TP degrees) each layer
+    communicates on its own Communicator and `comm` is not used; every sub-batch's rows must
+    divide by the most replicas of a layer, and sequence_parallel and offload are refused
+    (ValueError). Checks run before any communication, so a bad argument raises on every rank
+    alike.
     """
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
                        world_size=comm.world_size)
     plan, batch = SCHEDULES[schedule], input_ids.shape[0]
+    get_placements = getattr(stack, "layer_placements", None)
+    placements = get_placements() if get_placements is not None else None
+    check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
     memory = CheckpointMemory() if memory is None else memory
     if offload is not None and not isinstance(offload, Offloader):
         raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
+    if placements is not None:
+        if offload is not None:
+            raise ValueError("offload: not supported with per-layer tp_degrees; pass offload=None")
+        return _train_step_placed(stack, placements, input_ids, labels, loss_sum, normalizer, plan, parts,
+                                  comm, dropout_seed, attention_mask, memory)
     program, extra = _program, ()
     if sequence_parallel:
         params = _sequence_parallel_parameters(stack)
@@ -500,4 +663,28 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
         memory.peak = max(memory.peak, offload.end_step().peak_resident_bytes)
     if sequence_parallel and comm.world_size > 1:
         _sum_over_group(params, before, comm)
+    return loss
+
+
+def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, labels, loss_sum: LossSum,
+                       normalizer: float, plan: Schedule, parts: int, comm: Communicator,
+                       dropout_seed: Optional[int], attention_mask: Optional[torch.Tensor],
+                       memory: CheckpointMemory) -> torch.Tensor:
+    """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
+    layer on its own communicator; the replicas' gradient sums started as layers finish."""
+    batch = input_ids.shape[0]
+    placed = _PlacedStep(placements, parts)
+    with placements.while_scheduled():
+        placed.begin()
+        try:
+            programs = [
+                _program(stack, input_ids[r], labels[r],
+                         SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                         loss_sum, normalizer, plan, comm, _Checkpoints(memory), placed)
+                for r in split_rows(batch, parts)
+            ]
+            loss = sum(interleave(programs)) / normalizer
+            placed.finish()
+        finally:
+            placed.restore()
     return loss
