@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases._sharding import ShardRule, tp_rules
-from oases.nn._degrees import check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows, sum_over_replicas
+from oases.nn._degrees import check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows, sum_over_replicas_while
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -241,7 +241,7 @@ class GPT(nn.Module):
             for block, at in zip(self.blocks, where):
                 if at.replica_group is not None:
                     for param in block.parameters():
-                        param.register_hook(functools.partial(_sum_over_replicas_if, self._hooks_on,
+                        param.register_hook(functools.partial(sum_over_replicas_while, self._hooks_on,
                                                               group=at.replica_group))
             self._layer_placements: Optional[LayerPlacements] = None  # made on first use (Communicators)
         self.norm_f = nn.LayerNorm(config.hidden)
@@ -454,8 +454,3 @@ class GPT(nn.Module):
         if self.logits_group is not None:
             return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group, reduction="sum")
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
-def _sum_over_replicas_if(on: list[bool], grad: torch.Tensor, group: dist.ProcessGroup) -> Optional[torch.Tensor]:
-    """A parameter gradient hook: sum_over_replicas while `on[0]` (the blocking forward + backward)."""
-    return sum_over_replicas(grad, group) if on[0] else None

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
-from oases.nn._degrees import make_placements
+from oases.nn._degrees import DegreeGroups
 from oases.nn._mappings import copy_to_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove, SubBatch
@@ -145,14 +145,19 @@ class HFStack:
         return self._layers
 
     def layer_placements(self) -> Optional[LayerPlacements]:
-        """Per-layer TP degrees (parallelize(..., tp_degrees=...)): the decoder layers' placements,
-        made at the first call (collective on every rank of the world) and kept on the model; None
-        without tp_degrees."""
+        """Per-layer TP degrees (parallelize(..., tp_degrees=...)): the decoder layers' placements
+        over the groups parallelize made, their Communicators made at the first call and kept on
+        the model; None without tp_degrees. While a schedule runs, parallelize's replica-sum hooks
+        stand down and the schedule sums each layer's gradients over its replicas itself."""
         if self.degrees is None:
             return None
         kept = getattr(self.model, "oases_layer_placements", None)
         if not isinstance(kept, LayerPlacements) or tuple(at.degree for at in kept.layers) != self.degrees:
-            kept = _placements(self.degrees)
+            groups = getattr(self.model, "_oases_degree_groups", None)
+            if groups is None:
+                raise ValueError("tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "
+                                 "keeps with them; parallelize it with oases.parallelize(model, tp_degrees=...)")
+            kept = _placements(self.degrees, groups, self.decoder)
             self.model.oases_layer_placements = kept
         return kept
 
@@ -171,13 +176,14 @@ class HFStack:
         return F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
 
 
-def _placements(degrees: tuple[int, ...]) -> LayerPlacements:
-    """LayerPlacements over the world (parallelize's tp_degrees need the whole world), its groups
-    made here (collective). Replica sums: none for the schedule (parallelize's hooks do them)."""
+def _placements(degrees: tuple[int, ...], groups: DegreeGroups, decoder: nn.ModuleList) -> LayerPlacements:
+    """LayerPlacements over the world (parallelize's tp_degrees span it) on the groups parallelize
+    made (`groups`); a layer below degree p sums its parameters' gradients over its replicas."""
     p = dist.get_world_size() if dist.is_initialized() else 1
-    me = dist.get_rank() if p > 1 else 0
-    where, row_groups = make_placements(dist.group.WORLD if p > 1 else None, p, me, degrees)
+    where, row_groups = groups.placements, groups.row_groups
     comms = {d: Communicator(at.tp_group if d > 1 else None, d) for d, at in where.items()}
+    replica_comms = {d: Communicator(at.replica_group, at.replicas) for d, at in where.items()
+                     if at.replica_group is not None}
     moves: dict[tuple[int, int], RowMove] = {}
 
     def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
@@ -190,12 +196,21 @@ def _placements(degrees: tuple[int, ...]) -> LayerPlacements:
         up = moves[lo, hi]
         return RowMove(up.comm, b < a, up.parts, up.index)
 
+    @contextlib.contextmanager
+    def scheduled() -> Iterator[None]:  # the schedule sums the replicas: the hooks stand down
+        previous, groups.sums_on[0] = groups.sums_on[0], False
+        try:
+            yield
+        finally:
+            groups.sums_on[0] = previous
+
     layers, previous = [], p
-    for d in degrees:
+    for d, layer in zip(degrees, decoder):
         at = where[d]
-        layers.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), None, ()))
+        layers.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms.get(d),
+                                     tuple(layer.parameters())))
         previous = d
-    return LayerPlacements(tuple(layers), move(previous, p))
+    return LayerPlacements(tuple(layers), move(previous, p), scheduled)
 
 
 def _rows_of(value: Any, batch: int, rows: slice) -> Any:

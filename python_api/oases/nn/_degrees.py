@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from oases import comm as _comm
 
-__all__ = ["Placement", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees", "hook_decoder_layers",
-           "make_placements", "reshard_rows", "sum_over_replicas"]
+__all__ = ["DegreeGroups", "Placement", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees", "hook_decoder_layers",
+           "make_placements", "reshard_rows", "sum_over_replicas", "sum_over_replicas_while"]
 
 
 class RowsDown(torch.autograd.Function):
@@ -59,6 +59,22 @@ class RowsUp(torch.autograd.Function):
 def sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """A parameter gradient hook: the sum of `grad` over the replicas of its block (a new tensor)."""
     return _comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), group)
+
+
+def sum_over_replicas_while(on: list[bool], grad: torch.Tensor, group: dist.ProcessGroup) -> Optional[torch.Tensor]:
+    """A parameter gradient hook: sum_over_replicas while `on[0]` (a model's own forward + backward);
+    a schedule that sums the replicas' gradients itself (oases.train_step) sets on[0] = False."""
+    return sum_over_replicas(grad, group) if on[0] else None
+
+
+@dataclass
+class DegreeGroups:
+    """What a model with per-layer degrees keeps: this rank's Placement per degree, the resharding
+    groups, and the switch of its replica-sum hooks (`sums_on[0]`; see sum_over_replicas_while)."""
+
+    placements: dict[int, "Placement"]
+    row_groups: "RowGroups"
+    sums_on: list[bool]
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,8 @@ import torch.nn as nn
 from oases import _checks
 from oases.comm._topology import ring_of
 from oases.nn import _mappings
-from oases.nn._degrees import check_tp_degrees, hook_decoder_layers, make_placements, sum_over_replicas
+from oases.nn._degrees import (DegreeGroups, check_tp_degrees, hook_decoder_layers, make_placements,
+                               sum_over_replicas_while)
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
 from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
 
@@ -511,11 +512,14 @@ def parallelize(
             _localize_heads(module, d)
             _sum_head_shared_grads(module, groups[d])
     if degrees is not None:
+        sums_on = [True]  # oases.train_step turns the hooks off: its schedule sums the replicas itself
         for layer, d in zip(decoder_layers, degrees):
             if d < p:  # each replica saw its rows only: sum the gradients over the replicas
                 for param in layer.parameters():
                     if param.requires_grad:
-                        param.register_hook(functools.partial(sum_over_replicas, group=placements[d].replica_group))
+                        param.register_hook(functools.partial(sum_over_replicas_while, sums_on,
+                                                              group=placements[d].replica_group))
+        model._oases_degree_groups = DegreeGroups(placements, row_groups, sums_on)  # read by oases.models.hf
         hook_decoder_layers(decoder_layers, degrees, p, placements, row_groups, where=prefix)
         model.tp_degrees = degrees  # oases.train_step reads it (and refuses)
 
