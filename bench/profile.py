@@ -8,12 +8,17 @@ Measured on every rank at once (each rank's median, then the MAX over ranks), fo
 transformer layer of oases.models.GPT (hidden, heads, seq_len from the options):
 
     compute      attention and MLP sublayers (norm + TP-local core + finish), forward (no grad, as
-                 the schedules run it) and backward (autograd, after a recording forward), per TP
-                 degree d (this rank's 1/d shard: heads / d, MLP width / d) and rows per sub-batch
+                 the schedules run it), recording forward (recomputation) and backward (autograd,
+                 after a recording forward), per TP degree d (this rank's 1/d shard: heads / d, MLP
+                 width / d) and rows per sub-batch, rotating over COLD_COPIES sublayers (weights
+                 from memory, as in a stack)
+    overlap      an all-reduce and MLP forwards of about as long, alone and at once: the share of
+                 the shorter one hidden on this device (its cores drive the transfers too)
     head         final norm + LM head + cross-entropy, forward + backward, per rows
     collectives  all-reduce and all-gather per group size (2, 4, ... up to the ranks), p2p between
-                 ranks 0 and 1, over a sweep of sizes; each fitted by least squares to
-                 t = latency_s + nbytes / bytes_per_s (nbytes: the full tensor)
+                 ranks 0 and 1, over a sweep of sizes; each fitted to t = latency_s + nbytes /
+                 bytes_per_s (nbytes: the full tensor; bandwidth from the largest sizes, latency
+                 from the rest: LinkFit.from_samples)
     memory       per TP degree: a layer's parameter bytes and the bytes of one row's sublayer input
 
 Writes the profile to `--profile-out` (default bench/profiles/<device>.json, named by the CPU
@@ -23,9 +28,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
+import math
 import os
 import re
-from typing import Any, Optional, Sequence
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,11 +43,13 @@ import torch.nn.functional as F
 from bench._report import Table, save_figure, write_json
 from oases.models import GPTConfig
 from oases.models.gpt import _MLP, _Attention  # the GPT's own sublayers: the planner models exactly these
-from oases.planner.profile import PROFILE_FORMAT, PROFILE_VERSION
+from oases.planner.profile import PROFILE_FORMAT, PROFILE_VERSION, LinkFit
 from oases.schedule import SubBatch
 
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 _SUBLAYERS = {"attention": _Attention, "mlp": _MLP}
+COLD_COPIES = 4  # sublayers a compute sample rotates over (see measure_compute)
+RUN_S = 0.03     # a compute sample's call repeats its sublayer for at least this long (see compute_variants)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,38 +78,92 @@ def _degrees(world: int, config: GPTConfig) -> list[int]:
 
 
 # ---- compute -------------------------------------------------------------------------------------
-def measure_compute(ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int]) -> list[dict[str, Any]]:
-    """Seconds of each sublayer's forward and backward per TP degree and rows (MAX over ranks)."""
+def _sublayer_fns(subs: list, x: torch.Tensor, where: SubBatch) -> dict[str, Callable[[], object]]:
+    """forward (no grad), both (recording forward + backward) and record (recording forward) of
+    one of `subs` per call, in turn."""
+    turn = itertools.cycle(subs)
+    grad = torch.randn_like(x)
+
+    def forward() -> torch.Tensor:
+        sub = next(turn)
+        with torch.no_grad():
+            return x + sub.finish(sub.core(sub.norm(x)), where)
+
+    def both() -> None:
+        sub = next(turn)
+        leaf = x.detach().requires_grad_()
+        y = leaf + sub.finish(sub.core(sub.norm(leaf)), where)
+        y.backward(grad)
+
+    def record() -> None:
+        sub = next(turn)
+        leaf = x.detach().requires_grad_()
+        leaf + sub.finish(sub.core(sub.norm(leaf)), where)
+
+    return {"forward": forward, "both": both, "record": record}
+
+
+def _repeated(fn: Callable[[], object], times: int) -> Callable[[], object]:
+    def run() -> None:
+        for _ in range(times):
+            fn()
+
+    run.times = times  # type: ignore[attr-defined]
+    return run
+
+
+def compute_variants(ctx, config: GPTConfig, degrees: Sequence[int],
+                     rows: Sequence[int]) -> dict[str, Callable[[], object]]:
+    """The timed calls of the compute samples, {"compute/<sublayer>/<tp>/<rows>/<call>": fn}
+    (for Timer.measure, alone or round-robin with other variants; see compute_samples). Each call
+    runs its sublayer back to back for at least RUN_S (the same count on every rank): a
+    millisecond burst right after a barrier gets a core that a step, computing for a tenth of a
+    second, shares with the machine's other threads (on a loaded 2-core machine: 1.2-1.6x)."""
     torch.manual_seed(0)
-    out = []
+    fns = {}
     for d in degrees:
         for kind, cls in _SUBLAYERS.items():
-            sub = cls(config, 0, d, None)
+            # a step runs each layer's weights once per pass, the others' in between: time a rotation
+            # over COLD_COPIES sublayers so the weights and gradients come from memory, as in a stack
+            subs = [cls(config, 0, d, None) for _ in range(COLD_COPIES)]
             for r in rows:
                 x = torch.randn(r, config.seq_len, config.hidden)
-                where = SubBatch(slice(0, r), r, None)
-                grad = torch.randn_like(x)
+                for call, fn in _sublayer_fns(subs, x, SubBatch(slice(0, r), r, None)).items():
+                    fns[f"compute/{kind}/{d}/{r}/{call}"] = fn
+    once = []
+    for fn in fns.values():
+        fn()
+        started = time.perf_counter()
+        fn()
+        once.append(time.perf_counter() - started)
+    times = torch.tensor([min(max(math.ceil(RUN_S / max(t, 1e-6)), 1), 64) for t in once], dtype=torch.float64)
+    times = ctx.timer.max_over_ranks(times).tolist()
+    return {name: _repeated(fn, int(k)) for (name, fn), k in zip(fns.items(), times)}
 
-                def forward() -> torch.Tensor:
-                    with torch.no_grad():
-                        return x + sub.finish(sub.core(sub.norm(x)), where)
 
-                def backward() -> None:
-                    leaf = x.detach().requires_grad_()
-                    y = leaf + sub.finish(sub.core(sub.norm(leaf)), where)
-                    y.backward(grad)
-
-                def record_only() -> None:
-                    leaf = x.detach().requires_grad_()
-                    leaf + sub.finish(sub.core(sub.norm(leaf)), where)
-
-                t = ctx.timer.measure({"forward": forward, "both": backward, "record": record_only})
-                out.append({"sublayer": kind, "tp": d, "rows": r, "seq_len": config.seq_len,
-                            "hidden": config.hidden, "heads": config.heads,
-                            "ffn_hidden": config.hidden * config.mlp_ratio, "forward_s": t["forward"].median,
-                            "backward_s": max(t["both"].median - t["record"].median, 0.0),
-                            "record_s": t["record"].median})
+def compute_samples(config: GPTConfig, fns: Mapping[str, Any], timings: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The profile's compute samples (seconds per sublayer call) from the timings of
+    compute_variants' `fns`."""
+    calls = {name: getattr(fn, "times", 1) for name, fn in fns.items()}
+    out = []
+    for name in fns:
+        if not (name.startswith("compute/") and name.endswith("/forward")):
+            continue
+        _, kind, d, r, _ = name.split("/")
+        prefix = name[: -len("forward")]
+        record = timings[prefix + "record"].median / calls[prefix + "record"]
+        forward, both = timings[name].median / calls[name], timings[prefix + "both"].median / calls[prefix + "both"]
+        out.append({"sublayer": kind, "tp": int(d), "rows": int(r), "seq_len": config.seq_len,
+                    "hidden": config.hidden, "heads": config.heads, "ffn_hidden": config.hidden * config.mlp_ratio,
+                    "forward_s": forward, "backward_s": max(both - record, 0.0), "record_s": record})
     return out
+
+
+def measure_compute(ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int]) -> list[dict[str, Any]]:
+    """Seconds of each sublayer's forward, recording forward and backward per TP degree and rows
+    (MAX over ranks)."""
+    fns = compute_variants(ctx, config, degrees, rows)
+    return compute_samples(config, fns, ctx.timer.measure(fns))
 
 
 def measure_head(ctx, config: GPTConfig, rows: Sequence[int]) -> list[dict[str, Any]]:
@@ -127,15 +191,11 @@ def measure_head(ctx, config: GPTConfig, rows: Sequence[int]) -> list[dict[str, 
 
 # ---- collectives ---------------------------------------------------------------------------------
 def fit_link(samples: Sequence[tuple[float, float]]) -> dict[str, float]:
-    """Least-squares t = latency_s + nbytes / bytes_per_s over (nbytes, seconds) samples (relative
-    error); the latency is clipped at 0 and the slope kept positive."""
-    n = np.array([s[0] for s in samples], dtype=float)
-    t = np.array([s[1] for s in samples], dtype=float)
-    # weights 1/t: least squares of the relative error, so small messages count as much as large ones
-    slope, intercept = np.polyfit(n, t, 1, w=1 / np.maximum(t, 1e-9)) if len(samples) > 1 else (t[0] / n[0], 0.0)
-    slope = max(float(slope), 1e-15)
-    return {"latency_s": max(float(intercept), 0.0), "bytes_per_s": 1.0 / slope,
-            "samples": [[float(a), float(b)] for a, b in zip(n, t)]}
+    """t = latency_s + nbytes / bytes_per_s over (nbytes, seconds) samples: oases.planner's
+    LinkFit.from_samples (bandwidth from the largest sizes, latency from the remainders)."""
+    fit = LinkFit.from_samples(samples)
+    return {"latency_s": fit.latency_s, "bytes_per_s": fit.bytes_per_s,
+            "samples": [[float(a), float(b)] for a, b in sorted(samples)]}
 
 
 def _subgroups(world: int, size: int) -> list:
@@ -181,27 +241,52 @@ def measure_collectives(ctx, sizes: Sequence[int]) -> dict[str, dict[str, dict[s
     return out
 
 
-def measure_overlap(ctx, config: GPTConfig, rows: int, degree: int) -> dict[str, float]:
-    """How much of an all-reduce a sublayer's compute hides on this device: the MLP forward on
-    `rows` (at `degree`) alone, an all-reduce of its output alone, and both at once (the
-    all-reduce asynchronous) -> overlap = (t_c + t_a - t_both) / min(t_c, t_a), in [0, 1]."""
+def overlap_variants(ctx, config: GPTConfig, rows: int, degree: int) -> dict[str, Callable[[], object]]:
+    """The timed calls of the overlap measurement (see measure_overlap), {"overlap/compute" |
+    "overlap/comm" | "overlap/both": fn}; a first timing picks the forwards per call."""
     sub = _MLP(config, 0, degree, None)
     x = torch.randn(rows, config.seq_len, config.hidden)
     buf = torch.zeros(rows, config.seq_len, config.hidden)
 
-    def compute() -> None:
+    def forward() -> None:
         with torch.no_grad():
             sub.core(sub.norm(x))
+
+    first = ctx.timer.measure({"compute": forward, "comm": lambda: dist.all_reduce(buf)})
+    k = int(min(max(round(first["comm"].median / max(first["compute"].median, 1e-6)), 1), 64))
+
+    def compute() -> None:
+        for _ in range(k):
+            forward()
 
     def both() -> None:
         work = dist.all_reduce(buf, async_op=True)
         compute()
         work.wait()
 
-    t = ctx.timer.measure({"compute": compute, "comm": lambda: dist.all_reduce(buf), "both": both})
-    c, a, ab = t["compute"].median, t["comm"].median, t["both"].median
-    eta = (c + a - ab) / max(min(c, a), 1e-12)
-    return {"compute_s": c, "comm_s": a, "both_s": ab, "overlap_efficiency": float(min(max(eta, 0.0), 1.0))}
+    compute.forwards = k  # type: ignore[attr-defined]
+    return {"overlap/compute": compute, "overlap/comm": lambda: dist.all_reduce(buf), "overlap/both": both}
+
+
+def overlap_result(fns: Mapping[str, Any], timings: Mapping[str, Any]) -> dict[str, float]:
+    """(t_c + t_a - t_both) / min(t_c, t_a) in [0, 1] from the timings of overlap_variants' calls."""
+    c, a, ab = (timings[f"overlap/{k}"].median for k in ("compute", "comm", "both"))
+    eta = min(max((c + a - ab) / max(min(c, a), 1e-12), 0.0), 1.0)
+    return {"compute_s": c, "comm_s": a, "both_s": ab, "forwards": fns["overlap/compute"].forwards,
+            "overlap_efficiency": float(eta)}
+
+
+def measure_overlap(ctx, config: GPTConfig, rows: int, degree: int) -> dict[str, float]:
+    """How much of an all-reduce a sublayer's compute hides on this device (the threads that
+    drive the transfer share the cores with the compute): an all-reduce of a sub-batch's
+    activation ([rows, seq_len, hidden]) alone, k MLP forwards on `rows` (at `degree`) alone, with
+    k chosen so both take about as long (a balanced pair: the estimate below divides by the
+    shorter one), and both at once (the all-reduce asynchronous)
+        -> overlap = (t_c + t_a - t_both) / min(t_c, t_a), in [0, 1]; the median of 3 rounds."""
+    fns = overlap_variants(ctx, config, rows, degree)
+    rounds = sorted((overlap_result(fns, ctx.timer.measure(fns)) for _ in range(3)),
+                    key=lambda r: r["overlap_efficiency"])
+    return rounds[1]
 
 
 # ---- memory --------------------------------------------------------------------------------------
@@ -279,8 +364,9 @@ def tables(records: list[dict]) -> list[Table]:
     links = [[r["kind"], r["group"], 1e6 * r["latency_s"], r["bytes_per_s"] / 1e6, len(r["samples"])]
              for r in records if r["kind"] in ("all_reduce", "all_gather", "p2p")]
     head = [[r["rows"], 1e3 * r["forward_s"], 1e3 * r["backward_s"]] for r in records if r["kind"] == "head"]
-    overlap = [f"overlap efficiency {r['overlap_efficiency']:.2f}: MLP forward {1e3 * r['compute_s']:.1f} ms, its "
-               f"all-reduce {1e3 * r['comm_s']:.1f} ms, both at once {1e3 * r['both_s']:.1f} ms"
+    overlap = [f"overlap efficiency {r['overlap_efficiency']:.2f}: {r.get('forwards', 1)} MLP forward(s) "
+               f"{1e3 * r['compute_s']:.1f} ms, an all-reduce {1e3 * r['comm_s']:.1f} ms, "
+               f"both at once {1e3 * r['both_s']:.1f} ms"
                for r in records if r["kind"] == "overlap"]
     return [Table("profile: sublayer compute per TP degree (this rank's shard)",
                   ["sublayer", "tp", "rows", "forward ms", "backward ms"], compute),

@@ -13,6 +13,7 @@ import pytest
 import oases.plan
 from oases import planner as P
 from oases.planner.cli import main as cli_main
+from oases.planner.cost import sequence_parallel_form
 from oases.planner.profile import ComputeSample, LinkFit, Profile, profile_from_dict
 
 TINY = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32)
@@ -99,6 +100,99 @@ def test_profile_scales_unsampled_shapes_by_flops():
     assert line.compute_time("mlp", TINY, 2 * 4, 1, "forward") == pytest.approx(0.3)  # 2 rows, not sampled
     assert line.compute_time("mlp", TINY, 3 * 4, 1, "backward") == pytest.approx(0.8)
     assert prof.collective_time("all_reduce", 1, 1e6) == 0.0
+
+
+def test_compute_is_piecewise_linear_through_the_samples_and_recompute_records():
+    # a cache step between 2 and 4 rows: a line through all samples would miss both ends
+    doc = {"format": "oases-profile", "version": 1, "device": {"name": "x"}, "flops_per_s": 1e9, "element_bytes": 4,
+           "compute": [{"sublayer": "mlp", "tp": 1, "rows": r, "seq_len": 4, "hidden": 8, "heads": 4, "ffn_hidden": 32,
+                        "forward_s": f, "backward_s": 2 * f, "record_s": 1.5 * f}
+                       for r, f in ((1, 1.0), (2, 2.0), (4, 8.0))],
+           "collectives": {}}
+    prof = profile_from_dict(doc)
+    tokens = lambda rows: rows * TINY.seq_len  # noqa: E731
+    assert prof.compute_time("mlp", TINY, tokens(4), 1, "forward") == pytest.approx(8.0)
+    assert prof.compute_time("mlp", TINY, tokens(3), 1, "forward") == pytest.approx(5.0)     # between 2 and 4 rows
+    assert prof.compute_time("mlp", TINY, tokens(8), 1, "backward") == pytest.approx(32.0)   # beyond: proportional
+    assert prof.compute_time("mlp", TINY, tokens(0.5), 1, "forward") == pytest.approx(0.5)   # below: not under t/x
+    assert prof.compute_time("mlp", TINY, tokens(2), 1, "recompute") == pytest.approx(3.0)   # the recording forward
+    del doc["compute"][0]["record_s"]  # profiles without it: recomputation costs the forward
+    assert profile_from_dict(doc).compute_time("mlp", TINY, tokens(1), 1, "recompute") == pytest.approx(1.0)
+
+
+def test_link_fit_takes_bandwidth_from_large_messages_and_latency_from_the_rest():
+    latency, rate = 1e-3, 50e6
+    samples = [(n, latency + n / rate) for n in (2**16, 2**18, 2**20, 2**23)]
+    fit = LinkFit.from_samples(samples)
+    assert fit.bytes_per_s == pytest.approx(rate) and fit.latency_s == pytest.approx(latency)
+    # a small message twice as slow as the line (a noisy sample) moves the latency a little, not the bandwidth
+    noisy = LinkFit.from_samples([(2**16, 2 * samples[0][1]), *samples[1:]])
+    assert noisy.bytes_per_s == pytest.approx(rate) and noisy.latency_s < 2 * latency
+    assert LinkFit.from_samples([(1e6, 0.02)]).bytes_per_s == pytest.approx(5e7)
+
+
+def test_pass_boundaries_expose_the_shorter_of_a_unit_and_its_all_reduce():
+    # comm-bound (a = 5 > c_f): merak's 2 barriers and the first layer's start each cost min(c_f, a),
+    # the attention forward (1) or the MLP forward (3): the larger, 3
+    prof = _profile(5.0)
+    cross = P.layer_cost(P.Workload(TINY, rows=4, tp=2, schedule="cross_pass"), prof, 2)
+    merak = P.layer_cost(P.Workload(TINY, rows=4, tp=2, schedule="merak"), prof, 2)
+    assert merak.time_s == pytest.approx(cross.time_s + 2 * 3.0)
+    first = P.layer_cost(P.Workload(TINY, rows=4, tp=2, schedule="cross_pass"), prof, 2, first=True)
+    assert first.time_s == pytest.approx(cross.time_s + 3.0)
+
+
+def _sp_profile(all_reduce_s: float, all_gather_s: float) -> Profile:
+    return replace(_profile(all_reduce_s), collectives={("all_reduce", 2): LinkFit(all_reduce_s, 1e30),
+                                                        ("all_gather", 2): LinkFit(all_gather_s, 1e30)})
+
+
+def test_sequence_parallel_replaces_each_all_reduce_by_reduce_scatter_and_all_gathers():
+    prof = _sp_profile(4.0, 3.0)  # reduce-scatter timed as the all-gather: 3 s each
+    plain = P.Workload(TINY, rows=4, tp=2, schedule="oases")
+    sp = replace(plain, sequence_parallel=True)
+    c = P.layer_cost(sp, prof, 2)
+    # per sublayer, 2 sub-batches: forward RS + AG = 6 s, backward RS + 2 AG (recomputation re-gathers) = 9 s
+    # attention 2 max(1, 6) + 2 max(2 + 1, 9) = 30; MLP 2 max(3, 6) + 2 max(6 + 3, 9) = 30
+    assert c.time_s == pytest.approx(60.0) and c.comm_s == pytest.approx(2 * 2 * (6 + 9))
+    assert c.saved_bytes == pytest.approx(P.layer_cost(plain, prof, 2).saved_bytes / 2)  # the sequence is split
+    # the first layer also gathers the first norm's input and the embedding's gradient, exposed
+    assert P.layer_cost(sp, prof, 2, first=True).time_s == pytest.approx(60.0 + 3.0 + 2 * 3.0)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        P.layer_cost(P.Workload(TINY, rows=4, tp=4, sequence_parallel=True), prof, 2)
+
+
+def test_sequence_parallel_form_picks_the_cheaper_collectives():
+    work = P.Workload(TINY, rows=4, tp=2, schedule="oases")
+    slow_all_reduce = sequence_parallel_form(work, _sp_profile(20.0, 1.0))  # the backend's AR >> RS + AG
+    assert slow_all_reduce.choice == "rs_ag"
+    assert slow_all_reduce.seconds["rs_ag"] < slow_all_reduce.seconds["all_reduce"]
+    ring = sequence_parallel_form(work, _sp_profile(10.0, 5.0))  # AR = RS + AG: SP's re-gather costs more
+    assert ring.choice == "all_reduce" and ring.seconds["rs_ag"] > ring.seconds["all_reduce"]
+    one_rank = sequence_parallel_form(P.Workload(TINY, rows=4, tp=1), _sp_profile(10.0, 5.0))
+    assert one_rank.choice == "all_reduce" and "rs_ag" not in one_rank.seconds
+
+
+def test_plan_chooses_sequence_parallel_when_it_is_faster_or_alone_fits(tmp_path):
+    shape = P.ModelShape(layers=4, hidden=1024, heads=16, seq_len=2048, vocab_size=1024)
+    base = dict(world=2, batch=4, tp_max=2, variants=(("oases", 2),))
+    fast_link = P.plan(shape, device_memory="80GB", link="100gbit", **base)
+    assert fast_link.tp == 2 and not fast_link.sequence_parallel
+    assert fast_link.form_step_s["rs_ag"] >= fast_link.form_step_s["all_reduce"]
+    # memory that holds the sequence-split activations only: TP 2 with sequence parallelism
+    dense = P.plan(shape, device_memory="80GB", link="100gbit", **base)
+    sp = P.plan_degrees(P.Workload(shape, rows=4, tp=2, sequence_parallel=True), P.analytical_profile(
+        flops_per_s=100e12, link="100gbit"), float("inf"), degrees=(2,))
+    budget = (sp.memory_bytes + dense.memory_bytes) / 2
+    tight = P.plan(shape, device_memory=int(budget), link="100gbit", **base)
+    assert tight.sequence_parallel and tight.tp == 2 and tight.memory_bytes <= budget
+    assert tight.form_step_s["all_reduce"] is None
+    path = tmp_path / "plan.json"
+    tight.save(str(path))
+    assert oases.plan.sequence_parallel(str(path)) is True and oases.plan.load(str(path)) == [2] * 4
+    old = {k: v for k, v in tight.to_dict().items() if k not in ("sequence_parallel", "form_step_s")}
+    path.write_text(json.dumps(old))  # a plan written before the planner chose the form
+    assert oases.plan.sequence_parallel(str(path)) is False and oases.plan.load(str(path)) == [2] * 4
 
 
 # ---- the ILP -------------------------------------------------------------------------------------

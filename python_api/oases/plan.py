@@ -1,6 +1,7 @@
 """Plans written by `oases plan` (oases.planner), read back for the runtime.
 
     degrees = oases.plan.load("plan.json")       # [2, 2, 4, 4, ..., 2]: one TP degree per layer
+    sp = oases.plan.sequence_parallel("plan.json")  # train_step(..., sequence_parallel=sp)
     doc = oases.plan.read("plan.json")           # the whole document: layout, predictions, per layer
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 from oases.planner._files import read_json
 from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
 
-__all__ = ["load", "read", "Plan"]
+__all__ = ["load", "read", "sequence_parallel", "Plan"]
 
 
 def read(path: str) -> dict[str, Any]:
@@ -29,3 +30,13 @@ def read(path: str) -> dict[str, Any]:
 def load(path: str) -> list[int]:
     """The per-layer TP degrees of the plan at `path`: `GPT(config, group, tp_degrees=load(path))`."""
     return list(read(path)["tp_degrees"])
+
+
+def sequence_parallel(path: str) -> bool:
+    """Whether the plan at `path` runs sequence parallel (all-reduces as reduce-scatter +
+    all-gather): `oases.train_step(..., sequence_parallel=sequence_parallel(path))`. Plans written
+    before the planner chose it have no such key: False."""
+    value = read(path).get("sequence_parallel", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"path: {path!r} has a sequence_parallel that is not true or false: {value!r}")
+    return value

@@ -4,7 +4,8 @@
     oases plan --model my_config.json --world 8 --device-memory 16GB --profile bench/profiles/cpu-x.json
     python -m oases.planner.cli plan ...                     # the same
 
-The JSON (default plan.json) is read back by `oases.plan.load(path)` (the per-layer degrees).
+The JSON (default plan.json) is read back by `oases.plan.load(path)` (the per-layer degrees) and
+`oases.plan.sequence_parallel(path)` (whether to train with sequence_parallel=True).
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def _runs(values: Sequence) -> list[tuple[int, int]]:
     return out
 
 
+def _form_line(p: Plan) -> str:
+    """Which collective form won (Centauri's primitive substitution) and the other's step."""
+    def ms(form: str) -> str:
+        t = p.form_step_s.get(form)
+        return "does not fit / cannot run" if t is None else f"{1e3 * t:.1f} ms"
+
+    chosen = "reduce-scatter + all-gather (sequence_parallel=True)" if p.sequence_parallel else "all-reduce"
+    return f"collectives: {chosen}; predicted step with all-reduces {ms('all_reduce')}, with RS + AG {ms('rs_ag')}"
+
+
 def render(p: Plan) -> str:
     """The plan as a table: layout, per-layer degrees (runs of equal layers folded), predictions."""
     m = p.model
@@ -36,7 +47,7 @@ def render(p: Plan) -> str:
              f"batch {p.batch}, {p.world} devices of {p.device_memory / 1e9:.3g} GB, profile {p.profile.get('source')}",
              f"layout: dp {p.dp} x pp {p.pp} x tp {p.tp}; schedule {p.schedule}, {p.sub_batches} sub-batch(es), "
              f"{p.micro_batches} micro-batch(es), {p.segments} segment(s), dp overlap ratio {p.dp_overlap_ratio:.2f}",
-             ""]
+             _form_line(p), ""]
     header = ["layers", "TP degree", "time ms", "compute ms", "comm ms", "memory MB", "dominated by"]
     rows = []
     keys = [(x["degree"], round(x["time_s"], 9), round(x["memory_bytes"])) for x in p.layers]

@@ -147,7 +147,10 @@ def all_reduce_form(*, all_reduce_s: float, reduce_scatter_s: float, all_gather_
     gathered result piece by piece (oases.ops.all_gather_linear). `overlap` in [0, 1] is the share
     of the shorter of a (compute, comm) pair the device hides (Profile.overlap; 1: all of it).
     With before_s = after_s = 0 this compares the native all-reduce against the two rings back to
-    back: rs_ag wins only where the backend's all-reduce is slower than RS + AG.
+    back: rs_ag wins only where the backend's all-reduce is slower than RS + AG. For a whole
+    stack on the Oases runtime, where the substitution is sequence parallelism (with its
+    re-gather in recomputation and every sub-batch's overlap), the planner compares the two forms'
+    steps instead: oases.planner.cost.sequence_parallel_form.
     """
     ar = _number("all_reduce_s", all_reduce_s)
     rs, ag = _number("reduce_scatter_s", reduce_scatter_s), _number("all_gather_s", all_gather_s)

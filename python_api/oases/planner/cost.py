@@ -14,11 +14,22 @@ pass costs the sum over its op pairs of max(compute, comm); megatron (n = 1) ser
     overlapped (n >= 2):  n * max(c, a)        serial (n = 1):  c + a
                           (a device that hides only a share eta of the shorter one, measured in the
                           profile: n * (max(c, a) + (1 - eta) min(c, a)); eta = 1 analytically)
-    passes per sublayer:  forward (c_f, a); backward (c_b [+ c_f recomputed], a);
-                          recompute (c_f, a) only without fine-grained recomputation
-    merak holds every sub-batch at 2 barriers per layer in backward: + 2 a exposed
+    passes per sublayer:  forward (c_f, a); backward (c_b [+ c_r recomputed], a);
+                          recompute (c_r, a) only without fine-grained recomputation
+                          (c_r: the forward recording autograd's graph, as recomputation runs it)
+    a pass boundary drains the pipeline of sub-batches: the link idles while the first unit
+    computes (comm-bound) or the last all-reduce waits alone (compute-bound): + min(c_f, a)
+    merak holds every sub-batch at 2 barriers per layer in backward: + 2 min(c_f, a)
     d < T: the layer's gradients all-reduced over the T/d replicas: + all_reduce(T/d, P/d * e)
-    first / last layer (n >= 2): the pass's first all-reduce has no compute to hide behind: + a each
+    first / last layer (n >= 2): a pass starts / ends there: + min(c_f, a) each
+
+Sequence parallel (`sequence_parallel=True`, every layer at degree T; Centauri's primitive
+substitution as this runtime runs it): each all-reduce of the tensor becomes a reduce-scatter
+(rs) + an all-gather (ag) of it, and recomputation re-gathers the normed input:
+
+    forward a = rs + ag;  backward a = rs + 2 ag (fine-grained) or rs + ag;  recompute a = rs + ag
+    first layer: + 2 ag exposed (the first norm's gather; the embedding gradient's gather)
+    saved inputs / T (the residual stream is split along the sequence)
 
 Edge cost (eq. 4), between consecutive layers at degrees d1 != d2 (hi, lo = max, min): the
 activation [rows * hi / T, s, h] is all-gathered over hi / lo ranks once per step (forward when
@@ -30,21 +41,22 @@ Memory (eq. 6), per rank: model states of the layer's shard plus the inputs kept
 recomputation; buffers (one layer's activations while it is recomputed) and the replicated
 embedding / head are fixed:
 
-    memory(l, d) = P_l / d * state_bytes + keep * rows * d / T * s * h * e
+    memory(l, d) = P_l / d * state_bytes + keep * rows * d / T * s * h * e  [/ T sequence parallel]
                    (keep = 2 sublayer inputs with fine-grained recomputation, else 1)
     fixed = P_embed * state_bytes + max_d buffer(d) + logits (fp32, one sub-batch)
 Step time (eq. 5) = sum of node costs + sum of edge costs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
+from oases.planner.collectives import CollectiveChoice
 from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
 
 __all__ = ["Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory", "step_cost",
-           "tp_degrees"]
+           "tp_degrees", "sequence_parallel_ok", "sequence_parallel_form"]
 
 DEFAULT_STATE_BYTES = 16.0  # per parameter: weights + gradients + Adam's two moments (fp32, or bf16 + fp32 master)
 
@@ -81,6 +93,7 @@ class Workload:
     schedule: str = "oases"
     sub_batches: Optional[int] = None
     state_bytes: float = DEFAULT_STATE_BYTES
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rows", "tp"):
@@ -92,6 +105,8 @@ class Workload:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 8:
             raise ValueError(f"sub_batches: expected an int in 1..8 or None, got {self.sub_batches!r}")
         object.__setattr__(self, "sub_batches", n)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"sequence_parallel: expected a bool, got {self.sequence_parallel!r}")
 
     @property
     def n(self) -> int:
@@ -126,14 +141,28 @@ class LayerCost:
         return "comm" if self.comm_s > self.compute_s else "compute"
 
 
-def _unit(work: Workload, profile: Profile, sublayer: str, degree: int) -> tuple[float, float, float]:
-    """(c_f, c_b, a) of one sub-batch of one sublayer at `degree` (see the module docstring)."""
+def _unit(work: Workload, profile: Profile, sublayer: str, degree: int) -> tuple[float, float, float, float]:
+    """(c_f, c_b, c_r, a) of one sub-batch of one sublayer at `degree` (see the module docstring)."""
     shape = work.shape
     tokens = work.rows_at(degree) / work.n * shape.seq_len
     c_f = profile.compute_time(sublayer, shape, tokens, degree, "forward")
     c_b = profile.compute_time(sublayer, shape, tokens, degree, "backward")
+    c_r = profile.compute_time(sublayer, shape, tokens, degree, "recompute")
     a = profile.collective_time("all_reduce", degree, tokens * shape.hidden * profile.element_bytes)
-    return c_f, c_b, a
+    return c_f, c_b, c_r, a
+
+
+def _sp_collectives(work: Workload, profile: Profile, degree: int) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds of one sub-batch's activation [r, s, h] at `degree`."""
+    nbytes = work.rows_at(degree) / work.n * work.shape.seq_len * work.shape.hidden * profile.element_bytes
+    return (profile.collective_time("reduce_scatter", degree, nbytes),
+            profile.collective_time("all_gather", degree, nbytes))
+
+
+def sequence_parallel_ok(work: Workload, degree: int) -> bool:
+    """Whether sequence parallelism can run a layer at `degree`: the runtime splits the sequence
+    over the whole TP group (every layer at degree tp > 1, seq_len divisible by it)."""
+    return degree == work.tp > 1 and work.shape.seq_len % degree == 0
 
 
 def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = False,
@@ -153,18 +182,28 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         compute += count * n * c
         comm += count * n * a
 
-    a_unit = 0.0
+    sp = work.sequence_parallel
+    if sp and not sequence_parallel_ok(work, degree):
+        raise ValueError(f"sequence_parallel: needs every layer at the TP group's degree {work.tp} > 1 and seq_len "
+                         f"{shape.seq_len} divisible by it; got degree {degree}")
+    rs, ag = _sp_collectives(work, profile, degree) if sp else (0.0, 0.0)
+    stall = 0.0  # what a pass boundary leaves exposed: min(one unit's compute, its all-reduce)
     for sublayer in SUBLAYERS:
-        c_f, c_b, a = _unit(work, profile, sublayer, degree)
-        a_unit = max(a_unit, a)
-        passes(c_f, a)                                   # forward
-        passes(c_b + (c_f if fine else 0.0), a)          # backward (fine-grained: recompute inside)
+        c_f, c_b, c_r, a = _unit(work, profile, sublayer, degree)
+        # sequence parallel: each all-reduce is a reduce-scatter + all-gather; recomputation re-gathers
+        a_fwd, a_bwd = (rs + ag, rs + (2 if fine else 1) * ag) if sp else (a, a)
+        stall = max(stall, min(c_f, a_fwd))
+        passes(c_f, a_fwd)                               # forward
+        passes(c_b + (c_r if fine else 0.0), a_bwd)      # backward (fine-grained: recompute inside)
         if not fine:
-            passes(c_f, a)                               # recomputation of the layer, with its all-reduces
+            passes(c_r, a_fwd)                           # recomputation of the layer, with its all-reduces
     if barriers and n >= 2:
-        time += 2 * a_unit
+        time += 2 * stall
     if n >= 2:
-        time += a_unit * (int(first) + int(last))
+        time += stall * (int(first) + int(last))
+    if sp and first:  # the first norm's gather and the embedding gradient's gather: nothing to hide behind
+        time += 2 * ag
+        comm += 2 * n * ag
     replicas = work.tp // degree
     if replicas > 1:  # data parallel inside the group: sum the replicas' gradients
         grad = profile.collective_time("all_reduce", replicas, shape.layer_parameters() / degree * e)
@@ -176,7 +215,7 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         compute += head
     keep = 2 if fine else 1
     states = shape.layer_parameters() / degree * work.state_bytes
-    saved = keep * work.rows_at(degree) * shape.seq_len * shape.hidden * e
+    saved = keep * work.rows_at(degree) * shape.seq_len * shape.hidden * e / (degree if sp else 1)
     return LayerCost(degree, time, compute, comm, states, saved)
 
 
@@ -244,3 +283,23 @@ def step_cost(work: Workload, profile: Profile, degrees: Sequence[int]) -> StepC
     time = sum(c.time_s for c in layers) + sum(edges)
     memory = sum(c.memory_bytes for c in layers) + fixed_memory(work, profile)
     return StepCost(degrees, time, memory, layers, edges)
+
+
+def sequence_parallel_form(work: Workload, profile: Profile) -> CollectiveChoice:
+    """Centauri's primitive substitution for a uniform stack at degree work.tp: keep each
+    sublayer's all-reduce ("all_reduce"), or run it as reduce-scatter + all-gather with the residual
+    stream split along the sequence ("rs_ag": sequence parallelism, as train_step(...,
+    sequence_parallel=True)). The same comparison as collectives.all_reduce_form, on whole steps:
+
+        seconds[form] = exposed communication of step_cost(work with that form, [tp] * layers)
+        choice = "rs_ag" if seconds["rs_ag"] < seconds["all_reduce"] else "all_reduce"
+    (compute is the same in both forms, so the smaller exposed communication is the faster step).
+    "all_reduce" when sequence parallelism cannot run (tp = 1, seq_len not divisible by tp)."""
+    degrees = [work.tp] * work.shape.layers
+    plain = step_cost(replace(work, sequence_parallel=False), profile, degrees)
+    seconds = {"all_reduce": plain.time_s - plain.compute_s}
+    if sequence_parallel_ok(work, work.tp):
+        split = step_cost(replace(work, sequence_parallel=True), profile, degrees)
+        seconds["rs_ag"] = split.time_s - split.compute_s
+    choice = "rs_ag" if seconds.get("rs_ag", float("inf")) < seconds["all_reduce"] else "all_reduce"
+    return CollectiveChoice(choice, seconds)

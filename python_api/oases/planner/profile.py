@@ -7,23 +7,25 @@
     profile.collective_time("all_reduce", group=4, nbytes=2**24)                # seconds
 
 Collectives follow `t = latency_s + nbytes / bytes_per_s` per (kind, group size), nbytes being
-the full tensor (all-reduce: the tensor; all-gather: the gathered output; p2p: the message).
+the full tensor (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: its
+input, timed as the all-gather when not profiled; p2p: the message).
 Analytically, on a ring of p ranks over a link of B bytes/s with per-message latency a:
 
-    all_reduce:  2 (p-1) a + 2 (p-1)/p n / B       all_gather: (p-1) a + (p-1)/p n / B
+    all_reduce:  2 (p-1) a + 2 (p-1)/p n / B       all_gather, reduce_scatter: (p-1) a + (p-1)/p n / B
     p2p:         a + n / B
 
-Compute comes from the profile's samples of the same sublayer, shape and TP degree: a line
-t = t0 + k tokens fitted through them (least relative squares: a shared machine's noise in one
-sample is smoothed by the others), or the one sample; for other shapes it scales the nearest
-sample's time by FLOPs (same sublayer, the same TP degree when sampled), and without samples it
-is FLOPs / flops_per_s.
+Compute comes from the profile's samples of the same sublayer, shape and TP degree, piecewise
+linear in the tokens between them (a CPU's time per token is not one line from 64 to 512 tokens:
+caches), proportional beyond the largest; for other shapes it scales the nearest sample's time by
+FLOPs (same sublayer, the same TP degree when sampled), and without samples it is
+FLOPs / flops_per_s. A sample's three figures are the forward (no autograd), the backward, and
+the forward recording autograd's graph that recomputation runs before each backward.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -35,8 +37,8 @@ __all__ = ["LinkFit", "ComputeSample", "Profile", "analytical_profile", "load_pr
 
 PROFILE_FORMAT = "oases-profile"
 PROFILE_VERSION = 1
-COLLECTIVES = ("all_reduce", "all_gather", "p2p")
-DIRECTIONS = ("forward", "backward")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+DIRECTIONS = ("forward", "backward", "recompute")
 DEFAULT_LATENCY_S = 30e-6  # per message on a ring step; an Ethernet / PCIe figure when none is measured
 
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -90,6 +92,25 @@ class LinkFit:
     def time(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
 
+    @classmethod
+    def from_samples(cls, samples: Sequence[tuple[float, float]]) -> "LinkFit":
+        """The fit of measured (nbytes, seconds), each term from the samples where it dominates:
+        the bandwidth from the two largest sizes (the slope between them, where the latency is
+        negligible; at least a quarter of the largest sample's own rate, so a noisy pair cannot
+        make the link free), the latency as the median of t - nbytes / bytes_per_s (clipped at 0).
+        Least squares instead lets noisy small messages set the slope (on a 750 Mbit/s link:
+        58 MB/s from samples whose 6 MB message ran at 47 MB/s)."""
+        if not samples:
+            raise ValueError("samples: expected (nbytes, seconds) pairs, got none")
+        pairs = sorted((float(n), float(t)) for n, t in samples)
+        (n_hi, t_hi) = pairs[-1]
+        slope = t_hi / n_hi
+        if len(pairs) > 1 and n_hi > pairs[-2][0]:
+            slope = max((t_hi - pairs[-2][1]) / (n_hi - pairs[-2][0]), slope / 4)
+        slope = max(slope, 1e-15)
+        latency = max(float(np.median([t - n * slope for n, t in pairs])), 0.0)
+        return cls(latency, 1.0 / slope)
+
 
 @dataclass(frozen=True)
 class ComputeSample:
@@ -104,6 +125,14 @@ class ComputeSample:
     ffn_hidden: int
     forward_s: float
     backward_s: float
+    record_s: Optional[float] = None  # the forward again with autograd recording (recomputation); None: forward_s
+
+    def seconds(self, direction: str) -> float:
+        if direction == "forward":
+            return self.forward_s
+        if direction == "backward":
+            return self.backward_s
+        return self.forward_s if self.record_s is None else self.record_s
 
     def matches(self, shape: ModelShape, tokens: int, tp: int) -> bool:
         return (self.tp == tp and self.rows * self.seq_len == tokens and self.seq_len == shape.seq_len
@@ -135,7 +164,8 @@ class Profile:
         return max(compute_s, comm_s) + (1.0 - self.overlap) * min(compute_s, comm_s)
 
     def compute_time(self, sublayer: str, shape: ModelShape, tokens: float, tp: int, direction: str) -> float:
-        """Seconds of `direction` ("forward" or "backward") of one rank's shard of `sublayer`."""
+        """Seconds of `direction` of one rank's shard of `sublayer`: "forward" (no autograd, as the
+        schedules run it), "backward", or "recompute" (the forward again, recording autograd's graph)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction: {direction!r} is not one of {DIRECTIONS}")
         if sublayer not in SUBLAYERS:
@@ -144,15 +174,11 @@ class Profile:
             return 0.0
         flops = shape.flops(sublayer, int(round(tokens)), tp)
         samples = [s for s in self.compute if s.sublayer == sublayer]
-        same = [s for s in samples if s.matches(shape, s.rows * s.seq_len, tp)]
-        if len(same) >= 2:  # this shape and degree sampled at several rows: a line through them
-            xs = np.array([s.rows * s.seq_len for s in same], dtype=float)
-            ys = np.array([s.forward_s if direction == "forward" else s.backward_s for s in same])
-            slope, intercept = np.polyfit(xs, ys, 1, w=1 / np.maximum(ys, 1e-9))
-            return max(float(intercept + slope * tokens), 0.0) or float(ys.min())
-        for s in same:
-            if abs(tokens - s.rows * s.seq_len) < 1e-9:
-                return s.forward_s if direction == "forward" else s.backward_s
+        same = sorted((s for s in samples if s.matches(shape, s.rows * s.seq_len, tp)), key=lambda s: s.rows)
+        if same:  # this shape and degree, sampled: piecewise linear through the samples (see the module docstring)
+            xs = [float(s.rows * s.seq_len) for s in same]
+            ys = [s.seconds(direction) for s in same]
+            return _through(xs, ys, float(tokens))
         if samples:
             same_tp = [s for s in samples if s.tp == tp] or samples
 
@@ -161,9 +187,8 @@ class Profile:
 
             near = min(same_tp, key=distance)
             near_flops = near.shape().flops(sublayer, near.rows * near.seq_len, near.tp)
-            measured = near.forward_s if direction == "forward" else near.backward_s
-            return measured * flops / near_flops
-        return flops * (1 if direction == "forward" else 2) / self.flops_per_s
+            return near.seconds(direction) * flops / near_flops
+        return flops * (2 if direction == "backward" else 1) / self.flops_per_s
 
     def head_time(self, shape: ModelShape, tokens: float) -> float:
         """Seconds of the LM head's forward + backward (embedding lookups are negligible)."""
@@ -183,12 +208,14 @@ class Profile:
         if group <= 1 and kind != "p2p" or nbytes <= 0:
             return 0.0
         fit = self.collectives.get((kind, group))
+        if fit is None and kind == "reduce_scatter":  # the all-gather's ring run backwards: the same messages
+            fit = self.collectives.get(("all_gather", group))
         if fit is not None:
             return fit.time(nbytes)
         p, a, bw = group, self.latency_s, self.link_bytes_per_s
         if kind == "all_reduce":
             return 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes / bw
-        if kind == "all_gather":
+        if kind in ("all_gather", "reduce_scatter"):
             return (p - 1) * a + (p - 1) / p * nbytes / bw
         return a + nbytes / bw
 
@@ -198,6 +225,18 @@ class Profile:
                 "link_bytes_per_s": self.link_bytes_per_s, "latency_s": self.latency_s,
                 "element_bytes": self.element_bytes, "overlap": self.overlap, "compute_samples": len(self.compute),
                 "collective_fits": {f"{k}@{g}": [f.latency_s, f.bytes_per_s] for (k, g), f in self.collectives.items()}}
+
+
+def _through(xs: list[float], ys: list[float], x: float) -> float:
+    """Seconds at `x` tokens from samples (xs ascending): linear between the two samples around x;
+    above the largest, proportional to it (the work grows with the tokens); below the smallest,
+    the line through the two smallest, never under the proportional share of the smallest."""
+    if len(xs) == 1 or x >= xs[-1]:
+        return ys[-1] * x / xs[-1] if x > xs[-1] or len(xs) == 1 else ys[-1]
+    i = max(1, int(np.searchsorted(xs, x)))
+    (x0, y0), (x1, y1) = (xs[i - 1], ys[i - 1]), (xs[i], ys[i])
+    line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(line, ys[0] * x / xs[0]) if x < xs[0] else line
 
 
 def analytical_profile(*, flops_per_s: float, link: Union[str, float], latency_s: float = DEFAULT_LATENCY_S,
@@ -227,8 +266,9 @@ def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float
         raise ValueError(f"profile: {source} has version {doc.get('version')!r}; this planner reads {PROFILE_VERSION} "
                          "(profile again with `python -m bench profile`)")
     try:
-        compute = tuple(ComputeSample(**{k: c[k] for k in ComputeSample.__dataclass_fields__})
-                        for c in doc["compute"])
+        optional = {"record_s"}  # profiles written before it was measured lack it
+        compute = tuple(ComputeSample(**{k: c[k] for k in ComputeSample.__dataclass_fields__
+                                         if k in c or k not in optional}) for c in doc["compute"])
         head = tuple((h["tokens"] * h["hidden"] * h["vocab_size"], h["forward_s"], h["backward_s"])
                      for h in doc.get("head", []))
         collectives = {(kind, int(group)): LinkFit(fit["latency_s"], fit["bytes_per_s"])

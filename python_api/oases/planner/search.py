@@ -3,6 +3,7 @@
     p = plan(load_model("llama-7b"), world=16, device_memory="24GB", link="25gbit", batch=32)
     p.tp_degrees        # one TP degree per layer, e.g. (2, 2, 4, 4, ..., 2)
     p.step_s, p.memory_bytes, p.dp, p.pp, p.tp, p.schedule, p.sub_batches, p.segments
+    p.sequence_parallel # run train_step(..., sequence_parallel=True): RS + AG instead of each all-reduce
 
 Outer loop, for every layout with dp * pp * tp = world (tp a power of two up to `tp_max`, pp
 dividing the layers, dp dividing the batch), micro-batch count m (1 without a pipeline; pp, 2 pp,
@@ -14,6 +15,11 @@ dividing the layers, dp dividing the batch), micro-batch count m (1 without a pi
     step = (m + pp - 1) t_mb + 2 (pp - 1) ns p2p(activation) + exposed DP sync
     exposed DP sync = dp_sync / ns - (1 - r) m forward / ns      (pp > 1: the last segment's, FOLD3D)
                     = dp_sync                                     (pp = 1: summed after the step)
+Each layout is costed in both collective forms (Centauri's primitive substitution, see
+cost.sequence_parallel_form): per-layer degrees with all-reduces, and every layer at degree tp
+with each all-reduce as reduce-scatter + all-gather (sequence parallelism: more bytes, a
+re-gather in recomputation, half the saved activations; without a pipeline, whose stages do not
+run it); `Plan.sequence_parallel` says which won.
 The plan with the least predicted step time wins; `uniform_step_s` is the best plan of the same
 layout with one degree everywhere, so a reader sees what the per-layer choice bought.
 """
@@ -24,7 +30,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from oases.planner.cost import LayerCost, Workload, edge_cost, fixed_memory, layer_cost, tp_degrees
+from oases.planner.cost import (LayerCost, Workload, edge_cost, fixed_memory, layer_cost, sequence_parallel_ok,
+                                tp_degrees)
 from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.planner.ilp import solve_chain
 from oases.planner.model import ModelShape
@@ -109,6 +116,11 @@ class Plan:
     profile: dict[str, Any] = field(default_factory=dict)
     planner_s: float = 0.0
     candidates: int = 0
+    # Centauri's primitive substitution: each sublayer's all-reduce as reduce-scatter + all-gather,
+    # i.e. train_step(..., sequence_parallel=True); the step of each form ("all_reduce", "rs_ag";
+    # None where it does not fit or cannot run)
+    sequence_parallel: bool = False
+    form_step_s: dict[str, Optional[float]] = field(default_factory=dict)
 
     @property
     def mixed(self) -> bool:
@@ -183,15 +195,35 @@ def plan(model: ModelShape, *, world: int, device_memory: Union[int, str], batch
     return replace(best, planner_s=time.perf_counter() - started, candidates=count)
 
 
+def _forms(work: Workload, profile: Profile, budget: int, in_flight: int, pp: int) -> dict[str, Optional[DegreePlan]]:
+    """The best plan of each collective form (see `sequence_parallel_form`): "all_reduce" with
+    per-layer degrees, "rs_ag" (sequence parallel: every layer at degree tp, no pipeline: the
+    pipeline's stages do not run it); None: does not fit or cannot run."""
+    out: dict[str, Optional[DegreePlan]] = {"all_reduce": None, "rs_ag": None}
+    try:
+        out["all_reduce"] = plan_degrees(work, profile, budget, in_flight=in_flight)
+    except ValueError:
+        pass
+    if pp == 1 and sequence_parallel_ok(work, work.tp):
+        try:
+            out["rs_ag"] = plan_degrees(replace(work, sequence_parallel=True), profile, budget, in_flight=in_flight,
+                                        degrees=(work.tp,))
+        except ValueError:
+            pass
+    return out
+
+
 def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batch: int, dp: int, pp: int, tp: int,
               m: int, schedule: str, n: int) -> Optional[Plan]:
     stage = replace(model, layers=model.layers // pp)
     work = Workload(stage, rows=batch // dp // m, tp=tp, schedule=schedule, sub_batches=n)
     in_flight = min(pp, m)
-    try:
-        chosen = plan_degrees(work, profile, budget, in_flight=in_flight)
-    except ValueError:
+    forms = _forms(work, profile, budget, in_flight, pp)
+    fitting = {form: p for form, p in forms.items() if p is not None}
+    if not fitting:
         return None
+    form = min(fitting, key=lambda f: (fitting[f].time_s, f != "all_reduce"))  # ties: the plain all-reduce
+    chosen = fitting[form]
     uniform = float("inf")
     try:
         uniform = plan_degrees(work, profile, budget, in_flight=in_flight, degrees=(tp,)).time_s
@@ -211,6 +243,8 @@ def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batc
     pipeline = (m + pp - 1) * t_mb + 2 * (pp - 1) * ns * pp_comm
     step = pipeline + exposed_dp
     uniform_step = (m + pp - 1) * uniform + 2 * (pp - 1) * ns * pp_comm + exposed_dp
+    form_step = {f: None if p is None else (m + pp - 1) * p.time_s + 2 * (pp - 1) * ns * pp_comm + exposed_dp
+                 for f, p in forms.items()}
     compute = m * chosen.compute_s
     exposed = max(0.0, step - compute)
     layers = tuple({"layer": i, "degree": c.degree, "time_s": c.time_s, "compute_s": c.compute_s,
@@ -221,4 +255,5 @@ def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batc
                 tp_degrees=chosen.degrees * pp, step_s=step, memory_bytes=chosen.memory_bytes,
                 compute_s=compute, exposed_comm_s=exposed,
                 dominated_by="exposed comm" if exposed > compute else "compute",
-                uniform_step_s=uniform_step, layers=layers, profile=profile.to_dict())
+                uniform_step_s=uniform_step, layers=layers, profile=profile.to_dict(),
+                sequence_parallel=form == "rs_ag", form_step_s=form_step)
