@@ -4,15 +4,24 @@
     python -m bench planner --bandwidth 250mbit --hiddens 512
     python -m bench planner --quick                       # seconds (tests)
 
-One run profiles this machine and link first (bench.profile's microbenchmarks: sublayer compute
-per TP degree and rows, all-reduce / all-gather fits), then, for each configuration, predicts
-the step with oases.planner (Workload + step_cost, eqs. 3-5) and measures it (median, MAX over
-ranks) with oases.models.GPT on the existing runtime:
+One run profiles this machine and link (bench.profile's microbenchmarks: sublayer compute per TP
+degree and rows, all-reduce / all-gather fits, overlap efficiency), predicts each configuration's
+step with oases.planner (Workload + step_cost, eqs. 3-5) from that profile alone, and measures
+the step (median, MAX over ranks) with oases.models.GPT on the existing runtime. The compute and
+overlap microbenchmarks run round-robin with the steps in one Timer.measure (the link fits
+before): on a shared machine whose load moves compute times by up to 2x within minutes, the
+profile and the steps it predicts then see the same load.
 
     tp2-<schedule>[-n]   GPT on the 2-rank TP group, train_step on `schedule` with n sub-batches
                          (every layer at TP degree 2)
+    tp2-<schedule>-sp    the same with sequence_parallel=True (each all-reduce as reduce-scatter +
+                         all-gather: the planner's other collective form)
     dp-<schedule>[-n]    every layer at TP degree 1: GPT on a group of one, each rank its half of
                          the batch, then the gradients summed over the ranks (one flat all-reduce)
+
+`--breakdown` also times each configuration's compute alone (communication dry-run; DP: without
+the gradient all-reduce) and the time its host thread waited on communication, beside the
+predicted compute: where an error comes from.
 
 Reports per configuration predicted / measured / error, and over all: Spearman's rank
 correlation and the mean and largest |error| (targets: Spearman >= 0.9, within 20%); a scatter
@@ -22,8 +31,8 @@ plot (PNG). Links differ between runs, not within one: run the suite at several 
 profile, oases.planner.plan_degrees picks a degree per layer under a per-rank memory budget
 (default: halfway between uniform degree 1 and uniform degree 2, so degree 1 everywhere does not
 fit), and the suite measures GPT(config, group, tp_degrees=planned) against the uniform plans
-[2]*L and [1]*L on the same runtime (forward + backward, blocking collectives), and against
-train_step on the overlapped "oases" schedule at TP 2 (the best uniform runtime without tp_degrees):
+[2]*L and [1]*L on the same runtime (train_step on the overlapped "oases" schedule, 2 sub-batches,
+each layer at its degree), and against that schedule at TP 2 without tp_degrees:
 
     python -m bench planner --bandwidth 250mbit --mixed --hiddens 128 --layers 4 --batch 16
 """
@@ -46,6 +55,7 @@ from oases.planner import ModelShape, Workload, plan_degrees, step_cost
 from oases.planner.profile import profile_from_dict
 
 VARIANTS = (("megatron", 1), ("merak", 2), ("cross_pass", 2), ("oases", 2), ("oases", 4))
+SP_VARIANTS = (("oases", 2),)  # sequence parallel: each all-reduce as reduce-scatter + all-gather
 DP_VARIANTS = (("megatron", 1), ("oases", 2))
 
 
@@ -57,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
     parser.add_argument("--mixed", action="store_true",
                         help="time the planner's per-layer plan against the uniform plans (see above)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each configuration's compute alone (communication dry-run; DP: without "
+                             "the gradient all-reduce) and its exposed communication, beside the predicted parts")
     parser.add_argument("--memory-budget", type=float, default=None,
                         help="with --mixed: per-rank bytes (default: halfway between uniform degree 1 and 2)")
 
@@ -69,6 +82,55 @@ def _flat_all_reduce(model: torch.nn.Module) -> None:
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def _dry(model, fn) -> None:
+    with model.comm.dry_run():
+        fn()
+
+
+def _configurations(ctx, config: GPTConfig, shape: ModelShape, alone, tokens: torch.Tensor, targets: torch.Tensor):
+    """{name: step fn}, {name: (Workload, degree)}, {name: the step's compute alone}, {name: TP model}."""
+    batch = tokens.shape[0]
+    half = slice(ctx.rank * batch // 2, (ctx.rank + 1) * batch // 2)
+    steps, works, compute_only, models = {}, {}, {}, {}
+    tp_cases = [(f"tp2-{s}" + (f"-{n}" if n != (1 if s == "megatron" else 2) else ""), s, n, False)
+                for s, n in VARIANTS]
+    tp_cases += [(f"tp2-{s}-sp", s, n, True) for s, n in SP_VARIANTS]
+    for name, schedule, n, sp in tp_cases:
+        model = GPT(config, ctx.group, schedule=schedule, seed=0, sequence_parallel=sp)
+        models[name] = model
+        steps[name] = (lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n))
+        compute_only[name] = (lambda m=model, n=n: _dry(m, lambda: m.train_step(tokens, targets, sub_batches=n)))
+        works[name] = (Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n, sequence_parallel=sp), 2)
+    for schedule, n in DP_VARIANTS:
+        name = f"dp-{schedule}"
+        model = GPT(config, alone, schedule=schedule, seed=0)
+
+        def dp_step(m=model, n=n) -> None:
+            m.train_step(tokens[half], targets[half], sub_batches=n)
+            _flat_all_reduce(m)
+
+        steps[name] = dp_step
+        compute_only[name] = (lambda m=model, n=n: m.train_step(tokens[half], targets[half], sub_batches=n))
+        works[name] = (Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n), 1)
+    return steps, works, compute_only, models
+
+
+def _breakdown(ctx, steps: dict, alone: dict, models: dict) -> dict[str, dict[str, float]]:
+    """Per configuration: the step's compute alone (`alone`: timed with communication dry-run; DP:
+    without the gradient all-reduce) and the seconds the step's host thread waited on
+    communication (TP schedules: Communicator.waited; DP: the gradient all-reduce, not overlapped)."""
+    waited = {}
+    for name, model in models.items():
+        model.comm.reset()
+        for _ in range(3):
+            steps[name]()
+        waited[name] = model.comm.waited / 3
+    local = torch.tensor([waited.get(name, 0.0) for name in steps], dtype=torch.float64)
+    local = ctx.timer.max_over_ranks(local).tolist()
+    return {name: {"measured_compute_s": alone[name].median,
+                   "measured_waited_s": local[i] if name in models else None} for i, name in enumerate(steps)}
 
 
 def _spearman(x: list[float], y: list[float]) -> float:
@@ -93,51 +155,46 @@ def run(args, ctx) -> list[dict]:
                            vocab_size=config.vocab_size, ffn_hidden=config.mlp_ratio * hidden, name=f"gpt-h{hidden}")
         started = time.perf_counter()
         rows = sorted({max(batch * d // 2 // n, 1) for d in (1, 2) for _, n in (*VARIANTS, *DP_VARIANTS)})
-        compute = _profile.measure_compute(ctx, config, [1, 2], rows)
         head = _profile.measure_head(ctx, config, sorted({batch // 2, batch}))
         row_bytes = seq_len * hidden * 4
         layer_bytes = _profile.measure_memory(config, [1])[0]["layer_param_bytes"]
         sizes = sorted({row_bytes * r for r in rows} | {layer_bytes * config.layers})
         collectives = _profile.measure_collectives(ctx, sizes)
-        overlap = _profile.measure_overlap(ctx, config, batch // 2, 2)  # the oases schedule's unit
-        doc = _profile.profile_document(ctx, config, compute, head, collectives, [], overlap)
-        profile = replace(profile_from_dict(doc, source="measured in this run"), element_bytes=4)
-        profile_s = time.perf_counter() - started
-
         tokens = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
         targets = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
         if args.mixed:
+            compute = _profile.measure_compute(ctx, config, [1, 2], rows)
+            overlap = _profile.measure_overlap(ctx, config, batch // 2, 2)
+            doc = _profile.profile_document(ctx, config, compute, head, collectives, [], overlap)
+            profile = replace(profile_from_dict(doc, source="measured in this run"), element_bytes=4)
             records += _mixed_case(ctx, config, shape, profile, tokens, targets, args.memory_budget)
             continue
-        half = slice(ctx.rank * batch // 2, (ctx.rank + 1) * batch // 2)
-        steps, predicted = {}, {}
-        for schedule, n in VARIANTS:
-            name = f"tp2-{schedule}" + (f"-{n}" if n != (1 if schedule == "megatron" else 2) else "")
-            model = GPT(config, ctx.group, schedule=schedule, seed=0)
-            steps[name] = (lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n))
-            work = Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n)
-            predicted[name] = (step_cost(work, profile, [2] * config.layers), schedule, n, 2)
-        for schedule, n in DP_VARIANTS:
-            name = f"dp-{schedule}"
-            model = GPT(config, alone, schedule=schedule, seed=0)
-
-            def dp_step(m=model, n=n) -> None:
-                m.train_step(tokens[half], targets[half], sub_batches=n)
-                _flat_all_reduce(m)
-
-            steps[name] = dp_step
-            work = Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n)
-            predicted[name] = (step_cost(work, profile, [1] * config.layers), schedule, n, 1)
-        measured = ctx.timer.measure(steps)
-        for name, (cost, schedule, n, degree) in predicted.items():
+        steps, works, compute_only, models = _configurations(ctx, config, shape, alone, tokens, targets)
+        # the profile's compute and overlap calls run round-robin with the steps (one Timer.measure):
+        # a shared machine's load, which moves compute times by up to 2x within minutes, then weighs
+        # on the microbenchmarks and on the steps they predict alike
+        compute_fns = _profile.compute_variants(ctx, config, [1, 2], rows)
+        overlap_fns = _profile.overlap_variants(ctx, config, batch // 2, 2)  # the oases schedule's unit
+        dry = {f"dry/{name}": fn for name, fn in compute_only.items()} if args.breakdown else {}
+        measured = ctx.timer.measure({**steps, **compute_fns, **overlap_fns, **dry})
+        compute = _profile.compute_samples(config, compute_fns, measured)
+        overlap = _profile.overlap_result(overlap_fns, measured)
+        doc = _profile.profile_document(ctx, config, compute, head, collectives, [], overlap)
+        profile = replace(profile_from_dict(doc, source="measured in this run"), element_bytes=4)
+        profile_s = time.perf_counter() - started
+        parts = _breakdown(ctx, steps, {name: measured[f"dry/{name}"] for name in compute_only}, models) \
+            if args.breakdown else {}
+        for name, (work, degree) in works.items():
+            cost = step_cost(work, profile, [degree] * config.layers)
             t = measured[name].median
             records.append({"config": name, "hidden": hidden, "layers": config.layers, "batch": batch,
-                            "seq_len": seq_len, "schedule": schedule, "sub_batches": n, "tp_degree": degree,
+                            "seq_len": seq_len, "schedule": work.schedule, "sub_batches": work.n, "tp_degree": degree,
+                            "sequence_parallel": work.sequence_parallel,
                             "predicted_s": cost.time_s, "predicted_compute_s": cost.compute_s,
                             "predicted_comm_s": cost.comm_s, "predicted_memory_bytes": cost.memory_bytes,
                             "measured_s": t, "measured_min_s": measured[name].min,
                             "error": (cost.time_s - t) / t, "profile_s": profile_s,
-                            "overlap_efficiency": profile.overlap,
+                            "overlap_efficiency": profile.overlap, "overlap": overlap, **parts.get(name, {}),
                             "profile": {"compute": compute, "head": head, "collectives": collectives}})
     if args.mixed:
         return records
@@ -156,17 +213,17 @@ def run(args, ctx) -> list[dict]:
 def _mixed_case(ctx, config: GPTConfig, shape: ModelShape, profile, tokens: torch.Tensor, targets: torch.Tensor,
                 budget: Optional[float]) -> list[dict]:
     """The planner's per-layer degrees under `budget` against the uniform plans, all measured."""
-    work = Workload(shape, rows=tokens.shape[0], tp=2, schedule="megatron", sub_batches=1)
+    work = Workload(shape, rows=tokens.shape[0], tp=2, schedule="oases", sub_batches=2)
     uniform = {d: plan_degrees(work, profile, math.inf, degrees=(d,)) for d in (1, 2)}
     budget = budget or (uniform[1].memory_bytes + uniform[2].memory_bytes) / 2
     planned = plan_degrees(work, profile, budget)
     plans = {"planned": planned.degrees, "uniform-2": (2,) * config.layers, "uniform-1": (1,) * config.layers}
     steps = {}
     for name, degrees in plans.items():
-        model = GPT(config, ctx.group, tp_degrees=list(degrees), seed=0)
-        steps[name] = (lambda m=model: m.train_step(tokens, targets))
+        model = GPT(config, ctx.group, tp_degrees=list(degrees), schedule="oases", seed=0)
+        steps[name] = (lambda m=model: m.train_step(tokens, targets, sub_batches=2))
     overlapped = GPT(config, ctx.group, schedule="oases", seed=0)
-    steps["tp2-oases"] = lambda: overlapped.train_step(tokens, targets)
+    steps["tp2-oases"] = lambda: overlapped.train_step(tokens, targets, sub_batches=2)
     predicted = {name: plan_degrees(work, profile, math.inf, degrees=tuple(sorted(set(d))))
                  if len(set(d)) == 1 else planned for name, d in plans.items()}
     measured = ctx.timer.measure(steps)
@@ -178,7 +235,7 @@ def _mixed_case(ctx, config: GPTConfig, shape: ModelShape, profile, tokens: torc
         records.append({"case": "mixed", "config": name, "hidden": config.hidden, "layers": config.layers,
                         "batch": tokens.shape[0], "seq_len": tokens.shape[1],
                         "tp_degrees": list(plans.get(name, (2,) * config.layers)),
-                        "runtime": "train_step, schedule oases" if p is None else "tp_degrees: forward + backward",
+                        "runtime": "train_step oases, 2 sub-batches" + ("" if p is None else ", tp_degrees"),
                         "predicted_s": None if p is None else p.time_s,
                         "predicted_memory_bytes": None if p is None else p.memory_bytes,
                         "fits_budget": None if p is None else p.memory_bytes <= budget,
@@ -200,8 +257,8 @@ def _mixed_tables(records: list[dict]) -> list[Table]:
                   f"{r0['seq_len']}, memory budget {r0['memory_budget_bytes'] / 1e6:.2f} MB per rank)",
                   ["config", "hidden", "degrees", "runtime", "predicted ms", "pred MB", "fits", "measured ms",
                    "x vs best fitting uniform"], rows,
-                  ["predicted: oases.planner.plan_degrees (schedule megatron, 1 sub-batch) from the profile measured "
-                   "in this run; the tp_degrees runtime does not recompute, the megatron schedule's cost does",
+                  ["predicted: oases.planner.plan_degrees (schedule oases, 2 sub-batches) from the profile measured "
+                   "in this run; every plan runs on that schedule (per-layer degrees included)",
                    "the budget is declared, not this machine's: every plan fits in its RAM"])]
 
 
@@ -211,11 +268,19 @@ def tables(records: list[dict]) -> list[Table]:
     rows = [[r["config"], r["hidden"], r["tp_degree"], r["sub_batches"], 1e3 * r["predicted_compute_s"],
              1e3 * r["predicted_comm_s"], 1e3 * r["predicted_s"], 1e3 * r["measured_s"], 100 * r["error"]]
             for r in records]
+    header = ["config", "hidden", "degree", "n", "pred comp ms", "pred comm ms", "predicted ms", "measured ms",
+              "error %"]
     r0 = records[0]
+    if "measured_compute_s" in r0:  # --breakdown
+        header += ["meas comp ms", "comp err %", "meas waited ms"]
+        for row, r in zip(rows, records):
+            waited = r["measured_waited_s"]
+            row += [1e3 * r["measured_compute_s"],
+                    100 * (r["predicted_compute_s"] - r["measured_compute_s"]) / r["measured_compute_s"],
+                    "-" if waited is None else 1e3 * waited]
     spearman = "n/a" if r0["spearman"] is None else f"{r0['spearman']:.3f}"
     return [Table(f"planner: predicted vs measured step ({r0['layers']} layers, batch {r0['batch']} x {r0['seq_len']})",
-                  ["config", "hidden", "degree", "n", "pred comp ms", "pred comm ms", "predicted ms", "measured ms",
-                   "error %"], rows,
+                  header, rows,
                   [f"Spearman {spearman} over {len(records)} configurations; |error| mean "
                    f"{100 * r0['mean_abs_error']:.1f}%, max {100 * r0['max_abs_error']:.1f}%, "
                    f"{r0['within_20pct']}/{len(records)} within 20%",

@@ -178,9 +178,8 @@ class GPT(nn.Module):
     layers of different degrees (see the module docstring); `group` must be the whole world
     (the subgroups are made at construction, collectively on every rank). Same loss and per-shard
     gradients as the single-process model; the batch must divide by p / min(tp_degrees).
-    `forward` + `backward` and `train_step` run it with blocking collectives on the autograd path
-    (`train_step` then ignores `schedule`: no sub-batch overlap, no recomputation).
-    `oases.train_step(model, ids, labels, schedule=s)` runs it on the overlapped schedules
+    `forward` + `backward` run it with blocking collectives on the autograd path; `train_step`
+    (and `oases.train_step(model, ids, labels, schedule=s)`) on the overlapped schedules
     (megatron, merak, cross_pass, oases): `layer_placements()` gives them each block's
     Communicator (one per degree), row moves and replica group (oases.schedule.protocol); each
     sub-batch's rows must divide by p / min(tp_degrees).
@@ -357,21 +356,12 @@ class GPT(nn.Module):
         With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
         of the group's first rank and broadcast, so every rank uses the same masks).
 
-        With `tp_degrees`: `loss = self(tokens, targets); loss.backward()` with blocking
-        collectives (`schedule` is not used; `sub_batches` and `memory` must be None)."""
+        With `tp_degrees` the same schedule runs each layer at its own degree (every sub-batch's
+        rows must divide by p / min(tp_degrees)); `loss = self(tokens, targets); loss.backward()`
+        is the blocking form (no sub-batch overlap, no recomputation)."""
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self.embed_tokens(tokens[:0])  # shape checks before any communication
-        if self.tp_degrees is not None:
-            for name, value in (("sub_batches", sub_batches), ("memory", memory)):
-                if value is not None:
-                    raise ValueError(f"{name}: a GPT with tp_degrees trains by forward + backward without sub-batches "
-                                     f"or recomputation; pass {name}=None")
-            self._check_rows(tokens)
-            seed = self.step_seed() if dropout_seed is None else dropout_seed
-            loss = self(tokens, targets, dropout_seed=seed)
-            loss.backward()
-            return loss.detach()
         check_step(tokens, targets, schedule=self.schedule, sub_batches=sub_batches,
                    sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
