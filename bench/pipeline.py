@@ -132,8 +132,8 @@ class _Probe:
                 self.spans.append(("pp", f"recv wait {args[0][0]}", start, stop))
             return out
 
-        def traced_track(work, kind, peer):
-            transfer = track(work, kind, peer)
+        def traced_track(work, kind, peer, **options):
+            transfer = track(work, kind, peer, **options)
             if self.tracing:
                 self.transfers.append(transfer)
             return transfer
