@@ -440,6 +440,24 @@ def test_each_link_delivers_in_the_order_its_receiver_uses(schedule, segments, s
             (stage == 0) + (stage == stages - 1))  # every F/B waits for one, but on the chain's two ends
 
 
+@pytest.mark.parametrize("stages", [2, 3, 4, 6])
+def test_links_connect_without_a_cycle(stages):
+    """NCCL blocks both ends of a pair at its first message: replay the connecting messages with
+    that rendezvous rule (a message goes once both ends have reached it) and every stage ends."""
+    from oases.pipeline.p2p import LINKS, _connect_order
+
+    order = _connect_order(stages)
+    todo = {s: [m for m in order if s in m[1:]] for s in range(stages)}  # each stage's messages, in order
+    while any(todo.values()):
+        ready = [m for m in order if all(todo[end] and todo[end][0] == m for end in m[1:])]
+        assert ready, f"cycle: every stage blocks at {[t[0] if t else None for t in todo.values()]}"
+        for m in ready:
+            for end in m[1:]:
+                todo[end].pop(0)
+    pairs = {(name, src, dst) for name, src, dst in order}  # every pair that carries messages, once
+    assert len(pairs) == len(order) == 2 * (stages - 1) + 2 and {m[0] for m in order} == set(LINKS)
+
+
 def _link_order(rank, world_size):
     """Over a link, a receive takes the next message sent (not the one with its key): posting out
     of the send order raises before anything is received; in order, each buffer gets its key's data."""
@@ -482,6 +500,30 @@ def _backend_check(rank, world_size):
     with pytest.raises(ValueError, match="cuda tensors need 'nccl'"):
         _check_backend(dist.group.WORLD, torch.device("cuda"))
     return True
+
+
+def _failed_step(rank, world_size):
+    """A step that raises mid-way leaves receives posted on links that match in order: the next
+    step refuses to run (on every rank) instead of pairing stale receives with new messages."""
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(GPTConfig(**CONFIG, layers=2), mesh, schedule="gpipe", micro_batches=2)
+    tokens, targets = _batches(2)[0]
+
+    def broken(action, step):
+        raise KeyError("on purpose")
+    run, pipe._run = pipe._run, broken
+    with pytest.raises(KeyError, match="on purpose"):
+        pipe.train_step(tokens, targets)
+    pipe._run = run
+    with pytest.raises(RuntimeError, match="an earlier step failed mid-way") as info:
+        pipe.train_step(tokens, targets)
+    assert isinstance(info.value.__cause__, KeyError)
+    pipe.scheduler.close()
+    return True
+
+
+def test_a_failed_step_blocks_the_next_one():
+    assert run_ranks(_failed_step, 2, timeout=60) == [True, True]
 
 
 def test_backend_must_carry_the_models_device():

@@ -6,7 +6,8 @@ the process group's internal NCCL streams. Creating the group with `is_high_prio
 puts those at priority -1 too (what TransformerEngine and PyTorch's async TP use), so a piece's
 transfer is scheduled ahead of the GEMMs it overlaps. Groups made elsewhere (the default group of
 `init_process_group`) get the same with TORCH_NCCL_HIGH_PRIORITY=1, which `python -m bench all`
-sets. On gloo (CPU) the option does not exist and a plain group is made.
+sets. On gloo (CPU) the option does not exist and a plain group is made; a backend per device
+("cpu:gloo,cuda:nccl") gets the option for its NCCL part.
 """
 from __future__ import annotations
 
@@ -36,5 +37,6 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] =
     Collective: every rank of the world must call it with the same arguments.
     """
     backend = backend or dist.get_backend()
-    options = _nccl_high_priority_options() if high_priority and backend == "nccl" else None
+    nccl = backend == "nccl" or "cuda:nccl" in str(backend)  # also "cpu:gloo,cuda:nccl" (gloo ignores the options)
+    options = _nccl_high_priority_options() if high_priority and nccl else None
     return dist.new_group(list(ranks) if ranks is not None else None, backend=backend, pg_options=options)

@@ -21,10 +21,11 @@ stood in for by recorders, so masks and rotary embeddings are exactly the model'
 After `oases.parallelize(model, tp_degrees=[...])`, `layer_placements()` gives the schedules each
 decoder layer's degree (oases.schedule.protocol): its all-reduces on a Communicator of its own
 degree's TP group, its replica's rows (`replica_ctx` cuts every [b, ...] keyword argument of the
-layers -- masks, rotary tables, position ids -- to them), rows moved between degrees. Those
-groups are made once, collectively, at the first step, and kept on the model
-(`model.oases_layer_placements`). The replicas' gradient sums stay parallelize's hooks (they fire
-in every backward call: blocking, per parameter), so the placements give the schedule none to sum.
+layers -- masks, rotary tables, position ids -- to them), rows moved between degrees, on the
+groups parallelize made; their Communicators are made at the first step and kept on the model
+(`model.oases_layer_placements`). While a schedule runs, parallelize's replica-sum hooks stand
+down and the schedule sums each layer's gradients over its replicas itself (asynchronously, as
+the layer's backward ends for every sub-batch).
 """
 from __future__ import annotations
 

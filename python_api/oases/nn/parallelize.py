@@ -94,7 +94,8 @@ contract (Hugging Face Llama, Mistral, Qwen2, GPT-NeoX and nanoGPT-style models 
     are its own (not tied to another layer or the embedding), no dropout (replicas draw different
     masks), and the code outside the layers runs the same on every rank.
 `group` must be the world (the subgroups are made on every rank); no vocabulary entries, no
-sequence_parallel, and oases.train_step refuses such a model (it runs one TP group). Bad input
+sequence_parallel; oases.train_step runs Hugging Face models parallelized this way on its
+schedules (oases.models.HFStack.layer_placements) and refuses the others. Bad input
 raises on every rank before any communication: a `layers` path that does not name an nn.ModuleList
 (ValueError / TypeError), tp_degrees of the wrong length or with a degree that is not a power of
 two dividing p (ValueError), and, at the first forward, a batch that p / min(tp_degrees) does not
@@ -521,7 +522,7 @@ def parallelize(
                                                               group=placements[d].replica_group))
         model._oases_degree_groups = DegreeGroups(placements, row_groups, sums_on)  # read by oases.models.hf
         hook_decoder_layers(decoder_layers, degrees, p, placements, row_groups, where=prefix)
-        model.tp_degrees = degrees  # oases.train_step reads it (and refuses)
+        model.tp_degrees = degrees  # oases.train_step reads it (HF: runs it on the schedules)
 
     unplaced = [name for name in linears if name not in placed]
     explicit = plan is not DEFAULT_PLAN

@@ -25,8 +25,11 @@ direction only, and both ends post a link's messages in the same order:
     grad        gradients inside a segment              s+1 -> s        (s < p-1)
     grad_wrap   gradients from segment k+1 to k         0 -> p-1
 
-On a link one rank only sends and the other only receives, so nothing posted on one link waits
-behind another link's traffic. The order is the sender's: `expect` derives, from the schedule of
+On a link each pair of neighbours talks one way (the lower-numbered stage of `act` only sends to
+the next, which only receives from it; a middle stage receives on one pair and sends on another
+of the same link), and NCCL gives every pair its own communicator and stream, so nothing posted
+on one pair waits behind another pair's traffic. `make_links` connects every pair once, in an
+order without cycles, before any step (NCCL's first message on a pair blocks both ends). The order is the sender's: `expect` derives, from the schedule of
 the neighbouring stages, the keys each link delivers here in the order they are sent, and
 `post_recv` checks that each receive it posts is the next one of its link (a receive out of
 order is a RuntimeError, never a silently swapped tensor). Every schedule of oases.pipeline uses
@@ -47,8 +50,9 @@ they are the next ones of the act_wrap link, so they travel as soon as they are 
 bytes live in a HostSlab (oases.offload: one preallocated host buffer, pinned on CUDA, sized
 for one step's lazy receives and reused every step), not in device memory. On CPU (gloo) a
 message lands in its slab region directly; on CUDA (NCCL receives into device memory) it lands
-in a device buffer that a copy stream moves to the slab as soon as it arrived and then frees,
-and `recv` copies it back on that stream. They are not tracked by the scheduler: nothing waits
+in a device buffer that a copy stream moves to the slab as soon as it arrived and then frees
+(an event per message), and `recv` copies it back on the compute stream once that event is
+reached (never waiting for lazy receives posted after it). They are not tracked by the scheduler: nothing waits
 on them meanwhile, so they do not hold back the DP sync.
 """
 from __future__ import annotations
@@ -81,9 +85,10 @@ class Links:
     groups: dict[str, dist.ProcessGroup]
 
 
-def make_links(mesh) -> Optional[Links]:
-    """The links of this rank's pp line (None with pp = 1). Collective over the world: every rank
-    makes every line's groups, in the mesh's order (dims named dp, pp, tp, in any order)."""
+def make_links(mesh, device: torch.device = torch.device("cpu")) -> Optional[Links]:
+    """The links of this rank's pp line (None with pp = 1), connected. Collective over the world:
+    every rank makes every line's groups, in the mesh's order (dims named dp, pp, tp, in any
+    order); then each line connects its links (`_connect`)."""
     names = tuple(mesh.mesh_dim_names)
     grid = mesh.mesh.permute(*(names.index(n) for n in ("dp", "pp", "tp")))  # [dp, pp, tp] global ranks
     if grid.shape[1] == 1:
@@ -97,7 +102,39 @@ def make_links(mesh) -> Optional[Links]:
             if me in ranks:
                 mine = Links(ranks, groups)
     assert mine is not None
+    _connect(mine, torch.device(device))
     return mine
+
+
+def _connect(links: Links, device: torch.device) -> None:
+    """One message over every (link, pair), in an order without cycles. NCCL sets a pair's
+    communicator up at the pair's first message and both ends block there, so left to the
+    schedule, stage 0's first lazy receive (act_wrap) and stage 1's first receive (act) would wait
+    for each other. Here each link's pairs connect along its direction: on act, pair (0, 1),
+    then (1, 2), ... (a middle stage receives from upstream, then sends downstream); on grad the
+    reverse; each wrap link is one pair. The messages are matched and gone before any step."""
+    me = links.ranks.index(dist.get_rank())
+    one = torch.zeros(1, device=device)
+    for name, src, dst in _connect_order(len(links.ranks)):
+        if me == src:
+            dist.send(one, links.ranks[dst], group=links.groups[name], tag=_TAG)
+        elif me == dst:
+            dist.recv(one, links.ranks[src], group=links.groups[name], tag=_TAG)
+
+
+def _connect_order(stages: int) -> list[tuple[str, int, int]]:
+    """(link, sending stage, receiving stage) of each connecting message, in the order every
+    stage takes them (a stage skips those it is not an end of)."""
+    order = []
+    for name in LINKS:
+        if name in ("act", "grad"):
+            hops = [(s, s + 1) for s in range(stages - 1)]
+            if name == "grad":
+                hops = [(b, a) for a, b in reversed(hops)]
+        else:
+            hops = [(stages - 1, 0)] if name == "act_wrap" else [(0, stages - 1)]
+        order += [(name, src, dst) for src, dst in hops]
+    return order
 
 
 def link_of(key: Key, stages: int) -> tuple[str, int, int]:
@@ -253,7 +290,9 @@ class StageComm:
                     work.wait()  # the copy stream waits for the transfer (the host does not)
                     host.copy_(buf, non_blocking=True)
                     buf.record_stream(self._copy_stream)
-                self._lazy[key] = (None, host)
+                    copied = torch.cuda.Event()
+                    copied.record()  # this message is in the slab (later ones may not be)
+                self._lazy[key] = (copied, host)
             self.lazy_receives += 1
 
     def _host_region(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -266,16 +305,13 @@ class StageComm:
         return self.slab.buffer[offset:offset + nbytes].view(dtype).view(shape)
 
     def _load_lazy(self, key: Key) -> torch.Tensor:
-        work, host = self._lazy.pop(key)
+        arrived, host = self._lazy.pop(key)  # gloo: the receive's work; CUDA: the event after its copy out
         if self._copy_stream is None:
-            work.wait()
+            arrived.wait()
             return host  # already in (host) device memory: its slab region lives until wait_sends()
-        with torch.cuda.stream(self._copy_stream):  # after its copy out, on the same stream
-            out = host.to(self.device, non_blocking=True)
         compute = torch.cuda.current_stream(self.device)
-        compute.wait_stream(self._copy_stream)
-        out.record_stream(compute)
-        return out
+        compute.wait_event(arrived)  # its own copy out only: not the lazy receives posted after it
+        return host.to(self.device, non_blocking=True)  # on the compute stream
 
     # --- sends ------------------------------------------------------------------------------------
 
@@ -325,8 +361,8 @@ class StageComm:
             raise RuntimeError(f"pipeline step ended with messages never received, per link: {missed}")
         for lane in self._lanes.values():
             lane.posted = 0
-        if self._copy_stream is not None:  # the next step's copies into these regions follow on this stream
-            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+        if self._copy_stream is not None:  # the next step's copies into these regions come after this step's loads
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         for offset in self._regions:
             self.slab.free(offset)
         self._regions.clear()

@@ -252,8 +252,9 @@ class Pipeline:
         self.offloader: Optional[Offloader] = Offloader() if offload is True else (offload or None)
         self.offload_stats: Optional[OffloadStats] = None  # the last train_step's (with offload)
         self._anchor = torch.empty(0, requires_grad=True)  # offload: what received inputs hang from
+        self._failed: Optional[BaseException] = None  # a step that raised mid-way (its links are out of order)
         self.scheduler = CommScheduler(preemption=preemption)
-        self.comm = StageComm(make_links(mesh), dist.get_rank(self.pp_group), self.pp, self.scheduler, device)
+        self.comm = StageComm(make_links(mesh, device), dist.get_rank(self.pp_group), self.pp, self.scheduler, device)
         self._configure(1 if segments == "auto" else segments,
                         1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
         self.freed_bytes = 0  # parameters of other stages released (once the layout is final)
@@ -313,6 +314,9 @@ class Pipeline:
         """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank:
         this is not checked, as checking would cost a collective);
         returns the mean token loss of the whole batch, the same on every rank (see the module doc)."""
+        if self._failed is not None:
+            raise RuntimeError("train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
+                               "on the pipeline's links, which match in order; build a new Pipeline") from self._failed
         self._check_batch(tokens, targets)
         step = self._split(tokens, targets)
         if any(self._auto.values()):
@@ -322,18 +326,22 @@ class Pipeline:
             self.comm.reserve_lazy(step.shapes, step.dtype, self.segments)
         if self.offloader is not None:
             self.offloader.begin_step()
-        self._post_recv(0, step)  # receives are posted in the order they are waited for
-        for j, action in enumerate(self.plan):
-            if self._first_forward[action.segment] == j:
-                self._apply_update(action.segment)
-                self._post_lazy(action.segment, step)
-            self._post_recv(j + 1, step)  # PPComm: the next action's input is on its way meanwhile
-            with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
-                self._run(action, step)
-            if j in self._last_backward:  # DPComm: this segment's gradients are final
-                self.sync.launch(self._last_backward[j])
-                self._update_pending.add(self._last_backward[j])
-        self.comm.wait_sends()
+        try:
+            self._post_recv(0, step)  # receives are posted in the order they are waited for
+            for j, action in enumerate(self.plan):
+                if self._first_forward[action.segment] == j:
+                    self._apply_update(action.segment)
+                    self._post_lazy(action.segment, step)
+                self._post_recv(j + 1, step)  # PPComm: the next action's input is on its way meanwhile
+                with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
+                    self._run(action, step)
+                if j in self._last_backward:  # DPComm: this segment's gradients are final
+                    self.sync.launch(self._last_backward[j])
+                    self._update_pending.add(self._last_backward[j])
+            self.comm.wait_sends()
+        except BaseException as error:  # receives may still be posted: the links' order is lost
+            self._failed = error
+            raise
         if self.offloader is not None:
             self.offload_stats = self.offloader.end_step()  # the first step also sizes its HostSlab
         return self._global_loss(step.loss)

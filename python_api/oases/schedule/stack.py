@@ -291,22 +291,24 @@ class _PlacedStep:
         params = self._params[index]
         if self._done[index] < self._programs or not params:
             return
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        # Every replica sends every parameter (zeros where it has no gradient) and one flag per
+        # parameter, so the sums line up whichever replicas' rows reached a parameter.
+        parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=parts[0].dtype,
+                             device=parts[0].device)
+        flat = torch.cat([*parts, flags])  # [sum of numels + len(params)]
         work = self.placements.layers[index].replica_comm.all_reduce(flat, "backward")
-        self._pending.append((work, flat, [p for p in params if p.grad is not None]))
+        self._pending.append((work, flat, params))
 
     def finish(self) -> None:
         """Wait for the sums, write them to .grad and add back what .grad held before the step."""
         for work, flat, params in self._pending:
             work.wait()
             offset = 0
-            for p in params:
-                count = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + count].view_as(p.grad))
-                offset += count
+            for p, has in zip(params, flat[-len(params):].tolist()):
+                if has:  # some replica had a gradient: the sum, as one process would have it
+                    p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+                offset += p.numel()
         self._pending.clear()
         self.restore()
 
