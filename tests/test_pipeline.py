@@ -612,3 +612,109 @@ OFFLOAD_4 = [
 
 def test_offload_is_bit_exact_and_batched_pp2_dp2():
     run_ranks(_offload_cases, 4, OFFLOAD_4, timeout=150)
+
+
+# The DP sync in two levels (dp_hierarchy): 4 DP ranks on 2 emulated hosts of 2 (LOCAL_WORLD_SIZE,
+# as oases-launch --hosts 2 sets it); small buckets so each segment has several.
+DP_HIER_4 = [
+    ((4, 1, 1), 4, "aiao", 2, 2, "sgd", 8, dict(dp_hierarchy=True, dp_bucket_numel=800, dp_overlap_ratio=0.5)),
+    ((4, 1, 1), 4, "gpipe", 1, 2, "adamw", 8, dict(dp_hierarchy=True, dp_bucket_numel=800)),
+]
+
+
+def _dp_hierarchy(rank, world_size, cases):
+    import os
+
+    from oases.comm.hierarchical import (HostGroups, hierarchical_all_gather, hierarchical_all_gather_steps,
+                                         hierarchical_reduce_scatter, hierarchical_reduce_scatter_steps)
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    for name in ("OASES_BANDWIDTH", "OASES_INTRA_BANDWIDTH"):
+        os.environ.pop(name, None)
+    # The step forms: one yield per ring step, and the plain functions' results bit for bit.
+    hosts = HostGroups.create(2)
+    x = torch.randn(world_size * 6, 3, generator=torch.Generator().manual_seed(rank))
+    steps = hierarchical_reduce_scatter_steps(x, hosts, chunks=2)
+    yields = 0
+    while True:
+        try:
+            next(steps)
+            yields += 1
+        except StopIteration as done:
+            own = done.value
+            break
+    assert yields == (2 + 2) * 2  # intra ring (k = 2 steps) + inter ring (h = 2), 2 chunks each
+    assert torch.equal(own, hierarchical_reduce_scatter(x, hosts, chunks=2))
+    steps = hierarchical_all_gather_steps(own, hosts, chunks=2)
+    full = None
+    while full is None:
+        try:
+            next(steps)
+        except StopIteration as done:
+            full = done.value
+    assert torch.equal(full, hierarchical_all_gather(own, hosts, chunks=2))
+
+    alone, _ = dist.new_subgroups(group_size=1)
+    for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch, options in cases:
+        want_losses, want_state = _golden(layers, optimizer, batch, alone)
+        where = f"dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} {options}"
+        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
+                        micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED, **options)
+        groups = pipe.sync.hosts
+        assert pipe.dp_hierarchical and (groups.hosts, groups.ranks_per_host) == (2, 2), where
+        assert (groups.host, groups.local) == divmod(rank, 2), where
+        for step, (tokens, targets) in enumerate(_batches(batch)):
+            loss = pipe.train_step(tokens, targets)
+            torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
+                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5)
+        buckets = sum(len(b) for b in pipe.sync.buckets)
+        assert buckets > pipe.segments, where  # several buckets per segment
+        assert pipe.scheduler.hierarchical_syncs == STEPS * buckets, where  # every bucket, every step
+        pipe.close()
+
+    # "auto": oases.planner.partition on the launcher's links, for the largest bucket (about 40 KB here).
+    config = GPTConfig(**CONFIG, layers=4)
+    mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    for env, hierarchical in (({"OASES_BANDWIDTH": "100mbit"}, True),        # slow NICs: two levels
+                              ({"OASES_INTRA_BANDWIDTH": "10mbit"}, False)):  # slow inside hosts: flat
+        os.environ.update(env)
+        pipe = Pipeline(config, mesh, schedule="gpipe", micro_batches=2, dp_hierarchy="auto")
+        assert pipe.dp_hierarchical is hierarchical and (pipe.sync.hosts is not None) is hierarchical, env
+        pipe.train_step(*_batches(8)[0])
+        pipe.close()
+        assert (pipe.scheduler.hierarchical_syncs > 0) is hierarchical, env
+        for name in env:
+            del os.environ[name]
+    pipe = Pipeline(config, mesh, schedule="gpipe", micro_batches=2)  # the default: flat
+    assert not pipe.dp_hierarchical and pipe.sync.hosts is None
+    pipe.close()
+
+    # PP2 x DP2: each dp group ({0, 2}, {1, 3}) has one rank on each host of 2.
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(config, mesh, schedule="gpipe", micro_batches=2, dp_hierarchy=True)
+    assert (pipe.sync.hosts.hosts, pipe.sync.hosts.ranks_per_host) == (2, 1)
+    pipe.close()
+
+    # Bad configurations: ValueError on every rank, before any communication.
+    mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    for value, local, match in (("yes", "2", "dp_hierarchy: expected"), (1, "2", "dp_hierarchy: expected"),
+                                (True, "3", "not packed evenly"),        # hosts {0, 1, 2} and {3}
+                                ("auto", "3", "not packed evenly"),
+                                (True, None, "LOCAL_WORLD_SIZE"), (True, "two", "LOCAL_WORLD_SIZE")):
+        if local is None:
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = local
+        with pytest.raises(ValueError, match=match):
+            Pipeline(config, mesh, schedule="gpipe", micro_batches=2, dp_hierarchy=value)
+    os.environ.update(LOCAL_WORLD_SIZE="2", OASES_BANDWIDTH="fast")  # "auto" reads the links first
+    with pytest.raises(ValueError, match="OASES_BANDWIDTH"):
+        Pipeline(config, mesh, schedule="gpipe", micro_batches=2, dp_hierarchy="auto")
+    dist.barrier()  # no rank was left inside a collective
+    return True
+
+
+def test_dp_sync_runs_in_two_levels_over_hosts_and_matches_single_process():
+    assert run_ranks(_dp_hierarchy, 4, DP_HIER_4, timeout=40) == [True] * 4

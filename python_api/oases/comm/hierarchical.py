@@ -19,6 +19,10 @@ layout of the flat ring of oases.comm (`ring_all_gather` / `ring_reduce_scatter`
 
     hierarchical_all_reduce(t) = hierarchical RS, then hierarchical AG, of flat(t) padded to P.
 
+`hierarchical_reduce_scatter_steps` / `hierarchical_all_gather_steps` are the same two levels as
+generators (the flat `*_steps` of oases.comm.ring composed with `yield from`): they yield between
+ring steps, so a caller (oases.pipeline's gated DP thread) runs or holds back each step.
+
 Bytes each rank sends, for a full tensor of T bytes (RS input, AG output), m = T / P:
 
     flat ring:      (P-1) m = (P-1)/P T, of which the last rank of each host sends it all over
@@ -38,21 +42,23 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from oases import _checks
 from oases.comm.groups import new_group
-from oases.comm.ring import all_reduce, ring_all_gather, ring_reduce_scatter
+from oases.comm.ring import (all_gather_steps, all_reduce, reduce_scatter_steps, ring_all_gather,
+                             ring_reduce_scatter)
 from oases.comm._topology import ring_of
 from oases.planner.collectives import partition
 from oases.planner.profile import DEFAULT_LATENCY_S, LinkFit
 
 __all__ = ["HostGroups", "HostLinks", "hierarchical_all_gather", "hierarchical_reduce_scatter",
            "hierarchical_all_reduce", "planned_all_gather", "planned_reduce_scatter", "planned_all_reduce",
-           "planned_form", "UNSHAPED_BYTES_PER_S"]
+           "planned_form", "UNSHAPED_BYTES_PER_S", "hierarchical_reduce_scatter_steps",
+           "hierarchical_all_gather_steps", "packed_ranks_per_host"]
 
 # The rate assumed for an unshaped link (a host's loopback, or hosts nobody shaped): about what
 # `oases-launch --selftest` measures on this project's 2-core machine, both ways at once (1.7 GB/s).
@@ -267,3 +273,75 @@ def planned_all_reduce(t: torch.Tensor, hosts: HostGroups, links: HostLinks, *, 
 def planned_form(kind: str, t: torch.Tensor, hosts: HostGroups, links: HostLinks) -> str:
     """The form ("flat" | "hierarchical") planned_<kind> would run for `t` (local: no communication)."""
     return _choice(kind, t, hosts, links, full=kind != "all_gather")
+
+
+# --- step generators (for callers that interleave other work, e.g. a gated DP thread) ----------
+
+def hierarchical_reduce_scatter_steps(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
+                                      bidirectional: bool = False,
+                                      tag: int = 0) -> Generator[None, None, torch.Tensor]:
+    """hierarchical_reduce_scatter, one ring step at a time, as oases.comm.reduce_scatter_steps:
+    yields after each ring step of the intra ring, then of the inter ring, and returns the result
+    (`out = yield from hierarchical_reduce_scatter_steps(t, hosts)`), bit-for-bit that of
+    hierarchical_reduce_scatter. Arguments are checked at the call, before the first step; `tag`
+    as in all_gather_steps (used on both sub-groups)."""
+    _check_member(hosts)
+    _checks.floating("t", t)
+    _checks.chunks_arg(chunks)
+    dim = _checks.normalize_dim("t", t, dim)
+    _checks.full_divisible("t.shape[dim]", t.shape[dim], hosts.size, chunks)
+
+    def steps() -> Generator[None, None, torch.Tensor]:
+        h, k = hosts.hosts, hosts.ranks_per_host
+        rows = _rows(t, dim)                                                  # [P n, ...]
+        n, rest = rows.shape[0] // hosts.size, rows.shape[1:]
+        x = rows.view(h, k, n, *rest).transpose(0, 1).reshape(k * h * n, *rest)  # [k h n, ...]
+        x = yield from reduce_scatter_steps(x, hosts.intra, chunks=chunks, bidirectional=bidirectional,
+                                            tag=tag)                          # [h n, ...]
+        out = yield from reduce_scatter_steps(x, hosts.inter, chunks=chunks, bidirectional=bidirectional,
+                                              tag=tag)                        # [n, ...]
+        return out.movedim(0, dim).contiguous()
+    return steps()
+
+
+def hierarchical_all_gather_steps(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
+                                  bidirectional: bool = False,
+                                  tag: int = 0) -> Generator[None, None, torch.Tensor]:
+    """hierarchical_all_gather, one ring step at a time (inter ring, then intra ring), as
+    oases.comm.all_gather_steps; returns the result, bit-for-bit the flat ring's. Dual:
+    hierarchical_reduce_scatter_steps."""
+    _check_member(hosts)
+    _checks.floating("t", t)
+    _checks.chunks_arg(chunks)
+    dim = _checks.normalize_dim("t", t, dim)
+    _checks.divisible("t.shape[dim]", t.shape[dim], hosts.size, chunks)
+
+    def steps() -> Generator[None, None, torch.Tensor]:
+        h, k = hosts.hosts, hosts.ranks_per_host
+        shard = _rows(t, dim)                                                 # [n, ...]
+        n, rest = shard.shape[0], shard.shape[1:]
+        x = yield from all_gather_steps(shard, hosts.inter, chunks=chunks, bidirectional=bidirectional,
+                                        tag=tag)                              # [h n, ...]
+        x = yield from all_gather_steps(x, hosts.intra, chunks=chunks, bidirectional=bidirectional,
+                                        tag=tag)                              # [k h n, ...]
+        out = x.view(k, h, n, *rest).transpose(0, 1).reshape(h * k * n, *rest)  # [P n, ...]
+        return out.movedim(0, dim).contiguous()
+    return steps()
+
+
+def packed_ranks_per_host(ranks: Sequence[int], ranks_per_host: int) -> int:
+    """How many of the global `ranks` each host holds, with hosts of `ranks_per_host` consecutive
+    global ranks (host of rank r = r // ranks_per_host, as oases-launch --hosts packs them): the
+    `ranks_per_host` to give HostGroups.create(..., ranks=ranks). Local (no communication).
+    ValueError unless every host holding any of `ranks` holds the same number of them."""
+    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+        raise ValueError(f"ranks_per_host: expected an int >= 1, got {ranks_per_host!r}")
+    per_host: dict[int, int] = {}
+    for r in ranks:
+        per_host[int(r) // ranks_per_host] = per_host.get(int(r) // ranks_per_host, 0) + 1
+    counts = set(per_host.values())
+    if len(counts) != 1:
+        layout = ", ".join(f"host {host}: {count}" for host, count in sorted(per_host.items()))
+        raise ValueError(f"ranks {sorted(int(r) for r in ranks)} are not packed evenly into hosts of "
+                         f"{ranks_per_host} ranks ({layout}): every host must hold the same number of them")
+    return counts.pop()

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from oases.comm import all_gather_steps, reduce_scatter_steps
+from oases.comm.hierarchical import HostGroups, hierarchical_all_gather_steps, hierarchical_reduce_scatter_steps
 
 __all__ = ["CommScheduler", "Transfer"]
 
@@ -137,6 +138,7 @@ class CommScheduler:
             self.forced_chunks = 0  # ... posted at hold_timeout while PP was still in flight
             self.inherited_chunks = 0  # ... posted with PP in flight as the main thread waited for DP
             self.overlapped_chunks = 0  # DP chunks posted while a PP transfer was in flight
+            self.hierarchical_syncs = 0  # all_reduce calls run in two levels (hosts given)
             self.pp_latency: dict[str, list[float]] = {"send": [], "recv": []}
 
     # --- PP side (main thread) ------------------------------------------------------------------
@@ -228,20 +230,34 @@ class CommScheduler:
             except StopIteration as done:
                 return done.value
 
-    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, chunks: int) -> torch.Tensor:
+    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, chunks: int,
+                   hosts: Optional[HostGroups] = None) -> torch.Tensor:
         """Sum the 1-D `flat` over `group` in place by ring reduce-scatter + all-gather, gated per
         chunk; for the DP thread (tags DP_TAG, DP_TAG + 1).
 
             padded = flat padded to a multiple of p * chunks         # [p * n]
             own = reduce_scatter(padded)                             # [n]: this rank's summed block
             flat[...] = all_gather(own)[:flat.numel()]               # [p * n] -> [numel]
-        """
+
+        `hosts` (an oases.comm.hierarchical.HostGroups of `group`'s ranks): both rings run in two
+        levels (hierarchical_reduce_scatter_steps / _all_gather_steps: intra-host, then inter-host
+        rings, and back), gated before each of their ring steps alike; counted in
+        `hierarchical_syncs`. None: the flat rings over `group`."""
         p = dist.get_world_size(group)
+        if hosts is not None and hosts.size != p:
+            raise ValueError(f"hosts: splits {hosts.size} ranks, but the group has {p}")
         quantum = p * chunks
         padded = flat.new_zeros(-(-flat.numel() // quantum) * quantum)  # [p * n]
         padded[:flat.numel()].copy_(flat)
-        own = self._gated(reduce_scatter_steps(padded, group, chunks=chunks, tag=DP_TAG))  # [n]
-        full = self._gated(all_gather_steps(own, group, chunks=chunks, tag=DP_TAG))  # [p * n]
+        if hosts is None:
+            own = self._gated(reduce_scatter_steps(padded, group, chunks=chunks, tag=DP_TAG))  # [n]
+            full = self._gated(all_gather_steps(own, group, chunks=chunks, tag=DP_TAG))  # [p * n]
+        else:
+            with torch.profiler.record_function("oases::pipeline::dp_sync[hierarchical]"):
+                own = self._gated(hierarchical_reduce_scatter_steps(padded, hosts, chunks=chunks, tag=DP_TAG))
+                full = self._gated(hierarchical_all_gather_steps(own, hosts, chunks=chunks, tag=DP_TAG))
+            with self._cond:
+                self.hierarchical_syncs += 1
         flat.copy_(full[:flat.numel()])
         return flat
 

@@ -21,6 +21,10 @@ forwards of the segments before it). r = 1: everything at once; r = 0: everythin
     DP      :         |             | seg 1 now   | seg 0 now ...| seg 0, 1 deferred ...
                                                                 ^ wait(0)  ^ wait(1)
 
+`hosts` (an oases.comm.hierarchical.HostGroups of the dp group's ranks): every bucket is summed
+by the two-level rings (intra-host reduce-scatter, inter-host reduce-scatter, then the gathers
+back; CommScheduler.all_reduce(..., hosts=hosts)), gated per ring step like the flat ones.
+
 The main thread never touches a segment's gradients between launch(k) and wait(k): the segment's
 backward is over, and its optimizer step comes after wait(k). With dp = 1 there is nothing to
 sum and every call is a no-op.
@@ -36,11 +40,13 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases.comm.hierarchical import HostGroups
 from oases.pipeline.comm_scheduler import CommScheduler
 
 __all__ = ["SegmentSync", "buckets_of", "chunks_for", "CHUNK_BYTES"]
@@ -76,8 +82,8 @@ class SegmentSync:
 
     def __init__(self, segment_params: list[list[nn.Parameter]], group: dist.ProcessGroup,
                  scheduler: CommScheduler, *, overlap_ratio: float, bucket_numel: int,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.group, self.scheduler = group, scheduler
+                 chunk_bytes: int = CHUNK_BYTES, hosts: Optional[HostGroups] = None) -> None:
+        self.group, self.scheduler, self.hosts = group, scheduler, hosts  # hosts: two-level rings
         self.dp, self.bucket_numel, self.chunk_bytes = dist.get_world_size(group), bucket_numel, chunk_bytes
         self.buckets = [buckets_of(params, bucket_numel) for params in segment_params]
         self.now = [min(len(b), math.ceil(overlap_ratio * len(b) - 1e-9)) for b in self.buckets]  # at once
@@ -125,7 +131,7 @@ class SegmentSync:
         chunks = chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes)
 
         def ring() -> None:
-            self.scheduler.all_reduce(flat, self.group, chunks=chunks)
+            self.scheduler.all_reduce(flat, self.group, chunks=chunks, hosts=self.hosts)
             if flat.is_cuda:  # the ring's work is only enqueued
                 torch.cuda.synchronize(flat.device)
         self.scheduler.submit(ring).result()
@@ -160,7 +166,7 @@ class SegmentSync:
                  for p in bucket]
         flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=parts[0].dtype, device=parts[0].device)
         flat = torch.cat([*parts, flags])  # [numel + len(bucket)]
-        self.scheduler.all_reduce(flat, self.group,
+        self.scheduler.all_reduce(flat, self.group, hosts=self.hosts,
                                   chunks=chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes))
         offset = 0
         for p, has in zip(bucket, flat[-len(bucket):].tolist()):

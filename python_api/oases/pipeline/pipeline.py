@@ -46,6 +46,7 @@ counters: `deferred_chunks`, `pp_latency`, ... (see oases.pipeline.comm_schedule
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -53,10 +54,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host
 from oases.models.gpt import GPT, GPTConfig
+from oases.planner.collectives import partition
 from oases.nn.parallelize import parallelize
 from oases.pipeline.comm_scheduler import CommScheduler
-from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync
+from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync, buckets_of
 from oases.pipeline.p2p import StageComm, make_links
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.offload import Offloader, OffloadStats
@@ -134,6 +137,67 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
     return sizes
 
 
+def _dp_lines(mesh) -> list[list[int]]:
+    """Every dp group's global ranks, in the order make_links walks the mesh: (pp, tp) index-major."""
+    names = tuple(mesh.mesh_dim_names)
+    grid = mesh.mesh.permute(*(names.index(n) for n in _MESH_DIMS))  # [dp, pp, tp] global ranks
+    return [grid[:, s, t].tolist() for s in range(grid.shape[1]) for t in range(grid.shape[2])]
+
+
+def _check_dp_hierarchy(dp_hierarchy: bool | str, mesh) -> Optional[int]:
+    """dp_hierarchy's checks (local: every rank raises the same error). Returns how many of each
+    dp group's ranks a host holds (hosts of LOCAL_WORLD_SIZE consecutive ranks, as oases-launch
+    --hosts packs them), or None when the DP sync stays flat (False, or dp = 1)."""
+    if dp_hierarchy not in (False, True, "auto") or isinstance(dp_hierarchy, int) and not isinstance(dp_hierarchy, bool):
+        raise ValueError(f"dp_hierarchy: expected False, True or 'auto', got {dp_hierarchy!r}")
+    lines = _dp_lines(mesh)
+    if dp_hierarchy is False or len(lines[0]) == 1:
+        return None
+    text = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        per_host = int(text) if text is not None else None
+    except ValueError:
+        per_host = None
+    if per_host is None or per_host < 1:
+        raise ValueError(f"dp_hierarchy: needs LOCAL_WORLD_SIZE (ranks per host, an int >= 1; set by oases-launch "
+                         f"--hosts H or torchrun), got {text!r}")
+    counts = set()
+    for ranks in lines:
+        try:
+            counts.add(packed_ranks_per_host(ranks, per_host))
+        except ValueError as err:
+            raise ValueError(f"dp_hierarchy: the dp group's {err}") from None
+    if len(counts) != 1:  # (every dp group has as many ranks, on hosts of one size: cannot happen)
+        raise ValueError(f"dp_hierarchy: dp groups hold {sorted(counts)} ranks per host; expected one number")
+    return counts.pop()
+
+
+def _dp_host_groups(mesh, ranks_per_host: int) -> HostGroups:
+    """This rank's HostGroups of its dp group. Collective over the world: every rank makes every
+    dp group's host groups, in the mesh's order (as make_links does)."""
+    mine = None
+    for ranks in _dp_lines(mesh):
+        groups = HostGroups.create(ranks_per_host, ranks)
+        if groups is not None:
+            mine = groups
+    assert mine is not None
+    return mine
+
+
+def _hierarchy_is_faster(segment_params: list[list[nn.Parameter]], bucket_numel: int, hosts: HostGroups,
+                         links: HostLinks) -> bool:
+    """dp_hierarchy="auto": oases.planner.partition's choice for the all-reduce of this stage's
+    largest DP bucket (its gradients and presence flags, as SegmentSync sends it). The same on
+    every rank of a dp group (same stage, same buckets, same links)."""
+    sizes = [sum(p.numel() for p in bucket) + len(bucket)
+             for params in segment_params for bucket in buckets_of(params, bucket_numel)]
+    if not sizes:
+        return False
+    element = next(p for params in segment_params for p in params).element_size()
+    choice = partition("all_reduce", max(sizes) * element, hosts.ranks_per_host, hosts.hosts, links.intra, links.inter)
+    return choice.choice == "hierarchical"
+
+
 def _check_backend(group: dist.ProcessGroup, device: torch.device) -> None:
     """The pipeline's tensors live on `device`: the group must carry that device's tensors (gloo
     for CPU, NCCL for CUDA; "cpu:gloo,cuda:nccl" carries both)."""
@@ -204,7 +268,12 @@ class Pipeline:
     in batches after each forward action and come back before their backward (`offload_stats`
     after each step; bit-exact; the slab is sized by the first step, so a later step with larger
     micro-batches raises SlabTooSmallError: pass an Offloader with a larger HostSlab then);
-    `preemption`: PP transfers hold back DP sync chunks (module doc). Every argument is checked
+    `preemption`: PP transfers hold back DP sync chunks (module doc);
+    `dp_hierarchy`: the DP sync's rings in two levels (oases.comm.hierarchical: intra-host, then
+    inter-host) over hosts of LOCAL_WORLD_SIZE consecutive ranks (oases-launch --hosts H): True
+    always, "auto" when oases.planner.partition predicts it faster for this stage's largest
+    bucket on HostLinks.from_env() (`dp_hierarchical` says which ran; False: the flat ring). Each
+    host must hold as many of every dp group's ranks (ValueError otherwise). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
     Pipelines on one mesh share its dp group and the DP rings' message tags: close() one (its DP sync may still
     be in flight after train_step returns) before another trains.
@@ -228,9 +297,11 @@ class Pipeline:
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
                  seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
                  dp_bucket_numel: int = _BUCKET_NUMEL, dp_chunk_bytes: int = CHUNK_BYTES,
-                 offload: bool | Offloader = False) -> None:
+                 offload: bool | Offloader = False, dp_hierarchy: bool | str = False) -> None:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel,
                               dp_chunk_bytes)
+        dp_packing = _check_dp_hierarchy(dp_hierarchy, mesh)  # before any communication, like every check
+        self._dp_links = HostLinks.from_env() if dp_hierarchy == "auto" and dp_packing is not None else None
         if not isinstance(offload, (bool, Offloader)):
             raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
@@ -255,6 +326,8 @@ class Pipeline:
         self._failed: Optional[BaseException] = None  # a step that raised mid-way (its links are out of order)
         self.scheduler = CommScheduler(preemption=preemption)
         self.comm = StageComm(make_links(mesh, device), dist.get_rank(self.pp_group), self.pp, self.scheduler, device)
+        self.dp_hierarchy = dp_hierarchy
+        self._dp_hosts = None if dp_packing is None else _dp_host_groups(mesh, dp_packing)  # collective
         self._configure(1 if segments == "auto" else segments,
                         1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
         self.freed_bytes = 0  # parameters of other stages released (once the layout is final)
@@ -280,9 +353,14 @@ class Pipeline:
                                for k in range(segments)}
         self._last_backward = {max(j for j, a in enumerate(self.plan) if a.kind == "B" and a.segment == k): k
                                for k in range(segments)}
+        # Two-level DP rings: always with dp_hierarchy=True; with "auto" where the planner says so.
+        self.dp_hierarchical = self._dp_hosts is not None and (
+            self._dp_links is None or _hierarchy_is_faster(segment_params, self._bucket_numel, self._dp_hosts,
+                                                          self._dp_links))
         self.sync = SegmentSync(segment_params, self.dp_group, self.scheduler,
                                 overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel,
-                                chunk_bytes=self._chunk_bytes)
+                                chunk_bytes=self._chunk_bytes,
+                                hosts=self._dp_hosts if self.dp_hierarchical else None)
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
