@@ -138,9 +138,9 @@ class _Probe:
                 self.transfers.append(transfer)
             return transfer
 
-        def traced_all_reduce(flat, group, *, chunks):
+        def traced_all_reduce(flat, group, *, chunks, **options):
             start = time.perf_counter()
-            out = all_reduce(flat, group, chunks=chunks)
+            out = all_reduce(flat, group, chunks=chunks, **options)
             if self.tracing:
                 self.spans.append(("dp", f"bucket {flat.numel() * flat.element_size() / 2**20:.1f} MiB",
                                    start, time.perf_counter()))

@@ -700,6 +700,7 @@ def _dp_hierarchy(rank, world_size, cases):
     # Bad configurations: ValueError on every rank, before any communication.
     mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     for value, local, match in (("yes", "2", "dp_hierarchy: expected"), (1, "2", "dp_hierarchy: expected"),
+                                (0.0, "2", "dp_hierarchy: expected"),     # not False: would turn it on
                                 (True, "3", "not packed evenly"),        # hosts {0, 1, 2} and {3}
                                 ("auto", "3", "not packed evenly"),
                                 (True, None, "LOCAL_WORLD_SIZE"), (True, "two", "LOCAL_WORLD_SIZE")):

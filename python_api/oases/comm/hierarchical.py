@@ -83,12 +83,14 @@ class HostGroups:
         return self.hosts * self.ranks_per_host
 
     @classmethod
-    def create(cls, ranks_per_host: int, ranks: Optional[Sequence[int]] = None) -> Optional["HostGroups"]:
+    def create(cls, ranks_per_host: int, ranks: Optional[Sequence[int]] = None, *,
+               high_priority: bool = True) -> Optional["HostGroups"]:
         """Split `ranks` (global ranks, default the whole world; sorted) into hosts of
         `ranks_per_host` consecutive ranks. Collective: every rank of the world calls it with the
         same arguments (it makes h + k groups, one more for a subset, with dist.new_group, in the
         same order everywhere);
-        ranks outside `ranks` get None."""
+        ranks outside `ranks` get None. `high_priority`: the groups' NCCL streams (as
+        oases.comm.new_group; False for traffic that must yield, e.g. a pipeline's DP sync)."""
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized: call init_process_group() first")
         world = dist.get_world_size()
@@ -100,9 +102,9 @@ class HostGroups:
         if len(members) % ranks_per_host:
             raise ValueError(f"ranks_per_host: {len(members)} ranks do not split into hosts of {ranks_per_host}")
         k, h = ranks_per_host, len(members) // ranks_per_host
-        group = None if len(members) == world else new_group(members)
-        intra_groups = [new_group(members[H * k:(H + 1) * k]) for H in range(h)]
-        inter_groups = [new_group(members[l::k]) for l in range(k)]
+        group = None if len(members) == world else new_group(members, high_priority=high_priority)
+        intra_groups = [new_group(members[H * k:(H + 1) * k], high_priority=high_priority) for H in range(h)]
+        inter_groups = [new_group(members[l::k], high_priority=high_priority) for l in range(k)]
         me = dist.get_rank()
         if me not in members:
             return None

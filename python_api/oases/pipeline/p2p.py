@@ -27,8 +27,10 @@ direction only, and both ends post a link's messages in the same order:
 
 On a link each pair of neighbours talks one way (the lower-numbered stage of `act` only sends to
 the next, which only receives from it; a middle stage receives on one pair and sends on another
-of the same link), and NCCL gives every pair its own communicator and stream, so nothing posted
-on one pair waits behind another pair's traffic. `make_links` connects every pair once, in an
+of the same link), and ProcessGroupNCCL gives every pair of a group its own communicator and
+stream for single isend / irecv (torch 2.13; a version that shared one communicator per group
+would put a middle stage's receive and send on one stream), so nothing posted on one pair waits
+behind another pair's traffic. `make_links` connects every pair once, in an
 order without cycles, before any step (NCCL's first message on a pair blocks both ends). The order is the sender's: `expect` derives, from the schedule of
 the neighbouring stages, the keys each link delivers here in the order they are sent, and
 `post_recv` checks that each receive it posts is the next one of its link (a receive out of

@@ -148,7 +148,7 @@ def _check_dp_hierarchy(dp_hierarchy: bool | str, mesh) -> Optional[int]:
     """dp_hierarchy's checks (local: every rank raises the same error). Returns how many of each
     dp group's ranks a host holds (hosts of LOCAL_WORLD_SIZE consecutive ranks, as oases-launch
     --hosts packs them), or None when the DP sync stays flat (False, or dp = 1)."""
-    if dp_hierarchy not in (False, True, "auto") or isinstance(dp_hierarchy, int) and not isinstance(dp_hierarchy, bool):
+    if not (dp_hierarchy is False or dp_hierarchy is True or (isinstance(dp_hierarchy, str) and dp_hierarchy == "auto")):
         raise ValueError(f"dp_hierarchy: expected False, True or 'auto', got {dp_hierarchy!r}")
     lines = _dp_lines(mesh)
     if dp_hierarchy is False or len(lines[0]) == 1:
@@ -177,7 +177,7 @@ def _dp_host_groups(mesh, ranks_per_host: int) -> HostGroups:
     dp group's host groups, in the mesh's order (as make_links does)."""
     mine = None
     for ranks in _dp_lines(mesh):
-        groups = HostGroups.create(ranks_per_host, ranks)
+        groups = HostGroups.create(ranks_per_host, ranks, high_priority=False)  # DP yields to the PP links
         if groups is not None:
             mine = groups
     assert mine is not None
@@ -273,7 +273,8 @@ class Pipeline:
     inter-host) over hosts of LOCAL_WORLD_SIZE consecutive ranks (oases-launch --hosts H): True
     always, "auto" when oases.planner.partition predicts it faster for this stage's largest
     bucket on HostLinks.from_env() (`dp_hierarchical` says which ran; False: the flat ring). Each
-    host must hold as many of every dp group's ranks (ValueError otherwise). Every argument is checked
+    host must hold as many of every dp group's ranks (ValueError otherwise); LOCAL_WORLD_SIZE
+    and the OASES_*BANDWIDTH variables must be the same on every rank (as oases-launch sets them). Every argument is checked
     (ValueError naming it) on every rank before any communication. `close()` ends the threads.
     Pipelines on one mesh share its dp group and the DP rings' message tags: close() one (its DP sync may still
     be in flight after train_step returns) before another trains.
