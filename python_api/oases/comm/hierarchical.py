@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 from oases import _checks
 from oases.comm.groups import new_group
-from oases.comm.ring import (all_gather_steps, all_reduce, reduce_scatter_steps, ring_all_gather,
-                             ring_reduce_scatter)
+from oases.comm.ring import (_drain, _to_rows, all_gather_steps, all_reduce, reduce_scatter_steps,
+                             ring_all_gather, ring_reduce_scatter)
 from oases.comm._topology import ring_of
 from oases.planner.collectives import partition
 from oases.planner.profile import DEFAULT_LATENCY_S, LinkFit
@@ -162,10 +162,6 @@ def _check_member(hosts: HostGroups) -> None:
         raise ValueError(f"hosts: its group has {ring.size} ranks, not hosts * ranks_per_host = {hosts.size}")
 
 
-def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    return t.movedim(dim, 0).contiguous()
-
-
 def hierarchical_reduce_scatter(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
                                 bidirectional: bool = False) -> torch.Tensor:
     """ring_reduce_scatter(t, hosts.group, dim=dim) in two levels (see the module docstring).
@@ -174,19 +170,8 @@ def hierarchical_reduce_scatter(t: torch.Tensor, hosts: HostGroups, *, dim: int 
         n = t.shape[dim] // P
         out = sum(t from every rank).narrow(dim, rank * n, n)          # to summation order
     t.shape[dim] must divide by P * chunks."""
-    _check_member(hosts)
-    _checks.floating("t", t)
-    _checks.chunks_arg(chunks)
-    dim = _checks.normalize_dim("t", t, dim)
-    _checks.full_divisible("t.shape[dim]", t.shape[dim], hosts.size, chunks)
-    h, k = hosts.hosts, hosts.ranks_per_host
-    rows = _rows(t, dim)                                                  # [P n, ...]
-    n, rest = rows.shape[0] // hosts.size, rows.shape[1:]
     with torch.profiler.record_function("oases::hierarchical_reduce_scatter"):
-        x = rows.view(h, k, n, *rest).transpose(0, 1).reshape(k * h * n, *rest)  # [k h n, ...]
-        x = ring_reduce_scatter(x, hosts.intra, chunks=chunks, bidirectional=bidirectional)  # [h n, ...]
-        out = ring_reduce_scatter(x, hosts.inter, chunks=chunks, bidirectional=bidirectional)  # [n, ...]
-    return out.movedim(0, dim).contiguous()
+        return _drain(hierarchical_reduce_scatter_steps(t, hosts, dim=dim, chunks=chunks, bidirectional=bidirectional))
 
 
 def hierarchical_all_gather(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
@@ -196,19 +181,8 @@ def hierarchical_all_gather(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0,
 
         out = cat([t from rank 0, ..., t from rank P-1], dim)
     `chunks` must divide t.shape[dim]."""
-    _check_member(hosts)
-    _checks.floating("t", t)
-    _checks.chunks_arg(chunks)
-    dim = _checks.normalize_dim("t", t, dim)
-    _checks.divisible("t.shape[dim]", t.shape[dim], hosts.size, chunks)
-    h, k = hosts.hosts, hosts.ranks_per_host
-    shard = _rows(t, dim)                                                 # [n, ...]
-    n, rest = shard.shape[0], shard.shape[1:]
     with torch.profiler.record_function("oases::hierarchical_all_gather"):
-        x = ring_all_gather(shard, hosts.inter, chunks=chunks, bidirectional=bidirectional)  # [h n, ...]
-        x = ring_all_gather(x, hosts.intra, chunks=chunks, bidirectional=bidirectional)      # [k h n, ...]
-        out = x.view(k, h, n, *rest).transpose(0, 1).reshape(h * k * n, *rest)             # [P n, ...]
-    return out.movedim(0, dim).contiguous()
+        return _drain(hierarchical_all_gather_steps(t, hosts, dim=dim, chunks=chunks, bidirectional=bidirectional))
 
 
 def hierarchical_all_reduce(t: torch.Tensor, hosts: HostGroups, *, chunks: int = 1,
@@ -295,13 +269,13 @@ def hierarchical_reduce_scatter_steps(t: torch.Tensor, hosts: HostGroups, *, dim
 
     def steps() -> Generator[None, None, torch.Tensor]:
         h, k = hosts.hosts, hosts.ranks_per_host
-        rows = _rows(t, dim)                                                  # [P n, ...]
+        rows = _to_rows(t, dim)                                                  # [P n, ...]
         n, rest = rows.shape[0] // hosts.size, rows.shape[1:]
         x = rows.view(h, k, n, *rest).transpose(0, 1).reshape(k * h * n, *rest)  # [k h n, ...]
-        x = yield from reduce_scatter_steps(x, hosts.intra, chunks=chunks, bidirectional=bidirectional,
-                                            tag=tag)                          # [h n, ...]
-        out = yield from reduce_scatter_steps(x, hosts.inter, chunks=chunks, bidirectional=bidirectional,
-                                              tag=tag)                        # [n, ...]
+        for group in (hosts.intra, hosts.inter):                              # [k h n] -> [h n] -> [n]
+            with torch.profiler.record_function("oases::ring_reduce_scatter"):
+                x = yield from reduce_scatter_steps(x, group, chunks=chunks, bidirectional=bidirectional, tag=tag)
+        out = x
         return out.movedim(0, dim).contiguous()
     return steps()
 
@@ -320,12 +294,12 @@ def hierarchical_all_gather_steps(t: torch.Tensor, hosts: HostGroups, *, dim: in
 
     def steps() -> Generator[None, None, torch.Tensor]:
         h, k = hosts.hosts, hosts.ranks_per_host
-        shard = _rows(t, dim)                                                 # [n, ...]
+        shard = _to_rows(t, dim)                                                 # [n, ...]
         n, rest = shard.shape[0], shard.shape[1:]
-        x = yield from all_gather_steps(shard, hosts.inter, chunks=chunks, bidirectional=bidirectional,
-                                        tag=tag)                              # [h n, ...]
-        x = yield from all_gather_steps(x, hosts.intra, chunks=chunks, bidirectional=bidirectional,
-                                        tag=tag)                              # [k h n, ...]
+        x = shard
+        for group in (hosts.inter, hosts.intra):                              # [n] -> [h n] -> [k h n]
+            with torch.profiler.record_function("oases::ring_all_gather"):
+                x = yield from all_gather_steps(x, group, chunks=chunks, bidirectional=bidirectional, tag=tag)
         out = x.view(k, h, n, *rest).transpose(0, 1).reshape(h * k * n, *rest)  # [P n, ...]
         return out.movedim(0, dim).contiguous()
     return steps()
