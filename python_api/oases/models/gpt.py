@@ -32,11 +32,10 @@ gradients once, per step, as the block's backward ends: see `layer_placements`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -44,13 +43,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases._sharding import ShardRule, tp_rules
-from oases.nn._degrees import check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows, sum_over_replicas_while
+from oases.models._placed import layer_placements
+from oases.nn._degrees import (DegreeGroups, check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows,
+                               sum_over_replicas_while)
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, check_step, train_step
-from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove
+from oases.schedule.protocol import LayerPlacements
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -231,12 +232,13 @@ class GPT(nn.Module):
         else:
             self._placements, self._row_groups = make_placements(self.group, self.tp, self.tp_rank, self.tp_degrees)
             where = [self._placements[d] for d in self.tp_degrees]
+            self._hooks_on = [True]  # off while a schedule runs the stack (it sums the gradients itself)
+            self._degree_groups = DegreeGroups(self._placements, self._row_groups, self._hooks_on)
             self.blocks = nn.ModuleList(
                 nn.ModuleList([_Attention(config, 2 * i, at.degree, at.tp_group),
                                _MLP(config, 2 * i + 1, at.degree, at.tp_group)])
                 for i, at in enumerate(where)
             )
-            self._hooks_on = [True]  # off while a schedule runs the stack (it sums the gradients itself)
             for block, at in zip(self.blocks, where):
                 if at.replica_group is not None:
                     for param in block.parameters():
@@ -304,41 +306,9 @@ class GPT(nn.Module):
         if self.tp_degrees is None:
             return None
         if self._layer_placements is None:
-            self._layer_placements = self._make_layer_placements()
+            self._layer_placements = layer_placements(self._degree_groups, self.tp_degrees, self.blocks,
+                                                      self.tp, comm_at_p=self.comm)
         return self._layer_placements
-
-    def _make_layer_placements(self) -> LayerPlacements:
-        p, comms, replica_comms, moves = self.tp, {}, {}, {}
-        for d, at in self._placements.items():
-            comms[d] = self.comm if d == p else Communicator(at.tp_group if d > 1 else None, d)
-            replica_comms[d] = None if at.replica_group is None else Communicator(at.replica_group, at.replicas)
-
-        def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
-            if a == b:
-                return None
-            lo, hi = min(a, b), max(a, b)
-            if (lo, hi) not in moves:
-                group, index = self._row_groups[lo, hi]
-                moves[lo, hi] = (Communicator(group, hi // lo), index)
-            comm, index = moves[lo, hi]
-            return RowMove(comm, b < a, hi // lo, index)
-
-        layers, previous = [], p
-        for block, d in zip(self.blocks, self.tp_degrees):
-            at = self._placements[d]
-            layers.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms[d],
-                                         tuple(block.parameters())))
-            previous = d
-        return LayerPlacements(tuple(layers), move(previous, p), self._scheduled)
-
-    @contextlib.contextmanager
-    def _scheduled(self) -> Iterator[None]:
-        """While a schedule runs the stack: the replica-sum hooks stand down (it sums the gradients)."""
-        previous, self._hooks_on[0] = self._hooks_on[0], False
-        try:
-            yield
-        finally:
-            self._hooks_on[0] = previous
 
     def head(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
         """Logits [b, t, vocab], or this rank's [b, t, vocab/p] with vocab_parallel."""

@@ -39,11 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
-from oases.nn._degrees import DegreeGroups
+from oases.models._placed import layer_placements
 from oases.nn._mappings import copy_to_tp
 from oases.nn.layers import ColumnParallelLinear
-from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove, SubBatch
-from oases.schedule.runtime import Communicator
+from oases.schedule.protocol import LayerPlacements, SubBatch
 
 __all__ = ["HFStack", "SEQUENTIAL_LAYERS", "PARALLEL_RESIDUAL_LAYERS"]
 
@@ -158,7 +157,8 @@ class HFStack:
             if groups is None:
                 raise ValueError("tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "
                                  "keeps with them; parallelize it with oases.parallelize(model, tp_degrees=...)")
-            kept = _placements(self.degrees, groups, self.decoder)
+            kept = layer_placements(groups, self.degrees, self.decoder,
+                                    dist.get_world_size() if dist.is_initialized() else 1)
             self.model.oases_layer_placements = kept
         return kept
 
@@ -175,43 +175,6 @@ class HFStack:
             return self.lm_head(h)  # [b, t, vocab]
         # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
         return F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
-
-
-def _placements(degrees: tuple[int, ...], groups: DegreeGroups, decoder: nn.ModuleList) -> LayerPlacements:
-    """LayerPlacements over the world (parallelize's tp_degrees span it) on the groups parallelize
-    made (`groups`); a layer below degree p sums its parameters' gradients over its replicas."""
-    p = dist.get_world_size() if dist.is_initialized() else 1
-    where, row_groups = groups.placements, groups.row_groups
-    comms = {d: Communicator(at.tp_group if d > 1 else None, d) for d, at in where.items()}
-    replica_comms = {d: Communicator(at.replica_group, at.replicas) for d, at in where.items()
-                     if at.replica_group is not None}
-    moves: dict[tuple[int, int], RowMove] = {}
-
-    def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
-        if a == b:
-            return None
-        lo, hi = min(a, b), max(a, b)
-        if (lo, hi) not in moves:
-            group, index = row_groups[lo, hi]
-            moves[lo, hi] = RowMove(Communicator(group, hi // lo), False, hi // lo, index)
-        up = moves[lo, hi]
-        return RowMove(up.comm, b < a, up.parts, up.index)
-
-    @contextlib.contextmanager
-    def scheduled() -> Iterator[None]:  # the schedule sums the replicas: the hooks stand down
-        previous, groups.sums_on[0] = groups.sums_on[0], False
-        try:
-            yield
-        finally:
-            groups.sums_on[0] = previous
-
-    layers, previous = [], p
-    for d, layer in zip(degrees, decoder):
-        at = where[d]
-        layers.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms.get(d),
-                                     tuple(layer.parameters())))
-        previous = d
-    return LayerPlacements(tuple(layers), move(previous, p), scheduled)
 
 
 def _rows_of(value: Any, batch: int, rows: slice) -> Any:
