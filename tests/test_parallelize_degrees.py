@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from _nanogpt import Block
 from _spawn import run_ranks
 
 import oases
@@ -149,40 +150,6 @@ def _check_plan(kind, degrees, p):
 
 
 # --- a nanoGPT-style model (Karpathy's layout: transformer.{wte, wpe, h, ln_f}, lm_head) -----------
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.c_attn, self.c_proj = nn.Linear(n_embd, 3 * n_embd), nn.Linear(n_embd, n_embd)  # c_attn: [q | k | v]
-        self.n_head, self.n_embd = n_head, n_embd  # this rank's, once parallelized
-
-    def forward(self, x):
-        B, T, _ = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, n_embd):
-        super().__init__()
-        self.c_fc, self.c_proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, n_embd, n_head):
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head)
-        self.ln_2, self.mlp = nn.LayerNorm(n_embd), MLP(n_embd)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
 
 class NanoGPT(nn.Module):
     def __init__(self, n_embd=32, n_head=4):
