@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
 from oases.models._placed import layer_placements
+from oases.nn._degrees import kwargs_rows
 from oases.nn._mappings import copy_to_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.schedule.protocol import LayerPlacements, SubBatch
@@ -164,9 +165,10 @@ class HFStack:
 
     def replica_ctx(self, ctx: _Context, rows: slice) -> _Context:
         """ctx narrowed to a replica's `rows` of the sub-batch: its SubBatch, and every tensor of
-        the layers' keyword arguments whose first dim is the sub-batch's row count."""
+        the layers' keyword arguments whose first dim is the sub-batch's row count (as
+        parallelize's hooks cut them: oases.nn._degrees.kwargs_rows)."""
         batch = ctx.where.rows.stop - ctx.where.rows.start
-        kwargs = tuple({k: _rows_of(v, batch, rows) for k, v in layer.items()} for layer in ctx.layer_kwargs)
+        kwargs = tuple(kwargs_rows(layer, batch, rows) for layer in ctx.layer_kwargs)
         return _Context(ctx.where.replica_rows(rows), kwargs)
 
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
@@ -175,19 +177,6 @@ class HFStack:
             return self.lm_head(h)  # [b, t, vocab]
         # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
         return F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
-
-
-def _rows_of(value: Any, batch: int, rows: slice) -> Any:
-    """`value` with each [batch, ...] tensor (2 dims or more) cut to `rows`, in tuples, lists and
-    dicts too; anything else (a [1, ...] broadcast mask or rotary table, cache_position [t], None)
-    as it is."""
-    if isinstance(value, torch.Tensor):
-        return value[rows] if value.dim() >= 2 and value.shape[0] == batch else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_rows_of(v, batch, rows) for v in value)
-    if isinstance(value, dict):
-        return {k: _rows_of(v, batch, rows) for k, v in value.items()}
-    return value
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from oases import comm as _comm
 
 __all__ = ["DegreeGroups", "Placement", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees", "hook_decoder_layers",
-           "make_placements", "reshard_rows", "sum_over_replicas", "sum_over_replicas_while"]
+           "kwargs_rows", "make_placements", "reshard_rows", "sum_over_replicas", "sum_over_replicas_while"]
 
 
 class RowsDown(torch.autograd.Function):
@@ -183,6 +183,12 @@ def _rows_of(value: object, batch: int, rows: slice) -> object:
     return value
 
 
+def kwargs_rows(kwargs: dict, batch: int, rows: slice) -> dict:
+    """A decoder layer's keyword arguments cut to a replica's `rows` (_rows_of), except the keywords
+    that never hold rows (cache_position indexes the sequence)."""
+    return {k: v if k in _NOT_ROWS else _rows_of(v, batch, rows) for k, v in kwargs.items()}
+
+
 def _needs_grad(value: object) -> bool:
     if isinstance(value, torch.Tensor):
         return value.requires_grad
@@ -234,7 +240,7 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
         if d < p:
             rows = placements[d].rows(batch)
             rest = tuple(_rows_of(a, batch, rows) for a in rest)
-            kwargs = {k: v if k in _NOT_ROWS else _rows_of(v, batch, rows) for k, v in kwargs.items()}
+            kwargs = kwargs_rows(kwargs, batch, rows)
         if args:
             return (x, *rest), kwargs
         return args, {**kwargs, "hidden_states": x}
