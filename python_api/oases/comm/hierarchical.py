@@ -57,7 +57,7 @@ from oases.planner.profile import DEFAULT_LATENCY_S, LinkFit
 
 __all__ = ["HostGroups", "HostLinks", "hierarchical_all_gather", "hierarchical_reduce_scatter",
            "hierarchical_all_reduce", "planned_all_gather", "planned_reduce_scatter", "planned_all_reduce",
-           "planned_form", "UNSHAPED_BYTES_PER_S", "hierarchical_reduce_scatter_steps",
+           "planned_form", "ranks_per_host_from_env", "UNSHAPED_BYTES_PER_S", "hierarchical_reduce_scatter_steps",
            "hierarchical_all_gather_steps", "packed_ranks_per_host"]
 
 # The rate assumed for an unshaped link (a host's loopback, or hosts nobody shaped): about what
@@ -115,15 +115,7 @@ class HostGroups:
     def from_env(cls) -> "HostGroups":
         """The world split as the launcher placed it: LOCAL_WORLD_SIZE ranks per host
         (oases-launch --hosts H, torchrun on H nodes). Collective, like `create`."""
-        text = os.environ.get("LOCAL_WORLD_SIZE")
-        if text is None:
-            raise ValueError("LOCAL_WORLD_SIZE: not set; run under oases-launch --hosts H (or torchrun), "
-                             "or call HostGroups.create(ranks_per_host)")
-        try:
-            k = int(text)
-        except ValueError:
-            raise ValueError(f"LOCAL_WORLD_SIZE: expected an int, got {text!r}") from None
-        groups = cls.create(k)
+        groups = cls.create(ranks_per_host_from_env())
         assert groups is not None  # the whole world
         return groups
 
@@ -303,6 +295,20 @@ def hierarchical_all_gather_steps(t: torch.Tensor, hosts: HostGroups, *, dim: in
         out = x.view(k, h, n, *rest).transpose(0, 1).reshape(h * k * n, *rest)  # [P n, ...]
         return out.movedim(0, dim).contiguous()
     return steps()
+
+
+def ranks_per_host_from_env() -> int:
+    """LOCAL_WORLD_SIZE, the ranks per host oases-launch --hosts H (or torchrun) placed; ValueError
+    naming it when unset or not an int >= 1. Local (the same on every rank the launcher started)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        k = int(text) if text is not None else 0
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE: expected the ranks per host, an int >= 1 (set by oases-launch --hosts H "
+                         f"or torchrun; or call HostGroups.create(ranks_per_host)), got {text!r}")
+    return k
 
 
 def packed_ranks_per_host(ranks: Sequence[int], ranks_per_host: int) -> int:

@@ -46,7 +46,6 @@ counters: `deferred_chunks`, `pp_latency`, ... (see oases.pipeline.comm_schedule
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -54,7 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host
+from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
 from oases.models.gpt import GPT, GPTConfig
 from oases.planner.collectives import partition
 from oases.nn.parallelize import parallelize
@@ -153,14 +152,10 @@ def _check_dp_hierarchy(dp_hierarchy: bool | str, mesh) -> Optional[int]:
     lines = _dp_lines(mesh)
     if dp_hierarchy is False or len(lines[0]) == 1:
         return None
-    text = os.environ.get("LOCAL_WORLD_SIZE")
     try:
-        per_host = int(text) if text is not None else None
-    except ValueError:
-        per_host = None
-    if per_host is None or per_host < 1:
-        raise ValueError(f"dp_hierarchy: needs LOCAL_WORLD_SIZE (ranks per host, an int >= 1; set by oases-launch "
-                         f"--hosts H or torchrun), got {text!r}")
+        per_host = ranks_per_host_from_env()
+    except ValueError as err:
+        raise ValueError(f"dp_hierarchy: {err}") from None
     counts = set()
     for ranks in lines:
         try:
