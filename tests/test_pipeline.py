@@ -518,7 +518,9 @@ def _failed_step(rank, world_size):
     with pytest.raises(RuntimeError, match="an earlier step failed mid-way") as info:
         pipe.train_step(tokens, targets)
     assert isinstance(info.value.__cause__, KeyError)
-    pipe.scheduler.close()
+    # Stage 1's receives stay posted (that is the point), so its scheduler's reapers never finish:
+    # not closed. The barrier: no rank leaves, closing its connections, while its peer still posts.
+    dist.barrier()
     return True
 
 

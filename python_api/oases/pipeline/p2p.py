@@ -87,12 +87,17 @@ class Links:
     groups: dict[str, dist.ProcessGroup]
 
 
+def mesh_grid(mesh) -> torch.Tensor:
+    """The mesh's global ranks as [dp, pp, tp] (its dims are named so, in any order)."""
+    names = tuple(mesh.mesh_dim_names)
+    return mesh.mesh.permute(*(names.index(n) for n in ("dp", "pp", "tp")))
+
+
 def make_links(mesh, device: torch.device = torch.device("cpu")) -> Optional[Links]:
     """The links of this rank's pp line (None with pp = 1), connected. Collective over the world:
     every rank makes every line's groups, in the mesh's order (dims named dp, pp, tp, in any
     order); then each line connects its links (`_connect`)."""
-    names = tuple(mesh.mesh_dim_names)
-    grid = mesh.mesh.permute(*(names.index(n) for n in ("dp", "pp", "tp")))  # [dp, pp, tp] global ranks
+    grid = mesh_grid(mesh)  # [dp, pp, tp] global ranks
     if grid.shape[1] == 1:
         return None
     me = dist.get_rank()

@@ -59,7 +59,7 @@ from oases.planner.collectives import partition
 from oases.nn.parallelize import parallelize
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync, buckets_of
-from oases.pipeline.p2p import StageComm, make_links
+from oases.pipeline.p2p import StageComm, make_links, mesh_grid
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.offload import Offloader, OffloadStats
 from oases.pipeline.stages import Stage, StageInput, StageLayout
@@ -138,8 +138,7 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
 
 def _dp_lines(mesh) -> list[list[int]]:
     """Every dp group's global ranks, in the order make_links walks the mesh: (pp, tp) index-major."""
-    names = tuple(mesh.mesh_dim_names)
-    grid = mesh.mesh.permute(*(names.index(n) for n in _MESH_DIMS))  # [dp, pp, tp] global ranks
+    grid = mesh_grid(mesh)  # [dp, pp, tp] global ranks
     return [grid[:, s, t].tolist() for s in range(grid.shape[1]) for t in range(grid.shape[2])]
 
 
