@@ -11,6 +11,10 @@ replicated. Checkpointing, initialisation and tests read it instead of knowing m
 
     ColumnParallelLinear.tp_layout() == {"weight": ShardRule(0, stacked), "bias": ShardRule(0, stacked)}
     RowParallelLinear.tp_layout()    == {"weight": ShardRule(1)}           # bias replicated
+
+A shard is a few boxes of the full tensor (`ShardRule.chunks`): one for a plain rule, `stacked`
+for a blockwise one. Readers and writers of files (safetensors slices, torch.distributed.checkpoint
+chunks) move those boxes, so no rank ever needs the full tensor.
 """
 from __future__ import annotations
 
@@ -18,7 +22,25 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardRule", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
+__all__ = ["ShardRule", "Chunk", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One box of a shard: full[offsets : offsets + sizes] == local.narrow(dim, local_start, sizes[dim])."""
+
+    offsets: tuple[int, ...]  # where the box starts in the full tensor
+    sizes: tuple[int, ...]  # its extent (the full tensor's on every dim but `dim`)
+    dim: int  # the sharded dim
+    local_start: int  # where the box starts in the local shard, along `dim`
+
+    def of(self, local: torch.Tensor) -> torch.Tensor:
+        """The box's view of this rank's shard `local`."""
+        return local.narrow(self.dim, self.local_start, self.sizes[self.dim])
+
+    def index(self) -> tuple[slice, ...]:
+        """The box as slices of the full tensor (for slice reads: full[chunk.index()])."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes))
 
 
 @dataclass(frozen=True)
@@ -33,6 +55,24 @@ class ShardRule:
         if self.dim == 0:
             return column_shard(full, rank, world_size, self.stacked)
         return full.chunk(world_size, dim=self.dim)[rank]
+
+    def chunks(self, full_shape: tuple[int, ...], rank: int, world_size: int) -> list[Chunk]:
+        """The boxes of the full tensor that rank `rank`'s shard holds, in the shard's order.
+
+            stacked == 1:  [full.chunk(p, dim)[rank]]
+            stacked == s:  block k of s (dim 0), rank's part of it: rows k*B + rank*B/p ... (B = n/s)
+        """
+        shape = tuple(int(n) for n in full_shape)
+        block = shape[self.dim] // self.stacked  # one stacked block (the whole dim when stacked == 1)
+        part = block // world_size  # this rank's rows of a block
+        boxes = []
+        for k in range(self.stacked):
+            offsets = [0] * len(shape)
+            offsets[self.dim] = k * block + rank * part
+            sizes = list(shape)
+            sizes[self.dim] = part
+            boxes.append(Chunk(tuple(offsets), tuple(sizes), self.dim, k * part))
+        return boxes
 
     def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's part, in rank order (the inverse of `shard`)."""
