@@ -103,19 +103,22 @@ divide (ValueError).
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import warnings
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
 from oases.comm._topology import ring_of
 from oases.nn import _mappings
+from oases.nn._materialize import is_on_meta, materialize
 from oases.nn._degrees import (DegreeGroups, check_tp_degrees, hook_decoder_layers, make_placements,
                                sum_over_replicas_while)
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
@@ -393,6 +396,29 @@ def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     setattr(model.get_submodule(parent), leaf, layer)
 
 
+def _target_device(model: nn.Module, device: object, init_weights: object) -> Optional[torch.device]:
+    """The device a meta-built model is materialised on (None: the model has real tensors)."""
+    if not isinstance(init_weights, bool):
+        raise TypeError(f"init_weights: expected a bool, got {init_weights!r}")
+    on_meta = is_on_meta(model)
+    if device is None:
+        if on_meta:
+            raise ValueError("model: has tensors on the meta device; pass device='cpu' (or 'cuda', ...) so that "
+                             "parallelize allocates this rank's shards there")
+        return None
+    try:
+        target = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise TypeError(f"device: expected a torch.device or a device string such as 'cpu', got {device!r}") from err
+    if target.type == "meta":
+        raise ValueError("device: 'meta' allocates nothing; pass the device this rank's shards live on")
+    if not on_meta:
+        raise ValueError("device: is for models built on the meta device (`with torch.device('meta'): "
+                         "model = Cls(config)`); this one has real tensors: drop device= (or move the model "
+                         "with model.to(device) first)")
+    return target
+
+
 def parallelize(
     model: nn.Module,
     group: Optional[dist.ProcessGroup] = None,
@@ -402,6 +428,8 @@ def parallelize(
     chunks: Optional[int] = None,
     tp_degrees: Optional[Sequence[int]] = None,
     layers: Optional[str] = None,
+    device: Optional[Union[torch.device, str]] = None,
+    init_weights: bool = True,
 ) -> nn.Module:
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
@@ -433,11 +461,20 @@ def parallelize(
 
     The contract a model keeps for this to be exact is in the module docstring (batch-first hidden
     states as the first argument, per-example tensors with first dim B, rows independent).
+
+    A model built on the meta device (`with torch.device("meta"): model = Cls(config)`) takes
+    `device`: only this rank's shards (and the replicated tensors) are allocated there, and
+    init_weights=True gives them the values `Cls(config)` would have had, built on the CPU from
+    the CPU random state of this call (so every TP degree and per-layer plan holds the same full
+    model), replayed one module at a time (oases.nn._materialize: peak = this rank's tensors plus
+    one module's full tensors). init_weights=False leaves them uninitialised, for weights that
+    oases.load_pretrained or oases.load_checkpoint fill next (no draws, no full tensor).
     """
     ring = ring_of(group)
     p = ring.size
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    target = _target_device(model, device, init_weights)
     if isinstance(model, nn.Linear):
         raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
                         "RowParallelLinear.from_linear for a single layer")
@@ -485,6 +522,7 @@ def parallelize(
     for name, module in attention.items():
         _check_heads(name, module, degree(name))
 
+    original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
     groups = {p: group}  # {degree: this rank's TP group at that degree}
     if degrees is not None:  # collective: every rank of the world makes every subgroup
         placements, row_groups = make_placements(group or dist.group.WORLD, p, ring.rank, degrees)
@@ -507,6 +545,9 @@ def parallelize(
         _replace(model, name, layer)
     for name in placed_embeddings:
         _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
+    if target is not None:  # before any hook is registered on a parameter
+        materialize(model, original, target, init_weights)
+        del original
     for name, module in attention.items():
         d = degree(name)
         if not d == 1 < p:

@@ -1,0 +1,116 @@
+"""parallelize(model built on meta, device=...): only this rank's shards allocated, and the full
+model they make is the one `Cls(config)` gives under the same seed in one process, at every layout.
+
+Each run builds the reference in the rank's own process (same seed), so nothing but the values
+crosses ranks: `oases.full_state_dict` of the sharded model must equal the reference's state dict
+exactly, its logits must match, and the CPU random state after parallelize must be the one the
+plain build leaves (so a run that draws afterwards, dropout or data, is the same too).
+"""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _spawn import run_ranks
+
+import oases
+
+pytest.importorskip("transformers")
+
+
+def _config(kind, tied=False):
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    if kind.startswith("llama"):  # "llama": GQA (2 KV heads), "llama-mha": 4 KV heads (TP 4)
+        kv = 4 if kind == "llama-mha" else 2
+        return tf.LlamaForCausalLM, tf.LlamaConfig(num_key_value_heads=kv, tie_word_embeddings=tied, **common)
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
+                                                   **common)
+    return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**common)
+
+
+def _meta_build_matches(rank, world_size, kind, tied, degrees):
+    cls, config = _config(kind, tied)
+    torch.manual_seed(7)
+    reference = cls(config)
+    after_reference = torch.get_rng_state()
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        model = cls(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, device="cpu", tp_degrees=degrees)
+    assert torch.equal(torch.get_rng_state(), after_reference), "the random state differs from the plain build's"
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    sharded = {n for n, m in model.named_modules() if hasattr(m, "tp_layout")}
+    assert sharded, "nothing was sharded"
+    local = sum(p.numel() for p in model.parameters())
+    full = sum(p.numel() for p in reference.parameters())
+    if degrees is None:
+        assert local < full, (local, full)  # only shards are held
+    state = oases.full_state_dict(model)
+    expected = reference.state_dict()
+    assert state.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    for name, buffer in reference.named_buffers():  # non-persistent ones (rotary inv_freq) too
+        assert torch.equal(model.get_buffer(name), buffer), name
+    if tied:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    return local
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen3", False), ("neox", False)])
+def test_meta_build_is_the_plain_build_tp2(kind, tied):
+    run_ranks(_meta_build_matches, 2, kind, tied, None, timeout=120)
+
+
+def test_meta_build_at_tp4_and_per_layer_degrees():
+    run_ranks(_meta_build_matches, 4, "llama-mha", False, None, timeout=120)
+    run_ranks(_meta_build_matches, 2, "llama", False, [1, 2], timeout=120)
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.scale = nn.Parameter(torch.randn(8))  # drawn in the constructor, no reset_parameters
+
+
+def _refusals(rank, world_size):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = _Custom()
+    with pytest.raises(ValueError, match="scale"):  # cannot be replayed: named, nothing allocated
+        oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu")
+    with torch.device("meta"):
+        model = _Custom()
+    oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu", init_weights=False)
+    assert model.up.weight.shape == (16 // world_size, 8) and not model.scale.is_meta
+    with torch.device("meta"):
+        model = _Custom()
+    with pytest.raises(ValueError, match="device='cpu'"):
+        oases.parallelize(model, plan={"up": "column", "down": "row"})
+    with pytest.raises(ValueError, match="meta device"):
+        oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, device="cpu")
+    with pytest.raises(TypeError, match="init_weights"):
+        oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, init_weights=1)
+    with torch.device("meta"):  # GPT-2's init writes c_proj from its parent: refused, not silently wrong
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32))
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="outside that module"):
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, device="cpu")
+    dist.barrier()  # every rank raised alike: nobody is left waiting
+
+
+def test_meta_build_refusals():
+    run_ranks(_refusals, 2, timeout=60)
