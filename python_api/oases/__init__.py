@@ -13,7 +13,9 @@ from oases import comm, models, ops, pipeline, schedule
 from oases.nn import parallelize  # also binds the subpackage oases.nn
 from oases.training import train_step
 from oases.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from oases.pretrained import load_pretrained, save_pretrained
 
 __version__ = "0.1.0"
 __all__ = ["comm", "ops", "nn", "parallelize", "schedule", "models", "pipeline", "train_step", "__version__",
-           "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint"]
+           "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint",
+           "load_pretrained", "save_pretrained"]

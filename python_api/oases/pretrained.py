@@ -1,0 +1,392 @@
+"""Hugging Face safetensors checkpoints in and out of tensor-parallel models, one tensor at a time.
+
+    oases.load_pretrained(tp_model, "llama-dir")   # each rank reads only its shards' boxes; no communication
+    oases.save_pretrained(tp_model, "out-dir")     # a collective: each sharded tensor gathered to rank 0
+    LlamaForCausalLM.from_pretrained("out-dir")    # ... is the unsharded model
+
+The directory is the one transformers' `save_pretrained` writes and `from_pretrained` reads:
+
+    config.json [generation_config.json]
+    model.safetensors                                      one file, or
+    model-00001-of-0000n.safetensors ... model-0000n-of-0000n.safetensors
+    model.safetensors.index.json   {"metadata": {"total_size": bytes}, "weight_map": {key: file}}
+
+with the unsharded model's state_dict keys and shapes (a tied tensor once, under its first key).
+A safetensors file is an 8-byte little-endian header length, a JSON header {key: {"dtype",
+"shape", "data_offsets": [begin, end]}, "__metadata__": {...}} padded with spaces to a multiple of
+8 bytes, then the tensors' raw bytes back to back. Sharded parameters are found as
+oases.checkpoint finds them (modules with `tp_layout()` and `group`); a shard is a few boxes of
+the full tensor (`ShardRule.chunks`), and that is all a rank reads or sends:
+
+    load:  for chunk in rule.chunks(full_shape, rank, p):  chunk.of(local).copy_(file[key][chunk.index()])
+    save:  full[chunk.index()] = chunk.of(shard of rank r)  on the writer, one tensor at a time, then appended
+
+Keys are used as they are: checkpoints whose keys transformers renames on load (conversion
+mappings of some architectures) are not translated.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import re
+import struct
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import BinaryIO, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from oases.checkpoint import _check, _layout, _Shard
+from oases.comm._topology import ring_of
+
+__all__ = ["load_pretrained", "save_pretrained"]
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+_PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the files of a multi-file checkpoint
+
+# torch dtype -> safetensors dtype name
+_DTYPES = MappingProxyType({
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+})
+
+
+# --- reading -----------------------------------------------------------------------------------------
+
+def _weight_map(path: str) -> dict[str, list[str]]:
+    """{file: [keys the index says it holds] or [] (every key it holds)} of the checkpoint at `path`."""
+    if os.path.isfile(path):
+        return {path: []}
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"path: {path!r} does not exist (expected a directory as save_pretrained "
+                                f"writes it, or a .safetensors file)")
+    index = os.path.join(path, _INDEX)
+    if os.path.isfile(os.path.join(path, _SINGLE)):  # first, as transformers looks
+        return {os.path.join(path, _SINGLE): []}
+    if not os.path.isfile(index):
+        raise FileNotFoundError(f"path: {path!r} holds neither {_SINGLE} nor {_INDEX} (no safetensors weights)")
+    with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: no \"weight_map\" {{key: file}} in it")
+    files: dict[str, list[str]] = {}
+    for key, name in weight_map.items():
+        files.setdefault(os.path.join(path, name), []).append(key)
+    absent = [name for name in files if not os.path.isfile(name)]
+    if absent:
+        raise FileNotFoundError(f"{index} names files that do not exist: {', '.join(absent)}")
+    return files
+
+
+def _stored(path: str) -> dict[str, tuple[str, torch.Size]]:
+    """{key: (its file, its full shape)} of every tensor of the checkpoint; reads headers only."""
+    from safetensors import safe_open
+
+    stored: dict[str, tuple[str, torch.Size]] = {}
+    for file, listed in _weight_map(path).items():
+        with safe_open(file, framework="pt") as handle:  # maps the file; touches no data page
+            held = set(handle.keys())
+            absent = [key for key in listed if key not in held]
+            if absent:
+                raise ValueError(f"{os.path.join(path, _INDEX)} maps {', '.join(absent)} to {file}, which does "
+                                 f"not hold them")
+            for key in listed or sorted(held):
+                stored[key] = (file, torch.Size(handle.get_slice(key).get_shape()))
+    return stored
+
+
+def _ties(model: nn.Module) -> dict[str, list[str]]:
+    """{key: every state-dict key of the same tensor (itself first)} (tied weights share one tensor)."""
+    by_id: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(value), []).append(key)
+    return {key: keys for keys in by_id.values() for key in keys}
+
+
+def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *,
+                    strict: bool = True) -> tuple[list[str], list[str]]:
+    """Load a Hugging Face safetensors checkpoint (unsharded) into `model` at its own TP degree.
+
+        stored = {key: (file, shape)} from the headers (index.json's weight_map, or the one file)
+        check keys (if strict) and shapes against the UNSHARDED model       # ValueError, nothing copied
+        for key, tensor in model.state_dict().items(), each tensor once:
+            with safe_open(file) as f:                                      # a handle per tensor
+                sharded:     for chunk in rule.chunks(full_shape, rank, p):
+                                 chunk.of(local).copy_(f.get_slice(key)[chunk.index()])
+                replicated:  tensor.copy_(f.get_tensor(key))
+
+    No communication: each rank reads its own boxes, so it touches about its share of the file.
+    Values are cast to the model's dtype on copy (a bf16 file into an fp32 model). A tied tensor
+    (the same tensor under several keys) is read once, from whichever of its keys the file has.
+
+    Args:
+        model: a model (plain or `oases.parallelize`d) whose parameters are allocated.
+        path: a directory written by `save_pretrained` (transformers' or `oases.save_pretrained`),
+            or one .safetensors file.
+        strict: if False, keys the files lack are left as they are and keys the model lacks are
+            ignored (shapes are checked regardless).
+    Returns:
+        (missing_keys, unexpected_keys), as nn.Module.load_state_dict's named tuple.
+    Raises:
+        FileNotFoundError (no such path, no safetensors there, an index naming a missing file) and
+        ValueError (keys, shapes), the same on every rank and before anything is copied.
+    """
+    from safetensors import safe_open
+
+    _, shards, expected = _layout(model)
+    path = os.fspath(path)
+    stored = _stored(path)
+    ties = _ties(model)
+    source = {}  # model key -> the file's key it is read from: itself, or a tied key the file has
+    for key in expected:
+        present = [k for k in ties[key] if k in stored]
+        if present:
+            source[key] = key if key in stored else present[0]
+    given = {key: stored[k][1] for key, k in source.items()}
+    given.update({k: shape for k, (_, shape) in stored.items() if k not in expected})
+    _check(f"safetensors checkpoint {path!r}", expected, given, shards, strict)
+    missing = [key for key in expected if key not in source]
+    unexpected = [key for key in stored if key not in expected]
+
+    params = model.state_dict(keep_vars=True)
+    done: set[int] = set()
+    with torch.no_grad():
+        for key, tensor in params.items():
+            if key not in source or id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            name = source[key]
+            with safe_open(stored[name][0], framework="pt") as handle:  # closed: its pages leave RSS
+                s = shards.get(key)
+                if s is None:
+                    tensor.copy_(handle.get_tensor(name))
+                    continue
+                file_tensor = handle.get_slice(name)
+                for chunk in s.rule.chunks(s.full_shape, s.rank, s.size):
+                    chunk.of(s.local).copy_(file_tensor[chunk.index()])
+    return _IncompatibleKeys(missing, unexpected)
+
+
+# --- writing -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of the written checkpoint: its key, this rank's tensor, its shard (if any)."""
+
+    key: str
+    local: torch.Tensor
+    shard: Optional[_Shard]
+    shape: torch.Size  # full
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.local.dtype.itemsize
+
+
+def _entries(model: nn.Module) -> list[_Entry]:
+    """The unsharded state dict's tensors in order, a tied tensor once (under its first key)."""
+    _, shards, expected = _layout(model)
+    entries, seen = [], set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        entries.append(_Entry(key, tensor.detach(), shards.get(key), torch.Size(expected[key])))
+    unknown = [f"{e.key} ({e.local.dtype})" for e in entries if e.local.dtype not in _DTYPES]
+    if unknown:
+        raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
+    return entries
+
+
+def _split(entries: list[_Entry], max_shard_size: int) -> list[list[_Entry]]:
+    """Consecutive entries grouped into files of at most max_shard_size bytes (a bigger tensor alone)."""
+    files: list[list[_Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > max_shard_size:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    return files
+
+
+def _header(entries: list[_Entry]) -> bytes:
+    """The safetensors header of a file holding `entries` back to back, length prefix included."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for e in entries:
+        header[e.key] = {"dtype": _DTYPES[e.local.dtype], "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def _write(out: BinaryIO, tensor: torch.Tensor) -> None:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # native = little-endian
+    out.write(memoryview(data.numpy()))
+
+
+def _gathered(entry: _Entry, writer: int, me: int) -> Optional[torch.Tensor]:
+    """The full tensor on `writer` (None elsewhere): each rank's shard in turn, sent to the writer.
+
+        writer:  full = empty(shape); for r in group: full[chunk.index()] = chunk.of(shard_r)
+        others:  send(shard, writer) if the writer is in the module's group (else a replica: nothing)
+
+    Peak on the writer: the full tensor and one received shard.
+    """
+    s = entry.shard
+    if s is None:
+        return entry.local if me == writer else None
+    ring = ring_of(s.group)
+    if writer not in ring.global_ranks:
+        return None
+    shard = s.local.detach().contiguous()
+    if ring.size == 1:
+        return shard
+    if me != writer:
+        dist.send(shard, dst=writer, group=s.group)
+        return None
+    full = torch.empty(entry.shape, dtype=shard.dtype, device=shard.device)
+    received = torch.empty_like(shard)
+    for r, src in enumerate(ring.global_ranks):
+        part = shard
+        if src != writer:
+            dist.recv(received, src=src, group=s.group)
+            part = received
+        for chunk in s.rule.chunks(entry.shape, r, s.size):
+            full[chunk.index()] = chunk.of(part)
+    return full
+
+
+def _check_config(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None or callable(getattr(config, "save_pretrained", None)):
+        return
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"save_pretrained: model.config is a {type(config).__name__}, neither a transformers "
+                        f"config (with save_pretrained) nor a dataclass instance; cannot write config.json")
+
+
+def _write_config(model: nn.Module, path: str, dtype: Optional[torch.dtype]) -> None:
+    """config.json (and generation_config.json) as transformers writes them; a dataclass config as JSON."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    if not callable(getattr(config, "save_pretrained", None)):  # a dataclass: GPTConfig -> "oases-gpt"
+        kind = "oases-" + type(config).__name__.lower().removesuffix("config")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(dict(dataclasses.asdict(config), model_type=kind), f, indent=2)
+        return
+    config = copy.deepcopy(config)  # as transformers records them, without changing the model's config
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    if callable(getattr(generation, "save_pretrained", None)):
+        generation.save_pretrained(path)
+
+
+def _prepare(model: nn.Module, path: str, entries: list[_Entry]) -> None:
+    """On the writer: the directory, without a previous checkpoint's weight files, and the config."""
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name in (_SINGLE, _INDEX) or _PART.fullmatch(name):
+            os.remove(os.path.join(path, name))  # a stale index or part would shadow the new files
+    floating = next((e.local.dtype for e in entries if e.local.dtype.is_floating_point), None)
+    _write_config(model, path, floating)
+
+
+def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shard_size: int = 5 * 2**30,
+                    group: Optional[dist.ProcessGroup] = None) -> None:
+    """Write `model`'s unsharded weights (and config) as a Hugging Face directory, streaming.
+
+        writer = rank 0 of `group`
+        files = state-dict entries (each tensor once) in order, cut every max_shard_size bytes
+        writer: config.json (+ generation_config.json); for each file: header, then
+        for entry in file:                                   # one full tensor in memory at a time
+            full = gather entry's shards to the writer (p2p over its module's group), or the replica
+            writer appends full's bytes
+        writer: model.safetensors.index.json when there are several files
+        barrier(group)
+
+    A collective: every rank of `group` (default: the world; without a process group, a plain
+    model in one process) calls it with its replica of the same model (any TP degree; TP groups inside `group`; a module whose group lacks the writer is
+    another replica's and sends nothing). Only the writer writes; everyone returns after the files
+    exist. Weight files and an index a previous save left in `path` are removed first. Config:
+    transformers models write theirs (with `dtype` and `architectures` set, as transformers does)
+    and their generation_config; a dataclass config (oases.models.GPT's GPTConfig) is written as
+    config.json, asdict(config) plus {"model_type": "oases-gpt"} (from the class name), which
+    `load_pretrained` ignores and transformers cannot build; a model without `config` gets none.
+
+    Args:
+        model: a model, plain or `oases.parallelize`d.
+        path: the directory to write (created if needed; must not be a file).
+        max_shard_size: the largest weight file in bytes (a bigger tensor gets a file alone).
+        group: the ranks that call it (default: the world); its rank 0 writes.
+    Raises:
+        before any communication, on every rank alike: FileExistsError (path is a file), ValueError
+        (max_shard_size), TypeError (a dtype safetensors lacks, an unusable config). A failure
+        while the writer prepares the directory is raised on every rank; one while it streams
+        tensors (a full disk) leaves the others waiting in their sends until the group times out.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        raise FileExistsError(f"path: {path!r} is a file; save_pretrained writes a directory")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ValueError(f"max_shard_size: expected a positive number of bytes, got {max_shard_size!r}")
+    if sys.byteorder != "little":
+        raise NotImplementedError("save_pretrained: safetensors is little-endian; this machine is not")
+    _check_config(model)
+    entries = _entries(model)
+    files = _split(entries, max_shard_size)
+    names = [_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                               for i in range(len(files))]
+    distributed = dist.is_available() and dist.is_initialized()
+    writer = ring_of(group).global_ranks[0] if distributed else 0
+    me = dist.get_rank() if distributed else 0
+    writing = me == writer
+
+    error: Optional[Exception] = None  # the writer's, shared so that no rank is left waiting
+    if writing:
+        try:
+            _prepare(model, path, entries)
+        except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
+            error = e
+    failure = [None if error is None else f"{type(error).__name__}: {error}"]
+    if distributed:
+        dist.broadcast_object_list(failure, src=writer, group=group)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"save_pretrained: rank {writer} could not prepare {path!r}: {failure[0]}")
+
+    for name, held in zip(names, files):
+        with open(os.path.join(path, name), "wb") if writing else nullcontext() as out:
+            if writing:
+                out.write(_header(held))
+            for entry in held:
+                full = _gathered(entry, writer, me)  # [entry.shape] on the writer
+                if writing:
+                    _write(out, full)
+                del full
+    if writing and len(files) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {e.key: name for name, held in zip(names, files) for e in held}}
+        with open(os.path.join(path, _INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    if distributed:
+        dist.barrier(group=group)

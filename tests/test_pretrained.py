@@ -1,0 +1,306 @@
+"""oases.load_pretrained / save_pretrained on gloo ranks: Hugging Face directories in and out at any TP degree.
+
+Fixtures, written by transformers' own save_pretrained: a tiny GQA Llama (8 heads, 4 KV heads, so
+TP 2 and 4) untied in one file, the same in several files with an index, tied
+(tie_word_embeddings=True, no lm_head.weight in the file) and in bf16. The single-process
+`LlamaForCausalLM.from_pretrained` of each gives the logits a TP model loaded from it must give.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _spawn import run_ranks
+
+import oases
+from oases._sharding import ShardRule, tp_rules
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # TP sums in another order than the plain model's
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}  # the key transformers leaves out of tied files
+SMALL = 40_000  # bytes per file: ~9 files for the tiny Llama
+
+
+def _llama(seed, tied=False, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2,
+                  intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                  attn_implementation="eager")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **kw}, tie_word_embeddings=tied))
+
+
+def _parallelize(model, group=None, **kw):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"oases.parallelize: left \d+ nn.Linear", UserWarning)
+        return oases.parallelize(model, group, **kw)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def _train_step(model):
+    model(input_ids=IDS, labels=IDS).loss.backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            param -= 0.1 * param.grad
+            param.grad = None
+
+
+def _file_tensors(path):
+    """{key: tensor} of every weight file in the directory `path`."""
+    from safetensors.torch import load_file
+
+    found = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            found.update(load_file(os.path.join(path, name)))
+    return found
+
+
+def _assert_shards(model, full):
+    """Every parameter and buffer of `model` is exactly its shard of the file's tensor (cast)."""
+    rules = tp_rules(model)
+    for key, value in model.state_dict().items():
+        want = full[key] if key in full else full[TIED[key]]
+        if key in rules:
+            rule, group = rules[key]
+            want = rule.shard(want, dist.get_rank(group), dist.get_world_size(group))
+        assert torch.equal(value, want.to(value.dtype)), f"{key} is not its shard of the file's tensor"
+
+
+def _assert_equal_dicts(got, want):
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """{name: (directory, tied, the logits of transformers' from_pretrained of it)}."""
+    from transformers import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("hf")
+    _llama(0).save_pretrained(root / "untied")
+    _llama(0).save_pretrained(root / "parts", max_shard_size=SMALL)
+    _llama(0, tied=True).save_pretrained(root / "tied")
+    _llama(0).to(torch.bfloat16).save_pretrained(root / "bf16")
+    assert os.path.isfile(root / "parts" / "model.safetensors.index.json")
+    dirs = {}
+    for name in ("untied", "parts", "tied", "bf16"):
+        plain = LlamaForCausalLM.from_pretrained(root / name, dtype=torch.float32)
+        dirs[name] = (str(root / name), name == "tied", _logits(plain))
+    return dirs
+
+
+# --- load: transformers' directories at TP 2 and 4 --------------------------------------------------
+
+def _check_load(rank, p, dirs, out):
+    for name, (path, tied, want) in dirs.items():
+        model = _parallelize(_llama(7, tied))  # another seed: every value must come from the file
+        result = oases.load_pretrained(model, path)
+        assert (result.missing_keys, result.unexpected_keys) == ([], []), name
+        _assert_shards(model, _file_tensors(path))
+        torch.testing.assert_close(_logits(model), want, **TOL, msg=lambda m: f"{name} at TP {p}: {m}")
+
+    path, _, want = dirs["untied"]
+    model = _parallelize(_llama(8))
+    oases.load_pretrained(model, os.path.join(path, "model.safetensors"))  # one file, by its name
+    torch.testing.assert_close(_logits(model), want, **TOL)
+
+    # The checks can fail: each rank reading its neighbour's boxes is caught.
+    chunks = ShardRule.chunks
+    wrong = lambda self, shape, r, size: chunks(self, shape, (r + 1) % size, size)  # noqa: E731
+    model = _parallelize(_llama(8))
+    with mock.patch.object(ShardRule, "chunks", wrong):
+        oases.load_pretrained(model, path)
+    with pytest.raises(AssertionError, match="is not its shard of the file's tensor"):
+        _assert_shards(model, _file_tensors(path))
+
+
+def _check_replicas(rank, p, out):
+    """Replicas save over the world, only rank 0's sending: two TP-2 pairs ({0, 1}, {2, 3}), and
+    per-layer degrees (layer 0 at TP 2); an oases GPT (dataclass config, stacked q|k|v,
+    vocabulary shards) saved at TP 4 loads at TP 2."""
+    from oases.models import GPT
+    from oases.models.gpt import GPTConfig
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    for name, model in (("pairs", _parallelize(_llama(3), pair)),
+                        ("degrees", _parallelize(_llama(3), tp_degrees=[2, 4]))):
+        _train_step(model)
+        full = oases.full_state_dict(model)
+        where = os.path.join(out, name)
+        oases.save_pretrained(model, where, max_shard_size=SMALL)
+        tp4 = _parallelize(_llama(4))
+        oases.load_pretrained(tp4, where)
+        _assert_equal_dicts(oases.full_state_dict(tp4), full)
+
+    config = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
+    gpt = GPT(config, None, seed=0, vocab_parallel=True)
+    where = os.path.join(out, "gpt")
+    oases.save_pretrained(gpt, where)
+    with open(os.path.join(where, "config.json")) as f:
+        assert json.load(f) == dict(vars(config), model_type="oases-gpt")
+    back = GPT(config, pair, seed=1, vocab_parallel=True)
+    oases.load_pretrained(back, where)
+    _assert_equal_dicts(oases.full_state_dict(back), oases.full_state_dict(gpt))
+
+
+# --- save at TP 2: transformers loads it --------------------------------------------------------------
+
+def _check_save(rank, p, out):
+    saved = {}
+    for tied in (False, True):
+        tag = "tied" if tied else "untied"
+        model = _parallelize(_llama(3, tied))
+        _train_step(model)  # the values differ from any seed's
+        full = oases.full_state_dict(model)
+        one, parts = os.path.join(out, tag), os.path.join(out, f"{tag}-parts")
+        oases.save_pretrained(model, parts, max_shard_size=SMALL)
+        oases.save_pretrained(model, one)
+        back = _parallelize(_llama(9, tied))
+        result = oases.load_pretrained(back, parts)
+        assert (result.missing_keys, result.unexpected_keys) == ([], [])
+        _assert_equal_dicts(oases.full_state_dict(back), full)
+        saved[tag] = (full, _logits(model))
+
+    # Saving again over a multi-file checkpoint, as one file: the old parts and index go.
+    oases.save_pretrained(model, parts)
+    assert sorted(os.listdir(parts)) == ["config.json", "generation_config.json", "model.safetensors"]
+
+    model.to(torch.bfloat16)
+    oases.save_pretrained(model, os.path.join(out, "bf16"))
+    saved["bf16"] = (oases.full_state_dict(model), None)
+    if rank == 0:
+        torch.save(saved, os.path.join(out, "saved.pt"))  # tensors do not travel back through the result queue
+
+
+def _assert_transformers_loads(tmp_path):
+    """What _check_save wrote: transformers' from_pretrained gives the TP models' weights and logits."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    saved = torch.load(tmp_path / "saved.pt")
+    for tag, (full, want) in saved.items():
+        dirs = [tmp_path / tag] + ([tmp_path / f"{tag}-parts"] if tag == "untied" else [])
+        for path in dirs:
+            plain = LlamaForCausalLM.from_pretrained(path, dtype="auto")
+            _assert_equal_dicts(plain.state_dict(), full)
+            if want is not None:
+                torch.testing.assert_close(_logits(plain), want, **TOL)
+    with open(tmp_path / "untied-parts" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    files = set(index["weight_map"].values())
+    assert len(files) > 2 and list(index["weight_map"]) == list(saved["untied"][0])
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in saved["untied"][0].values())
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), framework="pt") as handle:
+        assert "lm_head.weight" not in handle.keys() and handle.metadata() == {"format": "pt"}
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+
+
+# --- bad input: the same error on every rank, the model untouched -----------------------------------
+
+def _check_errors(rank, p, dirs, tmp):
+    path = dirs["untied"][0]
+    model = _parallelize(_llama(5))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    with pytest.raises(FileNotFoundError, match=r"'.*nowhere' does not exist"):
+        oases.load_pretrained(model, os.path.join(tmp, "nowhere"))
+    empty = os.path.join(tmp, f"empty{rank}")
+    os.makedirs(empty)
+    with pytest.raises(FileNotFoundError, match=r"holds neither model\.safetensors nor model\.safetensors\.index"):
+        oases.load_pretrained(model, empty)
+    broken = os.path.join(tmp, f"broken{rank}")
+    shutil.copytree(dirs["parts"][0], broken)
+    with open(os.path.join(broken, "model.safetensors.index.json")) as f:
+        second = sorted(set(json.load(f)["weight_map"].values()))[1]
+    os.remove(os.path.join(broken, second))
+    with pytest.raises(FileNotFoundError, match=rf"index\.json names files that do not exist: .*{second}$"):
+        oases.load_pretrained(model, broken)
+
+    deeper = _parallelize(_llama(5, num_hidden_layers=3))
+    with pytest.raises(ValueError, match=r"nothing was loaded:\n  missing keys: model\.layers\.2\.self_attn\.q_proj"
+                                         r"\.weight, .*, model\.layers\.2\.post_attention_layernorm\.weight$"):
+        oases.load_pretrained(deeper, path)
+    shallower = _parallelize(_llama(5, num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"nothing was loaded:\n  unexpected keys: model\.layers\.1\.input_layernorm"
+                                         r"\.weight, .*, model\.layers\.1\.self_attn\.v_proj\.weight$"):
+        oases.load_pretrained(shallower, path)
+    wider = _parallelize(_llama(5, hidden_size=128))
+    with pytest.raises(ValueError, match=rf"model\.layers\.0\.self_attn\.q_proj\.weight: safetensors has shape "
+                                         rf"\(64, 64\), the model expects \(128, 128\) \(unsharded; this rank "
+                                         rf"holds \({128 // p}, 128\) of it at TP={p}\)"):
+        oases.load_pretrained(wider, path, strict=False)  # shapes are checked regardless
+    with pytest.raises(FileExistsError, match="is a file"):
+        oases.save_pretrained(model, os.path.join(path, "config.json"))
+    below_a_file = os.path.join(path, "config.json", "out")  # only the writer finds out, and tells the others
+    raised = NotADirectoryError if rank == 0 else RuntimeError
+    with pytest.raises(raised, match=r"config\.json/out" if rank == 0 else r"rank 0 could not prepare .*NotADirectory"):
+        oases.save_pretrained(model, below_a_file)
+    _assert_equal_dicts(model.state_dict(), before)
+
+    # strict=False: the lists come back, the rest loads, missing tensors stay as they were.
+    kept = deeper.model.layers[2].mlp.down_proj.weight.clone()
+    missing, unexpected = oases.load_pretrained(deeper, path, strict=False)
+    assert unexpected == [] and missing == [k for k in deeper.state_dict() if k.startswith("model.layers.2.")]
+    assert torch.equal(deeper.model.layers[2].mlp.down_proj.weight, kept)
+    full = _file_tensors(path)
+    missing, unexpected = oases.load_pretrained(shallower, path, strict=False)
+    assert missing == [] and sorted(unexpected) == sorted(k for k in full if k.startswith("model.layers.1.")) != []
+    _assert_shards(shallower.model.layers[0], {k.removeprefix("model.layers.0."): v for k, v in full.items()})
+
+
+# --- the runs: importing transformers costs each rank ~6 s, so few runs with many checks -------------
+
+def _tp2(rank, p, dirs, out):
+    _check_load(rank, p, dirs, out)
+    _check_save(rank, p, os.path.join(out, "saved"))
+    _check_errors(rank, p, dirs, os.path.join(out, "errors"))
+    dist.barrier()
+    return True
+
+
+def test_load_save_and_bad_input_at_tp2(hf_dirs, tmp_path):
+    assert run_ranks(_tp2, 2, hf_dirs, str(tmp_path), timeout=120) == [True, True]
+    _assert_transformers_loads(tmp_path / "saved")
+
+
+def _tp4(rank, p, dirs, out):
+    _check_load(rank, p, dirs, out)
+    _check_replicas(rank, p, out)
+    dist.barrier()
+    return True
+
+
+def test_load_at_tp4_and_save_from_replicas(hf_dirs, tmp_path):
+    assert run_ranks(_tp4, 4, hf_dirs, str(tmp_path), timeout=120) == [True] * 4
+
+
+# --- one process, no process group: a plain model ---------------------------------------------------
+
+def test_plain_model_without_a_process_group(hf_dirs, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    path, _, want = hf_dirs["parts"]
+    model = _llama(11)
+    assert oases.load_pretrained(model, path) == ([], [])
+    _assert_equal_dicts(model.state_dict(), LlamaForCausalLM.from_pretrained(path).state_dict())
+    torch.testing.assert_close(_logits(model), want, **TOL)  # transformers picks sdpa attention
+    oases.save_pretrained(model, tmp_path / "out")
+    got, written_by_transformers = _file_tensors(tmp_path / "out"), _file_tensors(path)
+    _assert_equal_dicts(dict(sorted(got.items())), dict(sorted(written_by_transformers.items())))
