@@ -9,6 +9,7 @@ the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable, Optional, Union
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases.dp.grad_sync import GradientSync
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
@@ -96,6 +98,7 @@ def train_step(
     comm: Optional[Communicator] = None,
     memory: Optional[CheckpointMemory] = None,
     offload: Union[bool, Offloader] = False,
+    grad_sync: Optional[GradientSync] = None,
 ) -> torch.Tensor:
     """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
 
@@ -120,6 +123,9 @@ def train_step(
     use, just before recomputation (oases.offload; bit-exact). True uses the model's own
     Offloader (`model.offloader`, as GPT(..., offload=True) has), else a new one for this call;
     pass an oases.offload.Offloader to keep one across steps: its first step sizes its HostSlab.
+    `grad_sync`: an oases.dp.GradientSync (or oases.dp.ZeroOptimizer(...).sync) averaging the
+    gradients over data-parallel replicas: its buckets start during the step's backwards and the
+    step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
     The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
     LM or a nanoGPT-style model after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
     gradients of the unsharded model; every check runs before any communication.
@@ -129,6 +135,9 @@ def train_step(
     are refused, and each sub-batch's rows must divide by p / min(tp_degrees); nanoGPT-style
     models with tp_degrees are refused.
     """
+    if grad_sync is not None and not isinstance(grad_sync, GradientSync):
+        raise TypeError(f"grad_sync: expected an oases.dp.GradientSync (or a ZeroOptimizer's .sync), got "
+                        f"{type(grad_sync).__name__}")
     stack = adapt(model)
     get_placements = getattr(stack, "layer_placements", None)
     if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
@@ -186,9 +195,12 @@ def train_step(
     offloader = _offloader(model, offload)
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
-    loss = _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
-                         schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                         dropout_seed=seed, attention_mask=attention_mask, memory=memory, offload=offloader)
+    with grad_sync.deferred() if grad_sync is not None else contextlib.nullcontext():
+        loss = _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
+                             schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
+                             dropout_seed=seed, attention_mask=attention_mask, memory=memory, offload=offloader)
+    if grad_sync is not None:
+        grad_sync.finish()  # the dp reduction of this step's gradients (started during its backwards)
     if offloader is not None and offload is True and getattr(model, "offloader", None) is not offloader:
         offloader.close()  # made for this call
     if owned:

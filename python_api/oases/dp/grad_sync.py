@@ -1,0 +1,197 @@
+"""Data-parallel gradient averaging, in buckets started during the backward (DDP's overlap).
+
+    sync = GradientSync(model, dp_group)          # hooks on every parameter that requires grad
+    loss.backward()                                # buckets start as their gradients are final
+    # at the end of the backward (or sync.finish()): for every parameter p
+    #     p.grad = mean over the dp ranks of p.grad                   (zeros where a rank had None)
+
+Which gradients are final. A step may accumulate a parameter's gradient several times (the
+schedules of oases.train_step run one backward per sub-batch and layer). The first step learns
+how many times each parameter's gradient is accumulated and reduces everything at its end; from
+then on a bucket (parameters in reverse registration order, about `bucket_bytes` each, one dtype)
+starts its collective as soon as the last of its parameters reached its count, while the rest of
+the backward runs. The step's structure must stay the same across steps and dp ranks (the same
+schedule and sub-batches everywhere); a gradient that arrives after its bucket started raises a
+RuntimeError (call `relearn()` after changing the step's structure).
+
+When it ends. After a plain `loss.backward()` the sync finishes by itself at the end of the
+backward (an autograd engine callback). Inside `deferred()` (oases.train_step(..., grad_sync=)
+uses it, as its schedules run several backwards per step) the caller calls `finish()` once.
+
+Reduction. `GradientSync` all-reduces (SUM, then divides by the dp size); oases.dp.ZeroOptimizer
+passes a reducer that reduce-scatters instead (each rank keeps its rows: ZeRO-1).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Optional, Protocol, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.comm._topology import ring_of
+
+__all__ = ["GradientSync", "Reducer", "AllReduceMean"]
+
+
+class Reducer(Protocol):
+    """How a bucket's gradients are reduced over the dp group."""
+
+    def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
+        """Start the collective (async) for one bucket; return what `complete` needs."""
+
+    def complete(self, params: list[nn.Parameter], pending: object) -> None:
+        """Wait for it and put the result where it belongs."""
+
+
+class AllReduceMean:
+    """p.grad = mean over `group` of p.grad: one flat all-reduce per bucket."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group, self.size = group, ring_of(group).size
+
+    def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]
+        return flat, dist.all_reduce(flat, group=self.group, async_op=True)
+
+    def complete(self, params: list[nn.Parameter], pending: object) -> None:
+        flat, work = pending
+        work.wait()
+        flat.div_(self.size)
+        offset = 0
+        for p in params:
+            piece = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.pending: Optional[object] = None
+        self.started = False
+
+
+def _parameters(model: Union[nn.Module, Iterable[nn.Parameter]]) -> list[nn.Parameter]:
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    unique, seen = [], set()
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"model: expected an nn.Module or parameters, got an element of type {type(p).__name__}")
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            unique.append(p)
+    return unique
+
+
+def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    """Reverse registration order (the backward's usual order), split at `bucket_bytes` and at dtype changes."""
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        if current and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0].dtype
+                        or p.device != current[0].device):
+            buckets.append(_Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+class GradientSync:
+    """Average the gradients of `model`'s parameters (or the given parameters) over `group`'s ranks
+    (the model's data-parallel replicas), overlapped with the backward: see the module docstring.
+
+    Args:
+        model: an nn.Module (its parameters that require grad) or an iterable of parameters, the
+            same on every rank of `group` (same shapes, same order).
+        group: the data-parallel group (None: the world). Each rank's TP shards are averaged with
+            the same shards of the other dp ranks: make it from ranks holding the same TP rank
+            (e.g. torch.distributed.device_mesh.init_device_mesh("cpu", (dp, tp))["dp"].get_group()).
+        bucket_bytes: about this many bytes of gradients per collective.
+        reducer: how a bucket is reduced (default AllReduceMean(group)).
+    """
+
+    def __init__(self, model: Union[nn.Module, Iterable[nn.Parameter]], group: Optional[dist.ProcessGroup] = None,
+                 *, bucket_bytes: int = 25 * 2**20, reducer: Optional[Reducer] = None) -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+        self.group = group
+        self.size = ring_of(group).size
+        self.params = _parameters(model)
+        if not self.params:
+            raise ValueError("model: has no parameter that requires grad; nothing to synchronise")
+        self.reducer = reducer if reducer is not None else AllReduceMean(group)
+        self._buckets = _buckets(self.params, bucket_bytes)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self._counts: dict[int, int] = {}
+        self._expected: Optional[dict[int, int]] = None  # learned by the first step
+        self._deferred = False
+        self._queued = False
+        self.started_in_backward = 0  # buckets started by a gradient hook, over the sync's life (overlap)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(p)]
+        if bucket.started:
+            raise RuntimeError(
+                f"oases.dp: a gradient of a parameter ({tuple(p.shape)}) arrived after its bucket's reduction "
+                f"started: this step accumulates it more often than the step GradientSync learned from; call "
+                f"relearn() after changing the step's structure (schedule, sub_batches)")
+        count = self._counts.get(id(p), 0) + 1
+        self._counts[id(p)] = count
+        if self._expected is not None and count == self._expected.get(id(p), 0):
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._start(bucket)
+                self.started_in_backward += 1
+        if not self._deferred and not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _start(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.pending = self.reducer.start(bucket.params, grads)
+        bucket.started = True
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator["GradientSync"]:
+        """Inside, backwards do not finish the sync; the caller calls finish() once (several
+        backwards make one step's gradients)."""
+        previous, self._deferred = self._deferred, True
+        try:
+            yield self
+        finally:
+            self._deferred = previous
+
+    def finish(self) -> None:
+        """Start the buckets not started yet (in order), wait for all, write the results; learn
+        the step's accumulation counts (the first time, or after relearn())."""
+        self._queued = False
+        if not self._counts:
+            return  # no gradient this step
+        for bucket in self._buckets:
+            if not bucket.started:
+                self._start(bucket)
+        for bucket in self._buckets:
+            self.reducer.complete(bucket.params, bucket.pending)
+            bucket.pending, bucket.started, bucket.ready = None, False, 0
+        if self._expected is None:
+            self._expected = dict(self._counts)
+        self._counts = {}
+
+    def relearn(self) -> None:
+        """Forget the learned accumulation counts: the next step reduces everything at its end."""
+        self._expected = None
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
