@@ -114,3 +114,29 @@ def _refusals(rank, world_size):
 
 def test_meta_build_refusals():
     run_ranks(_refusals, 2, timeout=60)
+
+
+def _empty_then_load(rank, world_size, path):
+    from transformers import LlamaForCausalLM
+
+    cls, config = _config("llama")
+    reference = LlamaForCausalLM.from_pretrained(path)
+    state = torch.get_rng_state()
+    with torch.device("meta"):
+        model = cls(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, device="cpu", init_weights=False)
+    assert torch.equal(torch.get_rng_state(), state), "init_weights=False drew random numbers"
+    for name, buffer in reference.named_buffers():  # non-persistent: computed, not loaded
+        assert torch.equal(model.get_buffer(name), buffer), name
+    oases.load_pretrained(model, path)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_build_without_init_then_load_pretrained(tmp_path):
+    cls, config = _config("llama")
+    torch.manual_seed(3)
+    cls(config).save_pretrained(tmp_path)
+    run_ranks(_empty_then_load, 2, str(tmp_path), timeout=120)

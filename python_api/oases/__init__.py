@@ -13,7 +13,7 @@
 from oases import comm, dp, models, ops, pipeline, schedule
 from oases.nn import parallelize  # also binds the subpackage oases.nn
 from oases.training import train_step
-from oases.checkpoint import full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from oases.pretrained import load_pretrained, save_pretrained
 
 __version__ = "0.1.0"

@@ -3,8 +3,11 @@
     full = full_state_dict(tp_model)        # on every rank: what model.state_dict() of the unsharded model is
     plain_model.load_state_dict(full)       # TP=1 ...
     load_full_state_dict(tp4_model, full)   # ... or any TP degree: each rank keeps its shard
-    save_checkpoint(tp_model, path)         # the same, through torch.distributed.checkpoint on disk
-    load_checkpoint(tp4_model, path)
+    save_checkpoint(tp_model, path, optimizer=opt, step=n, extra=..., keep=3)   # -> path/step-{n:09d}
+    state = load_checkpoint(tp4_model, path, optimizer=opt4)   # the newest complete step-*; resume at state.step
+
+On disk (torch.distributed.checkpoint) no rank gathers the model: each writes the boxes of the
+unsharded tensors its shards hold (oases._dcp), and reads those it needs at its own TP degree.
 
 Sharded modules are found by contract, never by type: a submodule with a `tp_layout()` method
 ({param_name: ShardRule}, see oases._sharding) and a `group` attribute (its process group, None
@@ -20,9 +23,11 @@ is left unchanged.
 """
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +36,10 @@ import torch.nn as nn
 from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
 
-__all__ = ["full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint"]
+if TYPE_CHECKING:
+    from oases._dcp import Chunked
+
+__all__ = ["full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint", "CheckpointState"]
 
 
 @dataclass(frozen=True)
@@ -177,56 +185,306 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     return model.load_state_dict(local, strict=strict)
 
 
+# --- on-disk checkpoints: each rank writes and reads its own shards -----------------------------------
+
+_MODEL = "model."  # model.<state-dict key>: the unsharded model's tensor
+_STATE = "optim.state."  # optim.state.<parameter name>.<state name>, e.g. optim.state.lm_head.weight.exp_avg
+_GROUPS = "optim.param_groups"  # the optimizer's param_groups, params as parameter names
+_EXTRA = "oases.extra"
+_RNG = "oases.rng."  # oases.rng.<rank in the group>: that rank's RNG states
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What `load_checkpoint` restored besides tensors, and which model keys did not match.
+
+        step, extra:      what save_checkpoint was given (None for a checkpoint of older Oases)
+        path:             the checkpoint directory loaded (a root resolves to its newest step-*)
+        missing_keys:     model keys the checkpoint lacks, left as they were (strict=False only)
+        unexpected_keys:  checkpoint keys the model lacks, not read (strict=False only)
+    """
+
+    step: Optional[int]
+    extra: Any
+    path: str
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _sharded(value: torch.Tensor, s: _Shard) -> "Chunked":
+    """`value` (shaped like the shard s.local) as its boxes of the unsharded tensor."""
+    from oases._dcp import Chunked
+
+    return Chunked(value.detach(), tuple(s.rule.chunks(s.full_shape, s.rank, s.size)), s.full_shape)
+
+
+def _count(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int >= {least} or None, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name}: must be >= {least}, got {value}")
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """[[name in model.named_parameters() of each parameter of param_groups[g]]]; local checks only."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    names: dict[int, str] = {id(p): name for name, p in model.named_parameters()}
+    groups, strangers = [], []
+    for g, group in enumerate(optimizer.param_groups):
+        groups.append([names.get(id(p), "") for p in group["params"]])
+        strangers += [f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
+                      for i, p in enumerate(group["params"]) if id(p) not in names]
+    if strangers:
+        raise ValueError(f"optimizer: {', '.join(strangers)} is not a parameter of the model (optimizer state is "
+                         f"stored by model.named_parameters() name); build the optimizer from model.parameters()")
+    return groups
+
+
+def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, shards: dict[str, _Shard]) -> dict:
+    """The optimizer's state keyed by parameter name: shard-shaped tensors as boxes, the rest as they are."""
+    names = [name for group in _param_names(model, optimizer) for name in group]  # [optimizer index]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()  # {"state": {index: {name: value}}, "param_groups": [{..., "params": [index]}]}
+    entries: dict[str, Any] = {_GROUPS: [dict(group, params=[names[i] for i in group["params"]])
+                                         for group in saved["param_groups"]]}
+    for index, state in saved["state"].items():
+        shard = shards.get(names[index])
+        for name, value in state.items():
+            if "." in name:
+                raise ValueError(f"optimizer: state name {name!r} has a '.', which checkpoint keys use as separator")
+            if isinstance(value, torch.Tensor):  # exp_avg [shard] is sharded like its parameter; step [] replicated
+                like = shard is not None and value.shape == params[index].shape
+                value = _sharded(value, shard) if like else value.detach()
+            entries[f"{_STATE}{names[index]}.{name}"] = value
+    return entries
+
+
 def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
-                    group: Optional[dist.ProcessGroup] = None) -> None:
-    """Write `model`'s unsharded state dict to the directory `path` with torch.distributed.checkpoint.
+                    optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
+                    extra: Any = None, keep: Optional[int] = None,
+                    group: Optional[dist.ProcessGroup] = None) -> str:
+    """Write model (and optimizer) state, step, `extra` and RNG states; return the directory published.
 
-        dcp.save(full_state_dict(model), checkpoint_id=path, process_group=group)
+        where = path if step is None else path/step-{step:09d}
+        dcp.save({"model.<key>": each rank's shards as boxes of the unsharded tensor | replicated tensor,
+                  "optim.state.<param name>.<state>": likewise (shard-shaped state is sharded),
+                  "optim.param_groups": param_groups with parameter names,
+                  "oases.extra": extra, "oases.rng.<rank>": this rank's RNG states}, .<where>.partial)
+        rank 0: write oases_checkpoint.json (format, world size, step), rename to `where`
+        keep=N: delete all but the N newest (highest step) complete path/step-*, never `where`, and stale partials
 
-    A collective: every rank of `group` (default: the world) calls it, and each holds a replica
-    of the same model (at any TP degree, over TP groups inside `group`), so DCP, which treats
-    plain tensors as replicated, writes each entry once, spread over the ranks' files. `path`
-    must be a directory every rank of `group` sees (a shared filesystem), as for `load_checkpoint`.
+    A collective over `group` (default: the world; ranks holding replicas of the model, at any TP
+    degrees inside it): no rank gathers the model; each writes its own shards, a replicated entry
+    or a shard held by several replicas is written once. The stored tensors have the unsharded
+    model's shapes, so `load_checkpoint` reads them at any TP degree. `path` must be a directory
+    every rank sees; saving replaces a checkpoint already at `where`, never other files.
 
-    Why DCP rather than torch.save from one rank: on gloo/CPU it works collectively, on the world
-    and on a subgroup, its format is the one the rest of PyTorch reads (`dcp_to_torch_save`
-    converts it), and its metadata gives every key's shape before any data is read, so
-    `load_checkpoint` checks a checkpoint against the model before any communication. The price:
-    entries are gathered to full size on every rank first (each rank's own shard, as a DTensor,
-    would avoid that, but Oases parameters are plain tensors and stacked shards are not slices).
+    Args:
+        optimizer: any torch.optim optimizer over the model's parameters.
+        step: the training step (an int >= 0) or None.
+        extra: anything picklable (e.g. {"data": position}), returned by load_checkpoint.
+        keep: with step, the number of newest step-* checkpoints to keep (>= 1).
+    Returns:
+        The published checkpoint directory.
     """
-    import torch.distributed.checkpoint as dcp  # ~0.7 s to import: only when checkpointing
+    from oases import _dcp
 
-    ring_of(group)  # initialized, and a member
-    dcp.save(full_state_dict(model), checkpoint_id=path, process_group=group)
+    ring = ring_of(group)
+    if step is not None:
+        _count("step", step, 0)
+    if keep is not None:
+        _count("keep", keep, 1)
+        if step is None:
+            raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
+    _, shards, _ = _layout(model)
+    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
+                               for key, value in model.state_dict().items()}
+    if optimizer is not None:
+        entries.update(_optimizer_entries(model, optimizer, shards))
+    try:
+        torch.save(extra, io.BytesIO())
+    except Exception as e:
+        raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    entries.update({_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
+                    f"{_RNG}{ring.rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}})
+    root = os.path.normpath(os.fspath(path))
+    where = root if step is None else _dcp.step_dir(root, step)
+    _dcp.check_target(where)  # every check above and here is local: no rank is left waiting
+    marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": optimizer is not None}
+    _dcp.save(entries, where, ring, marker, keep)
+    return where
 
 
-def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *, strict: bool = True,
-                    group: Optional[dist.ProcessGroup] = None) -> tuple[list[str], list[str]]:
-    """Load a `save_checkpoint` directory into `model` at its own TP degree (any), or an unsharded one.
-
-        shapes = the checkpoint's metadata {key: shape}                      # read locally
-        check shapes against the unsharded model as load_full_state_dict does   # ValueError
-        full = {key: empty(shape)}; dcp.load(full, checkpoint_id=path, process_group=group)
-        return load_full_state_dict(model, full, strict=strict)
-
-    A collective over `group` (default: the world), like `save_checkpoint`; every rank reads the
-    whole checkpoint and keeps its shard. Tensors are read in the checkpoint's dtype and cast to
-    the model's on copy, as load_state_dict does. With strict=False, keys of the checkpoint that
-    the model lacks are not read (nor listed in the result's unexpected_keys).
-    """
-    import torch.distributed.checkpoint as dcp
+def _optimizer_reads(what: str, optimizer: torch.optim.Optimizer, names: list[list[str]], stored: dict,
+                     shards: dict[str, _Shard]) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
+    """({checkpoint key: (optimizer index, state name)}, {key: buffer to read into | None for pickled});
+    local checks only."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    ring_of(group)
+    if _GROUPS not in stored:
+        raise ValueError(f"optimizer: {what} holds no optimizer state (saved without optimizer=); "
+                         f"load it with optimizer=None")
+    index = {name: i for i, name in enumerate(n for group in names for n in group)}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    where, reads = {}, {}
+    for key, meta in stored.items():
+        if not key.startswith(_STATE):
+            continue
+        name, state = key[len(_STATE):].rsplit(".", 1)
+        if name not in index:
+            continue  # a parameter the optimizer lacks: the param_groups check names it
+        i, shard = index[name], shards.get(name)
+        where[key] = (i, state)
+        if not isinstance(meta, TensorStorageMetadata):
+            reads[key] = None  # pickled: read locally first
+            continue
+        sharded = shard is not None and tuple(meta.size) == tuple(shard.full_shape)
+        buffer = _buffer(optimizer.state.get(params[i], {}).get(state), params[i].shape if sharded else meta.size,
+                         meta.properties.dtype)
+        reads[key] = _sharded(buffer, shard) if sharded else buffer
+    return where, reads
+
+
+def _buffer(current: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Where to read an optimizer state tensor: the optimizer's own one when it fits (no new memory;
+    load_state_dict then keeps it as it is), else a new CPU tensor (load_state_dict casts and moves it)."""
+    if isinstance(current, torch.Tensor) and tuple(current.shape) == tuple(shape) and current.dtype == dtype:
+        return current.detach()
+    return torch.empty(shape, dtype=dtype)
+
+
+def _check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:
+    """ValueError unless the optimizer's param_groups hold the same parameters as the checkpoint's."""
+    if len(saved) != len(names):
+        raise ValueError(f"optimizer: has {len(names)} param_groups, {what} has {len(saved)}; build it as it was")
+    for g, (mine, theirs) in enumerate(zip(names, saved)):
+        lacking = [n for n in theirs["params"] if n not in mine]
+        surplus = [n for n in mine if n not in theirs["params"]]
+        if lacking or surplus:
+            raise ValueError(f"optimizer: param_groups[{g}] does not hold the parameters {what} has there: "
+                             f"missing {lacking}, not in the checkpoint {surplus}; build it as it was")
+
+
+def _open(path: Union[str, os.PathLike]) -> tuple[str, dict, Optional[dict]]:
+    """(the checkpoint directory `path` names, its DCP metadata {key: metadata}, its marker or None)."""
+    from oases import _dcp
+
+    where = _dcp.find(os.path.normpath(os.fspath(path)))
+    stored = _dcp.read_metadata(where).state_dict_metadata
+    marker = _dcp.read_marker(where)
+    if _dcp.FORMAT_KEY in stored and marker is None:
+        raise ValueError(f"path: checkpoint {where!r} is incomplete (no {_dcp.MARKER}: its writer died before "
+                         f"publishing it); load an earlier one, or the root directory to pick the newest complete one")
+    return where, stored, marker
+
+
+def _rng_key(what: str, stored: dict, marker: dict, size: int, rank: int) -> Optional[str]:
+    """This rank's RNG entry if the checkpoint was saved by a group of `size` ranks, else None (a warning)."""
+    if marker.get("world_size") == size and f"{_RNG}{rank}" in stored:
+        return f"{_RNG}{rank}"
+    warnings.warn(f"load_checkpoint: {what} was saved by {marker.get('world_size')} ranks, this group has {size}: "
+                  f"RNG states not restored")
+    return None
+
+
+def _set_rng(what: str, saved: dict) -> None:
+    torch.set_rng_state(saved["cpu"])
+    if saved["cuda"] is None:
+        return
+    if torch.cuda.is_available() and len(saved["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    else:
+        warnings.warn(f"load_checkpoint: {what} holds the RNG states of {len(saved['cuda'])} GPUs, this rank sees "
+                      f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored")
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]], slots: dict[str, tuple[int, str]],
+                       values: dict[str, Any], saved_groups: list[dict]) -> None:
+    """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices."""
+    from oases._dcp import Chunked
+
+    state: dict[int, dict[str, Any]] = {}
+    for key, (i, name) in slots.items():
+        value = values[key]
+        state.setdefault(i, {})[name] = value.local if isinstance(value, Chunked) else value  # [shard] | as saved
+    index = {name: i for i, name in enumerate(n for group in names for n in group)}
+    groups = [dict(saved, params=[index[n] for n in mine]) for saved, mine in zip(saved_groups, names)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
+                    optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True,
+                    group: Optional[dist.ProcessGroup] = None) -> CheckpointState:
+    """Load a `save_checkpoint` directory (or the newest complete step-* under a root) at any TP degree.
+
+        where = path if path holds a checkpoint else newest complete path/step-*
+        check the checkpoint against the model (keys if strict, shapes) and the optimizer   # local only
+        dcp.load: each rank reads the boxes of its own shards, straight into the model's tensors
+        optimizer.load_state_dict(the saved state, re-sharded to this layout, keyed by its indices)
+        restore this rank's RNG states if the group has as many ranks as the one that saved
+        return CheckpointState(step, extra, where, missing_keys, unexpected_keys)
+
+    A collective over `group` (default: the world), like `save_checkpoint`. Every check runs on
+    local metadata before any communication, so a bad model, optimizer or checkpoint raises the
+    same error on every rank and changes nothing. Tensors are cast to the model's dtype on copy;
+    the optimizer's state follows torch's load_state_dict rules (cast, moved to its parameter's
+    device), its hyper-parameters (lr, ...) are the checkpoint's. Checkpoints of older Oases (the
+    unsharded model's state dict at the top level) load too, without optimizer.
+
+    Args:
+        optimizer: an optimizer over the model's parameters, grouped as the saved one was.
+        strict: if False, keys on one side only are skipped and listed in the result.
+    Returns:
+        CheckpointState(step, extra, path, missing_keys, unexpected_keys).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from oases import _dcp
+
+    ring = ring_of(group)
     _, shards, expected = _layout(model)
-    what = f"checkpoint {os.fspath(path)!r}"
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # {key: metadata}
-    non_tensors = [key for key in expected if key in stored and not isinstance(stored[key], TensorStorageMetadata)]
+    names = _param_names(model, optimizer) if optimizer is not None else None
+    where, stored, marker = _open(path)
+    what = f"checkpoint {where!r}"
+    ours = _dcp.FORMAT_KEY in stored  # else one of older Oases: the model's keys at the top level, nothing else
+    held = {key[len(_MODEL):]: meta for key, meta in stored.items() if key.startswith(_MODEL)} if ours else stored
+    non_tensors = [key for key in expected if key in held and not isinstance(held[key], TensorStorageMetadata)]
     if non_tensors:
         raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
-    _check(what, expected, {key: getattr(meta, "size", ()) for key, meta in stored.items()}, shards, strict)
-    full = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype)
-            for key in expected if key in stored}
-    dcp.load(full, checkpoint_id=path, process_group=group)
-    return load_full_state_dict(model, full, strict=strict)
+    _check(what, expected, {key: getattr(meta, "size", ()) for key, meta in held.items()}, shards, strict)
+    small: dict[str, Any] = {}  # pickled entries, read by this rank alone before any collective
+    rng = None
+    if ours:
+        small[_EXTRA] = None
+        rng = _rng_key(what, stored, marker, ring.size, ring.rank)
+        if rng is not None:
+            small[rng] = None
+    if optimizer is not None:
+        if not ours:
+            raise ValueError(f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
+                             f"optimizer state; load it with optimizer=None")
+        slots, reads = _optimizer_reads(what, optimizer, names, stored, shards)
+        small.update({key: None for key, value in reads.items() if value is None})
+        small[_GROUPS] = None
+    if small:
+        _dcp.read_local(small, where)
+    if optimizer is not None:
+        _check_groups(what, names, small[_GROUPS])
+
+    local = model.state_dict()  # detached views of the model's own tensors: reads land in them
+    prefix = _MODEL if ours else ""
+    entries: dict[str, Any] = {prefix + key: _sharded(local[key], shards[key]) if key in shards else local[key]
+                               for key in expected if key in held}
+    if optimizer is not None:
+        entries.update({key: value for key, value in reads.items() if value is not None})
+    _dcp.load(entries, where, ring)  # the one collective
+    if optimizer is not None:
+        values = {key: small[key] if value is None else value for key, value in reads.items()}
+        _restore_optimizer(optimizer, names, slots, values, small[_GROUPS])
+    if rng is not None:
+        _set_rng(what, small[rng])
+    return CheckpointState(step=marker["step"] if ours else None, extra=small.get(_EXTRA), path=where,
+                           missing_keys=[key for key in expected if key not in held],
+                           unexpected_keys=[key for key in held if key not in expected])

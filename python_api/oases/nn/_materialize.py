@@ -190,9 +190,24 @@ def _draws_at_construction(module: nn.Module) -> bool:
 
 
 def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device) -> dict[int, torch.Tensor]:
-    """{id(meta tensor): an uninitialised tensor of this rank's part's shape on `device`}: for
-    models whose values will be loaded (no draws, no full-size tensor ever)."""
+    """{id(meta tensor): an uninitialised tensor of this rank's part's shape on `device`}, for
+    models whose values will be loaded: no random draws, no full-size parameter. Non-persistent
+    buffers are not in any checkpoint, so they are computed as the model's init computes them
+    (Hugging Face's _init_weights: rotary inv_freq); any other kind raises a ValueError naming it."""
+    persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}
+    computed = {id(t) for t in model.buffers() if t.is_meta and id(t) not in persistent}
     values: dict[int, torch.Tensor] = {}
+    if computed and _is_pretrained(model):
+        replay = _Replay(model, shard_of, device)
+        for module, init in _post_order(model, model._init_weights):
+            if any(t is not None and id(t) in computed for t in module._buffers.values()):
+                replay.run(module, init)
+        values.update((key, value) for key, value in replay.values.items() if key in computed)
+    missing = [name for name, t in model.named_buffers() if id(t) in computed and id(t) not in values]
+    if missing:
+        raise ValueError(
+            f"model: built on the meta device, with non-persistent buffers that no checkpoint holds and oases "
+            f"cannot compute ({', '.join(missing)}); pass init_weights=True, or build the model on a real device")
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_meta and id(t) not in values:
             values[id(t)] = torch.empty(shard_of(name, t).shape, dtype=t.dtype, device=device)
