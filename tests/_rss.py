@@ -1,0 +1,52 @@
+"""Resident memory of this process (VmRSS), and its peak inside a block, sampled by a thread.
+
+    with PeakRSS() as peak:
+        work()
+    peak.rise  # bytes: the highest VmRSS seen during the block minus VmRSS at its start
+
+`ru_maxrss` only grows over a process's life, so a peak inside one call needs sampling (every
+`interval` s; a spike shorter than that can be missed, so keep the interval small).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+
+def rss_bytes() -> int:
+    """VmRSS of this process, from /proc/self/status."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class PeakRSS:
+    """Samples VmRSS every `interval` seconds inside a `with` block: `start`, `peak`, `rise`."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval = interval
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+    @property
+    def rise(self) -> int:
+        return self.peak - self.start
