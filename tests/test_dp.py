@@ -113,3 +113,55 @@ def _bad_grad_sync(rank, world_size):
 
 def test_bad_input():
     run_ranks(_bad_grad_sync, 2, timeout=60)
+
+
+def _zero_checkpoint(rank, world_size, root):
+    """ZeRO-1 checkpoints: bit-exact resume at DP2 x TP2, and loadable at DP4 x TP1 (ZeRO) and into a
+    plain AdamW at DP2 x TP2 (the states are stored as boxes of the full parameters, whatever the layout)."""
+    cls, kw = OPTIMIZERS["adamw"]
+
+    def build(dp, tp, zero):  # rank = i_dp * tp + i_tp (new_group on every rank: a mesh drops size-1 dims)
+        tp_group = dp_group = None
+        for i in range(dp):
+            group = dist.new_group(list(range(i * tp, (i + 1) * tp)))
+            tp_group = group if rank // tp == i else tp_group
+        for j in range(tp):
+            group = dist.new_group(list(range(j, dp * tp, tp)))
+            dp_group = group if rank % tp == j else dp_group
+        model = _llama(seed=5)  # another seed: everything is loaded
+        if tp > 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                oases.parallelize(model, tp_group)
+        if zero:
+            opt = oases.dp.ZeroOptimizer(model, dp_group, cls, bucket_bytes=64 * 1024, **kw)
+            return model, opt, dp_group, opt.sync
+        return model, cls(model.parameters(), **kw), dp_group, oases.dp.GradientSync(model, dp_group)
+
+    def train(model, opt, dp_group, sync, steps):
+        dp_rank, dp = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        for step in steps:
+            ids = _batch(step).chunk(dp)[dp_rank]
+            oases.train_step(model, ids, ids, schedule="oases" if ids.shape[0] > 1 else "megatron", grad_sync=sync)
+            opt.step()
+            opt.zero_grad()
+
+    model, opt, dp_group, sync = build(2, 2, True)
+    train(model, opt, dp_group, sync, range(2))
+    oases.save_checkpoint(model, root, optimizer=opt, step=2)
+    train(model, opt, dp_group, sync, range(2, STEPS + 1))
+    expected = oases.full_state_dict(model)
+    for dp, tp, zero in ((2, 2, True), (4, 1, True), (2, 2, False)):
+        model, opt, dp_group, sync = build(dp, tp, zero)
+        assert oases.load_checkpoint(model, root, optimizer=opt).step == 2
+        train(model, opt, dp_group, sync, range(2, STEPS + 1))
+        state = oases.full_state_dict(model)
+        for key, value in expected.items():
+            if (dp, tp, zero) == (2, 2, True):
+                assert torch.equal(state[key], value), key
+            else:
+                torch.testing.assert_close(state[key], value, **TOL, msg=lambda m: f"{key} at dp{dp} tp{tp}: {m}")
+
+
+def test_zero1_checkpoint_resumes_exactly_and_loads_at_another_dp(tmp_path):
+    run_ranks(_zero_checkpoint, 4, str(tmp_path), timeout=240)

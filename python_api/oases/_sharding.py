@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ShardRule", "Chunk", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
+__all__ = ["ShardRule", "Chunk", "whole", "rows_of", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,31 @@ class ShardRule:
             return torch.cat(parts, dim=self.dim)
         blocks = [p.chunk(self.stacked, 0) for p in parts]  # [rank][block]
         return torch.cat([blocks[r][b] for b in range(self.stacked) for r in range(len(parts))])
+
+
+def whole(shape: tuple[int, ...]) -> list[Chunk]:
+    """The one box of a tensor held whole (replicated)."""
+    return [Chunk((0,) * len(shape), tuple(int(n) for n in shape), 0, 0)]
+
+
+def rows_of(chunks: list[Chunk], start: int, stop: int) -> list[Chunk]:
+    """The boxes of local rows [start, stop) (dim 0 of the local tensor), for a tensor that holds
+    only those rows (ZeRO's piece of a shard): its view of each box starts at row 0.
+
+        chunk along dim 0: its local rows intersected with [start, stop)
+        chunk along another dim (covers every row): rows [start, stop) of it
+    """
+    out = []
+    for c in chunks:
+        if c.dim == 0:
+            lo, hi = max(start, c.local_start), min(stop, c.local_start + c.sizes[0])
+            if lo < hi:
+                out.append(Chunk((c.offsets[0] + lo - c.local_start, *c.offsets[1:]), (hi - lo, *c.sizes[1:]),
+                                 0, lo - start))
+        elif start < stop:
+            out.append(Chunk((c.offsets[0] + start, *c.offsets[1:]), (stop - start, *c.sizes[1:]), c.dim,
+                             c.local_start))
+    return out
 
 
 def column_shard(t: torch.Tensor, rank: int, world_size: int, stacked: int = 1) -> torch.Tensor:

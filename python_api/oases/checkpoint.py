@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases._sharding import ShardRule
+from oases._sharding import ShardRule, rows_of, whole
 from oases.comm._topology import ring_of
 
 if TYPE_CHECKING:
@@ -225,37 +225,92 @@ def _count(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name}: must be >= {least}, got {value}")
 
 
-def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """[[name in model.named_parameters() of each parameter of param_groups[g]]]; local checks only."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+@dataclass(frozen=True)
+class _OptimizerView:
+    """An optimizer as checkpoints see it: the torch optimizer whose state_dict is stored (a
+    ZeroOptimizer's inner one), and for each of its parameters (flat index) the model parameter
+    it stands for, that parameter's name, and the rows [start, stop) of it the state covers (ZeRO)
+    or None (all of it)."""
+
+    inner: torch.optim.Optimizer
+    names: list[list[str]]  # per param group: the model parameter names, in the group's order
+    params: list[nn.Parameter]  # flat index -> the model parameter
+    rows: list[Optional[tuple[int, int]]]  # flat index -> ZeRO rows, or None
+
+    def flat_names(self) -> list[str]:
+        return [name for group in self.names for name in group]
+
+
+def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
+    """The checkpoint view of a torch.optim optimizer over the model's parameters, or of an
+    oases.dp.ZeroOptimizer (its inner optimizer over this dp rank's rows); local checks only."""
     names: dict[int, str] = {id(p): name for name, p in model.named_parameters()}
-    groups, strangers = [], []
-    for g, group in enumerate(optimizer.param_groups):
-        groups.append([names.get(id(p), "") for p in group["params"]])
-        strangers += [f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
-                      for i, p in enumerate(group["params"]) if id(p) not in names]
+    zero = callable(getattr(optimizer, "master_of", None)) and isinstance(getattr(optimizer, "inner", None),
+                                                                           torch.optim.Optimizer)
+    if not zero and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, got "
+                        f"{type(optimizer).__name__}")
+    inner = optimizer.inner if zero else optimizer
+    stand_for = {}  # id(inner parameter) -> (model parameter, rows)
+    if zero:
+        for p in optimizer.params:
+            master, start, stop = optimizer.master_of(p)
+            if p.dim() == 0:
+                raise ValueError(f"optimizer: {names.get(id(p), 'a parameter')} is 0-d; ZeroOptimizer checkpoints "
+                                 f"need parameters with at least one dimension")
+            stand_for[id(master)] = (p, (start, stop))
+    groups, params, rows, strangers = [], [], [], []
+    for g, group in enumerate(inner.param_groups):
+        mine = []
+        for i, q in enumerate(group["params"]):
+            p, piece = stand_for.get(id(q), (q, None))
+            if id(p) not in names:
+                strangers.append(f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})")
+            mine.append(names.get(id(p), ""))
+            params.append(p)
+            rows.append(piece)
+        groups.append(mine)
     if strangers:
         raise ValueError(f"optimizer: {', '.join(strangers)} is not a parameter of the model (optimizer state is "
                          f"stored by model.named_parameters() name); build the optimizer from model.parameters()")
-    return groups
+    return _OptimizerView(inner, groups, params, rows)
 
 
-def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, shards: dict[str, _Shard]) -> dict:
-    """The optimizer's state keyed by parameter name: shard-shaped tensors as boxes, the rest as they are."""
-    names = [name for group in _param_names(model, optimizer) for name in group]  # [optimizer index]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved = optimizer.state_dict()  # {"state": {index: {name: value}}, "param_groups": [{..., "params": [index]}]}
+def _state_chunks(view: _OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, _Shard],
+                  name: str) -> Optional[tuple[list, torch.Size, tuple[int, ...]]]:
+    """How a state tensor of parameter `index` stored with global `shape` lies on this rank:
+    (its boxes, the global shape, the local shape), or None when it is not shaped like the
+    parameter (a scalar step: replicated). ZeRO: the boxes of its rows."""
+    p, piece, shard = view.params[index], view.rows[index], shards.get(name)
+    full = shard.full_shape if shard is not None else p.shape
+    if tuple(shape) != tuple(full):
+        return None
+    chunks = shard.rule.chunks(full, shard.rank, shard.size) if shard is not None else whole(tuple(full))
+    if piece is None:
+        return chunks, torch.Size(full), tuple(p.shape)
+    start, stop = piece
+    return rows_of(chunks, start, stop), torch.Size(full), (stop - start, *p.shape[1:])
+
+
+def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
+    """The optimizer's state keyed by parameter name: parameter-shaped tensors as their boxes of
+    the full parameter (TP shards, ZeRO rows), the rest as they are."""
+    from oases._dcp import Chunked
+
+    names = view.flat_names()  # [optimizer index]
+    saved = view.inner.state_dict()  # {"state": {index: {name: value}}, "param_groups": [{..., "params": [index]}]}
     entries: dict[str, Any] = {_GROUPS: [dict(group, params=[names[i] for i in group["params"]])
                                          for group in saved["param_groups"]]}
     for index, state in saved["state"].items():
-        shard = shards.get(names[index])
+        p, piece = view.params[index], view.rows[index]
         for name, value in state.items():
             if "." in name:
                 raise ValueError(f"optimizer: state name {name!r} has a '.', which checkpoint keys use as separator")
             if isinstance(value, torch.Tensor):  # exp_avg [shard] is sharded like its parameter; step [] replicated
-                like = shard is not None and value.shape == params[index].shape
-                value = _sharded(value, shard) if like else value.detach()
+                local = tuple(p.shape) if piece is None else (piece[1] - piece[0], *p.shape[1:])
+                full = shards[names[index]].full_shape if names[index] in shards else p.shape
+                placed = _state_chunks(view, index, full, shards, names[index]) if tuple(value.shape) == local else None
+                value = value.detach() if placed is None else Chunked(value.detach(), tuple(placed[0]), placed[1])
             entries[f"{_STATE}{names[index]}.{name}"] = value
     return entries
 
@@ -301,7 +356,7 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
                                for key, value in model.state_dict().items()}
     if optimizer is not None:
-        entries.update(_optimizer_entries(model, optimizer, shards))
+        entries.update(_optimizer_entries(_optimizer_view(model, optimizer), shards))
     try:
         torch.save(extra, io.BytesIO())
     except Exception as e:
@@ -317,17 +372,19 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     return where
 
 
-def _optimizer_reads(what: str, optimizer: torch.optim.Optimizer, names: list[list[str]], stored: dict,
+def _optimizer_reads(what: str, view: _OptimizerView, stored: dict,
                      shards: dict[str, _Shard]) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
     """({checkpoint key: (optimizer index, state name)}, {key: buffer to read into | None for pickled});
     local checks only."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from oases._dcp import Chunked
+
     if _GROUPS not in stored:
         raise ValueError(f"optimizer: {what} holds no optimizer state (saved without optimizer=); "
                          f"load it with optimizer=None")
-    index = {name: i for i, name in enumerate(n for group in names for n in group)}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {name: i for i, name in enumerate(view.flat_names())}
+    params = [p for group in view.inner.param_groups for p in group["params"]]
     where, reads = {}, {}
     for key, meta in stored.items():
         if not key.startswith(_STATE):
@@ -335,15 +392,15 @@ def _optimizer_reads(what: str, optimizer: torch.optim.Optimizer, names: list[li
         name, state = key[len(_STATE):].rsplit(".", 1)
         if name not in index:
             continue  # a parameter the optimizer lacks: the param_groups check names it
-        i, shard = index[name], shards.get(name)
+        i = index[name]
         where[key] = (i, state)
         if not isinstance(meta, TensorStorageMetadata):
             reads[key] = None  # pickled: read locally first
             continue
-        sharded = shard is not None and tuple(meta.size) == tuple(shard.full_shape)
-        buffer = _buffer(optimizer.state.get(params[i], {}).get(state), params[i].shape if sharded else meta.size,
-                         meta.properties.dtype)
-        reads[key] = _sharded(buffer, shard) if sharded else buffer
+        placed = _state_chunks(view, i, tuple(meta.size), shards, name)
+        current = view.inner.state.get(params[i], {}).get(state)
+        buffer = _buffer(current, meta.size if placed is None else placed[2], meta.properties.dtype)
+        reads[key] = buffer if placed is None else Chunked(buffer, tuple(placed[0]), placed[1])
     return where, reads
 
 
@@ -400,8 +457,8 @@ def _set_rng(what: str, saved: dict) -> None:
                       f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored")
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]], slots: dict[str, tuple[int, str]],
-                       values: dict[str, Any], saved_groups: list[dict]) -> None:
+def _restore_optimizer(view: _OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any],
+                       saved_groups: list[dict]) -> None:
     """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices."""
     from oases._dcp import Chunked
 
@@ -409,9 +466,9 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, names: list[list[str]],
     for key, (i, name) in slots.items():
         value = values[key]
         state.setdefault(i, {})[name] = value.local if isinstance(value, Chunked) else value  # [shard] | as saved
-    index = {name: i for i, name in enumerate(n for group in names for n in group)}
-    groups = [dict(saved, params=[index[n] for n in mine]) for saved, mine in zip(saved_groups, names)]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    index = {name: i for i, name in enumerate(view.flat_names())}
+    groups = [dict(saved, params=[index[n] for n in mine]) for saved, mine in zip(saved_groups, view.names)]
+    view.inner.load_state_dict({"state": state, "param_groups": groups})
 
 
 def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
@@ -445,7 +502,7 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
 
     ring = ring_of(group)
     _, shards, expected = _layout(model)
-    names = _param_names(model, optimizer) if optimizer is not None else None
+    view = _optimizer_view(model, optimizer) if optimizer is not None else None
     where, stored, marker = _open(path)
     what = f"checkpoint {where!r}"
     ours = _dcp.FORMAT_KEY in stored  # else one of older Oases: the model's keys at the top level, nothing else
@@ -465,13 +522,13 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
         if not ours:
             raise ValueError(f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
                              f"optimizer state; load it with optimizer=None")
-        slots, reads = _optimizer_reads(what, optimizer, names, stored, shards)
+        slots, reads = _optimizer_reads(what, view, stored, shards)
         small.update({key: None for key, value in reads.items() if value is None})
         small[_GROUPS] = None
     if small:
         _dcp.read_local(small, where)
     if optimizer is not None:
-        _check_groups(what, names, small[_GROUPS])
+        _check_groups(what, view.names, small[_GROUPS])
 
     local = model.state_dict()  # detached views of the model's own tensors: reads land in them
     prefix = _MODEL if ours else ""
@@ -482,7 +539,10 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     _dcp.load(entries, where, ring)  # the one collective
     if optimizer is not None:
         values = {key: small[key] if value is None else value for key, value in reads.items()}
-        _restore_optimizer(optimizer, names, slots, values, small[_GROUPS])
+        _restore_optimizer(view, slots, values, small[_GROUPS])
+        sync = getattr(optimizer, "sync_masters", None)  # ZeroOptimizer: masters of 16-bit parameters
+        if callable(sync):
+            sync()
     if rng is not None:
         _set_rng(what, small[rng])
     return CheckpointState(step=marker["step"] if ours else None, extra=small.get(_EXTRA), path=where,

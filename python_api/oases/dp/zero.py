@@ -10,7 +10,8 @@ parameter's rows (Megatron's distributed optimizer, DeepSpeed ZeRO-1), around a 
                            #     p[rows_j] = master_j on every rank                        (all-gather)
     opt.zero_grad()
 
-The inner optimizer sees only the masters: its states (AdamW's exp_avg, exp_avg_sq) are 1/dp of
+The inner optimizer sees only the masters (views of the parameter's rows for fp32 parameters, fp32
+copies for 16-bit ones; call sync_masters() after loading parameters yourself: load_checkpoint does): its states (AdamW's exp_avg, exp_avg_sq) are 1/dp of
 the full ones on each rank. Elementwise optimizers (SGD, Adam, AdamW, ...) give the numbers of the
 same optimizer run on the averaged full gradient; optimizers that mix elements across a tensor
 (LAMB's trust ratio, Shampoo) do not. Gradients: reduce-scattered in buckets overlapped with the
@@ -51,8 +52,12 @@ class _Slot:
         self.n, self.k = rows.shape
         self.per = -(-self.n // size)
         self.start, self.stop = row_range(self.n, rank, size)
-        dtype = torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
-        self.master = nn.Parameter(rows[self.start:self.stop].to(dtype, copy=True))  # [stop - start, k]
+        whole = param.detach().reshape(1) if param.dim() == 0 else param.detach()
+        mine = whole[self.start:self.stop]  # [stop - start, *shape[1:]], a view of the parameter
+        if param.dtype in (torch.float16, torch.bfloat16):
+            self.master = nn.Parameter(mine.to(torch.float32, copy=True))  # an fp32 master of 16-bit rows
+        else:
+            self.master = nn.Parameter(mine)  # the parameter's own rows: the inner step updates them in place
 
     def padded(self, t: torch.Tensor, size: int) -> torch.Tensor:
         """[size, per * k]: row block j of `t` (the full parameter's shape), zero-padded."""
@@ -85,7 +90,7 @@ class _ReduceScatterRows:
             s = self.slots[id(p)]
             mine = out[offset:offset + s.per * s.k].view(s.per, s.k)[:s.stop - s.start]
             offset += s.per * s.k
-            s.master.grad = mine.to(s.master.dtype, copy=True)
+            s.master.grad = mine.to(s.master.dtype, copy=True).view(s.master.shape)
 
 
 class ZeroOptimizer:
@@ -114,6 +119,7 @@ class ZeroOptimizer:
             if p.requires_grad:
                 self.names.setdefault(id(p), name)
         params = [p for p in model.parameters() if id(p) in self.names]
+        self.params = params  # the model parameters it steps, in model.parameters() order
         self.slots = {id(p): _Slot(p, self.rank, self.size) for p in params}
         self.inner = optimizer_class([s.master for s in self.slots.values()], **kwargs)
         self.sync = GradientSync(params, group, bucket_bytes=bucket_bytes,
@@ -129,7 +135,8 @@ class ZeroOptimizer:
         return self.inner.state
 
     def master_of(self, param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
-        """(this rank's master of `param`'s rows, start row, stop row): what the inner optimizer steps."""
+        """(this rank's master of `param`'s rows [start, stop) (shape [stop - start, *param.shape[1:]]),
+        start, stop): what the inner optimizer steps."""
         s = self.slots[id(param)]
         return s.master, s.start, s.stop
 
@@ -156,7 +163,7 @@ class ZeroOptimizer:
             mine = []
             for s in group:
                 block = torch.zeros(s.per, s.k, dtype=dtype, device=s.param.device)
-                block[:s.stop - s.start] = s.master
+                block[:s.stop - s.start] = s.master.reshape(-1, s.k)
                 mine.append(block.reshape(-1))
             local = torch.cat(mine)  # [S]
             gathered = local.new_empty(self.size * local.numel())
@@ -167,6 +174,15 @@ class ZeroOptimizer:
                 rows = columns[:, offset:offset + s.per * s.k].reshape(self.size * s.per, s.k)[:s.n]
                 offset += s.per * s.k
                 _rows_view(s.param.data).copy_(rows)
+
+    @torch.no_grad()
+    def sync_masters(self) -> None:
+        """Copy the parameters' rows into the fp32 masters of 16-bit parameters (after the parameters
+        were loaded; fp32 parameters' masters are views of their rows already)."""
+        for s in self.slots.values():
+            whole = s.param.detach().reshape(1) if s.param.dim() == 0 else s.param.detach()
+            if s.master.data_ptr() != whole[s.start:s.stop].data_ptr() or s.master.dtype != s.param.dtype:
+                s.master.copy_(whole[s.start:s.stop])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' and the masters' gradients."""
