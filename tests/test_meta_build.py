@@ -140,3 +140,26 @@ def test_meta_build_without_init_then_load_pretrained(tmp_path):
     torch.manual_seed(3)
     cls(config).save_pretrained(tmp_path)
     run_ranks(_empty_then_load, 2, str(tmp_path), timeout=120)
+
+
+def _allocate_some(rank, world_size):
+    cls, config = _config("llama")
+    torch.manual_seed(7)
+    reference = cls(config)
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        model = cls(config)
+    held = lambda name: name.startswith("model.layers.1.") or name.startswith("lm_head")  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, device="cpu", allocate=held)
+    for name, p in model.named_parameters():
+        assert p.is_meta != held(name), name
+        if held(name):
+            rule = oases._sharding.tp_rules(model).get(name)
+            full = reference.get_parameter(name).detach()
+            assert torch.equal(p, full if rule is None else rule[0].shard(full, rank, world_size)), name
+
+
+def test_meta_build_allocates_only_what_it_is_asked():
+    run_ranks(_allocate_some, 2, timeout=60)

@@ -99,8 +99,9 @@ def _written(t: torch.Tensor) -> torch.Tensor:
 class _Replay:
     """The values built so far: {id(meta tensor): this rank's part on `device`}."""
 
-    def __init__(self, model: nn.Module, shard_of: ShardOf, device: torch.device) -> None:
-        self.shard_of, self.device = shard_of, device
+    def __init__(self, model: nn.Module, shard_of: ShardOf, device: torch.device,
+                 allocate: Callable[[str], bool] = lambda name: True) -> None:
+        self.shard_of, self.device, self.allocate = shard_of, device, allocate
         self.values: dict[int, torch.Tensor] = {}
         self.canonical: dict[int, str] = {}  # id(tensor) -> the name whose writes count
         for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
@@ -135,8 +136,8 @@ class _Replay:
                 f"values (oases.load_pretrained / oases.load_checkpoint), or build the model on a real device")
         for meta, full, (_, n) in zip(originals, stand_ins, slots):
             name = f"{prefix}.{n}" if prefix else n
-            if self.canonical.get(id(meta)) != name:
-                continue  # a tied alias: drawn, discarded
+            if self.canonical.get(id(meta)) != name or not self.allocate(name):
+                continue  # a tied alias, or a tensor this rank does not hold: drawn, discarded
             written = self.shard_of(name, _written(full))
             if not bool(written.any()):
                 continue
@@ -189,16 +190,17 @@ def _draws_at_construction(module: nn.Module) -> bool:
         callable(getattr(module, name, None)) for name in ("reset_parameters", "_reset_parameters"))
 
 
-def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device) -> dict[int, torch.Tensor]:
+def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
+               allocate: Callable[[str], bool] = lambda name: True) -> dict[int, torch.Tensor]:
     """{id(meta tensor): an uninitialised tensor of this rank's part's shape on `device`}, for
     models whose values will be loaded: no random draws, no full-size parameter. Non-persistent
     buffers are not in any checkpoint, so they are computed as the model's init computes them
     (Hugging Face's _init_weights: rotary inv_freq); any other kind raises a ValueError naming it."""
     persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}
-    computed = {id(t) for t in model.buffers() if t.is_meta and id(t) not in persistent}
+    computed = {id(t) for name, t in model.named_buffers() if t.is_meta and id(t) not in persistent and allocate(name)}
     values: dict[int, torch.Tensor] = {}
     if computed and _is_pretrained(model):
-        replay = _Replay(model, shard_of, device)
+        replay = _Replay(model, shard_of, device, allocate)
         for module, init in _post_order(model, model._init_weights):
             if any(t is not None and id(t) in computed for t in module._buffers.values()):
                 replay.run(module, init)
@@ -209,12 +211,13 @@ def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device) -> dic
             f"model: built on the meta device, with non-persistent buffers that no checkpoint holds and oases "
             f"cannot compute ({', '.join(missing)}); pass init_weights=True, or build the model on a real device")
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_meta and id(t) not in values:
+        if t.is_meta and id(t) not in values and allocate(name):
             values[id(t)] = torch.empty(shard_of(name, t).shape, dtype=t.dtype, device=device)
     return values
 
 
-def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device) -> dict[int, torch.Tensor]:
+def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
+                allocate: Callable[[str], bool] = lambda name: True) -> dict[int, torch.Tensor]:
     """{id(meta tensor): this rank's part of its initial value, on `device`} for every meta
     parameter and buffer of `model` (left unchanged: still on meta); see the module docstring.
 
@@ -223,14 +226,14 @@ def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device) -> di
     Raises ValueError, naming them, when some tensors are written by neither pass, or when an
     init writes tensors of modules other than the one it is run for (not replayable module by module).
     """
-    replay = _Replay(model, shard_of, device)
+    replay = _Replay(model, shard_of, device, allocate)
     initialized: set[int] = set()  # modules a Hugging Face post_init has initialised (_is_hf_initialized)
     if _is_pretrained(model):
         _build_pretrained(model, replay, initialized)
     else:
         _construct(model, model, replay, initialized)
     missing = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
-               if t.is_meta and id(t) not in replay.values] + sorted(replay.partial)
+               if t.is_meta and id(t) not in replay.values and allocate(name)] + sorted(replay.partial)
     if missing:
         raise ValueError(
             f"model: built on the meta device, and no initialisation oases can replay sets {', '.join(missing)} "
@@ -240,11 +243,13 @@ def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device) -> di
     return replay.values
 
 
-def materialize(model: nn.Module, original: nn.Module, device: torch.device, init_weights: bool) -> None:
+def materialize(model: nn.Module, original: nn.Module, device: torch.device, init_weights: bool,
+                allocate: Callable[[str], bool] = lambda name: True) -> None:
     """Replace every meta tensor of `model` (sharded in place from `original`, an untouched copy
     of the meta build: the same qualified names) by this rank's part on `device`: the replayed
     initial values (init_weights) or uninitialised memory. Ties (one tensor under several names)
-    are kept. Each sharded tensor's rule and rank come from its module's tp_layout()."""
+    are kept. Each sharded tensor's rule and rank come from its module's tp_layout(). Tensors whose
+    (first) name `allocate` refuses stay on meta; their draws still happen (the same values elsewhere)."""
     rules = {name: (rule, ring_of(group)) for name, (rule, group) in tp_rules(model).items()}
 
     def shard_of(name: str, full: torch.Tensor) -> torch.Tensor:
@@ -254,7 +259,7 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, ini
         return rule.shard(full, ring.rank, ring.size)
 
     build = replay_init if init_weights else empty_init
-    values = build(original, shard_of, device)
+    values = build(original, shard_of, device, allocate)
     source = dict(original.named_parameters(remove_duplicate=False))
     source.update(original.named_buffers(remove_duplicate=False))
     made: dict[int, torch.Tensor] = {}  # id(model's meta tensor) -> its replacement (ties kept)
@@ -265,6 +270,8 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, ini
                     continue
                 if id(t) not in made:
                     name = f"{prefix}.{leaf}" if prefix else leaf
+                    if id(source[name]) not in values:
+                        continue  # not allocated on this rank (allocate): stays on meta
                     value = values[id(source[name])]
                     if tuple(value.shape) != tuple(t.shape):  # the layout and the rules disagree: a bug
                         raise RuntimeError(f"{name}: built {tuple(value.shape)} for a {tuple(t.shape)} tensor")

@@ -430,6 +430,7 @@ def parallelize(
     layers: Optional[str] = None,
     device: Optional[Union[torch.device, str]] = None,
     init_weights: bool = True,
+    allocate: Optional[Callable[[str], bool]] = None,
 ) -> nn.Module:
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
@@ -469,12 +470,18 @@ def parallelize(
     model), replayed one module at a time (oases.nn._materialize: peak = this rank's tensors plus
     one module's full tensors). init_weights=False leaves them uninitialised, for weights that
     oases.load_pretrained or oases.load_checkpoint fill next (no draws, no full tensor).
+    `allocate(name) -> bool` (with device): which tensors (by qualified name, as
+    model.named_parameters() / named_buffers() give it) this rank holds; the others stay on meta
+    (a pipeline stage holding some layers), their random draws still made, so every held tensor
+    has the values of the whole model's build.
     """
     ring = ring_of(group)
     p = ring.size
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     target = _target_device(model, device, init_weights)
+    if allocate is not None and (target is None or not callable(allocate)):
+        raise TypeError("allocate: a callable name -> bool, only with device= (a model built on meta)")
     if isinstance(model, nn.Linear):
         raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
                         "RowParallelLinear.from_linear for a single layer")
@@ -546,7 +553,7 @@ def parallelize(
     for name in placed_embeddings:
         _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
     if target is not None:  # before any hook is registered on a parameter
-        materialize(model, original, target, init_weights)
+        materialize(model, original, target, init_weights, allocate or (lambda name: True))
         del original
     for name, module in attention.items():
         d = degree(name)
