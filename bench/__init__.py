@@ -31,6 +31,7 @@ SUITES: dict[str, str] = {
     "offload": "bench.offload",
     "profile": "bench.profile",
     "planner": "bench.planner",
+    "memory": "bench.memory",
 }
 
 __all__ = ["SUITES"]

@@ -357,3 +357,29 @@ def test_offload_suite(tmp_path):
     assert aiao["host_and_device_memory"] == "the same RAM"  # said in the JSON: this CPU has one memory
     with open(doc["files"]["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_suite(tmp_path):
+    """The quick memory suite on 2 ranks: every layout and phase measured beside a positive
+    prediction, the optimizer-state figures, the PNG; no memory figure is asserted (RSS moves
+    with the allocator and the machine), and the temporary model and checkpoints are removed."""
+    doc, stdout, out = _run_suite("memory", tmp_path)
+    phases = ("build", "load_pretrained", "train", "save_checkpoint", "load_checkpoint", "save_pretrained")
+    assert doc["suite"] == "memory" and stdout.count("memory: optimizer state per rank") == 1
+    cases = {(c["dp"], c["tp"], c["zero"]): c for c in doc["cases"]}
+    assert set(cases) == {(1, WORLD_SIZE, False), (2, WORLD_SIZE // 2, False), (2, WORLD_SIZE // 2, True)}
+    for key, case in cases.items():
+        assert [p["phase"] for p in case["phases"]] == list(phases), key
+        for p in case["phases"]:
+            assert p["predicted_bytes"] > 0 and p["predicted_peak_bytes"] >= p["predicted_bytes"], (key, p)
+            assert len(p["per_rank"]) == WORLD_SIZE, key
+            for name in ("resident_bytes", "peak_bytes", "tensor_bytes"):
+                assert isinstance(p[name], int), (key, name)
+            assert p["ratio"] == pytest.approx(p["resident_bytes"] / p["predicted_bytes"]), key
+        state = case["optimizer_state"]
+        assert state["moment_bytes"] > 0 and state["predicted_bytes"] > 0 and state["master_bytes"] >= 0, key
+        assert len(case["train_steps"]) == doc["cases"][0]["config"]["steps"], key
+    assert doc["cases"][0]["full_parameter_bytes"] > 0 and doc["cases"][0]["config"]["vocab"] % WORLD_SIZE == 0
+    with open(doc["files"]["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert not [name for name in os.listdir(out) if name.startswith(".memory-")]

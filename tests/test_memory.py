@@ -11,15 +11,19 @@ each with SLACK for the allocator. The model is a Llama whose embedding and head
 about 0.16 F, as in a 1.5-2 GiB Llama with a 32k vocabulary.
 """
 import gc
+import os
+import sys
 import warnings
 
 import pytest
 import torch
 
-from _rss import PeakRSS
 from _spawn import run_ranks
 
 import oases
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: the repository root
+from bench._rss import PeakRSS  # noqa: E402
 
 pytest.importorskip("transformers")
 

@@ -371,3 +371,50 @@ def test_bad_inputs_raise_naming_the_argument(tmp_path):
         P.load_profile(str(not_a_plan))
     with pytest.raises(ValueError, match="degree"):
         P.layer_cost(P.Workload(TINY, rows=4, tp=2), _profile(0.5), 3)
+
+
+def test_memory_phases_by_hand():
+    """oases.planner.memory on a hand-computed Llama-like shape: the parts, ZeRO's 1/dp, the phases."""
+    shape = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32, kv_heads=2,
+                         gated_mlp=True)
+    layer, vocab = shape.layer_parameters(), 2 * 16 * 8
+    rest = shape.embedding_parameters() - vocab  # positions (seq_len * hidden) and the final norm
+    plain = P.rank_memory(shape, P.MemoryJob(rows=2, tp=2))
+    assert plain.parameters == 2 * layer / 2 + vocab / 2 + rest
+    assert plain.weights == plain.gradients == 4 * plain.parameters
+    assert plain.optimizer_states == 2 * plain.weights and plain.masters == 0
+    work = P.Workload(shape, 2, 2, schedule="oases")
+    kept = 2 * 2 * 4 * 8 * 4  # oases keeps 2 sublayer inputs [rows, s, h] per layer, fp32
+    assert P.cost.kept_input_bytes(work, 2, 4) == kept
+    assert plain.activations == pytest.approx(2 * kept + P.cost.buffer_bytes(work, 2, 4) + 2 * 1 * 4 * 16 * 4 / 2)
+    # the largest tensors here are the MLP's [32, 8] (the embedding is [16, 8]):
+    assert plain.read_pretrained == 8 * 32 * 4               # down_proj's column half maps all of it
+    assert plain.read_chunk == 2 * 32 * 8 / 2 * 4             # DCP: the shard's bytes and its tensor
+    assert plain.write_full == (32 * 8 + 32 * 8 / 2) * 4      # gathered tensor + one received shard
+    wide = P.rank_memory(replace(shape, vocab_size=128), P.MemoryJob(rows=2, tp=2))
+    assert wide.read_pretrained == 128 * 8 / 2 * 4            # the embedding's rows: a contiguous half
+    zero = P.rank_memory(shape, P.MemoryJob(rows=2, dp=2, zero=True))
+    adamw = P.rank_memory(shape, P.MemoryJob(rows=2, dp=2))
+    assert zero.optimizer_states == adamw.optimizer_states / 2 and zero.write_full == 0
+    bf16 = P.rank_memory(shape, P.MemoryJob(rows=2, dp=2, zero=True, param_bytes=2))
+    assert bf16.masters == 4 * bf16.parameters / 2 and bf16.optimizer_states == zero.optimizer_states
+    phases = P.phase_memory(shape, P.MemoryJob(rows=2, tp=2))
+    assert tuple(p.phase for p in phases) == P.PHASES
+    resident = {p.phase: p.resident_bytes for p in phases}
+    assert resident["build"] == resident["load_pretrained"] == plain.weights
+    assert resident["train"] == resident["save_pretrained"] == plain.states
+    assert all(p.peak_bytes >= p.resident_bytes > 0 for p in phases)
+    with pytest.raises(ValueError, match="optimizer"):
+        P.MemoryJob(rows=1, optimizer="lamb")
+    with pytest.raises(ValueError, match="tp"):
+        P.rank_memory(shape, P.MemoryJob(rows=1, tp=8))
+
+
+def test_shape_from_config():
+    shape = P.shape_from_config({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
+                                 "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
+                                 "vocab_size": 128, "max_position_embeddings": 2048}, seq_len=16)
+    assert (shape.layers, shape.hidden, shape.kv_heads, shape.ffn_hidden, shape.seq_len) == (2, 64, 2, 176, 16)
+    assert shape.gated_mlp and shape.vocab_size == 128
+    with pytest.raises(TypeError):
+        P.shape_from_config(42)

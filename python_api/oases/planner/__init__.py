@@ -3,6 +3,7 @@
     oases.planner.model     ModelShape, presets (llama-7b, ...), load_model(preset or config file)
     oases.planner.profile   Profile: measured (bench/profiles/*.json) or analytical rates
     oases.planner.cost      Oases eqs. 2-6: node cost per layer and TP degree, resharding edges, memory
+    oases.planner.memory    resident bytes per rank through build, load, train, checkpoint, export
     oases.planner.ilp       the Oases ILP over per-layer strategies (scipy.optimize.milp)
     oases.planner.search    plan(): per-layer TP degrees inside a search over (dp, pp, tp, schedule, ...)
     oases.planner.chunks    Centauri: chunk count (Algorithm 1), backward priority (eq. 1)
@@ -16,11 +17,13 @@ from oases.planner.collectives import CollectiveChoice, all_reduce_form, flat_ti
 from oases.planner.cost import LayerCost, StepCost, Workload, edge_cost, fixed_memory, layer_cost, step_cost, tp_degrees
 from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.planner.ilp import Solution, solve_chain
-from oases.planner.model import PRESETS, ModelShape, load_model
+from oases.planner.memory import PHASES, MemoryJob, PhaseMemory, RankMemory, phase_memory, rank_memory
+from oases.planner.model import PRESETS, ModelShape, load_model, shape_from_config
 from oases.planner.profile import Profile, analytical_profile, load_profile, parse_bytes, parse_link
 from oases.planner.search import DegreePlan, Plan, plan, plan_degrees
 
-__all__ = ["ModelShape", "PRESETS", "load_model", "Profile", "analytical_profile", "load_profile", "parse_bytes",
+__all__ = ["ModelShape", "PRESETS", "load_model", "shape_from_config", "PHASES", "MemoryJob", "PhaseMemory",
+           "RankMemory", "phase_memory", "rank_memory", "Profile", "analytical_profile", "load_profile", "parse_bytes",
            "parse_link", "Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory",
            "step_cost", "tp_degrees", "Solution", "solve_chain", "DegreePlan", "Plan", "plan", "plan_degrees",
            "chunk_count", "overlapped_time", "backward_priority", "choose_segments", "dp_overlap_ratio",

@@ -56,7 +56,8 @@ from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
 
 __all__ = ["Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory", "step_cost",
-           "tp_degrees", "sequence_parallel_ok", "sequence_parallel_form"]
+           "tp_degrees", "sequence_parallel_ok", "sequence_parallel_form", "kept_input_bytes", "buffer_bytes",
+           "logits_bytes"]
 
 DEFAULT_STATE_BYTES = 16.0  # per parameter: weights + gradients + Adam's two moments (fp32, or bf16 + fp32 master)
 
@@ -213,10 +214,19 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         head = profile.head_time(shape, work.rows_at(degree) * shape.seq_len)
         time += head
         compute += head
-    keep = 2 if fine else 1
     states = shape.layer_parameters() / degree * work.state_bytes
-    saved = keep * work.rows_at(degree) * shape.seq_len * shape.hidden * e / (degree if sp else 1)
-    return LayerCost(degree, time, compute, comm, states, saved)
+    return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e))
+
+
+def kept_input_bytes(work: Workload, degree: int, element_bytes: float) -> float:
+    """Bytes of one layer's inputs a rank keeps from its forward to its backward (eq. 6's second
+    term): keep * rows_at(degree) * seq_len * hidden * element_bytes [/ degree sequence parallel],
+    keep = 2 sublayer inputs with fine-grained recomputation (oases), else 1 (the layer's input)."""
+    _, fine, _ = _traits(work.schedule)
+    keep = 2 if fine else 1
+    s = work.shape
+    return keep * work.rows_at(degree) * s.seq_len * s.hidden * element_bytes / (
+        degree if work.sequence_parallel else 1)
 
 
 def edge_cost(work: Workload, profile: Profile, a: int, b: int) -> float:
@@ -228,20 +238,26 @@ def edge_cost(work: Workload, profile: Profile, a: int, b: int) -> float:
     return work.n * profile.collective_time("all_gather", hi // lo, per_sub_batch)
 
 
-def _buffer_bytes(work: Workload, profile: Profile, degree: int) -> float:
+def buffer_bytes(work: Workload, degree: int, element_bytes: float) -> float:
     """Activations of one layer of one sub-batch while autograd holds them (recomputation)."""
     s = work.shape
     per_token = 2 * s.hidden + (4 * s.hidden + 2 * s.ffn_hidden + 2 * s.heads * s.seq_len) / degree
-    return work.rows_at(degree) / work.n * s.seq_len * per_token * profile.element_bytes
+    return work.rows_at(degree) / work.n * s.seq_len * per_token * element_bytes
+
+
+def logits_bytes(work: Workload, vocab_parallel: bool = False) -> float:
+    """One sub-batch's fp32 logits and their gradient: 2 * rows / n * seq_len * vocab * 4
+    [/ tp with a vocab-parallel head, each rank holding its slice of the vocabulary]."""
+    s = work.shape
+    return 2 * work.rows / work.n * s.seq_len * s.vocab_size * 4 / (work.tp if vocab_parallel else 1)
 
 
 def fixed_memory(work: Workload, profile: Profile) -> float:
     """Bytes every plan pays alike: the replicated embedding and head states, one layer's
     buffers at the worst degree, one sub-batch's fp32 logits and their gradient."""
     s = work.shape
-    buffers = max(_buffer_bytes(work, profile, d) for d in tp_degrees(s, work.tp))
-    logits = 2 * work.rows / work.n * s.seq_len * s.vocab_size * 4
-    return s.embedding_parameters() * work.state_bytes + buffers + logits
+    buffers = max(buffer_bytes(work, d, profile.element_bytes) for d in tp_degrees(s, work.tp))
+    return s.embedding_parameters() * work.state_bytes + buffers + logits_bytes(work)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
     shape = load_model("llama-7b")                  # a preset
     shape = load_model("configs/my_model.json")     # our keys or a Hugging Face config.json
+    shape = shape_from_config(llama_config, seq_len=512)   # a transformers config object
     shape.flops("mlp", tokens=4096, tp=2)           # forward FLOPs of one rank's MLP shard
 
 Every layer is two sublayers (attention, MLP), as in oases.models.GPT: FLOPs and parameters are
@@ -17,7 +18,7 @@ from typing import Any, Mapping, Optional
 
 from oases.planner._files import read_json
 
-__all__ = ["ModelShape", "PRESETS", "SUBLAYERS", "load_model"]
+__all__ = ["ModelShape", "PRESETS", "SUBLAYERS", "load_model", "shape_from_config"]
 
 SUBLAYERS = ("attention", "mlp")
 
@@ -124,6 +125,18 @@ def load_model(spec: str, *, seq_len: Optional[int] = None) -> ModelShape:
         shape = _from_config(read_json(spec, "model"), os.path.splitext(os.path.basename(spec))[0])
     else:
         raise ValueError(f"model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing config file")
+    return shape if seq_len is None else replace(shape, seq_len=seq_len)
+
+
+def shape_from_config(config: Any, *, seq_len: Optional[int] = None) -> ModelShape:
+    """The ModelShape of a transformers config object (anything with `to_dict()`) or a mapping of
+    its keys, as `load_model` reads a config.json; `seq_len` overrides max_position_embeddings
+    (the training sequence length is usually shorter)."""
+    as_dict = getattr(config, "to_dict", None)
+    fields = as_dict() if callable(as_dict) else config
+    if not isinstance(fields, Mapping):
+        raise TypeError(f"config: expected a transformers config or a mapping, got {type(config).__name__}")
+    shape = _from_config(fields, type(config).__name__)
     return shape if seq_len is None else replace(shape, seq_len=seq_len)
 
 

@@ -6,11 +6,23 @@
 
 `ru_maxrss` only grows over a process's life, so a peak inside one call needs sampling (every
 `interval` s; a spike shorter than that can be missed, so keep the interval small).
+
+Freed memory that glibc keeps is still resident. To make RSS follow the tensors a process holds:
+
+    exact_malloc()   # once: mallopt(M_MMAP_THRESHOLD, 128 KiB): every larger block is its own
+                     # mapping, unmapped at free (the threshold stops rising with freed blocks)
+    settle()         # before reading VmRSS: gc.collect(), then malloc_trim(0) (free heap pages back)
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import threading
 import time
+from typing import Optional
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def rss_bytes() -> int:
@@ -50,3 +62,26 @@ class PeakRSS:
     @property
     def rise(self) -> int:
         return self.peak - self.start
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+def exact_malloc(threshold: int = 128 * 1024) -> bool:
+    """Fix glibc's mmap threshold at `threshold` bytes (not glibc: nothing); True when set."""
+    libc = _libc()
+    return bool(libc is not None and libc.mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def settle(trim: bool = True) -> None:
+    """gc.collect(), then (trim, glibc) malloc_trim(0): what is freed leaves RSS before it is read."""
+    gc.collect()
+    libc = _libc() if trim else None
+    if libc is not None:
+        libc.malloc_trim(0)

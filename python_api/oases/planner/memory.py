@@ -1,0 +1,156 @@
+"""Resident memory per rank through a training job's phases, from the planner's model of the layout.
+
+    shape = shape_from_config(llama_config, seq_len=128)
+    job = MemoryJob(rows=2, tp=2)                       # TP 2, AdamW, vocab-parallel embedding / head
+    for p in phase_memory(shape, job):
+        p.phase, p.resident_bytes, p.peak_bytes          # build, load_pretrained, train, ...
+
+Per rank, P = this rank's parameters (eq. 6's P_l / d for every layer at degree tp; the embedding
+and head split by the vocabulary when the plan says "vocab" / "vocab_head", else replicated):
+
+    P = layers * layer_parameters / tp + 2 V h / (tp if vocab_parallel else 1)
+        + (embedding_parameters - 2 V h)                       replicated: positions, final norm
+    W = P * param_bytes                                         weights
+    G = P * param_bytes                                         gradients, from the backward to zero_grad
+    S = moments * P * state_bytes / (dp if zero else 1)         optimizer states (AdamW: 2 moments)
+        state_bytes = 4 under ZeRO (states of fp32 masters), param_bytes with a plain optimizer
+    M = 4 * P / dp  if zero and param_bytes < 4, else 0         ZeRO's fp32 masters of its rows
+    A = layers * kept_input_bytes(tp) + buffer_bytes(tp) + logits_bytes    (cost.py, eq. 6)
+
+    phase            resident after     peak during
+    build            W                  W                       (meta build + parallelize(device=))
+    load_pretrained  W                  W + read                read: the file pages one handle maps for
+                                                                the largest tensor (copied into W in place)
+    train            W + S + M          W + S + M + G + A       A only while the step runs
+    save_checkpoint  W + S + M          W + S + M               each shard written from its tensor
+    load_checkpoint  W + S + M          W + S + M + chunk       chunk: the largest shard, twice (DCP reads
+                                                                its bytes, then deserialises a tensor)
+    save_pretrained  W + S + M          W + S + M + full        full: the largest unsharded tensor and one
+                                                                received shard, on the writer (rank 0);
+                                                                0 at tp 1 (the writer writes its own tensors)
+
+A row-sharded tensor (column-parallel weights, vocab-parallel embedding and head: dim 0 split) is
+a contiguous slice of the file; a column-sharded one (row-parallel weights: dim 1 split) touches
+every page of the tensor. Pure: numbers in, bytes out; nothing here allocates or measures.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from oases.planner.cost import Workload, buffer_bytes, kept_input_bytes, logits_bytes, tp_degrees
+from oases.planner.model import ModelShape
+
+__all__ = ["PHASES", "OPTIMIZER_MOMENTS", "MemoryJob", "RankMemory", "PhaseMemory", "rank_memory", "phase_memory"]
+
+PHASES = ("build", "load_pretrained", "train", "save_checkpoint", "load_checkpoint", "save_pretrained")
+OPTIMIZER_MOMENTS: Mapping[str, int] = MappingProxyType({"adamw": 2, "adam": 2, "sgd": 1, "none": 0})
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MemoryJob:
+    """One rank's place in a training job: `rows` sequences per step per data-parallel replica, on
+    `tp` x `dp` ranks, `optimizer` (a key of OPTIMIZER_MOMENTS) wrapped in ZeRO-1 over dp when
+    `zero`, the oases `schedule`, parameters of `param_bytes` each (4: fp32; 2: bf16 / fp16)."""
+
+    rows: int
+    tp: int = 1
+    dp: int = 1
+    optimizer: str = "adamw"
+    zero: bool = False
+    schedule: str = "oases"
+    vocab_parallel: bool = True
+    param_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "tp", "dp"):
+            _positive(name, getattr(self, name))
+        if self.optimizer not in OPTIMIZER_MOMENTS:
+            raise ValueError(f"optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZER_MOMENTS)}")
+        if self.param_bytes not in (2, 4):
+            raise ValueError(f"param_bytes: expected 2 (bf16 / fp16) or 4 (fp32), got {self.param_bytes!r}")
+        for name in ("zero", "vocab_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The parts of one rank's memory (bytes; `parameters` is a count). See the module docstring."""
+
+    parameters: float
+    weights: float
+    gradients: float
+    optimizer_states: float
+    masters: float
+    activations: float
+    read_pretrained: float  # transient of load_pretrained: the largest tensor's mapped file pages
+    read_chunk: float       # transient of load_checkpoint: the largest shard's bytes and its tensor
+    write_full: float       # transient of save_pretrained on the writer: a gathered tensor + a received shard
+
+    @property
+    def states(self) -> float:
+        """What stays resident once training started: W + S + M."""
+        return self.weights + self.optimizer_states + self.masters
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """Predicted bytes above the process's own (imports, process group) after and during a phase."""
+
+    phase: str
+    resident_bytes: float
+    peak_bytes: float
+
+
+def _tensors(shape: ModelShape, vocab_parallel: bool) -> list[tuple[int, str]]:
+    """(elements, split) of each sharded kind of tensor of one layer and the embedding / head:
+    split "rows" (dim 0, contiguous in the file), "columns" (dim 1) or "none" (replicated)."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    vocab = "rows" if vocab_parallel else "none"
+    return [(h * h, "rows"), (kv * h, "rows"), (h * h, "columns"),             # q (k, v), o
+            (shape.ffn_hidden * h, "rows"), (h * shape.ffn_hidden, "columns"),   # gate / up (fc), down (proj)
+            (shape.vocab_size * h, vocab)]                                       # embedding, head
+
+
+def rank_memory(shape: ModelShape, job: MemoryJob) -> RankMemory:
+    """The parts of one rank's memory for `job` on a model of `shape` (see the module docstring)."""
+    if job.tp not in tp_degrees(shape, job.tp):
+        raise ValueError(f"tp: {job.tp} does not divide the heads ({shape.heads}), KV heads ({shape.kv_heads}) "
+                         f"and MLP width ({shape.ffn_hidden}) of the model")
+    tp, dp, pb = job.tp, job.dp, job.param_bytes
+    vocab = 2 * shape.vocab_size * shape.hidden
+    parameters = (shape.layers * shape.layer_parameters() / tp + vocab / (tp if job.vocab_parallel else 1)
+                  + shape.embedding_parameters() - vocab)
+    state_bytes = 4 if job.zero else pb
+    states = OPTIMIZER_MOMENTS[job.optimizer] * parameters * state_bytes / (dp if job.zero else 1)
+    masters = 4 * parameters / dp if job.zero and pb < 4 else 0.0
+    work = Workload(shape, job.rows, tp, schedule=job.schedule)
+    activations = (shape.layers * kept_input_bytes(work, tp, pb) + buffer_bytes(work, tp, pb)
+                   + logits_bytes(work, job.vocab_parallel))
+    split = tp > 1
+    tensors = _tensors(shape, job.vocab_parallel)
+    local = [n / tp if split and how != "none" else n for n, how in tensors]
+    touched = [n if how != "rows" or not split else n / tp for n, how in tensors]
+    read = max(touched) * pb
+    chunk = 2 * max(local) * pb  # a plain optimizer's states are shaped and typed as their parameters
+    full = max((n + n / tp) * pb for n, how in tensors if how != "none") if split else 0.0
+    return RankMemory(parameters, parameters * pb, parameters * pb, states, masters, activations, read, chunk, full)
+
+
+def phase_memory(shape: ModelShape, job: MemoryJob) -> tuple[PhaseMemory, ...]:
+    """Per phase (PHASES, in order): predicted resident bytes after it and peak bytes during it."""
+    m = rank_memory(shape, job)
+    w, kept = m.weights, m.states
+    return (PhaseMemory("build", w, w),
+            PhaseMemory("load_pretrained", w, w + m.read_pretrained),
+            PhaseMemory("train", kept, kept + m.gradients + m.activations),
+            PhaseMemory("save_checkpoint", kept, kept),
+            PhaseMemory("load_checkpoint", kept, kept + m.read_chunk),
+            PhaseMemory("save_pretrained", kept, kept + m.write_full))
