@@ -24,6 +24,8 @@ passes a reducer that reduce-scatters instead (each rank keeps its rows: ZeRO-1)
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Union
 
 import torch
@@ -104,6 +106,12 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     return buckets
 
 
+def _on_grad(sync: "weakref.ref[GradientSync]", p: nn.Parameter) -> None:
+    alive = sync()
+    if alive is not None:
+        alive._on_grad(p)
+
+
 class GradientSync:
     """Average the gradients of `model`'s parameters (or the given parameters) over `group`'s ranks
     (the model's data-parallel replicas), overlapped with the backward: see the module docstring.
@@ -135,7 +143,10 @@ class GradientSync:
         self._deferred = False
         self._queued = False
         self.started_in_backward = 0  # buckets started by a gradient hook, over the sync's life (overlap)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # The hooks hold the sync weakly: a parameter's hook keeping it alive would keep the model
+        # alive too (a cycle through post-accumulate-grad hooks that the garbage collector never frees).
+        hook = functools.partial(_on_grad, weakref.ref(self))
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[id(p)]
@@ -176,10 +187,9 @@ class GradientSync:
         self._queued = False
         if not self._counts:
             return  # no gradient this step
-        for bucket in self._buckets:
+        for bucket in self._buckets:  # in order on every rank; one late bucket's copy in flight at a time
             if not bucket.started:
                 self._start(bucket)
-        for bucket in self._buckets:
             self.reducer.complete(bucket.params, bucket.pending)
             bucket.pending, bucket.started, bucket.ready = None, False, 0
         if self._expected is None:
@@ -191,7 +201,7 @@ class GradientSync:
         self._expected = None
 
     def close(self) -> None:
-        """Remove the hooks."""
+        """Remove the hooks (a sync dropped without close() leaves inert hooks behind)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
