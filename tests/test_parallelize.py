@@ -28,11 +28,12 @@ def _expected_grad(tp_model, name, full_grad, rank, p):
     """The slice of the unsharded gradient that parameter `name` of the sharded model must hold."""
     owner_name, _, leaf = name.rpartition(".")
     owner = tp_model.get_submodule(owner_name)
-    if isinstance(owner, ColumnParallelLinear):
+    if isinstance(owner, ColumnParallelLinear) and owner.stacked > 1:  # spelled out: the fused layout
         return torch.cat([block.chunk(p, 0)[rank] for block in full_grad.chunk(owner.stacked, 0)])
-    if isinstance(owner, RowParallelLinear) and leaf == "weight":
-        return full_grad.chunk(p, 1)[rank]
-    return full_grad  # replicated: row biases, norms, embeddings, unsharded layers
+    rule = owner.tp_layout().get(leaf) if hasattr(owner, "tp_layout") else None
+    if rule is not None:  # column rows, row columns, vocabulary rows
+        return rule.shard(full_grad, rank, p)
+    return full_grad  # replicated: row biases, norms, unsharded layers
 
 
 def _check_gradients(ref, tp, rank, p, what):
@@ -74,8 +75,11 @@ def _neox(seed=0):
 
 def _check_hf_equivalence(ref, group, p, tp_rank, ids, what):
     tp = copy.deepcopy(ref)
-    with pytest.warns(UserWarning, match=r"left 1 nn.Linear module\(s\) unsharded .*: lm_head\."):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default plan places every nn.Linear (the head: vocab-parallel)
         assert oases.parallelize(tp, group) is tp
+    assert isinstance(tp.get_output_embeddings(), oases.nn.ColumnParallelLinear)
+    assert isinstance(tp.get_input_embeddings(), oases.nn.VocabParallelEmbedding)
     out_ref = ref(input_ids=ids, labels=ids)
     out_ref.loss.backward()
     out_tp = tp(input_ids=ids, labels=ids)
@@ -85,8 +89,9 @@ def _check_hf_equivalence(ref, group, p, tp_rank, ids, what):
         out_tp.loss.backward()
     finally:
         _mappings._all_reduced = original
-    # One all-reduce per block input (attention, MLP): q, k, v and gate, up share theirs.
-    assert len(all_reduced) == 2 * len(_decoder_layers(tp)), (what, all_reduced)
+    # One all-reduce per block input (attention, MLP): q, k, v and gate, up share theirs; one for the
+    # vocab-parallel head's input (the embedding's backward has none).
+    assert len(all_reduced) == 2 * len(_decoder_layers(tp)) + 1, (what, all_reduced)
     torch.testing.assert_close(out_tp.logits, out_ref.logits, **TOL)
     torch.testing.assert_close(out_tp.loss, out_ref.loss, **TOL)
     _check_gradients(ref, tp, tp_rank, p, what)
@@ -111,7 +116,7 @@ def _check_hf_models(rank, world_size):
             attn, mlp = tp.model.layers[0].self_attn, tp.model.layers[0].mlp
             assert all(isinstance(getattr(attn, n), ColumnParallelLinear) for n in ("q_proj", "k_proj", "v_proj"))
             assert isinstance(attn.o_proj, RowParallelLinear) and isinstance(mlp.down_proj, RowParallelLinear)
-            assert isinstance(mlp.gate_proj, ColumnParallelLinear) and type(tp.lm_head) is nn.Linear
+            assert isinstance(mlp.gate_proj, ColumnParallelLinear) and type(tp.lm_head) is ColumnParallelLinear
             assert attn.k_proj.weight.shape == (kv_heads * 16 // p, 64)
             assert tp.config.num_attention_heads == 4, "the shared config is never changed"
         tp = _check_hf_equivalence(_neox(), group, p, tp_rank, ids, "gpt-neox")
@@ -178,8 +183,10 @@ def _check_nanogpt(rank, p):
     torch.manual_seed(3)
     ref = GPT(n_embd=48, n_head=12)
     tp = copy.deepcopy(ref)
-    with pytest.warns(UserWarning, match=r": lm_head\.$"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every nn.Linear placed: the head vocab-parallel by default
         oases.parallelize(tp, chunks=2)
+    assert isinstance(tp.lm_head, ColumnParallelLinear) and isinstance(tp.wte, oases.nn.VocabParallelEmbedding)
     assert tp.h[0].attn.c_attn.stacked == 3 and tp.h[0].attn.c_attn.chunks == 2
     assert (tp.h[0].attn.n_head, tp.h[0].attn.n_embd) == (12 // p, 48 // p), "per-rank heads and width"
     assert isinstance(tp.h[1].mlp.c_proj, RowParallelLinear) and isinstance(tp.h[1].attn.c_proj, RowParallelLinear)

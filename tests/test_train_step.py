@@ -260,7 +260,7 @@ def _check_loss_fn_and_own_stack(rank, world_size):
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        oases.parallelize(tp)
+        oases.parallelize(tp, vocab_parallel=False)  # loss_fn sees whole logits (a vocab-parallel head: slices)
     ids, labels, _ = _batch(4, 12, 5, False)
     labels[1, 2:5] = -100
     logits = ref(input_ids=ids).logits  # unshifted token loss, z-loss term included

@@ -19,6 +19,7 @@ chunks) move those boxes, so no rank ever needs the full tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import torch
 
@@ -45,13 +46,39 @@ class Chunk:
 
 @dataclass(frozen=True)
 class ShardRule:
-    """A parameter cut along `dim` into p equal parts, blockwise when `stacked` > 1 (dim 0 only)."""
+    """A parameter cut along `dim` into p equal parts, blockwise when `stacked` > 1 (dim 0 only).
+
+    `size` (padded shards, stacked == 1: a vocabulary that p does not divide): the full tensor's
+    length along `dim`; each rank holds ceil(size / p) entries, rank r the entries
+    [r * ceil(size / p), ...) of the full tensor, and the entries past `size` (on the last ranks)
+    are padding: zeros in `shard`, dropped by `unshard`, in no chunk.
+    """
 
     dim: int
     stacked: int = 1
+    size: Optional[int] = None
+
+    def part(self, world_size: int) -> Optional[int]:
+        """Entries per rank of a padded rule (None: unpadded)."""
+        return None if self.size is None else -(-self.size // world_size)
+
+    def full_shape(self, local_shape: Sequence[int], world_size: int) -> torch.Size:
+        """The full tensor's shape from a shard's."""
+        shape = list(local_shape)
+        shape[self.dim] = self.size if self.size is not None else shape[self.dim] * world_size
+        return torch.Size(shape)
 
     def shard(self, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-        """This rank's part of the full tensor (a view)."""
+        """This rank's part of the full tensor (a view; a zero-padded copy for a padded rule)."""
+        if self.size is not None:
+            part = self.part(world_size)
+            start = min(self.size, rank * part)
+            held = min(self.size, start + part) - start
+            shape = list(full.shape)
+            shape[self.dim] = part
+            out = full.new_zeros(shape)
+            out.narrow(self.dim, 0, held).copy_(full.narrow(self.dim, start, held))
+            return out
         if self.dim == 0:
             return column_shard(full, rank, world_size, self.stacked)
         return full.chunk(world_size, dim=self.dim)[rank]
@@ -61,8 +88,18 @@ class ShardRule:
 
             stacked == 1:  [full.chunk(p, dim)[rank]]
             stacked == s:  block k of s (dim 0), rank's part of it: rows k*B + rank*B/p ... (B = n/s)
+            padded:        [entries rank*ceil(size/p) ... up to size] (none for a rank of padding only)
         """
         shape = tuple(int(n) for n in full_shape)
+        if self.size is not None:
+            part = self.part(world_size)
+            start = min(self.size, rank * part)
+            held = min(self.size, start + part) - start
+            if held == 0:
+                return []
+            offsets, sizes = [0] * len(shape), list(shape)
+            offsets[self.dim], sizes[self.dim] = start, held
+            return [Chunk(tuple(offsets), tuple(sizes), self.dim, 0)]
         block = shape[self.dim] // self.stacked  # one stacked block (the whole dim when stacked == 1)
         part = block // world_size  # this rank's rows of a block
         boxes = []
@@ -76,6 +113,8 @@ class ShardRule:
 
     def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's part, in rank order (the inverse of `shard`)."""
+        if self.size is not None:
+            return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.size)
         if self.dim != 0 or self.stacked == 1:
             return torch.cat(parts, dim=self.dim)
         blocks = [p.chunk(self.stacked, 0) for p in parts]  # [rank][block]

@@ -54,9 +54,7 @@ class _Shard:
 
     @property
     def full_shape(self) -> torch.Size:
-        shape = list(self.local.shape)
-        shape[self.rule.dim] *= self.size
-        return torch.Size(shape)
+        return self.rule.full_shape(self.local.shape, self.size)
 
 
 def _shards(model: nn.Module) -> dict[str, _Shard]:

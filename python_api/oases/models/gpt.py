@@ -262,7 +262,7 @@ class GPT(nn.Module):
             shape, rule = list(p.shape), rules.get(name, (None,))[0]
             rank, size = self._shard_position(name)
             if rule is not None:
-                shape[rule.dim] *= size
+                shape = list(rule.full_shape(shape, size))
             if name.endswith("norm.weight") or name == "norm_f.weight":
                 full = torch.ones(shape)
             elif name.endswith("bias"):

@@ -176,7 +176,8 @@ class HFStack:
         if self.logits_group is None:
             return self.lm_head(h)  # [b, t, vocab]
         # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
-        return F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
+        logits = F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
+        return self.lm_head.mask_padding(logits)  # a padded vocabulary's columns: -inf
 
 
 @contextlib.contextmanager

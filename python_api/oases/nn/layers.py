@@ -55,7 +55,7 @@ import torch.nn as nn
 
 from oases import _checks, ops
 from oases.ops import _gemm
-from oases._sharding import ShardRule, column_shard, row_shard
+from oases._sharding import ShardRule, row_shard
 from oases.comm._topology import ring_of
 from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
 
@@ -174,6 +174,9 @@ class ColumnParallelLinear(nn.Module):
     [q_r | k_r | v_r] and a model's `split` into equal thirds still finds q, k and v.
     `chunks`: pieces per shard for all_gather_linear's overlap (None: the op chooses); unused
     without sequence parallelism, where the forward has no communication to hide.
+    `pad_vocab` (an LM head): out_features need not divide by p; each rank holds ceil(out/p) rows,
+    the last ranks' rows past out_features are padding (zeros) whose outputs are -inf
+    (`mask_padding`) and are dropped by gather_output (oases.nn.vocab).
     `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
     """
 
@@ -188,19 +191,30 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         chunks: Optional[int] = None,
         stacked: int = 1,
+        pad_vocab: bool = False,
         gradient_accumulation_fusion: bool = False,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         _check_flag(type(self).__name__, "gradient_accumulation_fusion", gradient_accumulation_fusion)
+        _check_flag(type(self).__name__, "pad_vocab", pad_vocab)
         ring = ring_of(group)
-        check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked)
+        if pad_vocab and stacked != 1:
+            raise ValueError(f"{type(self).__name__}: pad_vocab (an LM head) takes stacked=1, got {stacked}")
+        if not pad_vocab:
+            check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_features, self.out_features = in_features, out_features
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.chunks, self.stacked = _resolve_chunks(chunks), stacked
+        self.pad_vocab = pad_vocab
+        self._rule = ShardRule(0, stacked) if not pad_vocab or out_features % ring.size == 0 else \
+            ShardRule(0, size=out_features)  # rows past out_features on the last ranks: padding
+        part = self._rule.part(ring.size)
+        self._held = out_features // ring.size if part is None else \
+            max(0, min(out_features, (ring.rank + 1) * part) - ring.rank * part)  # real rows on this rank
         self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
@@ -211,13 +225,21 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full [out, ...] weight or [out] bias (a view)."""
-        return column_shard(full, self.rank, self.world_size, self.stacked)
+        """This rank's rows of a full [out, ...] weight or [out] bias (a view; a zero-padded copy
+        for a padded vocabulary)."""
+        return self._rule.shard(full, self.rank, self.world_size)
 
     def tp_layout(self) -> dict[str, ShardRule]:
         """How this layer's parameters cut the full layer's (see oases._sharding)."""
-        rule = ShardRule(0, self.stacked)
+        rule = self._rule
         return {"weight": rule} if self.bias is None else {"weight": rule, "bias": rule}
+
+    def mask_padding(self, y: torch.Tensor) -> torch.Tensor:
+        """y [..., rows of this rank] with the padded vocabulary's columns at -inf (pad_vocab; else y):
+        they never win a softmax, add nothing to a loss, and get no gradient."""
+        if self._held == y.shape[-1]:
+            return y
+        return y.masked_fill(torch.arange(y.shape[-1], device=y.device) >= self._held, float("-inf"))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
@@ -237,9 +259,12 @@ class ColumnParallelLinear(nn.Module):
             else:
                 x = self._entry.enter(x)
             y = _linear(x, self.weight, self.bias, main_grad)  # [..., out/p]
+        y = self.mask_padding(y)
         if not self.gather_output:
             return y
         y = gather_from_tp(y, self.group)  # [..., p * out/p] in rank order: [r][block][features]
+        if self.pad_vocab:
+            return y.narrow(-1, 0, self.out_features)  # the padding's columns dropped
         if self.stacked > 1:  # back to [block][r][features], the unsharded layer's order
             y = y.unflatten(-1, (self.world_size, self.stacked, -1)).transpose(-3, -2).flatten(-3)
         return y

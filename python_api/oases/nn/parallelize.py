@@ -16,15 +16,19 @@ any dotted tail of it, so "q_proj" matches "model.layers.0.self_attn.q_proj" and
                  (output features) sharded and the logits gathered back to [..., V]
     "vocab"      VocabParallelEmbedding.from_embedding, for an nn.Embedding: its rows sharded
 
-Only "vocab" entries match nn.Embedding modules (every other entry matches nn.Linear only), so
-embeddings stay replicated unless a plan asks. Vocabulary parallelism is opt-in for Hugging Face
-models: plan={**DEFAULT_PLAN, "embed_tokens": "vocab", "lm_head": "vocab_head"}. The head gathers
-its logits, so the model's own forward and loss see all V of them and stay exact; a training
-loop that keeps them sharded sets `model.lm_head.gather_output = False` and computes its loss
-with `oases.nn.vocab_parallel_cross_entropy` (see oases.nn.vocab). Both need V divisible by p
-(pad the vocabulary). Tied weights (lm_head.weight is embed_tokens.weight) cannot be sharded by
-"vocab" or "vocab_head" without breaking the tie, so asking raises a ValueError: untie them
-first, or leave the tied modules replicated.
+Only "vocab" entries match nn.Embedding modules (every other entry matches nn.Linear only).
+Vocabulary parallelism is the default (vocab_parallel=True, Megatron's): without a plan, the
+model's input embedding and LM head (Hugging Face's get_input_embeddings() / get_output_embeddings(),
+nanoGPT's wte / lm_head) are planned "vocab" and "vocab_head"; vocab_parallel=False keeps them
+replicated, and an explicit plan decides for itself ({**DEFAULT_PLAN, "embed_tokens": "vocab",
+"lm_head": "vocab_head"}). The head gathers its logits, so the model's own forward and loss see
+all V of them and stay exact; oases.train_step never gathers them (its loss is
+vocab_parallel_cross_entropy), and a loop of one's own may set `model.lm_head.gather_output = False`
+and compute its loss with `oases.nn.vocab_parallel_cross_entropy` (see oases.nn.vocab). V need
+not divide by p: each rank holds ceil(V/p) rows and the padding rows' logits are -inf (never in
+a loss, dropped from gathered logits, absent from checkpoints and exports). A tied embedding and
+head (tie_word_embeddings=True) are sharded together, one shard serving both; a tie of one
+planned module to anything else raises a ValueError (untie first, or leave both replicated).
 
 Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2, GPT-NeoX/Falcon and nanoGPT naming.
 nn.Linear modules no pattern places (an LM head, say) stay unsharded and replicated, and one
@@ -238,20 +242,58 @@ def _check_kinds(styles: dict[str, _Style], linears: dict[str, nn.Linear],
             raise ValueError(f"plan[{pattern!r}]: {style.kind!r} matches {wrong}, {is_a}; use {use} for it")
 
 
-def _check_ties(model: nn.Module, names: list[str]) -> None:
-    """None of the modules `names` may share its weight with another module (a tied LM head)."""
+def _vocab_entries(model: nn.Module) -> dict[str, _Style]:
+    """{exact qualified name: "vocab" | "vocab_head"} for the model's input embedding and LM head
+    (Hugging Face's accessors, else nanoGPT's wte / lm_head), when they are a plain nn.Embedding and
+    nn.Linear. Names are matched whole: they are module paths, not patterns."""
+    found: dict[str, _Style] = {}
+    names = {id(m): n for n, m in model.named_modules() if n}
+    pairs = []
+    for getter, kind in (("get_input_embeddings", "vocab"), ("get_output_embeddings", "vocab_head")):
+        get = getattr(model, getter, None)
+        try:
+            module = get() if callable(get) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        pairs.append((module, kind))
+    if all(m is None for m, _ in pairs):
+        transformer = getattr(model, "transformer", model)
+        pairs = [(getattr(transformer, "wte", None), "vocab"), (getattr(model, "lm_head", None), "vocab_head")]
+    for module, kind in pairs:
+        wanted = nn.Embedding if kind == "vocab" else nn.Linear
+        if type(module) is wanted and id(module) in names:  # exactly: subclasses may change forward
+            found[names[id(module)]] = _Style(kind)
+    return found
+
+
+def _check_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
+    """The (embedding, head) pairs among the vocabulary-planned modules `names` that share one
+    weight (tie_word_embeddings): both sharded, they keep sharing one shard. Any other tie of a
+    planned module raises a ValueError (sharding it alone would silently untie it)."""
     holders: dict[int, list[str]] = {}
     for qualified, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(qualified)
+    planned = {f"{name}.weight": name for name in names}
+    pairs = []
     for name in names:
         others = [n for n in holders[id(model.get_submodule(name).weight)] if n != f"{name}.weight"]
+        if len(others) == 1 and others[0] in planned:
+            a, b = name, planned[others[0]]
+            embedding = a if isinstance(model.get_submodule(a), nn.Embedding) else b
+            head = b if embedding == a else a
+            if isinstance(model.get_submodule(embedding), nn.Embedding) and isinstance(model.get_submodule(head), nn.Linear):
+                if (embedding, head) not in pairs:
+                    pairs.append((embedding, head))
+                continue
         if others:
             raise ValueError(
                 f"{name}: its weight is tied to {', '.join(others)} (the same Parameter, e.g. "
-                f"tie_word_embeddings=True); sharding it alone would silently untie them. Untie them first "
-                f"({name}.weight = nn.Parameter({name}.weight.detach().clone()), or build the model with "
-                f"tie_word_embeddings=False), or leave the tied modules replicated (remove {name} from the plan)"
+                f"tie_word_embeddings=True); sharding it alone would silently untie them. Plan both ends of the "
+                f"tie (the embedding as 'vocab', the head as 'vocab_head': they share one shard), untie them "
+                f"({name}.weight = nn.Parameter({name}.weight.detach().clone())), or leave the tied modules "
+                f"replicated (remove {name} from the plan)"
             )
+    return pairs
 
 
 def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str, nn.Module]:
@@ -431,6 +473,7 @@ def parallelize(
     device: Optional[Union[torch.device, str]] = None,
     init_weights: bool = True,
     allocate: Optional[Callable[[str], bool]] = None,
+    vocab_parallel: bool = True,
 ) -> nn.Module:
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
@@ -470,6 +513,8 @@ def parallelize(
     model), replayed one module at a time (oases.nn._materialize: peak = this rank's tensors plus
     one module's full tensors). init_weights=False leaves them uninitialised, for weights that
     oases.load_pretrained or oases.load_checkpoint fill next (no draws, no full tensor).
+    `vocab_parallel` (with plan=None): shard the input embedding and the LM head over the vocabulary
+    (see the module docstring; not with per-layer tp_degrees, where they stay replicated).
     `allocate(name) -> bool` (with device): which tensors (by qualified name, as
     model.named_parameters() / named_buffers() give it) this rank holds; the others stay on meta
     (a pipeline stage holding some layers), their random draws still made, so every held tensor
@@ -503,11 +548,16 @@ def parallelize(
             "a model written for [s/p, b, h] activations. Use sequence_parallel=False here, and "
             "oases.train_step(model, ..., sequence_parallel=True) for sequence parallelism in training"
         )
+    if not isinstance(vocab_parallel, bool):
+        raise TypeError(f"vocab_parallel: expected a bool, got {vocab_parallel!r}")
+    default = plan is None
     plan = DEFAULT_PLAN if plan is None else plan
     if not isinstance(plan, Mapping):
         raise TypeError(f"plan: expected a mapping of module-name patterns to 'column' or 'row', "
                         f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}")
     styles = {pattern: _parse_style(pattern, value) for pattern, value in plan.items()}
+    if default and vocab_parallel and tp_degrees is None and p > 1:
+        styles.update(_vocab_entries(model))
     linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
     embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
 
@@ -524,7 +574,7 @@ def parallelize(
         embedding = embeddings[name]
         check_embedding(f"{name} (nn.Embedding {embedding.num_embeddings} x {embedding.embedding_dim}, "
                         f"planned as 'vocab')", embedding, p)
-    _check_ties(model, [n for n, s in placed.items() if s.kind == "vocab_head"] + list(placed_embeddings))
+    tied = _check_ties(model, [n for n, s in placed.items() if s.kind == "vocab_head"] + list(placed_embeddings))
     attention = _attention_modules(model, placed)
     for name, module in attention.items():
         _check_heads(name, module, degree(name))
@@ -545,13 +595,15 @@ def parallelize(
                                                      sequence_parallel=sequence_parallel, chunks=chunks)
             layer._entry = entries[d]
         elif style.kind == "vocab_head":  # the full logits, for the model's own forward and loss
-            layer = ColumnParallelLinear.from_linear(linear, group, gather_output=True,
+            layer = ColumnParallelLinear.from_linear(linear, group, gather_output=True, pad_vocab=True,
                                                      sequence_parallel=sequence_parallel, chunks=chunks)
         else:
             layer = RowParallelLinear.from_linear(linear, groups[d], sequence_parallel=sequence_parallel, chunks=chunks)
         _replace(model, name, layer)
     for name in placed_embeddings:
         _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
+    for embedding, head in tied:  # one shard serves both ends of the tie (same rows, same rule)
+        model.get_submodule(head).weight = model.get_submodule(embedding).weight
     if target is not None:  # before any hook is registered on a parameter
         materialize(model, original, target, init_weights, allocate or (lambda name: True))
         del original

@@ -1,8 +1,11 @@
 """The vocabulary split over the tensor-parallel ranks: embedding, LM head and cross-entropy.
 
 Megatron's VocabParallelEmbedding and vocab_parallel_cross_entropy. p ranks in `group`, r this
-rank, V the vocabulary (a multiple of p), h the hidden size; rank r owns the token ids
-[r*V/p, (r+1)*V/p), the rows of the embedding table E [V, h] and of the LM head's W [V, h]:
+rank, V the vocabulary, h the hidden size; rank r owns the token ids [r*V/p, (r+1)*V/p), the rows
+of the embedding table E [V, h] and of the LM head's W [V, h]. When p does not divide V (GPT-2's
+50257), every rank holds ceil(V/p) rows and the last ranks' rows past V are padding (Megatron pads
+the vocabulary the same way): zeros never looked up, whose logits are -inf, so they never reach a
+softmax, a loss or the gathered logits (ShardRule(0, size=V), `vocab_rule`). Below, V/p reads ceil(V/p):
 
     VocabParallelEmbedding   weight E[r*V/p : (r+1)*V/p]  [V/p, h]          tp_layout: ShardRule(0)
         forward(ids [...]) -> y [..., h], replicated
@@ -53,24 +56,25 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from oases import comm
-from oases._sharding import ShardRule, column_shard
+from oases._sharding import ShardRule
 from oases.comm._topology import Ring, ring_of
 from oases.nn._mappings import reduce_from_tp
 
-__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_rule"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
 def check_vocab(owner: str, arg: str, size: int, world_size: int) -> None:
-    """A vocabulary of `size` tokens must split into p whole per-rank ranges."""
-    if size % world_size:
-        padded = -(-size // world_size) * world_size
-        raise ValueError(
-            f"{owner}: {arg}={size} (the vocabulary) is not divisible by the tensor-parallel world size "
-            f"{world_size}; pad the vocabulary to a multiple of {world_size} ({arg}={padded}), e.g. with "
-            f"Hugging Face's model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of={world_size})"
-        )
+    """A vocabulary of `size` tokens: at least one token (p need not divide it: shards are padded)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{owner}: {arg} must be a positive int (the vocabulary), got {size!r}")
+
+
+def vocab_rule(size: int, world_size: int) -> ShardRule:
+    """The rows of a [V, ...] vocabulary table: equal parts, padded when p does not divide V
+    (Megatron's make_vocab_size_divisible_by, without changing V: the padding is never a token)."""
+    return ShardRule(0) if size % world_size == 0 else ShardRule(0, size=size)
 
 
 def check_embedding(owner: str, embedding: nn.Module, world_size: int) -> None:
@@ -125,17 +129,19 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = full.padding_idx  # normalised to [0, V) by nn.Embedding
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
-        per_rank = num_embeddings // ring.size
-        self.vocab_start_index, self.vocab_end_index = ring.rank * per_rank, (ring.rank + 1) * per_rank
-        self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [V/p, h]
+        self._rule = vocab_rule(num_embeddings, ring.size)
+        per_rank = -(-num_embeddings // ring.size)  # ceil: the last ranks' rows past V are padding
+        self.vocab_start_index = min(num_embeddings, ring.rank * per_rank)
+        self.vocab_end_index = min(num_embeddings, (ring.rank + 1) * per_rank)
+        self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [ceil(V/p), h]
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a full [V, h] table (a view)."""
-        return column_shard(full, self.rank, self.world_size)
+        """This rank's rows of a full [V, h] table (a view; zero-padded copy when p does not divide V)."""
+        return self._rule.shard(full, self.rank, self.world_size)
 
     def tp_layout(self) -> dict[str, ShardRule]:
         """How this layer's parameters cut the full layer's (see oases._sharding): the rows."""
-        return {"weight": ShardRule(0)}
+        return {"weight": self._rule}
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding,
@@ -163,7 +169,7 @@ class VocabParallelEmbedding(nn.Module):
             raise IndexError(f"ids: every id must be in [0, num_embeddings={self.num_embeddings}), got ids in "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         local = ids - self.vocab_start_index  # [...]
-        elsewhere = (local < 0) | (local >= self.weight.shape[0])  # ids other ranks own
+        elsewhere = (local < 0) | (local >= self.vocab_end_index - self.vocab_start_index)  # ids other ranks own
         y = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self._local_padding_idx())  # [..., h]
         y = y.masked_fill(elsewhere.unsqueeze(-1), 0.0)  # their rows add nothing here, nor their grads
         return reduce_from_tp(y, self.group)
