@@ -1,7 +1,9 @@
 """Pipeline parallelism: stages, segments, schedules, on a (dp, pp, tp) device mesh.
 
     oases.pipeline.Pipeline     train a GPT or any oases.train_step model (a factory) with PP x DP x TP:
-                                train_step(tokens, targets), state_dict(); offload=, segments="auto"
+                                train_step(tokens, targets), state_dict(); offload=, segments="auto";
+                                meta-built factories (each stage allocates its part), load/save_pretrained,
+                                save/load_checkpoint
     oases.pipeline.schedules    gpipe / 1f1b / aiao (FOLD3D) as per-stage action lists, with timelines
     oases.pipeline.stages       which layers a stage holds (FOLD3D's folding into segments), the stage module
     oases.pipeline.p2p          asynchronous activation / gradient transfers between stages

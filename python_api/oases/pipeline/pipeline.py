@@ -7,6 +7,8 @@
                     dp_overlap_ratio=1.0, preemption=True)
     loss = pipe.train_step(tokens, targets)   # global batch [B, t], the same on every rank
     state = pipe.state_dict()                 # applies pending updates; the full model's state dict, on every rank
+    pipe.load_pretrained(dir) / pipe.save_pretrained(dir)       # Hugging Face safetensors, each stage its part
+    pipe.save_checkpoint(root, step=n, keep=2) / pipe.load_checkpoint(root)   # DCP, optimizers included
 
 One step, on the rank at (d, s, t) of the mesh:
 
@@ -46,6 +48,7 @@ counters: `deferred_chunks`, `pp_latency`, ... (see oases.pipeline.comm_schedule
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -54,15 +57,17 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
-from oases.models.gpt import GPT, GPTConfig
+from oases.checkpoint import CheckpointState
+from oases.models.gpt import GPTConfig
 from oases.planner.collectives import partition
-from oases.nn.parallelize import parallelize
+from oases.pipeline import _storage
+from oases.pipeline._build import build
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync, buckets_of
 from oases.pipeline.p2p import StageComm, make_links, mesh_grid
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.offload import Offloader, OffloadStats
-from oases.pipeline.stages import Stage, StageInput, StageLayout
+from oases.pipeline.stages import Stage, StageInput, StageLayout, check_layers as _check_layers
 from oases.schedule import SubBatch
 
 __all__ = ["Pipeline"]
@@ -136,6 +141,13 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
     return sizes
 
 
+def _mesh_device(mesh) -> torch.device:
+    """The device a meta-built stage is allocated on: the mesh's device type (CUDA: the current GPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def _dp_lines(mesh) -> list[list[int]]:
     """Every dp group's global ranks, in the order make_links walks the mesh: (pp, tp) index-major."""
     grid = mesh_grid(mesh)  # [dp, pp, tp] global ranks
@@ -205,39 +217,6 @@ def _check_backend(group: dist.ProcessGroup, device: torch.device) -> None:
                          "'cpu:gloo,cuda:nccl', and the mesh on the model's device type)")
 
 
-def _check_layers(what: str, layers: int, pp: int, segments: int) -> None:
-    if layers % (pp * segments):
-        raise ValueError(f"{what}: {layers} layers are not divisible by pp * segments = {pp} * {segments}")
-
-
-def _build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGroup, tp: int,
-           seed: int) -> tuple[nn.Module, object]:
-    """(model, its Stack view): GPT(config, tp_group, seed=seed), or factory() made under
-    torch.manual_seed(seed) and parallelized over tp_group (unless it is already sharded).
-    Local: no communication."""
-    from oases.training import adapt  # oases.training imports the schedules, which import models
-
-    if isinstance(config, GPTConfig):
-        model = GPT(config, tp_group, seed=seed)
-        return model, model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = config()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"config: the factory returned {type(model).__name__}, expected an nn.Module "
-                         "(a Hugging Face causal LM, a nanoGPT-style model or an oases.schedule.Stack module)")
-    if getattr(model, "tp_degrees", None) is not None:
-        raise ValueError("config: the factory's model has per-layer tp_degrees; the pipeline runs every layer "
-                         "of a stage on the mesh's tp group (build the model without tp_degrees)")
-    if tp > 1 and not any(hasattr(m, "tp_layout") for m in model.modules()):
-        parallelize(model, tp_group)
-    stack = adapt(model)
-    check = getattr(stack, "check_trainable", None)
-    if check is not None:
-        check()
-    return model, stack
-
-
 class Pipeline:
     """A model cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
 
@@ -248,8 +227,12 @@ class Pipeline:
     sees it through `oases.train_step`'s adapters (Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
     GPT-NeoX, nanoGPT, any `oases.schedule.Stack` module). Every rank builds the whole model,
     then frees the parameters of other stages' layers once the layout is final (`freed_bytes`;
-    embedding and head stay on every rank: every stage runs the embedding for its ctx). The loss is the GPT's: mean over every token of
-    cross_entropy(logits, targets), targets not shifted.
+    embedding and head stay on every rank: every stage runs the embedding for its ctx). A factory
+    that builds on meta (`with torch.device("meta"): return Cls(cfg)`) gets only what its stage
+    places allocated, on the mesh's device (oases.pipeline._build): its layers, the embedding on
+    the first stage, the head on the last; `init_weights=True` gives them the single-process
+    build's values, False leaves them for `load_pretrained` / `load_checkpoint` (segments: an int).
+    The loss is the GPT's: mean over every token of cross_entropy(logits, targets), targets not shifted.
 
     `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
     oases.pipeline.schedules); `optimizer(params)` builds the optimizer of one segment's
@@ -292,9 +275,12 @@ class Pipeline:
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
                  seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
                  dp_bucket_numel: int = _BUCKET_NUMEL, dp_chunk_bytes: int = CHUNK_BYTES,
-                 offload: bool | Offloader = False, dp_hierarchy: bool | str = False) -> None:
+                 offload: bool | Offloader = False, dp_hierarchy: bool | str = False,
+                 init_weights: bool = True) -> None:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel,
                               dp_chunk_bytes)
+        if not isinstance(init_weights, bool):
+            raise TypeError(f"init_weights: expected a bool, got {init_weights!r}")
         dp_packing = _check_dp_hierarchy(dp_hierarchy, mesh)  # before any communication, like every check
         self._dp_links = HostLinks.from_env() if dp_hierarchy == "auto" and dp_packing is not None else None
         if not isinstance(offload, (bool, Offloader)):
@@ -303,8 +289,11 @@ class Pipeline:
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in _MESH_DIMS)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
-        self.model, self._stack = _build(config, self.tp_group, sizes["tp"], seed)
-        devices = {p.device for p in self.model.parameters()}
+        self.mesh = mesh
+        self.model, self._stack, self._roles = build(
+            config, self.tp_group, sizes["tp"], seed, device=_mesh_device(mesh), init_weights=init_weights,
+            pp=self.pp, segments=segments, stage=dist.get_rank(self.pp_group))
+        devices = {p.device for p in self.model.parameters() if not p.is_meta}  # meta: other stages' (meta build)
         if len(devices) != 1:
             raise ValueError(f"config: the model's parameters are on {len(devices)} devices ({sorted(map(str, devices))}); "
                              "a stage runs on one device: move the model there in the factory")
@@ -335,7 +324,7 @@ class Pipeline:
         self.segments, self.dp_overlap_ratio = segments, dp_overlap_ratio
         stage = dist.get_rank(self.pp_group)
         self.layout = StageLayout(self._layers, self.pp, segments, stage)
-        self.stage = Stage(self.model, self._stack, self.layout, self.tp_group)
+        self.stage = Stage(self.model, self._stack, self.layout, self.tp_group, roles=self._roles)
         segment_params = [self.stage.segment_parameters(k) for k in range(segments)]
         self.optimizers = [self._make_optimizer(params) for params in segment_params]  # one per segment
         self.plan: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
@@ -578,6 +567,31 @@ class Pipeline:
             parts[0] = mine
         merged = {key: value for part in parts for key, value in part.items()}
         return {key: merged[key] for key in self.stage.key_order}
+
+    # --- storage (oases.pipeline._storage) -------------------------------------------------------
+
+    def load_pretrained(self, path: str | os.PathLike, *, strict: bool = True) -> tuple[list[str], list[str]]:
+        """Fill the tensors this rank holds from a Hugging Face safetensors directory (each rank reads
+        only its boxes), checked against the whole model on every rank first; returns the whole
+        model's (missing_keys, unexpected_keys). No communication unless an update is pending."""
+        return _storage.load_pretrained(self, path, strict=strict)
+
+    def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30) -> None:
+        """Write the unsharded model as a Hugging Face directory: rank 0 writes, each stage sends its
+        tensors to it one at a time. A collective over the mesh; applies pending updates first."""
+        _storage.save_pretrained(self, path, max_shard_size=max_shard_size)
+
+    def save_checkpoint(self, path: str | os.PathLike, *, step: Optional[int] = None, extra: object = None,
+                        keep: Optional[int] = None) -> str:
+        """oases.save_checkpoint of the whole pipeline (every segment's optimizer too), each rank
+        writing only what it holds, into path (path/step-{step:09d} with step; keep=N: the N newest
+        stay); extra: anything picklable. Returns the directory published. A collective over the mesh."""
+        return _storage.save_checkpoint(self, path, step=step, extra=extra, keep=keep)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> CheckpointState:
+        """Load a checkpoint of this model (from any Pipeline layout, or oases.save_checkpoint of a
+        TP model) into this stage's tensors and optimizers. A collective over the mesh."""
+        return _storage.load_checkpoint(self, path)
 
     def close(self) -> None:
         """Apply every pending update (every rank calls it, as its DP sync is collective over dp),

@@ -17,10 +17,11 @@ sublayer x + finish(reduce_from_tp(core(copy_to_tp(norm(x)), ctx)), ctx) as in G
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Hashable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,13 +30,47 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from oases._sharding import tp_rules
-from oases.checkpoint import full_state_dict
+from oases.checkpoint import _layout, full_state_dict
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import Stack, SubBatch
 
-__all__ = ["StageLayout", "Stage"]
+__all__ = ["StageLayout", "Stage", "Roles", "probe_roles"]
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a stage knows of a model's embedding and head, by parameter name (every name of a tied one).
+
+        head:   the parameters stack.head uses (final norm, LM head)
+        embed:  the parameters stack.embed uses (the others outside the layers go with it too)
+        hidden, dtype: of the activations; vocab_size: of the logits (all of it when vocab-parallel)
+    """
+
+    head: frozenset[str]
+    embed: frozenset[str]
+    hidden: int
+    dtype: torch.dtype
+    vocab_size: int
+
+
+def probe_roles(model: nn.Module, stack: Stack, rest: list[nn.Parameter],
+                device: Optional[torch.device] = None) -> Roles:
+    """Roles found by running one token through stack.embed and stack.head and differentiating each
+    once (on every rank of the stage alike: a vocab-parallel embedding or head communicates over
+    TP there); `rest`: the parameters outside the layers (only their trainable ones are found)."""
+    tokens = torch.zeros((1, 1), dtype=torch.long, device=device or (rest[0].device if rest else None))
+    x, ctx = stack.embed(tokens, SubBatch(slice(0, 1), 1))
+    logits = stack.head(x.detach(), ctx)
+    group = getattr(stack, "logits_group", None)
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    head = frozenset(n for p in _used_by(logits, rest) for n in names[id(p)])
+    embed = frozenset(n for p in _used_by(x, rest) for n in names[id(p)])
+    vocab = logits.shape[-1] * (dist.get_world_size(group) if group is not None else 1)
+    return Roles(head, embed, x.shape[-1], x.dtype, vocab)
 
 
 @dataclass(frozen=True)
@@ -90,15 +125,18 @@ class Stage:
 
     Which parameters are the embedding's and which the head's is found by differentiating
     `stack.embed` and `stack.head` once on a one-token input (on every rank of the stage alike: a
-    vocab-parallel embedding or head communicates over TP there); the parameters of layers are their sublayers' `parameters()` (nn.Module
-    sublayers, oases.models' branches). Every rank builds the whole model; it trains, syncs and
-    reports only its own parameters, and `release_unowned()` frees the ones it never uses. A
+    vocab-parallel embedding or head communicates over TP there), unless `roles` says it (a meta
+    build: oases.pipeline._build finds them before anything is allocated); the parameters of
+    layers are their sublayers' `parameters()` (nn.Module sublayers, oases.models' branches).
+    Every rank builds the whole model (built on meta: allocates only what its stage places); it
+    trains, syncs and reports only its own parameters, and `release_unowned()` frees the ones it
+    never uses (on meta, there is nothing to free). A
     parameter used at two (segment, stage) placements (tied input and output embeddings across
     stages or segments) is refused (ValueError): its gradient would need a sum across them.
     """
 
     def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
-                 tp_group: Optional[dist.ProcessGroup]) -> None:
+                 tp_group: Optional[dist.ProcessGroup], roles: Optional[Roles] = None) -> None:
         self.model, self.stack, self.layout = model, stack, layout
         self._anchor = torch.empty(0, requires_grad=True)  # see _OffloadedLayer
         distributed = dist.is_available() and dist.is_initialized()
@@ -111,13 +149,12 @@ class Stage:
         layer_params = [_unique(p for sub in layer for p in _parameters_of(sub, i)) for i, layer in enumerate(self._layers)]
         in_layers = {id(p) for params in layer_params for p in params}
         rest = _unique(p for p in model.parameters() if id(p) not in in_layers)
-        # One token through embed and head: activation size and dtype, vocabulary, who uses what.
-        tokens = torch.zeros((1, 1), dtype=torch.long, device=rest[0].device if rest else None)
-        x, ctx = stack.embed(tokens, SubBatch(slice(0, 1), 1))
-        logits = stack.head(x.detach(), ctx)
-        self.hidden, self.dtype = x.shape[-1], x.dtype
-        self.vocab_size = logits.shape[-1] * (dist.get_world_size(self.logits_group) if self.logits_group else 1)
-        head_ids, embed_ids = {id(p) for p in _used_by(logits, rest)}, {id(p) for p in _used_by(x, rest)}
+        if roles is None:  # one token through embed and head: activation size and dtype, vocabulary, who uses what
+            roles = probe_roles(model, stack, rest)
+        self.roles = roles
+        self.hidden, self.dtype, self.vocab_size = roles.hidden, roles.dtype, roles.vocab_size
+        named = dict(model.named_parameters(remove_duplicate=False))
+        head_ids, embed_ids = ({id(named[n]) for n in names} for names in (roles.head, roles.embed))
         self._embed_params = [p for p in rest if id(p) not in head_ids]  # unused ones go with the embedding
         self._embed_uses = [p for p in rest if id(p) in embed_ids or id(p) not in head_ids]  # tied ones too
         self._head_params = [p for p in rest if id(p) in head_ids]
@@ -131,11 +168,37 @@ class Stage:
         owned = {id(p) for k in range(layout.segments) for p in self._placed(k)}
         self._owned_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
         self.key_order = list(model.state_dict())  # the model's state-dict order, for Pipeline.state_dict()
+        self.shapes = _layout(model)[2]  # {key: unsharded shape} of the whole model (before release_unowned)
+        # Modules outside the layers whose parameters this rank does not hold (a meta build's other stages'):
+        # stood in for while embed computes the ctx.
+        self._absent = _outermost(name for name, m in model.named_modules() if any(
+            p.is_meta and id(p) not in in_layers for p in m.parameters(recurse=False)))
 
     def shared_at(self, segments: int) -> Optional[str]:
         """A parameter that `segments` segments would place at two (segment, stage) pairs, or None."""
         return shared_across_placements(self.model, self._layer_params, self._embed_uses, self._head_params,
                                         self.layout.stages, segments)
+
+    @property
+    def owned_keys(self) -> frozenset[str]:
+        """The state-dict keys of every parameter this stage places (all names of a tied one)."""
+        return frozenset(self._owned_keys)
+
+    def stage_of(self) -> dict[str, int]:
+        """{state-dict key of a parameter: the stage that places it}, for every stage (local: the
+        layout is known everywhere). Buffers are not listed: every stage holds them."""
+        layout, where = self.layout, {}
+        for i, params in enumerate(self._layer_params):
+            stage = placement_of_layer(i, layout.layers, layout.stages, layout.segments)[1]
+            where.update((id(p), stage) for p in params)
+        where.update((id(p), 0) for p in self._embed_params)
+        where.update((id(p), layout.stages - 1) for p in self._head_params)
+        return {n: where[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) in where}
+
+    def held(self) -> Optional[nn.Module]:
+        """The modules this stage owns whole, at their qualified names (their state-dict keys are the
+        model's); None when some parameter it places is not in such a module."""
+        return _owned_modules(self.model, self._owned_keys)
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank trains (its segments' layers, embedding and head as placed)."""
@@ -157,11 +220,14 @@ class Stage:
 
     def embed(self, tokens: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, object]:
         """stack.embed(tokens, where): on virtual stage 0 differentiable, elsewhere only for its ctx
-        (rotary embeddings, masks: what every layer gets), without a graph."""
-        if self.layout.is_first(0):
-            return self.stack.embed(tokens, where)
-        with torch.no_grad():
-            return self.stack.embed(tokens, where)
+        (rotary embeddings, masks: what every layer gets), without a graph. Modules whose parameters
+        this rank does not hold (a meta build: another stage's embedding or final norm) are stood in
+        for meanwhile: an embedding gives zeros [*tokens.shape, h], any other module its input."""
+        with _standing_in(self.model, self._absent):
+            if self.layout.is_first(0):
+                return self.stack.embed(tokens, where)
+            with torch.no_grad():
+                return self.stack.embed(tokens, where)
 
     def _layer(self, index: int, x: torch.Tensor, ctx: object) -> torch.Tensor:
         """Layer `index` as GPT.forward runs it: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x))))) per sublayer."""
@@ -244,7 +310,7 @@ class Stage:
         freed = 0
         with torch.no_grad():
             for p in _unique(self.model.parameters()):
-                if id(p) not in keep and p.numel():
+                if id(p) not in keep and p.numel() and not p.is_meta:  # meta: never allocated
                     freed += p.numel() * p.element_size()
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                     p.grad = None
@@ -329,6 +395,12 @@ def _tree(model: nn.Module, whole: list[str]) -> nn.Module:
     return root
 
 
+def check_layers(what: str, layers: int, pp: int, segments: int) -> None:
+    """ValueError unless `layers` layers fold into pp stages of `segments` segments."""
+    if layers % (pp * segments):
+        raise ValueError(f"{what}: {layers} layers are not divisible by pp * segments = {pp} * {segments}")
+
+
 def placement_of_layer(index: int, layers: int, stages: int, segments: int) -> tuple[int, int]:
     """(segment, stage) holding layer `index` (StageLayout's folding, seen from any stage)."""
     per_segment = layers // segments
@@ -374,3 +446,45 @@ def _used_by(out: torch.Tensor, params: list[nn.Parameter]) -> list[nn.Parameter
         return []
     grads = torch.autograd.grad(out.float().sum(), trainable, allow_unused=True)
     return [p for p, g in zip(trainable, grads) if g is not None]
+
+
+class _StandIn(nn.Module):
+    """Stands in for a module whose parameters this rank does not hold while a stage computes its
+    ctx: an embedding (a module with an int `embedding_dim`) gives zeros [*ids.shape, dim], any
+    other module returns its first input."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        dim = getattr(module, "embedding_dim", None)
+        self.dim = dim if isinstance(dim, int) else None
+        self.out_dtype = next(module.parameters()).dtype
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.dim is None:
+            return x
+        return torch.zeros((*x.shape, self.dim), dtype=self.out_dtype, device=x.device)
+
+
+@contextlib.contextmanager
+def _standing_in(model: nn.Module, names: list[str]) -> Iterator[None]:
+    """model's submodules `names` replaced by _StandIns for the block (restored after)."""
+    saved = []
+    try:
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(parent)
+            saved.append((owner, leaf, getattr(owner, leaf)))
+            setattr(owner, leaf, _StandIn(saved[-1][2]))
+        yield
+    finally:
+        for owner, leaf, module in reversed(saved):
+            setattr(owner, leaf, module)
+
+
+def _outermost(names: Iterable[str]) -> list[str]:
+    """`names` (qualified module names, in named_modules order) without those inside another one."""
+    kept: list[str] = []
+    for name in names:
+        if not any(name == k or name.startswith(k + ".") for k in kept):
+            kept.append(name)
+    return kept

@@ -1,0 +1,350 @@
+"""A Pipeline's weights and checkpoints on disk: each rank reads and writes only what its stage holds.
+
+    pipe.load_pretrained(dir)                        # every rank checks the whole model, reads its own boxes
+    pipe.save_pretrained(dir)                        # rank 0 writes; each tensor's stage gathers it over tp, sends it
+    pipe.save_checkpoint(root, step=n, extra=..., keep=2)   # -> root/step-{n:09d}
+    state = pipe.load_checkpoint(root)               # the newest complete step-*; CheckpointState
+
+What a rank holds (`_held`): the whole model while every tensor is allocated (a real build before
+release_unowned), else the modules its stage owns whole (Stage.held(); the meta build and
+release_unowned make sure there are such) and every persistent buffer. Its stage's keys: the
+parameters the stage places, and the buffers.
+
+Checkpoints are oases.save_checkpoint's (oases._dcp), the same entries as a TP model's:
+
+    model.<key>                       the unsharded tensor; each rank writes the boxes of its stage's
+                                      shards (DP / TP replicas and buffers written once)
+    optim.state.<param name>.<state>  each segment optimizer's state, by parameter name (a parameter
+                                      is placed once: every name is one segment's)
+    optim.param_groups                the segment optimizers' groups merged: group g has their
+                                      hyper-parameters (which must agree) and every stage's and
+                                      segment's parameter names of group g
+    oases.extra, oases.rng.<rank>     as oases.save_checkpoint
+
+so `oases.load_checkpoint` loads a pipeline's checkpoint into a TP model (one optimizer over its
+parameters), and `load_checkpoint` here one that oases.save_checkpoint or a Pipeline of any pp, dp
+and tp wrote. Every check of a load runs on local metadata, the same on every rank, before any
+collective; pending updates are applied before saving or loading.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from oases import _dcp
+from oases.checkpoint import (_EXTRA, _GROUPS, _MODEL, _RNG, CheckpointState, _check, _count, _open,
+                              _optimizer_entries, _optimizer_reads, _optimizer_view, _restore_optimizer, _rng_key,
+                              _set_rng, _sharded, _shards)
+from oases.comm._topology import ring_of
+from oases.nn._materialize import is_on_meta
+from oases.pipeline.p2p import mesh_grid
+from oases.pretrained import (_DTYPES, _INDEX, _SINGLE, _Entry, _check_config, _gathered, _header, _prepare, _split,
+                              _stored, _ties, _write, load_pretrained as _load_pretrained)
+
+if TYPE_CHECKING:
+    from oases.pipeline.pipeline import Pipeline
+
+__all__ = ["load_pretrained", "save_pretrained", "save_checkpoint", "load_checkpoint"]
+
+Path = Union[str, os.PathLike]
+
+
+def _apply_pending(pipe: "Pipeline") -> None:
+    """Every segment's pending optimizer step (a collective over dp where one is pending)."""
+    for k in range(pipe.segments):
+        pipe._apply_update(k)
+
+
+def _held(pipe: "Pipeline") -> nn.Module:
+    """This rank's allocated part of the model, as a module whose state-dict keys are the model's."""
+    model = pipe.model
+    if pipe.freed_bytes == 0 and not is_on_meta(model):
+        return model
+    held = pipe.stage.held()
+    if held is None:  # release_unowned frees nothing then, and the meta build refuses such a model
+        raise RuntimeError("pipeline: no module tree holds this stage's parameters (a bug)")
+    present = set(held.state_dict(keep_vars=True))
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key not in present and not isinstance(value, nn.Parameter):  # a buffer outside the owned modules
+            *path, leaf = key.split(".")
+            parent = held
+            for part in path:
+                if part not in parent._modules:
+                    parent.add_module(part, nn.Module())
+                parent = parent._modules[part]
+            if type(parent) is not nn.Module:  # (an owned module's buffers are in its state dict already)
+                raise RuntimeError(f"pipeline: buffer {key} is in an owned module but not in its state dict (a bug)")
+            parent.register_buffer(leaf, value)
+    return held
+
+
+def _stage_keys(pipe: "Pipeline") -> set[str]:
+    """The state-dict keys this stage reads and writes: its placed parameters, and every buffer."""
+    params = {n for n, _ in pipe.model.named_parameters(remove_duplicate=False)}
+    return set(pipe.stage.owned_keys) | {k for k in pipe.stage.key_order if k not in params}
+
+
+# --- Hugging Face safetensors ---------------------------------------------------------------------
+
+def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tuple[list[str], list[str]]:
+    """Fill what this rank holds from a Hugging Face checkpoint (oases.load_pretrained's format).
+
+        stored = {key: shape} from the files' headers
+        check the WHOLE model's keys (if strict) and unsharded shapes against it   # every rank alike
+        apply pending updates (a collective over dp, only if one is pending)
+        oases.load_pretrained(_held(pipe), path, strict=False)   # this rank's boxes of its tensors
+
+    Returns the whole model's (missing_keys, unexpected_keys). Raises FileNotFoundError /
+    ValueError before anything is read, on every rank alike."""
+    path = os.fspath(path)
+    expected = pipe.stage.shapes  # {key: unsharded shape} of the whole model
+    stored = _stored(path)
+    ties = _ties(pipe.model)
+    given: dict[str, torch.Size] = {}
+    for key in expected:
+        present = [k for k in ties[key] if k in stored]  # a tied tensor is stored under one of its keys
+        if present:
+            given[key] = stored[key if key in stored else present[0]][1]
+    given.update((key, shape) for key, (_, shape) in stored.items() if key not in expected)
+    _check(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
+    _apply_pending(pipe)
+    _load_pretrained(_held(pipe), path, strict=False)
+    return _IncompatibleKeys([k for k in expected if k not in given], [k for k in stored if k not in expected])
+
+
+def _to_writer(entry: _Entry, owner: int, writer: int, me: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The full tensor on `writer` (None elsewhere): gathered over tp to `owner` (the rank of its
+    stage's first dp replica and tp rank 0), then sent to the writer if it is another rank."""
+    if entry.shard is None:  # replicated, or not held here (no shard of it on this rank)
+        full = entry.local if me == owner else None
+    else:
+        full = _gathered(entry, owner, me)  # over the owner's tp group; None on every other rank
+    if owner == writer or me not in (owner, writer):
+        return full
+    if me == owner:
+        dist.send(full.contiguous(), dst=writer)
+        return None
+    full = torch.empty(entry.shape, dtype=entry.local.dtype, device=device)
+    dist.recv(full, src=owner)
+    return full
+
+
+def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2**30) -> None:
+    """Write the unsharded model as a Hugging Face directory (oases.save_pretrained's files).
+
+        writer = the mesh's rank (dp 0, pp 0, tp 0); apply pending updates
+        for entry in the model's state dict (each tensor once), in order, files cut every max_shard_size:
+            owner = (dp 0, its stage, tp 0): its tp group gathers the full tensor to it
+            owner sends it to the writer, which appends its bytes     # one full tensor in memory at a time
+        barrier
+
+    A collective over the mesh. Raises before any communication, on every rank alike, as
+    oases.save_pretrained does (path a file, max_shard_size, dtype, config)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        raise FileExistsError(f"path: {path!r} is a file; save_pretrained writes a directory")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ValueError(f"max_shard_size: expected a positive number of bytes, got {max_shard_size!r}")
+    if sys.byteorder != "little":
+        raise NotImplementedError("save_pretrained: safetensors is little-endian; this machine is not")
+    model = pipe.model
+    _check_config(model)
+    unknown = [f"{k} ({v.dtype})" for k, v in model.state_dict().items() if v.dtype not in _DTYPES]
+    if unknown:
+        raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
+    _apply_pending(pipe)
+    held = _held(pipe)
+    shards, local = _shards(held), held.state_dict(keep_vars=True)
+    entries, seen = [], set()
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:  # a tied tensor once, under its first key
+            seen.add(id(tensor))
+            entries.append(_Entry(key, local.get(key, tensor).detach(), shards.get(key), pipe.stage.shapes[key]))
+    files = _split(entries, max_shard_size)
+    names = [_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                                               for i in range(len(files))]
+    grid = mesh_grid(pipe.mesh)  # [dp, pp, tp] global ranks
+    stage_of = pipe.stage.stage_of()  # buffers: stage 0's (every stage holds them)
+    writer, me = int(grid[0, 0, 0]), dist.get_rank()
+    error = None
+    if me == writer:
+        try:
+            _prepare(model, path, entries)
+        except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
+            error = e
+    failure = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(failure, src=writer)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"save_pretrained: rank {writer} could not prepare {path!r}: {failure[0]}")
+    for name, held_entries in zip(names, files):
+        with open(os.path.join(path, name), "wb") if me == writer else nullcontext() as out:
+            if me == writer:
+                out.write(_header(held_entries))
+            for entry in held_entries:
+                owner = int(grid[0, stage_of.get(entry.key, 0), 0])
+                full = _to_writer(entry, owner, writer, me, pipe.comm.device)  # [entry.shape] on the writer
+                if me == writer:
+                    _write(out, full)
+                del full
+    if me == writer and len(files) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {e.key: name for name, held_entries in zip(names, files) for e in held_entries}}
+        with open(os.path.join(path, _INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    dist.barrier()
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def _merged_groups(pipe: "Pipeline", mine: list[list[dict]]) -> list[dict]:
+    """Every stage's segment optimizers' param_groups (params as names) merged by group index, the
+    names in the model's order. A collective over pp; the same on every rank (or the same ValueError)."""
+    parts: list[Optional[list[list[dict]]]] = [None] * pipe.pp
+    if pipe.pp > 1:
+        dist.all_gather_object(parts, mine, group=pipe.pp_group)
+    else:
+        parts[0] = mine
+    optimizers = [groups for part in parts for groups in part]
+    first = optimizers[0]
+    for groups in optimizers:
+        same = len(groups) == len(first) and all(
+            g.keys() == f.keys() and all(_same(g[k], f[k]) for k in g if k != "params") for g, f in zip(groups, first))
+        if not same:
+            raise ValueError("save_checkpoint: the segment optimizers' param_groups differ (in number or in "
+                             "hyper-parameters); a checkpoint stores one optimizer's groups, so every segment's "
+                             "optimizer must have the same groups")
+    order = {name: i for i, (name, _) in enumerate(pipe.model.named_parameters())}
+    return [dict(group, params=sorted({n for groups in optimizers for n in groups[g]["params"]}, key=order.__getitem__))
+            for g, group in enumerate(first)]
+
+
+def save_checkpoint(pipe: "Pipeline", path: Path, *, step: Optional[int] = None, extra: Any = None,
+                    keep: Optional[int] = None) -> str:
+    """oases.save_checkpoint of the pipeline (see the module doc for the entries); returns the
+    directory published (path, or path/step-{step:09d}). A collective over the mesh; argument
+    errors are raised on every rank before any communication."""
+    ring = ring_of(None)
+    if step is not None:
+        _count("step", step, 0)
+    if keep is not None:
+        _count("keep", keep, 1)
+        if step is None:
+            raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
+    try:
+        torch.save(extra, io.BytesIO())
+    except Exception as e:
+        raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
+    root = os.path.normpath(os.fspath(path))
+    where = root if step is None else _dcp.step_dir(root, step)
+    _dcp.check_target(where)  # every check above and here is local
+    _apply_pending(pipe)
+    held = _held(pipe)
+    shards, keys = _shards(held), _stage_keys(pipe)
+    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
+                               for key, value in held.state_dict().items() if key in keys}
+    groups = []
+    for optimizer in pipe.optimizers:
+        own = _optimizer_entries(_optimizer_view(pipe.model, optimizer), shards)
+        groups.append(own.pop(_GROUPS))
+        entries.update(own)
+    entries[_GROUPS] = _merged_groups(pipe, groups)
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    entries.update({_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
+                    f"{_RNG}{ring.rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}})
+    marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": True}
+    _dcp.save(entries, where, ring, marker, keep)
+    return where
+
+
+def _group_problem(views: list, saved: list[dict]) -> Optional[str]:
+    """Why the segment optimizers do not fit the checkpoint's param_groups, or None."""
+    for k, view in enumerate(views):
+        if len(view.names) != len(saved):
+            return (f"optimizer of segment {k}: has {len(view.names)} param_groups, the checkpoint has {len(saved)}; "
+                    f"build it as the saved one was")
+        for g, (names, group) in enumerate(zip(view.names, saved)):
+            lacking = [n for n in names if n not in set(group["params"])]
+            if lacking:
+                return (f"optimizer of segment {k}: param_groups[{g}] holds {lacking}, which the checkpoint's "
+                        f"param_groups[{g}] does not; build the optimizers as the saved ones were")
+    return None
+
+
+def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
+    """Load a checkpoint of this model into what this rank holds and its segment optimizers.
+
+        where = path if it is a checkpoint, else the newest complete path/step-*
+        check: written by this format, the WHOLE model's keys and unsharded shapes, optimizer state
+               present (local, every rank alike); the segment optimizers' groups (agreed over the mesh)
+        apply pending updates; dcp.load: each rank reads the boxes of its stage's tensors and states
+        each segment optimizer: load_state_dict(its states, the saved groups' hyper-parameters)
+        restore this rank's RNG states if the mesh has as many ranks as the one that saved
+
+    A collective over the mesh. Returns CheckpointState(step, extra, path, [], [])."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ring = ring_of(None)
+    if pipe._auto["segments"]:
+        raise ValueError("load_checkpoint: segments='auto' is chosen at the first train_step, which rebuilds the "
+                         "optimizers; pass segments=N to resume")
+    where, stored, marker = _open(path)
+    what = f"checkpoint {where!r}"
+    if _dcp.FORMAT_KEY not in stored:
+        raise ValueError(f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
+                         f"model with oases.load_checkpoint")
+    held_meta = {key[len(_MODEL):]: meta for key, meta in stored.items() if key.startswith(_MODEL)}
+    non_tensors = [key for key in held_meta if not isinstance(held_meta[key], TensorStorageMetadata)]
+    if non_tensors:
+        raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
+    _check(what, pipe.stage.shapes, {key: meta.size for key, meta in held_meta.items()}, {}, True)
+    if _GROUPS not in stored:
+        raise ValueError(f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's "
+                         f"optimizers need it")
+    small: dict[str, Any] = {_EXTRA: None, _GROUPS: None}
+    rng = _rng_key(what, stored, marker, ring.size, ring.rank)
+    if rng is not None:
+        small[rng] = None
+    _dcp.read_local(small, where)
+    views = [_optimizer_view(pipe.model, optimizer) for optimizer in pipe.optimizers]
+    problems: list[Optional[str]] = [None] * ring.size
+    dist.all_gather_object(problems, _group_problem(views, small[_GROUPS]))  # every rank raises alike
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise ValueError(f"{what}: {problem}")
+
+    _apply_pending(pipe)
+    held = _held(pipe)
+    shards, keys = _shards(held), _stage_keys(pipe)
+    local = held.state_dict()  # detached views of the model's own tensors: reads land in them
+    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
+                               for key, value in local.items() if key in keys}
+    reads = [_optimizer_reads(what, view, stored, shards) for view in views]
+    pickled = {key: None for _, own in reads for key, value in own.items() if value is None}
+    if pickled:
+        _dcp.read_local(pickled, where)
+    for _, own in reads:
+        entries.update((key, value) for key, value in own.items() if value is not None)
+    _dcp.load(entries, where, ring)  # the one collective that moves data
+    for view, (slots, own) in zip(views, reads):
+        values = {key: pickled[key] if value is None else value for key, value in own.items()}
+        _restore_optimizer(view, slots, values, small[_GROUPS])
+    if rng is not None:
+        _set_rng(what, small[rng])
+    return CheckpointState(step=marker["step"], extra=small[_EXTRA], path=where, missing_keys=[], unexpected_keys=[])
