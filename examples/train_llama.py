@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,25 +32,23 @@ def _args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build(args, world: int):
+def build(args):
     """The unsharded Llama on every rank (same seed), then sharded in place: one parallelize call."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab = -(-len(VOCAB) // world) * world  # padded to a multiple of the TP size
-    config = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
+    # any vocabulary size: parallelize pads the embedding and head shards when the TP degree does not divide it
+    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
                          num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len,
                          tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the LM head stays replicated, as the warning would say
-        return oases.parallelize(model)
+    return oases.parallelize(model)  # embedding and LM head vocab-parallel (the default)
 
 
 def train(label: str, data: torch.Tensor, args, show: bool) -> dict:
     schedule, sp = label.removesuffix("-sp"), label.endswith("-sp")
-    model = build(args, dist.get_world_size())
+    model = build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     comm = Communicator(dist.group.WORLD, dist.get_world_size())  # counts the time blocked on it
 

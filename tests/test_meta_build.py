@@ -27,6 +27,8 @@ def _config(kind, tied=False):
                   num_attention_heads=4, max_position_embeddings=64)
     if kind.startswith("llama"):  # "llama": GQA (2 KV heads), "llama-mha": 4 KV heads (TP 4)
         kv = 4 if kind == "llama-mha" else 2
+        if kind == "llama-odd":  # a vocabulary TP 2 does not divide: padded shards
+            common = dict(common, vocab_size=129)
         return tf.LlamaForCausalLM, tf.LlamaConfig(num_key_value_heads=kv, tie_word_embeddings=tied, **common)
     if kind == "qwen3":
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
@@ -67,7 +69,8 @@ def _meta_build_matches(rank, world_size, kind, tied, degrees):
     return local
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen3", False), ("neox", False)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama-odd", True), ("qwen3", False),
+                                       ("neox", False)])
 def test_meta_build_is_the_plain_build_tp2(kind, tied):
     run_ranks(_meta_build_matches, 2, kind, tied, None, timeout=120)
 
@@ -119,7 +122,7 @@ def test_meta_build_refusals():
 def _empty_then_load(rank, world_size, path):
     from transformers import LlamaForCausalLM
 
-    cls, config = _config("llama")
+    cls, config = _config("llama-odd")
     reference = LlamaForCausalLM.from_pretrained(path)
     state = torch.get_rng_state()
     with torch.device("meta"):
@@ -132,14 +135,29 @@ def _empty_then_load(rank, world_size, path):
         assert torch.equal(model.get_buffer(name), buffer), name
     oases.load_pretrained(model, path)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    out, want = model(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()), "a padding row poisoned the gradients"
+
+
+def _padding_rows_start_at_zero(rank, world_size):
+    cls, config = _config("llama-odd")
+    with torch.device("meta"):
+        model = cls(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, device="cpu", init_weights=False)
+    held = model.get_input_embeddings().vocab_end_index - model.get_input_embeddings().vocab_start_index
+    return [bool((m.weight[held:] == 0).all()) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
 
 
 def test_meta_build_without_init_then_load_pretrained(tmp_path):
-    cls, config = _config("llama")
+    cls, config = _config("llama-odd")
     torch.manual_seed(3)
     cls(config).save_pretrained(tmp_path)
     run_ranks(_empty_then_load, 2, str(tmp_path), timeout=120)
+    assert run_ranks(_padding_rows_start_at_zero, 2, timeout=60) == [[True, True], [True, True]]
 
 
 def _allocate_some(rank, world_size):

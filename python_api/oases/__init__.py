@@ -19,4 +19,4 @@ from oases.pretrained import load_pretrained, save_pretrained
 __version__ = "0.1.0"
 __all__ = ["comm", "dp", "ops", "nn", "parallelize", "schedule", "models", "pipeline", "train_step", "__version__",
            "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint",
-           "load_pretrained", "save_pretrained"]
+           "CheckpointState", "load_pretrained", "save_pretrained"]

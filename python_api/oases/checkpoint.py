@@ -336,7 +336,8 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     Args:
         optimizer: any torch.optim optimizer over the model's parameters.
         step: the training step (an int >= 0) or None.
-        extra: anything picklable (e.g. {"data": position}), returned by load_checkpoint.
+        extra: anything picklable (e.g. {"data": position}), returned by load_checkpoint; one value
+            is stored (the same on every rank: a per-rank position belongs in a list indexed by rank).
         keep: with step, the number of newest step-* checkpoints to keep (>= 1).
     Returns:
         The published checkpoint directory.
@@ -407,7 +408,7 @@ def _buffer(current: object, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     load_state_dict then keeps it as it is), else a new CPU tensor (load_state_dict casts and moves it)."""
     if isinstance(current, torch.Tensor) and tuple(current.shape) == tuple(shape) and current.dtype == dtype:
         return current.detach()
-    return torch.empty(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)  # zeros: a padded vocabulary's rows are in no chunk, never read
 
 
 def _check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:

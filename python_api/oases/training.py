@@ -49,7 +49,7 @@ def adapt(model: object) -> Stack:
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
-                       group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                       group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None) -> torch.Tensor:
     """Hugging Face's causal-LM loss, summed: token i predicts labels[i + 1]; IGNORE_INDEX skipped.
 
         shifted = cat(labels[:, 1:], IGNORE_INDEX)     # [b, t]
@@ -60,7 +60,7 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     if group is not None:
         return vocab_parallel_cross_entropy(logits.flatten(0, 1), shifted.flatten(), group,
-                                            ignore_index=IGNORE_INDEX, reduction="sum")
+                                            ignore_index=IGNORE_INDEX, reduction="sum", vocab_size=vocab_size)
     return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
 
@@ -186,10 +186,11 @@ def train_step(
     check_placements(placements, input_ids.shape[0], parts, sequence_parallel=sequence_parallel)
     if loss_fn is None:
         group = getattr(stack, "logits_group", None)
+        vocab_size = getattr(stack, "vocab_size", None)  # V of a padded vocabulary-parallel head
         normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())
 
         def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return causal_lm_loss_sum(logits, labels, group)
+            return causal_lm_loss_sum(logits, labels, group, vocab_size)
     else:
         loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
     offloader = _offloader(model, offload)

@@ -18,6 +18,11 @@ same optimizer run on the averaged full gradient; optimizers that mix elements a
 backward, each bucket one reduce_scatter_tensor of its parameters' padded row blocks laid out by
 destination rank; `p.grad` keeps the local (unaveraged) gradient until zero_grad. Parameters:
 all-gathered in buckets at the end of step() (blocking). 0-d parameters count as one row.
+
+Not yet: gradient clipping (`p.grad` is this rank's unaveraged gradient and the step reads the
+masters' gradients, so torch's or oases.nn's clip_grad_norm_ on the parameters changes nothing);
+and for 16-bit parameters, checkpoints hold the parameters, not the fp32 masters, so a resume
+restarts the masters from the 16-bit values (not bit-exact; fp32 parameters resume exactly).
 """
 from __future__ import annotations
 

@@ -108,6 +108,7 @@ class HFStack:
             raise ValueError(_unknown(model, "no final norm (base_model.norm / final_layer_norm) or no output embeddings"))
         vocab_parallel = isinstance(self.lm_head, ColumnParallelLinear)  # parallelize's "vocab_head"
         self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
+        self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
         self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
         degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)

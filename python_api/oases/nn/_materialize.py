@@ -10,7 +10,7 @@ Cls(config)`), and the random state is left where that build leaves it. The buil
 its two passes, one module at a time, each module's tensors materialised full-size on the CPU,
 cut to this rank's part and dropped (peak: the local parts plus one module's full tensors):
 
-    pass 1, construction: for module in model.modules():       # registration = construction order
+    pass 1, construction: for module in post_order(model):     # children (registration order) first
         module.reset_parameters()                              # torch's own modules (nn.Linear's
                                                                # kaiming draws), HF Conv1D's normal_
     pass 2, Hugging Face post_init (a transformers PreTrainedModel only):
@@ -27,7 +27,8 @@ computed in a constructor outside Hugging Face's init) cannot be recovered from 
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -39,9 +40,9 @@ from oases.comm._topology import ring_of
 __all__ = ["materialize", "replay_init", "empty_init", "is_on_meta"]
 
 # Constructors that draw without a reset_parameters method, by class name: {name: draw(module)}.
-_CONSTRUCTOR_DRAWS: dict[str, Callable[[nn.Module], None]] = {
+_CONSTRUCTOR_DRAWS: Mapping[str, Callable[[nn.Module], None]] = MappingProxyType({
     "Conv1D": lambda m: nn.init.normal_(m.weight, std=0.02),  # transformers.pytorch_utils.Conv1D
-}
+})
 
 ShardOf = Callable[[str, torch.Tensor], torch.Tensor]  # (qualified name, full tensor) -> this rank's part
 
@@ -138,7 +139,7 @@ class _Replay:
             name = f"{prefix}.{n}" if prefix else n
             if self.canonical.get(id(meta)) != name or not self.allocate(name):
                 continue  # a tied alias, or a tensor this rank does not hold: drawn, discarded
-            written = self.shard_of(name, _written(full))
+            written = ~self.shard_of(name, ~_written(full))  # a padded shard's padding counts as written (zeros)
             if not bool(written.any()):
                 continue
             part = self.shard_of(name, full)
@@ -164,15 +165,17 @@ def _reset(module: nn.Module) -> None:
 
 
 def _construct(module: nn.Module, root: nn.Module, replay: "_Replay", initialized: set[int]) -> None:
-    """Pass 1 over `module`'s subtree in construction (registration, pre-) order; a Hugging Face
-    sub-model inside is built whole where it stands, its own post_init included."""
+    """Pass 1 over `module`'s subtree in construction order: children in registration order, then
+    the module's own reset (a constructor builds its children, then calls its reset_parameters at
+    its end, as nn.MultiheadAttention does); a Hugging Face sub-model inside is built whole where
+    it stands, its own post_init included."""
     if module is not root and _is_pretrained(module):
         _build_pretrained(module, replay, initialized)
         return
-    if _draws_at_construction(module):
-        replay.run(module, _reset)
     for child in module.children():
         _construct(child, root, replay, initialized)
+    if _draws_at_construction(module):
+        replay.run(module, _reset)
 
 
 def _build_pretrained(model: nn.Module, replay: "_Replay", initialized: set[int]) -> None:
@@ -191,7 +194,8 @@ def _draws_at_construction(module: nn.Module) -> bool:
 
 
 def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
-               allocate: Callable[[str], bool] = lambda name: True) -> dict[int, torch.Tensor]:
+               allocate: Callable[[str], bool] = lambda name: True,
+               padded: Callable[[str], bool] = lambda name: False) -> dict[int, torch.Tensor]:
     """{id(meta tensor): an uninitialised tensor of this rank's part's shape on `device`}, for
     models whose values will be loaded: no random draws, no full-size parameter. Non-persistent
     buffers are not in any checkpoint, so they are computed as the model's init computes them
@@ -212,7 +216,8 @@ def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
             f"cannot compute ({', '.join(missing)}); pass init_weights=True, or build the model on a real device")
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_meta and id(t) not in values and allocate(name):
-            values[id(t)] = torch.empty(shard_of(name, t).shape, dtype=t.dtype, device=device)
+            make = torch.zeros if padded(name) else torch.empty  # padding rows stay zeros: no load writes them
+            values[id(t)] = make(shard_of(name, t).shape, dtype=t.dtype, device=device)
     return values
 
 
@@ -258,8 +263,11 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, ini
         rule, ring = rules[name]
         return rule.shard(full, ring.rank, ring.size)
 
-    build = replay_init if init_weights else empty_init
-    values = build(original, shard_of, device, allocate)
+    if init_weights:
+        values = replay_init(original, shard_of, device, allocate)
+    else:
+        values = empty_init(original, shard_of, device, allocate,
+                            padded=lambda name: name in rules and rules[name][0].size is not None)
     source = dict(original.named_parameters(remove_duplicate=False))
     source.update(original.named_buffers(remove_duplicate=False))
     made: dict[int, torch.Tensor] = {}  # id(model's meta tensor) -> its replacement (ties kept)

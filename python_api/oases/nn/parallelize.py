@@ -245,7 +245,8 @@ def _check_kinds(styles: dict[str, _Style], linears: dict[str, nn.Linear],
 def _vocab_entries(model: nn.Module) -> dict[str, _Style]:
     """{exact qualified name: "vocab" | "vocab_head"} for the model's input embedding and LM head
     (Hugging Face's accessors, else nanoGPT's wte / lm_head), when they are a plain nn.Embedding and
-    nn.Linear. Names are matched whole: they are module paths, not patterns."""
+    nn.Linear, keyed by their qualified names (as plan patterns, they also match a longer name ending
+    in them: harmless for the model's own embedding and head paths)."""
     found: dict[str, _Style] = {}
     names = {id(m): n for n, m in model.named_modules() if n}
     pairs = []

@@ -238,6 +238,7 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Cross-entropy of the full logits, from this rank's vocabulary shard of them.
 
@@ -252,11 +253,12 @@ def vocab_parallel_cross_entropy(
     docstring); backward: local, no communication. The math is fp32 (fp64 for fp64 logits), so
     the loss is fp32 for fp16/bf16 logits, as if computed on `logits.float()`; the gradient has
     the logits' dtype. Labels outside [0, V) raise a ValueError on every rank before any
-    communication.
+    communication. `vocab_size`: V when the shards are padded (a ColumnParallelLinear(pad_vocab=True)
+    head's out_features; its padding columns are -inf): labels in [V, padded V) raise too.
     """
     ring = ring_of(group)
     _check_cross_entropy_args(logits_shard, labels, reduction)
-    vocab = logits_shard.shape[-1] * ring.size
+    vocab = logits_shard.shape[-1] * ring.size if vocab_size is None else vocab_size
     labels = labels.reshape(-1).long()  # [N]
     valid = labels != ignore_index
     bad = valid & ((labels < 0) | (labels >= vocab))
