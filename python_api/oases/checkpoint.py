@@ -313,6 +313,34 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
     return entries
 
 
+def _save_target(path: Union[str, os.PathLike], step: object, keep: object, extra: object) -> str:
+    """Where a checkpoint of `step` under `path` is published, after the local checks of the
+    arguments every saver shares (step, keep, extra picklable)."""
+    from oases import _dcp
+
+    if step is not None:
+        _count("step", step, 0)
+    if keep is not None:
+        _count("keep", keep, 1)
+        if step is None:
+            raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
+    try:
+        torch.save(extra, io.BytesIO())
+    except Exception as e:
+        raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
+    root = os.path.normpath(os.fspath(path))
+    return root if step is None else _dcp.step_dir(root, step)
+
+
+def _run_entries(extra: Any, rank: int) -> dict[str, Any]:
+    """The entries of a checkpoint besides model and optimizer: the format, `extra`, this rank's RNG."""
+    from oases import _dcp
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
+            f"{_RNG}{rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}}
+
+
 def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
                     optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
                     extra: Any = None, keep: Optional[int] = None,
@@ -345,26 +373,13 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     from oases import _dcp
 
     ring = ring_of(group)
-    if step is not None:
-        _count("step", step, 0)
-    if keep is not None:
-        _count("keep", keep, 1)
-        if step is None:
-            raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
+    where = _save_target(path, step, keep, extra)
     _, shards, _ = _layout(model)
     entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
                                for key, value in model.state_dict().items()}
     if optimizer is not None:
         entries.update(_optimizer_entries(_optimizer_view(model, optimizer), shards))
-    try:
-        torch.save(extra, io.BytesIO())
-    except Exception as e:
-        raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    entries.update({_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
-                    f"{_RNG}{ring.rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}})
-    root = os.path.normpath(os.fspath(path))
-    where = root if step is None else _dcp.step_dir(root, step)
+    entries.update(_run_entries(extra, ring.rank))
     _dcp.check_target(where)  # every check above and here is local: no rank is left waiting
     marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": optimizer is not None}
     _dcp.save(entries, where, ring, marker, keep)

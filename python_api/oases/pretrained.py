@@ -271,6 +271,19 @@ def _gathered(entry: _Entry, writer: int, me: int) -> Optional[torch.Tensor]:
     return full
 
 
+def _check_save(path: Union[str, os.PathLike], max_shard_size: object, model: nn.Module) -> str:
+    """save_pretrained's local checks (path not a file, max_shard_size, byte order, config); the path."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        raise FileExistsError(f"path: {path!r} is a file; save_pretrained writes a directory")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ValueError(f"max_shard_size: expected a positive number of bytes, got {max_shard_size!r}")
+    if sys.byteorder != "little":
+        raise NotImplementedError("save_pretrained: safetensors is little-endian; this machine is not")
+    _check_config(model)
+    return path
+
+
 def _check_config(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None or callable(getattr(config, "save_pretrained", None)):
@@ -343,14 +356,7 @@ def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shar
         while the writer prepares the directory is raised on every rank; one while it streams
         tensors (a full disk) leaves the others waiting in their sends until the group times out.
     """
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        raise FileExistsError(f"path: {path!r} is a file; save_pretrained writes a directory")
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
-        raise ValueError(f"max_shard_size: expected a positive number of bytes, got {max_shard_size!r}")
-    if sys.byteorder != "little":
-        raise NotImplementedError("save_pretrained: safetensors is little-endian; this machine is not")
-    _check_config(model)
+    path = _check_save(path, max_shard_size, model)
     entries = _entries(model)
     files = _split(entries, max_shard_size)
     names = [_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"

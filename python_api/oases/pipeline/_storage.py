@@ -28,10 +28,8 @@ collective; pending updates are applied before saving or loading.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
-import sys
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -41,13 +39,13 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _dcp
-from oases.checkpoint import (_EXTRA, _GROUPS, _MODEL, _RNG, CheckpointState, _check, _count, _open,
-                              _optimizer_entries, _optimizer_reads, _optimizer_view, _restore_optimizer, _rng_key,
-                              _set_rng, _sharded, _shards)
+from oases.checkpoint import (_EXTRA, _GROUPS, _MODEL, CheckpointState, _check, _open, _optimizer_entries,
+                              _optimizer_reads, _optimizer_view, _restore_optimizer, _rng_key, _run_entries,
+                              _save_target, _set_rng, _sharded, _shards)
 from oases.comm._topology import ring_of
 from oases.nn._materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid
-from oases.pretrained import (_DTYPES, _INDEX, _SINGLE, _Entry, _check_config, _gathered, _header, _prepare, _split,
+from oases.pretrained import (_DTYPES, _INDEX, _SINGLE, _Entry, _check_save, _gathered, _header, _prepare, _split,
                               _stored, _ties, _write, load_pretrained as _load_pretrained)
 
 if TYPE_CHECKING:
@@ -149,15 +147,8 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
 
     A collective over the mesh. Raises before any communication, on every rank alike, as
     oases.save_pretrained does (path a file, max_shard_size, dtype, config)."""
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        raise FileExistsError(f"path: {path!r} is a file; save_pretrained writes a directory")
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
-        raise ValueError(f"max_shard_size: expected a positive number of bytes, got {max_shard_size!r}")
-    if sys.byteorder != "little":
-        raise NotImplementedError("save_pretrained: safetensors is little-endian; this machine is not")
     model = pipe.model
-    _check_config(model)
+    path = _check_save(path, max_shard_size, model)
     unknown = [f"{k} ({v.dtype})" for k, v in model.state_dict().items() if v.dtype not in _DTYPES]
     if unknown:
         raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
@@ -241,18 +232,7 @@ def save_checkpoint(pipe: "Pipeline", path: Path, *, step: Optional[int] = None,
     directory published (path, or path/step-{step:09d}). A collective over the mesh; argument
     errors are raised on every rank before any communication."""
     ring = ring_of(None)
-    if step is not None:
-        _count("step", step, 0)
-    if keep is not None:
-        _count("keep", keep, 1)
-        if step is None:
-            raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
-    try:
-        torch.save(extra, io.BytesIO())
-    except Exception as e:
-        raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
-    root = os.path.normpath(os.fspath(path))
-    where = root if step is None else _dcp.step_dir(root, step)
+    where = _save_target(path, step, keep, extra)
     _dcp.check_target(where)  # every check above and here is local
     _apply_pending(pipe)
     held = _held(pipe)
@@ -265,9 +245,7 @@ def save_checkpoint(pipe: "Pipeline", path: Path, *, step: Optional[int] = None,
         groups.append(own.pop(_GROUPS))
         entries.update(own)
     entries[_GROUPS] = _merged_groups(pipe, groups)
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    entries.update({_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
-                    f"{_RNG}{ring.rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}})
+    entries.update(_run_entries(extra, ring.rank))
     marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": True}
     _dcp.save(entries, where, ring, marker, keep)
     return where
