@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ShardRule", "Chunk", "whole", "rows_of", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
+__all__ = ["ShardRule", "Chunk", "vocab_rule", "whole", "rows_of", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,13 @@ class ShardRule:
         """Entries per rank of a padded rule (None: unpadded)."""
         return None if self.size is None else -(-self.size // world_size)
 
+    def held(self, length: int, rank: int, world_size: int) -> tuple[int, int]:
+        """[start, stop) of the full tensor's `length` entries along `dim` that rank `rank` holds
+        (stacked == 1; for a padded rule stop - start may be less than the shard's rows, or 0)."""
+        part = self.part(world_size) if self.size is not None else length // world_size
+        start = min(length, rank * part)
+        return start, min(length, start + part)
+
     def full_shape(self, local_shape: Sequence[int], world_size: int) -> torch.Size:
         """The full tensor's shape from a shard's."""
         shape = list(local_shape)
@@ -71,11 +78,10 @@ class ShardRule:
     def shard(self, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
         """This rank's part of the full tensor (a view; a zero-padded copy for a padded rule)."""
         if self.size is not None:
-            part = self.part(world_size)
-            start = min(self.size, rank * part)
-            held = min(self.size, start + part) - start
+            start, stop = self.held(self.size, rank, world_size)
+            held = stop - start
             shape = list(full.shape)
-            shape[self.dim] = part
+            shape[self.dim] = self.part(world_size)
             out = full.new_zeros(shape)
             out.narrow(self.dim, 0, held).copy_(full.narrow(self.dim, start, held))
             return out
@@ -92,9 +98,8 @@ class ShardRule:
         """
         shape = tuple(int(n) for n in full_shape)
         if self.size is not None:
-            part = self.part(world_size)
-            start = min(self.size, rank * part)
-            held = min(self.size, start + part) - start
+            start, stop = self.held(self.size, rank, world_size)
+            held = stop - start
             if held == 0:
                 return []
             offsets, sizes = [0] * len(shape), list(shape)
@@ -119,6 +124,12 @@ class ShardRule:
             return torch.cat(parts, dim=self.dim)
         blocks = [p.chunk(self.stacked, 0) for p in parts]  # [rank][block]
         return torch.cat([blocks[r][b] for b in range(self.stacked) for r in range(len(parts))])
+
+
+def vocab_rule(size: int, world_size: int) -> ShardRule:
+    """The rows of a [V, ...] vocabulary table: equal parts, padded when p does not divide V
+    (Megatron's make_vocab_size_divisible_by, without changing V: the padding is never a token)."""
+    return ShardRule(0) if size % world_size == 0 else ShardRule(0, size=size)
 
 
 def whole(shape: tuple[int, ...]) -> list[Chunk]:

@@ -55,7 +55,7 @@ import torch.nn as nn
 
 from oases import _checks, ops
 from oases.ops import _gemm
-from oases._sharding import ShardRule, row_shard
+from oases._sharding import ShardRule, row_shard, vocab_rule
 from oases.comm._topology import ring_of
 from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
 
@@ -210,11 +210,9 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.chunks, self.stacked = _resolve_chunks(chunks), stacked
         self.pad_vocab = pad_vocab
-        self._rule = ShardRule(0, stacked) if not pad_vocab or out_features % ring.size == 0 else \
-            ShardRule(0, size=out_features)  # rows past out_features on the last ranks: padding
-        part = self._rule.part(ring.size)
-        self._held = out_features // ring.size if part is None else \
-            max(0, min(out_features, (ring.rank + 1) * part) - ring.rank * part)  # real rows on this rank
+        self._rule = vocab_rule(out_features, ring.size) if pad_vocab else ShardRule(0, stacked)
+        start, stop = self._rule.held(out_features, ring.rank, ring.size)
+        self._held = stop - start  # real rows on this rank (rows past them: a padded vocabulary's)
         self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from oases import comm
-from oases._sharding import ShardRule
+from oases._sharding import ShardRule, vocab_rule
 from oases.comm._topology import Ring, ring_of
 from oases.nn._mappings import reduce_from_tp
 
@@ -69,12 +69,6 @@ def check_vocab(owner: str, arg: str, size: int, world_size: int) -> None:
     """A vocabulary of `size` tokens: at least one token (p need not divide it: shards are padded)."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"{owner}: {arg} must be a positive int (the vocabulary), got {size!r}")
-
-
-def vocab_rule(size: int, world_size: int) -> ShardRule:
-    """The rows of a [V, ...] vocabulary table: equal parts, padded when p does not divide V
-    (Megatron's make_vocab_size_divisible_by, without changing V: the padding is never a token)."""
-    return ShardRule(0) if size % world_size == 0 else ShardRule(0, size=size)
 
 
 def check_embedding(owner: str, embedding: nn.Module, world_size: int) -> None:
@@ -130,9 +124,8 @@ class VocabParallelEmbedding(nn.Module):
         self.padding_idx = full.padding_idx  # normalised to [0, V) by nn.Embedding
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self._rule = vocab_rule(num_embeddings, ring.size)
-        per_rank = -(-num_embeddings // ring.size)  # ceil: the last ranks' rows past V are padding
-        self.vocab_start_index = min(num_embeddings, ring.rank * per_rank)
-        self.vocab_end_index = min(num_embeddings, (ring.rank + 1) * per_rank)
+        # the ids this rank owns; its rows past them (the last ranks', when p does not divide V) are padding
+        self.vocab_start_index, self.vocab_end_index = self._rule.held(num_embeddings, ring.rank, ring.size)
         self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [ceil(V/p), h]
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
