@@ -36,17 +36,23 @@ def _config(kind, tied=False):
     return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**common)
 
 
+def _meta_parallelized(cls, config, **kw):
+    """cls(config) built on meta, then parallelize(device="cpu", **kw) (the head's warning silenced)."""
+    with torch.device("meta"):
+        model = cls(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, device="cpu", **kw)
+    return model
+
+
 def _meta_build_matches(rank, world_size, kind, tied, degrees):
     cls, config = _config(kind, tied)
     torch.manual_seed(7)
     reference = cls(config)
     after_reference = torch.get_rng_state()
     torch.manual_seed(7)
-    with torch.device("meta"):
-        model = cls(config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, device="cpu", tp_degrees=degrees)
+    model = _meta_parallelized(cls, config, tp_degrees=degrees)
     assert torch.equal(torch.get_rng_state(), after_reference), "the random state differs from the plain build's"
     assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     sharded = {n for n, m in model.named_modules() if hasattr(m, "tp_layout")}
@@ -125,11 +131,7 @@ def _empty_then_load(rank, world_size, path):
     cls, config = _config("llama-odd")
     reference = LlamaForCausalLM.from_pretrained(path)
     state = torch.get_rng_state()
-    with torch.device("meta"):
-        model = cls(config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, device="cpu", init_weights=False)
+    model = _meta_parallelized(cls, config, init_weights=False)
     assert torch.equal(torch.get_rng_state(), state), "init_weights=False drew random numbers"
     for name, buffer in reference.named_buffers():  # non-persistent: computed, not loaded
         assert torch.equal(model.get_buffer(name), buffer), name
@@ -142,12 +144,7 @@ def _empty_then_load(rank, world_size, path):
 
 
 def _padding_rows_start_at_zero(rank, world_size):
-    cls, config = _config("llama-odd")
-    with torch.device("meta"):
-        model = cls(config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, device="cpu", init_weights=False)
+    model = _meta_parallelized(*_config("llama-odd"), init_weights=False)
     held = model.get_input_embeddings().vocab_end_index - model.get_input_embeddings().vocab_start_index
     return [bool((m.weight[held:] == 0).all()) for m in (model.get_input_embeddings(), model.get_output_embeddings())]
 
@@ -165,12 +162,8 @@ def _allocate_some(rank, world_size):
     torch.manual_seed(7)
     reference = cls(config)
     torch.manual_seed(7)
-    with torch.device("meta"):
-        model = cls(config)
     held = lambda name: name.startswith("model.layers.1.") or name.startswith("lm_head")  # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, device="cpu", allocate=held)
+    model = _meta_parallelized(cls, config, allocate=held)
     for name, p in model.named_parameters():
         assert p.is_meta != held(name), name
         if held(name):
