@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Callable, Iterable, Iterator, Optional, Protocol, Union
+from typing import Iterable, Iterator, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
