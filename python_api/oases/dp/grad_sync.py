@@ -10,7 +10,10 @@ schedules of oases.train_step run one backward per sub-batch and layer). The fir
 how many times each parameter's gradient is accumulated and reduces everything at its end; from
 then on a bucket (parameters in reverse registration order, about `bucket_bytes` each, one dtype)
 starts its collective as soon as the last of its parameters reached its count, while the rest of
-the backward runs. The step's structure must stay the same across steps and dp ranks (the same
+the backward runs. At most `max_in_flight` buckets are in flight at once (each holds a flat copy
+of its gradients until it completes): starting one more first completes the oldest, so the copies
+cost at most max_in_flight buckets, not the whole model's gradients when the link is slower than
+the backward. The step's structure must stay the same across steps and dp ranks (the same
 schedule and sub-batches everywhere); a gradient that arrives after its bucket started raises a
 RuntimeError (call `relearn()` after changing the step's structure).
 
@@ -77,6 +80,7 @@ class _Bucket:
         self.ready = 0
         self.pending: Optional[object] = None
         self.started = False
+        self.done = False  # completed (its results written) before finish()
 
 
 def _parameters(model: Union[nn.Module, Iterable[nn.Parameter]]) -> list[nn.Parameter]:
@@ -124,12 +128,18 @@ class GradientSync:
             (e.g. torch.distributed.device_mesh.init_device_mesh("cpu", (dp, tp))["dp"].get_group()).
         bucket_bytes: about this many bytes of gradients per collective.
         reducer: how a bucket is reduced (default AllReduceMean(group)).
+        max_in_flight: buckets whose collectives run at once during the backward (each holds a
+            flat copy of its gradients); the oldest completes before one more starts.
     """
 
     def __init__(self, model: Union[nn.Module, Iterable[nn.Parameter]], group: Optional[dist.ProcessGroup] = None,
-                 *, bucket_bytes: int = 25 * 2**20, reducer: Optional[Reducer] = None) -> None:
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+                 *, bucket_bytes: int = 25 * 2**20, reducer: Optional[Reducer] = None,
+                 max_in_flight: int = 2) -> None:
+        for name, value in (("bucket_bytes", bucket_bytes), ("max_in_flight", max_in_flight)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.max_in_flight = max_in_flight
+        self._in_flight: list[_Bucket] = []  # started in the backward, oldest first
         self.group = group
         self.size = ring_of(group).size
         self.params = _parameters(model)
@@ -160,7 +170,10 @@ class GradientSync:
         if self._expected is not None and count == self._expected.get(id(p), 0):
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
+                if len(self._in_flight) >= self.max_in_flight:
+                    self._complete(self._in_flight.pop(0))
                 self._start(bucket)
+                self._in_flight.append(bucket)
                 self.started_in_backward += 1
         if not self._deferred and not self._queued:
             self._queued = True
@@ -170,6 +183,10 @@ class GradientSync:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         bucket.pending = self.reducer.start(bucket.params, grads)
         bucket.started = True
+
+    def _complete(self, bucket: _Bucket) -> None:
+        self.reducer.complete(bucket.params, bucket.pending)
+        bucket.pending, bucket.done = None, True
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator["GradientSync"]:
@@ -190,8 +207,10 @@ class GradientSync:
         for bucket in self._buckets:  # in order on every rank; one late bucket's copy in flight at a time
             if not bucket.started:
                 self._start(bucket)
-            self.reducer.complete(bucket.params, bucket.pending)
-            bucket.pending, bucket.started, bucket.ready = None, False, 0
+            if not bucket.done:
+                self._complete(bucket)
+            bucket.started, bucket.done, bucket.ready = False, False, 0
+        self._in_flight.clear()
         if self._expected is None:
             self._expected = dict(self._counts)
         self._counts = {}
