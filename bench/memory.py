@@ -238,7 +238,7 @@ def _run_layout(args, ctx, config, shape, dp: int, tp: int, zero: bool, folder: 
         tensors = max(sum(r["phases"][p.phase]["tensors"].values()) for r in ranks)
         phases.append({"phase": p.phase, "resident_bytes": resident, "peak_bytes": peak, "tensor_bytes": tensors,
                        "predicted_bytes": p.resident_bytes, "predicted_peak_bytes": p.peak_bytes,
-                       "ratio": resident / p.resident_bytes, "peak_ratio": peak / p.peak_bytes,
+                       "ratio": _ratio(resident, p.resident_bytes), "peak_ratio": _ratio(peak, p.peak_bytes),
                        "per_rank": [{k: r["phases"][p.phase][k] for k in ("resident", "peak")} for r in ranks]})
     rss_states = max(r["phases"]["train"]["resident"] - r["phases"]["load_pretrained"]["resident"] for r in ranks)
     return {"kind": "layout", "layout": f"TP{tp}" if dp == 1 else f"DP{dp} x TP{tp}", "dp": dp, "tp": tp,
@@ -254,6 +254,11 @@ def _run_layout(args, ctx, config, shape, dp: int, tp: int, zero: bool, folder: 
             "train_steps": [{k: max(r["steps"][i][k] for r in ranks) for k in ("train_step", "optimizer_step")}
                             for i in range(len(ranks[0]["steps"]))],
             "checkpoint_optimizer": ranks[0]["refused"] is None, "checkpoint_refusal": ranks[0]["refused"]}
+
+
+def _ratio(measured: float, predicted: float) -> Optional[float]:
+    """measured / predicted; None where nothing is predicted (the build's untouched pages)."""
+    return measured / predicted if predicted else None
 
 
 def run(args, ctx) -> list[dict]:
@@ -332,9 +337,10 @@ def tables(records: list[dict]) -> list[Table]:
                  "MAX over ranks; peak sampled every "
                  f"{r['interval_s'] * 1e3:g} ms; malloc: mmap threshold {r['malloc']['mmap_threshold']}, "
                  f"trim {r['malloc']['malloc_trim']}",
-                 "predicted: oases.planner.memory (W after build/load; W + S + M after train; peak: + G + A in the "
-                 "step, + the largest read / chunk / full tensor in load / export); tensors: bytes the rank's "
-                 "tensors hold after the phase"]
+                 "predicted: oases.planner.memory (build 0: init_weights=False leaves the shards' pages untouched "
+                 "until load_pretrained writes them; W after load; W + S + M after train; peak: + G + ZeRO's rows + "
+                 "max(A + buckets in flight, the optimizer step's temporaries) in train, + the largest read / chunk "
+                 "/ full tensor in load / export); tensors: bytes the rank's tensors hold after the phase"]
         peaks = ", ".join(f"{s['train_step'] / MIB:.0f} / {s['optimizer_step'] / MIB:.0f}" for s in r["train_steps"])
         notes.append(f"train peaks per step, train_step / optimizer step: {peaks} MiB")
         if not r["checkpoint_optimizer"]:

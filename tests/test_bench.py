@@ -371,11 +371,13 @@ def test_memory_suite(tmp_path):
     for key, case in cases.items():
         assert [p["phase"] for p in case["phases"]] == list(phases), key
         for p in case["phases"]:
-            assert p["predicted_bytes"] > 0 and p["predicted_peak_bytes"] >= p["predicted_bytes"], (key, p)
+            built = p["phase"] == "build"  # init_weights=False: nothing written, nothing resident predicted
+            assert (p["predicted_bytes"] == 0) == built and p["predicted_peak_bytes"] >= p["predicted_bytes"], (key, p)
             assert len(p["per_rank"]) == WORLD_SIZE, key
             for name in ("resident_bytes", "peak_bytes", "tensor_bytes"):
                 assert isinstance(p[name], int), (key, name)
-            assert p["ratio"] == pytest.approx(p["resident_bytes"] / p["predicted_bytes"]), key
+            if not built:
+                assert p["ratio"] == pytest.approx(p["resident_bytes"] / p["predicted_bytes"]), key
         state = case["optimizer_state"]
         assert state["moment_bytes"] > 0 and state["predicted_bytes"] > 0 and state["master_bytes"] >= 0, key
         assert len(case["train_steps"]) == doc["cases"][0]["config"]["steps"], key

@@ -401,9 +401,20 @@ def test_memory_phases_by_hand():
     phases = P.phase_memory(shape, P.MemoryJob(rows=2, tp=2))
     assert tuple(p.phase for p in phases) == P.PHASES
     resident = {p.phase: p.resident_bytes for p in phases}
-    assert resident["build"] == resident["load_pretrained"] == plain.weights
+    assert resident["build"] == 0 and resident["load_pretrained"] == plain.weights  # pages come on first write
+    assert P.phase_memory(shape, P.MemoryJob(rows=2, tp=2, init_weights=True))[0].resident_bytes == plain.weights
     assert resident["train"] == resident["save_pretrained"] == plain.states
-    assert all(p.peak_bytes >= p.resident_bytes > 0 for p in phases)
+    assert all(p.peak_bytes >= p.resident_bytes > 0 for p in phases[1:])
+    # transients: AdamW's two temporaries of the largest local tensor (the MLP's [32, 8] / 2, fp32); no dp sync
+    assert plain.step_transient == 2 * 32 * 8 / 2 * 4 and plain.sync_in_flight == plain.gradient_rows == 0
+    peak = {p.phase: p.peak_bytes for p in phases}
+    assert peak["train"] == plain.states + plain.gradients + max(plain.activations, plain.step_transient)
+    small = P.MemoryJob(rows=2, dp=2, bucket_bytes=100, in_flight=3)  # [32, 8] fp32 = 1024 bytes > 100
+    assert P.rank_memory(shape, small).sync_in_flight == 1024 + 2 * 100     # the largest bucket + 2 more
+    zero_small = P.rank_memory(shape, replace(small, zero=True))
+    assert zero_small.sync_in_flight == (1024 + 2 * 100) * 1.5              # padded blocks + received rows
+    assert zero_small.gradient_rows == 4 * zero_small.parameters / 2
+    assert zero_small.step_transient == max(2 * 1024 / 2, 1.5 * 1024)       # the all-gather's buffers win
     with pytest.raises(ValueError, match="optimizer"):
         P.MemoryJob(rows=1, optimizer="lamb")
     with pytest.raises(ValueError, match="tp"):

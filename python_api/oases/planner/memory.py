@@ -17,11 +17,30 @@ and head split by the vocabulary when the plan says "vocab" / "vocab_head", else
     M = 4 * P / dp  if zero and param_bytes < 4, else 0         ZeRO's fp32 masters of its rows
     A = layers * kept_input_bytes(tp) + buffer_bytes(tp) + logits_bytes    (cost.py, eq. 6)
 
+    R = 4 * P / dp  if zero, else 0                             ZeRO's gradient rows (the masters' .grad, fp32)
+    T = the largest local tensor's bytes; B = max(bucket_bytes, T); T_step = T, or under ZeRO the
+        fp32 rows of it this rank steps (4 T / (param_bytes dp))
+    sync = (B + (in_flight - 1) bucket_bytes) * (1 + 1/dp if zero else 1)   if dp > 1, else 0
+                                                                the gradient buckets in flight in the
+                                                                backward (flat copies; ZeRO: padded
+                                                                blocks and the received rows)
+    step = max(temps * T_step, (1 + 1/dp) B if zero else 0)     the optimizer step: AdamW's per-tensor
+                                                                temporaries (temps = 2: sqrt and its
+                                                                quotient; torch's foreach step, the
+                                                                default on CUDA, makes them per group),
+                                                                ZeRO's parameter all-gather buffers
+
     phase            resident after     peak during
-    build            W                  W                       (meta build + parallelize(device=))
+    build            0, or W            0, or W                 (meta build + parallelize(device=)); W
+                                                                with init_weights=True; 0 on a host
+                                                                with init_weights=False: the
+                                                                shards' pages come on first write (in
+                                                                load_pretrained); a device allocator
+                                                                counts W here either way
     load_pretrained  W                  W + read                read: the file pages one handle maps for
                                                                 the largest tensor (copied into W in place)
-    train            W + S + M          W + S + M + G + A       A only while the step runs
+    train            W + S + M          W + S + M + G + R + max(A + sync, step)
+                                                                A only while the step runs
     save_checkpoint  W + S + M          W + S + M               each shard written from its tensor
     load_checkpoint  W + S + M          W + S + M + chunk       chunk: the largest shard, twice (DCP reads
                                                                 its bytes, then deserialises a tensor)
@@ -46,6 +65,8 @@ __all__ = ["PHASES", "OPTIMIZER_MOMENTS", "MemoryJob", "RankMemory", "PhaseMemor
 
 PHASES = ("build", "load_pretrained", "train", "save_checkpoint", "load_checkpoint", "save_pretrained")
 OPTIMIZER_MOMENTS: Mapping[str, int] = MappingProxyType({"adamw": 2, "adam": 2, "sgd": 1, "none": 0})
+# temporaries of the size of one tensor that torch's per-tensor (CPU default) step makes at once
+_STEP_TEMPORARIES: Mapping[str, int] = MappingProxyType({"adamw": 2, "adam": 2, "sgd": 0, "none": 0})
 
 
 def _positive(name: str, value: object) -> None:
@@ -57,7 +78,10 @@ def _positive(name: str, value: object) -> None:
 class MemoryJob:
     """One rank's place in a training job: `rows` sequences per step per data-parallel replica, on
     `tp` x `dp` ranks, `optimizer` (a key of OPTIMIZER_MOMENTS) wrapped in ZeRO-1 over dp when
-    `zero`, the oases `schedule`, parameters of `param_bytes` each (4: fp32; 2: bf16 / fp16)."""
+    `zero`, the oases `schedule`, parameters of `param_bytes` each (4: fp32; 2: bf16 / fp16);
+    gradients averaged over dp in buckets of `bucket_bytes`, `in_flight` at once during the backward
+    (oases.dp.GradientSync's defaults); `init_weights`: parallelize(..., init_weights=) (False: the
+    weights come from load_pretrained)."""
 
     rows: int
     tp: int = 1
@@ -67,15 +91,18 @@ class MemoryJob:
     schedule: str = "oases"
     vocab_parallel: bool = True
     param_bytes: int = 4
+    bucket_bytes: int = 25 * 2**20
+    in_flight: int = 2
+    init_weights: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("rows", "tp", "dp"):
+        for name in ("rows", "tp", "dp", "bucket_bytes", "in_flight"):
             _positive(name, getattr(self, name))
         if self.optimizer not in OPTIMIZER_MOMENTS:
             raise ValueError(f"optimizer: {self.optimizer!r} is not one of {sorted(OPTIMIZER_MOMENTS)}")
         if self.param_bytes not in (2, 4):
             raise ValueError(f"param_bytes: expected 2 (bf16 / fp16) or 4 (fp32), got {self.param_bytes!r}")
-        for name in ("zero", "vocab_parallel"):
+        for name in ("zero", "vocab_parallel", "init_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
@@ -93,6 +120,9 @@ class RankMemory:
     read_pretrained: float  # transient of load_pretrained: the largest tensor's mapped file pages
     read_chunk: float       # transient of load_checkpoint: the largest shard's bytes and its tensor
     write_full: float       # transient of save_pretrained on the writer: a gathered tensor + a received shard
+    gradient_rows: float    # ZeRO's fp32 gradient rows (R), from their bucket's reduce-scatter to zero_grad
+    sync_in_flight: float   # transient of the dp gradient sync in the backward (flat bucket copies)
+    step_transient: float   # transient of the optimizer step (its temporaries; ZeRO's all-gather buffers)
 
     @property
     def states(self) -> float:
@@ -141,16 +171,26 @@ def rank_memory(shape: ModelShape, job: MemoryJob) -> RankMemory:
     read = max(touched) * pb
     chunk = 2 * max(local) * pb  # a plain optimizer's states are shaped and typed as their parameters
     full = max((n + n / tp) * pb for n, how in tensors if how != "none") if split else 0.0
-    return RankMemory(parameters, parameters * pb, parameters * pb, states, masters, activations, read, chunk, full)
+    rows = 4 * parameters / dp if job.zero else 0.0
+    largest = max(local) * pb
+    bucket = max(job.bucket_bytes, largest)
+    relayed = 1 + 1 / dp if job.zero else 1.0
+    sync = (bucket + (job.in_flight - 1) * job.bucket_bytes) * relayed if dp > 1 else 0.0
+    stepped = max(local) * 4 / dp if job.zero else largest
+    step = max(_STEP_TEMPORARIES[job.optimizer] * stepped, (1 + 1 / dp) * bucket if job.zero else 0.0)
+    return RankMemory(parameters, parameters * pb, parameters * pb, states, masters, activations, read, chunk, full,
+                      rows, sync, step)
 
 
 def phase_memory(shape: ModelShape, job: MemoryJob) -> tuple[PhaseMemory, ...]:
     """Per phase (PHASES, in order): predicted resident bytes after it and peak bytes during it."""
     m = rank_memory(shape, job)
     w, kept = m.weights, m.states
-    return (PhaseMemory("build", w, w),
+    built = w if job.init_weights else 0.0
+    training = kept + m.gradients + m.gradient_rows + max(m.activations + m.sync_in_flight, m.step_transient)
+    return (PhaseMemory("build", built, built),
             PhaseMemory("load_pretrained", w, w + m.read_pretrained),
-            PhaseMemory("train", kept, kept + m.gradients + m.activations),
+            PhaseMemory("train", kept, training),
             PhaseMemory("save_checkpoint", kept, kept),
             PhaseMemory("load_checkpoint", kept, kept + m.read_chunk),
             PhaseMemory("save_pretrained", kept, kept + m.write_full))
