@@ -36,9 +36,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _parser(load_suites: bool) -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
-    """The command line; with load_suites=False (the launching parent) suites' own options are
-    left for the ranks to check, so the parent does not import torch."""
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+    """The command line, every suite's own options included (the launching parent checks them
+    all before it starts the ranks, at the cost of importing torch)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--nproc", type=_positive_int, default=2, help="ranks to launch (default: 2)")
     common.add_argument("--bandwidth", metavar="RATE",
@@ -60,13 +60,11 @@ def _parser(load_suites: bool) -> tuple[argparse.ArgumentParser, dict[str, Modul
     sub = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
     modules = {}
     for name, module_path in SUITES.items():
-        module = importlib.import_module(module_path) if load_suites else None
-        summary = (module.__doc__ or "").splitlines()[0] if module else None
-        suite_parser = sub.add_parser(name, parents=[common], help=summary)
-        if module is not None:
-            modules[name] = module
-            if hasattr(module, "add_arguments"):
-                module.add_arguments(suite_parser)
+        module = importlib.import_module(module_path)
+        suite_parser = sub.add_parser(name, parents=[common], help=(module.__doc__ or "").splitlines()[0])
+        modules[name] = module
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(suite_parser)
     return parser, modules
 
 
@@ -77,12 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         return gpu_check.main(argv[1:])
     inside = "RANK" in os.environ
-    if inside or "-h" in argv or "--help" in argv:
-        parser, modules = _parser(load_suites=True)
-        args = parser.parse_args(argv)
-    else:
-        parser, modules = _parser(load_suites=False)
-        args, _ = parser.parse_known_args(argv)
+    parser, modules = _parser()  # every suite's options checked here, before any rank starts
+    args = parser.parse_args(argv)
     if args.warmup is None:
         args.warmup = 1 if args.quick else 2
     if args.iters is None:

@@ -199,6 +199,17 @@ def test_bus_bandwidth():
     assert _metrics.bus_bandwidth("all_reduce", 100, 1.0, 4) == pytest.approx(150.0)
 
 
+def test_suite_options_checked_before_ranks_start(tmp_path):
+    """A suite's own option refused by the launching process: argparse's message once, exit code
+    2, and no rank started (no launcher line, no output folder)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE") and not k.startswith("OASES_")}
+    done = subprocess.run([sys.executable, "-m", "bench", "layers", "--model", "nonsense", "--out", str(tmp_path / "o")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("invalid choice: 'nonsense'") == 1 and "oases-launch" not in done.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_layers_suite(tmp_path):
     """The quick layers suite: every schedule and the PyTorch TP peer, with consistent figures."""
     doc, stdout, _ = _run_suite("layers", tmp_path)

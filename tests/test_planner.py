@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -354,6 +356,28 @@ def test_cli_bad_input_names_the_argument(tmp_path, capsys, argv, named):
     args = ["plan", *itertools.chain.from_iterable(base.items()), "--out", str(tmp_path / "p.json")]
     assert cli_main(args) == 2
     assert named in capsys.readouterr().err
+
+
+def test_cli_out_checked_before_planning(tmp_path, capsys):
+    base = ["plan", "--model", "gpt2-small", "--world", "4", "--device-memory", "16GB", "--link", "10gbit"]
+    assert cli_main([*base, "--out", str(tmp_path / "missing" / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "does not exist" in err and "Traceback" not in err
+    assert cli_main([*base, "--out", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
+
+
+def test_cli_closed_pipe_ends_quietly(tmp_path):
+    """`oases plan ... | head`: the reader is gone before the table is printed; the plan is still
+    written, the exit code is 0 and nothing is printed on stderr."""
+    out = tmp_path / "plan.json"
+    code = ("import sys; from oases.planner.cli import main; sys.exit(main(sys.argv[1:]))")
+    process = subprocess.Popen([sys.executable, "-c", code, "plan", "--model", "gpt2-small", "--world", "4",
+                                "--device-memory", "16GB", "--link", "10gbit", "--out", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader leaves before the first line
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 0, err
+    assert err == "" and out.exists()
 
 
 def test_bad_inputs_raise_naming_the_argument(tmp_path):

@@ -10,6 +10,7 @@ The JSON (default plan.json) is read back by `oases.plan.load(path)` (the per-la
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -97,6 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     args = parser.parse_args(argv)
     try:
+        _check_out(args.out)
         shape = load_model(args.model, seq_len=args.seq_len)
         if args.profile:
             profile = load_profile(args.profile, link=args.link)
@@ -110,10 +112,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError) as err:
         print(f"oases plan: {err}", file=sys.stderr)
         return 2
-    print(render(result))
     result.save(args.out)
-    print(f"wrote {args.out}")
+    try:
+        print(render(result))
+        print(f"wrote {args.out}", flush=True)
+    except BrokenPipeError:  # `oases plan ... | head`: the reader left; the plan is written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
+
+
+def _check_out(path: str) -> None:
+    """ValueError unless `path` can be written (checked before the search, which may take a while)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"--out: {path} is a directory; name a file, e.g. {os.path.join(path, 'plan.json')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out: the folder {folder} does not exist; create it or choose another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out: the folder {folder} is not writable; choose another path")
 
 
 if __name__ == "__main__":
