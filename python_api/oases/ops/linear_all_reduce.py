@@ -28,6 +28,7 @@ import torch.distributed as dist
 from oases import _checks
 from oases.comm._topology import Ring, ring_of
 from oases.ops import _gemm
+from oases.ops._autocast import autocast_operands
 from oases.planner.chunks import op_chunks
 
 __all__ = ["linear_all_reduce"]
@@ -92,6 +93,7 @@ def linear_all_reduce(
     main_grad (fp32, weight's shape): backward adds weight's gradient into it in fp32
     (`main_grad += grad_w`, Megatron's gradient-accumulation fusion) and returns none for weight.
     """
+    x, weight, bias, precision = autocast_operands(x, weight, bias)
     _checks.floating("x", x)
     _checks.weight_bias(x, weight, bias)
     ring = ring_of(group)
@@ -101,5 +103,5 @@ def linear_all_reduce(
                            comm_bytes=2 * (ring.size - 1) / ring.size * rows * weight.shape[0] * x.element_size())
     _checks.chunks_arg(chunks)
     _gemm.check_main_grad(main_grad, weight)
-    with torch.profiler.record_function("oases::linear_all_reduce"):
+    with precision, torch.profiler.record_function("oases::linear_all_reduce"):
         return _LinearAllReduce.apply(x, weight, bias, ring, chunks, main_grad)

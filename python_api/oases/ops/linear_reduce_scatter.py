@@ -25,6 +25,7 @@ from oases import _checks
 from oases.comm._topology import Ring, ring_of
 from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
 from oases.ops import _gemm
+from oases.ops._autocast import autocast_operands
 from oases.planner.chunks import op_chunks
 
 __all__ = ["linear_reduce_scatter"]
@@ -96,6 +97,7 @@ def linear_reduce_scatter(
     main_grad (fp32, weight's shape): backward adds weight's gradient into it in fp32
     (`main_grad += grad_w`, Megatron's gradient-accumulation fusion) and returns none for weight.
     """
+    x, weight, bias, precision = autocast_operands(x, weight, bias)
     dim = _checks.sharded_linear("linear_reduce_scatter", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
@@ -107,6 +109,6 @@ def linear_reduce_scatter(
     _checks.chunks_arg(chunks)
     _checks.full_divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
     _gemm.check_main_grad(main_grad, weight)
-    with torch.profiler.record_function("oases::linear_reduce_scatter"):
+    with precision, torch.profiler.record_function("oases::linear_reduce_scatter"):
         y = _LinearReduceScatter.apply(x, weight, bias, ring, dim, chunks, bidirectional, main_grad)
     return y.movedim(0, dim)
