@@ -3,7 +3,10 @@
 DP 2 with a plain loss.backward() and GradientSync; DP 2 x TP 2 on oases.train_step's schedule with
 ZeroOptimizer (ZeRO-1): after three AdamW steps every parameter equals the single-process run's
 (fp32 tolerance: the dp mean sums in another order), buckets start during the backward from the
-second step on (the overlap), and each rank holds half of AdamW's state.
+second step on (the overlap), and each rank holds half of AdamW's state. ZeroOptimizer.clip_grad_norm_
+at DP 2 x TP 2 returns and applies torch.nn.utils.clip_grad_norm_'s norm of the single-process model.
+Checkpoints: fp32 ZeRO resumes bit-exactly and loads at DP 4 and into a plain AdamW; bf16 ZeRO keeps
+its fp32 masters (bit-exact resume at DP 2, the masters restored at DP 1).
 """
 import warnings
 
@@ -38,28 +41,57 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-3)),  # scale-invariant: a
               "sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9))}  # not scale-invariant: the mean is checked
 
 
-def _reference(kind):
+def _reference(kind, clip=None):
+    """The single-process model's state after STEPS steps; with clip, also torch's clip_grad_norm_
+    norms (2-norm, clipping at `clip`, every step; then the inf-norm of one more step's gradient)."""
     model = _llama()
     cls, kw = OPTIMIZERS[kind]
     opt = cls(model.parameters(), **kw)
+    norms = []
     for step in range(STEPS):
         ids = _batch(step)
         model(input_ids=ids, labels=ids).loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
         opt.zero_grad()
-    return model.state_dict()
+    if clip is None:
+        return model.state_dict()
+    ids = _batch(STEPS)
+    model(input_ids=ids, labels=ids).loss.backward()
+    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=float("inf")))
+    return model.state_dict(), norms
+
+
+class _CountingReducer(oases.dp.AllReduceMean):
+    """AllReduceMean that records the most buckets in flight at once."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.now = self.most = 0
+
+    def start(self, params, grads):
+        self.now += 1
+        self.most = max(self.most, self.now)
+        return super().start(params, grads)
+
+    def complete(self, params, pending):
+        super().complete(params, pending)
+        self.now -= 1
 
 
 def _dp_plain_backward(rank, world_size):
     model = _llama()
-    sync = oases.dp.GradientSync(model, bucket_bytes=64 * 1024)
+    reducer = _CountingReducer(None)
+    sync = oases.dp.GradientSync(model, bucket_bytes=64 * 1024, reducer=reducer, max_in_flight=2)
     opt = torch.optim.SGD(model.parameters(), **OPTIMIZERS["sgd"][1])
     for step in range(STEPS):
         ids = _batch(step).chunk(world_size)[rank]  # this replica's rows
         model(input_ids=ids, labels=ids).loss.backward()  # the sync finishes at the backward's end
         opt.step()
         opt.zero_grad()
-    assert sync.started_in_backward > 0
+    assert sync.started_in_backward > 2  # more buckets started in the backward than may fly at once
+    assert reducer.most == 2, reducer.most  # the oldest completed before a third started
     expected = _reference("sgd")
     for key, value in model.state_dict().items():
         torch.testing.assert_close(value, expected[key], **TOL, msg=lambda m: f"{key}: {m}")
@@ -69,7 +101,7 @@ def test_gradient_sync_dp2_plain_backward():
     run_ranks(_dp_plain_backward, 2, timeout=120)
 
 
-def _zero_dp2_tp2(rank, world_size, schedule, kind):
+def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -80,24 +112,36 @@ def _zero_dp2_tp2(rank, world_size, schedule, kind):
     cls, kw = OPTIMIZERS[kind]
     opt = oases.dp.ZeroOptimizer(model, dp_group, cls, bucket_bytes=64 * 1024, **kw)
     dp_rank = dist.get_rank(dp_group)
+    norms = []
     for step in range(STEPS):
         ids = _batch(step).chunk(2)[dp_rank]
         oases.train_step(model, ids, ids, schedule=schedule, grad_sync=opt.sync)
+        if clip is not None:
+            norms.append(opt.clip_grad_norm_(clip))
         opt.step()
         opt.zero_grad()
     assert opt.sync.started_in_backward > 0, "no bucket started during a backward"
     moments = 2 if kind == "adamw" else 1  # exp_avg + exp_avg_sq, or the momentum buffer
     full_state = sum(moments * p.numel() * 4 for p in model.parameters())  # plain optimizer on the TP shards
     assert full_state / 2 <= opt.state_bytes() <= full_state / 2 + 8 * 64, (opt.state_bytes(), full_state)
-    expected = _reference(kind)
+    expected = _reference(kind, clip)
+    if clip is not None:
+        expected, want_norms = expected
+        ids = _batch(STEPS).chunk(2)[dp_rank]
+        oases.train_step(model, ids, ids, schedule=schedule, grad_sync=opt.sync)
+        norms.append(opt.clip_grad_norm_(1e9, norm_type=float("inf")))
+        assert min(want_norms[:STEPS]) > clip, want_norms  # every step is clipped
+        for got, want in zip(norms, want_norms):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     state = oases.full_state_dict(model)
     for key, value in expected.items():
         torch.testing.assert_close(state[key], value, **TOL, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("schedule,kind", [("megatron", "sgd"), ("oases", "adamw")])
-def test_zero1_dp2_tp2_train_step(schedule, kind):
-    run_ranks(_zero_dp2_tp2, 4, schedule, kind, timeout=180)
+@pytest.mark.parametrize("schedule,kind,clip", [("megatron", "sgd", None), ("oases", "adamw", None),
+                                                ("oases", "sgd", 0.5)])
+def test_zero1_dp2_tp2_train_step(schedule, kind, clip):
+    run_ranks(_zero_dp2_tp2, 4, schedule, kind, clip, timeout=180)
 
 
 def _bad_grad_sync(rank, world_size):
@@ -108,6 +152,11 @@ def _bad_grad_sync(rank, world_size):
         oases.train_step(model, _batch(0), _batch(0), grad_sync=object())
     with pytest.raises(TypeError, match="optimizer_class"):
         oases.dp.ZeroOptimizer(model, None, dict)
+    opt = oases.dp.ZeroOptimizer(model, None, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="norm_type"):
+        opt.clip_grad_norm_(1.0, norm_type=1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm_(0.0)
     dist.barrier()
 
 
@@ -165,3 +214,65 @@ def _zero_checkpoint(rank, world_size, root):
 
 def test_zero1_checkpoint_resumes_exactly_and_loads_at_another_dp(tmp_path):
     run_ranks(_zero_checkpoint, 4, str(tmp_path), timeout=240)
+
+
+def _zero_bf16_checkpoint(rank, world_size, root):
+    """bf16 parameters: the fp32 masters are in the checkpoint, as each dp rank's rows. Resumed at
+    DP 2 the run is bit-identical to the uninterrupted one (parameters and masters); at DP 1 the
+    masters come back exactly, and training goes on within what bf16 gradients of other row
+    blocks can change (a step's size where a gradient is near zero)."""
+    cls, kw = OPTIMIZERS["adamw"]
+    alone, _ = dist.new_subgroups(group_size=1)
+
+    def build(group):
+        model = _llama(seed=5).to(torch.bfloat16)  # another seed: everything is loaded
+        return model, oases.dp.ZeroOptimizer(model, group, cls, bucket_bytes=64 * 1024, **kw)
+
+    def train(model, opt, group, steps):
+        for step in steps:
+            ids = _batch(step).chunk(dist.get_world_size(group))[dist.get_rank(group)]
+            model(input_ids=ids, labels=ids).loss.backward()  # the reduce-scatter finishes at its end
+            opt.step()
+            opt.zero_grad()
+
+    def masters(model, opt, group):
+        """{name: the whole parameter's fp32 master} (every dp rank's rows, in rank order)."""
+        mine = {name: opt.master_of(p)[0].detach().clone() for name, p in model.named_parameters()}
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+        return {name: torch.cat([part[name] for part in parts]) for name in mine}
+
+    world = dist.group.WORLD
+    model, opt = build(world)
+    train(model, opt, world, range(2))
+    oases.save_checkpoint(model, root, optimizer=opt, step=2)
+    saved = masters(model, opt, world)
+    assert any(not torch.equal(m, p.float()) for m, p in zip(saved.values(), model.parameters()))  # finer than bf16
+    train(model, opt, world, range(2, STEPS + 1))
+    want, want_masters = {k: v.clone() for k, v in model.state_dict().items()}, masters(model, opt, world)
+
+    model, opt = build(world)
+    oases.load_checkpoint(model, root, optimizer=opt)
+    train(model, opt, world, range(2, STEPS + 1))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+    for key, value in masters(model, opt, world).items():
+        assert torch.equal(value, want_masters[key]), key
+
+    model, opt = build(alone)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # saved by 2 ranks: RNG states not restored
+        oases.load_checkpoint(model, root, optimizer=opt, group=alone)
+    for key, value in masters(model, opt, alone).items():
+        assert torch.equal(value, saved[key]), key
+    train(model, opt, alone, range(2, STEPS + 1))
+    # bf16 gradients of 4 rows differ from the mean of two of 2 rows: an AdamW step (at most about lr
+    # per element) may go another way where a gradient is near zero; nothing else may differ.
+    step_bound = 2 * (STEPS + 1 - 2) * kw["lr"]
+    for key, value in masters(model, opt, alone).items():
+        torch.testing.assert_close(value, want_masters[key], rtol=0, atol=step_bound,
+                                   msg=lambda m: f"{key} at dp1: {m}")
+
+
+def test_zero1_bf16_checkpoint_keeps_fp32_masters(tmp_path):
+    run_ranks(_zero_bf16_checkpoint, 2, str(tmp_path), timeout=180)

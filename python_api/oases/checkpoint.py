@@ -27,7 +27,7 @@ import io
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -187,6 +187,7 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 
 _MODEL = "model."  # model.<state-dict key>: the unsharded model's tensor
 _STATE = "optim.state."  # optim.state.<parameter name>.<state name>, e.g. optim.state.lm_head.weight.exp_avg
+_MASTER = "optim.master."  # optim.master.<parameter name>: ZeRO's fp32 master of a 16-bit parameter
 _GROUPS = "optim.param_groups"  # the optimizer's param_groups, params as parameter names
 _EXTRA = "oases.extra"
 _RNG = "oases.rng."  # oases.rng.<rank in the group>: that rank's RNG states
@@ -227,13 +228,16 @@ def _count(name: str, value: object, least: int) -> None:
 class _OptimizerView:
     """An optimizer as checkpoints see it: the torch optimizer whose state_dict is stored (a
     ZeroOptimizer's inner one), and for each of its parameters (flat index) the model parameter
-    it stands for, that parameter's name, and the rows [start, stop) of it the state covers (ZeRO)
-    or None (all of it)."""
+    it stands for, that parameter's name, the rows [start, stop) of it the state covers (ZeRO)
+    or None (all of it), and ZeRO's fp32 master of those rows where it is a tensor of its own
+    (16-bit parameters) or None; `resync(params)` refills those masters from the parameters."""
 
     inner: torch.optim.Optimizer
     names: list[list[str]]  # per param group: the model parameter names, in the group's order
     params: list[nn.Parameter]  # flat index -> the model parameter
     rows: list[Optional[tuple[int, int]]]  # flat index -> ZeRO rows, or None
+    masters: list[Optional[torch.Tensor]] = ()  # flat index -> fp32 master of the rows [stop - start, ...], or None
+    resync: Optional[Callable[[list[nn.Parameter]], None]] = None  # ZeRO: masters <- parameters
 
     def flat_names(self) -> list[str]:
         return [name for group in self.names for name in group]
@@ -249,29 +253,31 @@ def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, got "
                         f"{type(optimizer).__name__}")
     inner = optimizer.inner if zero else optimizer
-    stand_for = {}  # id(inner parameter) -> (model parameter, rows)
+    stand_for = {}  # id(inner parameter) -> (model parameter, rows, master with storage of its own)
     if zero:
         for p in optimizer.params:
             master, start, stop = optimizer.master_of(p)
             if p.dim() == 0:
                 raise ValueError(f"optimizer: {names.get(id(p), 'a parameter')} is 0-d; ZeroOptimizer checkpoints "
                                  f"need parameters with at least one dimension")
-            stand_for[id(master)] = (p, (start, stop))
-    groups, params, rows, strangers = [], [], [], []
+            stand_for[id(master)] = (p, (start, stop), master if master.dtype != p.dtype else None)
+    groups, params, rows, masters, strangers = [], [], [], [], []
     for g, group in enumerate(inner.param_groups):
         mine = []
         for i, q in enumerate(group["params"]):
-            p, piece = stand_for.get(id(q), (q, None))
+            p, piece, master = stand_for.get(id(q), (q, None, None))
             if id(p) not in names:
                 strangers.append(f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})")
             mine.append(names.get(id(p), ""))
             params.append(p)
             rows.append(piece)
+            masters.append(master)
         groups.append(mine)
     if strangers:
         raise ValueError(f"optimizer: {', '.join(strangers)} is not a parameter of the model (optimizer state is "
                          f"stored by model.named_parameters() name); build the optimizer from model.parameters()")
-    return _OptimizerView(inner, groups, params, rows)
+    resync = getattr(optimizer, "sync_masters", None) if zero else None
+    return _OptimizerView(inner, groups, params, rows, masters, resync)
 
 
 def _state_chunks(view: _OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, _Shard],
@@ -310,6 +316,11 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
                 placed = _state_chunks(view, index, full, shards, names[index]) if tuple(value.shape) == local else None
                 value = value.detach() if placed is None else Chunked(value.detach(), tuple(placed[0]), placed[1])
             entries[f"{_STATE}{names[index]}.{name}"] = value
+    for index, master in enumerate(view.masters):  # ZeRO's fp32 masters of 16-bit parameters: their rows
+        if master is not None:
+            full = shards[names[index]].full_shape if names[index] in shards else view.params[index].shape
+            placed = _state_chunks(view, index, full, shards, names[index])
+            entries[f"{_MASTER}{names[index]}"] = Chunked(master.detach(), tuple(placed[0]), placed[1])
     return entries
 
 
@@ -350,6 +361,7 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
         where = path if step is None else path/step-{step:09d}
         dcp.save({"model.<key>": each rank's shards as boxes of the unsharded tensor | replicated tensor,
                   "optim.state.<param name>.<state>": likewise (shard-shaped state is sharded),
+                  "optim.master.<param name>": a ZeroOptimizer's fp32 masters of 16-bit parameters (rows),
                   "optim.param_groups": param_groups with parameter names,
                   "oases.extra": extra, "oases.rng.<rank>": this rank's RNG states}, .<where>.partial)
         rank 0: write oases_checkpoint.json (format, world size, step), rename to `where`
@@ -388,8 +400,8 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
 
 def _optimizer_reads(what: str, view: _OptimizerView, stored: dict,
                      shards: dict[str, _Shard]) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
-    """({checkpoint key: (optimizer index, state name)}, {key: buffer to read into | None for pickled});
-    local checks only."""
+    """({checkpoint key: (optimizer index, state name | None for ZeRO's fp32 master)}, {key: buffer to
+    read into | None for pickled}); local checks only. A master is read straight into the optimizer's."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from oases._dcp import Chunked
@@ -401,6 +413,13 @@ def _optimizer_reads(what: str, view: _OptimizerView, stored: dict,
     params = [p for group in view.inner.param_groups for p in group["params"]]
     where, reads = {}, {}
     for key, meta in stored.items():
+        if key.startswith(_MASTER) and key[len(_MASTER):] in index and isinstance(meta, TensorStorageMetadata):
+            i = index[key[len(_MASTER):]]
+            placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(_MASTER):])
+            if view.masters and view.masters[i] is not None and placed is not None:
+                where[key] = (i, None)
+                reads[key] = Chunked(view.masters[i].detach(), tuple(placed[0]), placed[1])
+            continue
         if not key.startswith(_STATE):
             continue
         name, state = key[len(_STATE):].rsplit(".", 1)
@@ -473,16 +492,23 @@ def _set_rng(what: str, saved: dict) -> None:
 
 def _restore_optimizer(view: _OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any],
                        saved_groups: list[dict]) -> None:
-    """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices."""
+    """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices; ZeRO: the
+    fp32 masters the checkpoint lacks are refilled from the (loaded) parameters."""
     from oases._dcp import Chunked
 
     state: dict[int, dict[str, Any]] = {}
+    read_masters = set()
     for key, (i, name) in slots.items():
+        if name is None:  # a master, read in place
+            read_masters.add(i)
+            continue
         value = values[key]
         state.setdefault(i, {})[name] = value.local if isinstance(value, Chunked) else value  # [shard] | as saved
     index = {name: i for i, name in enumerate(view.flat_names())}
     groups = [dict(saved, params=[index[n] for n in mine]) for saved, mine in zip(saved_groups, view.names)]
     view.inner.load_state_dict({"state": state, "param_groups": groups})
+    if view.resync is not None:
+        view.resync([p for i, p in enumerate(view.params) if i not in read_masters])
 
 
 def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
@@ -494,6 +520,7 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
         check the checkpoint against the model (keys if strict, shapes) and the optimizer   # local only
         dcp.load: each rank reads the boxes of its own shards, straight into the model's tensors
         optimizer.load_state_dict(the saved state, re-sharded to this layout, keyed by its indices)
+        ZeroOptimizer: fp32 masters read as its rows (those not saved: refilled from the parameters)
         restore this rank's RNG states if the group has as many ranks as the one that saved
         return CheckpointState(step, extra, where, missing_keys, unexpected_keys)
 
@@ -553,10 +580,7 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     _dcp.load(entries, where, ring)  # the one collective
     if optimizer is not None:
         values = {key: small[key] if value is None else value for key, value in reads.items()}
-        _restore_optimizer(view, slots, values, small[_GROUPS])
-        sync = getattr(optimizer, "sync_masters", None)  # ZeroOptimizer: masters of 16-bit parameters
-        if callable(sync):
-            sync()
+        _restore_optimizer(view, slots, values, small[_GROUPS])  # ZeroOptimizer: and its fp32 masters
     if rng is not None:
         _set_rng(what, small[rng])
     return CheckpointState(step=marker["step"] if ours else None, extra=small.get(_EXTRA), path=where,

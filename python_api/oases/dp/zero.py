@@ -3,6 +3,7 @@ parameter's rows (Megatron's distributed optimizer, DeepSpeed ZeRO-1), around a 
 
     opt = ZeroOptimizer(model, dp_group, torch.optim.AdamW, lr=1e-4)
     loss.backward()        # buckets of gradients reduce-scattered during the backward (GradientSync)
+    opt.clip_grad_norm_(1.0)   # optional: by the norm of the whole averaged gradient
     opt.step()             # for every parameter p [n, ...] and this dp rank j of dp:
                            #     rows_j = rows [j*ceil(n/dp), (j+1)*ceil(n/dp)) of p (may be empty)
                            #     master_j.grad = mean over dp ranks of p.grad[rows_j]      (reduce-scatter)
@@ -11,31 +12,33 @@ parameter's rows (Megatron's distributed optimizer, DeepSpeed ZeRO-1), around a 
     opt.zero_grad()
 
 The inner optimizer sees only the masters (views of the parameter's rows for fp32 parameters, fp32
-copies for 16-bit ones; call sync_masters() after loading parameters yourself: load_checkpoint does): its states (AdamW's exp_avg, exp_avg_sq) are 1/dp of
-the full ones on each rank. Elementwise optimizers (SGD, Adam, AdamW, ...) give the numbers of the
-same optimizer run on the averaged full gradient; optimizers that mix elements across a tensor
-(LAMB's trust ratio, Shampoo) do not. Gradients: reduce-scattered in buckets overlapped with the
-backward, each bucket one reduce_scatter_tensor of its parameters' padded row blocks laid out by
-destination rank; `p.grad` keeps the local (unaveraged) gradient until zero_grad. Parameters:
-all-gathered in buckets at the end of step() (blocking). 0-d parameters count as one row.
+copies for 16-bit ones; call sync_masters() after loading parameters yourself: load_checkpoint does
+it, and restores the fp32 masters a checkpoint holds): its states (AdamW's exp_avg, exp_avg_sq) are
+1/dp of the full ones on each rank. Elementwise optimizers (SGD, Adam, AdamW, ...) give the numbers
+of the same optimizer run on the averaged full gradient; optimizers that mix elements across a
+tensor (LAMB's trust ratio, Shampoo) do not. Gradients: reduce-scattered in buckets overlapped with
+the backward, each bucket one reduce_scatter_tensor of its parameters' padded row blocks laid out
+by destination rank; `p.grad` keeps the local (unaveraged) gradient until zero_grad, so clip with
+`opt.clip_grad_norm_`, not torch's on the parameters. Parameters: all-gathered in buckets at the
+end of step() (blocking). 0-d parameters count as one row.
 
-Not yet: gradient clipping (`p.grad` is this rank's unaveraged gradient and the step reads the
-masters' gradients, so torch's or oases.nn's clip_grad_norm_ on the parameters changes nothing);
-and for 16-bit parameters, checkpoints hold the parameters, not the fp32 masters, so a resume
-restarts the masters from the 16-bit values (not bit-exact; fp32 parameters resume exactly).
+`ShardedOptimizer` is the part without communication (this rank's rows, their masters, the inner
+optimizer, and the row-block layouts the collectives move); oases.pipeline's ZeRO sync uses it too.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Type
+import math
+from typing import Any, Callable, Iterable, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._sharding import sharded_parameters
 from oases.comm._topology import ring_of
 from oases.dp.grad_sync import GradientSync
 
-__all__ = ["ZeroOptimizer", "row_range"]
+__all__ = ["ZeroOptimizer", "ShardedOptimizer", "row_range"]
 
 
 def row_range(rows: int, rank: int, size: int) -> tuple[int, int]:
@@ -57,48 +60,216 @@ class _Slot:
         self.n, self.k = rows.shape
         self.per = -(-self.n // size)
         self.start, self.stop = row_range(self.n, rank, size)
-        whole = param.detach().reshape(1) if param.dim() == 0 else param.detach()
-        mine = whole[self.start:self.stop]  # [stop - start, *shape[1:]], a view of the parameter
+        mine = self.mine(param.detach())  # [stop - start, *shape[1:]], a view of the parameter
         if param.dtype in (torch.float16, torch.bfloat16):
             self.master = nn.Parameter(mine.to(torch.float32, copy=True))  # an fp32 master of 16-bit rows
         else:
             self.master = nn.Parameter(mine)  # the parameter's own rows: the inner step updates them in place
 
-    def padded(self, t: torch.Tensor, size: int) -> torch.Tensor:
-        """[size, per * k]: row block j of `t` (the full parameter's shape), zero-padded."""
-        rows = _rows_view(t)
-        out = rows.new_zeros(size * self.per, self.k)
-        out[:self.n] = rows
-        return out.view(size, self.per * self.k)
+    @property
+    def block(self) -> int:
+        """Elements of one rank's (padded) row block: per * k."""
+        return self.per * self.k
+
+    def mine(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `t` (shaped like the parameter), a view [stop - start, *shape[1:]]."""
+        return (t.reshape(1) if t.dim() == 0 else t)[self.start:self.stop]
+
+    def owns_storage(self) -> bool:
+        """Whether the master is a tensor of its own (an fp32 copy), not a view of the parameter."""
+        return self.master.dtype != self.param.dtype
+
+
+class ShardedOptimizer:
+    """`make_inner(masters)` on this rank's rows of each of `params`, over `group`'s ranks; no
+    communication (ZeroOptimizer and oases.pipeline's ZeRO sync move the row blocks).
+
+        rows of p [n, ...] held here: [start, stop) = row_range(n, rank, size)
+        master of p: those rows (a view for fp32 p, an fp32 copy for 16-bit p)
+        step():  inner.step() on the masters' .grad          (set by whoever reduced the gradients)
+    Row blocks, the layout the collectives use (S: every parameter's ceil(n/size) * k elements, then
+    `extra` columns, padded to a multiple of `align`):
+        pack_grads(params, grads)  -> [size, S]: block j = rows_j of every gradient   (reduce-scatter in)
+        unpack_grads(params, own)  : master.grad = own's rows [/ divisor]             (reduce-scatter out)
+        pack_rows(params)          -> [S]: this rank's masters in the params' dtype   (all-gather in)
+        unpack_rows(params, all)   : p = rows of every rank's block of all [size, S]  (all-gather out)
+
+    Args:
+        params: the parameters (each once), the same shapes on every rank of `group`.
+        group: the data-parallel group (None: the world).
+        make_inner: builds the inner optimizer from the masters (a torch.optim.Optimizer).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], group: Optional[dist.ProcessGroup],
+                 make_inner: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        ring = ring_of(group)
+        self.group, self.size, self.rank = group, ring.size, ring.rank
+        self.params = list(params)
+        self.slots = {id(p): _Slot(p, self.rank, self.size) for p in self.params}
+        self.inner = make_inner([s.master for s in self.slots.values()])
+        if not isinstance(self.inner, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected it to build a torch.optim.Optimizer, got {type(self.inner).__name__}")
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def master_of(self, param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
+        """(this rank's master of `param`'s rows [start, stop) (shape [stop - start, *param.shape[1:]]),
+        start, stop): what the inner optimizer steps."""
+        s = self.slots[id(param)]
+        return s.master, s.start, s.stop
+
+    def step(self) -> None:
+        """inner.step() on the masters (their .grad set beforehand)."""
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' and the masters' gradients."""
+        for s in self.slots.values():
+            s.param.grad = None if set_to_none else (s.param.grad.zero_() if s.param.grad is not None else None)
+            s.master.grad = None
+
+    @torch.no_grad()
+    def sync_masters(self, params: Optional[Iterable[nn.Parameter]] = None) -> None:
+        """Copy the parameters' rows into the fp32 masters of 16-bit parameters (after the parameters
+        were loaded; fp32 parameters' masters are views of their rows already). `params`: only
+        these parameters' masters (default: every one)."""
+        for s in (self.slots.values() if params is None else [self.slots[id(p)] for p in params]):
+            rows = s.mine(s.param.detach())
+            if s.owns_storage() or s.master.data_ptr() != rows.data_ptr():
+                s.master.copy_(rows)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (and masters with storage of their own) this rank holds."""
+        total = sum(s.master.numel() * s.master.element_size() for s in self.slots.values() if s.owns_storage())
+        for state in self.inner.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        return total
+
+    # --- row blocks -------------------------------------------------------------------------------
+
+    def columns(self, params: Sequence[nn.Parameter], extra: int = 0, align: int = 1) -> int:
+        """S: the elements of one rank's block of `params` (plus `extra`), padded to a multiple of `align`."""
+        used = sum(self.slots[id(p)].block for p in params) + extra
+        return -(-used // align) * align
+
+    def pack_grads(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor], *, extra: int = 0,
+                   align: int = 1, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """[size, S]: block j holds rows_j of each gradient (zero-padded to ceil(n/size) rows), then
+        `extra` zero columns for the caller, then zeros up to S (a multiple of `align`)."""
+        dtype = dtype or grads[0].dtype
+        out = torch.zeros(self.size, self.columns(params, extra, align), dtype=dtype, device=grads[0].device)
+        offset = 0
+        for p, g in zip(params, grads):
+            s = self.slots[id(p)]
+            rows = _rows_view(g)  # [n, k]
+            if s.n < self.size * s.per:
+                rows = torch.cat([rows, rows.new_zeros(self.size * s.per - s.n, s.k)])  # [size * per, k]
+            out[:, offset:offset + s.block] = rows.view(self.size, s.block)  # block j: rows [j*per, (j+1)*per)
+            offset += s.block
+        return out
+
+    def unpack_grads(self, params: Sequence[nn.Parameter], own: torch.Tensor, *, divisor: int = 1,
+                     present: Optional[Sequence[bool]] = None) -> None:
+        """master.grad = this rank's rows of each parameter in `own` [S] (pack_grads' block of this
+        rank, reduced) / divisor; None where `present` says no rank had a gradient."""
+        offset = 0
+        for i, p in enumerate(params):
+            s = self.slots[id(p)]
+            mine = own[offset:offset + s.block].view(s.per, s.k)[:s.stop - s.start]
+            offset += s.block
+            if present is not None and not present[i]:
+                s.master.grad = None
+                continue
+            grad = mine.to(s.master.dtype, copy=True).view(s.master.shape)
+            s.master.grad = grad.div_(divisor) if divisor != 1 else grad
+
+    def pack_rows(self, params: Sequence[nn.Parameter], *, align: int = 1) -> torch.Tensor:
+        """[S]: this rank's masters of `params` in their parameters' dtype (all the same), each
+        zero-padded to ceil(n/size) rows."""
+        dtype = params[0].dtype
+        out = torch.zeros(self.columns(params, 0, align), dtype=dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            s = self.slots[id(p)]
+            out[offset:offset + (s.stop - s.start) * s.k] = s.master.detach().reshape(-1)
+            offset += s.block
+        return out
+
+    @torch.no_grad()
+    def unpack_rows(self, params: Sequence[nn.Parameter], gathered: torch.Tensor) -> None:
+        """Every parameter of `params` = its rows in each rank's block of `gathered` [size, S]."""
+        offset = 0
+        for p in params:
+            s = self.slots[id(p)]
+            rows = gathered[:, offset:offset + s.block].reshape(self.size * s.per, s.k)[:s.n]
+            offset += s.block
+            _rows_view(p.detach()).copy_(rows)
+
+    # --- clipping ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_master_grads_(self, max_norm: float, norm_type: float, tp_groups: dict[int, object]) -> torch.Tensor:
+        """Clip the masters' gradients by the norm of the whole gradient they are rows of (see
+        ZeroOptimizer.clip_grad_norm_); `tp_groups`: {id(param): its TP group} for TP shards."""
+        inf = norm_type == math.inf
+        combine = torch.maximum if inf else torch.add
+        device = self.params[0].device if self.params else torch.device("cpu")
+        keys: dict[int, object] = {}  # id(TP group) or 0 (replicated) -> group; the same on every rank
+        for p in self.params:
+            group = tp_groups.get(id(p))
+            keys.setdefault(0 if id(p) not in tp_groups else id(group), group)
+        order = list(keys)
+        parts = torch.zeros(len(order), dtype=torch.float32, device=device)  # per TP group: this rank's rows
+        for p in self.params:
+            g = self.slots[id(p)].master.grad
+            if g is None or g.numel() == 0:
+                continue
+            i = order.index(0 if id(p) not in tp_groups else id(tp_groups[id(p)]))
+            part = g.detach().float().abs().max() if inf else g.detach().float().pow(2).sum()
+            parts[i] = combine(parts[i], part.to(device))
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        if self.size > 1:
+            dist.all_reduce(parts, op=op, group=self.group)  # every dp rank's rows: the whole parameters
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for i, key in enumerate(order):
+            part = parts[i]
+            if key != 0:  # TP shards: summed over their group; replicated parameters count once
+                part = part.clone()
+                dist.all_reduce(part, op=op, group=keys[key])
+            total = combine(total, part)
+        total = total if inf else total.sqrt()
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for s in self.slots.values():
+            if s.master.grad is not None:
+                s.master.grad.mul_(scale.to(s.master.grad.device, s.master.grad.dtype))
+        return total
 
 
 class _ReduceScatterRows:
     """GradientSync's reducer for ZeRO-1: each rank receives the dp mean of its rows of each gradient."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], slots: dict[int, _Slot]) -> None:
-        self.group, self.size, self.rank = group, ring_of(group).size, ring_of(group).rank
-        self.slots = slots
+    def __init__(self, rows: ShardedOptimizer) -> None:
+        self.rows = rows
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
-        slots = [self.slots[id(p)] for p in params]
-        blocks = torch.cat([s.padded(g, self.size) for s, g in zip(slots, grads)], dim=1)  # [dp, S]
+        blocks = self.rows.pack_grads(params, grads)  # [dp, S]
         out = blocks.new_empty(blocks.shape[1])
-        work = dist.reduce_scatter_tensor(out, blocks.reshape(-1), group=self.group, async_op=True)
+        work = dist.reduce_scatter_tensor(out, blocks.reshape(-1), group=self.rows.group, async_op=True)
         return out, work
 
     def complete(self, params: list[nn.Parameter], pending: object) -> None:
         out, work = pending
         work.wait()
-        out.div_(self.size)
-        offset = 0
-        for p in params:
-            s = self.slots[id(p)]
-            mine = out[offset:offset + s.per * s.k].view(s.per, s.k)[:s.stop - s.start]
-            offset += s.per * s.k
-            s.master.grad = mine.to(s.master.dtype, copy=True).view(s.master.shape)
+        self.rows.unpack_grads(params, out, divisor=self.rows.size)
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(ShardedOptimizer):
     """`optimizer_class(masters, **kwargs)` on this dp rank's rows of every parameter of `model`
     that requires grad; see the module docstring.
 
@@ -117,88 +288,53 @@ class ZeroOptimizer:
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class: expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        ring = ring_of(group)
-        self.group, self.size, self.rank = group, ring.size, ring.rank
         self.names = {}  # id(param) -> its name in model.named_parameters()
         for name, p in model.named_parameters():
             if p.requires_grad:
                 self.names.setdefault(id(p), name)
-        params = [p for p in model.parameters() if id(p) in self.names]
-        self.params = params  # the model parameters it steps, in model.parameters() order
-        self.slots = {id(p): _Slot(p, self.rank, self.size) for p in params}
-        self.inner = optimizer_class([s.master for s in self.slots.values()], **kwargs)
-        self.sync = GradientSync(params, group, bucket_bytes=bucket_bytes,
-                                 reducer=_ReduceScatterRows(group, self.slots))
+        params = [p for p in model.parameters() if id(p) in self.names]  # model.parameters() order
+        super().__init__(params, group, lambda masters: optimizer_class(masters, **kwargs))
+        self._tp_groups = sharded_parameters(model)  # {id(param): TP group}: clip_grad_norm_ counts shards
+        self.sync = GradientSync(params, group, bucket_bytes=bucket_bytes, reducer=_ReduceScatterRows(self))
         self.bucket_bytes = bucket_bytes
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradient by its norm, as torch.nn.utils.clip_grad_norm_ on the single-process
+        model would; call it between the backward and step(), on every rank (a collective over dp and tp).
 
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    def master_of(self, param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
-        """(this rank's master of `param`'s rows [start, stop) (shape [stop - start, *param.shape[1:]]),
-        start, stop): what the inner optimizer steps."""
-        s = self.slots[id(param)]
-        return s.master, s.start, s.stop
+            finish the gradient reduce-scatter (if the backward did not)
+            total = norm of cat(every parameter's whole averaged gradient)   # dp rows summed over dp;
+                    # TP shards summed over their TP group, replicated parameters (norms) counted once
+            every master.grad *= min(1, max_norm / (total + 1e-6))
+        Returns `total` (an fp32 scalar, the same on every rank). norm_type: 2.0 or inf."""
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"norm_type: only 2.0 and inf are supported, got {norm_type!r}")
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+            raise ValueError(f"max_norm: expected a number > 0, got {max_norm!r}")
+        self.sync.finish()
+        return self.clip_master_grads_(float(max_norm), norm_type, self._tp_groups)
 
     @torch.no_grad()
     def step(self) -> None:
         """Finish the gradient reduce-scatter, step the masters, all-gather the rows into the parameters."""
         self.sync.finish()
         self.inner.step()
-        slots = list(self.slots.values())
         bucket, size = [], 0
-        for s in slots:
-            bucket.append(s)
-            size += s.per * s.k * s.param.element_size() * self.size
+        for s in self.slots.values():
+            bucket.append(s.param)
+            size += s.block * s.param.element_size() * self.size
             if size >= self.bucket_bytes:
                 self._gather(bucket)
                 bucket, size = [], 0
         if bucket:
             self._gather(bucket)
 
-    def _gather(self, slots: list[_Slot]) -> None:
+    def _gather(self, params: list[nn.Parameter]) -> None:
         """Every rank's rows of the parameters, back into them (one all-gather per dtype)."""
-        for dtype in dict.fromkeys(s.param.dtype for s in slots):
-            group = [s for s in slots if s.param.dtype == dtype]
-            mine = []
-            for s in group:
-                block = torch.zeros(s.per, s.k, dtype=dtype, device=s.param.device)
-                block[:s.stop - s.start] = s.master.reshape(-1, s.k)
-                mine.append(block.reshape(-1))
-            local = torch.cat(mine)  # [S]
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            group = [p for p in params if p.dtype == dtype]
+            local = self.pack_rows(group)  # [S]
             gathered = local.new_empty(self.size * local.numel())
             dist.all_gather_into_tensor(gathered, local, group=self.group)
-            columns = gathered.view(self.size, -1)  # [dp, S]
-            offset = 0
-            for s in group:
-                rows = columns[:, offset:offset + s.per * s.k].reshape(self.size * s.per, s.k)[:s.n]
-                offset += s.per * s.k
-                _rows_view(s.param.data).copy_(rows)
-
-    @torch.no_grad()
-    def sync_masters(self) -> None:
-        """Copy the parameters' rows into the fp32 masters of 16-bit parameters (after the parameters
-        were loaded; fp32 parameters' masters are views of their rows already)."""
-        for s in self.slots.values():
-            whole = s.param.detach().reshape(1) if s.param.dim() == 0 else s.param.detach()
-            if s.master.data_ptr() != whole[s.start:s.stop].data_ptr() or s.master.dtype != s.param.dtype:
-                s.master.copy_(whole[s.start:s.stop])
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' and the masters' gradients."""
-        for s in self.slots.values():
-            s.param.grad = None if set_to_none else (s.param.grad.zero_() if s.param.grad is not None else None)
-            s.master.grad = None
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state (and masters) this rank holds."""
-        total = sum(s.master.numel() * s.master.element_size() for s in self.slots.values()
-                    if s.master.dtype != s.param.dtype)
-        for state in self.inner.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-        return total
+            self.unpack_rows(group, gathered.view(self.size, -1))  # [dp, S]

@@ -15,7 +15,9 @@ Checkpoints are oases.save_checkpoint's (oases._dcp), the same entries as a TP m
     model.<key>                       the unsharded tensor; each rank writes the boxes of its stage's
                                       shards (DP / TP replicas and buffers written once)
     optim.state.<param name>.<state>  each segment optimizer's state, by parameter name (a parameter
-                                      is placed once: every name is one segment's)
+                                      is trained by one segment of one stage, but for the copies of a
+                                      tied embedding / head on the first and last stage: identical,
+                                      so the first stage writes them and both read them)
     optim.param_groups                the segment optimizers' groups merged: group g has their
                                       hyper-parameters (which must agree) and every stage's and
                                       segment's parameter names of group g
@@ -39,7 +41,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _dcp
-from oases.checkpoint import (_EXTRA, _GROUPS, _MODEL, CheckpointState, _check, _open, _optimizer_entries,
+from oases.checkpoint import (_EXTRA, _GROUPS, _MODEL, _STATE, CheckpointState, _check, _open, _optimizer_entries,
                               _optimizer_reads, _optimizer_view, _restore_optimizer, _rng_key, _run_entries,
                               _save_target, _set_rng, _sharded, _shards)
 from oases.comm._topology import ring_of
@@ -237,13 +239,15 @@ def save_checkpoint(pipe: "Pipeline", path: Path, *, step: Optional[int] = None,
     _apply_pending(pipe)
     held = _held(pipe)
     shards, keys = _shards(held), _stage_keys(pipe)
+    copies = pipe.stage.tied_keys if pipe.layout.stage > 0 else frozenset()  # the first stage writes a tied one
     entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
-                               for key, value in held.state_dict().items() if key in keys}
+                               for key, value in held.state_dict().items() if key in keys and key not in copies}
     groups = []
     for optimizer in pipe.optimizers:
         own = _optimizer_entries(_optimizer_view(pipe.model, optimizer), shards)
         groups.append(own.pop(_GROUPS))
-        entries.update(own)
+        entries.update((key, value) for key, value in own.items()
+                       if not any(key.startswith(f"{_STATE}{name}.") for name in copies))
     entries[_GROUPS] = _merged_groups(pipe, groups)
     entries.update(_run_entries(extra, ring.rank))
     marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": True}

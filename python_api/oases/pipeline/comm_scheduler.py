@@ -261,6 +261,18 @@ class CommScheduler:
         flat.copy_(full[:flat.numel()])
         return flat
 
+    def reduce_scatter(self, flat: torch.Tensor, group: dist.ProcessGroup, *, chunks: int) -> torch.Tensor:
+        """This rank's block of the sum over `group` of the 1-D `flat` [p * n] (n a multiple of
+        `chunks`), by ring reduce-scatter gated per chunk; for the DP thread (ZeRO's gradients).
+
+            own = sum over ranks r' of (flat of r')[rank * n : (rank + 1) * n]      # [n]"""
+        return self._gated(reduce_scatter_steps(flat, group, chunks=chunks, tag=DP_TAG))
+
+    def all_gather(self, own: torch.Tensor, group: dist.ProcessGroup, *, chunks: int) -> torch.Tensor:
+        """cat(every rank's 1-D `own` [n], in rank order) [p * n] (n a multiple of `chunks`), by ring
+        all-gather gated per chunk; for the DP thread (ZeRO's parameters)."""
+        return self._gated(all_gather_steps(own, group, chunks=chunks, tag=DP_TAG))
+
     def close(self) -> None:
         """End the threads (after their queued work); later use starts new ones."""
         workers = ([self._dp] if self._dp is not None else []) + list(self._reapers.values())

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -139,27 +139,31 @@ class SegmentSync:
         self.scheduler.submit(ring).result()
         return (time.perf_counter() - start) * numel / flat.numel()
 
-    def _submit(self, bucket: list[nn.Parameter]) -> Future:
+    def _submit(self, bucket: list[nn.Parameter], run: Optional[Callable[[], list[torch.Tensor]]] = None) -> Future:
+        """Run `run()` (default: the bucket's sync) on the DP thread; it returns the tensors it made
+        that the compute stream uses (CUDA: recorded on that stream)."""
+        run = run or (lambda: self._sync_bucket(bucket))
         if self._stream is None:
-            return self.scheduler.submit(lambda: self._sync_bucket(bucket))
+            def on_cpu() -> None:
+                run()
+            return self.scheduler.submit(on_cpu)  # its result: None (CUDA: the event to wait for)
         compute = torch.cuda.current_stream(self._stream.device)
         ready = torch.cuda.Event()
-        ready.record(compute)  # the gradients are computed
+        ready.record(compute)  # the gradients are computed (ZeRO's gather: the masters stepped)
 
         def on_stream() -> torch.cuda.Event:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(ready)
-                self._sync_bucket(bucket)
-                for p in bucket:  # a gradient made on this stream is used (and freed) on the compute stream
-                    if p.grad is not None:
-                        p.grad.record_stream(compute)
+                for t in run():  # a tensor made on this stream is used (and freed) on the compute stream
+                    t.record_stream(compute)
                 done = torch.cuda.Event()
                 done.record()
                 return done
         return self.scheduler.submit(on_stream)
 
-    def _sync_bucket(self, bucket: list[nn.Parameter]) -> None:
-        """On the DP thread: p.grad = sum over dp of p.grad, for p in the bucket, as one flat ring."""
+    def _sync_bucket(self, bucket: list[nn.Parameter]) -> list[torch.Tensor]:
+        """On the DP thread: p.grad = sum over dp of p.grad, for p in the bucket, as one flat ring.
+        Returns the gradients written."""
         # One flag per parameter rides along: a parameter no DP rank has a gradient for keeps
         # grad None (as in single-process training, where optimizers then skip it).
         parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
@@ -177,3 +181,4 @@ class SegmentSync:
             else:
                 p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
+        return [p.grad for p in bucket if p.grad is not None]

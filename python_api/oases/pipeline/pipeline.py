@@ -22,6 +22,7 @@ One step, on the rank at (d, s, t) of the mesh:
                  last virtual stage: loss_i = loss_sum(head(y), targets_i) / (B * t) else send y
         B(k, i): g = recv grad (or 1 for loss_i); backward(y, g); send x.grad (unless first)
         last B of segment k: sync.launch(k)                     # DPComm: sum over dp, async
+    first and last stage, tied embedding / head W: W.grad += other copy's; sync.launch(W)
     return sum over dp and micro-batches of loss_i              # broadcast from the last stage
 
 Dividing each micro-batch's summed token loss by the *global* token count makes the sum of the
@@ -41,6 +42,19 @@ training; only *when* the step of iteration n is applied moves (into iteration n
     compute : .. F⁰ F¹ | B¹ (all i) | B⁰ (all i) |  wait⁰ step⁰ F⁰ (all i) | wait¹ step¹ F¹ ...
     DP      :                       | sync seg 1 | sync seg 0 ......|
     PP      : PP transfers preempt DP chunks (oases.pipeline.comm_scheduler)
+
+Tied input/output embeddings (oases.pipeline.tied): the first stage (embedding) and the last
+(head) each hold a copy of the weight, trained by the segment that places it (0 there, ns - 1
+here). At the end of each step the pair of ranks holding it at the same (dp, tp) position sums
+the copies' gradients (a group of two), then the weight's own DP bucket starts; that segment's
+optimizer step waits for both. Both copies take the single-process step, bit-identical to each
+other. With pp = 1, one copy, trained by segment 0.
+
+ZeRO-1 (`zero=True`, oases.pipeline.zero_sync): the sync of segment k reduce-scatters its gradient
+rows (each dp rank receives the sum of its 1/dp of every parameter's rows), optimizer[k] steps
+those rows only, and the rows are all-gathered back into the parameters in chunks under the
+same gate, before segment k's next forward (segment k+1's step and all-gather run when segment
+k's forwards start, overlapping them).
 
 Preemptive communication (FOLD3D §5.1): `pipe.scheduler` (a CommScheduler) tracks every PP
 send / receive; with `preemption=True` a DP chunk is held back while one is in flight. Its
@@ -63,11 +77,14 @@ from oases.planner.collectives import partition
 from oases.pipeline import _storage
 from oases.pipeline._build import build
 from oases.pipeline.comm_scheduler import CommScheduler
+from oases.dp.zero import ShardedOptimizer
 from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync, buckets_of
+from oases.pipeline.zero_sync import ZeroSegmentSync
 from oases.pipeline.p2p import StageComm, make_links, mesh_grid
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.offload import Offloader, OffloadStats
 from oases.pipeline.stages import Stage, StageInput, StageLayout, check_layers as _check_layers
+from oases.pipeline.tied import pair_group, sum_copies
 from oases.schedule import SubBatch
 
 __all__ = ["Pipeline"]
@@ -227,7 +244,9 @@ class Pipeline:
     sees it through `oases.train_step`'s adapters (Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
     GPT-NeoX, nanoGPT, any `oases.schedule.Stack` module). Every rank builds the whole model,
     then frees the parameters of other stages' layers once the layout is final (`freed_bytes`;
-    embedding and head stay on every rank: every stage runs the embedding for its ctx). A factory
+    embedding and head stay on every rank: every stage runs the embedding for its ctx). Tied
+    input/output embeddings are trained on the first and the last stage, as copies whose
+    gradients are summed (module doc). A factory
     that builds on meta (`with torch.device("meta"): return Cls(cfg)`) gets only what its stage
     places allocated, on the mesh's device (oases.pipeline._build): its layers, the embedding on
     the first stage, the head on the last; `init_weights=True` gives them the single-process
@@ -251,8 +270,15 @@ class Pipeline:
     always, "auto" when oases.planner.partition predicts it faster for this stage's largest
     bucket on HostLinks.from_env() (`dp_hierarchical` says which ran; False: the flat ring). Each
     host must hold as many of every dp group's ranks (ValueError otherwise); LOCAL_WORLD_SIZE
-    and the OASES_*BANDWIDTH variables must be the same on every rank (as oases-launch sets them). Every argument is checked
-    (ValueError naming it) on every rank before any communication. `close()` ends the threads.
+    and the OASES_*BANDWIDTH variables must be the same on every rank (as oases-launch sets them).
+    `zero=True`: ZeRO-1 (oases.pipeline.zero_sync): each segment's DP sync reduce-scatters gradient
+    rows instead of summing whole gradients, `optimizers[k]` is an oases.dp.ShardedOptimizer
+    stepping `optimizer(masters)` on this dp rank's ceil(n/dp) rows of each parameter (fp32
+    masters for 16-bit ones: optimizer state ~1/dp per rank), and the parameters are all-gathered
+    in preemptible chunks on the DP thread, segment k+1's under segment k's forwards; checkpoints
+    store the rows (loadable at any dp, with or without zero); not with dp_hierarchy.
+    Every argument is checked (ValueError naming it) on every rank before any communication.
+    `close()` ends the threads.
     Pipelines on one mesh share its dp group and the DP rings' message tags: close() one (its DP sync may still
     be in flight after train_step returns) before another trains.
 
@@ -276,11 +302,17 @@ class Pipeline:
                  seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
                  dp_bucket_numel: int = _BUCKET_NUMEL, dp_chunk_bytes: int = CHUNK_BYTES,
                  offload: bool | Offloader = False, dp_hierarchy: bool | str = False,
-                 init_weights: bool = True) -> None:
+                 init_weights: bool = True, zero: bool = False) -> None:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel,
                               dp_chunk_bytes)
         if not isinstance(init_weights, bool):
             raise TypeError(f"init_weights: expected a bool, got {init_weights!r}")
+        if not isinstance(zero, bool):
+            raise TypeError(f"zero: expected a bool, got {zero!r}")
+        if zero and dp_hierarchy is not False:
+            raise ValueError(f"zero: the ZeRO sync runs flat rings over dp; pass dp_hierarchy=False "
+                             f"(got {dp_hierarchy!r})")
+        self.zero = zero
         dp_packing = _check_dp_hierarchy(dp_hierarchy, mesh)  # before any communication, like every check
         self._dp_links = HostLinks.from_env() if dp_hierarchy == "auto" and dp_packing is not None else None
         if not isinstance(offload, (bool, Offloader)):
@@ -314,6 +346,9 @@ class Pipeline:
         self._dp_hosts = None if dp_packing is None else _dp_host_groups(mesh, dp_packing)  # collective
         self._configure(1 if segments == "auto" else segments,
                         1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
+        # Tied embedding / head over pp > 1: this rank's group with the other copy (None on middle
+        # stages); collective over the world, once (stage.tied is the same on every rank).
+        self._tied_group = pair_group(mesh) if self.pp > 1 and self.stage.tied else None
         self.freed_bytes = 0  # parameters of other stages released (once the layout is final)
         if not any(self._auto.values()):
             self.freed_bytes = self.stage.release_unowned()
@@ -326,7 +361,18 @@ class Pipeline:
         self.layout = StageLayout(self._layers, self.pp, segments, stage)
         self.stage = Stage(self.model, self._stack, self.layout, self.tp_group, roles=self._roles)
         segment_params = [self.stage.segment_parameters(k) for k in range(segments)]
-        self.optimizers = [self._make_optimizer(params) for params in segment_params]  # one per segment
+        if self.zero:  # ZeRO-1: each segment's optimizer steps this dp rank's rows (oases.dp.ShardedOptimizer)
+            self.optimizers = [ShardedOptimizer(params, self.dp_group, self._make_optimizer)
+                               for params in segment_params]
+        else:
+            self.optimizers = [self._make_optimizer(params) for params in segment_params]  # one per segment
+        # A copy of a tied embedding / head (pp > 1, first or last stage): trained by segment
+        # _tied_home, its gradient summed with the other copy's and then over dp as sync segment ns.
+        self._tied_home = self.stage.tied_segment() if self.pp > 1 else None
+        self._tied = self.stage.tied if self._tied_home is not None else []
+        tied = {id(p) for p in self._tied}
+        sync_params = [[p for p in params if id(p) not in tied] for params in segment_params]
+        sync_params += [self._tied] if self._tied else []
         self.plan: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
                                           micro_batches=self.micro_batches)
         self.comm.expect(self.schedule, segments, self.micro_batches)  # each link's arrivals, in send order
@@ -339,12 +385,17 @@ class Pipeline:
                                for k in range(segments)}
         # Two-level DP rings: always with dp_hierarchy=True; with "auto" where the planner says so.
         self.dp_hierarchical = self._dp_hosts is not None and (
-            self._dp_links is None or _hierarchy_is_faster(segment_params, self._bucket_numel, self._dp_hosts,
+            self._dp_links is None or _hierarchy_is_faster(sync_params, self._bucket_numel, self._dp_hosts,
                                                           self._dp_links))
-        self.sync = SegmentSync(segment_params, self.dp_group, self.scheduler,
-                                overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel,
-                                chunk_bytes=self._chunk_bytes,
-                                hosts=self._dp_hosts if self.dp_hierarchical else None)
+        if self.zero:  # reduce-scatter into the optimizers' rows, all-gather after their steps
+            self.sync = ZeroSegmentSync(sync_params, self.dp_group, self.scheduler, self.optimizers,
+                                        overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel,
+                                        chunk_bytes=self._chunk_bytes)
+        else:
+            self.sync = SegmentSync(sync_params, self.dp_group, self.scheduler,
+                                    overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel,
+                                    chunk_bytes=self._chunk_bytes,
+                                    hosts=self._dp_hosts if self.dp_hierarchical else None)
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
@@ -401,6 +452,7 @@ class Pipeline:
                     self.sync.launch(self._last_backward[j])
                     self._update_pending.add(self._last_backward[j])
             self.comm.wait_sends()
+            self._sum_tied()
         except BaseException as error:  # receives may still be posted: the links' order is lost
             self._failed = error
             raise
@@ -427,7 +479,7 @@ class Pipeline:
         segments = self.segments
         if self._auto["segments"]:
             segments = choose_segments(self._layers, self.pp, f, b, pp_s, dp_s, micro_batches=m)
-        if self.stage.shared_at(segments):  # e.g. tied embeddings at pp = 1: one segment keeps them together
+        if self.stage.shared_at(segments):  # a weight tied between layers must stay in one segment
             segments = self.segments
         ratio = self.dp_overlap_ratio
         if self._auto["dp_overlap_ratio"]:
@@ -453,14 +505,35 @@ class Pipeline:
         if key is not None:
             self.comm.post_recv(key, step.shapes[key[2]], step.dtype)
 
+    def _sum_tied(self) -> None:
+        """End of a step, on a copy of a tied embedding / head (first and last stage): add the
+        other copy's gradient (a collective with that stage), then start the weight's DP sync."""
+        if self._tied and self._tied_group is not None:
+            sum_copies(self._tied, self._tied_group)
+            self.sync.launch(self.segments)
+
     def _apply_update(self, segment: int) -> None:
-        """Segment `segment`'s pending optimizer step: wait for its DP sync, step, clear its grads."""
-        if segment not in self._update_pending:
-            return
+        """Segment `segment`'s pending optimizer step, before its forward. ZeRO: then segment
+        k+1's step, whose all-gather runs under segment k's forwards (oases.pipeline.zero_sync);
+        and segment k's all-gather is waited for."""
+        if segment in self._update_pending:
+            self._step(segment)
+        if self.zero:
+            if segment + 1 in self._update_pending:
+                self._step(segment + 1)
+            self.sync.wait_gather(segment)
+
+    def _step(self, segment: int) -> None:
+        """Wait for the segment's DP sync (and a tied copy's), step, clear its grads (ZeRO: start
+        the all-gather of its parameters)."""
         self.sync.wait(segment)
+        if segment == self._tied_home:
+            self.sync.wait(self.segments)
         self.optimizers[segment].step()
         self.optimizers[segment].zero_grad(set_to_none=True)
         self._update_pending.discard(segment)
+        if self.zero:
+            self.sync.gather(segment)
 
     def _split(self, tokens: torch.Tensor, targets: torch.Tensor) -> _Step:
         """This DP rank's contiguous block of rows, cut into micro-batches of near-equal rows."""
@@ -533,12 +606,23 @@ class Pipeline:
                 ring reduce-scatter + all-gather over dp_group      # sum: the loss is already / (B * t)
         train_step does the same asynchronously (launch after the segment's backward, wait before
         its next forward); this is the plain blocking form of it, for gradients made outside
-        train_step. After a train_step, its own sync of the segment is pending: RuntimeError."""
+        train_step. The segment that trains a copy of a tied embedding / head (first stage:
+        segment 0, last stage: ns - 1) also sums it with the other copy's gradient, then over dp
+        (a collective with that stage: call sync_segment for every segment, in one order, on
+        every rank).
+        After a train_step, its own sync of the segment is pending: RuntimeError. With zero=True
+        the gradients are reduce-scattered into the optimizers' rows, not summed in place: RuntimeError."""
+        if self.zero:
+            raise RuntimeError("sync_segment: with zero=True gradients are reduce-scattered into each dp rank's "
+                               "optimizer rows (train_step does it); there is no in-place sum")
         if segment in self._update_pending:
             raise RuntimeError(f"sync_segment({segment}): the last train_step already syncs this segment's "
                                "gradients; call state_dict() or close() to finish it first")
         self.sync.launch(segment)
         self.sync.wait(segment)
+        if segment == self._tied_home:
+            self._sum_tied()
+            self.sync.wait(self.segments)
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum of the last stage's micro-batch losses over dp, broadcast over pp to every stage."""
@@ -574,7 +658,11 @@ class Pipeline:
         """Fill the tensors this rank holds from a Hugging Face safetensors directory (each rank reads
         only its boxes), checked against the whole model on every rank first; returns the whole
         model's (missing_keys, unexpected_keys). No communication unless an update is pending."""
-        return _storage.load_pretrained(self, path, strict=strict)
+        result = _storage.load_pretrained(self, path, strict=strict)
+        if self.zero:  # fp32 masters of 16-bit parameters start from the loaded values
+            for optimizer in self.optimizers:
+                optimizer.sync_masters()
+        return result
 
     def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30) -> None:
         """Write the unsharded model as a Hugging Face directory: rank 0 writes, each stage sends its

@@ -130,9 +130,15 @@ class Stage:
     layers are their sublayers' `parameters()` (nn.Module sublayers, oases.models' branches).
     Every rank builds the whole model (built on meta: allocates only what its stage places); it
     trains, syncs and reports only its own parameters, and `release_unowned()` frees the ones it
-    never uses (on meta, there is nothing to free). A
-    parameter used at two (segment, stage) placements (tied input and output embeddings across
-    stages or segments) is refused (ValueError): its gradient would need a sum across them.
+    never uses (on meta, there is nothing to free).
+
+    Tied input and output embeddings (one parameter both `stack.embed` and `stack.head` use) are
+    placed with both: on the first and the last stage, each holding a copy (`tied`; the pipeline
+    sums the copies' gradients, oases.pipeline.tied), and in both the first and the last segment
+    of one stage when pp = 1. A parameter placed in several segments of a stage is trained by
+    the lowest of them (the embedding's: its backward ends last, its forward comes first). Any
+    other parameter used at two (segment, stage) placements (a weight tied between layers, or
+    between a layer and the embedding or head) is refused (ValueError).
     """
 
     def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
@@ -158,13 +164,14 @@ class Stage:
         self._embed_params = [p for p in rest if id(p) not in head_ids]  # unused ones go with the embedding
         self._embed_uses = [p for p in rest if id(p) in embed_ids or id(p) not in head_ids]  # tied ones too
         self._head_params = [p for p in rest if id(p) in head_ids]
+        self._tied = [p for p in self._head_params if id(p) in embed_ids]  # tied input/output embeddings
         self._layer_params = layer_params
         shared = self.shared_at(layout.segments)
         if shared:
             raise ValueError(f"model: parameter {shared} is used in more than one place of the pipeline (a "
-                             f"(segment, stage) pair: pp = {layout.stages}, segments = {layout.segments}), e.g. "
-                             "tied input/output embeddings; its gradient would need a sum across them. Untie it "
-                             "(e.g. tie_word_embeddings=False), or use pp = segments = 1")
+                             f"(segment, stage) pair: pp = {layout.stages}, segments = {layout.segments}) other "
+                             "than by the embedding and the head (tied input/output embeddings, supported); "
+                             "its gradient would need a sum across them. Untie it, or use pp = segments = 1")
         owned = {id(p) for k in range(layout.segments) for p in self._placed(k)}
         self._owned_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
         self.key_order = list(model.state_dict())  # the model's state-dict order, for Pipeline.state_dict()
@@ -175,9 +182,29 @@ class Stage:
             p.is_meta and id(p) not in in_layers for p in m.parameters(recurse=False)))
 
     def shared_at(self, segments: int) -> Optional[str]:
-        """A parameter that `segments` segments would place at two (segment, stage) pairs, or None."""
+        """A parameter that `segments` segments would place at two (segment, stage) pairs, or None
+        (a tied embedding and head excepted: see the class doc)."""
         return shared_across_placements(self.model, self._layer_params, self._embed_uses, self._head_params,
                                         self.layout.stages, segments)
+
+    @property
+    def tied(self) -> list[nn.Parameter]:
+        """The trainable parameters both the embedding and the head use (tied input/output
+        embeddings), whatever this stage places: the same on every rank."""
+        return [p for p in self._tied if p.requires_grad]
+
+    @property
+    def tied_keys(self) -> frozenset[str]:
+        """Every state-dict key of a parameter the embedding and the head share (frozen ones too)."""
+        ids = {id(p) for p in self._tied}
+        return frozenset(n for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) in ids)
+
+    def tied_segment(self) -> Optional[int]:
+        """The segment of this stage that trains `tied` (None: this stage does not place it, or
+        there is none): 0 on the first stage, ns - 1 on the last (pp > 1), 0 with pp = 1."""
+        ids = {id(p) for p in self.tied}
+        return next((k for k in range(self.layout.segments)
+                     if any(id(p) in ids for p in self.segment_parameters(k))), None)
 
     @property
     def owned_keys(self) -> frozenset[str]:
@@ -185,14 +212,15 @@ class Stage:
         return frozenset(self._owned_keys)
 
     def stage_of(self) -> dict[str, int]:
-        """{state-dict key of a parameter: the stage that places it}, for every stage (local: the
-        layout is known everywhere). Buffers are not listed: every stage holds them."""
+        """{state-dict key of a parameter: the stage that places it (a tied embedding and head: the
+        first)}, for every stage (local: the layout is known everywhere). Buffers are not listed:
+        every stage holds them."""
         layout, where = self.layout, {}
         for i, params in enumerate(self._layer_params):
             stage = placement_of_layer(i, layout.layers, layout.stages, layout.segments)[1]
             where.update((id(p), stage) for p in params)
-        where.update((id(p), 0) for p in self._embed_params)
         where.update((id(p), layout.stages - 1) for p in self._head_params)
+        where.update((id(p), 0) for p in self._embed_uses)  # a tied embedding and head: the first stage's copy
         return {n: where[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) in where}
 
     def held(self) -> Optional[nn.Module]:
@@ -208,15 +236,17 @@ class Stage:
         """Every parameter segment `segment` of this stage uses (embedding / head included), frozen ones too."""
         params = [p for i in self.layout.layers_of(segment) for p in self._layer_params[i]]
         if self.layout.is_first(segment):
-            params = [*self._embed_params, *params]
+            params = [*self._embed_params, *self._tied, *params]
         if self.layout.is_last(segment):
             params += self._head_params
         return _unique(params)
 
     def segment_parameters(self, segment: int) -> list[nn.Parameter]:
-        """What segment `segment` of this stage trains: its parameters that require grad (frozen
-        ones are placed, reported by state_dict(), never stepped nor synced)."""
-        return [p for p in self._placed(segment) if p.requires_grad]
+        """What segment `segment` of this stage trains: its parameters that require grad, each in
+        the lowest segment of this stage that places it (frozen ones are placed, reported by
+        state_dict(), never stepped nor synced)."""
+        earlier = {id(p) for k in range(segment) for p in self._placed(k)}
+        return [p for p in self._placed(segment) if p.requires_grad and id(p) not in earlier]
 
     def embed(self, tokens: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, object]:
         """stack.embed(tokens, where): on virtual stage 0 differentiable, elsewhere only for its ctx
@@ -410,16 +440,19 @@ def placement_of_layer(index: int, layers: int, stages: int, segments: int) -> t
 def shared_across_placements(model: nn.Module, layer_params: list[list[nn.Parameter]],
                              embed_params: list[nn.Parameter], head_params: list[nn.Parameter],
                              stages: int, segments: int) -> Optional[str]:
-    """The name of a parameter used at two (segment, stage) placements, or None.
+    """The name of a parameter used at two (segment, stage) placements, or None; one that only the
+    embedding and the head use (tied input/output embeddings) is allowed.
 
         place(layer i) = placement_of_layer(i);  place(embedding) = (0, 0);  place(head) = (ns-1, p-1)"""
     places: dict[int, set[tuple[int, int]]] = {}
     for i, params in enumerate(layer_params):
         for p in params:
             places.setdefault(id(p), set()).add(placement_of_layer(i, len(layer_params), stages, segments))
+    tied = {id(p) for p in embed_params} & {id(p) for p in head_params}
     for params, place in ((embed_params, (0, 0)), (head_params, (segments - 1, stages - 1))):
         for p in params:
-            places.setdefault(id(p), set()).add(place)
+            if id(p) not in tied or id(p) in places:  # (a tied one in a layer too: refused)
+                places.setdefault(id(p), set()).add(place)
     names = {id(p): n for n, p in model.named_parameters()}
     return next((names.get(i, "?") for i, where in places.items() if len(where) > 1), None)
 
