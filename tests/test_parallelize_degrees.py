@@ -5,13 +5,16 @@ degrees give the unsharded model's loss, logits and gradients, on gloo ranks.
 Each rank builds the whole model from a shared seed, keeps a copy as the reference, parallelizes
 the other with a per-layer plan, runs both on the same batch -- for Hugging Face models once plain,
 once with a padding mask and per-row position ids, so the batch-shaped mask and rotary tables are
-cut too -- and checks that every decoder layer's input is exactly the reference's at this rank's
+cut too, and once more so on a batch of 5 rows that the replicas do not divide (blocks of unequal
+size) -- and checks that every decoder layer's input is exactly the reference's at this rank's
 replica rows, then compares logits, loss and every parameter's gradient with the matching slice of
 the reference's (slices taken from each module's own TP size and rank: degree d layers are shards
 over d ranks). Every batch row differs (tokens, masks, position offsets), so a reshard or a cut to
-the wrong rows fails the layer-input check.
+the wrong rows fails the layer-input check. A model of this file's own also runs its layers under
+a reentrant torch.utils.checkpoint (recomputed on detached inputs).
 """
 import copy
+import functools
 import importlib.util
 
 import pytest
@@ -53,16 +56,19 @@ def _model(kind="llama", seed=0):
 
 
 def _inputs():
-    """Two batches: plain, and padded on the right with per-row position ids (batch-shaped kwargs)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, SEQ - 3:] = 0
-    mask[3, SEQ - 1:] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    positions = torch.arange(SEQ).repeat(BATCH, 1) + torch.arange(BATCH)[:, None]  # a different offset per row
-    return [dict(input_ids=ids, labels=ids),
-            dict(input_ids=ids, labels=labels, attention_mask=mask, position_ids=positions)]
+    """Three batches: plain, and padded on the right with per-row position ids (batch-shaped kwargs),
+    of BATCH rows and of BATCH + 1 (an odd count: blocks of unequal size)."""
+    batches = []
+    for b in (BATCH, BATCH + 1):
+        g = torch.Generator().manual_seed(b)
+        ids = torch.randint(0, VOCAB, (b, SEQ), generator=g)
+        mask = torch.ones(b, SEQ, dtype=torch.long)
+        mask[1, SEQ - 3:] = 0
+        mask[3, SEQ - 1:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        positions = torch.arange(SEQ).repeat(b, 1) + torch.arange(b)[:, None]  # a different offset per row
+        batches.append(dict(input_ids=ids, labels=labels, attention_mask=mask, position_ids=positions))
+    return [dict(input_ids=batches[0]["input_ids"], labels=batches[0]["input_ids"]), *batches]
 
 
 def _expected_grad(model, name, full):
@@ -77,14 +83,16 @@ def _expected_grad(model, name, full):
 
 
 def _layer_inputs(layers):
-    """A list that fills with each layer's hidden-states input (as the layer sees it, after any
-    earlier pre-hook: the resharded rows), and the hook handles."""
-    seen = []
+    """{layer index: a list that fills with its hidden-states input at each call (as the layer sees
+    it, after any earlier pre-hook: the resharded rows; a recomputed layer is called again)}, and
+    the hook handles."""
+    seen = {i: [] for i in range(len(layers))}
 
-    def record(module, args, kwargs):
-        seen.append((args[0] if args else kwargs["hidden_states"]).detach().clone())
+    def record(i, module, args, kwargs):
+        seen[i].append((args[0] if args else kwargs["hidden_states"]).detach().clone())
 
-    return seen, [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
+    return seen, [layer.register_forward_pre_hook(functools.partial(record, i), with_kwargs=True)
+                  for i, layer in enumerate(layers)]
 
 
 def _compare(where, ref, model, layers_of, degrees, p, batches, forward):
@@ -102,12 +110,14 @@ def _compare(where, ref, model, layers_of, degrees, p, batches, forward):
         loss.backward()
         for h in handles + more:
             h.remove()
-        what = f"{where} {sorted(batch)}"
+        what = f"{where} {sorted(batch)} batch {logits_ref.shape[0]}"
         assert len(seen) == len(seen_ref) == len(degrees), (what, len(seen), len(seen_ref))
-        for l, (x, x_ref, d) in enumerate(zip(seen, seen_ref, degrees)):
-            n = x_ref.shape[0] * d // p  # replica rank // d holds rows [j n, (j + 1) n)
-            torch.testing.assert_close(x, x_ref[rank // d * n:(rank // d + 1) * n], **TOL,
-                                       msg=lambda m: f"{what}: input of layer {l} (degree {d}): {m}")
+        for l, d in enumerate(degrees):
+            assert len(seen[l]) == len(seen_ref[l]) >= 1, (what, l, len(seen[l]), len(seen_ref[l]))
+            for x, x_ref in zip(seen[l], seen_ref[l]):
+                b, replicas, j = x_ref.shape[0], p // d, rank // d  # rows [floor(j b / R), floor((j + 1) b / R))
+                torch.testing.assert_close(x, x_ref[j * b // replicas:(j + 1) * b // replicas], **TOL,
+                                           msg=lambda m: f"{what}: input of layer {l} (degree {d}): {m}")
         torch.testing.assert_close(logits, logits_ref, **TOL, msg=lambda m: f"{what}: logits: {m}")
         torch.testing.assert_close(loss, loss_ref, **TOL, msg=lambda m: f"{what}: loss: {m}")
         ref_params = dict(ref.named_parameters())
@@ -178,9 +188,11 @@ def _check_nanogpt(degrees, p):
     _check_sharding(model.transformer.h, degrees, lambda b: (b.attn.c_attn, b.mlp.c_proj))
     for block, d in zip(model.transformer.h, degrees):  # per-rank heads at the block's own degree
         assert (block.attn.n_head, block.attn.n_embd) == (4 // d, 32 // d), where
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(2))
-    batch = dict(idx=ids[:, :-1], targets=ids[:, 1:])
-    _compare(where, ref, model, lambda m: m.transformer.h, degrees, p, [batch], lambda m, b: m(**b))
+    batches = []
+    for b in (BATCH, BATCH + 1):  # BATCH + 1: blocks of unequal size
+        ids = torch.randint(0, VOCAB, (b, SEQ + 1), generator=torch.Generator().manual_seed(2))
+        batches.append(dict(idx=ids[:, :-1], targets=ids[:, 1:]))
+    _compare(where, ref, model, lambda m: m.transformer.h, degrees, p, batches, lambda m, b: m(**b))
 
 
 # --- a model of this file's own: blocks at body.blocks, called as block(x, keep, scale=, table=) --
@@ -208,10 +220,14 @@ class Mine(nn.Module):
         self.register_buffer("table", torch.randn(SEQ, h) / 10)
         self.norm, self.head = nn.LayerNorm(h), nn.Linear(h, VOCAB)
 
-    def forward(self, ids, keep, scale):
+    def forward(self, ids, keep, scale, recompute=False):
         x = self.embed(ids)
         for block in self.body["blocks"]:
-            x, _ = block(x, keep, scale=scale, table=self.table)
+            call = functools.partial(block, scale=scale, table=self.table)
+            if recompute:  # the reentrant form: the layer is rerun in backward on detached inputs
+                x, _ = torch.utils.checkpoint.checkpoint(call, x, keep, use_reentrant=True)
+            else:
+                x, _ = call(x, keep)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none")[keep.flatten()].mean(), logits
 
@@ -235,7 +251,8 @@ def _check_mine(degrees, p):
     with pytest.warns(UserWarning, match=r": head\.$"):
         oases.parallelize(model, plan=MY_PLAN, tp_degrees=degrees, layers="body.blocks")
     _check_sharding(model.body["blocks"], degrees, lambda b: (b.up, b.down))
-    _compare(where, ref, model, lambda m: m.body["blocks"], degrees, p, [_my_batch()], lambda m, b: m(**b))
+    odd = [_my_batch(BATCH + 1), {**_my_batch(BATCH + 1), "recompute": True}]  # unequal blocks, recomputed too
+    _compare(where, ref, model, lambda m: m.body["blocks"], degrees, p, [_my_batch(), *odd], lambda m, b: m(**b))
 
     # Bad input: the same error on every rank, before any communication; the model left as it was.
     fresh = Mine()
@@ -253,9 +270,9 @@ def _check_mine(degrees, p):
             oases.parallelize(fresh, plan=MY_PLAN, **{"tp_degrees": degrees, **kwargs})
     assert not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in fresh.modules())
     assert not hasattr(fresh, "tp_degrees")
-    most = p // min(degrees)
-    with pytest.raises(ValueError, match=f"got batch size {most + 1} \\(use a multiple of {most}\\)"):
-        model(**_my_batch(most + 1))
+    most = p // min(degrees)  # a replica of the most would get no row
+    with pytest.raises(ValueError, match=f"got batch size {most - 1} \\(use at least {most} rows\\)"):
+        model(**_my_batch(most - 1))
     batch = _my_batch()
     batch["scale"].requires_grad_()
     with pytest.raises(ValueError, match=r"body\.blocks\[0\]: keyword scale requires grad"):
@@ -282,10 +299,10 @@ def _bad_inputs(rank, p, model, degrees):
     assert not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in fresh.modules())
     assert not hasattr(fresh, "tp_degrees")
 
-    most = p // min(degrees)  # the batch must split into the most replicas of any layer
+    most = p // min(degrees)  # every replica of every layer needs a row of the batch
     ids = torch.zeros(most + 1, SEQ, dtype=torch.long)
-    with pytest.raises(ValueError, match=f"got batch size {most + 1} \\(use a multiple of {most}\\)"):
-        model(input_ids=ids)
+    with pytest.raises(ValueError, match=f"batch: .* got batch size {most - 1} \\(use at least {most} rows\\)"):
+        model(input_ids=ids[:most - 1])
     with pytest.raises(ValueError, match="replicas"):  # 2 sub-batches of most / 2 rows: not one per replica
         oases.train_step(model, ids[:most], ids[:most])
 

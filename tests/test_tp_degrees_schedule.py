@@ -5,7 +5,8 @@ The golden model runs in the parent (one process, plain autograd, Hugging Face's
 loss); each rank compares the loss and every parameter's gradient (its shard), with and without
 dropout, over several steps (gradients accumulate), and counts the calls on every communicator.
 Then Hugging Face models after oases.parallelize(model, tp_degrees=[...]) against the unsharded
-model's own forward and loss.backward(), with left padding (per-row masks that matter).
+model's own forward and loss.backward(), with left padding (per-row masks that matter). Some
+sub-batches' rows do not divide over the replicas (3 rows over 2: 1 + 2), so blocks differ in size.
 """
 import io
 
@@ -94,7 +95,8 @@ def _bad_arguments(world_size, degrees, batch):
     most = world_size // min(degrees)
     small = most * 2 - 1 if most > 1 else None  # two sub-batches whose rows do not split into the replicas
     if small is not None:
-        with pytest.raises(ValueError, match="replicas"):
+        with pytest.raises(ValueError, match=f"gives \\[{most - 1}, {most}\\] rows \\(use a batch of at least "
+                                             f"{2 * most} rows"):
             oases.train_step(model, ids[:small], labels[:small], schedule="oases")
     with pytest.raises(ValueError, match="sequence_parallel"):
         oases.train_step(model, ids, labels, sequence_parallel=True)
@@ -145,9 +147,12 @@ def _ranks_main(rank, world_size, plans, golden_bytes):
     return True
 
 
+# (degrees, batch, sub_batches for the extra oases / merak runs); the schedules' own split is 1
+# (megatron) or 2. Uneven blocks: 6 rows in 2 sub-batches of 3 over 2 replicas; 9 rows in 2 (4 + 5)
+# and 1 over 4 replicas (over 2: 4 + 5 -> 2 + 2 and 2 + 3).
 @pytest.mark.parametrize("world_size, plans", [
-    (2, [([1, 2, 2, 1], 4, 1), ([2, 1, 1, 2], 8, 4)]),
-    (4, [([2, 4, 4, 2], 4, 1), ([4, 1, 2, 4], 8, 1)]),
+    (2, [([1, 2, 2, 1], 4, 1), ([2, 1, 1, 2], 8, 4), ([1, 2, 2, 1], 6, 3)]),
+    (4, [([2, 4, 4, 2], 4, 1), ([4, 1, 2, 4], 8, 1), ([1, 2, 4, 1], 9, 1)]),
 ])
 def test_tp_degrees_on_every_schedule_match_single_process(world_size, plans):
     golden = {}
@@ -216,7 +221,7 @@ def _hf_ranks_main(rank, world_size, models, cases):
             warnings.simplefilter("ignore")
             oases.parallelize(tp, tp_degrees=degrees)
         ids, labels, mask = _hf_batch(4, 12, False)
-        with pytest.raises(ValueError, match="replicas"):  # 3 rows in 2 sub-batches: 2 replicas cannot split them
+        with pytest.raises(ValueError, match="replicas"):  # 3 rows in 2 sub-batches: 1 + 2, 2 replicas need 2 each
             oases.train_step(tp, ids[:3], labels[:3])
         for schedule, sub_batches, b, padded in cases:
             ids, labels, mask = _hf_batch(b, 12, padded)
@@ -247,6 +252,7 @@ def test_parallelized_hf_models_with_tp_degrees_match_unsharded(world_size, mode
     pytest.importorskip("transformers")
     batch = 8 if world_size == 4 else 4
     cases = [(s, None, batch, True) for s in SCHEDULES] + [("oases", 4, 2 * batch, False)]
+    cases += [("megatron", None, 5, True), ("oases", None, 9, True)] if world_size == 4 else [("oases", None, 6, True)]
     run_ranks(_hf_ranks_main, world_size, models, cases, timeout=300)
 
 

@@ -36,10 +36,10 @@ def layer_placements(groups: DegreeGroups, degrees: Sequence[int], layers: Seque
             return None
         lo, hi = min(a, b), max(a, b)
         if (lo, hi) not in ups:
-            group, index = groups.row_groups[lo, hi]
-            ups[lo, hi] = RowMove(Communicator(group, hi // lo), False, hi // lo, index)
+            at = groups.row_groups[lo, hi]
+            ups[lo, hi] = RowMove(Communicator(at.group, at.parts), False, at.parts, at.index, at.replica, at.replicas)
         up = ups[lo, hi]
-        return RowMove(up.comm, b < a, up.parts, up.index)
+        return RowMove(up.comm, b < a, up.parts, up.index, up.replica, up.replicas)
 
     @contextlib.contextmanager
     def scheduled() -> Iterator[None]:  # the schedule sums the replicas: the hooks stand down

@@ -17,10 +17,11 @@ gradients can be compared exactly.
 Per-layer TP degrees (`tp_degrees=[d_0, ..., d_{L-1}]`, each a power of two dividing p, e.g. from
 `oases.plan.load`): block l runs as p/d_l replicas, replica j on the d_l consecutive ranks
 j*d_l .. j*d_l + d_l - 1 and on row block j of p/d_l of the batch ("data parallel inside the
-group"); the embedding and the head run at degree p (the whole batch on every rank):
+group"; oases._rows.block_rows: blocks differ by a row at most when p/d_l does not divide B);
+the embedding and the head run at degree p (the whole batch on every rank):
 
     x = embed(tokens)                                 # [B, t, h] on every rank (degree p)
-    for l: x = reshard_rows(x, d_{l-1} -> d_l); x = block_l(x)    # [B d_l / p, t, h]
+    for l: x = reshard_rows(x, d_{l-1} -> d_l); x = block_l(x)    # [~B d_l / p, t, h]
     loss = head(reshard_rows(x, d_{L-1} -> p))
     reshard_rows to a lower degree:  fwd: keep this rank's sub-block   bwd: all-gather the rows
     reshard_rows to a higher degree: fwd: all-gather the rows          bwd: keep this rank's sub-block
@@ -178,12 +179,13 @@ class GPT(nn.Module):
     d_l consecutive ranks of `group` and its block of the batch rows, resharding the rows between
     layers of different degrees (see the module docstring); `group` must be the whole world
     (the subgroups are made at construction, collectively on every rank). Same loss and per-shard
-    gradients as the single-process model; the batch must divide by p / min(tp_degrees).
+    gradients as the single-process model; the batch needs at least p / min(tp_degrees) rows
+    (one per replica; blocks differ by a row where the replicas do not divide it).
     `forward` + `backward` run it with blocking collectives on the autograd path; `train_step`
     (and `oases.train_step(model, ids, labels, schedule=s)`) on the overlapped schedules
     (megatron, merak, cross_pass, oases): `layer_placements()` gives them each block's
     Communicator (one per degree), row moves and replica group (oases.schedule.protocol); each
-    sub-batch's rows must divide by p / min(tp_degrees).
+    sub-batch needs at least p / min(tp_degrees) rows.
     vocab_parallel, sequence_parallel and offload do not combine with it (ValueError), nor does
     `oases.pipeline`.
     """
@@ -326,8 +328,8 @@ class GPT(nn.Module):
         With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
         of the group's first rank and broadcast, so every rank uses the same masks).
 
-        With `tp_degrees` the same schedule runs each layer at its own degree (every sub-batch's
-        rows must divide by p / min(tp_degrees)); `loss = self(tokens, targets); loss.backward()`
+        With `tp_degrees` the same schedule runs each layer at its own degree (every sub-batch
+        needs at least p / min(tp_degrees) rows); `loss = self(tokens, targets); loss.backward()`
         is the blocking form (no sub-batch overlap, no recomputation)."""
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
@@ -379,22 +381,22 @@ class GPT(nn.Module):
         return self.head(x)
 
     def _check_rows(self, tokens: torch.Tensor) -> None:
-        """ValueError unless the batch splits into the replicas of every layer (before communication)."""
+        """ValueError unless every replica of every layer gets a row of the batch (before communication)."""
         most = self.tp // min(self.tp_degrees)
-        if tokens.shape[0] % most:
-            raise ValueError(f"tokens: tp_degrees {list(self.tp_degrees)} run up to {most} replicas, each on an equal "
-                             f"block of the batch; got batch size {tokens.shape[0]} (use a multiple of {most})")
+        if tokens.shape[0] < most:
+            raise ValueError(f"tokens: tp_degrees {list(self.tp_degrees)} run up to {most} replicas, each on its own "
+                             f"block of the batch's rows; got batch size {tokens.shape[0]} (use at least {most} rows)")
 
     def _per_layer_blocks(self, x: torch.Tensor, where: SubBatch) -> torch.Tensor:
         """The blocks at their own degrees: x [B, t, h] (degree p) -> [B, t, h] (degree p).
 
-            for block l at degree d:  x = reshard_rows(x, -> d)     # [B d / p, t, h], this replica's rows
+            for block l at degree d:  x = reshard_rows(x, -> d)     # [~B d / p, t, h], this replica's rows
                                       x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))  # on its TP group
             x = reshard_rows(x, -> p)"""
         self._check_rows(x)
         batch, degree = x.shape[0], self.tp
         for block, d in zip(self.blocks, self.tp_degrees):
-            x, degree = self._reshard_rows(x, degree, d), d
+            x, degree = self._reshard_rows(x, degree, d, batch), d
             at = self._placements[d]
             rows = SubBatch(at.rows(batch), batch, where.seed)  # dropout masks: this replica's rows
             for s in block:
@@ -403,11 +405,12 @@ class GPT(nn.Module):
                     x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, at.tp_group)), at.tp_group), rows)
                 else:
                     x = x + s.finish(s.core(h), rows)
-        return self._reshard_rows(x, degree, self.tp)
+        return self._reshard_rows(x, degree, self.tp, batch)
 
-    def _reshard_rows(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """x in the row layout of degree a -> that of degree b (see the module docstring)."""
-        return reshard_rows(x, a, b, self._row_groups)
+    def _reshard_rows(self, x: torch.Tensor, a: int, b: int, batch: int) -> torch.Tensor:
+        """x, rows of a batch of `batch`, in the row layout of degree a -> that of degree b (see the
+        module docstring)."""
+        return reshard_rows(x, a, b, self._row_groups, batch)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""

@@ -2,15 +2,20 @@
 
 Shared by oases.models.GPT(tp_degrees=...) and oases.parallelize(model, group, tp_degrees=...).
 Ranks are positions 0..p-1 in the model's group. At degree d, rank r is TP rank r % d of replica
-r // d, which holds row block r // d of the batch's p / d blocks ("data parallel inside the group"):
+r // d, which holds row block r // d of the batch's p / d blocks ("data parallel inside the group";
+oases._rows.block_rows: sizes differ by at most one when p / d does not divide B):
 
-    x [B, ...] at degree p (every rank)  --reshard_rows(p -> d)-->  x [B d / p, ...], replica r // d's rows
+    x [B, ...] at degree p (every rank)  --reshard_rows(p -> d)-->  x [~B d / p, ...], replica r // d's rows
     reshard_rows to a lower degree:  fwd: keep this rank's sub-block   bwd: all-gather the rows
     reshard_rows to a higher degree: fwd: all-gather the rows          bwd: keep this rank's sub-block
     (over the hi / lo ranks that share the higher degree's replica and the lower degree's TP position)
 
-A layer of degree d < p sees 1/(p/d) of the rows, so each of its parameter gradients is summed
-over its p / d replicas (`sum_over_replicas`, a gradient hook).
+The blocks nest (block j at degree hi is blocks j hi/lo .. (j + 1) hi/lo - 1 at degree lo < hi), so
+each move stays inside one replica of the higher degree; blocks of unequal size are all-gathered
+padded to the largest (oases._rows.padded / unpadded). A layer of degree d < p sees its replica's
+rows only, so each of its parameter gradients is summed over its p / d replicas
+(`sum_over_replicas`, a gradient hook): the loss is normalised over the whole batch, so the sum is
+the full gradient whatever the blocks' sizes.
 """
 from __future__ import annotations
 
@@ -22,38 +27,49 @@ import torch
 import torch.distributed as dist
 
 from oases import comm as _comm
+from oases._rows import block_rows, padded, part_sizes, unpadded
 
-__all__ = ["DegreeGroups", "Placement", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees", "hook_decoder_layers",
-           "kwargs_rows", "make_placements", "reshard_rows", "sum_over_replicas", "sum_over_replicas_while"]
+__all__ = ["DegreeGroups", "Placement", "RowGroup", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees",
+           "hook_decoder_layers", "kwargs_rows", "make_placements", "reshard_rows", "sum_over_replicas",
+           "sum_over_replicas_while"]
+
+
+def _part(x: torch.Tensor, sizes: tuple[int, ...], index: int) -> torch.Tensor:
+    """Rows of part `index` of x [sum(sizes), ...] (parts of `sizes` rows, in order), a new tensor."""
+    return x.narrow(0, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)
+
+
+def _gather_parts(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: tuple[int, ...]) -> torch.Tensor:
+    """cat(x from each rank of `group`, dim 0) [sum(sizes), ...]; rank k's x has sizes[k] rows."""
+    return unpadded(_comm.ring_all_gather(padded(x.contiguous(), sizes), group, dim=0), sizes)
 
 
 class RowsDown(torch.autograd.Function):
-    """fwd: keep sub-block `index` of `parts` along dim 0 (local); bwd: all-gather dim 0 over `group`.
-    Dual of RowsUp."""
+    """fwd: keep part `index` along dim 0 (parts of `sizes` rows; local); bwd: all-gather dim 0
+    over `group`. Dual of RowsUp."""
 
     @staticmethod
-    def forward(ctx, x, group, parts: int, index: int):
-        ctx.group = group
-        n = x.shape[0] // parts
-        return x.narrow(0, index * n, n).clone(memory_format=torch.contiguous_format)
+    def forward(ctx, x, group, sizes: tuple[int, ...], index: int):
+        ctx.group, ctx.sizes = group, sizes
+        return _part(x, sizes, index)
 
     @staticmethod
     def backward(ctx, grad):
-        return _comm.ring_all_gather(grad.contiguous(), ctx.group, dim=0), None, None, None
+        return _gather_parts(grad, ctx.group, ctx.sizes), None, None, None
 
 
 class RowsUp(torch.autograd.Function):
-    """fwd: all-gather dim 0 over `group` (`parts` ranks); bwd: keep sub-block `index`. Dual of RowsDown."""
+    """fwd: all-gather dim 0 over `group` (rank k holding sizes[k] rows); bwd: keep part `index`.
+    Dual of RowsDown."""
 
     @staticmethod
-    def forward(ctx, x, group, parts: int, index: int):
-        ctx.parts, ctx.index = parts, index
-        return _comm.ring_all_gather(x.contiguous(), group, dim=0)
+    def forward(ctx, x, group, sizes: tuple[int, ...], index: int):
+        ctx.sizes, ctx.index = sizes, index
+        return _gather_parts(x, group, sizes)
 
     @staticmethod
     def backward(ctx, grad):
-        n = grad.shape[0] // ctx.parts
-        return grad.narrow(0, ctx.index * n, n).clone(memory_format=torch.contiguous_format), None, None, None
+        return _part(grad, ctx.sizes, ctx.index), None, None, None
 
 
 def sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -88,8 +104,8 @@ class Placement:
     replicas: int                               # p // degree
 
     def rows(self, batch: int) -> slice:
-        n = batch // self.replicas
-        return slice(self.replica * n, (self.replica + 1) * n)
+        """This replica's rows of a batch of `batch` rows (oases._rows.block_rows)."""
+        return block_rows(batch, self.replicas, self.replica)
 
 
 def check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]:
@@ -109,13 +125,30 @@ def check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]
     return degrees
 
 
-# {(lo, hi): (the group resharding rows between degrees lo < hi, this rank's index in it)}
-RowGroups = dict[tuple[int, int], tuple[Optional[dist.ProcessGroup], int]]
+@dataclass(frozen=True)
+class RowGroup:
+    """The ranks that move rows between degrees lo < hi: the `parts` = hi / lo ranks of this rank's
+    replica `replica` (of `replicas` = p / hi) at degree hi that share its TP position at degree lo.
+    Each holds one lo replica's block of the hi replica's rows; this rank part `index`."""
+
+    group: Optional[dist.ProcessGroup]
+    parts: int
+    index: int
+    replica: int
+    replicas: int
+
+    def sizes(self, batch: int) -> tuple[int, ...]:
+        """The row counts of the parts, for a batch of `batch` rows (oases._rows.part_sizes)."""
+        return part_sizes(batch, self.replicas, self.replica, self.parts)
+
+
+# {(lo, hi): the RowGroup of this rank resharding rows between degrees lo < hi}
+RowGroups = dict[tuple[int, int], RowGroup]
 
 
 def make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees: tuple[int, ...]
                     ) -> tuple[dict[int, Placement], RowGroups]:
-    """({degree: this rank's Placement}, {(lo, hi): (resharding group, this rank's index in it)}).
+    """({degree: this rank's Placement}, {(lo, hi): this rank's RowGroup between degrees lo < hi}).
 
     Collective on every rank of the world (group == the world), in the same order everywhere:
     for each degree d < p, the replicas' TP groups and the same-position groups; for each pair of
@@ -149,19 +182,18 @@ def make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees
     rows = {}
     for lo, hi in edges:
         base = (me // hi) * hi + me % lo
-        rows[lo, hi] = (own(range(base, base + hi, lo)), (me % hi) // lo)
+        rows[lo, hi] = RowGroup(own(range(base, base + hi, lo)), hi // lo, (me % hi) // lo, me // hi, p // hi)
     return placements, rows
 
 
-def reshard_rows(x: torch.Tensor, a: int, b: int, row_groups: RowGroups) -> torch.Tensor:
-    """x [B a / p, ...] in the row layout of degree a -> [B b / p, ...], that of degree b
-    (`row_groups` from make_placements; the identity when a == b)."""
+def reshard_rows(x: torch.Tensor, a: int, b: int, row_groups: RowGroups, batch: int) -> torch.Tensor:
+    """x: this rank's replica's rows of a batch of `batch` rows at degree a -> its rows at degree b
+    ([~batch a / p, ...] -> [~batch b / p, ...]; `row_groups` from make_placements; the identity
+    when a == b)."""
     if a == b:
         return x
-    lo, hi = min(a, b), max(a, b)
-    group, index = row_groups[lo, hi]
-    move = RowsDown if b < a else RowsUp
-    return move.apply(x, group, hi // lo, index)
+    move = row_groups[min(a, b), max(a, b)]
+    return (RowsDown if b < a else RowsUp).apply(x, move.group, move.sizes(batch), move.index)
 
 
 # --- decoder layers called as layer(hidden_states, *args, **kwargs) ------------------------------
@@ -197,24 +229,45 @@ def _needs_grad(value: object) -> bool:
     return isinstance(value, dict) and any(map(_needs_grad, value.values()))
 
 
+# What the hooks note on the hidden states between layers: the batch size B they are rows of (a
+# replica's block does not tell it: 3 rows are block 0 of 2 for B = 6 and for B = 7).
+_BATCH_NOTE = "_oases_batch_rows"
+
+
+def _batch_of(x: torch.Tensor, degree: int, p: int, placements: dict[int, Placement]) -> int:
+    """The batch size B of which x holds this rank's replica's rows at `degree`: x's row count at
+    degree p; else what the hooks noted on x; else (a copy of it: a reentrant torch.utils.checkpoint
+    recomputes a layer on detached inputs) the replicas' row counts summed over the replica group
+    (an all-reduce, on every rank alike: the model runs the same code on every rank)."""
+    if degree == p:
+        return x.shape[0]
+    noted = getattr(x, _BATCH_NOTE, None)
+    if noted is not None:
+        return noted
+    rows = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
+    dist.all_reduce(rows, group=placements[degree].replica_group)
+    return int(rows)
+
+
 def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, ...], p: int,
                         placements: dict[int, Placement], row_groups: RowGroups, *, where: str = "layers"
                         ) -> list:
     """Run decoder layer l on this rank's replica rows at degree d_l, by hooks; return their handles.
 
-        pre-hook of layer l:   x = reshard_rows(x, d_{l-1} -> d_l)         # [B d_l / p, t, h]
+        pre-hook of layer l:   x = reshard_rows(x, d_{l-1} -> d_l)         # [~B d_l / p, t, h]
                                every other argument: each [B, ...] tensor -> its rows   (d_l < p)
                                                     # masks, cos/sin, position ids, per-row scalars
-        hook after layer L-1:  y = reshard_rows(y, d_{L-1} -> p)           # [B, t, h] for the final norm
+        hook after layer l:    y noted with B (the next pre-hook reads it: see _batch_of)    (d_l < p)
+        ... after layer L-1:   y = reshard_rows(y, d_{L-1} -> p)           # [B, t, h] for the final norm
     (d_{-1} = p: the embeddings run on the whole batch on every rank). x is the first positional
     argument, else the keyword hidden_states; a layer may return y or a tuple (y, ...), and the
     model must hand y (as it is) to the next layer. The model passes every layer the same
-    full-batch arguments, so each layer cuts its own; the hooks keep no state, so a recomputed
-    (checkpointed) layer reshards the same way. Each layer's pre-hook raises, on every rank before
-    its communication (at layer 0: before any): TypeError unless x is a tensor, ValueError if an
-    argument other than x requires grad (its gradient would be this replica's share only); at
-    layer 0, ValueError unless the batch B divides into p / min(degrees) replicas. `where` names
-    the layers in the messages."""
+    full-batch arguments, so each layer cuts its own; a recomputed (checkpointed) layer reshards
+    the same way. Each layer's pre-hook raises, on every rank before its communication (at layer
+    0: before any): TypeError unless x is a tensor, ValueError if an argument other than x
+    requires grad (its gradient would be this replica's share only); at layer 0, ValueError if
+    the batch B has fewer rows than p / min(degrees) replicas (each needs one; B need not divide).
+    `where` names the layers in the messages."""
     most = p // min(degrees)
 
     def before(layer_index: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -232,12 +285,13 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
                              f"hidden states' gradient between replicas, so the gradient of any other input of a "
                              f"layer would be partial. Compute it without grad (torch.no_grad(), .detach()), or make "
                              f"its parameters the layer's own")
-        batch = x.shape[0] * p // prev
-        if layer_index == 0 and batch % most:
-            raise ValueError(f"batch: tp_degrees {list(degrees)} run up to {most} replicas, each on an equal block "
-                             f"of the batch; got batch size {batch} (use a multiple of {most})")
-        x, rest = reshard_rows(x, prev, d, row_groups), args[1:]
+        batch = _batch_of(x, prev, p, placements)
+        if layer_index == 0 and batch < most:
+            raise ValueError(f"batch: tp_degrees {list(degrees)} run up to {most} replicas, each on its own block "
+                             f"of the batch's rows; got batch size {batch} (use at least {most} rows)")
+        x, rest = reshard_rows(x, prev, d, row_groups, batch), args[1:]
         if d < p:
+            setattr(x, _BATCH_NOTE, batch)  # for this layer's `after`
             rows = placements[d].rows(batch)
             rest = tuple(_rows_of(a, batch, rows) for a in rest)
             kwargs = kwargs_rows(kwargs, batch, rows)
@@ -245,12 +299,17 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
             return (x, *rest), kwargs
         return args, {**kwargs, "hidden_states": x}
 
-    def after(module: torch.nn.Module, args: tuple, kwargs: dict, out: object) -> object:
-        if isinstance(out, tuple):  # (hidden_states, ...): older transformers, a user's layers
-            return (reshard_rows(out[0], degrees[-1], p, row_groups), *out[1:])
-        return reshard_rows(out, degrees[-1], p, row_groups)
+    def after(layer_index: int, module: torch.nn.Module, args: tuple, kwargs: dict, out: object) -> object:
+        batch = getattr(args[0] if args else kwargs["hidden_states"], _BATCH_NOTE)  # noted by `before`
+        y = out[0] if isinstance(out, tuple) else out  # (hidden_states, ...): older transformers, a user's layers
+        if layer_index < len(layers) - 1:
+            setattr(y, _BATCH_NOTE, batch)  # for the next layer's `before`
+            return out
+        y = reshard_rows(y, degrees[-1], p, row_groups, batch)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
 
     handles = [layer.register_forward_pre_hook(functools.partial(before, i), with_kwargs=True)
                for i, layer in enumerate(layers)]
-    handles.append(layers[-1].register_forward_hook(after, with_kwargs=True))
+    handles += [layer.register_forward_hook(functools.partial(after, i), with_kwargs=True)
+                for i, layer in enumerate(layers) if degrees[i] < p]  # at degree p: every row, nothing to do
     return handles

@@ -38,24 +38,27 @@ to this rank's tokens (a shallow copy) before `finish` sees it.
 Per-layer TP degrees (`layer_placements()` not None: oases.models.GPT(tp_degrees=...), a Hugging
 Face model after oases.parallelize(..., tp_degrees=...); no sequence parallelism, no offload): layer l
 runs at degree d_l on its own communicator as p/d_l replicas, replica j on row block j of the
-p/d_l blocks of each sub-batch (the embedding and head run at degree p, every row on every rank):
+p/d_l blocks of each sub-batch (oases._rows.block_rows: rows [floor(j b d_l / p),
+floor((j + 1) b d_l / p)), sizes differing by one at most; the embedding and head run at degree
+p, every row on every rank):
 
     x, ctx = stack.embed(input_ids[rows], where)                   # [b, t, h], degree p
     for l, layer in enumerate(stack.layers()):
         at = placements.layers[l]
-        x = move(at.rows_in, x)                                    # [b d_l / p, t, h]: replica's rows
+        x = move(at.rows_in, x, b)                                 # [~b d_l / p, t, h]: replica's rows
         ctx_l = stack.replica_ctx(ctx, at.rows(b))                 # that replica's rows of the ctx
         x = layer(x, ctx_l) with each all-reduce on at.comm         # the degree's TP group
-    logits = stack.head(move(placements.rows_out, x), ctx)         # [b, t, vocab], degree p
+    logits = stack.head(move(placements.rows_out, x, b), ctx)      # [b, t, vocab], degree p
     after layer l's backward: grad of each of at.parameters summed over at.replica_comm (p/d_l replicas)
 
 `move` is a RowMove (fwd keep a block of rows / bwd all-gather them, or the reverse); the
-schedule runs it at the boundary between two layers, per sub-batch, so each sub-batch's row
-count must divide by p / min(d_l) (ValueError before any communication). `replica_ctx` (absent:
-a ctx that is a SubBatch, or has one as `where`, gets it narrowed by SubBatch.replica_rows)
-must narrow whatever in ctx has one entry per row (a padding mask, position ids). While the
-schedule runs it enters `placements.while_scheduled()`: the stack must not sum those gradients
-over the replicas itself then (GPT's autograd hooks, used by its blocking forward, stand down).
+schedule runs it at the boundary between two layers, per sub-batch (its block sizes from the
+sub-batch's row count b), so each sub-batch needs at least p / min(d_l) rows, one per replica
+(ValueError before any communication). `replica_ctx` (absent: a ctx that is a SubBatch, or has
+one as `where`, gets it narrowed by SubBatch.replica_rows) must narrow whatever in ctx has one
+entry per row (a padding mask, position ids). While the schedule runs it enters
+`placements.while_scheduled()`: the stack must not sum those gradients over the replicas itself
+then (GPT's autograd hooks, used by its blocking forward, stand down).
 
 A stack whose LM head is vocab-parallel sets `logits_group` (a process group; absent or None
 means full logits): `head` then returns this rank's [b, t, vocab/p] slice of the logits, and the
@@ -73,6 +76,7 @@ from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, 
 
 import torch
 
+from oases._rows import block_rows, part_sizes
 from oases.schedule.runtime import Communicator
 
 __all__ = ["SubBatch", "Sublayer", "Stack", "RowMove", "LayerPlacement", "LayerPlacements"]
@@ -110,17 +114,25 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class RowMove:
-    """Rows of x between two TP degrees, over the `parts` ranks of `comm`'s group (this one: `index`).
+    """Rows of x between two TP degrees lo < hi, over the `parts` = hi / lo ranks of `comm`'s group
+    (this one: `index`): block `replica` of `replicas` (p / hi) of a sub-batch, which is the parts'
+    blocks `replica * parts + k` of replicas * parts (`sizes(b)` rows each; oases._rows).
 
-        down (to the lower degree):  fwd: x [n, ...] -> block `index` of `parts` along dim 0 (local)
-                                     bwd: all-gather dim 0 over comm
-        up (to the higher degree):   fwd: all-gather dim 0 over comm;  bwd: keep block `index`
+        down (to the lower degree):  fwd: x [sum(sizes), ...] -> part `index` along dim 0 (local)
+                                     bwd: all-gather dim 0 over comm (uneven parts padded, then cut)
+        up (to the higher degree):   fwd: all-gather dim 0 over comm;  bwd: keep part `index`
     """
 
     comm: Communicator
     down: bool
     parts: int
     index: int
+    replica: int
+    replicas: int
+
+    def sizes(self, batch: int) -> tuple[int, ...]:
+        """The parts' row counts for a sub-batch of `batch` rows (oases._rows.part_sizes)."""
+        return part_sizes(batch, self.replicas, self.replica, self.parts)
 
 
 @dataclass(frozen=True)
@@ -142,9 +154,8 @@ class LayerPlacement:
     parameters: tuple[torch.Tensor, ...]
 
     def rows(self, batch: int) -> slice:
-        """This replica's rows of a sub-batch of `batch` rows (batch divisible by replicas)."""
-        n = batch // self.replicas
-        return slice(self.replica * n, (self.replica + 1) * n)
+        """This replica's rows of a sub-batch of `batch` rows (oases._rows.block_rows)."""
+        return block_rows(batch, self.replicas, self.replica)
 
 
 @dataclass(frozen=True)
@@ -159,7 +170,7 @@ class LayerPlacements:
 
     @property
     def most_replicas(self) -> int:
-        """The largest replica count: each sub-batch's rows must divide by it."""
+        """The largest replica count: each sub-batch needs at least this many rows (one per replica)."""
         return max((at.replicas for at in self.layers), default=1)
 
 

@@ -22,9 +22,10 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
 
 A stack with per-layer TP degrees (`stack.layer_placements()`, see oases.schedule.protocol) runs
 the same programs with each layer on its own Communicator and its replica's rows of the
-sub-batch: the rows move at layer boundaries (a local split going down a degree, an all-gather
-going up; adjoints in backward), and each layer's parameter gradients are summed over its
-replicas once the last sub-batch's backward of it ends (asynchronous, waited for at the end).
+sub-batch (blocks of unequal size where the replicas do not divide it): the rows move at layer
+boundaries (a local split going down a degree, an all-gather going up; adjoints in backward), and
+each layer's parameter gradients are summed over its replicas once the last sub-batch's backward
+of it ends (asynchronous, waited for at the end).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from typing import Any, Callable, Generator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from oases._rows import block_rows, padded, unpadded
 from oases.offload import CheckpointStack, Offloader
 from oases.schedule.protocol import LayerPlacements, RowMove, Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator, interleave
@@ -157,15 +159,15 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
     layers = [tuple(layer) for layer in stack.layers()]
     with torch.enable_grad():
         embedded, ctx = stack.embed(input_ids, where)
-    x = embedded.detach()
+    x, rows = embedded.detach(), embedded.shape[0]  # x [rows, t, h]
     if placed is None:
         comms, ctxs, moves, move_out = [comm] * len(layers), [ctx] * len(layers), [None] * len(layers), None
     else:
-        comms, ctxs, moves, move_out = placed.per_layer(stack, ctx, x.shape[0])
+        comms, ctxs, moves, move_out = placed.per_layer(stack, ctx, rows)
     # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer
     for layer, c, lctx, move in zip(layers, comms, ctxs, moves):
         if move is not None:  # the boundary between layers of different degrees: this replica's rows
-            x = yield from _move_rows(move, x, "forward")
+            x = yield from _move_rows(move, x, rows, "forward")
         for i, sub in enumerate(layer):
             if plan.fine_grained_recompute or i == 0:
                 saved.push(x)
@@ -173,7 +175,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
                 part = sub.core(sub.norm(x), lctx)
             x = yield from _finish_reduced(sub, x, part, lctx, c, "forward")
     if move_out is not None:  # the head runs on every row of the sub-batch
-        x = yield from _move_rows(move_out, x, "forward")
+        x = yield from _move_rows(move_out, x, rows, "forward")
     saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
     x = x.requires_grad_()
     with torch.enable_grad():
@@ -181,7 +183,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
         (loss / normalizer).backward()
     grad = x.grad
     if move_out is not None:
-        grad = yield from _move_rows_adjoint(move_out, grad)
+        grad = yield from _move_rows_adjoint(move_out, grad, rows)
     if plan.pass_barriers:
         yield BARRIER
     for index in reversed(range(len(layers))):
@@ -204,7 +206,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
         if placed is not None:
             placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
             if moves[index] is not None:
-                grad = yield from _move_rows_adjoint(moves[index], grad)
+                grad = yield from _move_rows_adjoint(moves[index], grad, rows)
     if embedded.requires_grad:  # a frozen embedding has nothing to learn
         embedded.backward(grad)
     return loss.detach()
@@ -213,7 +215,8 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
 # ---- per-layer TP degrees: rows moved at layer boundaries, gradients summed over replicas -------------
 #
 #   forward, layer l at degree d_l (R_l = p / d_l replicas), sub-batch of b rows:
-#     x [b d_{l-1} / p, t, h] --RowMove--> [b d_l / p, t, h]; layer l on comm_l (its replica's TP group)
+#     x [~b d_{l-1} / p, t, h] --RowMove--> [~b d_l / p, t, h]; layer l on comm_l (its replica's TP group)
+#     (replica j's block: oases._rows.block_rows(b, R_l, j); unequal blocks are all-gathered padded)
 #   backward: the RowMove's adjoint at the same boundary (all-gather <-> keep a block)
 #   after the last sub-batch's backward of layer l: start the all-reduce of its parameter gradients
 #   over its R_l replicas (asynchronous; waited for at the end of the step)
@@ -221,20 +224,32 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
 #     comm   :                                   | sum layer 3 over replicas       | sum layer 2 ...
 
 
-def _move_rows(move: RowMove, x: torch.Tensor, phase: str) -> Generator:
-    """RowMove forward: keep this rank's block of rows (down), or all-gather the rows (up)."""
+def _move_rows(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generator:
+    """RowMove forward for a sub-batch of `batch` rows: keep this rank's part of the rows (down),
+    or all-gather the parts (up)."""
     if move.down:
-        n = x.shape[0] // move.parts
-        return x[move.index * n:(move.index + 1) * n].clone()  # not a view: x itself may go
-    return (yield from move.comm.all_gather(x.contiguous(), 0, phase))
+        return _own_part(move, x, batch)
+    return (yield from _gather_parts(move, x, batch, phase))
 
 
-def _move_rows_adjoint(move: RowMove, grad: torch.Tensor) -> Generator:
-    """RowMove backward: all-gather the rows' gradients (down), or keep this rank's block (up)."""
+def _move_rows_adjoint(move: RowMove, grad: torch.Tensor, batch: int) -> Generator:
+    """RowMove backward: all-gather the parts' gradients (down), or keep this rank's part (up)."""
     if move.down:
-        return (yield from move.comm.all_gather(grad.contiguous(), 0, "backward"))
-    n = grad.shape[0] // move.parts
-    return grad[move.index * n:(move.index + 1) * n].clone()
+        return (yield from _gather_parts(move, grad, batch, "backward"))
+    return _own_part(move, grad, batch)
+
+
+def _own_part(move: RowMove, x: torch.Tensor, batch: int) -> torch.Tensor:
+    """This rank's part of x [sum of the parts' rows, ...]; not a view (x itself may go)."""
+    sizes = move.sizes(batch)
+    start = sum(sizes[:move.index])
+    return x[start:start + sizes[move.index]].clone()
+
+
+def _gather_parts(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generator:
+    """cat(each rank's part, dim 0) over move.comm, unequal parts padded to the largest and cut after."""
+    sizes = move.sizes(batch)
+    return unpadded((yield from move.comm.all_gather(padded(x.contiguous(), sizes), 0, phase)), sizes)
 
 
 def _with_replica_rows(stack: Stack, ctx: Any, rows: slice) -> Any:
@@ -325,8 +340,8 @@ class _PlacedStep:
 
 def check_placements(placements: Optional[LayerPlacements], batch: int, parts: int, *,
                      sequence_parallel: bool) -> None:
-    """ValueError unless every sub-batch's rows split into each layer's replicas (before any
-    communication, the same on every rank)."""
+    """ValueError unless every sub-batch has a row for each replica of every layer (before any
+    communication, the same on every rank); the rows need not divide evenly."""
     if placements is None:
         return
     if sequence_parallel:
@@ -334,10 +349,10 @@ def check_placements(placements: Optional[LayerPlacements], batch: int, parts: i
                          "degrees would split the sequence differently); pass sequence_parallel=False")
     most = placements.most_replicas
     sizes = [r.stop - r.start for r in split_rows(batch, parts)]
-    if any(n % most for n in sizes):
-        raise ValueError(f"input_ids: per-layer tp_degrees run up to {most} replicas, each on an equal block of "
+    if min(sizes) < most:
+        raise ValueError(f"input_ids: per-layer tp_degrees run up to {most} replicas, each on its own block of "
                          f"every sub-batch's rows; batch size {batch} in {parts} sub-batches gives {sizes} rows "
-                         f"(use a batch that is a multiple of {most * parts}, or fewer sub_batches)")
+                         f"(use a batch of at least {most * parts} rows, or fewer sub_batches)")
 
 
 # ---- sequence parallelism: x is this rank's [b, t/p, h] slice of the sequence (dim 1) ----------------
@@ -571,9 +586,9 @@ def _sum_over_group(params: list[torch.Tensor], before: list[Optional[torch.Tens
 
 
 def split_rows(batch: int, parts: int) -> list[slice]:
-    """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one (3 -> 2 + 1)."""
-    bounds = [batch * i // parts for i in range(parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one (3 -> 1 + 2;
+    oases._rows.block_rows)."""
+    return [block_rows(batch, parts, i) for i in range(parts)]
 
 
 def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
@@ -614,7 +629,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
             loss += loss_sum(stack.head(stack_forward(input_ids[rows])), labels[rows]) / normalizer
         parameter .grad += d loss / d parameter;  return loss (a detached scalar)
     `sub_batches` None takes the schedule's own (megatron 1, the others 2); odd batches split
-    unevenly (3 -> 2 + 1). `sequence_parallel`: the residual stream between sublayers is this
+    unevenly (3 -> 1 + 2). `sequence_parallel`: the residual stream between sublayers is this
     rank's slice of the sequence (its length must divide by the TP size), each sublayer gathers
     its normed input and reduce-scatters its output (see above), and the gradients of the
     parameters of norm and finish are summed over the group after the step. `comm` issues and
@@ -624,8 +639,9 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     ahead, in the backward's order of use (one group per sub-batch: copies per step
     = sum over sub-batches of ceil(inputs / offload.batch) each way); the same losses and
     gradients, bit for bit. With `stack.layer_placements()` (per-layer TP degrees) each layer
-    communicates on its own Communicator and `comm` is not used; every sub-batch's rows must
-    divide by the most replicas of a layer, and sequence_parallel and offload are refused
+    communicates on its own Communicator and `comm` is not used; every sub-batch needs at least
+    a row per replica of each layer (blocks differ by a row where the replicas do not divide
+    its rows), and sequence_parallel and offload are refused
     (ValueError). Checks run before any communication, so a bad argument raises on every rank
     alike.
     """
