@@ -453,3 +453,168 @@ def test_shape_from_config():
     assert shape.gated_mlp and shape.vocab_size == 128
     with pytest.raises(TypeError):
         P.shape_from_config(42)
+
+
+# ---- mixture of experts --------------------------------------------------------------------------
+# h 8, 4 heads (head_dim 2), SwiGLU experts of width 16, 4 experts, top-2, a shared MLP of width 8
+MOE = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=16, gated_mlp=True,
+                   experts=4, experts_per_token=2, shared_ffn_hidden=8)
+
+
+def test_moe_parameters_and_flops_by_hand():
+    # attention: qkv = 8 + 2*4*2 = 24; 8*24 + 24 + 8*8 + 8 + 2*8 = 304
+    assert MOE.parameters("attention") == 304
+    # an expert: 3*8*16 + 16 + 8 = 408; the shared MLP: 3*8*8 + 8 + 8 = 208; router 8*4 = 32; norm 16
+    assert MOE.parameters("mlp") == 4 * 408 + 208 + 32 + 16 == 1888
+    assert MOE.layer_parameters() == 2192 and MOE.router_parameters() == 32
+    assert MOE.rank_layer_parameters(1) == 2192
+    assert MOE.rank_layer_parameters(2) == (2192 - 32) / 2 + 32 == 1112  # the router replicated
+    # per token: router 2*8*4 = 64 (on every rank); 2 experts 2*2*8*16*3 = 1536; shared 2*8*8*3 = 384
+    assert MOE.flops("mlp", 1, 1) == 64 + 1536 + 384
+    assert MOE.flops("mlp", 10, 2) == 10 * (64 + (1536 + 384) / 2)
+    assert MOE.flops("attention", 1, 1) == 2 * 8 * (24 + 8) + 4 * 4 * 8  # unchanged by the experts
+    # Mixtral 8x7B: 46.7B parameters (the published count), ~12.9B of them active per token
+    mixtral = P.load_model("mixtral-8x7b")
+    total = mixtral.layers * mixtral.layer_parameters() + mixtral.embedding_parameters()
+    assert total == pytest.approx(46.7e9, rel=1e-3)
+    # active: the GEMM weights a token meets (forward FLOPs / 2, attention scores left out) + embedding and head;
+    # per layer q, k, v, o 4096 * (6144 + 4096) + 2 experts 2*3*4096*14336 + router 4096*8
+    scores = 4 * mixtral.seq_len * mixtral.hidden
+    per_layer = (mixtral.flops("attention", 1, 1) - scores + mixtral.flops("mlp", 1, 1)) / 2
+    assert per_layer == 41943040 + 352321536 + 32768
+    active = mixtral.layers * per_layer + 2 * mixtral.vocab_size * mixtral.hidden
+    assert active == pytest.approx(12.9e9, rel=1e-2)
+
+
+def test_moe_invariants_against_dense():
+    dense = replace(MOE, experts=0, experts_per_token=0, shared_ffn_hidden=0)
+    one = replace(MOE, experts=1, experts_per_token=1, shared_ffn_hidden=0)
+    # one expert, every token through it: the dense MLP plus a router [h, 1]
+    assert one.flops("mlp", 12, 2) == dense.flops("mlp", 12, 2) + 2 * 12 * 8 * 1
+    assert one.parameters("mlp") == dense.parameters("mlp") + 8 and one.parameters("attention") == dense.parameters(
+        "attention")
+    # k = E: every expert runs on every token, as a dense MLP E times as wide (plus the router)
+    all_of = replace(MOE, experts_per_token=4, shared_ffn_hidden=0)
+    assert all_of.flops("mlp", 12, 2) == replace(dense, ffn_hidden=4 * 16).flops("mlp", 12, 2) + 2 * 12 * 8 * 4
+    # more experts at the same top-k: memory grows by the experts held, FLOPs only by the router's logits
+    wide = replace(MOE, experts=8)
+    assert wide.flops("mlp", 12, 2) - MOE.flops("mlp", 12, 2) == 2 * 12 * 8 * 4
+    for tp in (1, 2):
+        grown = P.rank_memory(wide, P.MemoryJob(rows=2, tp=tp)).parameters - P.rank_memory(
+            MOE, P.MemoryJob(rows=2, tp=tp)).parameters
+        assert grown == 2 * (4 * 408 / tp + 4 * 8)  # 2 layers: 4 experts split over tp, their router rows replicated
+
+
+def test_moe_rank_memory_at_tp_1_and_2_by_hand():
+    vocab, rest = 2 * 16 * 8, 4 * 8 + 2 * 8  # embedding + head; positions and the final norm (replicated)
+    for tp, parameters, buffer in ((1, 2 * 2192 + vocab + rest, 196), (2, 2 * 1112 + vocab / 2 + rest, 124)):
+        # buffer per token: 2h + 2kh + E + (4h + 2 (k f + f_shared) + 2 heads s) / tp = 52 + 144 / tp
+        job = P.MemoryJob(rows=2, tp=tp)  # fp32, AdamW, oases (2 sub-batches, 2 kept sublayer inputs)
+        m = P.rank_memory(MOE, job)
+        assert m.parameters == parameters  # 4688 at tp 1, 2400 at tp 2
+        assert m.weights == m.gradients == 4 * parameters and m.optimizer_states == 2 * 4 * parameters
+        work = P.Workload(MOE, rows=2, tp=tp)
+        assert P.cost.buffer_bytes(work, tp, 4) == 1 * 4 * buffer * 4  # one row per sub-batch, s 4, fp32
+        kept = 2 * 2 * 4 * 8 * 4  # 2 sublayer inputs [2 rows, 4, 8] per layer, as a dense layer's
+        assert P.cost.kept_input_bytes(work, tp, 4) == kept
+        logits = 2 * 1 * 4 * 16 * 4 / tp  # vocab-parallel head
+        assert m.activations == 2 * kept + 4 * buffer * 4 + logits  # 4672 at tp 1, 3264 at tp 2
+        train = next(p for p in P.phase_memory(MOE, job) if p.phase == "train")
+        assert train.peak_bytes == 16 * parameters + m.activations  # W + S + G + A (A > AdamW's temporaries)
+        states = P.layer_cost(P.Workload(MOE, rows=2, tp=tp, state_bytes=16), _moe_profile(0.5), tp).states_bytes
+        assert states == (2192 if tp == 1 else 1112) * 16
+    assert P.tp_degrees(MOE, 4) == (1, 2, 4)
+    assert P.tp_degrees(replace(MOE, shared_ffn_hidden=2), 4) == (1, 2)  # the shared width must divide too
+
+
+def _moe_profile(a: float) -> Profile:
+    """1 FLOP/s, no compute samples, an all-reduce of `a` seconds (latency only) on 2 ranks."""
+    return Profile(device="test", flops_per_s=1.0, link_bytes_per_s=1e3, latency_s=0.0, element_bytes=4,
+                   head=((1, 0.0, 0.0),), collectives={("all_reduce", 2): LinkFit(a, 1e30)})
+
+
+def test_moe_layer_cost_adds_the_router_gradient_all_reduce():
+    work = P.Workload(MOE, rows=2, tp=2, schedule="megatron")  # 1 sub-batch of 2 rows: 8 tokens
+    c = P.layer_cost(work, _moe_profile(0.5), 2)
+    # per sublayer: forward c + a, backward 2c + a, recompute c + a; c = FLOPs at 1 FLOP/s
+    attention, mlp = 8 * 640 / 2, 8 * (64 + 1920 / 2)  # 2560, 8192
+    assert c.compute_s == pytest.approx(4 * (attention + mlp))
+    # the MLP's all-reduces are the dense MLP's (3 per sublayer); + 1 per step for the router's gradient
+    assert c.comm_s == pytest.approx(2 * 3 * 0.5 + 0.5)
+    assert c.time_s == pytest.approx(4 * (attention + mlp) + 3.5)
+    dense = replace(work, shape=replace(MOE, experts=0, experts_per_token=0, shared_ffn_hidden=0))
+    assert P.layer_cost(dense, _moe_profile(0.5), 2).comm_s == pytest.approx(3.0)
+
+
+def test_moe_mlp_is_not_timed_by_a_dense_sample_of_its_width():
+    moe = replace(TINY, experts=4, experts_per_token=2)  # TINY's sampled shape, its MLP now 4 experts of width 32
+    prof = _profile(0.5)  # samples: MLP 3 s forward at TP 2 on 2 and 4 rows, attention 1 s
+    assert prof.compute_time("mlp", TINY, 8, 2, "forward") == 3.0  # the dense MLP: sampled
+    assert prof.compute_time("attention", moe, 8, 2, "forward") == 1.0  # the attention is the sampled one
+    # the MoE's MLP on 8 tokens at TP 2: 8 (64 + 2*2*8*32*2 / 2) = 8704 FLOPs, scaled from the nearest
+    # sample by FLOPs (4 rows: 16 * 2*8*32*2 / 2 = 8192 FLOPs in 3 s)
+    assert prof.compute_time("mlp", moe, 8, 2, "forward") == pytest.approx(3.0 * 8704 / 8192)
+
+
+def test_moe_shapes_from_hugging_face_configs():
+    mixtral = P.shape_from_config({"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 64,
+                                   "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 112,
+                                   "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
+                                   "vocab_size": 128, "max_position_embeddings": 256}, seq_len=16)
+    assert (mixtral.experts, mixtral.experts_per_token, mixtral.ffn_hidden, mixtral.shared_ffn_hidden) == (8, 2, 112, 0)
+    assert mixtral.gated_mlp and mixtral.kv_heads == 2 and mixtral.seq_len == 16
+    qwen = {"model_type": "qwen2_moe", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 176, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 128,
+            "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "hidden_act": "silu", "vocab_size": 128, "max_position_embeddings": 256}
+    shape = P.shape_from_config(qwen)
+    assert (shape.experts, shape.experts_per_token, shape.ffn_hidden, shape.shared_ffn_hidden) == (8, 2, 32, 128)
+    qwen3 = {k: v for k, v in qwen.items() if k != "shared_expert_intermediate_size"}
+    assert P.shape_from_config(dict(qwen3, model_type="qwen3_moe")).shared_ffn_hidden == 0
+    # some layers MoE (layers 1 and 3 of 4; layers 1..3 but 0): every layer costed as MoE
+    assert P.shape_from_config(dict(qwen, decoder_sparse_step=2)).experts == 8
+    assert P.shape_from_config(dict(qwen, mlp_only_layers=[0])).experts == 8
+    # no layer MoE: the dense MLP of intermediate_size
+    for dense in (dict(qwen, mlp_only_layers=[0, 1, 2, 3]), dict(qwen, decoder_sparse_step=5),
+                  dict(qwen, num_experts=0)):
+        shape = P.shape_from_config(dense)
+        assert (shape.experts, shape.experts_per_token, shape.shared_ffn_hidden, shape.ffn_hidden) == (0, 0, 0, 176)
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        P.shape_from_config({k: v for k, v in qwen.items() if k != "num_experts_per_tok"})
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        P.shape_from_config(dict(qwen, decoder_sparse_step=0))
+    ours = P.shape_from_config({"layers": 2, "hidden": 8, "heads": 4, "seq_len": 4, "vocab_size": 16,
+                                "ffn_hidden": 16, "gated_mlp": True, "experts": 4, "experts_per_token": 2,
+                                "shared_ffn_hidden": 8, "name": "custom"})
+    assert ours == MOE and P.shape_from_config(MOE.to_dict()) == MOE
+
+
+def test_moe_bad_shapes_name_the_field():
+    with pytest.raises(ValueError, match="experts_per_token"):
+        replace(MOE, experts_per_token=5)  # top-5 of 4 experts
+    with pytest.raises(ValueError, match="experts_per_token"):
+        replace(MOE, experts_per_token=0)
+    with pytest.raises(ValueError, match="experts"):
+        replace(MOE, experts=0)  # top-2 and a shared MLP without experts
+    with pytest.raises(ValueError, match="shared_ffn_hidden"):
+        replace(MOE, shared_ffn_hidden=-8)
+
+
+def test_cli_plans_a_mixtral_config(tmp_path):
+    config = tmp_path / "mixtral.json"  # a Mixtral-like config.json, scaled down
+    config.write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 4, "hidden_size": 1024,
+                                  "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 3584,
+                                  "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
+                                  "max_position_embeddings": 1024, "vocab_size": 32000}))
+    out = tmp_path / "plan.json"
+    code = cli_main(["plan", "--model", str(config), "--world", "4", "--device-memory", "8GB", "--link", "10gbit",
+                     "--batch", "8", "--out", str(out)])
+    assert code == 0
+    doc = oases.plan.read(str(out))
+    assert (doc["model"]["experts"], doc["model"]["experts_per_token"], doc["model"]["ffn_hidden"]) == (8, 2, 3584)
+    shape = P.load_model(str(config))
+    expected = P.plan(shape, world=4, device_memory="8GB", link="10gbit", batch=8)
+    assert oases.plan.load(str(out)) == list(expected.tp_degrees)
+    # all 8 experts held: a 1-expert model of the same shape needs less memory at the same layout
+    one = P.plan(replace(shape, experts=1, experts_per_token=1), world=4, device_memory="8GB", link="10gbit", batch=8)
+    assert doc["memory_bytes"] > one.memory_bytes

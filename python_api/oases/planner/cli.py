@@ -44,7 +44,8 @@ def _form_line(p: Plan) -> str:
 def render(p: Plan) -> str:
     """The plan as a table: layout, per-layer degrees (runs of equal layers folded), predictions."""
     m = p.model
-    lines = [f"oases plan: {m.name} ({m.layers} layers, hidden {m.hidden}, {m.heads} heads, seq {m.seq_len}), "
+    experts = f", {m.experts} experts, top-{m.experts_per_token}" if m.experts else ""
+    lines = [f"oases plan: {m.name} ({m.layers} layers, hidden {m.hidden}, {m.heads} heads{experts}, seq {m.seq_len}), "
              f"batch {p.batch}, {p.world} devices of {p.device_memory / 1e9:.3g} GB, profile {p.profile.get('source')}",
              f"layout: dp {p.dp} x pp {p.pp} x tp {p.tp}; schedule {p.schedule}, {p.sub_batches} sub-batch(es), "
              f"{p.micro_batches} micro-batch(es), {p.segments} segment(s), dp overlap ratio {p.dp_overlap_ratio:.2f}",

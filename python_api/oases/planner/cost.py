@@ -41,10 +41,25 @@ Memory (eq. 6), per rank: model states of the layer's shard plus the inputs kept
 recomputation; buffers (one layer's activations while it is recomputed) and the replicated
 embedding / head are fixed:
 
-    memory(l, d) = P_l / d * state_bytes + keep * rows * d / T * s * h * e  [/ T sequence parallel]
-                   (keep = 2 sublayer inputs with fine-grained recomputation, else 1)
+    memory(l, d) = ((P_l - R) / d + R) * state_bytes + keep * rows * d / T * s * h * e  [/ T sequence parallel]
+                   (keep = 2 sublayer inputs with fine-grained recomputation, else 1;
+                    R = ModelShape.router_parameters(), replicated: 0 for a dense model)
     fixed = P_embed * state_bytes + max_d buffer(d) + logits (fp32, one sub-batch)
 Step time (eq. 5) = sum of node costs + sum of edge costs.
+
+Mixture of experts (ModelShape.experts E > 0, k per token; expert TP): at degree d every rank runs
+1/d of every expert on all of its tokens and sums its partial outputs of a token's k experts,
+weighted by the (replicated) router, before the MLP's row-parallel reduction. Hence:
+
+    communication   the dense MLP's: one all-reduce of [r, s, h] per pass (RS + AG sequence parallel)
+                    + all_reduce(d, R * e) once per step, exposed: the router's weight gradient is a
+                      partial sum on each rank (its input gradient rides in the MLP's own all-reduce)
+    compute         the profile's time of ModelShape.flops: router + k experts + shared MLP per token
+    kept inputs     as dense: recomputation keeps the sublayer's input [r, s, h]; the rerun router
+                    rebuilds the k routed copies of each token
+    buffer          per token, + 2 k h + E (the k routed copies of the input and the k expert outputs
+                    before the combine, whole on every rank; the router's probabilities); the MLP's
+                    2 f / d becomes 2 (k f + f_shared) / d
 """
 from __future__ import annotations
 
@@ -74,10 +89,11 @@ def _traits(schedule: str) -> tuple[int, bool, bool]:
 
 def tp_degrees(shape: ModelShape, tp: int) -> tuple[int, ...]:
     """TP degrees a layer may take in a group of `tp`: powers of two up to tp that divide tp, the
-    heads (and KV heads) and the MLP width."""
+    heads (and KV heads) and the MLP widths (an MoE: each expert's and the shared MLP's)."""
     out, d = [], 1
     while d <= tp:
-        if tp % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0 and shape.ffn_hidden % d == 0:
+        if (tp % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0 and shape.ffn_hidden % d == 0
+                and shape.shared_ffn_hidden % d == 0):
             out.append(d)
         d *= 2
     return tuple(out)
@@ -172,7 +188,7 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
     forward + backward is counted in the `last` layer (it runs on that layer's rows)."""
     if degree not in tp_degrees(work.shape, work.tp):
         raise ValueError(f"degree: {degree} is not one of {tp_degrees(work.shape, work.tp)} (powers of two "
-                         f"dividing the TP group {work.tp}, the heads and the MLP width)")
+                         f"dividing the TP group {work.tp}, the heads and the MLP widths)")
     _, fine, barriers = _traits(work.schedule)
     n, shape, e = work.n, work.shape, profile.element_bytes
     time = compute = comm = 0.0
@@ -207,21 +223,26 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         comm += 2 * n * ag
     replicas = work.tp // degree
     if replicas > 1:  # data parallel inside the group: sum the replicas' gradients
-        grad = profile.collective_time("all_reduce", replicas, shape.layer_parameters() / degree * e)
+        grad = profile.collective_time("all_reduce", replicas, shape.rank_layer_parameters(degree) * e)
         time += grad
         comm += grad
+    if shape.experts and degree > 1:  # the replicated router's weight gradient: a partial sum on each rank
+        router = profile.collective_time("all_reduce", degree, shape.router_parameters() * e)
+        time += router
+        comm += router
     if last:
         head = profile.head_time(shape, work.rows_at(degree) * shape.seq_len)
         time += head
         compute += head
-    states = shape.layer_parameters() / degree * work.state_bytes
+    states = shape.rank_layer_parameters(degree) * work.state_bytes
     return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e))
 
 
 def kept_input_bytes(work: Workload, degree: int, element_bytes: float) -> float:
     """Bytes of one layer's inputs a rank keeps from its forward to its backward (eq. 6's second
     term): keep * rows_at(degree) * seq_len * hidden * element_bytes [/ degree sequence parallel],
-    keep = 2 sublayer inputs with fine-grained recomputation (oases), else 1 (the layer's input)."""
+    keep = 2 sublayer inputs with fine-grained recomputation (oases), else 1 (the layer's input);
+    an MoE layer keeps the same (its routed copies are rebuilt by the recomputed router)."""
     _, fine, _ = _traits(work.schedule)
     keep = 2 if fine else 1
     s = work.shape
@@ -239,9 +260,17 @@ def edge_cost(work: Workload, profile: Profile, a: int, b: int) -> float:
 
 
 def buffer_bytes(work: Workload, degree: int, element_bytes: float) -> float:
-    """Activations of one layer of one sub-batch while autograd holds them (recomputation)."""
+    """Activations of one layer of one sub-batch while autograd holds them (recomputation):
+
+        rows_at(degree) / n * s * per_token * element_bytes
+        per_token = 2 h + (4 h + 2 f + 2 heads s) / degree                             dense
+                  = 2 h + 2 k h + E + (4 h + 2 (k f + f_shared) + 2 heads s) / degree   MoE (module docstring)"""
     s = work.shape
-    per_token = 2 * s.hidden + (4 * s.hidden + 2 * s.ffn_hidden + 2 * s.heads * s.seq_len) / degree
+    mlp, routed = 2 * s.ffn_hidden, 0
+    if s.experts:
+        mlp = 2 * (s.experts_per_token * s.ffn_hidden + s.shared_ffn_hidden)
+        routed = 2 * s.experts_per_token * s.hidden + s.experts
+    per_token = 2 * s.hidden + routed + (4 * s.hidden + mlp + 2 * s.heads * s.seq_len) / degree
     return work.rows_at(degree) / work.n * s.seq_len * per_token * element_bytes
 
 

@@ -8,7 +8,9 @@
 Per rank, P = this rank's parameters (eq. 6's P_l / d for every layer at degree tp; the embedding
 and head split by the vocabulary when the plan says "vocab" / "vocab_head", else replicated):
 
-    P = layers * layer_parameters / tp + 2 V h / (tp if vocab_parallel else 1)
+    P = layers * (layer_parameters - R) / tp + layers * R       R: an MoE's router (h E per layer, replicated;
+                                                                0 dense), every expert held, 1/tp of each
+        + 2 V h / (tp if vocab_parallel else 1)
         + (embedding_parameters - 2 V h)                       replicated: positions, final norm
     W = P * param_bytes                                         weights
     G = P * param_bytes                                         gradients, from the backward to zero_grad
@@ -144,20 +146,27 @@ def _tensors(shape: ModelShape, vocab_parallel: bool) -> list[tuple[int, str]]:
     split "rows" (dim 0, contiguous in the file), "columns" (dim 1) or "none" (replicated)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     vocab = "rows" if vocab_parallel else "none"
-    return [(h * h, "rows"), (kv * h, "rows"), (h * h, "columns"),             # q (k, v), o
-            (shape.ffn_hidden * h, "rows"), (h * shape.ffn_hidden, "columns"),   # gate / up (fc), down (proj)
-            (shape.vocab_size * h, vocab)]                                       # embedding, head
+    tensors = [(h * h, "rows"), (kv * h, "rows"), (h * h, "columns"),             # q (k, v), o
+               (shape.ffn_hidden * h, "rows"), (h * shape.ffn_hidden, "columns"),   # gate / up (fc), down (proj)
+               (shape.vocab_size * h, vocab)]                                       # embedding, head
+    if shape.experts:  # each expert's tensors are the MLP's above (one file tensor per expert)
+        tensors.append((shape.experts * h, "none"))                                # router
+    if shape.shared_ffn_hidden:
+        f = shape.shared_ffn_hidden
+        tensors += [(f * h, "rows"), (h * f, "columns")]                          # the shared MLP
+    return tensors
 
 
 def rank_memory(shape: ModelShape, job: MemoryJob) -> RankMemory:
     """The parts of one rank's memory for `job` on a model of `shape` (see the module docstring)."""
     if job.tp not in tp_degrees(shape, job.tp):
         raise ValueError(f"tp: {job.tp} does not divide the heads ({shape.heads}), KV heads ({shape.kv_heads}) "
-                         f"and MLP width ({shape.ffn_hidden}) of the model")
+                         f"and MLP widths ({shape.ffn_hidden}, shared {shape.shared_ffn_hidden}) of the model")
     tp, dp, pb = job.tp, job.dp, job.param_bytes
     vocab = 2 * shape.vocab_size * shape.hidden
-    parameters = (shape.layers * shape.layer_parameters() / tp + vocab / (tp if job.vocab_parallel else 1)
-                  + shape.embedding_parameters() - vocab)
+    router = shape.router_parameters()
+    parameters = (shape.layers * (shape.layer_parameters() - router) / tp + shape.layers * router
+                  + vocab / (tp if job.vocab_parallel else 1) + shape.embedding_parameters() - vocab)
     state_bytes = 4 if job.zero else pb
     states = OPTIMIZER_MOMENTS[job.optimizer] * parameters * state_bytes / (dp if job.zero else 1)
     masters = 4 * parameters / dp if job.zero and pb < 4 else 0.0

@@ -17,7 +17,8 @@ Analytically, on a ring of p ranks over a link of B bytes/s with per-message lat
 Compute comes from the profile's samples of the same sublayer, shape and TP degree, piecewise
 linear in the tokens between them (a CPU's time per token is not one line from 64 to 512 tokens:
 caches), proportional beyond the largest; for other shapes it scales the nearest sample's time by
-FLOPs (same sublayer, the same TP degree when sampled), and without samples it is
+FLOPs (same sublayer, the same TP degree when sampled; always so for an MoE's MLP, whose
+router and experts the dense samples did not time), and without samples it is
 FLOPs / flops_per_s. A sample's three figures are the forward (no autograd), the backward, and
 the forward recording autograd's graph that recomputation runs before each backward.
 """
@@ -135,8 +136,11 @@ class ComputeSample:
         return self.forward_s if self.record_s is None else self.record_s
 
     def matches(self, shape: ModelShape, tokens: int, tp: int) -> bool:
+        """Whether this sample timed `shape`'s sublayer on `tokens` at `tp` (samples are of dense
+        MLPs: never an MoE's MLP, which compute_time scales from them by FLOPs)."""
         return (self.tp == tp and self.rows * self.seq_len == tokens and self.seq_len == shape.seq_len
-                and self.hidden == shape.hidden and self.heads == shape.heads and self.ffn_hidden == shape.ffn_hidden)
+                and self.hidden == shape.hidden and self.heads == shape.heads and self.ffn_hidden == shape.ffn_hidden
+                and not (self.sublayer == "mlp" and shape.experts))
 
     def shape(self) -> ModelShape:
         return ModelShape(1, self.hidden, self.heads, self.seq_len, 1, ffn_hidden=self.ffn_hidden)

@@ -232,7 +232,9 @@ def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batc
     t_mb = chosen.time_s
     e = profile.element_bytes
     pp_comm = profile.collective_time("p2p", 2, work.rows * stage.seq_len * stage.hidden * e) if pp > 1 else 0.0
-    dp_comm = profile.collective_time("all_reduce", dp, stage.layer_parameters() * stage.layers / tp * e)
+    router = stage.router_parameters()  # an MoE's router: replicated over tp (0 dense)
+    rank_params = (stage.layer_parameters() - router) * stage.layers / tp + router * stage.layers
+    dp_comm = profile.collective_time("all_reduce", dp, rank_params * e)
     forward, backward = t_mb / 3, 2 * t_mb / 3
     if pp > 1 and dp > 1:  # the pipeline's per-segment DP sync (FOLD3D)
         ns = choose_segments(model.layers, pp, forward, backward, pp_comm, dp_comm, micro_batches=m)
