@@ -26,6 +26,9 @@ gathers and scatters are counted in `sent` and replayed as all-reduces of the sa
     sent MiB    bytes each rank sends per step, by ring (oases.schedule.Communicator's count; a
                 peer's collectives counted alike: all-reduce 2 (p-1)/p n, all-gather and
                 reduce-scatter (p-1)/p n of a full tensor of n bytes)
+    t_input_check  (JSON; a share of megatron's t_step in the table's notes) the input check each of
+                our steps runs first (oases.inputs: one all_gather of a shape + content-hash summary of
+                the batch over the TP group), timed alone
 
 The PyTorch peers hold the same weights, train with plain autograd (no recomputation) and must
 give our loss on the first step, checked before any timing (a wrong peer fails the run):
@@ -49,7 +52,7 @@ import copy
 import ctypes
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -60,6 +63,7 @@ import torch.nn.functional as F
 from bench import _metrics
 from bench._peers import CollectiveLog
 from bench._report import Table, save_figure
+from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
 from oases.schedule.runtime import _Task, _Work
@@ -113,6 +117,7 @@ class _Case:
     peer_info: dict[str, dict[str, Any]]          # peer -> impl, plan, notes (for the JSON)
     notes: list[str]                              # for the table
     check: Optional[Callable[[], None]] = None    # after every step ran once: further checks (raise)
+    inputs: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # a step's inputs, for its input check
 
 
 # ---- PyTorch's tensor parallelism on the same model -------------------------------------------
@@ -206,7 +211,8 @@ def _gpt_case(args, ctx) -> _Case:
         peer_info={"torch_tp": {"impl": "parallelize_module(_TorchGPT, init_device_mesh(cpu, (p,)), plan)",
                                 "description": "the same GPT in DTensor TP, plain autograd", "plan": plan,
                                 "notes": ["no recomputation; gradients accumulate across steps, as ours"]}},
-        notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"])
+        notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"],
+        inputs={"tokens": tokens, "targets": targets})
 
 
 def _llama_case(args, ctx) -> _Case:
@@ -260,7 +266,7 @@ def _llama_case(args, ctx) -> _Case:
         comms=comms,
         peers={name: (lambda peer=peer: peer.step(ids)) for name, peer in peers.items()},
         peer_info={name: peer.describe() for name, peer in peers.items()},
-        notes=notes, check=check)
+        notes=notes, check=check, inputs={"input_ids": ids, "labels": ids, "attention_mask": None})
 
 
 # ---- measurements -----------------------------------------------------------------------------
@@ -323,6 +329,8 @@ def run(args, ctx) -> list[dict]:
         case.check = None  # lets go of what it held (llama: the unsharded model)
 
     timed = ctx.timer.measure(steps)
+    # The TP group's input check every step of ours runs first (oases.inputs; check_inputs=True), alone.
+    t_check = ctx.timer.measure({"check": lambda: agree_inputs(case.inputs, ctx.group, device=ctx.device)})["check"]
     with contextlib.ExitStack() as dry:
         for comm in case.comms.values():
             dry.enter_context(comm.dry_run())
@@ -369,9 +377,13 @@ def run(args, ctx) -> list[dict]:
         r["speedup_vs_torch_tp"] = r["speedup_vs"]["torch_tp"]
         r["efficiency"] = (None if r["bound"] is None
                            else _metrics.efficiency(by_name[BASELINE]["t_step"], r["t_step"], r["bound"]))
+        r["t_input_check"] = t_check.median  # included in our t_step; the peers run none
         r["config"] = case.config
         r["title"] = case.title
-        r["notes"] = case.notes
+        r["notes"] = case.notes + [
+            f"input check (oases.inputs: all_gather of a shape + content-hash summary, on by default and "
+            f"included in every t_step of ours): {1e6 * t_check.median:.0f} us per step = "
+            f"{100 * t_check.median / by_name[BASELINE]['t_step']:.2f}% of {BASELINE}'s t_step"]
     return records
 
 

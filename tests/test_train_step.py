@@ -219,8 +219,10 @@ def test_bad_input_raises_on_every_rank_before_communication():
 def test_unknown_architecture_names_what_the_adapter_needs():
     import transformers as tf
 
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match=r"no adapter for GPT2LMHeadModel .*implement oases.schedule.Stack"):
+    model = tf.BertForMaskedLM(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=64))  # its layers: base_model.encoder.layer
+    with pytest.raises(ValueError, match=r"no adapter for BertForMaskedLM \(no decoder layers.*implement "
+                                         r"oases.schedule.Stack"):
         oases.train_step(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
 
 

@@ -3,7 +3,9 @@
     column_shard(W [out, ...], r, p, stacked=s):  the r-th slice of each of the s equal blocks of
                                                   dim 0 (s = 3 for a fused q|k|v), concatenated
     row_shard(W [..., in], r, p):                 W[..., r*in/p : (r+1)*in/p]
-Both return views.
+    ShardRule(dim, parts=(n_0, ..., n_k)):        the r-th slice of each of the k+1 consecutive
+                                                  blocks of `dim` (sizes n_i, unequal: a GQA q|k|v)
+column_shard and row_shard return views.
 
 A module whose parameters are TP shards says how, as data: `tp_layout()` maps a parameter's
 name (relative to the module, e.g. "weight") to a `ShardRule`; parameters it does not list are
@@ -46,7 +48,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class ShardRule:
-    """A parameter cut along `dim` into p equal parts, blockwise when `stacked` > 1 (dim 0 only).
+    """A parameter cut along `dim` into p equal parts, blockwise when `stacked` > 1 or `parts` is given.
+
+    Blockwise: the dim is consecutive blocks, each cut into p on its own, and rank r holds the
+    r-th slice of every block, in block order: `stacked` equal blocks (a fused q|k|v of equal
+    sizes: 3), or `parts`, the blocks' full sizes (a fused q|k|v with fewer key-value heads:
+    (heads * d, kv_heads * d, kv_heads * d)). A Conv1D layer (weight [in, out]) is cut on dim 1.
 
     `size` (padded shards, stacked == 1: a vocabulary that p does not divide): the full tensor's
     length along `dim`; each rank holds ceil(size / p) entries, rank r the entries
@@ -57,6 +64,13 @@ class ShardRule:
     dim: int
     stacked: int = 1
     size: Optional[int] = None
+    parts: tuple[int, ...] = ()
+
+    def blocks(self, length: int) -> list[int]:
+        """The full sizes of the blocks that `length` entries along `dim` are made of."""
+        if self.parts:
+            return list(self.parts)
+        return [length // self.stacked] * self.stacked
 
     def part(self, world_size: int) -> Optional[int]:
         """Entries per rank of a padded rule (None: unpadded)."""
@@ -85,15 +99,20 @@ class ShardRule:
             out = full.new_zeros(shape)
             out.narrow(self.dim, 0, held).copy_(full.narrow(self.dim, start, held))
             return out
-        if self.dim == 0:
+        if self.dim == 0 and not self.parts:
             return column_shard(full, rank, world_size, self.stacked)
-        return full.chunk(world_size, dim=self.dim)[rank]
+        blocks = self.blocks(full.shape[self.dim])
+        if len(blocks) == 1:
+            return full.chunk(world_size, dim=self.dim)[rank]
+        return torch.cat([b.chunk(world_size, dim=self.dim)[rank] for b in full.split(blocks, dim=self.dim)],
+                         dim=self.dim)
 
     def chunks(self, full_shape: tuple[int, ...], rank: int, world_size: int) -> list[Chunk]:
         """The boxes of the full tensor that rank `rank`'s shard holds, in the shard's order.
 
             stacked == 1:  [full.chunk(p, dim)[rank]]
-            stacked == s:  block k of s (dim 0), rank's part of it: rows k*B + rank*B/p ... (B = n/s)
+            stacked == s:  block k of s, rank's part of it: entries k*B + rank*B/p ... (B = n/s)
+            parts:         block k (size n_k, at o_k), rank's part of it: o_k + rank*n_k/p ...
             padded:        [entries rank*ceil(size/p) ... up to size] (none for a rank of padding only)
         """
         shape = tuple(int(n) for n in full_shape)
@@ -105,25 +124,27 @@ class ShardRule:
             offsets, sizes = [0] * len(shape), list(shape)
             offsets[self.dim], sizes[self.dim] = start, held
             return [Chunk(tuple(offsets), tuple(sizes), self.dim, 0)]
-        block = shape[self.dim] // self.stacked  # one stacked block (the whole dim when stacked == 1)
-        part = block // world_size  # this rank's rows of a block
-        boxes = []
-        for k in range(self.stacked):
+        boxes, start, local = [], 0, 0
+        for block in self.blocks(shape[self.dim]):  # the whole dim when stacked == 1
+            part = block // world_size  # this rank's entries of the block
             offsets = [0] * len(shape)
-            offsets[self.dim] = k * block + rank * part
+            offsets[self.dim] = start + rank * part
             sizes = list(shape)
             sizes[self.dim] = part
-            boxes.append(Chunk(tuple(offsets), tuple(sizes), self.dim, k * part))
+            boxes.append(Chunk(tuple(offsets), tuple(sizes), self.dim, local))
+            start, local = start + block, local + part
         return boxes
 
     def unshard(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's part, in rank order (the inverse of `shard`)."""
         if self.size is not None:
             return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.size)
-        if self.dim != 0 or self.stacked == 1:
+        full = self.blocks(parts[0].shape[self.dim] * len(parts))
+        if len(full) == 1:
             return torch.cat(parts, dim=self.dim)
-        blocks = [p.chunk(self.stacked, 0) for p in parts]  # [rank][block]
-        return torch.cat([blocks[r][b] for b in range(self.stacked) for r in range(len(parts))])
+        local = [n // len(parts) for n in full]
+        blocks = [p.split(local, dim=self.dim) for p in parts]  # [rank][block]
+        return torch.cat([blocks[r][b] for b in range(len(full)) for r in range(len(parts))], dim=self.dim)
 
 
 def vocab_rule(size: int, world_size: int) -> ShardRule:

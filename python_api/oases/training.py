@@ -19,9 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases.dp.grad_sync import GradientSync
+from oases.inputs import CheckMode, agree_step_inputs
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
+from oases._compiled import original_module
 from oases.offload import Offloader
 from oases.schedule import CheckpointMemory, Communicator, Stack, check_step, train_step as _run_schedule
 from oases.schedule.stack import check_placements
@@ -99,6 +101,7 @@ def train_step(
     memory: Optional[CheckpointMemory] = None,
     offload: Union[bool, Offloader] = False,
     grad_sync: Optional[GradientSync] = None,
+    check_inputs: CheckMode = True,
 ) -> torch.Tensor:
     """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
 
@@ -126,18 +129,23 @@ def train_step(
     `grad_sync`: an oases.dp.GradientSync (or oases.dp.ZeroOptimizer(...).sync) averaging the
     gradients over data-parallel replicas: its buckets start during the step's backwards and the
     step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
-    The model: oases.models.GPT, a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / GPT-NeoX causal
-    LM or a nanoGPT-style model after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
+    `check_inputs` (oases.inputs): True checks, before any other collective, that the model's TP
+    group got the same input_ids, labels and attention_mask (ValueError on every rank otherwise);
+    "broadcast" uses TP rank 0's (Megatron's broadcast_data; the others may pass None); False skips it.
+    The model: oases.models.GPT, a Hugging Face causal LM (Llama, Mistral, Qwen2/3, Gemma, Phi-3,
+    GPT-2, GPT-NeoX, OLMo-2, ...: its parts found by structure, oases.models.hf) or a nanoGPT-style model
+    after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
     gradients of the unsharded model; every check runs before any communication.
     Per-layer TP degrees (GPT(config, group, tp_degrees=[...]), a Hugging Face model after
     parallelize(..., tp_degrees=[...]), a stack with layer_placements()): each layer communicates
     on its own degree's Communicator (the model's), so `comm`, `offload` and `sequence_parallel`
-    are refused, and each sub-batch's rows must divide by p / min(tp_degrees); nanoGPT-style
+    are refused, and each sub-batch needs at least p / min(tp_degrees) rows; nanoGPT-style
     models with tp_degrees are refused.
     """
     if grad_sync is not None and not isinstance(grad_sync, GradientSync):
         raise TypeError(f"grad_sync: expected an oases.dp.GradientSync (or a ZeroOptimizer's .sync), got "
                         f"{type(grad_sync).__name__}")
+    model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
     get_placements = getattr(stack, "layer_placements", None)
     if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
@@ -172,6 +180,8 @@ def train_step(
     elif tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
         raise ValueError(f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
                          f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)")
+    input_ids, labels, attention_mask = agree_step_inputs(model, comm, check_inputs, input_ids=input_ids,
+                                                          labels=labels, attention_mask=attention_mask)
     if attention_mask is not None and not getattr(stack, "takes_attention_mask", True):
         raise ValueError(f"attention_mask: {type(stack).__name__} has no padding mask to apply it to; pass None "
                          "(or pad with tokens whose labels are -100)")

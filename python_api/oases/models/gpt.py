@@ -47,6 +47,7 @@ from oases._sharding import ShardRule, tp_rules
 from oases.models._placed import layer_placements
 from oases.nn._degrees import (DegreeGroups, check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows,
                                sum_over_replicas_while)
+from oases.inputs import CheckMode, agree_step_inputs
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -321,7 +322,8 @@ class GPT(nn.Module):
     # --- training -----------------------------------------------------------------------------------
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
-                   sub_batches: Optional[int] = None, memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
+                   sub_batches: Optional[int] = None, memory: Optional[CheckpointMemory] = None,
+                   check_inputs: CheckMode = True) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
             loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
@@ -330,7 +332,10 @@ class GPT(nn.Module):
 
         With `tp_degrees` the same schedule runs each layer at its own degree (every sub-batch
         needs at least p / min(tp_degrees) rows); `loss = self(tokens, targets); loss.backward()`
-        is the blocking form (no sub-batch overlap, no recomputation)."""
+        is the blocking form (no sub-batch overlap, no recomputation). `check_inputs`: the TP group
+        agrees on tokens and targets first (True: ValueError on every rank where they differ;
+        "broadcast": TP rank 0's; False: not checked; see oases.inputs)."""
+        tokens, targets = agree_step_inputs(self, self.comm, check_inputs, tokens=tokens, targets=targets)
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self.embed_tokens(tokens[:0])  # shape checks before any communication

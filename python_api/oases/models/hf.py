@@ -1,15 +1,21 @@
 """Hugging Face decoder stacks seen as an `oases.schedule.Stack`, run by the TP schedules.
 
-    stack = HFStack(model)           # LlamaForCausalLM, MistralForCausalLM, Qwen2/Qwen3ForCausalLM,
-                                     # GPTNeoXForCausalLM, after oases.parallelize (or unsharded)
-Sublayers, per decoder layer (its own modules, called as its forward calls them):
+    stack = HFStack(model)           # a Hugging Face causal LM (Llama, Mistral, Qwen2/3, Gemma, Phi-3,
+                                     # GPT-2, GPT-NeoX, OLMo-2, ...), after oases.parallelize (or unsharded)
 
-    Llama / Mistral / Qwen2 / Qwen3   x + self_attn(input_layernorm(x))         attention
-                                      x + mlp(post_attention_layernorm(x))      MLP
-    GPT-NeoX, use_parallel_residual   x + attention(ln1 x) + mlp(ln2 x)         one sublayer: norm
-                                      stacks [ln1 x, ln2 x], core sums both branches' partials, so
-                                      one all-reduce serves both (half of the all-reduces)
-    GPT-NeoX, sequential              as Llama, with GPT-NeoX's names
+The adapter is derived from the model's structure (oases.nn._parts), not from a list of classes:
+the base model (`model.base_model`), its decoder layers (its first non-empty nn.ModuleList child:
+`layers`, GPT-2's `h`), its final norm (its one norm child), the head (get_output_embeddings()),
+and in each layer its attention, MLP and norms, combined as the layer's forward calls them:
+
+    "sequential"   x + attention(norm_a x)                  attention sublayer  (Llama, Mistral,
+                   x + mlp(norm_b x)                        MLP sublayer         Qwen2/3, Gemma,
+                                                                                 Phi-3, GPT-2)
+    "parallel"     x + attention(norm_a x) + mlp(norm_b x)  one sublayer (GPT-NeoX,
+                   use_parallel_residual): norm stacks [norm_a x, norm_b x], core sums both
+                   branches' partials, so one all-reduce serves both (half of the all-reduces)
+    "whole"        anything else (OLMo-2's post-branch norms, ...): the layer is one sublayer run
+                   whole, its own TP layers communicating (oases.models._whole); exact, without overlap
 
 `core` runs the branch under `oases.nn.no_tp_communication`: column layers skip their input's
 gradient all-reduce, row layers return their partial product; the schedule reduces both and
@@ -38,20 +44,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import inspect
+
 from oases.models._branch import Branch, check_no_dropout, check_sharded
 from oases.models._placed import layer_placements
+from oases.models._whole import WholeLayer
 from oases.nn._degrees import kwargs_rows
 from oases.nn._mappings import copy_to_tp
-from oases.nn.layers import ColumnParallelLinear
+from oases.nn._parts import LayerParts, find_stack, layer_parts
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.schedule.protocol import LayerPlacements, SubBatch
 
-__all__ = ["HFStack", "SEQUENTIAL_LAYERS", "PARALLEL_RESIDUAL_LAYERS"]
-
-# Decoder layer classes whose forward is x + attn(norm1 x), then x + mlp(norm2 x), with these names.
-SEQUENTIAL_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"})
-# GPT-NeoX: parallel residual x + attention(ln1 x) + mlp(ln2 x) (or sequential when the config says so).
-PARALLEL_RESIDUAL_LAYERS = frozenset({"GPTNeoXLayer"})
-_FINAL_NORMS = ("norm", "final_layer_norm")
+__all__ = ["HFStack"]
 
 
 @dataclass(frozen=True)
@@ -63,18 +67,28 @@ class _Context:
 
 
 class _Recorder(nn.Module):
-    """Stands in for decoder layer i in the base model's forward: records its arguments, passes x."""
+    """Stands in for decoder layer i in the base model's forward: records its arguments (positional
+    ones by the names of the layer's own forward: GPT-2 passes its mask positionally), passes x on
+    as the layer returns it (a tuple (x, None) where its forward says it returns a tuple: GPT-J)."""
 
-    def __init__(self, calls: list) -> None:
+    def __init__(self, calls: list, layer: nn.Module) -> None:
         super().__init__()
         self.calls = calls
+        signature = inspect.signature(layer.forward)
+        self.names = [n for n, p in signature.parameters.items()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after hidden_states
+        returns = signature.return_annotation
+        returns = returns if isinstance(returns, str) else getattr(returns, "__name__", repr(returns))
+        self.tuple = returns.replace("typing.", "").lower().startswith("tuple")
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args:
-            raise TypeError("oases: a decoder layer got positional arguments besides its hidden states; "
-                            "this model's forward is not one the Hugging Face adapter knows")
+        if len(args) > len(self.names):
+            raise TypeError(f"oases: a decoder layer got {len(args)} positional arguments besides its hidden "
+                            f"states, its forward names {len(self.names)}; this model's forward is not one the "
+                            f"Hugging Face adapter knows")
+        kwargs = {**dict(zip(self.names, args)), **kwargs}
         self.calls.append((hidden_states, kwargs))
-        return hidden_states
+        return (hidden_states, None) if self.tuple else hidden_states
 
 
 class HFStack:
@@ -87,48 +101,51 @@ class HFStack:
     An LM head that parallelize made vocab-parallel ("vocab_head") gives this rank's slice of the
     logits here (never gathered; `logits_group` is its group), whatever its gather_output.
 
-    Raises ValueError (before any communication) for a model it cannot run exactly: an unknown
-    decoder layer class, dropout active in training, or TP shards missing from a decoder layer
-    whose neighbours are sharded (each branch must end in a RowParallelLinear).
+    `parts[i]` says how decoder layer i is split (oases.nn._parts.LayerParts: "sequential",
+    "parallel" or "whole", and why whole).
+
+    Raises ValueError (before any communication) for a model it cannot run exactly: no decoder
+    layers, final norm or head found, dropout active in training, or TP shards missing from a
+    split decoder layer whose neighbours are sharded (each branch must end in a RowParallelLinear).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.base = getattr(model, "base_model", None)
-        decoder = getattr(self.base, "layers", None)
-        if self.base is None or not isinstance(decoder, nn.ModuleList) or len(decoder) == 0:
-            raise ValueError(_unknown(model, "no decoder layers at model.base_model.layers"))
-        self.decoder = decoder
-        kinds = {type(layer).__name__ for layer in decoder}
-        if not kinds <= SEQUENTIAL_LAYERS | PARALLEL_RESIDUAL_LAYERS:
-            raise ValueError(_unknown(model, f"decoder layers of class {', '.join(sorted(kinds))}"))
-        self.final_norm = next((getattr(self.base, n) for n in _FINAL_NORMS if hasattr(self.base, n)), None)
-        self.lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if self.final_norm is None or self.lm_head is None:
-            raise ValueError(_unknown(model, "no final norm (base_model.norm / final_layer_norm) or no output embeddings"))
+        found, missing = find_stack(model)
+        if found is None:
+            raise ValueError(_unknown(model, missing))
+        self.base, self.decoder, self._layers_name = found.base, found.layers, found.layers_name
+        self.final_norm, self.lm_head = found.final_norm, found.head
         vocab_parallel = isinstance(self.lm_head, ColumnParallelLinear)  # parallelize's "vocab_head"
         self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
-        self._layers = [self._sublayers(i, layer) for i, layer in enumerate(decoder)]
+        self.parts = _parts_of(self.decoder)
+        decoder = self.decoder
         degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
         if self.degrees is not None and len(self.degrees) != len(decoder):
             raise ValueError(f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
                              f"parallelize the model with one degree per decoder layer")
-        check_sharded([layer for i, layer in enumerate(self._layers) if self.degrees is None or self.degrees[i] > 1],
-                      decoder)
+        tp_group = next((m.group for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
+                        None)
+        self._layers = [self._sublayers(i, layer, parts, tp_group, alone=self.degrees is not None and self.degrees[i] == 1)
+                        for i, (layer, parts) in enumerate(zip(self.decoder, self.parts))]
+        check_sharded([layer for i, layer in enumerate(self._layers)
+                       if (self.degrees is None or self.degrees[i] > 1) and self.parts[i].kind != "whole"],
+                      nn.ModuleList([m for m, parts in zip(decoder, self.parts) if parts.kind != "whole"]))
 
     @staticmethod
-    def _sublayers(i: int, layer: nn.Module) -> tuple[Branch, ...]:
-        if type(layer).__name__ in PARALLEL_RESIDUAL_LAYERS:
-            attn, mlp = layer.attention, layer.mlp
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            if layer.use_parallel_residual:
-                return (Branch(i, (ln1, ln2), (attn, mlp), attn),)
-            return (Branch(i, (ln1,), (attn,), attn), Branch(i, (ln2,), (mlp,), None))
-        attn, mlp = layer.self_attn, layer.mlp
-        return (Branch(i, (layer.input_layernorm,), (attn,), attn),
-                Branch(i, (layer.post_attention_layernorm,), (mlp,), None))
+    def _sublayers(i: int, layer: nn.Module, parts: LayerParts, tp_group: Optional[dist.ProcessGroup],
+                   alone: bool) -> tuple:
+        if parts.kind == "whole":  # its own TP layers' group, else the model's (a layer left unsharded)
+            group = next((m.group for m in layer.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
+                         tp_group)
+            return (WholeLayer(i, layer, group, alone=alone),)  # alone: degree 1, on this rank only
+        attn, mlp = layer.get_submodule(parts.attention), layer.get_submodule(parts.mlp)
+        ln1, ln2 = (layer.get_submodule(n) for n in parts.norms)
+        if parts.kind == "parallel":
+            return (Branch(i, (ln1, ln2), (attn, mlp), attn),)
+        return (Branch(i, (ln1,), (attn,), attn), Branch(i, (ln2,), (mlp,), None))
 
     def check_trainable(self) -> None:
         """Dropout inside the recomputed sublayers would draw different masks when recomputed."""
@@ -136,7 +153,7 @@ class HFStack:
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         calls: list = []
-        with _standing_in(self.base, _Recorder(calls), len(self.decoder)):
+        with _standing_in(self.base, self._layers_name, _Recorder(calls, self.decoder[0]), len(self.decoder)):
             self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
@@ -181,20 +198,34 @@ class HFStack:
         return self.lm_head.mask_padding(logits)  # a padded vocabulary's columns: -inf
 
 
+def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:
+    """layer_parts of each layer, the forward's source read once per kind of layer (class and children)."""
+    seen: dict[tuple, LayerParts] = {}
+    found = []
+    for layer in decoder:
+        key = (type(layer), tuple((n, type(m)) for n, m in layer.named_children()),
+               getattr(layer, "use_parallel_residual", None))
+        if key not in seen:
+            seen[key] = layer_parts(layer)
+        found.append(seen[key])
+    return found
+
+
 @contextlib.contextmanager
-def _standing_in(base: nn.Module, recorder: nn.Module, n: int) -> Iterator[None]:
-    """base.layers replaced by `n` references to `recorder` for the block (restored after)."""
-    layers = base.layers
-    base.layers = nn.ModuleList([recorder] * n)
+def _standing_in(base: nn.Module, name: str, recorder: nn.Module, n: int) -> Iterator[None]:
+    """base.<name> (the decoder layers) replaced by `n` references to `recorder` for the block (restored after)."""
+    layers = getattr(base, name)
+    setattr(base, name, nn.ModuleList([recorder] * n))
     try:
         yield
     finally:
-        base.layers = layers
+        setattr(base, name, layers)
 
 
 def _unknown(model: nn.Module, what: str) -> str:
-    return (f"oases: no adapter for {type(model).__name__} ({what}). Known: Hugging Face decoder layers "
-            f"{', '.join(sorted(SEQUENTIAL_LAYERS | PARALLEL_RESIDUAL_LAYERS))}, and oases.models.GPT. For another "
+    return (f"oases: no adapter for {type(model).__name__} ({what}). The Hugging Face adapter needs a causal LM "
+            "with model.base_model holding its decoder layers (an nn.ModuleList), one final norm, and "
+            "get_output_embeddings(); oases.models.GPT and nanoGPT-style models have their own. For another "
             "model, implement oases.schedule.Stack: embed(input_ids, where) -> (x, ctx), layers() -> "
             "[[sublayer with norm(x), core(h, ctx) (this rank's partial sum), finish(z, ctx)], ...], "
             "head(x, ctx) -> logits; and pass it to oases.train_step")

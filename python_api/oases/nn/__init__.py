@@ -7,15 +7,20 @@
     parallelize(model)            nn.Linear (and, by plan, nn.Embedding) -> the layers above, in place
     clip_grad_norm_(model, max)   clip by the unsharded model's gradient norm (shards summed over the group)
     ShardRule                     how a module's tp_layout() says a parameter is cut (checkpoints read it)
+    ShardedRMSNorm                an RMS norm over features sharded over the ranks (OLMo-2's q_norm / k_norm)
+    summary(model)                how much of a model is sharded: its parts, their styles, this rank's share
     no_tp_communication(module)   inside, the TP linears compute this rank's part only (schedules reduce)
 
 The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn._mappings`.
 """
 from oases._sharding import ShardRule
+from oases.nn._coverage import Summary, summary
 from oases.nn.clip import clip_grad_norm_
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
+from oases.nn.norm import ShardedRMSNorm
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_", "ShardRule"]
+           "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_", "ShardRule", "ShardedRMSNorm",
+           "summary", "Summary"]

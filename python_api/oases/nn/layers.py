@@ -37,6 +37,12 @@ gradient is unaffected (.grad, as usual).
 
     backward:  weight.main_grad += dL/dweight   (fp32)      weight.grad: None
 
+Hugging Face's Conv1D (GPT-2's projections: weight stored transposed, [in, out], and
+y = x @ W + b) is sharded by the same layers with `transposed=True` (`from_conv1d`): the weight
+keeps Conv1D's layout and names, so its shard is W[:, r-th block] [in, out/p] for a column layer
+(ShardRule(1)) and W[r-th block] [in/p, out] for a row layer (ShardRule(0)), and checkpoints and
+exports hold Conv1D's full [in, out] tensors.
+
 Initialisation: the full layer is built with nn.Linear's own init (same RNG draws as
 `nn.Linear(in, out)`) on every rank, and each rank keeps its shard. With the same
 `torch.manual_seed` on every rank the shards tile exactly the weights the unsharded layer would
@@ -62,10 +68,25 @@ from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "no_tp_communication"]
 
 
-def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: int = 1) -> None:
-    """`size` features (in `stacked` equal blocks) must split into whole per-rank shards."""
+def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: int = 1,
+                    parts: tuple[int, ...] = ()) -> None:
+    """`size` features (in `stacked` equal blocks, or blocks of the sizes `parts`) must split into
+    whole per-rank shards."""
     if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 1:
         raise ValueError(f"{owner}: stacked must be an int >= 1, got {stacked!r}")
+    if parts:
+        if stacked != 1:
+            raise ValueError(f"{owner}: pass stacked (equal blocks) or parts (their sizes), not both")
+        if (not isinstance(parts, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in parts)
+                or sum(parts) != size):
+            raise ValueError(f"{owner}: parts must be a tuple of positive block sizes summing to {arg}={size} "
+                             f"(e.g. (q, k, v) widths), got {parts!r}")
+        bad = [n for n in parts if n % world_size]
+        if bad:
+            raise ValueError(f"{owner}: {arg}={size} is made of blocks {parts}, and {bad[0]} is not divisible by the "
+                             f"tensor-parallel world size {world_size}; each block must split into whole shards "
+                             f"(whole heads: head counts divisible by {world_size})")
+        return
     if size % stacked:
         raise ValueError(
             f"{owner}: {arg}={size} does not split into stacked={stacked} equal blocks; "
@@ -191,7 +212,9 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         chunks: Optional[int] = None,
         stacked: int = 1,
+        parts: tuple[int, ...] = (),
         pad_vocab: bool = False,
+        transposed: bool = False,
         gradient_accumulation_fusion: bool = False,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
@@ -199,24 +222,28 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         _check_flag(type(self).__name__, "gradient_accumulation_fusion", gradient_accumulation_fusion)
         _check_flag(type(self).__name__, "pad_vocab", pad_vocab)
+        _check_transposed(type(self).__name__, transposed, gradient_accumulation_fusion)
         ring = ring_of(group)
-        if pad_vocab and stacked != 1:
-            raise ValueError(f"{type(self).__name__}: pad_vocab (an LM head) takes stacked=1, got {stacked}")
+        if pad_vocab and (stacked != 1 or parts or transposed):
+            raise ValueError(f"{type(self).__name__}: pad_vocab (an LM head) takes stacked=1, no parts and "
+                             f"transposed=False, got stacked={stacked}, parts={parts}, transposed={transposed}")
         if not pad_vocab:
-            check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked)
+            check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked, parts)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_features, self.out_features = in_features, out_features
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.chunks, self.stacked = _resolve_chunks(chunks), stacked
-        self.pad_vocab = pad_vocab
-        self._rule = vocab_rule(out_features, ring.size) if pad_vocab else ShardRule(0, stacked)
+        self.chunks, self.stacked, self.parts = _resolve_chunks(chunks), stacked, tuple(parts)
+        self.pad_vocab, self.transposed = pad_vocab, transposed
+        self._rule = (vocab_rule(out_features, ring.size) if pad_vocab
+                      else ShardRule(1 if transposed else 0, stacked, parts=self.parts))
         start, stop = self._rule.held(out_features, ring.rank, ring.size)
         self._held = stop - start  # real rows on this rank (rows past them: a padded vocabulary's)
         self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
-        self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out/p, in]
+        w = full.weight.detach()
+        self.weight = nn.Parameter(self.shard(w.t() if transposed else w).clone())  # [out/p, in] ([in, out/p])
         if bias:
             self.bias = nn.Parameter(self.shard(full.bias.detach()).clone())  # [out/p]
         else:
@@ -224,13 +251,20 @@ class ColumnParallelLinear(nn.Module):
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full [out, ...] weight or [out] bias (a view; a zero-padded copy
-        for a padded vocabulary)."""
-        return self._rule.shard(full, self.rank, self.world_size)
+        for a padded vocabulary); transposed: its columns of a full [in, out] weight."""
+        rule = self._rule if full.dim() > 1 else ShardRule(0, self.stacked, self._rule.size, self.parts)
+        return rule.shard(full, self.rank, self.world_size)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as F.linear takes it, [out/p, in] (a view of a transposed layer's [in, out/p])."""
+        return self.weight.t() if self.transposed else self.weight
 
     def tp_layout(self) -> dict[str, ShardRule]:
         """How this layer's parameters cut the full layer's (see oases._sharding)."""
         rule = self._rule
-        return {"weight": rule} if self.bias is None else {"weight": rule, "bias": rule}
+        if self.bias is None:
+            return {"weight": rule}
+        return {"weight": rule, "bias": ShardRule(0, self.stacked, rule.size, self.parts)}
 
     def mask_padding(self, y: torch.Tensor) -> torch.Tensor:
         """y [..., rows of this rank] with the padded vocabulary's columns at -inf (pad_vocab; else y):
@@ -244,10 +278,16 @@ class ColumnParallelLinear(nn.Module):
         """This rank's shard of `linear` (values copied): computes `linear`'s output slice r."""
         return _from_linear(cls, linear, group, kw)
 
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
+        """This rank's shard of a Hugging Face Conv1D (weight [in, out]), kept in its layout: weight
+        [in, out/p], computing the output slice r of x @ conv.weight + conv.bias."""
+        return _from_conv1d(cls, conv, group, kw)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         main_grad = _main_grad(self)
         if self.sequence_parallel:
-            y = ops.all_gather_linear(x, self.weight, self.bias, self.group, dim=0, chunks=self.chunks,
+            y = ops.all_gather_linear(x, self.dense_weight(), self.bias, self.group, dim=0, chunks=self.chunks,
                                       main_grad=main_grad)
         else:
             if not self._communicate:
@@ -256,15 +296,18 @@ class ColumnParallelLinear(nn.Module):
                 x = copy_to_tp(x, self.group)
             else:
                 x = self._entry.enter(x)
-            y = _linear(x, self.weight, self.bias, main_grad)  # [..., out/p]
+            y = _linear(x, self.dense_weight(), self.bias, main_grad)  # [..., out/p]
         y = self.mask_padding(y)
         if not self.gather_output:
             return y
         y = gather_from_tp(y, self.group)  # [..., p * out/p] in rank order: [r][block][features]
         if self.pad_vocab:
             return y.narrow(-1, 0, self.out_features)  # the padding's columns dropped
-        if self.stacked > 1:  # back to [block][r][features], the unsharded layer's order
-            y = y.unflatten(-1, (self.world_size, self.stacked, -1)).transpose(-3, -2).flatten(-3)
+        blocks = self._rule.blocks(self.out_features)
+        if len(blocks) > 1:  # back to [block][r][features], the unsharded layer's order
+            local = [n // self.world_size for n in blocks]
+            pieces = [r.split(local, -1) for r in y.chunk(self.world_size, -1)]  # [r][block]
+            y = torch.cat([pieces[r][b] for b in range(len(blocks)) for r in range(self.world_size)], -1)
         return y
 
     def extra_repr(self) -> str:
@@ -273,6 +316,10 @@ class ColumnParallelLinear(nn.Module):
              f"{self.weight.shape[0]})")
         if self.stacked > 1:
             s += f", stacked={self.stacked}"
+        if self.parts:
+            s += f", parts={self.parts}"
+        if self.transposed:
+            s += ", transposed=True (Conv1D layout)"
         s += (f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
               f"chunks={self.chunks}")
         return s + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else "")
@@ -304,12 +351,15 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         chunks: Optional[int] = None,
+        transposed: bool = False,
         gradient_accumulation_fusion: bool = False,
         device: Optional[torch.device | str] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
         _check_flag(type(self).__name__, "gradient_accumulation_fusion", gradient_accumulation_fusion)
+        _check_transposed(type(self).__name__, transposed, gradient_accumulation_fusion)
+        self.transposed = transposed
         ring = ring_of(group)
         check_shardable(type(self).__name__, "in_features", in_features, ring.size)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
@@ -319,37 +369,52 @@ class RowParallelLinear(nn.Module):
         self.chunks = _resolve_chunks(chunks)
         self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
-        self.weight = nn.Parameter(self.shard(full.weight.detach()).clone())  # [out, in/p]
+        w = full.weight.detach()
+        self.weight = nn.Parameter(self.shard(w.t() if transposed else w).clone())  # [out, in/p] ([in/p, out])
         if bias:
             self.bias = nn.Parameter(full.bias.detach().clone())  # [out], the same on every rank
         else:
             self.register_parameter("bias", None)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a full [out, in] weight (a view)."""
+        """This rank's columns of a full [out, in] weight (a view); transposed: its rows of [in, out]."""
+        if self.transposed:
+            return full.chunk(self.world_size, dim=0)[self.rank]
         return row_shard(full, self.rank, self.world_size)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as F.linear takes it, [out, in/p] (a view of a transposed layer's [in/p, out])."""
+        return self.weight.t() if self.transposed else self.weight
+
     def tp_layout(self) -> dict[str, ShardRule]:
-        """How this layer's parameters cut the full layer's: the weight's columns; the bias is replicated."""
-        return {"weight": ShardRule(1)}
+        """How this layer's parameters cut the full layer's: the weight's columns (a transposed
+        layer's rows); the bias is replicated."""
+        return {"weight": ShardRule(0 if self.transposed else 1)}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
         """This rank's shard of `linear` (values copied): its partial product, reduced, is `linear`'s."""
         return _from_linear(cls, linear, group, kw)
 
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
+        """This rank's shard of a Hugging Face Conv1D (weight [in, out]), kept in its layout: weight
+        [in/p, out]; its partial product, reduced, is x @ conv.weight + conv.bias."""
+        return _from_conv1d(cls, conv, group, kw)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         main_grad = _main_grad(self)
+        weight = self.dense_weight()
         if not self._communicate:
-            return _linear(x, self.weight, None, main_grad)  # this rank's partial sum; the caller reduces
+            return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
         if self.sequence_parallel:
             # Each rank's grad_bias covers its s/p rows only: copy_to_tp sums it over the ranks.
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
-            return ops.linear_reduce_scatter(x, self.weight, bias, self.group, dim=0, chunks=self.chunks,
+            return ops.linear_reduce_scatter(x, weight, bias, self.group, dim=0, chunks=self.chunks,
                                              main_grad=main_grad)
-        return ops.linear_all_reduce(x, self.weight, self.bias, self.group, chunks=self.chunks,
+        return ops.linear_all_reduce(x, weight, self.bias, self.group, chunks=self.chunks,
                                      main_grad=main_grad)
 
     def extra_repr(self) -> str:
@@ -357,6 +422,7 @@ class RowParallelLinear(nn.Module):
                 f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
                 f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
+                + (", transposed=True (Conv1D layout)" if self.transposed else "")
                 + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else ""))
 
 
@@ -388,6 +454,33 @@ def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
             m._communicate = mode
 
 
+def _check_transposed(owner: str, transposed: object, fusion: bool) -> None:
+    _check_flag(owner, "transposed", transposed)
+    if transposed and fusion:
+        raise ValueError(f"{owner}: gradient_accumulation_fusion is not supported with transposed=True (a Conv1D "
+                         f"layout); pass gradient_accumulation_fusion=False")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is a Hugging Face Conv1D: y = x @ weight + bias, weight [nx, nf] (GPT-2's projections)."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(getattr(module, "nx", None), int) and isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (module.nx, module.nf))
+
+
+def _from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup], kw: dict):
+    """A transposed `cls` layer holding this rank's shard of a Conv1D's values (and requires_grad flags)."""
+    if not is_conv1d(conv):
+        raise TypeError(f"conv: expected a Hugging Face Conv1D (weight [nx, nf]), got {type(conv).__name__}")
+    if kw.get("transposed") is False:
+        raise ValueError("transposed: a Conv1D keeps its [in, out] layout; do not pass transposed=False")
+    kw = {**kw, "transposed": True}
+    layer = torch.nn.utils.skip_init(cls, conv.nx, conv.nf, conv.bias is not None, group=group,
+                                     device=conv.weight.device, dtype=conv.weight.dtype, **kw)
+    return _copy_shard(layer, conv)
+
+
 def _from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup], kw: dict):
     """A `cls` layer holding this rank's shard of `linear`'s values (and requires_grad flags)."""
     if not isinstance(linear, nn.Linear):
@@ -395,6 +488,11 @@ def _from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup], kw:
     layer = torch.nn.utils.skip_init(
         cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
         device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+    return _copy_shard(layer, linear)
+
+
+def _copy_shard(layer: nn.Module, linear: nn.Module) -> nn.Module:
+    """`layer` with this rank's shard of `linear`'s weight and bias (same layout), requires_grad kept."""
     with torch.no_grad():
         layer.weight.copy_(layer.shard(linear.weight))
         if linear.bias is not None:

@@ -1,22 +1,32 @@
-"""oases.parallelize: shard a model's nn.Linear (and nn.Embedding) layers in place, by a plan of name patterns.
+"""oases.parallelize: shard a model's nn.Linear / Conv1D (and nn.Embedding) layers in place, by a plan of name patterns.
 
     model = oases.parallelize(model)                                   # the default plan
     model = oases.parallelize(model, plan={"*.w1": "column", "*.w2": "row"})
 
-A plan is data, {pattern: style}. Each nn.Linear's qualified name (as `model.named_modules()`
+A plan is data, {pattern: style}. Each projection's (nn.Linear, or Hugging Face's Conv1D as
+GPT-2 has them) qualified name (as `model.named_modules()`
 gives it) is matched with fnmatch against every pattern; a pattern may match the whole name or
 any dotted tail of it, so "q_proj" matches "model.layers.0.self_attn.q_proj" and
 "layers.*.mlp.w1" matches "model.layers.3.mlp.w1". The first matching pattern (plan order) wins.
 
     "column"     ColumnParallelLinear.from_linear: output features sharded
     "column:N"   the same with stacked=N: the outputs are N equal blocks, each sharded on its own
-                 (nanoGPT's c_attn = [q | k | v]: "column:3")
+                 (nanoGPT's and GPT-2's c_attn = [q | k | v]: "column:3"; Phi-3's gate_up_proj: "column:2")
+    "column:qkv" a fused [q | k | v] whose blocks differ (GQA): parts=(heads*d, kv_heads*d, kv_heads*d)
+                 from the attention module's head counts (Phi-3's qkv_proj); rank r holds its heads'
+                 rows of each block, [q_r | k_r | v_r]
+    "column:a,b,..."  the same with the blocks' sizes given
     "row"        RowParallelLinear.from_linear: input features sharded, output reduced
     "vocab_head" ColumnParallelLinear.from_linear(gather_output=True): an LM head, its vocabulary
                  (output features) sharded and the logits gathered back to [..., V]
     "vocab"      VocabParallelEmbedding.from_embedding, for an nn.Embedding: its rows sharded
 
-Only "vocab" entries match nn.Embedding modules (every other entry matches nn.Linear only).
+A Conv1D (weight [in, out], y = x @ W + b) becomes the same layer with transposed=True
+(ColumnParallelLinear.from_conv1d / RowParallelLinear.from_conv1d): its weight keeps Conv1D's
+layout and name, cut on dim 1 (column) or dim 0 (row), so state_dict keys, checkpoints and
+oases.save_pretrained exports hold the unsharded [in, out] tensors transformers reads.
+
+Only "vocab" entries match nn.Embedding modules (every other entry matches projections only).
 Vocabulary parallelism is the default (vocab_parallel=True, Megatron's): without a plan, the
 model's input embedding and LM head (Hugging Face's get_input_embeddings() / get_output_embeddings(),
 nanoGPT's wte / lm_head) are planned "vocab" and "vocab_head"; vocab_parallel=False keeps them
@@ -30,26 +40,41 @@ a loss, dropped from gathered logits, absent from checkpoints and exports). A ti
 head (tie_word_embeddings=True) are sharded together, one shard serving both; a tie of one
 planned module to anything else raises a ValueError (untie first, or leave both replicated).
 
-Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2, GPT-NeoX/Falcon and nanoGPT naming.
-nn.Linear modules no pattern places (an LM head, say) stay unsharded and replicated, and one
-warning lists them. Every check (features and heads divisible by the world size, consistent
-head projections) runs on every rank before anything is replaced, so a bad plan raises a
-ValueError naming the module and leaves the model as it was, on every rank alike.
+Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2/3/Gemma/OLMo-2, Phi-3, GPT-NeoX/Falcon,
+GPT-2 and nanoGPT naming. Projections no pattern places (an LM head, say) stay unsharded and
+replicated, and one warning lists them with their share of the decoder layers' projection
+parameters. Every check (features and heads divisible by the world size, head projections'
+widths agreeing with the head counts, every module with a column layer also having a row layer
+and no projection left out) runs on every rank before anything is replaced, so a bad plan raises
+a ValueError naming the module and leaves the model as it was, on every rank alike.
+
+Never a silent half-sharded model: when less than half of the decoder layers' projection
+parameters would be sharded (oases.nn._coverage), parallelize raises a ValueError with the
+default plan, a warning with an explicit one, naming the modules left whole and the plan entries
+that would shard them ({'fc_in': 'column', 'fc_out': 'row'}). It also says (in its warning)
+which decoder layers oases.train_step runs whole, unsplit (oases.models.hf). `oases.summary(model)`
+gives each part's style and this rank's share of the parameters.
 
 Attention. Once q/k/v (or a fused qkv) are column-sharded, each rank computes num_heads/p query
 heads and num_kv_heads/p key/value heads (whole heads: both counts must divide by p), and the
 attention module between them must think in per-rank counts. An attention module is the parent
 of a sharded head projection (a name in HEAD_PROJECTIONS). parallelize divides by p every integer
 attribute in PER_RANK_ATTRIBUTES that such a module holds itself -- head counts and the widths
-made of them -- and never touches the shared config. Ratios and per-head sizes (head_dim,
-num_key_value_groups, scaling) stay as they are. Parameters of such a module outside its TP layers
+made of them -- and gives it a view of the shared config with per-rank head counts (Phi-3 reads
+config.num_attention_heads in its forward), never touching the config itself. Ratios and per-head
+sizes (head_dim, num_key_value_groups, scaling) stay as they are. Norms of such a module over a
+sharded projection's whole width (OLMo-2's q_norm / k_norm) become oases.nn.ShardedRMSNorm: weight
+sharded like the projection, mean of squares all-reduced over the group. Its other parameters
 (Qwen3's per-head q_norm / k_norm weights, shared by every head) see only this rank's heads, so
-a hook sums their gradient over the group. Per architecture:
+a hook sums their gradient over the group (oases.nn._heads). Per architecture:
 
     transformers 5.x Llama/Mistral/Qwen2   views with (..., -1, head_dim) and reads only head_dim and
                                            num_key_value_groups: nothing to change
     transformers GPT-NeoX                  views with (..., -1, 3 * head_size): nothing to change
     transformers Falcon (no ALiBi)         num_heads, num_kv_heads, hidden_size, split_size
+    transformers Phi-3                     config.num_attention_heads (the config view), fused qkv
+    transformers GPT-2                     num_heads, embed_dim, split_size; Conv1D projections
+    transformers OLMo-2                    full-width q_norm / k_norm -> ShardedRMSNorm
     nanoGPT-style                          n_head, n_embd (its forward must view with -1 rather
                                            than the input's width, C // n_head)
     BERT-style self-attention              num_attention_heads, all_head_size
@@ -67,11 +92,12 @@ unsharded), as oases.models.GPT does. The decoder layers are the nn.ModuleList a
 `layers` (e.g. layers="model.blocks"), else the first non-empty nn.ModuleList of KNOWN_LAYERS:
 model.base_model.layers (Hugging Face Llama, Mistral, Qwen2/3: model.layers; GPT-NeoX:
 gpt_neox.layers), model.transformer.h or model.h (nanoGPT-style). Rank r runs layer l as TP rank
-r % d_l of replica r // d_l, on rows [j B d_l / p, (j + 1) B d_l / p) of the batch, j = r // d_l:
+r % d_l of replica r // d_l, on rows [floor(j B d_l / p), floor((j + 1) B d_l / p)) of the batch,
+j = r // d_l (blocks differ by a row at most where p / d_l does not divide B):
 
     x = <the model's code before layers[0]>           # [B, ...] on every rank (degree p): embeddings
     for l, layer in enumerate(layers):                # as the model's own forward calls them
-        x = reshard_rows(x, d_{l-1} -> d_l)           # [B d_l / p, ...]: replica j's rows (d_{-1} = p)
+        x = reshard_rows(x, d_{l-1} -> d_l)           # [~B d_l / p, ...]: replica j's rows (d_{-1} = p)
         args, kwargs = cut(args), cut(kwargs)         # every tensor with shape[0] == B -> its rows [j]
         out = layer(x, *args, **kwargs)               # (or layer(hidden_states=x, ...))
         x = out[0] if isinstance(out, tuple) else out
@@ -102,8 +128,8 @@ sequence_parallel; oases.train_step runs Hugging Face models parallelized this w
 schedules (oases.models.HFStack.layer_placements) and refuses the others. Bad input
 raises on every rank before any communication: a `layers` path that does not name an nn.ModuleList
 (ValueError / TypeError), tp_degrees of the wrong length or with a degree that is not a power of
-two dividing p (ValueError), and, at the first forward, a batch that p / min(tp_degrees) does not
-divide (ValueError).
+two dividing p (ValueError), and, at the first forward, a batch of fewer rows than p / min(tp_degrees)
+replicas (ValueError).
 """
 from __future__ import annotations
 
@@ -120,53 +146,46 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
+from oases._compiled import original_module
+from oases.inputs import watch_inputs
 from oases.comm._topology import ring_of
-from oases.nn import _mappings
 from oases.nn._materialize import is_on_meta, materialize
 from oases.nn._degrees import (DegreeGroups, check_tp_degrees, hook_decoder_layers, make_placements,
                                sum_over_replicas_while)
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable
+from oases.nn import _coverage as _summary, _heads
+from oases.nn._heads import PER_RANK_ATTRIBUTES
+from oases.nn._parts import HEAD_PROJECTIONS
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable, is_conv1d
 from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "KNOWN_LAYERS", "PER_RANK_ATTRIBUTES"]
 
 DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
-    # LLaMA, Mistral, Qwen2 (Hugging Face naming)
+    # LLaMA, Mistral, Qwen2/3, Gemma, OLMo-2 (Hugging Face naming)
     "q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
     "gate_proj": "column", "up_proj": "column", "down_proj": "row",
+    # Phi-3: fused [q | k | v] (blocks of the attention's head counts: GQA's differ) and [gate | up]
+    "qkv_proj": "column:qkv", "gate_up_proj": "column:2",
     # GPT-NeoX, Falcon: query_key_value is laid out head by head, so whole-block shards keep
     # whole heads; "dense" alone is too common a name (BERT's MLP has one), so only attention's
     "query_key_value": "column", "*attention.dense": "row",
     "dense_h_to_4h": "column", "dense_4h_to_h": "row",
-    # nanoGPT: c_attn's outputs are [q | k | v], each third sharded on its own
+    # nanoGPT, GPT-2 (Conv1D): c_attn's outputs are [q | k | v], each third sharded on its own
     "c_attn": "column:3", "c_fc": "column", "c_proj": "row",
 })
-
-# Child names that make their parent an attention module when column-sharded.
-HEAD_PROJECTIONS = frozenset({
-    "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn",
-    "wq", "wk", "wv", "wqkv", "Wqkv", "query", "key", "value",
-})
-
-# Integer attributes of an attention module that count its heads or the features made of them.
-PER_RANK_ATTRIBUTES = (
-    "num_heads", "num_attention_heads", "n_head", "n_heads",
-    "num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads",
-    "hidden_size", "embed_dim", "n_embd", "split_size", "all_head_size",
-)
-_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
-
 
 @dataclass(frozen=True)
 class _Style:
     kind: str  # "column", "row", "vocab_head" (an nn.Linear) or "vocab" (an nn.Embedding)
     stacked: int = 1
+    parts: tuple[int, ...] = ()  # unequal blocks' sizes ("column:a,b,c")
+    qkv: bool = False  # "column:qkv": parts from the attention module's head counts
 
 
 def _parse_style(pattern: str, value: object) -> _Style:
-    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N stacked blocks), 'row', "
-                     f"'vocab_head' (an LM head nn.Linear) or 'vocab' (an nn.Embedding), got {value!r}")
+    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N equal stacked blocks), 'column:qkv' "
+                     f"(a fused [q | k | v], blocks from the head counts), 'column:a,b,...' (blocks of these "
+                     f"sizes), 'row', 'vocab_head' (an LM head nn.Linear) or 'vocab' (an nn.Embedding), got {value!r}")
     if not isinstance(value, str):
         raise bad
     if value in ("vocab", "vocab_head"):
@@ -178,9 +197,19 @@ def _parse_style(pattern: str, value: object) -> _Style:
         raise bad
     if not stacked:
         return _Style("column")
-    if not stacked.isdigit() or int(stacked) < 1:
+    if stacked == "qkv":
+        return _Style("column", qkv=True)
+    sizes = stacked.split(",")
+    if not all(n.isdigit() and int(n) >= 1 for n in sizes):
         raise bad
+    if len(sizes) > 1:
+        return _Style("column", parts=tuple(int(n) for n in sizes))
     return _Style("column", int(stacked))
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or a Hugging Face Conv1D."""
+    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -196,16 +225,6 @@ def _transformers_module(model: nn.Module) -> Optional[str]:
     return None
 
 
-def _count(module: nn.Module, names: tuple[str, ...]) -> Optional[tuple[str, int]]:
-    """(where, value) of the first head count found on the module, else on its config."""
-    for owner, label in ((module, ""), (getattr(module, "config", None), "config.")):
-        for n in names:
-            value = getattr(owner, n, None) if owner is not None else None
-            if isinstance(value, int) and not isinstance(value, bool):
-                return label + n, value
-    return None
-
-
 def _plan_layers(modules: dict[str, nn.Module], styles: dict[str, _Style]) -> dict[str, _Style]:
     placed = {}
     for name in modules:
@@ -215,16 +234,50 @@ def _plan_layers(modules: dict[str, nn.Module], styles: dict[str, _Style]) -> di
     return placed
 
 
-def _check_layers(placed: dict[str, _Style], linears: dict[str, nn.Linear], p: int) -> None:
+def _resolve_qkv(model: nn.Module, placed: dict[str, _Style], linears: dict[str, nn.Module]) -> None:
+    """'column:qkv' entries get their blocks, (q, k, v) widths from their parent's head counts."""
+    for name, style in placed.items():
+        if style.qkv:
+            parent = model.get_submodule(name.rpartition(".")[0])
+            parts = _heads.qkv_parts(name, parent, _features(linears[name])[1])
+            placed[name] = _Style("column", parts=parts)
+
+
+def _check_layers(placed: dict[str, _Style], linears: dict[str, nn.Module], p: int) -> None:
     for name, style in placed.items():
         linear = linears[name]
-        owner = f"{name} (nn.Linear {linear.in_features} -> {linear.out_features}, planned as {style.kind!r})"
+        n_in, n_out = _features(linear)
+        kind = "Conv1D" if is_conv1d(linear) else "nn.Linear"
+        owner = f"{name} ({kind} {n_in} -> {n_out}, planned as {style.kind!r})"
         if style.kind == "column":
-            check_shardable(owner, "out_features", linear.out_features, p, style.stacked)
+            check_shardable(owner, "out_features", n_out, p, style.stacked, style.parts)
         elif style.kind == "vocab_head":
-            check_vocab(owner, "out_features", linear.out_features, p)
+            if is_conv1d(linear):
+                raise ValueError(f"{owner}: a vocabulary-parallel head must be an nn.Linear; remove it from the plan")
+            check_vocab(owner, "out_features", n_out, p)
         else:
-            check_shardable(owner, "in_features", linear.in_features, p)
+            check_shardable(owner, "in_features", n_in, p)
+
+
+def _check_parts(model: nn.Module, placed: dict[str, _Style], linears: dict[str, nn.Module]) -> None:
+    """Every module a column or row layer is planned in (an attention, an MLP) is sharded whole: its
+    column layers' outputs reach a row layer, so it needs one, and no projection of it is left out."""
+    children: dict[str, list[str]] = {}
+    for name in linears:
+        children.setdefault(name.rpartition(".")[0], []).append(name)
+    for parent, names in children.items():
+        kinds = {n: placed[n].kind if n in placed else None for n in names}
+        if "column" not in kinds.values():
+            continue
+        left = [n.rpartition(".")[2] for n, k in kinds.items() if k is None]
+        where = parent or type(model).__name__
+        if "row" not in kinds.values():
+            raise ValueError(f"{where}: its projections are planned as column-parallel with no row-parallel one to "
+                             f"reduce their sharded outputs; plan its output projection as 'row'")
+        if left:
+            raise ValueError(f"{where}: {', '.join(left)} would stay whole while the other projections of the same "
+                             f"module are sharded (its input or output would be a shard); plan "
+                             f"{', '.join(repr(n) for n in left)} as 'column' or 'row'")
 
 
 def _check_kinds(styles: dict[str, _Style], linears: dict[str, nn.Linear],
@@ -264,6 +317,10 @@ def _vocab_entries(model: nn.Module) -> dict[str, _Style]:
         wanted = nn.Embedding if kind == "vocab" else nn.Linear
         if type(module) is wanted and id(module) in names:  # exactly: subclasses may change forward
             found[names[id(module)]] = _Style(kind)
+    (embedding, _), (head, _) = pairs
+    if (head is not None and embedding is not None and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
+            and len(found) == 1):  # tied to an embedding that stays whole (Gemma's scaled one): the head too
+        found.clear()
     return found
 
 
@@ -307,7 +364,7 @@ def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str,
     for parent, module in found.items():
         for child, sub in module.named_children():
             qualified = f"{parent}.{child}" if parent else child
-            if child in HEAD_PROJECTIONS and isinstance(sub, nn.Linear):
+            if child in HEAD_PROJECTIONS and (isinstance(sub, nn.Linear) or is_conv1d(sub)):
                 style = placed.get(qualified)
                 if style is None or style.kind != "column":
                     raise ValueError(
@@ -316,45 +373,6 @@ def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str,
                         f"add {child!r}: 'column' to the plan"
                     )
     return found
-
-
-def _check_heads(name: str, module: nn.Module, p: int) -> None:
-    where = name or "the model"
-    for names in (_HEAD_COUNTS, _KV_HEAD_COUNTS):
-        found = _count(module, names)
-        if found is not None and found[1] % p:
-            attr, value = found
-            raise ValueError(
-                f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
-                f"each rank must hold whole heads, so use a world size that divides {value}"
-            )
-    for attr in PER_RANK_ATTRIBUTES:
-        value = vars(module).get(attr)
-        if isinstance(value, int) and not isinstance(value, bool) and value % p:
-            raise ValueError(
-                f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
-                f"this rank's share of it would not be whole"
-            )
-
-
-def _localize_heads(module: nn.Module, p: int) -> None:
-    """Make the module's head counts (and widths made of heads) this rank's, p times smaller."""
-    for attr in PER_RANK_ATTRIBUTES:
-        value = vars(module).get(attr)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(module, attr, value // p)
-
-
-def _sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-    """Parameters of an attention module outside its TP layers (Qwen3's per-head q_norm / k_norm
-    weights, shared by every head) see only this rank's heads: their gradient is all-reduced
-    over the group as it is computed, so .grad holds the full gradient (a hook per parameter)."""
-    tp_layers = [m for m in attention.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-    in_tp = {id(q) for m in tp_layers for q in m.parameters()}
-    ring = ring_of(group)
-    for param in attention.parameters():
-        if id(param) not in in_tp and param.requires_grad:
-            param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
 
 
 # Where per-layer tp_degrees find decoder layers without `layers=` (the first that is a non-empty
@@ -479,22 +497,25 @@ def parallelize(
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
 
-        for name, linear in model.named_modules() if isinstance(linear, nn.Linear):
+        for name, linear in model.named_modules() if an nn.Linear (a Conv1D: from_conv1d below):
             style = first plan[pattern] whose pattern matches name (or a dotted tail of it)
             "column[:N]" -> ColumnParallelLinear.from_linear(linear, group, stacked=N, ...)
+            "column:qkv" -> ColumnParallelLinear.from_linear(linear, group, parts=(q, k, v) widths, ...)
             "row"        -> RowParallelLinear.from_linear(linear, group, ...)
             "vocab_head" -> ColumnParallelLinear.from_linear(linear, group, gather_output=True, ...)
             no match     -> left as it is (and listed in a warning)
         for name, embedding in model.named_modules() if isinstance(embedding, nn.Embedding):
             "vocab" (first "vocab" plan entry matching name) -> VocabParallelEmbedding.from_embedding(embedding, group)
             no match                                         -> left as it is (no warning)
-        attention modules over sharded head projections: head counts made per-rank
+        attention modules over sharded head projections: head counts made per-rank, full-width
+            norms -> ShardedRMSNorm
+        check_coverage: mostly replicated decoder layers -> ValueError (default plan) / warning
 
     Run it on every rank of `group` (default: the world) with the same model (same seed or the
     same checkpoint). `plan` None means DEFAULT_PLAN; an explicit plan replaces it (merge with
     {**DEFAULT_PLAN, ...} to extend it). `sequence_parallel` and `chunks` go to every layer.
     `tp_degrees` (one per decoder layer): decoder layer l is sharded over d_l ranks and runs on
-    its replica's rows; the batch must divide by p / min(tp_degrees). `layers` (only with
+    its replica's rows; the batch needs at least p / min(tp_degrees) rows. `layers` (only with
     tp_degrees): the dotted path of the nn.ModuleList of decoder layers, as model.named_modules()
     names it, for models whose layers are not at a KNOWN_LAYERS path:
 
@@ -520,7 +541,10 @@ def parallelize(
     model.named_parameters() / named_buffers() give it) this rank holds; the others stay on meta
     (a pipeline stage holding some layers), their random draws still made, so every held tensor
     has the values of the whole model's build.
+    A torch.compile'd model (OptimizedModule): its original module is sharded in place and the
+    compiled wrapper returned (it traces the sharded model on its next call).
     """
+    compiled, model = model, original_module(model)
     ring = ring_of(group)
     p = ring.size
     if not isinstance(model, nn.Module):
@@ -559,7 +583,7 @@ def parallelize(
     styles = {pattern: _parse_style(pattern, value) for pattern, value in plan.items()}
     if default and vocab_parallel and tp_degrees is None and p > 1:
         styles.update(_vocab_entries(model))
-    linears = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Linear)}
+    linears = {name: m for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))}
     embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
 
     prefix, decoder_layers, degrees = None, None, None
@@ -569,6 +593,7 @@ def parallelize(
     placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind != "vocab"})
     placed_embeddings = _plan_layers(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"})
     _check_kinds(styles, linears, embeddings)
+    _resolve_qkv(model, placed, linears)
     for name, style in placed.items():
         _check_layers({name: style}, linears, degree(name))
     for name in placed_embeddings:
@@ -577,8 +602,20 @@ def parallelize(
                         f"planned as 'vocab')", embedding, p)
     tied = _check_ties(model, [n for n, s in placed.items() if s.kind == "vocab_head"] + list(placed_embeddings))
     attention = _attention_modules(model, placed)
+    norms = {}  # {attention: {norm child: (eps, unit_offset)}}: norms over a sharded projection's whole width
     for name, module in attention.items():
-        _check_heads(name, module, degree(name))
+        _heads.check_heads(name, module, degree(name))
+        widths = {child: _features(sub)[1] for child, sub in module.named_children()
+                  if placed.get(f"{name}.{child}" if name else child, _Style("row")).kind == "column"}
+        _heads.check_widths(name, module, widths)
+        found = _heads.full_width_norms(module, widths)
+        norms[name] = {child: _heads.check_norm_form(f"{name}.{child}", module.get_submodule(child))
+                       for child in found}
+    explicit = plan is not DEFAULT_PLAN
+    if p > 1:
+        skip = frozenset(i for i, d in enumerate(degrees or ()) if d == 1)
+        _summary.check_coverage(model, {n for n, s in placed.items() if s.kind in ("column", "row")}, explicit, skip)
+    _check_parts(model, placed, linears)
 
     original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
     groups = {p: group}  # {degree: this rank's TP group at that degree}
@@ -591,15 +628,17 @@ def parallelize(
         linear, d = linears[name], degree(name)
         if d == 1 < p:
             continue  # a decoder layer of degree 1 stays unsharded (its replica's rows, on this rank alone)
+        column, row = ((ColumnParallelLinear.from_conv1d, RowParallelLinear.from_conv1d) if is_conv1d(linear)
+                       else (ColumnParallelLinear.from_linear, RowParallelLinear.from_linear))
         if style.kind == "column":
-            layer = ColumnParallelLinear.from_linear(linear, groups[d], stacked=style.stacked,
-                                                     sequence_parallel=sequence_parallel, chunks=chunks)
+            layer = column(linear, groups[d], stacked=style.stacked, parts=style.parts,
+                           sequence_parallel=sequence_parallel, chunks=chunks)
             layer._entry = entries[d]
         elif style.kind == "vocab_head":  # the full logits, for the model's own forward and loss
-            layer = ColumnParallelLinear.from_linear(linear, group, gather_output=True, pad_vocab=True,
-                                                     sequence_parallel=sequence_parallel, chunks=chunks)
+            layer = column(linear, group, gather_output=True, pad_vocab=True,
+                           sequence_parallel=sequence_parallel, chunks=chunks)
         else:
-            layer = RowParallelLinear.from_linear(linear, groups[d], sequence_parallel=sequence_parallel, chunks=chunks)
+            layer = row(linear, groups[d], sequence_parallel=sequence_parallel, chunks=chunks)
         _replace(model, name, layer)
     for name in placed_embeddings:
         _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
@@ -611,8 +650,9 @@ def parallelize(
     for name, module in attention.items():
         d = degree(name)
         if not d == 1 < p:
-            _localize_heads(module, d)
-            _sum_head_shared_grads(module, groups[d])
+            _heads.localize_heads(module, d)
+            _heads.shard_norms(module, norms[name], groups[d])
+            _heads.sum_head_shared_grads(module, groups[d])
     if degrees is not None:
         sums_on = [True]  # oases.train_step turns the hooks off: its schedule sums the replicas itself
         for layer, d in zip(decoder_layers, degrees):
@@ -626,19 +666,22 @@ def parallelize(
         model.tp_degrees = degrees  # oases.train_step reads it (HF: runs it on the schedules)
 
     unplaced = [name for name in linears if name not in placed]
-    explicit = plan is not DEFAULT_PLAN
     unused = [pattern for pattern, s in styles.items()
               if explicit and s.kind != "vocab" and not any(_matches(n, pattern) for n in linears)]
     unused_vocab = [pattern for pattern, s in styles.items()
                     if s.kind == "vocab" and not any(_matches(n, pattern) for n in embeddings)]
-    if unplaced or unused or unused_vocab:
-        message = "oases.parallelize:"
+    whole = _summary.whole_layers(model) if p > 1 else ""
+    if unplaced or unused or unused_vocab or whole:
+        message = "oases.parallelize:" + whole
         if unplaced:
-            message += (f" left {len(unplaced)} nn.Linear module(s) unsharded (replicated on every rank; "
-                        f"no plan pattern matches them): {', '.join(unplaced)}.")
+            kind = "nn.Linear / Conv1D" if any(is_conv1d(linears[n]) for n in unplaced) else "nn.Linear"
+            message += (f" left {len(unplaced)} {kind} module(s) unsharded (replicated on every rank; "
+                        f"no plan pattern matches them): {', '.join(unplaced)}." + _summary.report(model, unplaced))
         if unused:
             message += f" Plan patterns matching no nn.Linear: {', '.join(map(repr, unused))}."
         if unused_vocab:
             message += f" Plan patterns matching no nn.Embedding: {', '.join(map(repr, unused_vocab))}."
         warnings.warn(message, UserWarning, stacklevel=2)
-    return model
+    if not sequence_parallel:  # every rank of the group must get the same inputs (a sequence-parallel one: its slice)
+        watch_inputs(model, group)
+    return compiled

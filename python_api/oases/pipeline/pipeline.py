@@ -72,6 +72,7 @@ import torch.nn as nn
 
 from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
 from oases.checkpoint import CheckpointState
+from oases.inputs import CheckMode, agree_mesh_inputs
 from oases.models.gpt import GPTConfig
 from oases.planner.collectives import partition
 from oases.pipeline import _storage
@@ -423,13 +424,17 @@ class Pipeline:
             raise ValueError(f"micro_batches: {self.micro_batches} micro-batches, but each DP rank has only "
                              f"{tokens.shape[0] // self.dp} rows")
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank:
-        this is not checked, as checking would cost a collective);
-        returns the mean token loss of the whole batch, the same on every rank (see the module doc)."""
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *,
+                   check_inputs: CheckMode = True) -> torch.Tensor:
+        """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank);
+        returns the mean token loss of the whole batch, the same on every rank (see the module doc).
+        `check_inputs` (oases.inputs): True checks first that every rank of the mesh got the same
+        batch (one all_gather of a summary; ValueError on every rank otherwise), "broadcast" uses
+        rank 0's, False skips it."""
         if self._failed is not None:
             raise RuntimeError("train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
                                "on the pipeline's links, which match in order; build a new Pipeline") from self._failed
+        tokens, targets = agree_mesh_inputs(check_inputs, self.comm.device, tokens=tokens, targets=targets)
         self._check_batch(tokens, targets)
         step = self._split(tokens, targets)
         if any(self._auto.values()):

@@ -1,0 +1,231 @@
+"""Attention modules once their head projections are column-parallel: per-rank head counts.
+
+Each rank computes num_heads/p query heads and num_kv_heads/p key/value heads (whole heads: both
+counts must divide by p). parallelize makes the attention module (the parent of a sharded head
+projection) think in per-rank counts, and never touches the shared config:
+
+    module.<a> //= p   for every int attribute a in PER_RANK_ATTRIBUTES the module holds itself
+    module.config  ->  a view of the shared config whose head counts are this rank's
+                       (Phi-3 slices its fused q|k|v with config.num_attention_heads * head_dim);
+                       every other attribute, and every write, goes to the shared config
+    norms over the projected width (OLMo-2's q_norm [heads * head_dim]) -> ShardedRMSNorm
+                       (oases.nn.norm), their weights sharded like the projection's outputs
+    other parameters of the module (Qwen3's per-head q_norm / k_norm, shared by every head)
+                       -> their gradient summed over the group (each rank saw its heads only)
+
+`qkv_parts` gives the block sizes of a fused [q | k | v] projection from the module's head counts,
+for the plan style "column:qkv" (GQA: the blocks differ, so equal thirds would be wrong).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.comm._topology import ring_of
+from oases.nn import _mappings
+from oases.nn._parts import HEAD_PROJECTIONS, is_norm
+from oases.nn.norm import ShardedRMSNorm
+
+__all__ = ["PER_RANK_ATTRIBUTES", "count", "heads", "check_heads", "check_widths", "localize_heads", "qkv_parts", "full_width_norms",
+           "check_norm_form", "shard_norms", "sum_head_shared_grads", "head_dim"]
+
+# Integer attributes of an attention module that count its heads or the features made of them.
+PER_RANK_ATTRIBUTES = (
+    "num_heads", "num_attention_heads", "n_head", "n_heads",
+    "num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads",
+    "hidden_size", "embed_dim", "n_embd", "split_size", "all_head_size",
+)
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
+
+
+def count(module: nn.Module, names: tuple[str, ...]) -> Optional[tuple[str, int]]:
+    """(where, value) of the first head count found on the module, else on its config."""
+    for owner, label in ((module, ""), (getattr(module, "config", None), "config.")):
+        for n in names:
+            value = getattr(owner, n, None) if owner is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return label + n, value
+    return None
+
+
+def heads(module: nn.Module) -> tuple[Optional[int], Optional[int]]:
+    """(query heads, key-value heads) of an attention module (None: not found; kv defaults to heads)."""
+    q = count(module, _HEAD_COUNTS)
+    kv = count(module, _KV_HEAD_COUNTS)
+    return (None if q is None else q[1]), (None if kv is None else kv[1])
+
+
+def head_dim(module: nn.Module) -> Optional[int]:
+    value = getattr(module, "head_dim", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_heads(name: str, module: nn.Module, p: int) -> None:
+    where = name or "the model"
+    for names in (_HEAD_COUNTS, _KV_HEAD_COUNTS):
+        found = count(module, names)
+        if found is not None and found[1] % p:
+            attr, value = found
+            raise ValueError(
+                f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
+                f"each rank must hold whole heads, so use a world size that divides {value}"
+            )
+    for attr in PER_RANK_ATTRIBUTES:
+        value = vars(module).get(attr)
+        if isinstance(value, int) and not isinstance(value, bool) and value % p:
+            raise ValueError(
+                f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
+                f"this rank's share of it would not be whole"
+            )
+
+
+def check_widths(name: str, attention: nn.Module, widths: dict[str, int]) -> None:
+    """The sharded head projections' output widths agree with the module's head counts and head_dim
+    (q_proj: heads * d, k_proj / v_proj: kv_heads * d), else ValueError: a rank would hold other
+    features than its heads' (checked where the module says its head_dim and head counts)."""
+    q, kv = heads(attention)
+    d = head_dim(attention)
+    if q is None or d is None:
+        return
+    expected = {"q_proj": q * d, "k_proj": (kv or q) * d, "v_proj": (kv or q) * d}
+    for child, want in expected.items():
+        if child in widths and widths[child] != want:
+            raise ValueError(f"{name}.{child}: out_features={widths[child]}, but its attention module has "
+                             f"{q if child == 'q_proj' else kv or q} heads of head_dim={d} ({want} features); "
+                             f"oases would shard heads that the module does not count. Check the model's config")
+
+
+def qkv_parts(name: str, attention: nn.Module, out_features: int) -> tuple[int, int, int]:
+    """(q, k, v) widths of a fused [q | k | v] projection with `out_features` outputs, from the
+    attention module's head counts: (heads * d, kv_heads * d, kv_heads * d), d = out / (heads + 2 kv_heads)."""
+    q, kv = heads(attention)
+    if q is None:
+        raise ValueError(f"{name}: planned as 'column:qkv', but its attention module has no head count "
+                         f"(num_heads / num_attention_heads, on it or its config); give the block sizes instead, "
+                         f"'column:<q>,<k>,<v>'")
+    kv = q if kv is None else kv
+    d, rest = divmod(out_features, q + 2 * kv)
+    if rest or (head_dim(attention) not in (None, d)):
+        raise ValueError(f"{name}: out_features={out_features} is not (heads + 2 * kv_heads) * head_dim with "
+                         f"heads={q}, kv_heads={kv}" + (f", head_dim={head_dim(attention)}" if head_dim(attention)
+                                                        else "") + "; give the block sizes, 'column:<q>,<k>,<v>'")
+    return q * d, kv * d, kv * d
+
+
+class _RankConfig:
+    """The shared config seen with this rank's head counts (`own`); all else, writes too, is the config's."""
+
+    def __init__(self, config: object, own: dict[str, int]) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_own", own)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or "_own" not in self.__dict__:
+            raise AttributeError(name)
+        own = self.__dict__["_own"]
+        return own[name] if name in own else getattr(self.__dict__["_config"], name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in self._own:
+            raise AttributeError(f"{name}: this attention module's per-rank head count; set it on the shared config "
+                                 f"before oases.parallelize")
+        setattr(self._config, name, value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._own}, of {type(self._config).__name__})"
+
+
+def localize_heads(module: nn.Module, p: int) -> None:
+    """Make the module's head counts (and widths made of heads), and its config's, this rank's."""
+    for attr in PER_RANK_ATTRIBUTES:
+        value = vars(module).get(attr)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(module, attr, value // p)
+    config = vars(module).get("config")
+    if config is None or isinstance(config, _RankConfig):
+        return
+    own = {}
+    for names in (_HEAD_COUNTS, _KV_HEAD_COUNTS):
+        for n in names:
+            value = getattr(config, n, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                own[n] = value // p
+    full = next((getattr(config, n) for n in _HEAD_COUNTS if n in own), None)
+    hidden = getattr(config, "hidden_size", None)
+    if full and getattr(config, "head_dim", None) is None and isinstance(hidden, int):
+        own["head_dim"] = hidden // full  # derived from the full counts (getattr(config, "head_dim", h // heads))
+    if own:
+        module.config = _RankConfig(config, own)
+
+
+def full_width_norms(attention: nn.Module, widths: dict[str, int]) -> dict[str, str]:
+    """{norm child: the head projection it normalises} for the attention module's norms whose
+    weight spans a column-sharded projection's whole output width (OLMo-2's q_norm, k_norm), by
+    size: `widths` maps each sharded head projection's child name to its out features."""
+    found = {}
+    for child, module in attention.named_children():
+        weight = getattr(module, "weight", None)
+        if child in HEAD_PROJECTIONS or not is_norm(module) or weight is None:
+            continue
+        match = [proj for proj, width in widths.items() if width == weight.shape[0]]
+        if match and weight.shape[0] != head_dim(attention):
+            found[child] = match[0]
+    return found
+
+
+def _eps(norm: nn.Module) -> Optional[float]:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(norm, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def check_norm_form(name: str, norm: nn.Module) -> tuple[float, bool]:
+    """(eps, unit_offset) of an RMS norm that ShardedRMSNorm reproduces, checked on a random input
+    when its weight is real (a private generator: no global random state is used); else ValueError."""
+    eps = _eps(norm)
+    if eps is None or "rms" not in type(norm).__name__.lower():
+        raise ValueError(f"{name}: a {type(norm).__name__} over the whole projected width of a sharded head "
+                         f"projection; oases shards only RMS norms (weight * x / rms(x), with variance_epsilon or "
+                         f"eps) there. Leave the attention unsharded (remove its projections from the plan)")
+    weight = norm.weight
+    if weight.is_meta:
+        return eps, "gemma" in type(norm).__name__.lower()  # no values to check: Gemma's norms scale by 1 + w
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, weight.shape[0], generator=g).to(weight.device, weight.dtype)
+    tol = dict(rtol=1e-4, atol=1e-5) if weight.dtype in (torch.float32, torch.float64) else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        got = norm(x).float()
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        for unit_offset in (False, True):
+            scale = weight.float() + (1.0 if unit_offset else 0.0)
+            if torch.allclose(got, scale * h, **tol):
+                return eps, unit_offset
+    raise ValueError(f"{name}: its output is neither weight * x / rms(x) nor (1 + weight) * x / rms(x), which "
+                     f"ShardedRMSNorm computes over the sharded width; leave the attention unsharded (remove "
+                     f"its projections from the plan)")
+
+
+def shard_norms(attention: nn.Module, norms: dict[str, tuple[float, bool]],
+                group: Optional[dist.ProcessGroup]) -> None:
+    """Replace each named norm child by its ShardedRMSNorm over `group` (values copied)."""
+    for child, (eps, unit_offset) in norms.items():
+        setattr(attention, child, ShardedRMSNorm.from_norm(getattr(attention, child), group, eps=eps,
+                                                           unit_offset=unit_offset))
+
+
+def sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Parameters of an attention module outside its TP modules (Qwen3's per-head q_norm / k_norm
+    weights, shared by every head) see only this rank's heads: their gradient is all-reduced
+    over the group as it is computed, so .grad holds the full gradient (a hook per parameter)."""
+    tp_modules = [m for m in attention.modules() if hasattr(m, "tp_layout")]
+    in_tp = {id(q) for m in tp_modules for q in m.parameters()}
+    ring = ring_of(group)
+    for param in attention.parameters():
+        if id(param) not in in_tp and param.requires_grad:
+            param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))

@@ -1,0 +1,191 @@
+"""What a causal LM is made of, found by structure rather than by class name.
+
+    stack = find_stack(model)          # embedding, decoder layers, final norm, LM head (or None)
+    parts = layer_parts(layer)         # one decoder layer: its attention, MLP and norms, and how
+                                       # its forward combines them (the schedules' sublayers)
+
+A decoder layer's parts:
+    attention   a child module with head projections (q_proj / k_proj / v_proj, a fused qkv_proj,
+                query_key_value, c_attn, ...: HEAD_PROJECTIONS) and an output projection
+    mlp         another child module with two or more projections (gate/up/down, gate_up/down,
+                fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h)
+    norms       children whose class is a norm (LayerNorm, RMSNorm, ...: a 1-d weight, no children)
+    projections nn.Linear, Hugging Face Conv1D, or the tensor-parallel layers made of them
+
+How the layer's forward combines them is read from its source: the order in which it calls its
+children (Python's evaluation order: a call's arguments before the call), dropouts left out:
+
+    "sequential"  [norm_a, attention, norm_b, mlp]: x + attention(norm_a x), then + mlp(norm_b .)
+                  (Llama, Mistral, Qwen2/3, Gemma, Phi-3, GPT-2, GPT-NeoX with use_parallel_residual
+                  False), with plain residual adds (no line that scales the residual)
+    "parallel"    as sequential, and the layer's use_parallel_residual is True (GPT-NeoX):
+                  x + attention(norm_a x) + mlp(norm_b x)
+    "whole"       anything else (OLMo-2's norms after the branches, Gemma-2's four norms, a scaled
+                  residual, a forward whose source is unavailable): the schedules run the layer
+                  whole, as one sublayer (oases.models.hf)
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+
+__all__ = ["HEAD_PROJECTIONS", "LayerParts", "StackParts", "is_norm", "is_projection", "projections",
+           "attention_of", "mlp_of", "layer_parts", "find_stack", "decoder_layers_of"]
+
+# Child names that make their parent an attention module when column-sharded.
+HEAD_PROJECTIONS = frozenset({
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn",
+    "wq", "wk", "wv", "wqkv", "Wqkv", "query", "key", "value",
+})
+
+
+def is_projection(module: nn.Module) -> bool:
+    """An nn.Linear, a Hugging Face Conv1D, or a tensor-parallel layer made of one."""
+    return isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)) or is_conv1d(module)
+
+
+def is_norm(module: nn.Module) -> bool:
+    """A normalisation layer: a leaf whose class name says Norm, with a 1-d weight (or none)."""
+    if "norm" not in type(module).__name__.lower() or next(module.children(), None) is not None:
+        return False
+    weight = getattr(module, "weight", None)
+    return weight is None or (isinstance(weight, torch.Tensor) and weight.dim() == 1)
+
+
+def projections(module: nn.Module) -> dict[str, nn.Module]:
+    """{child name: child} of the module's direct children that are projections."""
+    return {n: m for n, m in module.named_children() if is_projection(m)}
+
+
+def attention_of(layer: nn.Module) -> Optional[str]:
+    """The name of the layer's child that is an attention module (head projections and another)."""
+    for name, child in layer.named_children():
+        found = projections(child)
+        if any(n in HEAD_PROJECTIONS for n in found) and len(found) >= 2:
+            return name
+    return None
+
+
+def mlp_of(layer: nn.Module, attention: Optional[str]) -> Optional[str]:
+    """The name of the layer's child, other than its attention, with two or more projections."""
+    for name, child in layer.named_children():
+        if name != attention and len(projections(child)) >= 2 and not any(n in HEAD_PROJECTIONS for n in projections(child)):
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """One decoder layer's parts (child names) and how its forward combines them (module doc)."""
+
+    kind: str  # "sequential", "parallel" or "whole"
+    attention: Optional[str]
+    mlp: Optional[str]
+    norms: tuple[str, ...]  # sequential / parallel: (before attention, before mlp)
+    reason: str = ""  # why "whole"
+
+
+def _calls(forward) -> Optional[list[str]]:
+    """The `self.<name>(...)` calls of a forward's source in evaluation order (None: no source)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    order: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):  # arguments (and the callee) before the call itself
+            visit(child)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+            order.append(node.func.attr)
+
+    visit(tree)
+    return order
+
+
+def _scaled_residual(forward) -> bool:
+    """Whether a line of the forward mentions the residual with a product or a quotient."""
+    try:
+        lines = inspect.getsource(inspect.unwrap(forward)).splitlines()
+    except (OSError, TypeError):
+        return True
+    code = [line.split("#")[0] for line in lines]
+    return any("residual" in line and ("*" in line or "/" in line) for line in code)
+
+
+def layer_parts(layer: nn.Module) -> LayerParts:
+    """The decoder layer's parts, and whether the schedules can split it (see the module doc)."""
+    attention = attention_of(layer)
+    mlp = mlp_of(layer, attention)
+    children = dict(layer.named_children())
+    norms = tuple(n for n, m in children.items() if is_norm(m))
+    if attention is None or mlp is None:
+        missing = "an attention module (q/k/v or fused qkv, and an output projection)" if attention is None \
+            else "an MLP (two or more projections besides the attention's)"
+        return LayerParts("whole", attention, mlp, norms, f"no {missing} among its children")
+    calls = _calls(type(layer).forward)
+    if calls is None:
+        return LayerParts("whole", attention, mlp, norms, "the source of its forward is unavailable")
+    held = [n for n, m in children.items() if any(True for _ in m.parameters())]
+    order = []
+    for name in calls:
+        if name in children and not isinstance(children[name], nn.Dropout) and name not in order:
+            order.append(name)
+    shape = [("norm" if n in norms else n) for n in order]
+    if shape != ["norm", attention, "norm", mlp] or set(held) - set(order):
+        return LayerParts("whole", attention, mlp, norms,
+                          f"its forward calls {', '.join(order)}; the schedules split a layer that calls a norm, "
+                          f"{attention}, a norm, {mlp} (pre-norm residual branches)")
+    if _scaled_residual(type(layer).forward):
+        return LayerParts("whole", attention, mlp, norms, "its forward scales the residual")
+    pair = (order[0], order[2])
+    kind = "parallel" if getattr(layer, "use_parallel_residual", False) is True else "sequential"
+    return LayerParts(kind, attention, mlp, pair)
+
+
+def decoder_layers_of(base: nn.Module) -> Optional[tuple[str, nn.ModuleList]]:
+    """(child name, list) of the base model's decoder layers: its first non-empty nn.ModuleList child."""
+    for name, child in base.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) > 0:
+            return name, child
+    return None
+
+
+@dataclass(frozen=True)
+class StackParts:
+    """A causal LM's stack: base model, its decoder layers (attribute name and list), final norm, head."""
+
+    base: nn.Module
+    layers_name: str
+    layers: nn.ModuleList
+    final_norm: Optional[nn.Module]
+    head: Optional[nn.Module]
+
+
+def find_stack(model: nn.Module) -> tuple[Optional[StackParts], str]:
+    """(the model's stack, "") or (None, what is missing). The base model is Hugging Face's
+    `model.base_model` (else the model itself); the final norm is the base model's one norm child."""
+    base = getattr(model, "base_model", None)
+    base = base if isinstance(base, nn.Module) else model
+    found = decoder_layers_of(base)
+    if found is None:
+        return None, "no decoder layers (a non-empty nn.ModuleList child of model.base_model)"
+    name, layers = found
+    norms = [m for n, m in base.named_children() if is_norm(m)]
+    if len(norms) != 1:
+        return None, f"{len(norms)} norm children of model.base_model (one final norm expected)"
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return None, "no output embeddings (model.get_output_embeddings())"
+    return StackParts(base, name, layers, norms[0], head), ""

@@ -1,0 +1,48 @@
+"""torch.compile and oases (2 gloo ranks): parallelize and train_step accept a compiled model.
+
+parallelize(torch.compile(model)) shards the original in place and returns the compiled wrapper,
+whose forward (dynamo with the eager backend: graphs between the collectives' breaks) gives the
+logits of the parallelized model run eagerly, bit for bit; oases.train_step(compiled, ...) runs
+the schedule on the original's sublayers: the loss and every gradient of the uncompiled call.
+"""
+import warnings
+
+import pytest
+import torch
+
+from _spawn import run_ranks
+
+import oases
+
+pytest.importorskip("transformers")
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=False))
+
+
+def _compiled(rank, world):
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = oases.parallelize(_llama())
+        compiled = oases.parallelize(torch.compile(_llama(), backend="eager"))
+    assert type(compiled).__name__ == "OptimizedModule"
+    assert isinstance(compiled._orig_mod.model.layers[0].self_attn.q_proj, oases.nn.ColumnParallelLinear)
+    with torch.no_grad():
+        want, got = eager(input_ids=ids).logits, compiled(input_ids=ids).logits
+    assert torch.equal(got, want), float((got - want).abs().max())
+    loss = oases.train_step(compiled, ids, ids, schedule="oases")
+    want_loss = oases.train_step(eager, ids, ids, schedule="oases")
+    assert torch.equal(loss, want_loss)
+    for (name, p), q in zip(compiled._orig_mod.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_parallelize_and_train_step_take_a_compiled_model():
+    run_ranks(_compiled, 2, timeout=240)
