@@ -8,16 +8,17 @@
     oases.schedule     megatron / merak / cross_pass / oases training schedules for TP stacks
     oases.models       a GPT, and adapters that show Hugging Face stacks to the schedules
     oases.train_step   one step of a parallelized model (GPT, HF causal LMs, any Stack) on a schedule
+    oases.amp          GradScaler whose inf/NaN check is every rank's (TP shards skip the same steps)
     oases.dp           data parallelism in your own loop: GradientSync (DDP-style buckets), ZeroOptimizer (ZeRO-1)
     oases.pipeline     Pipeline: the GPT on a (dp, pp, tp) mesh with gpipe / 1f1b / FOLD3D's aiao schedules
 """
-from oases import comm, dp, models, ops, pipeline, schedule
+from oases import amp, comm, dp, models, ops, pipeline, schedule
 from oases.nn import parallelize, summary  # also binds the subpackage oases.nn
 from oases.training import train_step
 from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from oases.pretrained import load_pretrained, save_pretrained
 
 __version__ = "0.1.0"
-__all__ = ["comm", "dp", "ops", "nn", "parallelize", "summary", "schedule", "models", "pipeline", "train_step", "__version__",
+__all__ = ["amp", "comm", "dp", "ops", "nn", "parallelize", "summary", "schedule", "models", "pipeline", "train_step", "__version__",
            "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint",
            "CheckpointState", "load_pretrained", "save_pretrained"]
