@@ -1,4 +1,4 @@
-"""Communication mappings of tensor parallelism: four autograd functions in two dual pairs.
+"""Communication mappings of tensor parallelism: two dual pairs of autograd functions and a self-adjoint one.
 
 Each moves a tensor between the replicated region (every rank holds all of it) and the
 tensor-parallel region (each rank holds a slice of the last dimension, or a partial sum). The
@@ -8,6 +8,8 @@ backward of each is the adjoint of its forward, so each mapping's backward is it
     reduce_from_tp  fwd: all-reduce                  bwd: identity             dual: copy_to_tp
     split_to_tp     fwd: keep slice r of last dim    bwd: all-gather last dim  dual: gather_from_tp
     gather_from_tp  fwd: all-gather last dim         bwd: keep slice r         dual: split_to_tp
+    sum_over_tp     fwd: all-reduce                  bwd: all-reduce           self-adjoint (a partial
+                    sum every rank's output depends on: ShardedRMSNorm's sum of squares)
 
     (p ranks, r this rank; x [..., h] replicated, x_r [..., h/p] this rank's slice)
     split_to_tp(x)      = x[..., r*h/p : (r+1)*h/p]
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from oases import comm
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp"]
 
 
 def _all_reduced(t: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -109,3 +111,20 @@ def split_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> t
 def gather_from_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """fwd: all-gather the last dim; bwd: keep this rank's slice of the gradient. Dual of split_to_tp."""
     return _GatherFromTP.apply(x, ring_of(group))
+
+
+class _SumOverTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ring: Ring):
+        ctx.ring = ring
+        return _all_reduced(x, ring)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduced(grad, ctx.ring), None
+
+
+def sum_over_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """fwd: all-reduce (sum of the ranks' partial x); bwd: all-reduce of the gradient (self-adjoint:
+    each rank's gradient is its share of the sum's, which depends on every rank's x)."""
+    return _SumOverTP.apply(x, ring_of(group))

@@ -27,27 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._sharding import ShardRule
-from oases.comm._topology import Ring, ring_of
-from oases.nn._mappings import _all_reduced
+from oases.comm._topology import ring_of
+from oases.nn._mappings import sum_over_tp
 
-__all__ = ["ShardedRMSNorm", "sum_over_tp"]
-
-
-class _SumOverTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ring: Ring):
-        ctx.ring = ring
-        return _all_reduced(x, ring)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduced(grad, ctx.ring), None
-
-
-def sum_over_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
-    """fwd: all-reduce (sum of the ranks' partial x); bwd: all-reduce of the gradient (self-adjoint:
-    each rank's gradient is its share of the sum's, which depends on every rank's x)."""
-    return _SumOverTP.apply(x, ring_of(group))
+__all__ = ["ShardedRMSNorm"]
 
 
 class ShardedRMSNorm(nn.Module):
