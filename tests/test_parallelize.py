@@ -123,10 +123,10 @@ def _check_hf_models(rank, world_size):
         attn = tp.gpt_neox.layers[1].attention
         assert isinstance(attn.query_key_value, ColumnParallelLinear) and isinstance(attn.dense, RowParallelLinear)
 
-    model = _llama(kv_heads=2)  # 2 KV heads cannot be split over 4 ranks
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: config\.num_key_value_heads=2 is not "
-                                         r"divisible by the tensor-parallel world size 4"):
-        oases.parallelize(model)
+    model = _llama(kv_heads=2)  # 2 KV heads over 4 ranks: replicated (tests/test_user_models.py), not per layer
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: 2 key-value heads at TP degree 4 would be "
+                                         r"replicated over 2 ranks each, which per-layer tp_degrees do not support"):
+        oases.parallelize(model, tp_degrees=[4, 4])
     with pytest.raises(ValueError, match="sequence_parallel=True: LlamaForCausalLM is a Hugging Face"):
         oases.parallelize(model, pairs[rank // 2], sequence_parallel=True)
     with pytest.raises(ValueError, match=r"head projections must all be column-parallel, but v_proj"):

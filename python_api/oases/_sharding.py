@@ -5,6 +5,9 @@
     row_shard(W [..., in], r, p):                 W[..., r*in/p : (r+1)*in/p]
     ShardRule(dim, parts=(n_0, ..., n_k)):        the r-th slice of each of the k+1 consecutive
                                                   blocks of `dim` (sizes n_i, unequal: a GQA q|k|v)
+    ShardRule(dim, parts=..., replicas=(c_0, ..., c_k)):  block i cut into p / c_i slices, rank r holding
+                                                  slice r // c_i: c_i consecutive ranks hold the same
+                                                  copy (key-value heads at p > kv_heads)
 column_shard and row_shard return views.
 
 A module whose parameters are TP shards says how, as data: `tp_layout()` maps a parameter's
@@ -24,8 +27,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["ShardRule", "Chunk", "vocab_rule", "whole", "rows_of", "column_shard", "row_shard", "tp_rules", "sharded_parameters"]
+__all__ = ["ShardRule", "Chunk", "vocab_rule", "whole", "rows_of", "column_shard", "row_shard", "tp_rules",
+           "sharded_parameters", "copied_rows", "squares_once"]
 
 
 @dataclass(frozen=True)
@@ -59,12 +64,55 @@ class ShardRule:
     length along `dim`; each rank holds ceil(size / p) entries, rank r the entries
     [r * ceil(size / p), ...) of the full tensor, and the entries past `size` (on the last ranks)
     are padding: zeros in `shard`, dropped by `unshard`, in no chunk.
+
+    `replicas` (stacked == 1, unpadded; one entry per block: 1 without `parts`): block i is cut into
+    p / replicas[i] slices and rank r holds slice r // replicas[i], so replicas[i] consecutive ranks
+    hold the same copy (a GQA model's key-value heads at p > kv_heads: each rank holds the one
+    kv head its query heads use). `chunks` gives every copy the same boxes (written once: a
+    checkpoint deduplicates them) and `unshard` takes one copy of each slice.
+
+        ShardRule(0, replicas=(2,)).shard(W [2d, in], r, p=4)          = W[(r // 2) * d : (r // 2 + 1) * d]
+        ShardRule(0, parts=(q, k, v), replicas=(1, 2, 2)).shard(W, r, 4) = [q_r | k_{r // 2} | v_{r // 2}]
     """
 
     dim: int
     stacked: int = 1
     size: Optional[int] = None
     parts: tuple[int, ...] = ()
+    replicas: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.replicas:
+            blocks = len(self.parts) or 1
+            if self.stacked != 1 or self.size is not None or len(self.replicas) != blocks \
+                    or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.replicas):
+                raise ValueError(f"ShardRule: replicas must be one positive int per block ({blocks}), with stacked=1 "
+                                 f"and no padded size; got replicas={self.replicas!r}, stacked={self.stacked}, "
+                                 f"size={self.size}, parts={self.parts}")
+
+    def copies(self) -> list[int]:
+        """How many consecutive ranks hold each block's slice (one entry per block; 1: no replica)."""
+        return list(self.replicas) if self.replicas else [1] * (len(self.parts) or max(self.stacked, 1))
+
+    def local_copies(self, length: int, world_size: int) -> list[tuple[int, int, int]]:
+        """(start, length, copies) of each block's entries along `dim` in a rank's shard of a full
+        tensor of `length` entries there: which entries several ranks hold alike (copies > 1)."""
+        if not self.replicas:
+            return [(0, length // world_size, 1)]
+        out, start = [], 0
+        for block, c in zip(self.blocks(length), self.replicas):
+            n = block // (world_size // c)
+            out.append((start, n, c))
+            start += n
+        return out
+
+    def _full_length(self, local_length: int, world_size: int) -> int:
+        """The full tensor's entries along `dim` from a shard's `local_length`."""
+        if self.size is not None:
+            return self.size
+        if self.parts:
+            return sum(self.parts)
+        return local_length * world_size // self.copies()[0] if self.replicas else local_length * world_size
 
     def blocks(self, length: int) -> list[int]:
         """The full sizes of the blocks that `length` entries along `dim` are made of."""
@@ -79,14 +127,15 @@ class ShardRule:
     def held(self, length: int, rank: int, world_size: int) -> tuple[int, int]:
         """[start, stop) of the full tensor's `length` entries along `dim` that rank `rank` holds
         (stacked == 1; for a padded rule stop - start may be less than the shard's rows, or 0)."""
-        part = self.part(world_size) if self.size is not None else length // world_size
-        start = min(length, rank * part)
+        c = self.copies()[0] if self.replicas and not self.parts else 1
+        part = self.part(world_size) if self.size is not None else length // (world_size // c)
+        start = min(length, (rank // c) * part)
         return start, min(length, start + part)
 
     def full_shape(self, local_shape: Sequence[int], world_size: int) -> torch.Size:
         """The full tensor's shape from a shard's."""
         shape = list(local_shape)
-        shape[self.dim] = self.size if self.size is not None else shape[self.dim] * world_size
+        shape[self.dim] = self._full_length(shape[self.dim], world_size)
         return torch.Size(shape)
 
     def shard(self, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -99,6 +148,10 @@ class ShardRule:
             out = full.new_zeros(shape)
             out.narrow(self.dim, 0, held).copy_(full.narrow(self.dim, start, held))
             return out
+        if self.replicas:  # block i: slice r // c_i of p / c_i
+            pieces = [b.chunk(world_size // c, dim=self.dim)[rank // c]
+                      for b, c in zip(full.split(self.blocks(full.shape[self.dim]), dim=self.dim), self.replicas)]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
         if self.dim == 0 and not self.parts:
             return column_shard(full, rank, world_size, self.stacked)
         blocks = self.blocks(full.shape[self.dim])
@@ -113,6 +166,7 @@ class ShardRule:
             stacked == 1:  [full.chunk(p, dim)[rank]]
             stacked == s:  block k of s, rank's part of it: entries k*B + rank*B/p ... (B = n/s)
             parts:         block k (size n_k, at o_k), rank's part of it: o_k + rank*n_k/p ...
+            replicas:      block k's part (rank // c_k) of p / c_k: o_k + (rank // c_k)*n_k*c_k/p ...
             padded:        [entries rank*ceil(size/p) ... up to size] (none for a rank of padding only)
         """
         shape = tuple(int(n) for n in full_shape)
@@ -125,10 +179,10 @@ class ShardRule:
             offsets[self.dim], sizes[self.dim] = start, held
             return [Chunk(tuple(offsets), tuple(sizes), self.dim, 0)]
         boxes, start, local = [], 0, 0
-        for block in self.blocks(shape[self.dim]):  # the whole dim when stacked == 1
-            part = block // world_size  # this rank's entries of the block
+        for block, c in zip(self.blocks(shape[self.dim]), self.copies()):  # the whole dim when stacked == 1
+            part = block // (world_size // c)  # this rank's entries of the block
             offsets = [0] * len(shape)
-            offsets[self.dim] = start + rank * part
+            offsets[self.dim] = start + (rank // c) * part
             sizes = list(shape)
             sizes[self.dim] = part
             boxes.append(Chunk(tuple(offsets), tuple(sizes), self.dim, local))
@@ -139,6 +193,10 @@ class ShardRule:
         """The full tensor from every rank's part, in rank order (the inverse of `shard`)."""
         if self.size is not None:
             return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.size)
+        if self.replicas:  # block i: one copy of each of its p / c_i slices (ranks 0, c_i, 2 c_i, ...)
+            spans = self.local_copies(self._full_length(parts[0].shape[self.dim], len(parts)), len(parts))
+            return torch.cat([local.narrow(self.dim, start, n) for start, n, c in spans for local in parts[::c]],
+                             dim=self.dim)
         full = self.blocks(parts[0].shape[self.dim] * len(parts))
         if len(full) == 1:
             return torch.cat(parts, dim=self.dim)
@@ -202,3 +260,31 @@ def tp_rules(model: torch.nn.Module) -> dict[str, tuple[ShardRule, "object"]]:
 def sharded_parameters(model: torch.nn.Module) -> dict[int, "object"]:
     """{id(parameter): its process group} for every parameter a module's `tp_layout()` lists."""
     return {id(model.get_parameter(name)): group for name, (_, group) in tp_rules(model).items()}
+
+
+def copied_rows(model: torch.nn.Module) -> dict[int, tuple[tuple[int, int, int], ...]]:
+    """{id(parameter): ((start, n, copies), ...)} for the TP shards holding rows (dim 0) that other
+    ranks of their group hold alike (ShardRule replicas: key-value heads at p > kv_heads); a norm
+    summed over the group counts those rows once by weighting them 1 / copies (`squares_once`)."""
+    found = {}
+    for name, (rule, group) in tp_rules(model).items():
+        if rule.replicas and rule.dim == 0:
+            param = model.get_parameter(name)
+            p = dist.get_world_size(group)
+            spans = rule.local_copies(rule.full_shape(param.shape, p)[0], p)
+            found[id(param)] = tuple(span for span in spans if span[2] > 1)
+    return found
+
+
+def squares_once(g: torch.Tensor, spans: tuple[tuple[int, int, int], ...] = (), first_row: int = 0) -> torch.Tensor:
+    """sum(g ** 2) in fp32, each row in `spans` ((start, n, copies) of the shard's rows) weighted
+    1 / copies; `g` holds the shard's rows [first_row, first_row + g.shape[0]) (ZeRO: a dp rank's rows).
+
+        sum over the ranks of squares_once(shard_r, spans_r) == |unsharded tensor|^2
+    """
+    total = g.detach().float().pow(2).sum()
+    for start, n, c in spans:
+        lo, hi = max(start - first_row, 0), min(start + n - first_row, g.shape[0])
+        if lo < hi:
+            total = total - g.detach().narrow(0, lo, hi - lo).float().pow(2).sum() * (1 - 1 / c)
+    return total

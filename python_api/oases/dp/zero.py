@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases._sharding import sharded_parameters
+from oases._sharding import copied_rows, sharded_parameters, squares_once
 from oases.comm._topology import ring_of
 from oases.dp.grad_sync import GradientSync
 
@@ -214,9 +214,11 @@ class ShardedOptimizer:
     # --- clipping ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def clip_master_grads_(self, max_norm: float, norm_type: float, tp_groups: dict[int, object]) -> torch.Tensor:
+    def clip_master_grads_(self, max_norm: float, norm_type: float, tp_groups: dict[int, object],
+                           copied: Optional[dict[int, tuple]] = None) -> torch.Tensor:
         """Clip the masters' gradients by the norm of the whole gradient they are rows of (see
-        ZeroOptimizer.clip_grad_norm_); `tp_groups`: {id(param): its TP group} for TP shards."""
+        ZeroOptimizer.clip_grad_norm_); `tp_groups`: {id(param): its TP group} for TP shards;
+        `copied`: oases._sharding.copied_rows (rows several TP ranks hold alike, counted once)."""
         inf = norm_type == math.inf
         combine = torch.maximum if inf else torch.add
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -231,7 +233,8 @@ class ShardedOptimizer:
             if g is None or g.numel() == 0:
                 continue
             i = order.index(0 if id(p) not in tp_groups else id(tp_groups[id(p)]))
-            part = g.detach().float().abs().max() if inf else g.detach().float().pow(2).sum()
+            spans = (copied or {}).get(id(p), ())
+            part = g.detach().float().abs().max() if inf else squares_once(g, spans, self.slots[id(p)].start)
             parts[i] = combine(parts[i], part.to(device))
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
         if self.size > 1:
@@ -295,6 +298,7 @@ class ZeroOptimizer(ShardedOptimizer):
         params = [p for p in model.parameters() if id(p) in self.names]  # model.parameters() order
         super().__init__(params, group, lambda masters: optimizer_class(masters, **kwargs))
         self._tp_groups = sharded_parameters(model)  # {id(param): TP group}: clip_grad_norm_ counts shards
+        self._copied = copied_rows(model)  # rows held alike by several TP ranks: counted once
         self.sync = GradientSync(params, group, bucket_bytes=bucket_bytes, reducer=_ReduceScatterRows(self))
         self.bucket_bytes = bucket_bytes
 
@@ -313,7 +317,7 @@ class ZeroOptimizer(ShardedOptimizer):
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
             raise ValueError(f"max_norm: expected a number > 0, got {max_norm!r}")
         self.sync.finish()
-        return self.clip_master_grads_(float(max_norm), norm_type, self._tp_groups)
+        return self.clip_master_grads_(float(max_norm), norm_type, self._tp_groups, self._copied)
 
     @torch.no_grad()
     def step(self) -> None:

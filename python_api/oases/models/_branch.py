@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
+from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 
 __all__ = ["Branch", "NOT_PASSED", "check_sharded", "check_no_dropout"]
@@ -75,14 +76,18 @@ class Branch:
 
 def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
     """Either nothing in `decoder` is TP-sharded (TP = 1), or every branch is: no plain nn.Linear
-    left in it, and a row-parallel output projection that makes its output a partial sum."""
+    left in it (but an MoE block's routers and gates, replicated by design), and a row-parallel
+    output projection or sharded experts (ParallelExperts) that make its output a partial sum."""
     if not any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in decoder.modules()):
         return
     for layer in layers:
         for sub in layer:
             for module in sub.branches:
-                plain = [n for n, m in module.named_modules() if type(m) is nn.Linear]
-                if plain or not any(isinstance(m, RowParallelLinear) for m in module.modules()):
+                blocks = {n for n, m in module.named_modules()  # MoE blocks: their nn.Linear children replicated
+                          if any(isinstance(c, ParallelExperts) for c in m.children())}
+                plain = [n for n, m in module.named_modules()
+                         if type(m) is nn.Linear and n.rpartition(".")[0] not in blocks]
+                if plain or not any(isinstance(m, (RowParallelLinear, ParallelExperts)) for m in module.modules()):
                     raise ValueError(
                         f"oases.train_step: decoder layer {sub.index}'s {type(module).__name__} is not fully "
                         f"tensor-parallel (plain nn.Linear: {', '.join(plain) or 'none'}; it needs a row-parallel "

@@ -148,8 +148,14 @@ class HFStack:
         return (Branch(i, (ln1,), (attn,), attn), Branch(i, (ln2,), (mlp,), None))
 
     def check_trainable(self) -> None:
-        """Dropout inside the recomputed sublayers would draw different masks when recomputed."""
+        """Dropout inside the recomputed sublayers would draw different masks when recomputed; an MoE
+        model's load-balancing loss (output_router_logits) is not part of the step's loss."""
         check_no_dropout(self.model, self.decoder)
+        if getattr(getattr(self.model, "config", None), "output_router_logits", False) is True:
+            raise ValueError("oases.train_step: the model's config has output_router_logits=True, and the step's loss "
+                             "is the language-model loss alone (no load-balancing loss); set "
+                             "model.config.output_router_logits = False, or train with loss = model(...).loss and "
+                             "loss.backward() (exact with sharded experts)")
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         calls: list = []

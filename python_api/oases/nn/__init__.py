@@ -2,6 +2,7 @@
 
     ColumnParallelLinear          output features sharded (weight [out/p, in])
     RowParallelLinear             input features sharded, output reduced (weight [out, in/p])
+    ParallelExperts               fused routed experts, each expert's intermediate dim sharded (partial sums)
     VocabParallelEmbedding        the vocabulary sharded (weight [V/p, h]), output reduced
     vocab_parallel_cross_entropy  F.cross_entropy of the full logits from a [..., V/p] shard of them
     parallelize(model)            nn.Linear (and, by plan, nn.Embedding) -> the layers above, in place
@@ -16,11 +17,12 @@ The communication mappings the layers use (copy/reduce, split/gather) are in `oa
 from oases._sharding import ShardRule
 from oases.nn._coverage import Summary, summary
 from oases.nn.clip import clip_grad_norm_
+from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 from oases.nn.norm import ShardedRMSNorm
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_", "ShardRule", "ShardedRMSNorm",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelExperts", "VocabParallelEmbedding",
+           "vocab_parallel_cross_entropy", "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_", "ShardRule", "ShardedRMSNorm",
            "summary", "Summary"]

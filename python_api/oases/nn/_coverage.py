@@ -8,8 +8,9 @@
     s.left_whole                        # decoder-layer projections left replicated
 
 Shardable decoder-layer parameters are those of the layers' projections (nn.Linear, Conv1D and
-the TP layers made of them), less the replicated biases of row-parallel layers (added once after
-the reduction: replicated by design) and routers; norms are not shardable (a norm over a sharded
+the TP layers made of them) and fused routed experts (an MoE block's 3-D gate_up_proj / down_proj,
+oases.nn.experts), less the replicated biases of row-parallel layers (added once after the
+reduction: replicated by design) and routers and gates; norms are not shardable (a norm over a sharded
 width, OLMo-2's q_norm, is counted as sharded when it is). parallelize calls `check_coverage`
 with its plan before changing anything: decoder layers whose shardable parameters would stay
 mostly replicated (less than half sharded) raise a ValueError with the default plan (a warning
@@ -27,12 +28,13 @@ from oases._sharding import tp_rules
 from oases.comm._topology import ring_of
 from oases.nn._parts import (_calls, attention_of, decoder_layers_of, find_stack, is_projection, layer_parts,
                              mlp_of, projections)
+from oases.nn.experts import is_experts
 from oases.nn.layers import RowParallelLinear
 
 __all__ = ["Part", "Summary", "summary", "check_coverage", "report", "whole_layers", "ROUTERS"]
 
-# Child names of MoE routers: projections that stay replicated (their outputs pick experts).
-ROUTERS = frozenset({"router", "gate"})
+# Child names of MoE routers and gates: projections that stay replicated (their outputs pick or weigh experts).
+ROUTERS = frozenset({"router", "gate", "shared_expert_gate"})
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ def _style(module: nn.Module) -> str:
             return "vocab_head"
         return (f"column:({', '.join(map(str, module.parts))})" if module.parts
                 else f"column:{module.stacked}" if module.stacked > 1 else "column")
-    return {"RowParallelLinear": "row", "VocabParallelEmbedding": "vocab", "ShardedRMSNorm": "sharded_norm"}.get(
+    return {"RowParallelLinear": "row", "VocabParallelEmbedding": "vocab", "ShardedRMSNorm": "sharded_norm",
+            "ParallelExperts": "experts"}.get(
         kind, "sharded" if hasattr(module, "tp_layout") else "replicated")
 
 
@@ -142,9 +145,13 @@ def whole_layers(model: nn.Module) -> str:
 
 
 def _shardable(layer_prefix: str, layer: nn.Module) -> dict[str, tuple[nn.Module, int]]:
-    """{qualified name: (projection, its shardable parameter count)} of a decoder layer (module doc)."""
+    """{qualified name: (projection or fused experts, its shardable parameter count)} of a decoder
+    layer (module doc)."""
     found = {}
     for name, module in layer.named_modules():
+        if is_experts(module):
+            found[f"{layer_prefix}.{name}"] = (module, module.gate_up_proj.numel() + module.down_proj.numel())
+            continue
         if not is_projection(module) or name.rpartition(".")[2] in ROUTERS:
             continue
         bias = getattr(module, "bias", None)
@@ -163,7 +170,7 @@ def _layer_coverage(model: nn.Module, rules: dict) -> tuple[Optional[float], tup
     whole = []
     for i, layer in enumerate(layers):
         for name, (module, count) in _shardable(f"{prefix}.{i}", layer).items():
-            weight_rule = rules.get(f"{name}.weight")
+            weight_rule = rules.get(f"{name}.{'gate_up_proj' if is_experts(module) else 'weight'}")
             full = count if weight_rule is None else count * ring_of(weight_rule[1]).size
             total += full
             if weight_rule is None:
@@ -176,6 +183,8 @@ def _layer_coverage(model: nn.Module, rules: dict) -> tuple[Optional[float], tup
 def _suggestion(layer: nn.Module, part: str, child: str) -> str:
     """The plan entry that would shard projection `child` of the layer's part `part`."""
     module = layer.get_submodule(part)
+    if is_experts(module.get_submodule(child)):
+        return f"{child!r}: 'experts'"
     called = [n for n in (_calls(type(module).forward) or []) if n in projections(module)]
     last = called[-1] if called else list(projections(module))[-1]
     return f"{child!r}: {'row' if child == last else 'column'!r}"

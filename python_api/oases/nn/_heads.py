@@ -1,10 +1,14 @@
 """Attention modules once their head projections are column-parallel: per-rank head counts.
 
 Each rank computes num_heads/p query heads and num_kv_heads/p key/value heads (whole heads: both
-counts must divide by p). parallelize makes the attention module (the parent of a sharded head
-projection) think in per-rank counts, and never touches the shared config:
+counts must divide by p), or, at p > num_kv_heads with p % num_kv_heads == 0, the one key/value
+head its query heads use, held alike by p / num_kv_heads ranks (oases.nn._kv). parallelize makes
+the attention module (the parent of a sharded head projection) think in per-rank counts, and
+never touches the shared config:
 
     module.<a> //= p   for every int attribute a in PER_RANK_ATTRIBUTES the module holds itself
+                       (a key-value head count below p: 1)
+    module.num_key_value_groups = this rank's query heads / its kv heads (changed only at p > kv)
     module.config  ->  a view of the shared config whose head counts are this rank's
                        (Phi-3 slices its fused q|k|v with config.num_attention_heads * head_dim);
                        every other attribute, and every write, goes to the shared config
@@ -64,18 +68,27 @@ def head_dim(module: nn.Module) -> Optional[int]:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _replicated(value: int, p: int) -> bool:
+    """A key-value head count below p that divides it: each head held alike by p / value ranks."""
+    return 0 < value < p and p % value == 0
+
+
 def check_heads(name: str, module: nn.Module, p: int) -> None:
     where = name or "the model"
     for names in (_HEAD_COUNTS, _KV_HEAD_COUNTS):
         found = count(module, names)
-        if found is not None and found[1] % p:
+        if found is not None and found[1] % p and not (names is _KV_HEAD_COUNTS and _replicated(found[1], p)):
             attr, value = found
+            more = " or a multiple of it (each key-value head then held by several ranks)" \
+                if names is _KV_HEAD_COUNTS else ""
             raise ValueError(
                 f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
-                f"each rank must hold whole heads, so use a world size that divides {value}"
+                f"each rank must hold whole heads, so use a world size that divides {value}{more}"
             )
     for attr in PER_RANK_ATTRIBUTES:
         value = vars(module).get(attr)
+        if attr in _KV_HEAD_COUNTS and isinstance(value, int) and _replicated(value, p):
+            continue
         if isinstance(value, int) and not isinstance(value, bool) and value % p:
             raise ValueError(
                 f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
@@ -139,12 +152,20 @@ class _RankConfig:
         return f"{type(self).__name__}({self._own}, of {type(self._config).__name__})"
 
 
+def _per_rank(attr: str, value: int, p: int) -> int:
+    return 1 if attr in _KV_HEAD_COUNTS and _replicated(value, p) else value // p
+
+
 def localize_heads(module: nn.Module, p: int) -> None:
     """Make the module's head counts (and widths made of heads), and its config's, this rank's."""
+    q, kv = heads(module)
+    if (q is not None and kv is not None and _replicated(kv, p)
+            and isinstance(vars(module).get("num_key_value_groups"), int)):
+        module.num_key_value_groups = q // p  # this rank's query heads all use its one kv head
     for attr in PER_RANK_ATTRIBUTES:
         value = vars(module).get(attr)
         if isinstance(value, int) and not isinstance(value, bool):
-            setattr(module, attr, value // p)
+            setattr(module, attr, _per_rank(attr, value, p))
     config = vars(module).get("config")
     if config is None or isinstance(config, _RankConfig):
         return
@@ -153,7 +174,7 @@ def localize_heads(module: nn.Module, p: int) -> None:
         for n in names:
             value = getattr(config, n, None)
             if isinstance(value, int) and not isinstance(value, bool):
-                own[n] = value // p
+                own[n] = _per_rank(n, value, p)
     full = next((getattr(config, n) for n in _HEAD_COUNTS if n in own), None)
     hidden = getattr(config, "hidden_size", None)
     if full and getattr(config, "head_dim", None) is None and isinstance(hidden, int):

@@ -10,6 +10,8 @@ backward of each is the adjoint of its forward, so each mapping's backward is it
     gather_from_tp  fwd: all-gather last dim         bwd: keep slice r         dual: split_to_tp
     sum_over_tp     fwd: all-reduce                  bwd: all-reduce           self-adjoint (a partial
                     sum every rank's output depends on: ShardedRMSNorm's sum of squares)
+    copy_to_replicas  copy_to_tp on some rows: fwd identity, bwd all-reduce of the gradient's rows
+                    in `spans` over the ranks holding copies of them (key-value heads at p > kv_heads)
 
     (p ranks, r this rank; x [..., h] replicated, x_r [..., h/p] this rank's slice)
     split_to_tp(x)      = x[..., r*h/p : (r+1)*h/p]
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from oases import comm
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp", "copy_to_replicas"]
 
 
 def _all_reduced(t: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -128,3 +130,26 @@ def sum_over_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> t
     """fwd: all-reduce (sum of the ranks' partial x); bwd: all-reduce of the gradient (self-adjoint:
     each rank's gradient is its share of the sum's, which depends on every rank's x)."""
     return _SumOverTP.apply(x, ring_of(group))
+
+
+class _CopyToReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, spans: tuple[tuple[int, int], ...], ring: Ring):
+        ctx.spans, ctx.ring = spans, ring
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        for start, n in ctx.spans:
+            comm.all_reduce(grad.narrow(0, start, n), ctx.ring.group)  # rows of dim 0: contiguous, in place
+        return grad, None, None
+
+
+def copy_to_replicas(x: torch.Tensor, spans: tuple[tuple[int, int], ...],
+                     group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """fwd: identity; bwd: the gradient's rows [start, start + n) of each span (dim 0) all-reduced
+    over `group`, the other rows as they are. For a weight whose rows in `spans` every rank of
+    `group` holds alike (a key-value head shared by their query heads): each rank's gradient of
+    them is its query heads' share, so every copy gets the sum, the unsharded model's rows."""
+    return _CopyToReplicas.apply(x, tuple(spans), ring_of(group))

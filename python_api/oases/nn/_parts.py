@@ -8,7 +8,8 @@ A decoder layer's parts:
     attention   a child module with head projections (q_proj / k_proj / v_proj, a fused qkv_proj,
                 query_key_value, c_attn, ...: HEAD_PROJECTIONS) and an output projection
     mlp         another child module with two or more projections (gate/up/down, gate_up/down,
-                fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h)
+                fc1/fc2, c_fc/c_proj, dense_h_to_4h/dense_4h_to_h), or an MoE block: a child holding
+                fused routed experts (Mixtral's, Qwen2/3-MoE's mlp: oases.nn.experts)
     norms       children whose class is a norm (LayerNorm, RMSNorm, ...: a 1-d weight, no children)
     projections nn.Linear, Hugging Face Conv1D, or the tensor-parallel layers made of them
 
@@ -21,8 +22,8 @@ children (Python's evaluation order: a call's arguments before the call), dropou
     "parallel"    as sequential, and the layer's use_parallel_residual is True (GPT-NeoX):
                   x + attention(norm_a x) + mlp(norm_b x)
     "whole"       anything else (OLMo-2's norms after the branches, Gemma-2's four norms, a scaled
-                  residual, a forward whose source is unavailable): the schedules run the layer
-                  whole, as one sublayer (oases.models.hf)
+                  residual, a forward whose source is unavailable, an MoE block whose experts are
+                  not sharded): the schedules run the layer whole, as one sublayer (oases.models.hf)
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from oases.nn.experts import is_experts, is_fused_experts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
 __all__ = ["HEAD_PROJECTIONS", "LayerParts", "StackParts", "is_norm", "is_projection", "projections",
@@ -75,9 +77,12 @@ def attention_of(layer: nn.Module) -> Optional[str]:
 
 
 def mlp_of(layer: nn.Module, attention: Optional[str]) -> Optional[str]:
-    """The name of the layer's child, other than its attention, with two or more projections."""
+    """The name of the layer's child, other than its attention, with two or more projections or
+    with fused routed experts (an MoE block)."""
     for name, child in layer.named_children():
-        if name != attention and len(projections(child)) >= 2 and not any(n in HEAD_PROJECTIONS for n in projections(child)):
+        found = projections(child)
+        mlp = len(found) >= 2 or any(is_experts(c) for c in child.children())
+        if name != attention and mlp and not any(n in HEAD_PROJECTIONS for n in found):
             return name
     return None
 
@@ -133,6 +138,9 @@ def layer_parts(layer: nn.Module) -> LayerParts:
         missing = "an attention module (q/k/v or fused qkv, and an output projection)" if attention is None \
             else "an MLP (two or more projections besides the attention's)"
         return LayerParts("whole", attention, mlp, norms, f"no {missing} among its children")
+    if any(is_fused_experts(c) for c in children[mlp].children()):  # a split sublayer's core must be a partial sum
+        return LayerParts("whole", attention, mlp, norms, f"the routed experts of its {mlp} are not sharded "
+                                                          f"(the plan entry 'experts': 'experts' shards them)")
     calls = _calls(type(layer).forward)
     if calls is None:
         return LayerParts("whole", attention, mlp, norms, "the source of its forward is unavailable")

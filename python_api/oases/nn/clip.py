@@ -2,7 +2,8 @@
 
 torch.nn.utils.clip_grad_norm_ on a tensor-parallel model sees only this rank's shards: each rank
 would clip by a different, too small norm. Here a TP shard's squares are summed over its group
-and a replicated parameter counts once, so every rank gets the unsharded model's norm:
+and a replicated parameter counts once (and rows several ranks of a group hold alike, key-value
+heads at p > kv_heads, once: weighted 1 / copies), so every rank gets the unsharded model's norm:
 
     total = sqrt( sum_replicated |g|^2 + sum_groups all_reduce_sum(sum_sharded |g|^2) )   # norm_type 2
     total = max( max_replicated |g|, all_reduce_max(max_sharded |g|) )                    # norm_type inf
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases._sharding import sharded_parameters
+from oases._sharding import copied_rows, sharded_parameters, squares_once
 
 __all__ = ["clip_grad_norm_"]
 
@@ -35,16 +36,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     groups = sharded_parameters(model)
-    grads = [(p.grad, groups.get(id(p), _REPLICATED)) for p in _unique(model.parameters()) if p.grad is not None]
+    copied = copied_rows(model)
+    grads = [(p.grad, groups.get(id(p), _REPLICATED), copied.get(id(p), ())) for p in _unique(model.parameters())
+             if p.grad is not None]
     inf = norm_type == math.inf
     combine = torch.maximum if inf else torch.add
     device = grads[0][0].device if grads else torch.device("cpu")  # NCCL reduces device tensors
     total = torch.zeros((), dtype=torch.float32, device=device)
     per_group: dict[int, tuple[object, torch.Tensor]] = {}
-    for g, group in grads:
+    for g, group, spans in grads:
         if g.numel() == 0:
             continue
-        part = (g.detach().float().abs().max() if inf else g.detach().float().pow(2).sum()).to(device)
+        part = (g.detach().float().abs().max() if inf else squares_once(g, spans)).to(device)
         if group is _REPLICATED:
             total = combine(total, part)
         else:
@@ -57,7 +60,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = combine(total, acc)
     total = total if inf else total.sqrt()
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g, _ in grads:
+    for g, _, _ in grads:
         g.detach().mul_(scale.to(g.device, g.dtype))
     return total
 

@@ -63,17 +63,31 @@ from oases import _checks, ops
 from oases.ops import _gemm
 from oases._sharding import ShardRule, row_shard, vocab_rule
 from oases.comm._topology import ring_of
-from oases.nn._mappings import copy_to_tp, gather_from_tp, split_to_tp
+from oases.nn._mappings import copy_to_replicas, copy_to_tp, gather_from_tp, split_to_tp
+from oases.nn.experts import ParallelExperts
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "no_tp_communication"]
 
 
 def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: int = 1,
-                    parts: tuple[int, ...] = ()) -> None:
+                    parts: tuple[int, ...] = (), replicas: tuple[int, ...] = ()) -> None:
     """`size` features (in `stacked` equal blocks, or blocks of the sizes `parts`) must split into
-    whole per-rank shards."""
+    whole per-rank shards; with `replicas` (one per block), block i into world_size / replicas[i]."""
     if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 1:
         raise ValueError(f"{owner}: stacked must be an int >= 1, got {stacked!r}")
+    if replicas:
+        if parts:
+            check_shardable(owner, arg, size, 1, 1, parts)  # the blocks' own sizes
+        blocks = parts or (size,)
+        if stacked != 1 or not isinstance(replicas, tuple) or len(replicas) != len(blocks) or any(
+                isinstance(c, bool) or not isinstance(c, int) or c < 1 or world_size % c for c in replicas):
+            raise ValueError(f"{owner}: replicas must be a tuple of one int per block ({len(blocks)}), each dividing "
+                             f"the tensor-parallel world size {world_size}, with stacked=1; got {replicas!r}")
+        for n, c in zip(blocks, replicas):
+            if n % (world_size // c):
+                raise ValueError(f"{owner}: {arg}={size} has a block of {n} features held by groups of {c} ranks; "
+                                 f"{n} is not divisible by {world_size // c} (world size {world_size} / {c})")
+        return
     if parts:
         if stacked != 1:
             raise ValueError(f"{owner}: pass stacked (equal blocks) or parts (their sizes), not both")
@@ -195,6 +209,11 @@ class ColumnParallelLinear(nn.Module):
     [q_r | k_r | v_r] and a model's `split` into equal thirds still finds q, k and v.
     `chunks`: pieces per shard for all_gather_linear's overlap (None: the op chooses); unused
     without sequence parallelism, where the forward has no communication to hide.
+    `replicas` (one per block: (c,) without parts) with `replica_group`: block i's slice is held
+    alike by replicas[i] consecutive ranks (ShardRule's replicas): a GQA model's key-value heads at
+    p > kv_heads, each rank holding the kv head its query heads use. `replica_group` holds this
+    rank's copies' ranks (the c consecutive ranks of `group` that share them); in backward each copy's
+    gradient is summed over it (copy_to_replicas), so every copy gets the unsharded model's rows.
     `pad_vocab` (an LM head): out_features need not divide by p; each rank holds ceil(out/p) rows,
     the last ranks' rows past out_features are padding (zeros) whose outputs are -inf
     (`mask_padding`) and are dropped by gather_output (oases.nn.vocab).
@@ -213,6 +232,8 @@ class ColumnParallelLinear(nn.Module):
         chunks: Optional[int] = None,
         stacked: int = 1,
         parts: tuple[int, ...] = (),
+        replicas: tuple[int, ...] = (),
+        replica_group: Optional[dist.ProcessGroup] = None,
         pad_vocab: bool = False,
         transposed: bool = False,
         gradient_accumulation_fusion: bool = False,
@@ -227,17 +248,27 @@ class ColumnParallelLinear(nn.Module):
         if pad_vocab and (stacked != 1 or parts or transposed):
             raise ValueError(f"{type(self).__name__}: pad_vocab (an LM head) takes stacked=1, no parts and "
                              f"transposed=False, got stacked={stacked}, parts={parts}, transposed={transposed}")
+        replicas = tuple(replicas) if isinstance(replicas, (tuple, list)) else replicas
         if not pad_vocab:
-            check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked, parts)
+            check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked, parts, replicas)
+        if any(c > 1 for c in replicas):
+            _check_replicas(type(self).__name__, replicas, replica_group, ring,
+                            pad_vocab or transposed or gather_output or gradient_accumulation_fusion)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_features, self.out_features = in_features, out_features
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.chunks, self.stacked, self.parts = _resolve_chunks(chunks), stacked, tuple(parts)
         self.pad_vocab, self.transposed = pad_vocab, transposed
+        self.replicas = replicas if any(c > 1 for c in replicas) else ()
+        self.replica_group = replica_group if self.replicas else None
         self._rule = (vocab_rule(out_features, ring.size) if pad_vocab
-                      else ShardRule(1 if transposed else 0, stacked, parts=self.parts))
-        start, stop = self._rule.held(out_features, ring.rank, ring.size)
+                      else ShardRule(1 if transposed else 0, stacked, parts=self.parts, replicas=self.replicas))
+        spans = self._rule.local_copies(out_features, ring.size)  # (start, rows, copies) per block
+        # rows of this rank's weight that other ranks hold alike: their gradient is summed over them
+        self._copied = tuple((first, n) for first, n, c in spans if c > 1)
+        start, stop = (self._rule.held(out_features, ring.rank, ring.size) if pad_vocab
+                       else (0, sum(n for _, n, _ in spans)))
         self._held = stop - start  # real rows on this rank (rows past them: a padded vocabulary's)
         self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
@@ -252,8 +283,11 @@ class ColumnParallelLinear(nn.Module):
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full [out, ...] weight or [out] bias (a view; a zero-padded copy
         for a padded vocabulary); transposed: its columns of a full [in, out] weight."""
-        rule = self._rule if full.dim() > 1 else ShardRule(0, self.stacked, self._rule.size, self.parts)
+        rule = self._rule if full.dim() > 1 else self._bias_rule()
         return rule.shard(full, self.rank, self.world_size)
+
+    def _bias_rule(self) -> ShardRule:
+        return ShardRule(0, self.stacked, self._rule.size, self.parts, self.replicas)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as F.linear takes it, [out/p, in] (a view of a transposed layer's [in, out/p])."""
@@ -264,7 +298,7 @@ class ColumnParallelLinear(nn.Module):
         rule = self._rule
         if self.bias is None:
             return {"weight": rule}
-        return {"weight": rule, "bias": ShardRule(0, self.stacked, rule.size, self.parts)}
+        return {"weight": rule, "bias": self._bias_rule()}
 
     def mask_padding(self, y: torch.Tensor) -> torch.Tensor:
         """y [..., rows of this rank] with the padded vocabulary's columns at -inf (pad_vocab; else y):
@@ -286,8 +320,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         main_grad = _main_grad(self)
+        weight, bias = self.dense_weight(), self.bias
+        if self._copied:  # rows held alike by replica_group's ranks: their gradients summed over it
+            weight = copy_to_replicas(weight, self._copied, self.replica_group)
+            bias = None if bias is None else copy_to_replicas(bias, self._copied, self.replica_group)
         if self.sequence_parallel:
-            y = ops.all_gather_linear(x, self.dense_weight(), self.bias, self.group, dim=0, chunks=self.chunks,
+            y = ops.all_gather_linear(x, weight, bias, self.group, dim=0, chunks=self.chunks,
                                       main_grad=main_grad)
         else:
             if not self._communicate:
@@ -296,7 +334,7 @@ class ColumnParallelLinear(nn.Module):
                 x = copy_to_tp(x, self.group)
             else:
                 x = self._entry.enter(x)
-            y = _linear(x, self.dense_weight(), self.bias, main_grad)  # [..., out/p]
+            y = _linear(x, weight, bias, main_grad)  # [..., out/p]
         y = self.mask_padding(y)
         if not self.gather_output:
             return y
@@ -318,6 +356,8 @@ class ColumnParallelLinear(nn.Module):
             s += f", stacked={self.stacked}"
         if self.parts:
             s += f", parts={self.parts}"
+        if self.replicas:
+            s += f", replicas={self.replicas}"
         if self.transposed:
             s += ", transposed=True (Conv1D layout)"
         s += (f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
@@ -432,15 +472,19 @@ def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
 
         ColumnParallelLinear:  y_r = F.linear(x, weight, bias)      # no all-reduce of grad_x
         RowParallelLinear:     z_r = F.linear(x_r, weight)          # partial sum, no reduce, no bias
+        ParallelExperts:       its MoE block's z_r = block_r(x)     # no entry, no reduce (oases.nn._moe)
     so that  sum_r z_r + row.bias  is what the layers compute outside. The caller owns the
     reductions (as oases.schedule does: it all-reduces z and grad_x itself, asynchronously).
+    A column layer's replicated rows (`replicas`: key-value heads at p > kv_heads) still sum their
+    weight's gradient over their replica group: a parameter's gradient, not the layers' traffic.
     Graphs recorded inside keep this meaning after the context exits. Only for layers without
     sequence parallelism, gather_output or input splitting: those raise ValueError. Yields the
     layers it switched; restores each one's previous mode on exit.
     """
-    layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelExperts))]
     for m in layers:
-        if m.sequence_parallel or getattr(m, "gather_output", False) or not getattr(m, "input_is_parallel", True):
+        if (getattr(m, "sequence_parallel", False) or getattr(m, "gather_output", False)
+                or not getattr(m, "input_is_parallel", True)):
             raise ValueError(f"no_tp_communication: {m!r} communicates by its configuration (sequence_parallel, "
                              "gather_output or input_is_parallel=False); only plain column/row layers can be "
                              "run without communication")
@@ -452,6 +496,27 @@ def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
     finally:
         for m, mode in zip(layers, previous):
             m._communicate = mode
+
+
+def _check_replicas(owner: str, replicas: tuple[int, ...], replica_group: Optional[dist.ProcessGroup],
+                    ring, other_mode: bool) -> None:
+    """replicas > 1 need their replica_group: the c consecutive ranks of the layer's group holding
+    this rank's copies (one c for every replicated block); not with a padded, transposed, gathered
+    or gradient-fused layer."""
+    if other_mode:
+        raise ValueError(f"{owner}: replicas (blocks held alike by several ranks) are for a plain column layer: "
+                         f"not with pad_vocab, transposed, gather_output or gradient_accumulation_fusion")
+    counts = {c for c in replicas if c > 1}
+    if len(counts) > 1:
+        raise ValueError(f"{owner}: replicas {replicas} name several replica counts; one replica_group serves one")
+    c = counts.pop()
+    first = ring.rank // c * c
+    want = ring.global_ranks[first:first + c]
+    held = tuple(dist.get_process_group_ranks(replica_group)) if replica_group is not None else None
+    if held is None or sorted(held) != sorted(want):
+        raise ValueError(f"{owner}: replicas={replicas} needs replica_group: the process group of global ranks "
+                         f"{list(want)} (the {c} consecutive ranks of the layer's group holding this rank's "
+                         f"copies), got {'None' if held is None else list(held)}")
 
 
 def _check_transposed(owner: str, transposed: object, fusion: bool) -> None:

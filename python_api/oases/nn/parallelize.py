@@ -20,19 +20,25 @@ any dotted tail of it, so "q_proj" matches "model.layers.0.self_attn.q_proj" and
     "vocab_head" ColumnParallelLinear.from_linear(gather_output=True): an LM head, its vocabulary
                  (output features) sharded and the logits gathered back to [..., V]
     "vocab"      VocabParallelEmbedding.from_embedding, for an nn.Embedding: its rows sharded
+    "experts"    ParallelExperts.from_experts, for fused routed experts (Mixtral's, Qwen2/3-MoE's
+                 3-D gate_up_proj [E, 2I, H] and down_proj [E, H, I]): each expert's intermediate
+                 dim sharded, gate and up rows each on their own, down's columns (oases.nn.experts)
 
 A Conv1D (weight [in, out], y = x @ W + b) becomes the same layer with transposed=True
 (ColumnParallelLinear.from_conv1d / RowParallelLinear.from_conv1d): its weight keeps Conv1D's
 layout and name, cut on dim 1 (column) or dim 0 (row), so state_dict keys, checkpoints and
 oases.save_pretrained exports hold the unsharded [in, out] tensors transformers reads.
 
-Only "vocab" entries match nn.Embedding modules (every other entry matches projections only).
+Only "vocab" entries match nn.Embedding modules and "experts" entries fused experts modules
+(every other entry matches projections only).
 Vocabulary parallelism is the default (vocab_parallel=True, Megatron's): without a plan, the
 model's input embedding and LM head (Hugging Face's get_input_embeddings() / get_output_embeddings(),
 nanoGPT's wte / lm_head) are planned "vocab" and "vocab_head"; vocab_parallel=False keeps them
 replicated, and an explicit plan decides for itself ({**DEFAULT_PLAN, "embed_tokens": "vocab",
 "lm_head": "vocab_head"}). The head gathers its logits, so the model's own forward and loss see
-all V of them and stay exact; oases.train_step never gathers them (its loss is
+all V of them and stay exact, and Hugging Face's model.generate() (KV cache on: each rank's cache
+holds its own heads' keys and values) picks the unsharded model's tokens, every rank given the
+same prompts (the input check runs at each forward); oases.train_step never gathers them (its loss is
 vocab_parallel_cross_entropy), and a loop of one's own may set `model.lm_head.gather_output = False`
 and compute its loss with `oases.nn.vocab_parallel_cross_entropy` (see oases.nn.vocab). V need
 not divide by p: each rank holds ceil(V/p) rows and the padding rows' logits are -inf (never in
@@ -46,7 +52,9 @@ replicated, and one warning lists them with their share of the decoder layers' p
 parameters. Every check (features and heads divisible by the world size, head projections'
 widths agreeing with the head counts, every module with a column layer also having a row layer
 and no projection left out) runs on every rank before anything is replaced, so a bad plan raises
-a ValueError naming the module and leaves the model as it was, on every rank alike.
+a ValueError naming the module and leaves the model as it was, on every rank alike. Linears wrapped
+with adapters (PEFT's LoRA: a module with a base_layer and lora_A / lora_B) are refused the same
+way: merge them first (model.merge_and_unload()).
 
 Never a silent half-sharded model: when less than half of the decoder layers' projection
 parameters would be sharded (oases.nn._coverage), parallelize raises a ValueError with the
@@ -55,8 +63,19 @@ that would shard them ({'fc_in': 'column', 'fc_out': 'row'}). It also says (in i
 which decoder layers oases.train_step runs whole, unsplit (oases.models.hf). `oases.summary(model)`
 gives each part's style and this rank's share of the parameters.
 
+Mixture of experts. A block whose experts are planned "experts" is one TP region
+(oases.nn._moe): its router and gates (shared_expert_gate) stay replicated, its shared expert
+is sharded column / row by the plan, each rank computes its partial sum of the routed and shared
+experts, and one all-reduce at the block's output sums them (dense MLP's pattern); the router's
+and gates' gradients are summed over the group, so every gradient, the load-balancing loss's
+(output_router_logits) included, is the unsharded model's. oases.train_step runs the block as a
+split sublayer (its loss has no load-balancing term: a config asking for router logits is refused).
+
 Attention. Once q/k/v (or a fused qkv) are column-sharded, each rank computes num_heads/p query
-heads and num_kv_heads/p key/value heads (whole heads: both counts must divide by p), and the
+heads and num_kv_heads/p key/value heads (whole heads: both counts must divide by p; or, at
+p > num_kv_heads with p % num_kv_heads == 0, the one kv head its query heads use, held alike by
+p / num_kv_heads ranks that sum its gradient: oases.nn._kv, for k/v projections and "column:qkv";
+parallelize then makes their groups, a collective over every rank of the world), and the
 attention module between them must think in per-rank counts. An attention module is the parent
 of a sharded head projection (a name in HEAD_PROJECTIONS). parallelize divides by p every integer
 attribute in PER_RANK_ATTRIBUTES that such a module holds itself -- head counts and the widths
@@ -134,6 +153,7 @@ replicas (ValueError).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import functools
 import warnings
@@ -152,7 +172,7 @@ from oases.comm._topology import ring_of
 from oases.nn._materialize import is_on_meta, materialize
 from oases.nn._degrees import (DegreeGroups, check_tp_degrees, hook_decoder_layers, make_placements,
                                sum_over_replicas_while)
-from oases.nn import _coverage as _summary, _heads
+from oases.nn import _coverage as _summary, _heads, _kv, _moe
 from oases.nn._heads import PER_RANK_ATTRIBUTES
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable, is_conv1d
@@ -172,23 +192,27 @@ DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
     "dense_h_to_4h": "column", "dense_4h_to_h": "row",
     # nanoGPT, GPT-2 (Conv1D): c_attn's outputs are [q | k | v], each third sharded on its own
     "c_attn": "column:3", "c_fc": "column", "c_proj": "row",
+    # Mixtral, Qwen2/3-MoE: routed experts fused in 3-D tensors, each expert sharded on its intermediate dim
+    "experts": "experts",
 })
 
 @dataclass(frozen=True)
 class _Style:
-    kind: str  # "column", "row", "vocab_head" (an nn.Linear) or "vocab" (an nn.Embedding)
+    kind: str  # "column", "row", "vocab_head" (an nn.Linear), "vocab" (an nn.Embedding) or "experts"
     stacked: int = 1
     parts: tuple[int, ...] = ()  # unequal blocks' sizes ("column:a,b,c")
     qkv: bool = False  # "column:qkv": parts from the attention module's head counts
+    replicas: tuple[int, ...] = ()  # key-value heads at p > kv_heads: ranks per copy, per block (oases.nn._kv)
 
 
 def _parse_style(pattern: str, value: object) -> _Style:
     bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N equal stacked blocks), 'column:qkv' "
                      f"(a fused [q | k | v], blocks from the head counts), 'column:a,b,...' (blocks of these "
-                     f"sizes), 'row', 'vocab_head' (an LM head nn.Linear) or 'vocab' (an nn.Embedding), got {value!r}")
+                     f"sizes), 'row', 'vocab_head' (an LM head nn.Linear), 'vocab' (an nn.Embedding) or 'experts' "
+                     f"(fused routed experts), got {value!r}")
     if not isinstance(value, str):
         raise bad
-    if value in ("vocab", "vocab_head"):
+    if value in ("vocab", "vocab_head", "experts"):
         return _Style(value)
     kind, _, stacked = value.partition(":")
     if kind == "row" and not stacked:
@@ -215,6 +239,21 @@ def _features(module: nn.Module) -> tuple[int, int]:
 def _matches(name: str, pattern: str) -> bool:
     parts = name.split(".")
     return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
+
+
+def _check_no_adapters(model: nn.Module) -> None:
+    """A module wrapping a `base_layer` with adapters beside it (PEFT's LoRA: lora_A / lora_B) is
+    refused: oases shards the base layer's weight, not its adapters (ValueError naming the modules)."""
+    wrapped = [name for name, m in model.named_modules()
+               if isinstance(getattr(m, "base_layer", None), nn.Module)
+               and any(n != "base_layer" for n, _ in m.named_children())]
+    if wrapped:
+        lora = all(hasattr(model.get_submodule(n), "lora_A") for n in wrapped)
+        raise ValueError(
+            f"model: {wrapped[0]}" + (f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else "")
+            + f" wraps its base_layer with {'LoRA adapters (lora_A / lora_B)' if lora else 'adapters'}, as PEFT "
+            f"does; oases.parallelize shards plain projections, not adapters. Merge them into the weights before "
+            f"parallelize (model = model.merge_and_unload()), or train without them")
 
 
 def _transformers_module(model: nn.Module) -> Optional[str]:
@@ -250,7 +289,7 @@ def _check_layers(placed: dict[str, _Style], linears: dict[str, nn.Module], p: i
         kind = "Conv1D" if is_conv1d(linear) else "nn.Linear"
         owner = f"{name} ({kind} {n_in} -> {n_out}, planned as {style.kind!r})"
         if style.kind == "column":
-            check_shardable(owner, "out_features", n_out, p, style.stacked, style.parts)
+            check_shardable(owner, "out_features", n_out, p, style.stacked, style.parts, style.replicas)
         elif style.kind == "vocab_head":
             if is_conv1d(linear):
                 raise ValueError(f"{owner}: a vocabulary-parallel head must be an nn.Linear; remove it from the plan")
@@ -565,6 +604,7 @@ def parallelize(
     if tp_degrees is not None and sequence_parallel:
         raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
                          "degrees split the batch rows, not the sequence); pass sequence_parallel=False")
+    _check_no_adapters(model)
     hf = _transformers_module(model) if sequence_parallel else None
     if hf is not None:
         raise ValueError(
@@ -590,10 +630,15 @@ def parallelize(
     if tp_degrees is not None:
         prefix, decoder_layers, degrees = _check_degree_plan(model, tp_degrees, layers, styles, p)
     degree = _degree_of(prefix, degrees, p)  # p for every module without tp_degrees
-    placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind != "vocab"})
+    placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind not in ("vocab", "experts")})
     placed_embeddings = _plan_layers(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"})
+    experts = _moe.find_experts(model)
+    placed_experts = _plan_layers(experts, {k: s for k, s in styles.items() if s.kind == "experts"})
     _check_kinds(styles, linears, embeddings)
     _resolve_qkv(model, placed, linears)
+    columns = {n: (s.stacked, s.parts) for n, s in placed.items() if s.kind == "column"}
+    for name, replicas in _kv.plan_replicas(model, columns, degree, degrees is not None).items():
+        placed[name] = dataclasses.replace(placed[name], replicas=replicas)  # kv heads at p > kv_heads
     for name, style in placed.items():
         _check_layers({name: style}, linears, degree(name))
     for name in placed_embeddings:
@@ -611,10 +656,13 @@ def parallelize(
         found = _heads.full_width_norms(module, widths)
         norms[name] = {child: _heads.check_norm_form(f"{name}.{child}", module.get_submodule(child))
                        for child in found}
+    routers = _moe.check_blocks(model, {n: experts[n] for n in placed_experts}, {n: s.kind for n, s in placed.items()},
+                                degree, p)  # MoE blocks' replicated routers and gates
     explicit = plan is not DEFAULT_PLAN
     if p > 1:
         skip = frozenset(i for i, d in enumerate(degrees or ()) if d == 1)
-        _summary.check_coverage(model, {n for n, s in placed.items() if s.kind in ("column", "row")}, explicit, skip)
+        _summary.check_coverage(model, {n for n, s in placed.items() if s.kind in ("column", "row")}
+                                | set(placed_experts), explicit, skip)
     _check_parts(model, placed, linears)
 
     original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
@@ -624,6 +672,8 @@ def parallelize(
         groups.update((d, at.tp_group) for d, at in placements.items() if d < p)
     # q, k, v (gate, up) share one all-reduce of their input's gradient, one entry per group
     entries = {d: _SharedEntry(g) for d, g in groups.items()}
+    counts = {c for s in placed.values() for c in s.replicas if c > 1}
+    replica_groups = _kv.replica_groups(group, counts) if counts else {}  # collective over the world
     for name, style in placed.items():  # nothing is changed before every check has passed
         linear, d = linears[name], degree(name)
         if d == 1 < p:
@@ -631,7 +681,8 @@ def parallelize(
         column, row = ((ColumnParallelLinear.from_conv1d, RowParallelLinear.from_conv1d) if is_conv1d(linear)
                        else (ColumnParallelLinear.from_linear, RowParallelLinear.from_linear))
         if style.kind == "column":
-            layer = column(linear, groups[d], stacked=style.stacked, parts=style.parts,
+            layer = column(linear, groups[d], stacked=style.stacked, parts=style.parts, replicas=style.replicas,
+                           replica_group=replica_groups.get(max(style.replicas, default=1)),
                            sequence_parallel=sequence_parallel, chunks=chunks)
             layer._entry = entries[d]
         elif style.kind == "vocab_head":  # the full logits, for the model's own forward and loss
@@ -642,6 +693,9 @@ def parallelize(
         _replace(model, name, layer)
     for name in placed_embeddings:
         _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
+    for name in placed_experts:
+        if not degree(name) == 1 < p:
+            _moe.shard_experts(model, name, groups[degree(name)])
     for embedding, head in tied:  # one shard serves both ends of the tie (same rows, same rule)
         model.get_submodule(head).weight = model.get_submodule(embedding).weight
     if target is not None:  # before any hook is registered on a parameter
@@ -653,6 +707,9 @@ def parallelize(
             _heads.localize_heads(module, d)
             _heads.shard_norms(module, norms[name], groups[d])
             _heads.sum_head_shared_grads(module, groups[d])
+    for name in placed_experts:  # each MoE block one TP region: one all-reduce, router gradients summed
+        if not degree(name) == 1 < p:
+            _moe.make_region(model, name, _summary.ROUTERS)
     if degrees is not None:
         sums_on = [True]  # oases.train_step turns the hooks off: its schedule sums the replicas itself
         for layer, d in zip(decoder_layers, degrees):
@@ -665,9 +722,9 @@ def parallelize(
         hook_decoder_layers(decoder_layers, degrees, p, placements, row_groups, where=prefix)
         model.tp_degrees = degrees  # oases.train_step reads it (HF: runs it on the schedules)
 
-    unplaced = [name for name in linears if name not in placed]
-    unused = [pattern for pattern, s in styles.items()
-              if explicit and s.kind != "vocab" and not any(_matches(n, pattern) for n in linears)]
+    unplaced = [name for name in linears if name not in placed and name not in routers]
+    unused = [pattern for pattern, s in styles.items() if explicit and s.kind != "vocab"
+              and not any(_matches(n, pattern) for n in (experts if s.kind == "experts" else linears))]
     unused_vocab = [pattern for pattern, s in styles.items()
                     if s.kind == "vocab" and not any(_matches(n, pattern) for n in embeddings)]
     whole = _summary.whole_layers(model) if p > 1 else ""

@@ -1,0 +1,171 @@
+"""Mixture-of-experts blocks under tensor parallelism, for parallelize (plan style "experts").
+
+A block (Mixtral's, Qwen2/3-MoE's `mlp`) holds a router, routed experts stored fused (Hugging
+Face's 3-D gate_up_proj / down_proj, oases.nn.experts) and, in some models, a shared expert (a
+dense MLP) with a sigmoid gate (Qwen2-MoE):
+
+    block(x) = experts(x, top_k(router(x)))  [+ sigmoid(shared_gate(x)) * shared_expert(x)]
+
+Once its experts are planned "experts", the block is one tensor-parallel region, as a dense MLP's
+column -> row pair is (p ranks, r this rank):
+
+    experts        -> ParallelExperts: each expert's gate | up rows and down columns of rank r
+    shared_expert  -> its projections column / row by the plan, computing rank r's partial sum
+                      (no communication of their own)
+    router, shared gate (the block's direct parameters and nn.Linear children) -> replicated
+    block(x) = reduce_from_tp(block_r(copy_to_tp(x)))    # hooks on the block: one all-reduce for
+                                                         # the routed and the shared experts
+    block_r  = the block's own forward on the shards: every term of its output is rank r's partial
+               sum (the gates scale partial sums; the routing is computed alike on every rank)
+
+Gradients. copy_to_tp sums the gradient of x over the ranks. A replicated parameter inside the
+region (the router, through the combine weights; the shared gate) gets only rank r's share on
+rank r: a hook sums its gradient over the group as it is computed. The router logits that leave
+the block (a router returning (logits, weights, indices), Hugging Face's TopKRouter, whose block
+uses only the weights and indices; output_router_logits: the load-balancing loss reads the logits)
+carry the loss's whole gradient on every rank, so the router's output passes it on rank 0 of the
+group only (zeros elsewhere) and the sums stay exact. Inside no_tp_communication (the schedules' core) the block
+neither enters nor reduces: the schedule does (ParallelExperts carries the switch).
+
+Before anything changes, `check_blocks` refuses (ValueError naming the module and the fix) what
+would not be exact: experts not in the standard layout or whose intermediate size p does not
+divide, a router or gate planned as sharded, a projection inside the block left out of the plan,
+a row-parallel bias inside the block (the shared gate would scale it), router jitter noise.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.comm._topology import ring_of
+from oases.nn import _mappings
+from oases.nn._mappings import copy_to_tp, reduce_from_tp
+from oases.nn.experts import ParallelExperts, check_experts, is_fused_experts
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+
+__all__ = ["find_experts", "check_blocks", "shard_experts", "make_region"]
+
+
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """{qualified name: module} of the model's fused routed experts (Hugging Face's layout)."""
+    return {name: m for name, m in model.named_modules() if name and is_fused_experts(m)}
+
+
+def check_blocks(model: nn.Module, experts: dict[str, nn.Module], kinds: dict[str, str],
+                 degree: Callable[[str], int], p: int) -> frozenset[str]:
+    """Local checks (module doc) for the blocks of the planned `experts` ({name: module}) at their
+    TP degrees (of p); `kinds`: {projection name: "column" | "row" | ...} as planned. Returns the
+    names of the blocks' nn.Linear children that stay replicated by design (routers, shared gates)."""
+    replicated = set()
+    for name, module in experts.items():
+        d = degree(name)
+        block_name = name.rpartition(".")[0]
+        where = f"{name} (planned as 'experts')"
+        if not block_name:
+            raise ValueError(f"{where}: the experts are the model itself; shard the model holding the MoE block")
+        block = model.get_submodule(block_name)
+        if d == 1 < p:  # a decoder layer of degree 1 stays unsharded
+            replicated.update(f"{block_name}.{n}" for n, m in block.named_children()
+                              if isinstance(m, nn.Linear) or is_conv1d(m))
+            continue
+        check_experts(where, module, d)
+        jitter = getattr(block, "jitter_noise", 0.0)
+        if isinstance(jitter, (int, float)) and jitter > 0:
+            raise ValueError(f"{block_name}: router jitter noise {jitter} multiplies the block's input in place by "
+                             f"fresh random draws; set the config's router_jitter_noise to 0 to shard its experts")
+        for sub_name, sub in block.named_modules():
+            if not sub_name or not (isinstance(sub, nn.Linear) or is_conv1d(sub)):
+                continue
+            qualified = f"{block_name}.{sub_name}"
+            kind = kinds.get(qualified)
+            if "." not in sub_name:  # a router or a gate: its output picks or weighs experts
+                if kind is not None:
+                    raise ValueError(f"{qualified}: a router or gate of the MoE block {block_name} stays replicated "
+                                     f"(its output picks or weighs the experts, on every rank alike); remove it "
+                                     f"from the plan (it is planned as {kind!r})")
+                replicated.add(qualified)
+            elif kind not in ("column", "row"):
+                leaf = sub_name.rpartition(".")[2]
+                raise ValueError(f"{qualified}: the experts of the MoE block {block_name} are sharded, so its "
+                                 f"other projections (a shared expert) must be too: plan {leaf!r} as 'column' or "
+                                 f"'row' (planned: {kind!r}), or leave the experts replicated")
+            elif kind == "row" and getattr(sub, "bias", None) is not None:
+                raise ValueError(f"{qualified}: a row-parallel projection with a bias inside the MoE block "
+                                 f"{block_name} (a gate may scale its output, and the bias must be added once); "
+                                 f"oases shards MoE blocks whose row-parallel projections have no bias")
+    return frozenset(replicated)
+
+
+def shard_experts(model: nn.Module, name: str, group: Optional[dist.ProcessGroup]) -> ParallelExperts:
+    """Replace the fused experts at `name` by this rank's ParallelExperts shard (checked before)."""
+    parent, _, leaf = name.rpartition(".")
+    layer = ParallelExperts.from_experts(model.get_submodule(name), group)
+    setattr(model.get_submodule(parent), leaf, layer)
+    return layer
+
+
+class _GradOnLead(torch.autograd.Function):
+    """fwd: identity; bwd: the gradient on the group's rank 0, zeros on the others (summed: the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, lead: bool):
+        ctx.lead = lead
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.lead else torch.zeros_like(grad)), None
+
+
+def _enter(experts: ParallelExperts, block: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: the block's hidden states enter the region (copy_to_tp: bwd all-reduce)."""
+    if not experts._communicate:
+        return None
+    if args:
+        return (copy_to_tp(args[0], experts.group), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], experts.group)}
+    raise TypeError(f"{type(block).__name__}: an MoE block with sharded experts takes its hidden states as its "
+                    f"first argument or as hidden_states=")
+
+
+def _leave(experts: ParallelExperts, block: nn.Module, args: tuple, output: object):
+    """Forward hook: the block's partial sums reduced once (routed and shared experts together)."""
+    if not experts._communicate:
+        return None
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"{type(block).__name__}: an MoE block with sharded experts must return its hidden states "
+                        f"(a tensor), got {type(output).__name__}")
+    return reduce_from_tp(output, experts.group)
+
+
+def _logits_on_lead(lead: bool, router: nn.Module, args: tuple, output: object):
+    """Forward hook on a router returning (logits, weights, indices): the logits that leave the block."""
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (_GradOnLead.apply(output[0], lead), *output[1:])
+    return None
+
+
+def make_region(model: nn.Module, name: str, routers: frozenset[str]) -> None:
+    """The block holding the ParallelExperts at `name` as one TP region (module doc): its TP
+    linears compute partial sums, hooks enter and reduce it, sum its replicated parameters'
+    gradients, and pass its routers' (children named in `routers`) logits' gradient on rank 0."""
+    experts = model.get_submodule(name)
+    block = model.get_submodule(name.rpartition(".")[0])
+    ring = ring_of(experts.group)
+    for m in block.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            m._communicate = False  # partial sums: the region enters and reduces for them
+    block.register_forward_pre_hook(functools.partial(_enter, experts), with_kwargs=True)
+    block.register_forward_hook(functools.partial(_leave, experts))
+    sharded = {id(q) for m in block.modules() if hasattr(m, "tp_layout") for q in m.parameters()}
+    for param in block.parameters():
+        if id(param) not in sharded and param.requires_grad:
+            param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
+    for child_name, child in block.named_children():
+        if child_name in routers and child is not experts:
+            child.register_forward_hook(functools.partial(_logits_on_lead, ring.rank == 0), prepend=True)
