@@ -30,33 +30,9 @@ import torch.nn as nn
 
 from oases.comm._topology import ring_of
 from oases.models._branch import NOT_PASSED
+from oases.nn._mappings import grad_on_lead, lead_only
 
 __all__ = ["WholeLayer"]
-
-
-class _LeadOnly(torch.autograd.Function):
-    """fwd: x on the lead rank, zeros elsewhere; bwd: identity."""
-
-    @staticmethod
-    def forward(ctx, x, lead: bool):
-        return x if lead else torch.zeros_like(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GradOnLead(torch.autograd.Function):
-    """fwd: identity; bwd: the gradient on the lead rank, zeros elsewhere."""
-
-    @staticmethod
-    def forward(ctx, x, lead: bool):
-        ctx.lead = lead
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.lead else torch.zeros_like(grad)), None
 
 
 class WholeLayer:
@@ -72,10 +48,10 @@ class WholeLayer:
 
     def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         kwargs = {k: v for k, v in ctx.layer_kwargs[self.index].items() if k not in NOT_PASSED}
-        h = _GradOnLead.apply(h, self.lead)
+        h = grad_on_lead(h, self.lead)
         y = self.layer(h, **kwargs)
         y = y[0] if isinstance(y, tuple) else y
-        return _LeadOnly.apply(y - h, self.lead)
+        return lead_only(y - h, self.lead)
 
     def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
         return z

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from oases import comm
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp", "copy_to_replicas"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp", "lead_only", "grad_on_lead", "copy_to_replicas"]
 
 
 def _all_reduced(t: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -153,3 +153,41 @@ def copy_to_replicas(x: torch.Tensor, spans: tuple[tuple[int, int], ...],
     `group` holds alike (a key-value head shared by their query heads): each rank's gradient of
     them is its query heads' share, so every copy gets the sum, the unsharded model's rows."""
     return _CopyToReplicas.apply(x, tuple(spans), ring_of(group))
+
+
+# Local halves of a sum over the group (no communication here; a reduction follows or preceded):
+#   lead_only(x)     fwd: x on the lead rank, zeros elsewhere    bwd: identity
+#   grad_on_lead(x)  fwd: identity                               bwd: the gradient on the lead rank, zeros elsewhere
+# (a replicated value entering a sum over the ranks counts once; a replicated gradient leaving one
+# is counted once when the ranks' gradients are summed)
+
+
+class _LeadOnly(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lead: bool):
+        return x if lead else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GradOnLead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lead: bool):
+        ctx.lead = lead
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.lead else torch.zeros_like(grad)), None
+
+
+def lead_only(x: torch.Tensor, lead: bool) -> torch.Tensor:
+    """fwd: x where `lead` (this rank leads its group), zeros elsewhere; bwd: identity."""
+    return _LeadOnly.apply(x, lead)
+
+
+def grad_on_lead(x: torch.Tensor, lead: bool) -> torch.Tensor:
+    """fwd: identity; bwd: the gradient where `lead`, zeros elsewhere."""
+    return _GradOnLead.apply(x, lead)

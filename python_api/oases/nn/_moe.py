@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from oases.comm._topology import ring_of
 from oases.nn import _mappings
-from oases.nn._mappings import copy_to_tp, reduce_from_tp
+from oases.nn._mappings import copy_to_tp, grad_on_lead, reduce_from_tp
 from oases.nn.experts import ParallelExperts, check_experts, is_fused_experts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
@@ -108,19 +108,6 @@ def shard_experts(model: nn.Module, name: str, group: Optional[dist.ProcessGroup
     return layer
 
 
-class _GradOnLead(torch.autograd.Function):
-    """fwd: identity; bwd: the gradient on the group's rank 0, zeros on the others (summed: the gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, lead: bool):
-        ctx.lead = lead
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.lead else torch.zeros_like(grad)), None
-
-
 def _enter(experts: ParallelExperts, block: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: the block's hidden states enter the region (copy_to_tp: bwd all-reduce)."""
     if not experts._communicate:
@@ -146,7 +133,7 @@ def _leave(experts: ParallelExperts, block: nn.Module, args: tuple, output: obje
 def _logits_on_lead(lead: bool, router: nn.Module, args: tuple, output: object):
     """Forward hook on a router returning (logits, weights, indices): the logits that leave the block."""
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-        return (_GradOnLead.apply(output[0], lead), *output[1:])
+        return (grad_on_lead(output[0], lead), *output[1:])
     return None
 
 
