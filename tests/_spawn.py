@@ -8,7 +8,8 @@ raises fails the call with that rank's traceback; a rank that hangs (or a peer l
 fails it when `timeout` expires. Either way every child is killed before this returns, so a hang
 costs seconds, never the suite. The store lives in this process on a port the OS picked, so no
 free-port race. Ranks are forked from a forkserver that has torch preloaded (fast, and free of
-the OpenMP-after-fork deadlock). Put many checks in one `fn` to pay the start-up once.
+the OpenMP-after-fork deadlock), and on CPU oases and transformers' model code too, so a rank
+starts in well under a second. Put many checks in one `fn` to pay the start-up once.
 
 Device: `harness_device()` is OASES_TEST_DEVICE (cpu | cuda), else cuda where GPUs exist, else
 cpu. On cpu the ranks run gloo, as always. On cuda each rank gets GPU `rank % device_count` and
@@ -49,8 +50,20 @@ def _backend(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
 
 
+# What the forkserver imports once, so that no rank pays for it (importing oases takes about as
+# long as torch, transformers' model code twice that; each rank used to pay both). On CUDA only
+# torch: an import there that touched the GPU before the fork would break CUDA in every rank.
+_PRELOAD_CPU = ["pytest", "oases", "transformers.models.llama.modeling_llama",
+                "transformers.models.qwen3.modeling_qwen3", "transformers.models.gpt_neox.modeling_gpt_neox"]
+
+
+def _preload() -> list[str]:
+    """Modules for the forkserver to import (it skips one that raises ImportError)."""
+    return ["torch", "torch.distributed"] + (_PRELOAD_CPU if harness_device() == "cpu" else [])
+
+
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed"])
+_CONTEXT.set_forkserver_preload(_preload())
 _GRACE_AFTER_ERROR = 3.0
 
 

@@ -1,12 +1,18 @@
 """The benchmark suite end to end: `python -m bench primitives --quick --nproc 2 --out TMP`, and
-`layers --quick` on both models (`--model gpt`, `--model llama`), and `pipeline --quick` on 4 ranks.
+`layers --quick` on both models (`--model gpt`, `--model llama`), `pipeline --quick` on 4 ranks,
+`offload --quick` and `memory --quick`.
 
-One real run (re-launched on 2 gloo ranks by the bench itself), then checks of what it wrote:
-the JSON's schema, that every case carries every figure, that the derived figures follow from
-the measured ones, the PNG, and the Chrome trace. Never asserts speed (see README: overlap on a
-CPU machine). Plus the pure helpers of bench._metrics.
+`primitives` is the real command (re-launched on 2 gloo ranks through oases-launch by the bench
+itself); the other suites run the same command line on the harness's ranks, each rank started as
+the launcher starts one (RANK, LOCAL_RANK, WORLD_SIZE set): no interpreter to start for the bench,
+the launcher and each rank (15-20 s a suite on 2 cores). Then checks of what each wrote: the
+JSON's schema, that every case carries every figure, that the derived figures follow from the
+measured ones, the PNG, and the Chrome trace. Never asserts speed (see README: overlap on a CPU
+machine). Plus the pure helpers of bench._metrics.
 """
+import contextlib
 import glob
+import io
 import json
 import math
 import os
@@ -14,6 +20,8 @@ import subprocess
 import sys
 
 import pytest
+
+from _spawn import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
@@ -29,8 +37,18 @@ SWEEP_KEYS = ("chunks", "t_compute", "t_comm", "t_overlap", "bound", "efficiency
               "t_torch_async")
 
 
+def _document(suite, out):
+    """The one JSON document the suite wrote into `out`."""
+    documents = glob.glob(str(out / f"{suite}-*.json"))
+    documents = [d for d in documents if not d.endswith(".trace.json")]
+    assert len(documents) == 1, os.listdir(out)
+    with open(documents[0]) as f:
+        return json.load(f)
+
+
 def _run_suite(suite, out, *options):
-    """Run `python -m bench SUITE --quick [OPTIONS]` on 2 ranks; return (document, stdout, out dir)."""
+    """Run `python -m bench SUITE --quick [OPTIONS]` (it re-launches itself on 2 ranks through
+    oases-launch); return (document, stdout, out dir)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("OASES_")}
@@ -39,17 +57,36 @@ def _run_suite(suite, out, *options):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
     )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
-    documents = glob.glob(str(out / f"{suite}-*.json"))
-    documents = [d for d in documents if not d.endswith(".trace.json")]
-    assert len(documents) == 1, os.listdir(out)
-    with open(documents[0]) as f:
-        document = json.load(f)
-    return document, done.stdout, out
+    return _document(suite, out), done.stdout, out
+
+
+def _bench_rank(rank, world_size, argv):
+    """One rank of `python -m bench ARGV` as oases-launch starts it (the launch environment, no
+    OASES_ link variables: unshaped), on the harness's process group; (exit code, its stdout)."""
+    for name in [k for k in os.environ if k.startswith("OASES_")]:
+        del os.environ[name]
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), OASES_BENCH_RELAUNCHED="1")
+    from bench.__main__ import main
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(argv)
+    return code, printed.getvalue()
+
+
+def _run_suite_on_ranks(suite, out, *options, nproc=WORLD_SIZE):
+    """The ranks of `python -m bench SUITE --quick --nproc NPROC [OPTIONS]` on the harness (not
+    re-launched: that path is the primitives run's); return (document, every rank's stdout, out dir)."""
+    argv = [suite, "--quick", "--nproc", str(nproc), "--out", str(out), *options]
+    results = run_ranks(_bench_rank, nproc, argv, timeout=150)
+    assert [code for code, _ in results] == [0] * nproc, results
+    return _document(suite, out), "".join(printed for _, printed in results), out
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The quick primitives suite, run once for the module."""
+    """The quick primitives suite, run once for the module (the real command, re-launched)."""
     return _run_suite("primitives", tmp_path_factory.mktemp("bench"))
 
 
@@ -199,20 +236,24 @@ def test_bus_bandwidth():
     assert _metrics.bus_bandwidth("all_reduce", 100, 1.0, 4) == pytest.approx(150.0)
 
 
-def test_suite_options_checked_before_ranks_start(tmp_path):
-    """A suite's own option refused by the launching process: argparse's message once, exit code
-    2, and no rank started (no launcher line, no output folder)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE") and not k.startswith("OASES_")}
-    done = subprocess.run([sys.executable, "-m", "bench", "layers", "--model", "nonsense", "--out", str(tmp_path / "o")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.count("invalid choice: 'nonsense'") == 1 and "oases-launch" not in done.stderr
+def test_suite_options_checked_before_ranks_start(tmp_path, monkeypatch, capfd):
+    """A suite's own option refused by the launching process (bench's main, outside a launch):
+    argparse's message once, exit code 2, and no rank started (no launcher line, no output folder)."""
+    from bench.__main__ import main
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit:
+        main(["layers", "--model", "nonsense", "--out", str(tmp_path / "o")])
+    err = capfd.readouterr().err
+    assert exit.value.code == 2, err
+    assert err.count("invalid choice: 'nonsense'") == 1 and "oases-launch" not in err
     assert not (tmp_path / "o").exists()
 
 
 def test_layers_suite(tmp_path):
     """The quick layers suite: every schedule and the PyTorch TP peer, with consistent figures."""
-    doc, stdout, _ = _run_suite("layers", tmp_path)
+    doc, stdout, _ = _run_suite_on_ranks("layers", tmp_path)
     assert doc["suite"] == "layers" and stdout.count("layers: GPT") == 1
     records = {r["schedule"]: r for r in doc["cases"]}
     _check_layers_records(records, ("torch_tp",))
@@ -263,7 +304,7 @@ def test_layers_suite_llama(tmp_path):
     """The quick layers suite on transformers' LlamaForCausalLM (oases.parallelize + oases.train_step)
     beside torchtitan's DTensor plan and DTensor TP without sequence parallelism: same loss (and, in
     the bench, every peer gradient against the unsharded model), the collectives each peer issues."""
-    doc, stdout, _ = _run_suite("layers", tmp_path, "--model", "llama")
+    doc, stdout, _ = _run_suite_on_ranks("layers", tmp_path, "--model", "llama")
     assert doc["suite"] == "layers" and stdout.count("layers: HF LlamaForCausalLM") == 1
     assert doc["command"][-2:] == ["--model", "llama"]
     records = {r["schedule"]: r for r in doc["cases"]}
@@ -313,7 +354,7 @@ def test_layers_suite_llama(tmp_path):
 def test_pipeline_suite(tmp_path):
     """The quick pipeline suite on 4 ranks (PP2 x DP2, unshaped): every schedule, same losses,
     consistent figures, a timeline per variant and the trace's compute / PP / DP rows."""
-    doc, stdout, _ = _run_suite("pipeline", tmp_path, "--nproc", "4")
+    doc, stdout, _ = _run_suite_on_ranks("pipeline", tmp_path, nproc=4)
     assert doc["suite"] == "pipeline" and doc["world_size"] == 4 and stdout.count("pipeline: GPT") == 1
     records = {r["variant"]: r for r in doc["cases"]}
     layers = records["1f1b"]["config"]["layers"]
@@ -351,7 +392,7 @@ def test_offload_suite(tmp_path):
     """The quick offload suite on 2 ranks: copy paths give tensors back and report throughput, the
     TP schedule and the AIAO pipeline train to the same loss with offload on and off, and the AIAO
     checkpoints kept on the device fall from m x ns forward actions' worth to at most two."""
-    doc, stdout, _ = _run_suite("offload", tmp_path)
+    doc, stdout, _ = _run_suite_on_ranks("offload", tmp_path)
     assert doc["suite"] == "offload" and stdout.count("offload: AIAO pipeline") == 1
     copies = [r for r in doc["cases"] if r["kind"] == "copy"]
     assert [r["tensors"] for r in copies] == [1, 2, 4, 8, 16, 32, 64]
@@ -374,7 +415,7 @@ def test_memory_suite(tmp_path):
     """The quick memory suite on 2 ranks: every layout and phase measured beside a positive
     prediction, the optimizer-state figures, the PNG; no memory figure is asserted (RSS moves
     with the allocator and the machine), and the temporary model and checkpoints are removed."""
-    doc, stdout, out = _run_suite("memory", tmp_path)
+    doc, stdout, out = _run_suite_on_ranks("memory", tmp_path)
     phases = ("build", "load_pretrained", "train", "save_checkpoint", "load_checkpoint", "save_pretrained")
     assert doc["suite"] == "memory" and stdout.count("memory: optimizer state per rank") == 1
     cases = {(c["dp"], c["tp"], c["zero"]): c for c in doc["cases"]}

@@ -96,52 +96,69 @@ def test_gpu_kernel_body_without_upcast_is_right(dtype):
 
 
 # The GPU kernel compiled ahead of time for sm_80 and sm_90 (no GPU needed; Triton's own ptxas),
-# in a fresh process: the suite's process runs Triton's interpreter.
+# in a fresh process (the suite's process runs Triton's interpreter): one process compiles every
+# case of COMPILED, each reported on its own line (a failure as its traceback).
+COMPILED = [("bfloat16", 80, 0), ("bfloat16", 90, 0), ("float16", 80, -1)]
 _COMPILE = r"""
-import json, sys
+import json, sys, traceback
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from oases_kernels._gemm import GPU_TILES, _gemm_kernel, _input_precision, launch_plan
 import torch
 
-dtype, capability, tile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-t = GPU_TILES[tile]
-plan = launch_plan(interpret=False)
-ptr = "*" + {"bfloat16": "bf16", "float16": "fp16"}[dtype]
-sig = {name: ptr for name in ("x_ptr", "w_ptr", "out_ptr", "bias_ptr")}
-sig["acc_ptr"] = "*fp32"
-sig.update({name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk",
-                                     "stride_om", "stride_on", "stride_am", "stride_an", "stride_b")})
-consts = {"HAS_BIAS": True, "HAS_ACC": True, "INPUT_PRECISION": _input_precision(getattr(torch, dtype)),
-          "UPCAST": plan.upcast, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
-          "GROUP_M": t.group_m}
-sig.update({name: "constexpr" for name in consts})
-kernel = triton.compile(ASTSource(fn=_gemm_kernel, signature=sig, constexprs=consts),
-                        target=GPUTarget("cuda", capability, 32),
-                        options={"num_warps": t.num_warps, "num_stages": t.num_stages})
-short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
-mma = [line.strip() for line in kernel.asm["ptx"].splitlines() if "mma" in line and f".{short}" in line]
-print(json.dumps({"mma": mma[:1], "shared": kernel.metadata.shared}))
+
+def compile_case(dtype, capability, tile):
+    t = GPU_TILES[tile]
+    plan = launch_plan(interpret=False)
+    ptr = "*" + {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+    sig = {name: ptr for name in ("x_ptr", "w_ptr", "out_ptr", "bias_ptr")}
+    sig["acc_ptr"] = "*fp32"
+    sig.update({name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk",
+                                         "stride_om", "stride_on", "stride_am", "stride_an", "stride_b")})
+    consts = {"HAS_BIAS": True, "HAS_ACC": True, "INPUT_PRECISION": _input_precision(getattr(torch, dtype)),
+              "UPCAST": plan.upcast, "BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
+              "GROUP_M": t.group_m}
+    sig.update({name: "constexpr" for name in consts})
+    kernel = triton.compile(ASTSource(fn=_gemm_kernel, signature=sig, constexprs=consts),
+                            target=GPUTarget("cuda", capability, 32),
+                            options={"num_warps": t.num_warps, "num_stages": t.num_stages})
+    short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    mma = [line.strip() for line in kernel.asm["ptx"].splitlines() if "mma" in line and f".{short}" in line]
+    return {"mma": mma[:1], "shared": kernel.metadata.shared}
+
+
+for case in json.loads(sys.argv[1]):
+    try:
+        result = compile_case(*case)
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    print(json.dumps({"case": case, **result}), flush=True)
 """
 
 
-@pytest.mark.parametrize("dtype, capability, tile", [
-    ("bfloat16", 80, 0), ("bfloat16", 90, 0), ("float16", 80, -1),
-])
-def test_gpu_kernel_compiles_to_16_bit_tensor_core_mma(dtype, capability, tile):
-    """No upcast on the GPU: the PTX multiplies 16-bit operands into an fp32 accumulator
-    (mma.sync ...f32.bf16.bf16.f32; wgmma on sm_90 for large tiles), and the tiles fit shared memory."""
+@pytest.fixture(scope="module")
+def compiled():
+    """{(dtype, capability, tile): what _COMPILE reported} for every case of COMPILED."""
     import json
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", _COMPILE, dtype, str(capability), str(tile)],
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(COMPILED)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"case"')]
+    return {tuple(line.pop("case")): line for line in lines}
+
+
+@pytest.mark.parametrize("dtype, capability, tile", COMPILED)
+def test_gpu_kernel_compiles_to_16_bit_tensor_core_mma(compiled, dtype, capability, tile):
+    """No upcast on the GPU: the PTX multiplies 16-bit operands into an fp32 accumulator
+    (mma.sync ...f32.bf16.bf16.f32; wgmma on sm_90 for large tiles), and the tiles fit shared memory."""
+    result = compiled.get((dtype, capability, tile), {"error": f"not reported: {compiled}"})
+    assert "error" not in result, result["error"]
     short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
     assert result["mma"], "no 16-bit MMA instruction in the PTX"
     assert f".f32.{short}.{short}" in result["mma"][0], result["mma"]  # D(f32) = A(16) B(16) + C
