@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 
+from _shards import expected_shard as _expected
 from _spawn import run_ranks
 
 import oases
@@ -80,14 +81,6 @@ def _llama(seed=0):
     return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                         tie_word_embeddings=False))
-
-
-def _expected(tp_model, name, full, rank, p):
-    """The slice of the unsharded tensor that parameter `name` of the sharded model holds."""
-    owner, _, leaf = name.rpartition(".")
-    module = tp_model.get_submodule(owner)
-    rule = module.tp_layout().get(leaf) if hasattr(module, "tp_layout") else None
-    return full if rule is None else rule.shard(full, rank, p)
 
 
 def _check_grads(model, want, where, rank, world):

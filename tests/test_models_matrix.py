@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _shards import check_grads, expected_shard as _expected
 from _spawn import run_ranks
 
 import oases
@@ -68,18 +69,8 @@ def _build(kind):
     raise AssertionError(kind)
 
 
-def _expected(tp, name, full, rank, p):
-    owner, _, leaf = name.rpartition(".")
-    module = tp.get_submodule(owner)
-    rule = module.tp_layout().get(leaf) if hasattr(module, "tp_layout") else None
-    return full if rule is None else rule.shard(full, rank, p)
-
-
 def _check_grads(tp, want, rank, p, where):
-    for name, param in tp.named_parameters():
-        assert param.grad is not None, f"{where}: {name} got no gradient"
-        torch.testing.assert_close(param.grad, _expected(tp, name, want[name], rank, p), **TOL,
-                                   msg=lambda m: f"{where}: grad of {name}: {m}")
+    check_grads(tp, want, rank, p, where, TOL)
 
 
 def _reference(model, ids, mask):

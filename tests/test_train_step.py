@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _shards import expected_shard as _expected
 from _spawn import run_ranks
 
 import oases
@@ -46,14 +47,6 @@ def _model(kind, heads=4, kv_heads=2, seed=0):
             **SMALL, num_attention_heads=heads, hidden_dropout=0.0, attention_dropout=0.0,
             use_parallel_residual=kind == "neox"))
     raise AssertionError(kind)
-
-
-def _expected(tp_model, name, full, rank, p):
-    """The slice of the unsharded tensor that parameter `name` of the sharded model holds."""
-    owner, _, leaf = name.rpartition(".")
-    module = tp_model.get_submodule(owner)
-    rule = module.tp_layout().get(leaf) if hasattr(module, "tp_layout") else None
-    return full if rule is None else rule.shard(full, rank, p)
 
 
 def _batch(b, t, seed, padded):

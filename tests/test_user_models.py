@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _shards import check_grads, expected_shard as _expected
 from _spawn import run_ranks
 
 import oases
@@ -54,22 +55,8 @@ def _parallelized(model, group=None):
         return oases.parallelize(model, group)
 
 
-def _rule(tp, name):
-    owner, _, leaf = name.rpartition(".")
-    module = tp.get_submodule(owner)
-    return module.tp_layout().get(leaf) if hasattr(module, "tp_layout") else None
-
-
-def _expected(tp, name, full, rank, p):
-    rule = _rule(tp, name)
-    return full if rule is None else rule.shard(full, rank, p)
-
-
 def _check_grads(tp, want, rank, p, where):
-    for name, param in tp.named_parameters():
-        assert param.grad is not None, f"{where}: {name} got no gradient"
-        torch.testing.assert_close(param.grad, _expected(tp, name, want[name], rank, p), **TOL,
-                                   msg=lambda m: f"{where}: grad of {name}: {m}")
+    check_grads(tp, want, rank, p, where, TOL)
 
 
 def _reference(model, ids, labels):

@@ -1,0 +1,22 @@
+"""What a parallelized model's parameter holds of the unsharded tensor, and gradient checks by it.
+
+    expected_shard(tp, name, full, rank, p) = the ShardRule of parameter `name` (its module's
+        tp_layout()) applied to `full`, or `full` for a replicated parameter
+    check_grads(tp, want, rank, p, where, tol): every parameter of `tp` has a gradient equal to
+        expected_shard(want[name]) within `tol` (torch.testing.assert_close's rtol / atol)
+"""
+import torch
+
+
+def expected_shard(tp, name, full, rank, p):
+    owner, _, leaf = name.rpartition(".")
+    module = tp.get_submodule(owner)
+    rule = module.tp_layout().get(leaf) if hasattr(module, "tp_layout") else None
+    return full if rule is None else rule.shard(full, rank, p)
+
+
+def check_grads(tp, want, rank, p, where, tol):
+    for name, param in tp.named_parameters():
+        assert param.grad is not None, f"{where}: {name} got no gradient"
+        torch.testing.assert_close(param.grad, expected_shard(tp, name, want[name], rank, p), **tol,
+                                   msg=lambda m: f"{where}: grad of {name}: {m}")
