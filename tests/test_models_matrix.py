@@ -1,24 +1,39 @@
-"""Causal LMs a user brings, at TP 2 with the default plan, against the unsharded model (issue 20).
+"""Causal LMs a user brings, with the default plan, against the unsharded model (issue 20).
 
-Tiny random models from their configs (no downloads), each with what makes it hard:
+Tiny random models from their configs (no downloads); every part the sharding knows is in at
+least one of them:
 
-    phi3    fused qkv_proj with GQA (blocks of unequal sizes) and fused gate_up_proj
-    gpt2    Conv1D projections (weights stored [in, out]), fused c_attn, tied embedding and head,
-            a vocabulary (97) that 2 does not divide
-    olmo2   q_norm / k_norm over the whole projected width (sharded norms) and norms after the
-            branches (the schedules run its layers whole)
-    gemma   Llama-like layers under another class name, scaled embedding tied to the head
+    llama       separate q/k/v with GQA, gate/up/down, RMSNorm           (untied, and tied: llama_tied)
+    qwen3       per-head q/k norms
+    mixtral     routed experts fused in 3-D parameters, replicated router
+    qwen2moe    routed experts and a shared expert with its gate, q/k/v biases
+    gemma       Llama-like layers under another class name, scaled embedding tied to the head
+    gemma2      logit soft-capping (attention and final), sliding-window layers, norms after
+                the branches (its layers run whole)
+    olmo2       q_norm / k_norm over the whole projected width (sharded norms), post-branch norms
+    cohere      logit scaling, LayerNorm, attention and MLP in parallel on one norm (run whole)
+    phi3        fused qkv_proj with GQA (blocks of unequal sizes) and fused gate_up_proj
+    phi         partial rotary, self_attn.dense and fc1 / fc2, parallel branches on one norm
+    gpt2        Conv1D projections (weights stored [in, out]), fused c_attn, biases, LayerNorm,
+                tied embedding and head, a vocabulary (97) that 2 does not divide
+    neox        partial rotary (rotary_pct), fused query_key_value, parallel residual (the
+                schedules' "parallel" split: one all-reduce for both branches)
+    gptj        out_proj, fc_in / fc_out, parallel branches on one norm (run whole)
+    starcoder2  c_fc / c_proj under Llama-like attention with biases, sliding window
 
-For each, in one spawn: the default plan shards >= 95% of the decoder layers' projection
-parameters (oases.summary); forward logits and loss.backward() gradients equal the unsharded
-model's; oases.train_step's loss and every gradient equal them on every schedule (and with
-sequence parallelism where the layers split; refused where they run whole); a build on the
-meta device gets the plain build's values (not GPT-2: its init is refused there); save_pretrained
-writes the unsharded model's Hugging Face layout (transformers reads it back), which
-load_pretrained reads into a fresh TP model; save_checkpoint / load_checkpoint round-trip.
-Item 3 (never a silent half-sharded model): GPT-J's projections have names the default plan does
-not know, so parallelize refuses it, naming the modules and the entries that would shard them;
-with a complete plan its layers (one norm, parallel branches) run whole on every schedule.
+For each, in one spawn per group: the default plan shards >= 95% of the decoder layers'
+projection parameters (oases.summary) and the layers split as expected; forward logits and
+loss.backward() gradients equal the unsharded model's; oases.train_step's loss and every
+gradient equal them on every schedule (and with sequence parallelism where the layers split;
+refused where they run whole); under torch.autocast(cpu, bf16) model(...) and train_step's loss
+and gradients are within bf16 tolerance of the unsharded model under the same autocast; a build
+on the meta device gets the plain build's values (not GPT-2: its init is refused there);
+save_pretrained writes the unsharded model's Hugging Face layout (transformers reads it back),
+which load_pretrained reads into a fresh TP model; save_checkpoint / load_checkpoint round-trip.
+At TP 4 (4 ranks, key/value heads replicated: 2 kv heads): llama, qwen3, phi3, gpt2 and mixtral,
+the same checks. Item 3 (never a silent half-sharded model): a Llama whose MLP names its
+projections w1 / w2 / w3 is refused with the default plan, naming the modules and the entries
+that would shard them; with those entries added it shards and matches.
 """
 import copy
 import importlib.util
@@ -29,6 +44,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from _shards import check_grads, expected_shard as _expected
 from _spawn import run_ranks
@@ -40,32 +56,81 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
                                 reason="transformers is not installed")
 
 TOL = dict(rtol=1e-4, atol=1e-5)
+BF16 = torch.bfloat16
 SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=96, max_position_embeddings=64,
              num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-GPTJ_PLAN = {"q_proj": "column", "k_proj": "column", "v_proj": "column", "out_proj": "row",
-             "fc_in": "column", "fc_out": "row"}
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+# how oases.train_step splits each model's decoder layers (oases.nn._parts.LayerParts.kind)
+SPLIT = {"llama": "sequential", "llama_tied": "sequential", "qwen3": "sequential", "mixtral": "sequential",
+         "qwen2moe": "sequential", "gemma": "sequential", "gemma2": "whole", "olmo2": "whole", "cohere": "whole",
+         "phi3": "sequential", "phi": "whole", "gpt2": "sequential", "neox": "parallel", "gptj": "whole",
+         "starcoder2": "sequential", "llama_w": "sequential"}
+W_PLAN = {**oases.nn.DEFAULT_PLAN, "w1": "column", "w3": "column", "w2": "row"}
+
+
+class _W123(nn.Module):
+    """A Llama MLP whose projections carry Meta's names (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, hidden, inner):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(hidden, inner, bias=False), nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        h = nn.functional.silu(self.w1(x)) * self.w3(x)
+        return self.w2(h)
 
 
 def _build(kind):
     import transformers as tf
 
     torch.manual_seed(0)
+    if kind in ("llama", "llama_tied", "llama_w"):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, tie_word_embeddings=kind == "llama_tied"))
+        if kind == "llama_w":
+            for layer in model.model.layers:
+                layer.mlp = _W123(64, 128)
+        return model
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False))
+    if kind == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                      tie_word_embeddings=False))
+    if kind == "qwen2moe":
+        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
+                                                        moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                                        tie_word_embeddings=False))
+    if kind == "gemma":
+        return tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16))
+    if kind == "gemma2":
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
+    if kind == "olmo2":
+        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL, tie_word_embeddings=False))
+    if kind == "cohere":
+        return tf.CohereForCausalLM(tf.CohereConfig(**SMALL, logit_scale=0.5))
     if kind == "phi3":
         return tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
                                                 tie_word_embeddings=False))
+    if kind == "phi":
+        return tf.PhiForCausalLM(tf.PhiConfig(**SMALL, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
+                                              attention_dropout=0.0))
     if kind == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64,
-                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                               bos_token_id=1, eos_token_id=2, attn_implementation="eager"))
-    if kind == "olmo2":
-        return tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL, tie_word_embeddings=False))
-    if kind == "gemma":
-        return tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16))
-    if kind == "gptj":  # one norm, parallel branches: run whole
+                                               **NO_DROPOUT, bos_token_id=1, eos_token_id=2,
+                                               attn_implementation="eager"))
+    if kind == "neox":
+        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                                                      vocab_size=96, num_attention_heads=4, rotary_pct=0.25,
+                                                      max_position_embeddings=64, attn_implementation="eager",
+                                                      tie_word_embeddings=False))
+    if kind == "gptj":
         return tf.GPTJForCausalLM(tf.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=96,
-                                               n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                               bos_token_id=1, eos_token_id=2, attn_implementation="eager"))
+                                               n_positions=64, **NO_DROPOUT, bos_token_id=1, eos_token_id=2,
+                                               attn_implementation="eager"))
+    if kind == "starcoder2":
+        return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**SMALL, sliding_window=8, tie_word_embeddings=False))
     raise AssertionError(kind)
 
 
@@ -80,9 +145,43 @@ def _reference(model, ids, mask):
     return out.logits.detach(), out.loss.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}
 
 
-def _check_model(kind, rank, p, root, plan=None):
-    import transformers as tf
+def _bf16_close(a, b, what, rel=3e-2):
+    """||a - b|| <= rel ||b||: bf16 rounding (8 bits of mantissa) on both sides, summed differently."""
+    a, b = a.double(), b.double()
+    err = (a - b).norm() / b.norm().clamp_min(1e-12)
+    assert err <= rel, f"{what}: relative error {err:.3g} > {rel}"
 
+
+def _check_autocast(kind, ref, tp, ids, rank, p):
+    """model(...) and oases.train_step under torch.autocast(cpu, bf16) against the unsharded model
+    under the same autocast: logits, loss and every gradient within bf16 tolerance, fp32 gradients."""
+    ref.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", BF16):
+        out = ref(input_ids=ids, labels=ids)
+    out.loss.backward()
+    want_logits, want_loss = out.logits.detach().float(), out.loss.detach().float()
+    want = {n: q.grad.clone() for n, q in ref.named_parameters()}
+
+    def check(where):
+        for name, q in tp.named_parameters():
+            assert q.grad is not None and q.grad.dtype == torch.float32, f"{where}: grad of {name}"
+            _bf16_close(q.grad, _expected(tp, name, want[name], rank, p), f"{where}: grad of {name}", rel=5e-2)
+
+    tp.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", BF16):
+        out = tp(input_ids=ids, labels=ids)
+    out.loss.backward()
+    _bf16_close(out.logits.float(), want_logits, f"{kind} autocast logits", rel=1e-2)
+    _bf16_close(out.loss.float(), want_loss, f"{kind} autocast loss", rel=1e-2)
+    check(f"{kind} autocast model(...)")
+    tp.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", BF16):
+        loss = oases.train_step(tp, ids, ids, schedule="oases")
+    _bf16_close(loss.float(), want_loss, f"{kind} autocast train_step loss", rel=1e-2)
+    check(f"{kind} autocast train_step")
+
+
+def _check_model(kind, rank, p, root, plan=None):
     ref = _build(kind)
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as said:
@@ -91,10 +190,10 @@ def _check_model(kind, rank, p, root, plan=None):
     said = " ".join(str(w.message) for w in said)
     summary = oases.summary(tp)
     assert summary.layer_coverage >= 0.95 and not summary.left_whole, f"{kind}: {summary}"
-    assert summary.world_size == p and summary.share < 0.6, f"{kind}: {summary}"
-    whole = {oases.models.HFStack(tp).parts[0].kind}
-    assert whole == ({"whole"} if kind in ("olmo2", "gptj") else {"sequential"}), f"{kind}: {whole}"
-    assert ("runs each" in said) == (whole == {"whole"}), f"{kind}: parallelize said {said!r}"
+    assert summary.world_size == p and summary.share < 0.6 if p == 2 else summary.share < 0.45, f"{kind}: {summary}"
+    split = {part.kind for part in oases.models.HFStack(tp).parts}
+    assert split == {SPLIT[kind]}, f"{kind}: {split}"
+    assert ("runs each" in said) == (split == {"whole"}), f"{kind}: parallelize said {said!r}"
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, 90, (4, 12), generator=g)
@@ -114,7 +213,7 @@ def _check_model(kind, rank, p, root, plan=None):
     want = {n: q.grad.clone() for n, q in ref.named_parameters()}
     for schedule, sp in [(s, False) for s in SCHEDULES] + [("oases", True)]:
         tp.zero_grad(set_to_none=True)
-        if sp and whole == {"whole"}:  # a layer run whole needs the whole sequence: refused, before communicating
+        if sp and split == {"whole"}:  # a layer run whole needs the whole sequence: refused, before communicating
             with pytest.raises(ValueError, match="sequence_parallel: WholeLayer has no sequence_parallel_parameters"):
                 oases.train_step(tp, ids, labels, schedule=schedule, attention_mask=mask, sequence_parallel=sp)
             continue
@@ -122,37 +221,37 @@ def _check_model(kind, rank, p, root, plan=None):
         where = f"{kind} {schedule} sequence_parallel={sp}"
         torch.testing.assert_close(loss, ref_out.loss.detach(), **TOL, msg=lambda m: f"{where}: loss {m}")
         _check_grads(tp, want, rank, p, where)
+    _check_autocast(kind, ref, tp, ids, rank, p)
 
-    if kind == "gptj":
-        return
-    if kind != "gpt2":  # built on meta, only this rank's shards allocated and given the plain build's values
+    if kind not in ("gpt2", "llama_w"):  # built on meta, only this rank's shards allocated, the plain build's values
         with torch.device("meta"):
             meta = type(ref)(ref.config)
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            oases.parallelize(meta, device="cpu")
+            oases.parallelize(meta, device="cpu", plan=plan)
         built = oases.full_state_dict(meta)
         for key, value in ref.state_dict().items():
             assert torch.equal(built[key], value), f"{kind}: {key} built on meta"
-    where = os.path.join(root, kind)
-    oases.save_pretrained(tp, where)  # the unsharded model's names and shapes (Conv1D: [in, out])
-    if rank == 0:
-        back = type(ref).from_pretrained(where)
-        got = back.state_dict()
-        for key, value in ref.state_dict().items():
-            assert key in got and got[key].shape == value.shape, f"{kind}: {key} in the export"
-            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{kind} export {key}: {m}")
-    dist.barrier()
     fresh = _build(kind)
     for q in fresh.parameters():
         torch.nn.init.zeros_(q) if q.dim() == 1 else torch.nn.init.normal_(q)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(fresh, plan=plan)
-    oases.load_pretrained(fresh, where)
-    for (name, a), (_, b) in zip(tp.state_dict().items(), fresh.state_dict().items()):
-        assert torch.equal(a, b), f"{kind}: {name} after load_pretrained"
+    if kind != "llama_w":  # transformers' own layout: a Llama with w1 / w2 / w3 is not a model it can read
+        where = os.path.join(root, kind)
+        oases.save_pretrained(tp, where)  # the unsharded model's names and shapes (Conv1D: [in, out])
+        if rank == 0:
+            back = type(ref).from_pretrained(where)
+            got = back.state_dict()
+            for key, value in ref.state_dict().items():
+                assert key in got and got[key].shape == value.shape, f"{kind}: {key} in the export"
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{kind} export {key}: {m}")
+        dist.barrier()
+        oases.load_pretrained(fresh, where)
+        for (name, a), (_, b) in zip(tp.state_dict().items(), fresh.state_dict().items()):
+            assert torch.equal(a, b), f"{kind}: {name} after load_pretrained"
     oases.save_checkpoint(tp, os.path.join(root, kind + "-ckpt"))  # torch.distributed.checkpoint boxes
     with torch.no_grad():
         for q in fresh.parameters():
@@ -160,7 +259,6 @@ def _check_model(kind, rank, p, root, plan=None):
     oases.load_checkpoint(fresh, os.path.join(root, kind + "-ckpt"))
     for (name, a), (_, b) in zip(tp.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), f"{kind}: {name} after load_checkpoint"
-    del tf
 
 
 def _check_models(rank, p, kinds, root):
@@ -169,39 +267,36 @@ def _check_models(rank, p, kinds, root):
     return True
 
 
-def _check_phi3_gpt2(rank, p, root):
-    return _check_models(rank, p, ["phi3", "gpt2"], root)
-
-
-def test_phi3_and_gpt2_match_unsharded_tp2():
+@pytest.mark.parametrize("kinds", [("llama", "llama_tied", "qwen3", "mixtral"), ("qwen2moe", "gemma", "gemma2", "olmo2"),
+                                   ("cohere", "phi3", "phi", "gpt2"), ("neox", "gptj", "starcoder2")],
+                         ids=lambda kinds: "-".join(kinds))
+def test_models_match_unsharded_tp2(kinds):
     with tempfile.TemporaryDirectory() as root:
-        run_ranks(_check_phi3_gpt2, 2, root, timeout=240)
+        run_ranks(_check_models, 2, kinds, root, timeout=300)
 
 
-def _check_half_sharded(rank, p, root):
-    model = _build("gptj")
+def test_models_match_unsharded_tp4():
+    """TP 4 with 2 kv heads: each kv head held by two ranks (oases.nn._kv)."""
+    with tempfile.TemporaryDirectory() as root:
+        run_ranks(_check_models, 4, ("llama", "qwen3", "phi3", "gpt2", "mixtral"), root, timeout=480)
+
+
+def _check_unknown_names(rank, p, root):
+    model = _build("llama_w")
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"shards 25% .*fc_in.*fc_out.*'fc_in': 'column', 'fc_out': 'row', "
-                                         r"'out_proj': 'row'"):
+    with pytest.raises(ValueError, match=r"shards 33% .*mlp\.w1.*'w1': 'column', 'w2': 'row', 'w3': 'column'"):
         oases.parallelize(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # left as it was
     assert oases.summary(model).layer_coverage == 0.0
-    partial = {k: v for k, v in GPTJ_PLAN.items() if not k.startswith("fc")}
-    with pytest.warns(UserWarning, match=r"shards 33% .*'fc_in': 'column', 'fc_out': 'row'"):
-        oases.parallelize(_build("gptj"), plan=partial)
-    _check_model("gptj", rank, p, root, plan=GPTJ_PLAN)
+    with pytest.warns(UserWarning, match=r"shards 33% .*'w1': 'column', 'w2': 'row', 'w3': 'column'"):
+        oases.parallelize(_build("llama_w"), plan=dict(oases.nn.DEFAULT_PLAN))
+    _check_model("llama_w", rank, p, root, plan=W_PLAN)
     return True
 
 
-def _check_olmo2_gemma_gptj(rank, p, root):
-    return _check_models(rank, p, ["olmo2", "gemma"], root) and _check_half_sharded(rank, p, root)
-
-
-def test_olmo2_gemma_and_a_half_sharded_gptj_tp2():
+def test_unknown_projection_names_refused_then_planned():
     with tempfile.TemporaryDirectory() as root:
-        run_ranks(_check_olmo2_gemma_gptj, 2, root, timeout=240)
-
-
+        run_ranks(_check_unknown_names, 2, root, timeout=240)
 @pytest.mark.parametrize("p", [2, 4])
 def test_shard_rules_of_unequal_blocks_and_conv1d_layout(p):
     """ShardRule(dim, parts=...) and blockwise rules on dim 1: rank r holds the r-th slice of each

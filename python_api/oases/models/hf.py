@@ -120,6 +120,8 @@ class HFStack:
         self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
         self.parts = _parts_of(self.decoder)
+        self._names = _top_names(model, self.base, self.lm_head)
+        self._layer_returns_tuple: Optional[bool] = None  # what the base's forward expects of a layer, once known
         decoder = self.decoder
         degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
@@ -159,8 +161,21 @@ class HFStack:
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         calls: list = []
-        with _standing_in(self.base, self._layers_name, _Recorder(calls, self.decoder[0]), len(self.decoder)):
-            self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
+        recorder = _Recorder(calls, self.decoder[0])
+        if self._layer_returns_tuple is not None:
+            recorder.tuple = self._layer_returns_tuple
+        with _standing_in(self.base, self._layers_name, recorder, len(self.decoder)):
+            try:
+                self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
+            except (AttributeError, IndexError, TypeError, ValueError):
+                # the layer's annotation misled (Gemma-3 says tuple, returns a tensor): the other
+                # form once; what follows the layers in the base's forward is discarded either way
+                if self._layer_returns_tuple is not None:
+                    raise
+                calls.clear()
+                recorder.tuple = not recorder.tuple
+                self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
+            self._layer_returns_tuple = recorder.tuple
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
         x = calls[0][0]
@@ -196,12 +211,21 @@ class HFStack:
         return _Context(ctx.where.replica_rows(rows), kwargs)
 
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """The final norm, the LM head, then what the model's own forward does to the head's
+        logits (Gemma-2's soft-capping, Cohere's logit_scale, Granite's logits_scaling: the model's
+        forward runs with its base model and head stood in for; each is elementwise, so exact on a
+        vocab-parallel shard too), then a padded vocabulary's columns set to -inf."""
         h = self.final_norm(x)
         if self.logits_group is None:
-            return self.lm_head(h)  # [b, t, vocab]
-        # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
-        logits = F.linear(copy_to_tp(h, self.logits_group), self.lm_head.weight, self.lm_head.bias)
-        return self.lm_head.mask_padding(logits)  # a padded vocabulary's columns: -inf
+            head = self.lm_head  # [b, t, vocab]
+        else:  # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
+            head = _ShardHead(self.lm_head, self.logits_group)
+        if self._names is None:
+            logits = head(h)
+        else:
+            with _standing_in_for_top(self.model, self._names, h, head):
+                logits = self.model(input_ids=None, use_cache=False).logits
+        return logits if self.logits_group is None else self.lm_head.mask_padding(logits)
 
 
 def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:
@@ -226,6 +250,64 @@ def _standing_in(base: nn.Module, name: str, recorder: nn.Module, n: int) -> Ite
         yield
     finally:
         setattr(base, name, layers)
+
+
+def _top_names(model: nn.Module, base: nn.Module, head: nn.Module) -> Optional[tuple[str, str]]:
+    """The names of the base model and the head among the model's children, where both are
+    children of a model that is not its own base (a Hugging Face XForCausalLM), else None."""
+    children = dict(model.named_children())
+    names = [next((n for n, m in children.items() if m is part), None) for part in (base, head)]
+    return None if base is model or None in names else (names[0], names[1])
+
+
+class _ShardHead(nn.Module):
+    """A vocab-parallel head's shard of the logits, its input's gradient all-reduced (copy_to_tp)."""
+
+    def __init__(self, head: ColumnParallelLinear, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group = head.weight, head.bias, group
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(h, self.group), self.weight, self.bias)
+
+
+class _Hidden(tuple):
+    """What the stood-in base model returns: the final hidden states as index 0 and as
+    last_hidden_state, and None for any other field the model's forward reads (past_key_values,
+    hidden_states, router_logits, ...)."""
+
+    def __new__(cls, h: torch.Tensor) -> "_Hidden":
+        return super().__new__(cls, (h,))
+
+    @property
+    def last_hidden_state(self) -> torch.Tensor:
+        return self[0]
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+class _GivesHidden(nn.Module):
+    def __init__(self, h: torch.Tensor) -> None:
+        super().__init__()
+        self.h = h
+
+    def forward(self, *args: Any, **kwargs: Any) -> _Hidden:
+        return _Hidden(self.h)
+
+
+@contextlib.contextmanager
+def _standing_in_for_top(model: nn.Module, names: tuple[str, str], h: torch.Tensor,
+                         head: nn.Module) -> Iterator[None]:
+    """model.<base> returns h and model.<head> is `head` for the block (both restored after)."""
+    kept = [getattr(model, n) for n in names]
+    setattr(model, names[0], _GivesHidden(h))
+    setattr(model, names[1], head)
+    try:
+        yield
+    finally:
+        for n, m in zip(names, kept):
+            setattr(model, n, m)
 
 
 def _unknown(model: nn.Module, what: str) -> str:

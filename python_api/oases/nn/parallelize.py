@@ -46,8 +46,8 @@ a loss, dropped from gathered logits, absent from checkpoints and exports). A ti
 head (tie_word_embeddings=True) are sharded together, one shard serving both; a tie of one
 planned module to anything else raises a ValueError (untie first, or leave both replicated).
 
-Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2/3/Gemma/OLMo-2, Phi-3, GPT-NeoX/Falcon,
-GPT-2 and nanoGPT naming. Projections no pattern places (an LM head, say) stay unsharded and
+Without a plan, DEFAULT_PLAN recognises LLaMA/Mistral/Qwen2/3/Gemma/OLMo-2, Phi/Phi-3, GPT-NeoX/Falcon,
+GPT-J, OPT, GPT-2 and nanoGPT naming. Projections no pattern places (an LM head, say) stay unsharded and
 replicated, and one warning lists them with their share of the decoder layers' projection
 parameters. Every check (features and heads divisible by the world size, head projections'
 widths agreeing with the head counts, every module with a column layer also having a row layer
@@ -190,6 +190,9 @@ DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
     # whole heads; "dense" alone is too common a name (BERT's MLP has one), so only attention's
     "query_key_value": "column", "*attention.dense": "row",
     "dense_h_to_4h": "column", "dense_4h_to_h": "row",
+    # Phi, OPT, GPT-J, BLOOM-style names: attention's output (out_proj, Phi's self_attn.dense) and a
+    # two-linear MLP (fc1 / fc2, fc_in / fc_out)
+    "*self_attn.dense": "row", "out_proj": "row", "fc1": "column", "fc2": "row", "fc_in": "column", "fc_out": "row",
     # nanoGPT, GPT-2 (Conv1D): c_attn's outputs are [q | k | v], each third sharded on its own
     "c_attn": "column:3", "c_fc": "column", "c_proj": "row",
     # Mixtral, Qwen2/3-MoE: routed experts fused in 3-D tensors, each expert sharded on its intermediate dim
