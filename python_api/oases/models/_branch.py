@@ -94,12 +94,26 @@ def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
                         "output projection); shard every decoder layer with oases.parallelize(model, group)")
 
 
+# Modules that draw random numbers in training whatever their settings: PhiMoE's router samples its
+# experts (Gumbel noise); a recomputed sublayer would route its tokens to other experts.
+_SAMPLES_IN_TRAINING = {"PhimoeTopKRouter": "samples its experts with Gumbel noise in training"}
+
+
 def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
-    """Dropout inside recomputed sublayers would draw other masks when recomputed: refuse it."""
+    """Dropout inside recomputed sublayers would draw other masks when recomputed, a router's
+    jitter noise or sampling other experts: refuse them."""
     if not model.training:
         return
     for i, layer in enumerate(decoder):
         for name, m in layer.named_modules():
+            jitter = {a: v for a, v in vars(m).items() if "jitter" in a and isinstance(v, float) and v > 0}
+            why = _SAMPLES_IN_TRAINING.get(type(m).__name__) or (
+                f"draws random noise in training ({', '.join(f'{a}={v}' for a, v in jitter.items())})" if jitter else "")
+            if why:
+                raise ValueError(
+                    f"oases.train_step: decoder layer {i}'s {name or 'layer'} ({type(m).__name__}) {why}; the "
+                    "schedules recompute sublayers and would draw other numbers. Set the config's jitter noise to "
+                    "0 or call model.eval() (the router then picks its top experts)")
             p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0.0)
             if isinstance(p, float) and p > 0:
                 raise ValueError(

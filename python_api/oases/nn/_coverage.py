@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from oases._sharding import tp_rules
 from oases.comm._topology import ring_of
-from oases.nn._parts import (_calls, attention_of, decoder_layers_of, find_stack, is_projection, layer_parts,
+from oases.nn._parts import (_calls, attention_of, decoder_layers_of, find_stack, inner_base, is_projection, layer_parts,
                              mlp_of, projections)
 from oases.nn.experts import is_experts
 from oases.nn.layers import RowParallelLinear
@@ -121,7 +121,7 @@ def _decoder_layers(model: nn.Module) -> tuple[str, Optional[nn.ModuleList]]:
     """(qualified name, list) of the model's decoder layers: the first non-empty nn.ModuleList child
     of model.base_model (else of the model), or of model.transformer (nanoGPT); ("", None) if none."""
     for owner in (getattr(model, "base_model", None), getattr(model, "transformer", None), model):
-        found = decoder_layers_of(owner) if isinstance(owner, nn.Module) else None
+        found = decoder_layers_of(inner_base(owner)) if isinstance(owner, nn.Module) else None
         if found is not None:
             prefix = next((n for n, m in model.named_modules() if m is found[1]), "")
             return prefix, found[1]

@@ -39,7 +39,7 @@ import torch.nn as nn
 from oases.nn.experts import is_experts, is_fused_experts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
-__all__ = ["HEAD_PROJECTIONS", "LayerParts", "StackParts", "is_norm", "is_projection", "projections",
+__all__ = ["HEAD_PROJECTIONS", "LayerParts", "StackParts", "inner_base", "is_norm", "is_projection", "projections",
            "attention_of", "mlp_of", "layer_parts", "find_stack", "decoder_layers_of"]
 
 # Child names that make their parent an attention module when column-sharded.
@@ -156,9 +156,23 @@ def layer_parts(layer: nn.Module) -> LayerParts:
                           f"{attention}, a norm, {mlp} (pre-norm residual branches)")
     if _scaled_residual(type(layer).forward):
         return LayerParts("whole", attention, mlp, norms, "its forward scales the residual")
+    inner = [n for n in (attention, mlp) if "residual" in inspect.signature(children[n].forward).parameters]
+    if inner:  # BLOOM: a branch that adds the residual itself is not a branch the schedules can sum
+        return LayerParts("whole", attention, mlp, norms, f"its {' and '.join(inner)} add the residual themselves")
     pair = (order[0], order[2])
     kind = "parallel" if getattr(layer, "use_parallel_residual", False) is True else "sequential"
     return LayerParts(kind, attention, mlp, pair)
+
+
+def inner_base(base: nn.Module) -> nn.Module:
+    """The module that holds the decoder layers: `base`, or the one child it wraps where it holds no
+    module list itself (OPT: OPTModel -> its decoder)."""
+    while decoder_layers_of(base) is None:
+        children = list(base.children())
+        if len(children) != 1:
+            break
+        base = children[0]
+    return base
 
 
 def decoder_layers_of(base: nn.Module) -> Optional[tuple[str, nn.ModuleList]]:
@@ -184,12 +198,16 @@ def find_stack(model: nn.Module) -> tuple[Optional[StackParts], str]:
     """(the model's stack, "") or (None, what is missing). The base model is Hugging Face's
     `model.base_model` (else the model itself); the final norm is the base model's one norm child."""
     base = getattr(model, "base_model", None)
-    base = base if isinstance(base, nn.Module) else model
+    base = inner_base(base if isinstance(base, nn.Module) else model)
     found = decoder_layers_of(base)
     if found is None:
         return None, "no decoder layers (a non-empty nn.ModuleList child of model.base_model)"
     name, layers = found
-    norms = [m for n, m in base.named_children() if is_norm(m)]
+    children = list(base.named_children())
+    norms = [m for n, m in children if is_norm(m)]
+    if len(norms) > 1:  # BLOOM's embedding norm comes before the layers: the final norm is after them
+        after = [m for n, m in children[[n for n, _ in children].index(name) + 1:] if is_norm(m)]
+        norms = after if len(after) == 1 else norms
     if len(norms) != 1:
         return None, f"{len(norms)} norm children of model.base_model (one final norm expected)"
     get = getattr(model, "get_output_embeddings", None)

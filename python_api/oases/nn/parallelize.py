@@ -174,6 +174,7 @@ from oases.nn._degrees import (DegreeGroups, check_tp_degrees, hook_decoder_laye
                                sum_over_replicas_while)
 from oases.nn import _coverage as _summary, _heads, _kv, _moe
 from oases.nn._heads import PER_RANK_ATTRIBUTES
+from oases.nn import _alibi
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable, is_conv1d
 from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
@@ -417,6 +418,10 @@ def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str,
     return found
 
 
+# Attention modules whose forward fixes how the fused projection's features map to heads, whatever
+# the module's head counts say (the exceptions to sharding by parts).
+_UNSHARDABLE_ATTENTION = {"CodeGenAttention": "splits its fused qkv_proj into mp_num = 4 groups fixed in its forward"}
+
 # Where per-layer tp_degrees find decoder layers without `layers=` (the first that is a non-empty
 # nn.ModuleList wins): Hugging Face decoders (LlamaForCausalLM's model.layers, GPTNeoXForCausalLM's
 # gpt_neox.layers: base_model is the inner model), nanoGPT-style models (with or without `transformer`).
@@ -652,6 +657,10 @@ def parallelize(
     attention = _attention_modules(model, placed)
     norms = {}  # {attention: {norm child: (eps, unit_offset)}}: norms over a sharded projection's whole width
     for name, module in attention.items():
+        if type(module).__name__ in _UNSHARDABLE_ATTENTION:
+            raise ValueError(f"{name}: {type(module).__name__} {_UNSHARDABLE_ATTENTION[type(module).__name__]}, so its "
+                             f"heads cannot be split across ranks; leave its projections out of the plan (plan= "
+                             f"without them) or use TP degree 1 for this model")
         _heads.check_heads(name, module, degree(name))
         widths = {child: _features(sub)[1] for child, sub in module.named_children()
                   if placed.get(f"{name}.{child}" if name else child, _Style("row")).kind == "column"}
@@ -707,6 +716,9 @@ def parallelize(
     for name, module in attention.items():
         d = degree(name)
         if not d == 1 < p:
+            full_heads = _heads.heads(module)[0]
+            if full_heads is not None:  # ALiBi slopes from the base model: this rank's heads' rows
+                _alibi.slice_head_biases(module, full_heads, groups[d])
             _heads.localize_heads(module, d)
             _heads.shard_norms(module, norms[name], groups[d])
             _heads.sum_head_shared_grads(module, groups[d])
