@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo demo-gpt test bench clean cuda-build gpu-check
+.PHONY: setup demo demo-gpt test test-oldest-transformers bench clean cuda-build gpu-check
 
 setup: $(STAMP)
 
@@ -25,6 +25,10 @@ demo-gpt: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The Hugging Face-facing tests on the oldest supported transformers (5.0.0), in .venv-tf-oldest.
+test-oldest-transformers: $(STAMP)
+	bash .ci/oldest_transformers.sh
+
 bench: $(STAMP)
 	$(PY) -m bench primitives
 
@@ -39,4 +43,4 @@ gpu-check:
 	$(PYTHON) -m bench all --device cuda
 
 clean:
-	rm -rf $(VENV) build *.egg-info python_api/*.egg-info python_api/oases/_C*.so
+	rm -rf $(VENV) .venv-tf-oldest build *.egg-info python_api/*.egg-info python_api/oases/_C*.so

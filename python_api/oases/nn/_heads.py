@@ -14,6 +14,10 @@ never touches the shared config:
                        every other attribute, and every write, goes to the shared config
     norms over the projected width (OLMo-2's q_norm [heads * head_dim]) -> ShardedRMSNorm
                        (oases.nn.norm), their weights sharded like the projection's outputs
+    per-head parameters: the module's own parameters whose leading dim is its query head count
+                       (GPT-OSS's attention sinks [heads], one logit per query head) -> cut by query
+                       heads, rank r keeping [r * heads/p, (r + 1) * heads/p) as q_proj's rows (also
+                       at p > kv_heads); the module's tp_layout() says so (ShardRule(0)), `group` its group
     other parameters of the module (Qwen3's per-head q_norm / k_norm, shared by every head)
                        -> their gradient summed over the group (each rank saw its heads only)
 
@@ -22,19 +26,22 @@ for the plan style "column:qkv" (GQA: the blocks differ, so equal thirds would b
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
 from oases.nn import _mappings
 from oases.nn._parts import HEAD_PROJECTIONS, is_norm
 from oases.nn.norm import ShardedRMSNorm
 
 __all__ = ["PER_RANK_ATTRIBUTES", "count", "heads", "check_heads", "check_widths", "localize_heads", "qkv_parts", "full_width_norms",
-           "check_norm_form", "shard_norms", "sum_head_shared_grads", "head_dim"]
+           "check_norm_form", "shard_norms", "head_parameters", "shard_head_parameters", "sum_head_shared_grads",
+           "head_dim"]
 
 # Integer attributes of an attention module that count its heads or the features made of them.
 PER_RANK_ATTRIBUTES = (
@@ -94,6 +101,12 @@ def check_heads(name: str, module: nn.Module, p: int) -> None:
                 f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
                 f"this rank's share of it would not be whole"
             )
+    taken = [attr for attr in ("tp_layout", "group") if hasattr(module, attr)]
+    if head_parameters(module) and taken:
+        raise ValueError(f"{where}: {type(module).__name__} has per-head parameters "
+                         f"({', '.join(head_parameters(module))}) that oases shards by heads, and already an "
+                         f"attribute {taken[0]!r}, which oases would set to say how; rename that attribute, or "
+                         f"leave the attention unsharded (remove its projections from the plan)")
 
 
 def check_widths(name: str, attention: nn.Module, widths: dict[str, int]) -> None:
@@ -240,12 +253,55 @@ def shard_norms(attention: nn.Module, norms: dict[str, tuple[float, bool]],
                                                            unit_offset=unit_offset))
 
 
+def head_parameters(attention: nn.Module) -> tuple[str, ...]:
+    """Names of the attention module's own parameters (not its children's: norms, projections)
+    whose leading dim is its query head count: one entry per query head (GPT-OSS's sinks)."""
+    q, _ = heads(attention)
+    if q is None:
+        return ()
+    return tuple(n for n, t in attention.named_parameters(recurse=False) if t.dim() >= 1 and t.shape[0] == q)
+
+
+@dataclass(frozen=True)
+class _HeadLayout:
+    """An attention module's tp_layout(): its per-head parameters cut by query heads (dim 0)."""
+
+    names: tuple[str, ...]
+
+    def __call__(self) -> dict[str, ShardRule]:
+        return {n: ShardRule(0) for n in self.names}
+
+
+def shard_head_parameters(attention: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Keep this rank's query heads of the module's per-head parameters (`head_parameters`; run
+    before localize_heads, which makes the head counts per-rank), and say so:
+
+        param [heads, ...] -> param[r * heads/p : (r + 1) * heads/p]     (values and requires_grad kept)
+        attention.tp_layout() == {name: ShardRule(0), ...},  attention.group = group
+    """
+    names = head_parameters(attention)
+    if not names:
+        return
+    ring = ring_of(group)
+    rule = ShardRule(0)
+    for name in names:
+        full = getattr(attention, name)
+        shard = rule.shard(full.detach(), ring.rank, ring.size).clone()
+        setattr(attention, name, nn.Parameter(shard, requires_grad=full.requires_grad))
+    attention.tp_layout = _HeadLayout(names)
+    attention.group = group
+
+
 def sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
-    """Parameters of an attention module outside its TP modules (Qwen3's per-head q_norm / k_norm
-    weights, shared by every head) see only this rank's heads: their gradient is all-reduced
-    over the group as it is computed, so .grad holds the full gradient (a hook per parameter)."""
-    tp_modules = [m for m in attention.modules() if hasattr(m, "tp_layout")]
+    """Parameters of an attention module outside its TP modules and its per-head parameters
+    (Qwen3's per-head q_norm / k_norm weights, shared by every head) see only this rank's heads:
+    their gradient is all-reduced over the group as it is computed, so .grad holds the full
+    gradient (a hook per parameter)."""
+    tp_modules = [m for m in attention.modules() if hasattr(m, "tp_layout") and m is not attention]
     in_tp = {id(q) for m in tp_modules for q in m.parameters()}
+    layout = getattr(attention, "tp_layout", None)
+    if callable(layout):  # its own per-head parameters (shard_head_parameters)
+        in_tp |= {id(attention.get_parameter(name)) for name in layout()}
     ring = ring_of(group)
     for param in attention.parameters():
         if id(param) not in in_tp and param.requires_grad:

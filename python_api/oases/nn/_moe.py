@@ -1,8 +1,8 @@
 """Mixture-of-experts blocks under tensor parallelism, for parallelize (plan style "experts").
 
-A block (Mixtral's, Qwen2/3-MoE's `mlp`) holds a router, routed experts stored fused (Hugging
-Face's 3-D gate_up_proj / down_proj, oases.nn.experts) and, in some models, a shared expert (a
-dense MLP) with a sigmoid gate (Qwen2-MoE):
+A block (Mixtral's, Qwen2/3-MoE's, GPT-OSS's `mlp`) holds a router, routed experts stored fused
+(Hugging Face's 3-D gate_up_proj / down_proj, GPT-OSS's with biases: oases.nn.experts) and, in some
+models, a shared expert (a dense MLP) with a sigmoid gate (Qwen2-MoE):
 
     block(x) = experts(x, top_k(router(x)))  [+ sigmoid(shared_gate(x)) * shared_expert(x)]
 
@@ -10,13 +10,15 @@ Once its experts are planned "experts", the block is one tensor-parallel region,
 column -> row pair is (p ranks, r this rank):
 
     experts        -> ParallelExperts: each expert's gate | up rows and down columns of rank r
+                      (GPT-OSS: its (gate, up) pairs and down rows; the down bias in rank 0's sum)
     shared_expert  -> its projections column / row by the plan, computing rank r's partial sum
                       (no communication of their own)
     router, shared gate (the block's direct parameters and nn.Linear children) -> replicated
     block(x) = reduce_from_tp(block_r(copy_to_tp(x)))    # hooks on the block: one all-reduce for
                                                          # the routed and the shared experts
     block_r  = the block's own forward on the shards: every term of its output is rank r's partial
-               sum (the gates scale partial sums; the routing is computed alike on every rank)
+               sum (the gates scale partial sums; the routing is computed alike on every rank);
+               a block returning (hidden_states, router_scores) (GPT-OSS) has hidden_states reduced
 
 Gradients. copy_to_tp sums the gradient of x over the ranks. A replicated parameter inside the
 region (the router, through the combine weights; the shared gate) gets only rank r's share on
@@ -25,11 +27,12 @@ the block (a router returning (logits, weights, indices), Hugging Face's TopKRou
 uses only the weights and indices; output_router_logits: the load-balancing loss reads the logits)
 carry the loss's whole gradient on every rank, so the router's output passes it on rank 0 of the
 group only (zeros elsewhere) and the sums stay exact. Inside no_tp_communication (the schedules' core) the block
-neither enters nor reduces: the schedule does (ParallelExperts carries the switch).
+neither enters nor reduces: the schedule does (ParallelExperts carries the switch); the core takes
+a tuple's first element (its partial sum).
 
 Before anything changes, `check_blocks` refuses (ValueError naming the module and the fix) what
-would not be exact: experts not in the standard layout or whose intermediate size p does not
-divide, a router or gate planned as sharded, a projection inside the block left out of the plan,
+would not be exact: experts in neither form ParallelExperts computes or whose intermediate size p
+does not divide, a router or gate planned as sharded, a projection inside the block left out of the plan,
 a row-parallel bias inside the block (the shared gate would scale it), router jitter noise.
 """
 from __future__ import annotations
@@ -121,12 +124,20 @@ def _enter(experts: ParallelExperts, block: nn.Module, args: tuple, kwargs: dict
 
 
 def _leave(experts: ParallelExperts, block: nn.Module, args: tuple, output: object):
-    """Forward hook: the block's partial sums reduced once (routed and shared experts together)."""
+    """Forward hook: the block's partial sums reduced once (routed and shared experts together).
+
+    A block returning a tuple (GPT-OSS's: (hidden_states, router_scores)) has its first element
+    reduced and the rest (the routing, replicated) passed as they are. Inside no_tp_communication
+    (a schedule's core: oases.models._branch.Branch.core takes the tuple's first element) nothing
+    is reduced."""
+    is_tuple = isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor)
+    if not is_tuple and not isinstance(output, torch.Tensor):
+        raise TypeError(f"{type(block).__name__}: an MoE block with sharded experts must return its hidden states "
+                        f"(a tensor, or a tuple starting with it), got {type(output).__name__}")
     if not experts._communicate:
         return None
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"{type(block).__name__}: an MoE block with sharded experts must return its hidden states "
-                        f"(a tensor), got {type(output).__name__}")
+    if is_tuple:
+        return (reduce_from_tp(output[0], experts.group), *output[1:])
     return reduce_from_tp(output, experts.group)
 
 

@@ -1,32 +1,54 @@
 """Routed experts stored fused, each expert tensor-parallel over its intermediate dim (Megatron's
 expert tensor parallelism): `ParallelExperts`.
 
-Hugging Face keeps a mixture-of-experts block's routed experts (Mixtral, Qwen2/3-MoE, OLMoE, ...)
-as two 3-D parameters of one module, E experts of intermediate size I over hidden size H:
+Hugging Face keeps a mixture-of-experts block's routed experts as 3-D parameters of one module,
+E experts of intermediate size I over hidden size H, in one of two forms:
 
-    gate_up_proj [E, 2I, H]   expert e's [gate | up] rows, as a fused 2-D gate_up_proj
-    down_proj    [E, H, I]
+    "concatenated" (Mixtral, Qwen2/3-MoE, OLMoE, ...): F.linear's layout, [gate | up] blocks
+        gate_up_proj [E, 2I, H]   expert e's [gate | up] rows
+        down_proj    [E, H, I]
+        expert(e, x) = F.linear(act_fn(g) * u, down_proj[e]),   g, u = F.linear(x, gate_up_proj[e]).chunk(2, -1)
+    "interleaved" (GPT-OSS): x @ W's layout, gate and up features in pairs, biases
+        gate_up_proj      [E, H, 2I]  columns g_0, u_0, g_1, u_1, ...
+        gate_up_proj_bias [E, 2I]
+        down_proj         [E, I, H]
+        down_proj_bias    [E, H]
+        expert(e, x) = swiglu(x @ gate_up_proj[e] + gate_up_proj_bias[e]) @ down_proj[e] + down_proj_bias[e]
+        swiglu = ClampedSwiGLU(alpha, limit): (clamp(u, -limit, limit) + 1) * c * sigmoid(alpha * c),
+                 c = clamp(g, max=limit),  g, u = gate_up[..., ::2], gate_up[..., 1::2]
+
     forward(x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> y [T, H]:
         for each expert e some token routes to:
             (t, j) = the tokens routed to e, and the slot j of e among their k choices
-            g, u   = (x[t] @ gate_up_proj[e].T).chunk(2, -1)            # [n, I] each
-            y[t]  += (act(g) * u) @ down_proj[e].T * top_k_weights[t, j]
+            y[t]  += expert(e, x[t]) * top_k_weights[t, j]
 
-Each expert is a gated MLP, so it shards as a dense one does (p ranks, r this rank): its gate and
-up rows column-parallel, each part on its own ("column:2"), its down columns row-parallel:
+Each expert is a gated MLP whose gate is elementwise in its I features, so it shards as a dense
+one does (p ranks, r this rank; rank r holds features j in [rI/p, (r+1)I/p) of every expert):
 
-    ParallelExperts   gate_up_proj [E, 2I/p, H] = [G_e[rI/p:(r+1)I/p] | U_e[rI/p:(r+1)I/p]]  ShardRule(1, stacked=2)
-                      down_proj    [E, H, I/p]  = D_e[:, rI/p:(r+1)I/p]                     ShardRule(2)
-        forward(x, top_k_index, top_k_weights) -> y_r [T, H], the same loop on the shards:
-            sum over r of y_r == y                                       (act is elementwise)
+    concatenated  gate_up_proj [E, 2I/p, H] = [G_e[rI/p:(r+1)I/p] | U_e[rI/p:(r+1)I/p]]   ShardRule(1, stacked=2)
+                  down_proj    [E, H, I/p]  = D_e[:, rI/p:(r+1)I/p]                       ShardRule(2)
+    interleaved   gate_up_proj [E, H, 2I/p] = columns [2rI/p, 2(r+1)I/p): the pairs (g_j, u_j)  ShardRule(2)
+                  gate_up_proj_bias [E, 2I/p]  the same pairs                              ShardRule(1)
+                  down_proj    [E, I/p, H]  = rows [rI/p, (r+1)I/p)                        ShardRule(1)
+                  down_proj_bias [E, H]        replicated, added to rank 0's partial sum only
+    forward(x, top_k_index, top_k_weights) -> y_r [T, H], the same loop on the shards:
+        sum over r of y_r == y
+
+The pairs of an interleaved gate_up kept together are whole columns of it, so a plain rule cuts
+them. The down bias enters the sum once through `lead_only` (fwd: the bias on rank 0, zeros
+elsewhere; bwd: identity): the gradient reaching the block's output is the same on every rank
+(its reduction's adjoint is the identity), so each rank's bias gradient is the whole one, as a
+row-parallel layer's bias added after its reduction gets, and the router's (summed over the ranks
+by oases.nn._moe) counts the bias once.
 
 The forward communicates nothing: y_r is this rank's partial sum, and the block it sits in
 enters its input and reduces its output once, with the shared expert's partial sum added
 (oases.nn._moe). The parameters keep Hugging Face's names, so checkpoints and
-oases.save_pretrained exports hold the unsharded [E, 2I, H] and [E, H, I] tensors.
+oases.save_pretrained exports hold the unsharded tensors of either form.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -36,27 +58,82 @@ import torch.nn.functional as F
 
 from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
+from oases.nn._mappings import lead_only
 
-__all__ = ["ParallelExperts", "is_fused_experts", "is_experts", "check_experts"]
+__all__ = ["ParallelExperts", "ClampedSwiGLU", "is_fused_experts", "is_experts", "check_experts"]
 
-# The flags transformers' use_experts_implementation sets, with the only layout ParallelExperts computes.
-_STANDARD_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
-                    "has_post_expert_norm": False}
+# The flags transformers' use_experts_implementation sets, for the two forms ParallelExperts computes.
+_LAYOUTS = {
+    "concatenated": {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
+                     "has_post_expert_norm": False},
+    "interleaved": {"is_concatenated": False, "is_transposed": True, "has_bias": True, "has_gate": True,
+                    "has_post_expert_norm": False},
+}
+_INTERLEAVED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's expert gate over interleaved gate / up pairs (elementwise in the pairs):
+
+        __call__(gate_up [..., 2m]) -> [..., m]
+            g, u = gate_up[..., ::2], gate_up[..., 1::2]
+            c    = clamp(g, max=limit)
+            out  = (clamp(u, -limit, limit) + 1) * c * sigmoid(alpha * c)
+    """
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # [..., m] each
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _form(module: nn.Module) -> Optional[str]:
+    """"concatenated" or "interleaved" (module doc) for Hugging Face's fused experts, unsharded,
+    by their own parameters' names and shapes (I > 0); None for anything else:
+
+        concatenated  exactly gate_up_proj [E, 2I, H], down_proj [E, H, I], and an act_fn
+        interleaved   exactly gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H],
+                      down_proj_bias [E, H]; flags is_concatenated False (or absent: 5.0) and
+                      is_transposed True (as transformers' use_experts_implementation sets them),
+                      numbers alpha and limit
+    """
+    if isinstance(module, ParallelExperts):
+        return None
+    own = dict(module.named_parameters(recurse=False))
+    if set(own) == {"gate_up_proj", "down_proj"} and callable(getattr(module, "act_fn", None)):
+        gate_up, down = own["gate_up_proj"], own["down_proj"]
+        if gate_up.dim() != 3 or down.dim() != 3:
+            return None
+        e, two_i, h = gate_up.shape
+        ok = two_i % 2 == 0 and two_i > 0 and tuple(down.shape) == (e, h, two_i // 2)
+        return "concatenated" if ok else None
+    if set(own) == set(_INTERLEAVED):
+        # transformers 5.0 sets no is_concatenated (its gate checks the interleaving: check_experts)
+        if getattr(module, "is_concatenated", False) is not False or getattr(module, "is_transposed", None) is not True \
+                or not (_real(getattr(module, "alpha", None)) and _real(getattr(module, "limit", None))):
+            return None
+        gate_up = own["gate_up_proj"]
+        if gate_up.dim() != 3 or gate_up.shape[2] % 2 or gate_up.shape[2] == 0:
+            return None
+        e, h, two_i = gate_up.shape
+        want = {"gate_up_proj_bias": (e, two_i), "down_proj": (e, two_i // 2, h), "down_proj_bias": (e, h)}
+        return "interleaved" if all(tuple(own[n].shape) == s for n, s in want.items()) else None
+    return None
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """Hugging Face's fused routed experts, unsharded: own parameters exactly gate_up_proj [E, 2I, H]
-    and down_proj [E, H, I] (3-D, I > 0), and an act_fn (a ParallelExperts is not)."""
-    if isinstance(module, ParallelExperts):
-        return False
-    own = dict(module.named_parameters(recurse=False))
-    if set(own) != {"gate_up_proj", "down_proj"} or not callable(getattr(module, "act_fn", None)):
-        return False
-    gate_up, down = own["gate_up_proj"], own["down_proj"]
-    if gate_up.dim() != 3 or down.dim() != 3:
-        return False
-    e, two_i, h = gate_up.shape
-    return two_i % 2 == 0 and two_i > 0 and tuple(down.shape) == (e, h, two_i // 2)
+    """Hugging Face's fused routed experts, unsharded, in one of the two forms of the module doc
+    (by their parameters: a ParallelExperts is not)."""
+    return _form(module) is not None
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -64,21 +141,42 @@ def is_experts(module: nn.Module) -> bool:
     return isinstance(module, ParallelExperts) or is_fused_experts(module)
 
 
+def _gate_matches(experts: nn.Module, swiglu: ClampedSwiGLU) -> bool:
+    """Whether the experts' own _apply_gate computes `swiglu`, on values either side of its limit
+    (a private generator: no global random state is used)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(5, 8, generator=g, dtype=torch.float64) * (2.0 * abs(swiglu.limit) + 1.0)
+    with torch.no_grad():
+        got = experts._apply_gate(x)
+    return isinstance(got, torch.Tensor) and got.shape == (5, 4) and torch.allclose(got, swiglu(x))
+
+
 def check_experts(owner: str, experts: nn.Module, world_size: int) -> None:
-    """ValueError (naming `owner` and the fix) unless `experts` is in the layout ParallelExperts
-    computes and its intermediate size splits into `world_size` whole shards."""
-    if not is_fused_experts(experts):
+    """ValueError (naming `owner` and the fix) unless `experts` is in a form ParallelExperts
+    computes (module doc) and its intermediate size splits into `world_size` whole shards."""
+    form = _form(experts)
+    if form is None:
         raise ValueError(f"{owner}: {type(experts).__name__} is not fused routed experts (own parameters exactly "
-                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I], and an act_fn); remove it from the plan")
-    odd = {k: getattr(experts, k) for k, v in _STANDARD_LAYOUT.items() if getattr(experts, k, v) != v}
+                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] with an act_fn, or GPT-OSS's "
+                         f"gate_up_proj [E, H, 2I], gate_up_proj_bias, down_proj [E, I, H], down_proj_bias); "
+                         f"remove it from the plan")
+    layout = _LAYOUTS[form]
+    odd = {k: getattr(experts, k) for k, v in layout.items() if getattr(experts, k, v) != v}
     gate = getattr(type(experts), "_apply_gate", None)
-    if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
-        odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
+    if form == "concatenated":
+        if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+            odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
+        computes = "act_fn(gate) * up"
+    else:
+        swiglu = ClampedSwiGLU(float(experts.alpha), float(experts.limit))
+        if gate is None or not _gate_matches(experts, swiglu):
+            odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
+        computes = f"{swiglu} of the interleaved pairs"
     if odd:
         raise ValueError(f"{owner}: {type(experts).__name__} has a layout oases does not shard "
-                         f"({', '.join(f'{k}={v!r}' for k, v in odd.items())}; it shards {_STANDARD_LAYOUT} with "
-                         f"act(gate) * up); leave it replicated: remove its 'experts' plan entry")
-    intermediate = experts.down_proj.shape[2]
+                         f"({', '.join(f'{k}={v!r}' for k, v in odd.items())}; for its parameters it shards "
+                         f"{layout} with {computes}); leave it replicated: remove its 'experts' plan entry")
+    intermediate = experts.down_proj.shape[2 if form == "concatenated" else 1]
     if intermediate % world_size:
         raise ValueError(f"{owner}: the experts' intermediate size {intermediate} is not divisible by the "
                          f"tensor-parallel world size {world_size}; choose a world size dividing it (or leave the "
@@ -88,18 +186,23 @@ def check_experts(owner: str, experts: nn.Module, world_size: int) -> None:
 class ParallelExperts(nn.Module):
     """Fused routed experts with each expert's intermediate dim sharded over `group` (module doc).
 
-        gate_up_proj [E, 2I/p, H], down_proj [E, H, I/p]
+        concatenated (act_fn):  gate_up_proj [E, 2I/p, H], down_proj [E, H, I/p]
+        interleaved (swiglu):   gate_up_proj [E, H, 2I/p], gate_up_proj_bias [E, 2I/p],
+                                down_proj [E, I/p, H], down_proj_bias [E, H] (replicated)
         forward(x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> y_r [T, H]  (partial sum)
 
-    `act_fn`: the experts' activation (elementwise). Built directly, the full tensors are drawn
-    normal(0, std) on every rank (Hugging Face's init) and each rank keeps its shard: with the same
-    seed on every rank the shards tile one full set of experts; `from_experts` copies a module's.
+    Exactly one of `act_fn` (the concatenated form's elementwise activation) and `swiglu` (a
+    ClampedSwiGLU: the interleaved form, GPT-OSS's) is given. Built directly, the full weights are
+    drawn normal(0, std) on every rank and the biases are zeros (Hugging Face's init), and each
+    rank keeps its shard: with the same seed on every rank the shards tile one full set of
+    experts; `from_experts` copies a module's.
     `_communicate` (read by oases.nn._moe's hooks on the block holding it; False inside
     no_tp_communication): whether that block enters its input and reduces its output itself.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 act_fn: Callable[[torch.Tensor], torch.Tensor], *, group: Optional[dist.ProcessGroup] = None,
+                 act_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, *,
+                 swiglu: Optional[ClampedSwiGLU] = None, group: Optional[dist.ProcessGroup] = None,
                  std: float = 0.02, device: Optional[torch.device | str] = None,
                  dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
@@ -107,48 +210,79 @@ class ParallelExperts(nn.Module):
                             ("intermediate_size", intermediate_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelExperts: {name} must be a positive int, got {value!r}")
-        if not callable(act_fn):
+        if (act_fn is None) == (swiglu is None):
+            raise TypeError("ParallelExperts: give exactly one of act_fn (the concatenated form's activation) and "
+                            f"swiglu (a ClampedSwiGLU: GPT-OSS's interleaved form); got act_fn={act_fn!r}, "
+                            f"swiglu={swiglu!r}")
+        if act_fn is not None and not callable(act_fn):
             raise TypeError(f"ParallelExperts: act_fn must be callable (the experts' activation), got {act_fn!r}")
+        if swiglu is not None and not isinstance(swiglu, ClampedSwiGLU):
+            raise TypeError(f"ParallelExperts: swiglu must be a ClampedSwiGLU(alpha, limit), got {swiglu!r}")
         ring = ring_of(group)
         if intermediate_size % ring.size:
             raise ValueError(f"ParallelExperts: intermediate_size={intermediate_size} is not divisible by the "
                              f"tensor-parallel world size {ring.size}; choose sizes that split into whole shards")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.act_fn = act_fn
+        self.act_fn, self.swiglu = act_fn, swiglu
+        self.form = "concatenated" if swiglu is None else "interleaved"
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self._communicate = True  # the block's entry and reduction (oases.nn._moe); False in no_tp_communication
         e, h, i = num_experts, hidden_size, intermediate_size
-        full_gate_up = torch.empty(e, 2 * i, h, device=device, dtype=dtype).normal_(0.0, std)
-        full_down = torch.empty(e, h, i, device=device, dtype=dtype).normal_(0.0, std)
         layout = self.tp_layout()
-        self.gate_up_proj = nn.Parameter(self._cut(layout["gate_up_proj"], full_gate_up))  # [E, 2I/p, H]
-        self.down_proj = nn.Parameter(self._cut(layout["down_proj"], full_down))  # [E, H, I/p]
+        if self.form == "concatenated":
+            full_gate_up = torch.empty(e, 2 * i, h, device=device, dtype=dtype).normal_(0.0, std)
+            full_down = torch.empty(e, h, i, device=device, dtype=dtype).normal_(0.0, std)
+            self.gate_up_proj = nn.Parameter(self._cut(layout["gate_up_proj"], full_gate_up))  # [E, 2I/p, H]
+            self.down_proj = nn.Parameter(self._cut(layout["down_proj"], full_down))  # [E, H, I/p]
+            return
+        full_gate_up = torch.empty(e, h, 2 * i, device=device, dtype=dtype).normal_(0.0, std)
+        full_down = torch.empty(e, i, h, device=device, dtype=dtype).normal_(0.0, std)
+        self.gate_up_proj = nn.Parameter(self._cut(layout["gate_up_proj"], full_gate_up))  # [E, H, 2I/p]
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * i // self.world_size, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(self._cut(layout["down_proj"], full_down))  # [E, I/p, H]
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, h, device=device, dtype=dtype))  # [E, H]: replicated
 
     def _cut(self, rule: ShardRule, full: torch.Tensor) -> torch.Tensor:
         return rule.shard(full, self.rank, self.world_size).clone()
 
     def tp_layout(self) -> dict[str, ShardRule]:
-        """gate_up_proj: each expert's gate and up rows cut on their own (dim 1, 2 blocks);
-        down_proj: its columns (dim 2)."""
-        return {"gate_up_proj": ShardRule(1, stacked=2), "down_proj": ShardRule(2)}
+        """concatenated: gate_up_proj's gate and up rows cut on their own (dim 1, 2 blocks), down_proj's
+        columns (dim 2). interleaved: whole (gate, up) pairs, i.e. gate_up_proj's columns (dim 2) and
+        its bias's (dim 1), down_proj's rows (dim 1); down_proj_bias replicated."""
+        if self.form == "concatenated":
+            return {"gate_up_proj": ShardRule(1, stacked=2), "down_proj": ShardRule(2)}
+        return {"gate_up_proj": ShardRule(2), "gate_up_proj_bias": ShardRule(1), "down_proj": ShardRule(1)}
 
     @classmethod
     def from_experts(cls, experts: nn.Module, group: Optional[dist.ProcessGroup] = None) -> "ParallelExperts":
         """This rank's shard of Hugging Face fused experts (values and requires_grad copied; on the
         meta device for a meta module)."""
         check_experts("experts", experts, ring_of(group).size)
-        e, h, i = experts.down_proj.shape
         like = experts.gate_up_proj
-        layer = torch.nn.utils.skip_init(cls, e, h, i, experts.act_fn, group=group, device=like.device,
-                                         dtype=like.dtype)
+        if _form(experts) == "concatenated":
+            e, h, i = experts.down_proj.shape
+            kinds = dict(act_fn=experts.act_fn)
+        else:
+            e, i, h = experts.down_proj.shape
+            kinds = dict(swiglu=ClampedSwiGLU(float(experts.alpha), float(experts.limit)))
+        layer = torch.nn.utils.skip_init(cls, e, h, i, **kinds, group=group, device=like.device, dtype=like.dtype)
         layout = layer.tp_layout()
         with torch.no_grad():
-            for name, rule in layout.items():
+            for name, target in layer.named_parameters(recurse=False):
                 source = getattr(experts, name)
-                target = getattr(layer, name)
-                target.copy_(rule.shard(source, layer.rank, layer.world_size))
+                rule = layout.get(name)
+                target.copy_(source if rule is None else rule.shard(source, layer.rank, layer.world_size))
                 target.requires_grad_(source.requires_grad)
         return layer
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on this rank's features: [n, H] -> [n, H], its part of the expert's output."""
+        if self.swiglu is None:
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I/p] each
+            return F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [n, 2I/p]: I/p (gate, up) pairs
+        bias = lead_only(self.down_proj_bias[e], self.rank == 0)  # [H]: in one rank's partial sum
+        return self.swiglu(gate_up) @ self.down_proj[e] + bias
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -158,12 +292,12 @@ class ParallelExperts(nn.Module):
             hit = routed[: self.num_experts].sum(dim=(-1, -2)).nonzero().flatten().tolist()  # index E: no expert
         for e in hit:
             slot, token = torch.where(routed[e])  # [n] each
-            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I/p] each
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])  # [n, H], partial over the I/p features
+            y = self._expert(e, hidden_states[token])  # [n, H], partial over the I/p features
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
     def extra_repr(self) -> str:
+        form = "" if self.swiglu is None else f", {self.swiglu}"
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}, tp={self.world_size} (rank {self.rank}: "
+                f"intermediate_size={self.intermediate_size}{form}, tp={self.world_size} (rank {self.rank}: "
                 f"intermediate {self.intermediate_size // self.world_size} per expert)")

@@ -599,6 +599,10 @@ def parallelize(
     target = _target_device(model, device, init_weights)
     if allocate is not None and (target is None or not callable(allocate)):
         raise TypeError("allocate: a callable name -> bool, only with device= (a model built on meta)")
+    config = getattr(model, "config", None)
+    if target is not None and getattr(config, "tie_word_embeddings", False) is True and callable(
+            getattr(model, "tie_weights", None)):
+        model.tie_weights()  # transformers < 5.x ties a meta-built model's head only when it inits weights
     if isinstance(model, nn.Linear):
         raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
                         "RowParallelLinear.from_linear for a single layer")
@@ -719,6 +723,7 @@ def parallelize(
             full_heads = _heads.heads(module)[0]
             if full_heads is not None:  # ALiBi slopes from the base model: this rank's heads' rows
                 _alibi.slice_head_biases(module, full_heads, groups[d])
+            _heads.shard_head_parameters(module, groups[d])  # GPT-OSS's sinks: this rank's heads (full counts)
             _heads.localize_heads(module, d)
             _heads.shard_norms(module, norms[name], groups[d])
             _heads.sum_head_shared_grads(module, groups[d])
