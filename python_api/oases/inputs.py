@@ -182,6 +182,7 @@ def _device_of(model: object) -> Optional[torch.device]:
 
 
 # ---- the exchange -------------------------------------------------------------------------------
+@torch.compiler.disable  # a collective and .item(): one graph break under torch.compile
 def _agree(inputs: list[tuple[str, object]], group: Optional[dist.ProcessGroup], mode: CheckMode,
            device: Optional[torch.device], who: str, fix: str) -> list:
     """agree_inputs on a list of (name, value): the values agreed on, in order."""

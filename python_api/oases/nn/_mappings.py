@@ -95,21 +95,25 @@ class _GatherFromTP(torch.autograd.Function):
         return _slice_last(grad, ctx.ring), None
 
 
+@torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
 def copy_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """fwd: identity (x replicated); bwd: all-reduce of the gradient. Dual of reduce_from_tp."""
     return _CopyToTP.apply(x, ring_of(group))
 
 
+@torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
 def reduce_from_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """fwd: all-reduce (sum of the ranks' partial x); bwd: identity. Dual of copy_to_tp."""
     return _ReduceFromTP.apply(x, ring_of(group))
 
 
+@torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
 def split_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """fwd: keep this rank's slice of the last dim; bwd: all-gather the last dim. Dual of gather_from_tp."""
     return _SplitToTP.apply(x, ring_of(group))
 
 
+@torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
 def gather_from_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """fwd: all-gather the last dim; bwd: keep this rank's slice of the gradient. Dual of split_to_tp."""
     return _GatherFromTP.apply(x, ring_of(group))
@@ -126,6 +130,7 @@ class _SumOverTP(torch.autograd.Function):
         return _all_reduced(grad, ctx.ring), None
 
 
+@torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
 def sum_over_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """fwd: all-reduce (sum of the ranks' partial x); bwd: all-reduce of the gradient (self-adjoint:
     each rank's gradient is its share of the sum's, which depends on every rank's x)."""
@@ -146,6 +151,7 @@ class _CopyToReplicas(torch.autograd.Function):
         return grad, None, None
 
 
+@torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
 def copy_to_replicas(x: torch.Tensor, spans: tuple[tuple[int, int], ...],
                      group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """fwd: identity; bwd: the gradient's rows [start, start + n) of each span (dim 0) all-reduced

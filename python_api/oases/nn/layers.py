@@ -127,6 +127,7 @@ class _SharedEntry:
         self.group = group
         self._last: Optional[tuple[weakref.ref, tuple, torch.Tensor]] = None
 
+    @torch.compiler.disable  # weakrefs and versions: one graph break under torch.compile
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_inference():
             return copy_to_tp(x, self.group)

@@ -99,6 +99,7 @@ class _AllGatherLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
+@torch.compiler.disable  # one graph break under torch.compile, not one per ring step
 def all_gather_linear(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -72,6 +72,7 @@ class _LinearAllReduce(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+@torch.compiler.disable  # one graph break under torch.compile, not one per ring step
 def linear_all_reduce(
     x: torch.Tensor,
     weight: torch.Tensor,

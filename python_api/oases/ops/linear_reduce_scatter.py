@@ -73,6 +73,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
+@torch.compiler.disable  # one graph break under torch.compile, not one per ring step
 def linear_reduce_scatter(
     x: torch.Tensor,
     weight: torch.Tensor,
