@@ -6,7 +6,8 @@
     peer = torch_tp(model, mesh, plan)            # a copy of `model` (same weights), parallelized
     loss = peer.step(ids)                         # forward + backward; grads in the params' layout
 
-Two PyTorch peers, each the same weights through `parallelize_module` on a 1-D mesh:
+Two PyTorch peers, each the same weights through `parallelize_module` on a 1-D mesh, and the
+peer a Hugging Face user picks first, transformers' own tensor parallelism:
 
     torch_tp        torchtitan's `apply_tp` for Llama, on HF's module names: sequence parallelism
                     (activations between blocks are [b, s/p, h] shards), one all-gather of a
@@ -19,6 +20,12 @@ Two PyTorch peers, each the same weights through `parallelize_module` on a 1-D m
                     embedding, norms and LM head replicated. On gloo, whose reduce-scatter is an
                     all-reduce (twice the bytes), this moves fewer bytes than sequence parallelism
                     (2 ranks at 750 Mbit, 1 MiB: all-reduce 19 ms, reduce-scatter 22, all-gather 11).
+    hf_tp           transformers' native TP: `from_pretrained(dir, tp_plan="auto")` (spelled
+                    `distributed_config=DistributedConfig(tp_plan="auto", tp_size=p)`, its
+                    non-deprecated form), the model's own plan (`LlamaConfig.base_model_tp_plan`:
+                    q/k/v/gate/up "colwise", o/down "rowwise"; `embed_tokens` "embedding_rowwise",
+                    `lm_head` "colwise_gather_output"), DTensor parameters on transformers' mesh.
+                    See `hf_tp` for the two routes (with and without `accelerate`).
 
 What the HF model needs for sequence parallelism (all through its public forward arguments):
 `position_ids` = arange(s) for the whole sequence. Without them LlamaModel derives the positions
@@ -31,13 +38,13 @@ import contextlib
 import copy
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
 __all__ = ["CHAR_VOCAB", "llama_config", "build", "torchtitan_plan", "megatron_plan", "PLANS", "TorchTP",
-           "torch_tp", "check_gradients"]
+           "torch_tp", "HF_TP", "hf_tp_unavailable", "has_accelerate", "hf_tp", "check_gradients"]
 
 CHAR_VOCAB = 29  # examples/train_llama.py's character vocabulary, padded to a multiple of p
 
@@ -148,6 +155,7 @@ class TorchTP:
     loss_parallel: bool
     description: str
     notes: list[str] = field(default_factory=list)
+    impl: str = ""  # how the peer was built (default: parallelize_module's call)
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         """zero_grad; HF's causal-LM loss (labels = input_ids, shifted inside); backward; then every
@@ -168,9 +176,10 @@ class TorchTP:
         return loss.detach()
 
     def describe(self) -> dict[str, Any]:
-        return {"impl": f"parallelize_module(LlamaForCausalLM, init_device_mesh(cpu, (p,)), plan)"
-                        + (" + loss_parallel()" if self.loss_parallel else ""),
-                "description": self.description, "plan": {k: repr(v) for k, v in self.plan.items()},
+        impl = self.impl or ("parallelize_module(LlamaForCausalLM, init_device_mesh(cpu, (p,)), plan)"
+                             + (" + loss_parallel()" if self.loss_parallel else ""))
+        return {"impl": impl, "description": self.description,
+                "plan": {k: v if isinstance(v, str) else repr(v) for k, v in self.plan.items()},
                 "notes": list(self.notes)}
 
 
@@ -188,6 +197,112 @@ def torch_tp(name: str, model: nn.Module, mesh) -> TorchTP:
                   "CUDA symmetric memory",
                   "norm weight gradients (Partial after backward) reduced to Replicate at the end of the step"]
     return TorchTP(name, peer, plan, spec.loss_parallel, spec.description, notes)
+
+
+# ---- transformers' own tensor parallelism ------------------------------------------------------
+HF_TP = "hf_tp"
+_HF_IMPL = ('LlamaForCausalLM.from_pretrained(dir, attn_implementation="sdpa", '
+            'distributed_config=DistributedConfig(tp_plan="auto", tp_size=p)).train()')
+
+
+def hf_tp_unavailable() -> Optional[str]:
+    """Why transformers' native tensor parallelism cannot run here, or None when it can."""
+    try:
+        from transformers import LlamaForCausalLM
+        from transformers.distributed import DistributedConfig  # noqa: F401
+    except ImportError as error:
+        return f"transformers has no native tensor parallelism here ({error})"
+    if not all(hasattr(LlamaForCausalLM, m) for m in ("prepare_distribute_model", "maybe_distribute_model")):
+        return "this transformers version lacks DistributedMixin.prepare_distribute_model / maybe_distribute_model"
+    return None
+
+
+def has_accelerate() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def hf_tp(model: nn.Module, world_size: int, *, from_pretrained: Optional[bool] = None) -> TorchTP:
+    """transformers' native TP of the unsharded `model` (the same weights), as a user loads it.
+
+    Call on every rank (collectives: the mesh, the load). Two routes to one model:
+
+        from_pretrained (accelerate installed): rank 0 saves `model` (save_pretrained) to a
+            temporary directory, every rank loads it with
+            `from_pretrained(dir, distributed_config=DistributedConfig(tp_plan="auto", tp_size=p))`
+            (transformers 5.23 refuses any device_map, which its TP sets, without accelerate)
+        in process (no accelerate): the two steps that from_pretrained runs, on a copy of
+            `model`: `prepare_distribute_model(DistributedConfig(...))` (the mesh) and
+            `maybe_distribute_model(copy, config, mesh)` (the plan: parameters sharded as DTensors by
+            the same styles, the same forward hooks); only the weight loading is skipped, the
+            copy already holds the weights (each rank keeps its shard: distribute_tensor with
+            src_data_rank=None, the unsharded weights being the same on every rank)
+
+    Checked equal on this machine (2 ranks): same weights, loss, gradients and collectives.
+    `from_pretrained` None: the first route when accelerate is importable. Every rank must
+    take the same route (bench.layers agrees on it first).
+    """
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+    from transformers.utils import logging as hf_logging
+
+    if from_pretrained is None:
+        from_pretrained = has_accelerate()
+    config = DistributedConfig(tp_plan="auto", tp_size=world_size)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        if from_pretrained:
+            box = [tempfile.mkdtemp(prefix="bench-hf-tp-") if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # the ranks of one bench share a host
+            try:
+                if dist.get_rank() == 0:
+                    model.save_pretrained(box[0])
+                dist.barrier()
+                peer = LlamaForCausalLM.from_pretrained(box[0], attn_implementation="sdpa",
+                                                        distributed_config=config)
+                dist.barrier()
+            finally:
+                if dist.get_rank() == 0:
+                    shutil.rmtree(box[0], ignore_errors=True)
+            impl = _HF_IMPL
+            route = ("from_pretrained: rank 0 saved the unsharded weights (save_pretrained) to a temporary "
+                     "directory; every rank loaded its shards from it")
+        else:
+            config, _, mesh = LlamaForCausalLM.prepare_distribute_model(config)
+            peer = LlamaForCausalLM.maybe_distribute_model(copy.deepcopy(model), config, mesh)
+            impl = ('LlamaForCausalLM.maybe_distribute_model(copy of the model, '
+                    '*prepare_distribute_model(DistributedConfig(tp_plan="auto", tp_size=p)))')
+            route = ("in process (accelerate not installed, which from_pretrained's TP path requires in "
+                     f"transformers {_transformers_version()}): the plan applied by the two steps from_pretrained "
+                     "runs, on a copy holding the same weights (checked equal by hand to the from_pretrained route: "
+                     "weights, loss, gradients, collectives)")
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    peer.train()  # from_pretrained returns the model in eval mode; a training loop calls train()
+    notes = [f"route: {route}",
+             "transformers' own plan for Llama (tp_plan=\"auto\"): q/k/v/gate/up colwise, o/down rowwise "
+             "(all-reduce forward), embed_tokens embedding_rowwise (vocabulary-parallel, all-reduce forward), "
+             "lm_head colwise_gather_output (logits all-gathered, loss on full logits); norms replicated",
+             "no sequence parallelism (DistributedConfig.enable_sequence_parallel is reserved, not wired), no "
+             "shared input marking: each colwise projection all-reduces its own input gradient in backward "
+             "(q, k, v, gate, up: 5 all-reduces a layer where a shared PrepareModuleInput needs 2)",
+             "step = zero_grad, forward with labels, backward; no recomputation; eager (no torch.compile)"]
+    description = ("transformers' native tensor parallelism (from_pretrained tp_plan=\"auto\": "
+                   "the model's base_model_tp_plan on DTensor)")
+    return TorchTP(HF_TP, peer, dict(peer.tp_plan), False, description, notes, impl=impl)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def check_gradients(peer: TorchTP, reference: nn.Module, rtol: float = 1e-4) -> None:

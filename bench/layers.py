@@ -39,6 +39,11 @@ give our loss on the first step, checked before any timing (a wrong peer fails t
                            vocabulary-parallel embedding and LM head, loss_parallel); see bench._llama
             torch_tp_nosp  DTensor TP in Megatron's layout (no sequence parallelism), the stronger
                            peer on gloo, whose reduce-scatter is an all-reduce
+            hf_tp          transformers' native TP, what a Hugging Face user runs first:
+                           `from_pretrained(dir, tp_plan="auto")` (the model's own plan, DTensor);
+                           with `accelerate` absent, the same plan applied by transformers' own
+                           steps (see bench._llama.hf_tp); skipped, with the reason printed, where
+                           transformers has no native TP
     (llama: every peer gradient is also checked against the unsharded model's.)
 
 Sub-batches run smaller GEMMs, which on a CPU can be faster by themselves (cache): compare
@@ -61,7 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import _metrics
-from bench._peers import CollectiveLog
+from bench._peers import CollectiveLog, agree
 from bench._report import Table, save_figure
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
@@ -228,6 +233,14 @@ def _llama_case(args, ctx) -> _Case:
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     peers = {name: _llama.torch_tp(name, reference, mesh) for name in _llama.PLANS}
+    hf_reason = _llama.hf_tp_unavailable()
+    if not agree(hf_reason is None, ctx.device):
+        hf_reason = hf_reason or "unavailable on another rank"
+        if ctx.rank == 0:
+            print(f"layers: {_llama.HF_TP} skipped: {hf_reason}", flush=True)
+    else:  # every rank takes the same route (accelerate installed or not)
+        from_pretrained = agree(_llama.has_accelerate(), ctx.device)
+        peers[_llama.HF_TP] = _llama.hf_tp(reference, ctx.world_size, from_pretrained=from_pretrained)
     model = copy.deepcopy(reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the LM head stays replicated, as the warning would say
@@ -249,9 +262,11 @@ def _llama_case(args, ctx) -> _Case:
 
     c = config
     notes = [f"{name}: {peer.description}" for name, peer in peers.items()]
-    notes += ["both peers: parallelize_module on init_device_mesh(cpu, (p,)) over gloo, same weights, plain "
-              "autograd (no recomputation), position_ids = arange(s) passed to the HF forward; their loss "
-              "and every gradient checked before timing",
+    notes += ["torch_tp peers: parallelize_module on init_device_mesh(cpu, (p,)) over gloo, same weights, plain "
+              "autograd (no recomputation), position_ids = arange(s) passed to the HF forward; every peer's "
+              "loss and every gradient checked before timing",
+              *([f"{_llama.HF_TP}: {n}" for n in peers[_llama.HF_TP].notes] if _llama.HF_TP in peers
+                else [f"{_llama.HF_TP} skipped: {hf_reason}"]),
               "gloo runs a reduce-scatter as an all-reduce: sequence parallelism's reduce-scatters move "
               "twice their ring bytes here (hence torch_tp_nosp)"]
     return _Case(

@@ -38,7 +38,29 @@ Per variant:
     peak MiB     rise of peak resident memory over one iteration (after all timings)
 
 Beside them: `dp_alone`, the stage's whole DP sync (1f1b's buckets) alone on the link, and
-`pp_idle`, one micro-batch activation sent between PP peers with nothing else running.
+`pp_idle`, one micro-batch activation sent between PP peers with nothing else running; the table
+prints `dp_alone`, the stage's compute (1f1b's fwd + bwd) and their ratio (`dp_to_compute` in the
+JSON): the regime the run was in (the table's words: > 2 DP-bound, 0.5-2 balanced, < 0.5
+compute-bound).
+
+Regimes (--regime):
+
+    given      the sizes as given. At 500mbit the defaults (hidden 256, 8 layers, batch 16 x 64)
+               are DP-bound on an idle machine: one stage's 12.2 MiB sync alone takes ~0.8 s on
+               the shared link, its 1f1b backward 0.15 s in a quiet run. The compute stretches with
+               the machine's load (4 ranks on 2 cores, and other jobs): the table says where a run was
+    balanced   FOLD3D's own regime, where a stage's DP sync is comparable to its forward + backward
+               (AIAO hides it behind the backwards below each segment and the next step's
+               forwards). Measured at the start of the run: a 1f1b pipeline at the given sizes
+               (--batch: where it starts) times its stage compute (fwd + bwd, receive waits
+               excluded; 3 steps after 2 untimed ones) and the stage's whole DP sync alone (3
+               times); medians, MAX over ranks. The global batch is scaled by their ratio (the
+               sync does not grow with the batch, the compute does), rounded to a multiple of
+               dp x micro-batches, at most 32 times the start; a second pass from that batch
+               refines it. Every variant is then timed at that batch; the passes are in the JSON
+               (config.calibration), and the table prints the ratio measured again in the run.
+
+                   python -m bench pipeline --nproc 4 --bandwidth 500mbit --regime balanced
 """
 from __future__ import annotations
 
@@ -60,13 +82,19 @@ from oases.pipeline import Pipeline
 
 BASELINE = "1f1b"
 PP = 2
+REGIMES = ("given", "balanced")
+_CALIBRATION_WARMUP = 2  # untimed steps per calibration pass
+_CALIBRATION_STEPS = 3   # timed steps (and DP syncs) per calibration pass
+_CALIBRATION_PASSES = 2
+_MAX_BATCH_SCALE = 32    # balanced: the batch grows at most this much over the given one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None, help="default 256 (--quick: 32)")
     parser.add_argument("--layers", type=int, default=None, help="default 8 (--quick: 4); divisible by 2*ns")
     parser.add_argument("--heads", type=int, default=None, help="default 8 (--quick: 4)")
-    parser.add_argument("--batch", type=int, default=None, help="global batch rows, default 16 (--quick: 8)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="global batch rows, default 16 (--quick: 8); --regime balanced: where it starts")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--dp-overlap-ratio", type=float, default=1.0,
@@ -74,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=1, help="train_steps per timed call (default 1)")
     parser.add_argument("--dp-chunk-kib", type=int, default=256,
                         help="Pipeline(dp_chunk_bytes=...): KiB per DP ring piece, the preemption granularity")
+    parser.add_argument("--regime", choices=REGIMES, default="given",
+                        help="given: the sizes as given (the defaults are DP-bound at 500mbit); balanced: the global "
+                             "batch scaled, by a measurement at the start of the run, until one stage's DP sync "
+                             "alone ~ its forward + backward (see the suite's doc)")
 
 
 @dataclass(frozen=True)
@@ -187,6 +219,59 @@ def _sizes(args) -> dict[str, int]:
             "seq_len": args.seq_len or (16 if q else 64)}
 
 
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def _calibrate(args, ctx, config: GPTConfig, mesh, batch: int) -> dict[str, float]:
+    """One stage's DP sync alone and its compute per iteration (fwd + bwd of a 1f1b pipeline at
+    global batch `batch`): medians over _CALIBRATION_STEPS, MAX over ranks (the same on every rank)."""
+    pipe = Pipeline(config, mesh, schedule=BASELINE, segments=1, micro_batches=args.micro_batches, seed=0,
+                    dp_chunk_bytes=args.dp_chunk_kib << 10, optimizer=_optimizer)
+    probe = _Probe(pipe, ctx.rank)
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g) for _ in range(2))
+    try:
+        for _ in range(_CALIBRATION_WARMUP):  # a fresh process's first steps run slow (allocator, caches)
+            pipe.train_step(tokens, targets)
+            pipe.close()
+        compute, sync = [], []
+        for _ in range(_CALIBRATION_STEPS):
+            probe.reset()
+            dist.barrier()
+            pipe.train_step(tokens, targets)
+            pipe.close()
+            f = probe.figures()
+            compute.append(f["fwd"] + f["bwd"])
+        for _ in range(_CALIBRATION_STEPS):
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.sync_segment(0)
+            sync.append(time.perf_counter() - start)
+    finally:
+        pipe.close()
+    local = torch.tensor([statistics.median(sync), statistics.median(compute)], dtype=torch.float64)
+    dp_s, compute_s = ctx.timer.max_over_ranks(local).tolist()
+    return {"batch": batch, "dp_sync_s": dp_s, "stage_compute_s": compute_s, "ratio": dp_s / compute_s}
+
+
+def _balanced_batch(args, ctx, config: GPTConfig, mesh, batch: int, dp: int) -> tuple[int, list[dict[str, float]]]:
+    """--regime balanced: the global batch at which one stage's DP sync alone ~ its forward +
+    backward, and the calibration passes it came from (see the module doc)."""
+    unit = dp * args.micro_batches  # a micro-batch holds whole rows on every dp replica
+    start, passes = batch, []
+    for _ in range(_CALIBRATION_PASSES):
+        passes.append(_calibrate(args, ctx, config, mesh, batch))
+        batch = scaled_batch(batch, passes[-1]["ratio"], unit=unit, cap=_MAX_BATCH_SCALE * start)
+    return batch, passes
+
+
+def scaled_batch(batch: int, ratio: float, *, unit: int, cap: int) -> int:
+    """batch * ratio (DP sync / compute: the batch at which they match, compute growing with it)
+    rounded to a multiple of `unit`, at least `unit`, at most `cap` rounded up to one."""
+    return min(max(unit, unit * round(batch * ratio / unit)), unit * -(-cap // unit))
+
+
 def _median_max(ctx, per_call: list[dict[str, float]], scale: float) -> dict[str, float]:
     """Per key: the median over this rank's calls, then the MAX over ranks, times `scale`."""
     keys = list(per_call[0])
@@ -206,6 +291,9 @@ def run(args, ctx) -> list[dict]:
     config = GPTConfig(vocab_size=64, seq_len=sizes["seq_len"], hidden=sizes["hidden"], heads=sizes["heads"],
                        layers=sizes["layers"])
     mesh = init_device_mesh("cpu", (dp, PP, 1), mesh_dim_names=("dp", "pp", "tp"))
+    calibration: list[dict[str, float]] = []
+    if args.regime == "balanced":
+        sizes["batch"], calibration = _balanced_batch(args, ctx, config, mesh, sizes["batch"], dp)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g),
                 torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g)) for _ in range(2)]
@@ -215,7 +303,7 @@ def run(args, ctx) -> list[dict]:
                               dp_overlap_ratio=args.dp_overlap_ratio if v.dp_overlap_ratio is None
                               else v.dp_overlap_ratio,
                               dp_chunk_bytes=args.dp_chunk_kib << 10,
-                              optimizer=lambda params: torch.optim.SGD(params, lr=0.01)) for v in variants}
+                              optimizer=_optimizer) for v in variants}
 
     # Same losses (two steps: the second shows the first's update) before any timing.
     # Each pipeline is closed before the next trains: pipelines on one mesh share its groups and
@@ -295,9 +383,12 @@ def run(args, ctx) -> list[dict]:
                      "tp": 1, "stage_params": params_stage, "dp_sync_mib": params_stage * 4 / 2**20,
                      "mapping": "rank = d*pp + s; PP inside a host, DP across hosts (with --hosts 2)",
                      "hosts": int(os.environ.get("OASES_HOSTS", "1")),
-                     "intra_bandwidth": os.environ.get("OASES_INTRA_BANDWIDTH")}
+                     "intra_bandwidth": os.environ.get("OASES_INTRA_BANDWIDTH"),
+                     "regime": args.regime, "calibration": calibration}
     records = []
     base_t = timed[BASELINE].median / args.steps
+    base_f = figures[BASELINE]
+    stage_compute = (base_f["fwd"] + base_f["bwd"]) / args.steps  # 1f1b's forward + backward per iteration
     for v in variants:
         f = figures[v.name]
         t_iter = timed[v.name].median / args.steps
@@ -316,6 +407,7 @@ def run(args, ctx) -> list[dict]:
             "speedup_vs_1f1b": _metrics.speedup(base_t, t_iter),
             "losses": losses[v.name], "peak_mib": peaks[v.name],
             "dp_alone": dp_alone.median, "pp_idle": pp_idle.median, "link": link["bandwidth"],
+            "stage_compute": stage_compute, "dp_to_compute": dp_alone.median / stage_compute,
             "config": config_record, "timeline": timelines[v.name],
         })
     return records
@@ -337,12 +429,46 @@ def tables(records: list[dict]) -> list[Table]:
                           "loss (2nd step)"], rows,
                   [f"per iteration: medians over calls of {c['steps_per_call']} train_steps + close(), MAX over "
                    "ranks; dp_exposed = main thread waiting for DP sync, pp_wait = waiting for PP receives",
-                   f"stage DP sync {c['dp_sync_mib']:.1f} MiB; dp_alone (whole stage's sync, nothing else running) "
-                   f"= {ms(r0['dp_alone']):.1f} ms vs 1f1b bwd {ms(next(r['bwd'] for r in records if r['variant'] == BASELINE)):.1f} ms; "
+                   f"regime: {_regime_line(r0)}",
+                   f"stage DP sync {c['dp_sync_mib']:.1f} MiB: dp_alone (whole stage's sync, nothing else running) "
+                   f"= {ms(r0['dp_alone']):.1f} ms vs the stage's compute (1f1b fwd + bwd) "
+                   f"{ms(r0['stage_compute']):.1f} ms: ratio {r0['dp_to_compute']:.2f}; "
                    f"pp_idle (one activation, idle link) = {ms(r0['pp_idle']):.2f} ms",
+                   *_preemption_lines(records),
                    "send/recv lat: CommScheduler.pp_latency medians, posting to completion (a receive posted ahead "
                    "includes the sender's compute)",
                    f"mapping: {c['mapping']}"])]
+
+
+def _regime_line(r: dict) -> str:
+    c = r["config"]
+    ratio = r["dp_to_compute"]
+    kind = "DP-bound" if ratio > 2 else ("compute-bound" if ratio < 0.5 else "balanced")
+    if c["regime"] != "balanced":
+        return f"{c['regime']} sizes; this run is {kind} (dp_alone / stage compute = {ratio:.2f})"
+    steps = "; ".join(f"batch {p['batch']}: DP sync {1e3 * p['dp_sync_s']:.0f} ms / compute "
+                      f"{1e3 * p['stage_compute_s']:.0f} ms = {p['ratio']:.2f}" for p in c["calibration"])
+    return (f"balanced: global batch {c['calibration'][0]['batch']} -> {c['batch']} from the calibration "
+            f"({steps}); during the run {kind} ({ratio:.2f})")
+
+
+def _preemption_lines(records: list[dict]) -> list[str]:
+    """AIAO vs 1F1B and the PP latency under DP with and without preemption, in words."""
+    by = {r["variant"]: r for r in records}
+    out = []
+    for name in ("aiao-ns2", "aiao-auto"):
+        if name in by:
+            r, b = by[name], by[BASELINE]
+            out.append(f"{name} vs {BASELINE}: {1e3 * r['t_iter']:.0f} vs {1e3 * b['t_iter']:.0f} ms/iteration "
+                       f"(x {r['speedup_vs_1f1b']:.2f}); DP exposed {1e3 * r['dp_exposed']:.0f} vs "
+                       f"{1e3 * b['dp_exposed']:.0f} ms")
+    if "aiao-ns2" in by and "aiao-ns2-nopre" in by:
+        on, off = by["aiao-ns2"], by["aiao-ns2-nopre"]
+        out.append(f"PP latency under DP (send / recv median): preemption on (aiao-ns2) "
+                   f"{1e3 * on['send_latency']:.1f} / {1e3 * on['recv_latency']:.1f} ms, off (aiao-ns2-nopre) "
+                   f"{1e3 * off['send_latency']:.1f} / {1e3 * off['recv_latency']:.1f} ms; "
+                   f"idle link {1e3 * on['pp_idle']:.2f} ms")
+    return out
 
 
 _COLORS = {"F": "tab:blue", "B": "tab:green", "dp wait": "tab:red", "send": "tab:orange", "recv": "tab:purple",

@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
 
 from bench import _metrics  # noqa: E402
+from bench.pipeline import scaled_batch  # noqa: E402
 WORLD_SIZE = 2
 SCHEDULES = ("megatron", "merak", "cross_pass", "oases", "oases-sp")
 FUSED = {"all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"}
@@ -293,7 +294,7 @@ def _check_layers_records(records, peers):
     for name in peers:
         r = records[name]
         assert _is_time(r["t_step"]) and r["t_compute"] is r["t_comm"] is r["bound"] is r["busy"] is None, name
-        assert r["peer"]["impl"].startswith("parallelize_module(") and r["peer"]["plan"], name
+        assert r["peer"]["impl"].startswith(("parallelize_module(", "LlamaForCausalLM.")) and r["peer"]["plan"], name
         sent = sum(_metrics.ring_bytes(kind, c["bytes"], WORLD_SIZE) for kind, c in r["collectives"].items())
         assert r["sent_bytes"] == round(sent), name
         assert r["collective_calls"] == sum(c["calls"] for c in r["collectives"].values()), name
@@ -302,13 +303,14 @@ def _check_layers_records(records, peers):
 
 def test_layers_suite_llama(tmp_path):
     """The quick layers suite on transformers' LlamaForCausalLM (oases.parallelize + oases.train_step)
-    beside torchtitan's DTensor plan and DTensor TP without sequence parallelism: same loss (and, in
-    the bench, every peer gradient against the unsharded model), the collectives each peer issues."""
+    beside torchtitan's DTensor plan, DTensor TP without sequence parallelism and transformers' native
+    TP (tp_plan="auto"): same loss (and, in the bench, every peer gradient against the unsharded
+    model), the collectives each peer issues."""
     doc, stdout, _ = _run_suite_on_ranks("layers", tmp_path, "--model", "llama")
     assert doc["suite"] == "layers" and stdout.count("layers: HF LlamaForCausalLM") == 1
     assert doc["command"][-2:] == ["--model", "llama"]
     records = {r["schedule"]: r for r in doc["cases"]}
-    _check_layers_records(records, ("torch_tp", "torch_tp_nosp"))
+    _check_layers_records(records, ("torch_tp", "torch_tp_nosp", "hf_tp"))
     config = records["megatron"]["config"]
     assert config["model"] == "llama" and config["vocab"] % WORLD_SIZE == 0
     assert config["heads"] % WORLD_SIZE == 0 and config["kv_heads"] % WORLD_SIZE == 0
@@ -341,6 +343,17 @@ def test_layers_suite_llama(tmp_path):
     nosp = records["torch_tp_nosp"]
     assert {kind: c["calls"] for kind, c in nosp["collectives"].items()} == {"all_reduce": 4 * layers}
     assert nosp["sent_bytes"] * 3 == records["megatron"]["sent_bytes"] * 2  # no recomputed all-reduces
+    # transformers' native TP (tp_plan="auto"), its own plan: per layer an all-reduce after o_proj and
+    # down_proj, and in backward one per colwise projection's input gradient (q, k, v, gate, up); the
+    # vocabulary-parallel embedding's output and the LM head's input gradient; the logits all-gathered.
+    hf = records["hf_tp"]
+    assert hf["peer"]["plan"]["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert hf["peer"]["plan"]["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert hf["peer"]["plan"]["model.embed_tokens"] == "embedding_rowwise"
+    assert hf["peer"]["plan"]["lm_head"] == "colwise_gather_output"
+    assert "tp_plan" in hf["peer"]["impl"] or "maybe_distribute_model" in hf["peer"]["impl"]
+    assert {kind: c["calls"] for kind, c in hf["collectives"].items()} == {
+        "all_gather_into_tensor": 1, "all_reduce": 7 * layers + 2}
 
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
@@ -348,7 +361,7 @@ def test_layers_suite_llama(tmp_path):
     assert {e["tid"] for e in events} == {0, 1}
     for rank in range(WORLD_SIZE):
         names = {e["name"] for e in events if e["pid"] == rank and e["tid"] == 0}
-        assert names >= {f"{s} step" for s in (*SCHEDULES, "torch_tp", "torch_tp_nosp")}, rank
+        assert names >= {f"{s} step" for s in (*SCHEDULES, "torch_tp", "torch_tp_nosp", "hf_tp")}, rank
 
 
 def test_pipeline_suite(tmp_path):
@@ -380,12 +393,45 @@ def test_pipeline_suite(tmp_path):
             assert all(stop >= start >= 0 for _, _, start, stop in spans), (name, rank)
     assert records["aiao-ns2-nopre"]["deferred_chunks"] == 0  # nothing held back without preemption
     assert _is_time(records["1f1b"]["dp_alone"]) and _is_time(records["1f1b"]["pp_idle"])
+    base = records["1f1b"]
+    assert base["config"]["regime"] == "given" and base["config"]["calibration"] == []
+    for name, r in records.items():  # the regime the run was in: the stage's DP sync alone / its compute
+        assert r["stage_compute"] == pytest.approx(base["fwd"] + base["bwd"]), name
+        assert r["dp_to_compute"] == pytest.approx(r["dp_alone"] / r["stage_compute"]), name
     with open(doc["files"]["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     for rank in range(4):
         assert {e["tid"] for e in events if e["pid"] == rank} == {0, 1, 2, 3}, rank
+
+
+def test_pipeline_balanced_regime(tmp_path):
+    """--regime balanced: the global batch comes from two calibration passes (each scales the
+    batch by its DP sync / compute ratio), every variant runs at it with the same losses."""
+    doc, _, _ = _run_suite_on_ranks("pipeline", tmp_path, "--regime", "balanced", nproc=4)
+    records = {r["variant"]: r for r in doc["cases"]}
+    config = records["1f1b"]["config"]
+    assert config["regime"] == "balanced" and len(config["calibration"]) == 2
+    unit, start = config["dp"] * config["micro_batches"], config["calibration"][0]["batch"]
+    batch = start
+    for step in config["calibration"]:
+        assert step["batch"] == batch and _is_time(step["dp_sync_s"]) and _is_time(step["stage_compute_s"])
+        assert step["ratio"] == pytest.approx(step["dp_sync_s"] / step["stage_compute_s"])
+        batch = scaled_batch(batch, step["ratio"], unit=unit, cap=32 * start)
+    assert config["batch"] == batch and batch % unit == 0
+    for name, r in records.items():
+        assert r["losses"] == pytest.approx(records["1f1b"]["losses"], rel=1e-5), name
+        assert r["dp_to_compute"] == pytest.approx(r["dp_alone"] / r["stage_compute"]), name
+
+
+def test_scaled_batch():
+    """The balanced regime's batch: batch x ratio in whole units of dp x micro-batches, bounded."""
+    assert scaled_batch(16, 3.2, unit=8, cap=512) == 48
+    assert scaled_batch(16, 1.0, unit=8, cap=512) == 16
+    assert scaled_batch(16, 0.1, unit=8, cap=512) == 8      # at least one row per micro-batch and replica
+    assert scaled_batch(16, 100.0, unit=8, cap=512) == 512  # at most the cap
+    assert scaled_batch(16, 100.0, unit=8, cap=20) == 24    # the cap rounded up to whole units
 
 
 def test_offload_suite(tmp_path):
