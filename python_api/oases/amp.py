@@ -6,6 +6,7 @@ that rank skip the step while the others take it: the replicas of one model dive
 
     scaler.unscale_(optimizer):   grads /= scale;  found = any inf/NaN in this rank's grads
                                   found = max(found over `group`)      # one all_reduce, every rank
+    scaler.unscale_together_(optimizers): the same, one verdict for all of them (a pipeline's segments)
     scaler.step(optimizer):       optimizer.step() unless found        # the same decision everywhere
     scaler.update():              scale *= backoff if found else (growth after growth_interval)
 
@@ -15,7 +16,7 @@ dp replicas at once). Each call of step() (or unscale_) is a collective over `gr
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,24 @@ class GradScaler(torch.amp.GradScaler):
         self.group = group
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)
-        if not self.is_enabled() or not dist.is_initialized():
+        self.unscale_together_([optimizer])
+
+    def unscale_together_(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """unscale_ each optimizer, then one verdict for all of them over `group` (one all_reduce):
+        the optimizers of one model's parts (a pipeline's segments) step or skip together, as the
+        model's single optimizer would."""
+        for optimizer in optimizers:
+            super().unscale_(optimizer)
+        if not self.is_enabled() or not dist.is_initialized() or not optimizers:
             return
-        per_device = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        states = [self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] for optimizer in optimizers]
         flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        for found in per_device.values():
-            flag += found.to(flag.device)
+        for per_device in states:
+            for found in per_device.values():
+                flag += found.to(flag.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        for found in per_device.values():
-            found.copy_(flag)  # every device's entry carries the group's verdict
-        if not per_device:  # a rank without gradients (a frozen stage) still learns the verdict
-            per_device[flag.device] = flag
+        for per_device in states:
+            for found in per_device.values():
+                found.copy_(flag)  # every device's entry carries the group's verdict
+            if not per_device:  # an optimizer without gradients (a frozen stage) still learns the verdict
+                per_device[flag.device] = flag.clone()

@@ -71,6 +71,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
+from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
 from oases.inputs import CheckMode, agree_mesh_inputs
 from oases.models.gpt import GPTConfig
@@ -283,6 +284,13 @@ class Pipeline:
     Pipelines on one mesh share its dp group and the DP rings' message tags: close() one (its DP sync may still
     be in flight after train_step returns) before another trains.
 
+    `loss_scaler` (an oases.amp.GradScaler, for fp16): the last stage back-propagates the scaled
+    loss; the first pending update of the next step waits for every segment's DP sync, unscales
+    each segment's gradients and takes one inf/NaN verdict for all segments over the scaler's
+    group (default: the world: every stage and replica), so every segment of every rank steps or
+    skips alike, as one optimizer would; the scale is updated after the last segment's update.
+    Not with zero=True.
+
     `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
     (oases.planner.fold3d: choose_segments, dp_overlap_ratio) from times measured on the first
     train_step's batch, before it runs (`self.measured` keeps them; the same on every rank):
@@ -303,13 +311,22 @@ class Pipeline:
                  seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
                  dp_bucket_numel: int = _BUCKET_NUMEL, dp_chunk_bytes: int = CHUNK_BYTES,
                  offload: bool | Offloader = False, dp_hierarchy: bool | str = False,
-                 init_weights: bool = True, zero: bool = False) -> None:
+                 init_weights: bool = True, zero: bool = False,
+                 loss_scaler: Optional[GradScaler] = None) -> None:
         sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel,
                               dp_chunk_bytes)
         if not isinstance(init_weights, bool):
             raise TypeError(f"init_weights: expected a bool, got {init_weights!r}")
         if not isinstance(zero, bool):
             raise TypeError(f"zero: expected a bool, got {zero!r}")
+        if loss_scaler is not None and not isinstance(loss_scaler, GradScaler):
+            raise TypeError(f"loss_scaler: expected an oases.amp.GradScaler (its inf/NaN verdict spans every rank, "
+                            f"so every stage and replica skips the same steps), got {type(loss_scaler).__name__}")
+        if loss_scaler is not None and zero:
+            raise ValueError("loss_scaler: not with zero=True (the sharded optimizer's masters are not unscaled); "
+                             "pass zero=False")
+        self.loss_scaler = loss_scaler
+        self._unscaled = False  # this step's pending gradients unscaled (and the verdict taken)
         if zero and dp_hierarchy is not False:
             raise ValueError(f"zero: the ZeRO sync runs flat rings over dp; pass dp_hierarchy=False "
                              f"(got {dp_hierarchy!r})")
@@ -332,6 +349,8 @@ class Pipeline:
                              "a stage runs on one device: move the model there in the factory")
         device = devices.pop()
         _check_backend(self.pp_group, device)
+        if loss_scaler is not None:  # its scale lives on this device on every stage, not only where the loss is
+            loss_scaler.scale(torch.zeros((), device=device))
         self._layers = len(self._stack.layers())
         self._make_optimizer, self._bucket_numel, self._chunk_bytes = optimizer, dp_bucket_numel, dp_chunk_bytes
         self._auto = {"segments": segments == "auto" and schedule == "aiao",  # the rule models aiao's overlap
@@ -528,15 +547,33 @@ class Pipeline:
                 self._step(segment + 1)
             self.sync.wait_gather(segment)
 
-    def _step(self, segment: int) -> None:
-        """Wait for the segment's DP sync (and a tied copy's), step, clear its grads (ZeRO: start
-        the all-gather of its parameters)."""
+    def _wait_sync(self, segment: int) -> None:
         self.sync.wait(segment)
         if segment == self._tied_home:
             self.sync.wait(self.segments)
-        self.optimizers[segment].step()
+
+    def _step(self, segment: int) -> None:
+        """Wait for the segment's DP sync (and a tied copy's), step, clear its grads (ZeRO: start
+        the all-gather of its parameters). With a loss scaler, the first pending step of a train
+        step waits for every pending segment's sync and unscales them all (one verdict for all of
+        them over the scaler's group); each segment then steps or skips by it, and the scale is
+        updated after the last."""
+        if self.loss_scaler is not None and not self._unscaled:
+            pending = sorted(self._update_pending)
+            for k in pending:
+                self._wait_sync(k)
+            self.loss_scaler.unscale_together_([self.optimizers[k] for k in pending])
+            self._unscaled = True
+        self._wait_sync(segment)
+        if self.loss_scaler is None:
+            self.optimizers[segment].step()
+        else:
+            self.loss_scaler.step(self.optimizers[segment])
         self.optimizers[segment].zero_grad(set_to_none=True)
         self._update_pending.discard(segment)
+        if self.loss_scaler is not None and not self._update_pending:
+            self.loss_scaler.update()
+            self._unscaled = False
         if self.zero:
             self.sync.gather(segment)
 
@@ -590,7 +627,7 @@ class Pipeline:
                 if following is not None:
                     off.prefetch(reversed(step.saved.get(following, [])))
             if self.layout.is_last(k):
-                y.backward()
+                (y if self.loss_scaler is None else self.loss_scaler.scale(y)).backward()
             else:
                 torch.autograd.backward(y, self.comm.recv(("grad", v, i), step.shapes[i], step.dtype))
             step.saved.pop((k, i), None)
