@@ -14,7 +14,9 @@ data and weights, measured in one run (variants round-robin, medians, MAX over r
             step = `oases.train_step(model, ids, ids, schedule=s, comm=comm)`
 
 Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whose
-gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm):
+gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm;
+`oases-keep`: the oases schedule without recomputation, `train_step(..., recompute=False)`, each
+sublayer's forward graph kept as the peers keep autograd's activations):
 
     t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
     t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run())
@@ -76,12 +78,12 @@ from oases.schedule.runtime import _Task, _Work
 BASELINE = "megatron"
 MODELS = ("gpt", "llama")
 # Our variants: every schedule, and the oases schedule with sequence parallelism ("-sp").
-VARIANTS = (*SCHEDULES, "oases-sp")
+VARIANTS = (*SCHEDULES, "oases-sp", "oases-keep")
 
 
-def _variant(name: str) -> tuple[str, bool]:
-    """(schedule, sequence_parallel) of a variant name."""
-    return name.removesuffix("-sp"), name.endswith("-sp")
+def _variant(name: str) -> tuple[str, bool, bool]:
+    """(schedule, sequence_parallel, recompute) of a variant name."""
+    return name.removesuffix("-sp").removesuffix("-keep"), name.endswith("-sp"), not name.endswith("-keep")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 _SHORT = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
 
@@ -96,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=4, help="llama: key/value heads (default 4)")
     parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
+    parser.add_argument("--sub-batches", type=int, default=None, choices=range(1, 9), metavar="N",
+                        help="sub-batches of merak, cross_pass and oases (default: each schedule's own, 2)")
+
+
+def _sub_batches(args, variant: str) -> Optional[int]:
+    """--sub-batches for the schedules that split the batch (not megatron's one program)."""
+    return None if variant == "megatron" else getattr(args, "sub_batches", None)
 
 
 def _sizes(args) -> tuple[int, int, int]:
@@ -207,9 +216,11 @@ def _gpt_case(args, ctx) -> _Case:
     return _Case(
         title=(f"GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
                f"batch {batch} x {config.seq_len}"),
-        config={"model": "gpt", "hidden": config.hidden, "layers": config.layers, "heads": config.heads,
+        config={"model": "gpt", "sub_batches": args.sub_batches, "hidden": config.hidden, "layers": config.layers,
+                "heads": config.heads,
                 "batch": batch, "seq_len": config.seq_len},
-        ours={name: (lambda memory=None, m=m: m.train_step(tokens, targets, memory=memory))
+        ours={name: (lambda memory=None, m=m, n=_sub_batches(args, name), keep=_variant(name)[2]:
+                     m.train_step(tokens, targets, memory=memory, sub_batches=n, recompute=keep))
               for name, m in models.items()},
         comms={name: m.comm for name, m in models.items()},
         peers={"torch_tp": torch_step},
@@ -249,9 +260,10 @@ def _llama_case(args, ctx) -> _Case:
 
     def ours(name: str, memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        schedule, sequence_parallel = _variant(name)
+        schedule, sequence_parallel, recompute = _variant(name)
         return oases.train_step(model, ids, ids, schedule=schedule, sequence_parallel=sequence_parallel,
-                                comm=comms[name], memory=memory)
+                                comm=comms[name], memory=memory, sub_batches=_sub_batches(args, name),
+                                recompute=recompute)
 
     def check() -> None:
         """Every peer's gradients (of its first step) against the unsharded model's."""
@@ -273,7 +285,8 @@ def _llama_case(args, ctx) -> _Case:
         title=(f"HF LlamaForCausalLM {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                f"{c.num_attention_heads} heads ({c.num_key_value_heads} KV), intermediate {c.intermediate_size}, "
                f"vocab {c.vocab_size}, batch {batch} x {seq_len}"),
-        config={"model": "llama", "hidden": c.hidden_size, "layers": c.num_hidden_layers,
+        config={"model": "llama", "sub_batches": args.sub_batches, "hidden": c.hidden_size,
+                "layers": c.num_hidden_layers,
                 "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
                 "intermediate": c.intermediate_size, "vocab": c.vocab_size, "batch": batch, "seq_len": seq_len,
                 "attn_implementation": "sdpa", "tie_word_embeddings": False},

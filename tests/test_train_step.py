@@ -78,16 +78,17 @@ def _check_models(rank, world_size, models, cases, plan=None):
             oases.parallelize(tp, plan=plan)
         if plan is not None and "lm_head" in plan:  # the schedules must not need the gathered logits
             tp.lm_head.gather_output = False
-        for schedule, sub_batches, b, padded, *sp in cases:
-            sp = bool(sp and sp[0])
+        for schedule, sub_batches, b, padded, *rest in cases:
+            sp = bool(rest and rest[0])
+            recompute = not (len(rest) > 1 and rest[1] == "keep")
             ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
             ref.zero_grad(set_to_none=True)
             tp.zero_grad(set_to_none=True)
             want_loss, want_grads = _reference(ref, ids, labels, mask)
             loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask,
-                                    sequence_parallel=sp)
+                                    sequence_parallel=sp, recompute=recompute)
             where = (f"{kind} heads={heads}/{kv_heads} p={world_size} {schedule} sub_batches={sub_batches} "
-                     f"batch={b} padded={padded} sequence_parallel={sp}")
+                     f"batch={b} padded={padded} sequence_parallel={sp} recompute={recompute}")
             torch.testing.assert_close(loss, want_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
             for name, param in tp.named_parameters():
                 assert param.grad is not None, f"{where}: {name} got no gradient"
@@ -115,6 +116,31 @@ def test_vocab_parallel_llama_matches_unsharded():
     plan = {**oases.nn.DEFAULT_PLAN, "embed_tokens": "vocab", "lm_head": "vocab_head"}
     cases = [("oases", None, 4, True), ("megatron", None, 3, False), ("oases", None, 4, True, True)]
     run_ranks(_check_models, 2, [("llama", 4, 2)], cases, plan, timeout=240)
+
+
+def _check_without_recomputation(rank, world_size):
+    """recompute=False: each sublayer's forward graph kept, the schedules' sub-batches and
+    overlap unchanged; every schedule, padded, 3 sub-batches; refused with sequence parallelism
+    and offload, on every rank before any communication."""
+    cases = [(s, None, 4, True, False, "keep") for s in SCHEDULES] + [("oases", 3, 3, False, False, "keep")]
+    _check_models(rank, world_size, [("llama", 4, 2), ("neox", 4, 4), ("qwen3", 4, 2)], cases)
+    tp = _model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    ids, labels, _ = _batch(4, 12, seed=1, padded=False)
+    with pytest.raises(ValueError, match="recompute=False: not with sequence_parallel"):
+        oases.train_step(tp, ids, labels, sequence_parallel=True, recompute=False)
+    with pytest.raises(ValueError, match="recompute=False: not with offload"):
+        oases.train_step(tp, ids, labels, offload=True, recompute=False)
+    with pytest.raises(TypeError, match="recompute: expected a bool"):
+        oases.train_step(tp, ids, labels, recompute="no")
+    dist.barrier()
+    return True
+
+
+def test_without_recomputation_every_schedule_matches_unsharded():
+    run_ranks(_check_without_recomputation, 2, timeout=240)
 
 
 def test_qwen3_mistral_and_neox_every_schedule_match_unsharded():

@@ -100,6 +100,7 @@ def train_step(
     comm: Optional[Communicator] = None,
     memory: Optional[CheckpointMemory] = None,
     offload: Union[bool, Offloader] = False,
+    recompute: bool = True,
     grad_sync: Optional[GradientSync] = None,
     check_inputs: CheckMode = True,
 ) -> torch.Tensor:
@@ -126,6 +127,10 @@ def train_step(
     use, just before recomputation (oases.offload; bit-exact). True uses the model's own
     Offloader (`model.offloader`, as GPT(..., offload=True) has), else a new one for this call;
     pass an oases.offload.Offloader to keep one across steps: its first step sizes its HostSlab.
+    `recompute=False`: no recomputation; each sublayer's forward graph is kept and the backward
+    runs on it, still on the schedule's sub-batches and overlap (a forward's compute less per
+    step, autograd's activations held as in a model trained without activation checkpointing;
+    not with sequence_parallel or offload).
     `grad_sync`: an oases.dp.GradientSync (or oases.dp.ZeroOptimizer(...).sync) averaging the
     gradients over data-parallel replicas: its buckets start during the step's backwards and the
     step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
@@ -187,7 +192,10 @@ def train_step(
                          "(or pad with tokens whose labels are -100)")
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
-                       world_size=comm.world_size)  # before step_seed's broadcast
+                       world_size=comm.world_size, recompute=recompute)  # before step_seed's broadcast
+    if not recompute and offload is not False and offload is not None:
+        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
+                         "pass recompute=True")
     if per_layer and placements is None:
         placements = get_placements()  # an HF model's first step makes its groups: every rank alike
         if placements is None:
@@ -209,7 +217,8 @@ def train_step(
     with grad_sync.deferred() if grad_sync is not None else contextlib.nullcontext():
         loss = _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
                              schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                             dropout_seed=seed, attention_mask=attention_mask, memory=memory, offload=offloader)
+                             dropout_seed=seed, attention_mask=attention_mask, memory=memory, offload=offloader,
+                             recompute=recompute)
     if grad_sync is not None:
         grad_sync.finish()  # the dp reduction of this step's gradients (started during its backwards)
     if offloader is not None and offload is True and getattr(model, "offloader", None) is not offloader:

@@ -323,7 +323,7 @@ class GPT(nn.Module):
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
                    sub_batches: Optional[int] = None, memory: Optional[CheckpointMemory] = None,
-                   check_inputs: CheckMode = True) -> torch.Tensor:
+                   check_inputs: CheckMode = True, recompute: bool = True) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
             loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
@@ -334,19 +334,21 @@ class GPT(nn.Module):
         needs at least p / min(tp_degrees) rows); `loss = self(tokens, targets); loss.backward()`
         is the blocking form (no sub-batch overlap, no recomputation). `check_inputs`: the TP group
         agrees on tokens and targets first (True: ValueError on every rank where they differ;
-        "broadcast": TP rank 0's; False: not checked; see oases.inputs)."""
+        "broadcast": TP rank 0's; False: not checked; see oases.inputs). `recompute=False`: each
+        sublayer's forward graph kept, no recomputation (oases.schedule.train_step)."""
         tokens, targets = agree_step_inputs(self, self.comm, check_inputs, tokens=tokens, targets=targets)
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self.embed_tokens(tokens[:0])  # shape checks before any communication
         check_step(tokens, targets, schedule=self.schedule, sub_batches=sub_batches,
-                   sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp)
+                   sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp,
+                   recompute=recompute)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         seed = seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),
                           comm=self.comm, schedule=self.schedule, sub_batches=sub_batches,
                           sequence_parallel=self.sequence_parallel, dropout_seed=seed, memory=memory,
-                          offload=self.offloader)
+                          offload=self.offloader, recompute=recompute)
 
     def step_seed(self) -> Optional[int]:
         """The dropout seed of a training step (None without dropout): drawn from the default

@@ -30,6 +30,7 @@ of it ends (asynchronous, waited for at the end).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -57,6 +58,7 @@ class Schedule:
     sub_batches: int
     fine_grained_recompute: bool
     pass_barriers: bool
+    recompute: bool = True  # False: each sublayer's graph kept from the forward (train_step(recompute=False))
 
 
 SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
@@ -164,15 +166,22 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
         comms, ctxs, moves, move_out = [comm] * len(layers), [ctx] * len(layers), [None] * len(layers), None
     else:
         comms, ctxs, moves, move_out = placed.per_layer(stack, ctx, rows)
-    # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer
+    # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer; kept: each
+    # sublayer's forward graph instead, without recomputation
+    kept: list[_Recorded] = []
     for layer, c, lctx, move in zip(layers, comms, ctxs, moves):
         if move is not None:  # the boundary between layers of different degrees: this replica's rows
             x = yield from _move_rows(move, x, rows, "forward")
         for i, sub in enumerate(layer):
-            if plan.fine_grained_recompute or i == 0:
-                saved.push(x)
-            with torch.no_grad():
-                part = sub.core(sub.norm(x), lctx)
+            if not plan.recompute:  # the graph kept for the backward (autograd's activations held)
+                rec = _record(sub, x, lctx)
+                kept.append(rec)
+                part = rec.part.detach().clone()  # reduced in place: not a tensor the graph holds
+            else:
+                if plan.fine_grained_recompute or i == 0:
+                    saved.push(x)
+                with torch.no_grad():
+                    part = sub.core(sub.norm(x), lctx)
             x = yield from _finish_reduced(sub, x, part, lctx, c, "forward")
     if move_out is not None:  # the head runs on every row of the sub-batch
         x = yield from _move_rows(move_out, x, rows, "forward")
@@ -190,7 +199,8 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
         layer, c, lctx = layers[index], comms[index], ctxs[index]
         if plan.fine_grained_recompute:
             for sub in reversed(layer):
-                grad = yield from _backward(sub, _record(sub, saved.pop(), lctx), grad, lctx, c)
+                rec = kept.pop() if not plan.recompute else _record(sub, saved.pop(), lctx)
+                grad = yield from _backward(sub, rec, grad, lctx, c)
         else:
             x_in, records = saved.pop(), []
             for sub in layer:  # activation checkpointing reruns the whole layer, its all-reduces included
@@ -592,9 +602,15 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 
 
 def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
-               sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int) -> int:
+               sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int,
+               recompute: bool = True) -> int:
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute: expected a bool, got {recompute!r}")
+    if not recompute and sequence_parallel:
+        raise ValueError("recompute=False: not with sequence_parallel (its sublayers are recomputed from "
+                         "their sequence slices); pass recompute=True")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
     parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
@@ -622,7 +638,8 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
                normalizer: float, comm: Communicator, schedule: str = "oases",
                sub_batches: Optional[int] = None, sequence_parallel: bool = False,
                dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-               memory: Optional[CheckpointMemory] = None, offload: Optional[Offloader] = None) -> torch.Tensor:
+               memory: Optional[CheckpointMemory] = None, offload: Optional[Offloader] = None,
+               recompute: bool = True) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
         for rows in split(batch, sub_batches):                # interleaved, see the module docstring
@@ -642,13 +659,21 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     communicates on its own Communicator and `comm` is not used; every sub-batch needs at least
     a row per replica of each layer (blocks differ by a row where the replicas do not divide
     its rows), and sequence_parallel and offload are refused
-    (ValueError). Checks run before any communication, so a bad argument raises on every rank
-    alike.
+    (ValueError). `recompute=False` keeps each sublayer's forward graph (autograd's activations,
+    as a model trained without activation checkpointing holds them) and runs the backward on it,
+    with the schedule's sub-batches and overlap: the compute of one forward less per step, the
+    memory of every activation more (not with sequence_parallel or offload; `memory` then counts
+    nothing). Checks run before any communication, so a bad argument raises on every rank alike.
     """
+    if not recompute and offload is not None:
+        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
+                         "pass recompute=True")
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
-                       world_size=comm.world_size)
+                       world_size=comm.world_size, recompute=recompute)
     plan, batch = SCHEDULES[schedule], input_ids.shape[0]
+    if not recompute:  # per sublayer, from the kept graphs
+        plan = dataclasses.replace(plan, fine_grained_recompute=True, recompute=False)
     get_placements = getattr(stack, "layer_placements", None)
     placements = get_placements() if get_placements is not None else None
     check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
