@@ -4,8 +4,13 @@
         tp_layout()) applied to `full`, or `full` for a replicated parameter
     check_grads(tp, want, rank, p, where, tol): every parameter of `tp` has a gradient equal to
         expected_shard(want[name]) within `tol` (torch.testing.assert_close's rtol / atol)
+    check_export(tp, ref, path, rank, what): oases.save_pretrained(tp, path) reads back through
+        transformers' from_pretrained (on rank 0) as the unsharded `ref`'s state dict, exactly
 """
+import warnings
+
 import torch
+import torch.distributed as dist
 
 
 def expected_shard(tp, name, full, rank, p):
@@ -20,3 +25,17 @@ def check_grads(tp, want, rank, p, where, tol):
         assert param.grad is not None, f"{where}: {name} got no gradient"
         torch.testing.assert_close(param.grad, expected_shard(tp, name, want[name], rank, p), **tol,
                                    msg=lambda m: f"{where}: grad of {name}: {m}")
+
+
+def check_export(tp, ref, path, rank, what):
+    import oases
+
+    oases.save_pretrained(tp, path)  # the unsharded model's names and shapes (Conv1D: [in, out])
+    if rank == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a tiny config's own complaints (rope scaling, ...)
+            got = type(ref).from_pretrained(path).state_dict()
+        for key, value in ref.state_dict().items():
+            assert key in got and got[key].shape == value.shape, f"{what}: {key} in the export"
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{what} export {key}: {m}")
+    dist.barrier()

@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _shards import check_grads, expected_shard
+from _shards import check_export, check_grads, expected_shard
 from _spawn import run_ranks
 
 import oases
@@ -106,15 +106,7 @@ def _check_files(tp, ref, rank, p, root):
     for key, value in want.items():
         torch.testing.assert_close(built[key], value, rtol=0, atol=0, msg=lambda m: f"full_state_dict {key}: {m}")
     where = os.path.join(root, f"tp{p}-export")
-    oases.save_pretrained(tp, where)
-    if rank == 0:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            back = type(ref).from_pretrained(where).state_dict()
-        for key, value in want.items():
-            assert key in back and back[key].shape == value.shape, f"{key} in the export"
-            torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=lambda m: f"export {key}: {m}")
-    dist.barrier()
+    check_export(tp, ref, where, rank, "gpt-oss")
     fresh = _build()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _shards import check_grads, expected_shard as _expected
+from _shards import check_export, check_grads, expected_shard as _expected
 from _spawn import run_ranks
 
 import oases
@@ -292,14 +292,7 @@ def _check_model(kind, rank, p, root, plan=None):
         oases.parallelize(fresh, plan=plan)
     if kind != "llama_w":  # transformers' own layout: a Llama with w1 / w2 / w3 is not a model it can read
         where = os.path.join(root, kind)
-        oases.save_pretrained(tp, where)  # the unsharded model's names and shapes (Conv1D: [in, out])
-        if rank == 0:
-            back = type(ref).from_pretrained(where)
-            got = back.state_dict()
-            for key, value in ref.state_dict().items():
-                assert key in got and got[key].shape == value.shape, f"{kind}: {key} in the export"
-                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{kind} export {key}: {m}")
-        dist.barrier()
+        check_export(tp, ref, where, rank, kind)
         oases.load_pretrained(fresh, where)
         for (name, a), (_, b) in zip(tp.state_dict().items(), fresh.state_dict().items()):
             assert torch.equal(a, b), f"{kind}: {name} after load_pretrained"

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _shards import check_grads, expected_shard as _expected
+from _shards import check_export, check_grads, expected_shard as _expected
 from _spawn import run_ranks
 
 import oases
@@ -143,14 +143,7 @@ def _check_model(kind, rank, p, root):
         for key, value in _build(kind).state_dict().items():
             assert torch.equal(built[key], value), f"{kind}: {key} built on meta"
     where = os.path.join(root, kind)
-    oases.save_pretrained(tp, where)  # the unsharded model's names and shapes
-    if rank == 0:
-        back = type(ref).from_pretrained(where)
-        got = back.state_dict()
-        for key, value in ref.state_dict().items():
-            assert key in got and got[key].shape == value.shape, f"{kind}: {key} in the export"
-            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{kind} export {key}: {m}")
-    dist.barrier()
+    check_export(tp, ref, where, rank, kind)
     fresh = _build(kind)
     for q in fresh.parameters():
         torch.nn.init.normal_(q)
