@@ -157,10 +157,13 @@ def _count(rank, world_size):
             warnings.simplefilter("ignore")
             oases.parallelize(model)
         ids, labels, _ = _batch(4, 12, 0, False)
+        calls = []  # the model's forward pre-hooks (parallelize's input check, a collective) inside a step
+        model.register_forward_pre_hook(lambda module, args: calls.append(1))
         for schedule in SCHEDULES:
             comm = Communicator(dist.group.WORLD, world_size)
             oases.train_step(model, ids, labels, schedule=schedule, comm=comm)
             counts[kind, schedule] = (dict(comm.calls), dict(comm.bytes))
+        assert not calls, f"{kind}: the model's own forward was called {len(calls)} times inside train_step"
     return counts
 
 

@@ -234,7 +234,8 @@ class HFStack:
             logits = head(h)
         else:
             with _standing_in_for_top(self.model, self._names, h, head):
-                logits = self.model(input_ids=None, use_cache=False).logits
+                # .forward, not the call: the model's forward pre-hooks (the TP input check) ran at the step's entry
+                logits = self.model.forward(input_ids=None, use_cache=False).logits
         return logits if self.logits_group is None else self.lm_head.mask_padding(logits)
 
 
