@@ -70,6 +70,9 @@ experts, and one all-reduce at the block's output sums them (dense MLP's pattern
 and gates' gradients are summed over the group, so every gradient, the load-balancing loss's
 (output_router_logits) included, is the unsharded model's. oases.train_step runs the block as a
 split sublayer (its loss has no load-balancing term: a config asking for router logits is refused).
+Experts stored as Mixtral's ([E, 2I, H] gate | up, [E, H, I] down) or GPT-OSS's (transposed, gate
+and up interleaved, with biases: the down bias added in one rank's partial sum) are recognised
+(oases.nn.experts).
 
 Attention. Once q/k/v (or a fused qkv) are column-sharded, each rank computes num_heads/p query
 heads and num_kv_heads/p key/value heads (whole heads: both counts must divide by p; or, at
@@ -85,12 +88,16 @@ sizes (head_dim, num_key_value_groups, scaling) stay as they are. Norms of such 
 sharded projection's whole width (OLMo-2's q_norm / k_norm) become oases.nn.ShardedRMSNorm: weight
 sharded like the projection, mean of squares all-reduced over the group. Its other parameters
 (Qwen3's per-head q_norm / k_norm weights, shared by every head) see only this rank's heads, so
-a hook sums their gradient over the group (oases.nn._heads). Per architecture:
+a hook sums their gradient over the group (oases.nn._heads); parameters with one entry per query
+head (GPT-OSS's sinks) are split by head like q. A per-head bias the base model builds for every
+head (BLOOM's and Falcon's ALiBi `alibi`, Falcon's per-head mask) is cut to this rank's heads by a
+pre-hook on the attention (oases.nn._alibi). CodeGen, whose forward splits qkv_proj into fixed
+groups, is refused. Per architecture:
 
     transformers 5.x Llama/Mistral/Qwen2   views with (..., -1, head_dim) and reads only head_dim and
                                            num_key_value_groups: nothing to change
     transformers GPT-NeoX                  views with (..., -1, 3 * head_size): nothing to change
-    transformers Falcon (no ALiBi)         num_heads, num_kv_heads, hidden_size, split_size
+    transformers Falcon, BLOOM             num_heads, num_kv_heads, hidden_size, split_size; ALiBi cut
     transformers Phi-3                     config.num_attention_heads (the config view), fused qkv
     transformers GPT-2                     num_heads, embed_dim, split_size; Conv1D projections
     transformers OLMo-2                    full-width q_norm / k_norm -> ShardedRMSNorm
