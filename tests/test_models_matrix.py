@@ -38,7 +38,9 @@ More decoders built from the same parts (Qwen2, Mistral, OLMo, Nemotron, GLM, He
 Persimmon, StableLM, Granite and GraniteMoE, Exaone-4, Cohere-2, SmolLM3, Qwen3-MoE, OLMoE,
 Ernie-4.5, Gemma-3) get lighter checks: coverage, logits, the oases schedule's loss and every
 gradient. CodeGen (its forward fixes the qkv groups) is refused before anything changes, and
-PhiMoE's router (it samples experts in training) by train_step, which matches it in eval mode.
+PhiMoE's router (it samples experts in training) by train_step, which matches it in eval mode;
+per-layer degrees with layers run whole (OLMo-2) or ALiBi attention (BLOOM) are refused; a
+config with return_dict=False trains exactly.
 At TP 4 (4 ranks, key/value heads replicated: 2 kv heads): llama, qwen3, phi3, gpt2 and mixtral,
 the same checks. Item 3 (never a silent half-sharded model): a Llama whose MLP names its
 projections w1 / w2 / w3 is refused with the default plan, naming the modules and the entries
@@ -350,6 +352,23 @@ def _check_more(rank, p):
     with pytest.raises(ValueError, match="CodeGenAttention splits its fused qkv_proj into mp_num = 4 groups"):
         oases.parallelize(codegen)
     assert all(torch.equal(v, codegen.state_dict()[k]) for k, v in before.items())
+    # per-layer degrees: layers run whole and ALiBi attention are refused before anything communicates
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    olmo2 = _build("olmo2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(olmo2, tp_degrees=[2, 1])
+    with pytest.raises(ValueError, match=r"tp_degrees: oases.train_step runs decoder layers \[0, 1\] of Olmo2"):
+        oases.train_step(olmo2, ids, ids)
+    with pytest.raises(ValueError, match="tp_degrees with an attention that takes per-head biases"):
+        oases.parallelize(_build("bloom"), tp_degrees=[2, 1])
+    # a config asking for tuples (return_dict=False): the head still finds the logits
+    ref, tp = _build("llama"), _build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    tp.config.return_dict = False
+    torch.testing.assert_close(oases.train_step(tp, ids, ids), ref(input_ids=ids, labels=ids).loss, **TOL)
     # a router that samples its experts in training would route a recomputed sublayer elsewhere
     torch.manual_seed(0)
     ref = tf.PhimoeForCausalLM(tf.PhimoeConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))

@@ -11,7 +11,8 @@ Shared by the adapters of Hugging Face and nanoGPT-style models.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -97,7 +98,8 @@ def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
 
 # Modules that draw random numbers in training whatever their settings: PhiMoE's router samples its
 # experts (Gumbel noise); a recomputed sublayer would route its tokens to other experts.
-_SAMPLES_IN_TRAINING = {"PhimoeTopKRouter": "samples its experts with Gumbel noise in training"}
+_SAMPLES_IN_TRAINING: Mapping[str, str] = MappingProxyType(
+    {"PhimoeTopKRouter": "samples its experts with Gumbel noise in training"})
 
 
 def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:

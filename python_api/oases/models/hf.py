@@ -130,13 +130,19 @@ class HFStack:
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
         self.parts = _parts_of(self.decoder)
         self._names = _top_names(model, self.base, self.lm_head)
-        self._layer_returns_tuple: Optional[bool] = None  # what the base's forward expects of a layer, once known
+        # what the base's forward expects of a layer, once known (kept on the model: a step makes a new HFStack)
+        self._layer_returns_tuple: Optional[bool] = getattr(model, "_oases_layer_returns_tuple", None)
         decoder = self.decoder
         degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
         if self.degrees is not None and len(self.degrees) != len(decoder):
             raise ValueError(f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
                              f"parallelize the model with one degree per decoder layer")
+        whole = [i for i, parts in enumerate(self.parts) if parts.kind == "whole"]
+        if self.degrees is not None and whole:  # its own row hooks would move rows the schedule moved
+            raise ValueError(f"tp_degrees: oases.train_step runs decoder layers {whole} of {type(model).__name__} "
+                             f"whole, and not yet at per-layer degrees; train it with loss = model(...) then "
+                             f"loss.backward(), or parallelize without tp_degrees")
         tp_group = next((m.group for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
                         None)
         self._layers = [self._sublayers(i, layer, parts, tp_group, alone=self.degrees is not None and self.degrees[i] == 1)
@@ -186,6 +192,7 @@ class HFStack:
                     recorder.tuple = not recorder.tuple
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
             self._layer_returns_tuple = recorders[0].tuple
+            self.model._oases_layer_returns_tuple = self._layer_returns_tuple
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
         x = calls[0][0]
@@ -235,7 +242,7 @@ class HFStack:
         else:
             with _standing_in_for_top(self.model, self._names, h, head):
                 # .forward, not the call: the model's forward pre-hooks (the TP input check) ran at the step's entry
-                logits = self.model.forward(input_ids=None, use_cache=False).logits
+                logits = self.model.forward(input_ids=None, use_cache=False, return_dict=True).logits
         return logits if self.logits_group is None else self.lm_head.mask_padding(logits)
 
 

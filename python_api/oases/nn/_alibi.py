@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["BIAS_ARGUMENTS", "slice_head_biases"]
+__all__ = ["BIAS_ARGUMENTS", "slice_head_biases", "takes_head_biases"]
 
 BIAS_ARGUMENTS = ("alibi", "position_bias")
 _PER_HEAD_MASK = "attention_mask"
@@ -41,6 +41,12 @@ def _cut(bias: object, heads: int, r: int, p: int, mask: bool = False) -> object
                          f"rows ([b * heads, ...] or [b, heads, q, k]); oases cannot give this rank its heads' rows")
     b = bias.shape[0] // heads
     return bias.reshape(b, heads, *bias.shape[1:])[:, r * local:(r + 1) * local].reshape(b * local, *bias.shape[1:])
+
+
+def takes_head_biases(module: nn.Module) -> bool:
+    """Whether the attention module's forward takes one of BIAS_ARGUMENTS."""
+    names = inspect.signature(module.forward).parameters
+    return any(n in names for n in BIAS_ARGUMENTS)
 
 
 def slice_head_biases(module: nn.Module, heads: int, group: dist.ProcessGroup) -> bool:

@@ -427,7 +427,8 @@ def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str,
 
 # Attention modules whose forward fixes how the fused projection's features map to heads, whatever
 # the module's head counts say (the exceptions to sharding by parts).
-_UNSHARDABLE_ATTENTION = {"CodeGenAttention": "splits its fused qkv_proj into mp_num = 4 groups fixed in its forward"}
+_UNSHARDABLE_ATTENTION: Mapping[str, str] = MappingProxyType(
+    {"CodeGenAttention": "splits its fused qkv_proj into mp_num = 4 groups fixed in its forward"})
 
 # Where per-layer tp_degrees find decoder layers without `layers=` (the first that is a non-empty
 # nn.ModuleList wins): Hugging Face decoders (LlamaForCausalLM's model.layers, GPTNeoXForCausalLM's
@@ -672,6 +673,10 @@ def parallelize(
             raise ValueError(f"{name}: {type(module).__name__} {_UNSHARDABLE_ATTENTION[type(module).__name__]}, so its "
                              f"heads cannot be split across ranks; leave its projections out of the plan (plan= "
                              f"without them) or use TP degree 1 for this model")
+        if degrees is not None and _alibi.takes_head_biases(module):
+            raise ValueError(f"{name}: tp_degrees with an attention that takes per-head biases from the base model "
+                             f"(ALiBi: {type(module).__name__}) is not supported yet (its rows are not cut to a "
+                             f"replica's); parallelize without tp_degrees")
         _heads.check_heads(name, module, degree(name))
         widths = {child: _features(sub)[1] for child, sub in module.named_children()
                   if placed.get(f"{name}.{child}" if name else child, _Style("row")).kind == "column"}

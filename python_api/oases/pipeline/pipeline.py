@@ -289,7 +289,8 @@ class Pipeline:
     each segment's gradients and takes one inf/NaN verdict for all segments over the scaler's
     group (default: the world: every stage and replica), so every segment of every rank steps or
     skips alike, as one optimizer would; the scale is updated after the last segment's update.
-    Not with zero=True.
+    Not with zero=True. The scaler's state is not in the pipeline's checkpoints: save
+    `loss_scaler.state_dict()` beside them.
 
     `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
     (oases.planner.fold3d: choose_segments, dp_overlap_ratio) from times measured on the first
@@ -322,6 +323,10 @@ class Pipeline:
         if loss_scaler is not None and not isinstance(loss_scaler, GradScaler):
             raise TypeError(f"loss_scaler: expected an oases.amp.GradScaler (its inf/NaN verdict spans every rank, "
                             f"so every stage and replica skips the same steps), got {type(loss_scaler).__name__}")
+        if loss_scaler is not None and loss_scaler.group is not None and \
+                dist.get_world_size(loss_scaler.group) != dist.get_world_size():
+            raise ValueError("loss_scaler: its group must span every rank of the pipeline (stages and replicas take "
+                             "one verdict); make it with group=None (the world)")
         if loss_scaler is not None and zero:
             raise ValueError("loss_scaler: not with zero=True (the sharded optimizer's masters are not unscaled); "
                              "pass zero=False")
@@ -540,6 +545,9 @@ class Pipeline:
         """Segment `segment`'s pending optimizer step, before its forward. ZeRO: then segment
         k+1's step, whose all-gather runs under segment k's forwards (oases.pipeline.zero_sync);
         and segment k's all-gather is waited for."""
+        if self._failed is not None:  # ranks may hold different pending steps: their collectives would not match
+            raise RuntimeError("pipeline: an earlier step failed mid-way (see the cause); its pending updates are "
+                               "not applied; build a new Pipeline") from self._failed
         if segment in self._update_pending:
             self._step(segment)
         if self.zero:
@@ -726,8 +734,9 @@ class Pipeline:
     def close(self) -> None:
         """Apply every pending update (every rank calls it, as its DP sync is collective over dp),
         then end the scheduler's threads; a later train_step starts new ones."""
-        for k in range(self.segments):
-            self._apply_update(k)
+        if self._failed is None:
+            for k in range(self.segments):
+                self._apply_update(k)
         self.scheduler.close()
         if self.offloader is not None:
             self.offloader.close()
