@@ -192,10 +192,8 @@ def train_step(
                          "(or pad with tokens whose labels are -100)")
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
-                       world_size=comm.world_size, recompute=recompute)  # before step_seed's broadcast
-    if not recompute and offload is not False and offload is not None:
-        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
-                         "pass recompute=True")
+                       world_size=comm.world_size, recompute=recompute,
+                       offload=offload is not False and offload is not None)  # before step_seed's broadcast
     if per_layer and placements is None:
         placements = get_placements()  # an HF model's first step makes its groups: every rank alike
         if placements is None:

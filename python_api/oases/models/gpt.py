@@ -342,7 +342,7 @@ class GPT(nn.Module):
         self.embed_tokens(tokens[:0])  # shape checks before any communication
         check_step(tokens, targets, schedule=self.schedule, sub_batches=sub_batches,
                    sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp,
-                   recompute=recompute)
+                   recompute=recompute, offload=self.offloader is not None)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         seed = seed if self.training and self.config.dropout > 0 else None
         return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),

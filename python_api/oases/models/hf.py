@@ -130,8 +130,6 @@ class HFStack:
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
         self.parts = _parts_of(self.decoder)
         self._names = _top_names(model, self.base, self.lm_head)
-        # what the base's forward expects of a layer, once known (kept on the model: a step makes a new HFStack)
-        self._layer_returns_tuple: Optional[bool] = getattr(model, "_oases_layer_returns_tuple", None)
         decoder = self.decoder
         degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
@@ -177,22 +175,23 @@ class HFStack:
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         calls: list = []
         recorders = [_Recorder(calls, layer) for layer in self.decoder]
-        for recorder in recorders if self._layer_returns_tuple is not None else ():
-            recorder.tuple = self._layer_returns_tuple
+        # what the base's forward expects of a layer, once known: kept on the model (a step makes a new HFStack)
+        known: Optional[bool] = getattr(self.model, "_oases_layer_returns_tuple", None)
+        for recorder in recorders if known is not None else ():
+            recorder.tuple = known
         with _standing_in(self.base, self._layers_name, recorders):
             try:
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
             except (AttributeError, IndexError, TypeError, ValueError):
                 # the layer's annotation misled (Gemma-3 says tuple, returns a tensor): the other
                 # form once; what follows the layers in the base's forward is discarded either way
-                if self._layer_returns_tuple is not None:
+                if known is not None:
                     raise
                 calls.clear()
                 for recorder in recorders:
                     recorder.tuple = not recorder.tuple
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
-            self._layer_returns_tuple = recorders[0].tuple
-            self.model._oases_layer_returns_tuple = self._layer_returns_tuple
+            self.model._oases_layer_returns_tuple = recorders[0].tuple
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
         x = calls[0][0]

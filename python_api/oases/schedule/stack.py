@@ -603,7 +603,7 @@ def split_rows(batch: int, parts: int) -> list[slice]:
 
 def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
                sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int,
-               recompute: bool = True) -> int:
+               recompute: bool = True, offload: bool = False) -> int:
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
     if not isinstance(recompute, bool):
@@ -611,6 +611,9 @@ def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, 
     if not recompute and sequence_parallel:
         raise ValueError("recompute=False: not with sequence_parallel (its sublayers are recomputed from "
                          "their sequence slices); pass recompute=True")
+    if not recompute and offload:
+        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
+                         "pass recompute=True")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
     parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
@@ -665,12 +668,9 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     memory of every activation more (not with sequence_parallel or offload; `memory` then counts
     nothing). Checks run before any communication, so a bad argument raises on every rank alike.
     """
-    if not recompute and offload is not None:
-        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
-                         "pass recompute=True")
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
-                       world_size=comm.world_size, recompute=recompute)
+                       world_size=comm.world_size, recompute=recompute, offload=offload is not None)
     plan, batch = SCHEDULES[schedule], input_ids.shape[0]
     if not recompute:  # per sublayer, from the kept graphs
         plan = dataclasses.replace(plan, fine_grained_recompute=True, recompute=False)
