@@ -1,4 +1,4 @@
-"""`python -m bench <suite> [--nproc N] [--bandwidth B] [--topology T | --hosts H [--intra-bandwidth B]] [--quick] [--out DIR]`.
+"""`python -m bench <suite> [--device D] [--nproc N] [--bandwidth B] [--topology T | --hosts H [--intra-bandwidth B]] [--quick] [--out DIR]`.
 
 Outside a distributed launch this re-launches itself on N ranks:
 
@@ -6,6 +6,14 @@ Outside a distributed launch this re-launches itself on N ranks:
 
 (torchrun when oases.launch is not installed, unshaped only). Inside a launch (RANK is set) it
 runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG and trace.
+
+`--device` picks where every rank runs (bench._context.setup; the ranks get the same command line):
+
+    auto   (default) cuda:LOCAL_RANK on NCCL when torch sees a GPU, else the CPU on gloo
+    cpu    the CPU on gloo, even where GPUs exist: the ranks are started with CUDA_VISIBLE_DEVICES=""
+           (none of them touches a GPU), so N ranks share the CPU cores of a one-GPU machine
+    cuda   cuda:LOCAL_RANK on NCCL; refused before any rank starts when torch sees no GPU, or when
+           --nproc exceeds the GPUs (NCCL cannot run two ranks on one GPU)
 
 `python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): see
 bench/gpu_check.py.
@@ -25,6 +33,7 @@ from typing import Optional, Sequence
 from bench import SUITES
 
 MIN_WARMUP, MIN_ITERS = 2, 5  # as bench._timing (not imported here: it imports torch)
+DEVICES = ("auto", "cpu", "cuda")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results")
 
@@ -40,6 +49,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
     """The command line, every suite's own options included (the launching parent checks them
     all before it starts the ranks, at the cost of importing torch)."""
     common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto (default): cuda + NCCL when a GPU is visible, else cpu + gloo; cpu: gloo on "
+                             "the CPU even where GPUs exist; cuda: NCCL, one GPU per rank (refused without a GPU "
+                             "or with more ranks than GPUs)")
     common.add_argument("--nproc", type=_positive_int, default=2, help="ranks to launch (default: 2)")
     common.add_argument("--bandwidth", metavar="RATE",
                         help="shape the links to RATE, tc syntax (250mbit, 1gbit, 8gbit); default unshaped")
@@ -84,9 +97,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.quick and (args.warmup < MIN_WARMUP or args.iters < MIN_ITERS):
         parser.error(f"--warmup >= {MIN_WARMUP} and --iters >= {MIN_ITERS} for figures worth reporting "
                      "(--quick allows fewer)")
+    world = int(os.environ.get("WORLD_SIZE", args.nproc)) if inside else args.nproc
+    checks = getattr(modules[args.suite], "check_args", None)
+    refusal = checks(args, world) if checks is not None else None
+    if refusal is None and not inside:  # inside, bench._context.setup checks this rank's own GPU
+        refusal = _device_refusal(args)
+    if refusal:
+        parser.error(refusal)
     if not inside:
         return _relaunch(args, argv)
     return _run_rank(args, modules[args.suite], argv)
+
+
+def device_refusal(device: str, nproc: int, hosts: int, gpus: int) -> Optional[str]:
+    """Why `--device device` cannot start `nproc` ranks (over `hosts` emulated hosts) on a machine
+    where torch sees `gpus` GPUs, or None when it can. Ranks on CUDA run on cuda:LOCAL_RANK, one
+    GPU each: NCCL refuses two ranks on one GPU."""
+    if device not in DEVICES:
+        raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    cuda = device == "cuda" or (device == "auto" and gpus > 0)
+    if not cuda:
+        return None
+    chosen = "--device cuda" if device == "cuda" else "--device auto (a GPU is visible, so cuda)"
+    if gpus < 1:
+        return ("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False: no NVIDIA driver, "
+                "CUDA_VISIBLE_DEVICES empty, or a CPU build of torch); run with --device cpu (or auto)")
+    if hosts > 1:
+        return (f"{chosen} with --hosts {hosts}: the emulated hosts share this machine's GPUs and each host's "
+                "ranks count LOCAL_RANK from 0, so two ranks would use one GPU, which NCCL cannot do; "
+                "pass --device cpu to emulate hosts on the CPU cores")
+    if nproc > gpus:
+        return (f"{chosen} --nproc {nproc}: torch sees {gpus} GPU(s) and NCCL cannot run two ranks on one GPU; "
+                f"pass --nproc {gpus} or fewer, or --device cpu to run {nproc} gloo ranks on the CPU cores")
+    return None
+
+
+def _device_refusal(args: argparse.Namespace) -> Optional[str]:
+    """device_refusal for this machine's GPUs (what torch in this process sees)."""
+    if args.device == "cpu":
+        return None
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return device_refusal(args.device, args.nproc, args.hosts, gpus)
 
 
 def _launcher_installed() -> bool:
@@ -100,6 +153,8 @@ def _launcher_installed() -> bool:
 
 def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
     env = dict(os.environ, OASES_BENCH_RELAUNCHED="1")
+    if args.device == "cpu":  # no rank touches a GPU (pinned host memory would make a CUDA context in each)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     if _launcher_installed():
         command = [sys.executable, "-m", "oases.launch", "--nproc", str(args.nproc),

@@ -1,8 +1,9 @@
 """What a suite gets: this rank's place in the run, the timer, the trace recorder and the metadata.
 
-`setup(args)` runs inside a distributed launch (torchrun's environment): it initialises the
-process group (gloo on CPU, NCCL with one GPU per local rank), sets the intra-op threads, and
-describes the run (device, link, versions) for the JSON.
+`setup(args)` runs inside a distributed launch (torchrun's environment): it picks this rank's
+device from `args.device` (choose_device: gloo on CPU, NCCL with one GPU per local rank),
+initialises the process group, sets the intra-op threads, and describes the run (device and the
+choice that picked it, link, versions) for the JSON.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 from bench._timing import Timer
 from bench._trace import Recorder
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")  # as bench.__main__.DEVICES (--device)
 
 
 @dataclass
@@ -40,20 +43,36 @@ class Context:
             torch.cuda.synchronize(self.device)
 
 
+def choose_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
+    """(device, backend) of a rank for `--device requested`: "cpu" -> (cpu, gloo); "cuda" ->
+    (cuda:local_rank, nccl); "auto" -> cuda's when torch sees a GPU, else cpu's. ValueError when
+    "cuda" (or "auto" on a GPU) cannot give this rank a GPU of its own."""
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"device: expected one of {', '.join(DEVICE_CHOICES)}, got {requested!r}")
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu"), "gloo"
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
+                         "run with --device cpu (or auto)")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but torch sees "
+                         f"{count}, and NCCL cannot run two ranks on one GPU; run at most {count} rank(s) per "
+                         "host, or --device cpu")
+    return torch.device("cuda", local_rank), "nccl"
+
+
 def setup(args) -> Context:
-    """Initialise torch.distributed from the launch environment and build the context."""
+    """Initialise torch.distributed from the launch environment on the device `args.device`
+    picks (choose_device; "auto" when args has none) and build the context."""
     # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor; the old names still work.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.",
                             category=FutureWarning)
     torch.set_num_threads(args.threads)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device, backend = choose_device(getattr(args, "device", "auto"), local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device = torch.device("cpu")
-        backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -66,7 +85,8 @@ def setup(args) -> Context:
 def describe_run(args, device: torch.device, world_size: int, backend: str) -> dict[str, Any]:
     """Device, link, versions and settings: what a reader needs to compare two JSON files."""
     return {
-        "device": {"type": device.type, "name": device_name(device)},
+        "device": {"type": device.type, "name": device_name(device), "requested": getattr(args, "device", "auto"),
+                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
         "world_size": world_size,
         "backend": backend,
         "link": link(args),

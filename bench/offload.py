@@ -2,6 +2,10 @@
 oases schedule's step with offload on and off.
 
     python -m bench offload                  # 2 ranks; --quick for seconds
+    python -m bench offload --device cuda --nproc 1 --parts step --step-hidden 2048 --step-heads 16 \
+        --step-layers 8 --step-seq-len 2048 --step-batch 8     # one GPU, a model of a few GB
+
+--parts picks what runs (default all three: copies, step, aiao).
 
 Copies (each rank alone, MAX over ranks), n = 1 .. 64 tensors of --tensor-kib KiB each, one
 round trip = every tensor to the host and back, GB/s = 2 n size / time:
@@ -17,7 +21,12 @@ Step: oases.models.GPT on the "oases" schedule (TP over the ranks), `train_step`
 offload=False and with an Offloader (batch --batch-size, its profiling step in the warm-up):
 t_step, the ratio, peak device-resident checkpoint bytes (oases.schedule.CheckpointMemory; with
 offload the Offloader's account: saved until the copy out is issued, back from the copy in to
-release), copies per step.
+release), copies per step. Sized by --step-hidden, --step-heads, --step-layers, --step-seq-len and
+--step-batch (defaults: --hidden, 8, --layers, --seq-len, --batch). On CUDA also the allocator's
+figures of one more step of each variant: the peak bytes allocated on the device during it
+(torch.cuda.max_memory_allocated, reset before each), the bytes allocated before it (both models,
+their gradients), and the ratio of the peaks on / off; MAX over ranks. None on a CPU, which has
+no device memory of its own. Both variants' models stay resident, so each peak counts both.
 
 On a CPU the "device" and the "host" are the same RAM: offloading frees no memory, and every copy
 takes memory bandwidth from compute on the same cores. The figures here measure the engine's
@@ -27,6 +36,7 @@ GPU would keep.
 from __future__ import annotations
 
 import argparse
+from typing import Callable, Optional
 
 import torch
 
@@ -37,6 +47,7 @@ from oases.schedule import CheckpointMemory
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64)
 COPIERS = ("to", "save_on_cpu", "ours", "ours_inline", "ours_python")
+PARTS = ("copies", "step", "aiao")
 MIN_BYTES_PER_CALL = 8 << 20  # a timed call repeats the round trip until it moved this much
 
 
@@ -47,6 +58,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; --quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 128 (--quick: 16)")
     parser.add_argument("--batch-size", type=int, default=2, help="checkpoints per offload copy (default 2)")
+    parser.add_argument("--parts", type=_parts, default=PARTS, metavar="PART[,PART...]",
+                        help=f"what to run, comma-separated from {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--step-hidden", type=_positive, default=None,
+                        help="the step's GPT hidden size (default: --hidden's)")
+    parser.add_argument("--step-heads", type=_positive, default=8,
+                        help="the step's attention heads (default 8); must divide --step-hidden, and the ranks "
+                             "must divide it")
+    parser.add_argument("--step-layers", type=_positive, default=None, help="the step's GPT layers (default: --layers's)")
+    parser.add_argument("--step-seq-len", "--step-seq", dest="step_seq_len", type=_positive, default=None,
+                        help="the step's sequence length (default: --seq-len's)")
+    parser.add_argument("--step-batch", type=_positive, default=None,
+                        help="the step's sequences per step (default: --batch's)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PARTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {unknown or text!r}; choose from {', '.join(PARTS)}")
+    return tuple(p for p in PARTS if p in names)
+
+
+def check_args(args, world_size: int) -> Optional[str]:
+    """Why the step cannot be built with these options on `world_size` ranks (bench's main calls
+    it before any rank starts), or None."""
+    if "step" not in args.parts:
+        return None
+    hidden, heads = _step_shape(args)[0], args.step_heads
+    if hidden % heads:
+        return f"offload --step-heads {heads}: does not divide the step's hidden size {hidden}; pick a divisor"
+    if heads % world_size:
+        return (f"offload --step-heads {heads}: the {world_size} ranks split the heads (tensor parallel); "
+                f"pick a multiple of {world_size}")
+    return None
+
+
+def _step_shape(args) -> tuple[int, int, int, int]:
+    """(hidden, layers, batch, seq_len) of the step: --step-* where given, else the suite's sizes."""
+    quick = args.quick
+    hidden = args.step_hidden or args.hidden or (64 if quick else 512)
+    layers = args.step_layers or args.layers or (2 if quick else 4)
+    batch = args.step_batch or args.batch or (4 if quick else 8)
+    seq_len = args.step_seq_len or args.seq_len or (16 if quick else 128)
+    return hidden, layers, batch, seq_len
 
 
 def _round_trips(ctx, kib: int) -> list[dict]:
@@ -100,11 +162,24 @@ def _round_trips(ctx, kib: int) -> list[dict]:
     return records
 
 
+def device_peak(ctx, fn: Callable[[], object]) -> tuple[Optional[int], Optional[int]]:
+    """Run fn once; on CUDA return (bytes allocated on ctx.device before it, the peak allocated
+    while it ran: torch.cuda.max_memory_allocated after a reset), on a CPU (None, None)."""
+    if not ctx.is_cuda:
+        fn()
+        return None, None
+    torch.cuda.synchronize(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    before = torch.cuda.memory_allocated(ctx.device)
+    fn()
+    torch.cuda.synchronize(ctx.device)
+    return before, torch.cuda.max_memory_allocated(ctx.device)
+
+
 def _step(args, ctx) -> dict:
-    quick = args.quick
-    hidden, layers = args.hidden or (64 if quick else 512), args.layers or (2 if quick else 4)
-    batch, seq_len = args.batch or (4 if quick else 8), args.seq_len or (16 if quick else 128)
-    config = GPTConfig(vocab_size=64, seq_len=seq_len, hidden=hidden, heads=8, layers=layers)
+    hidden, layers, batch, seq_len = _step_shape(args)
+    heads = args.step_heads
+    config = GPTConfig(vocab_size=64, seq_len=seq_len, hidden=hidden, heads=heads, layers=layers)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
     targets = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
@@ -118,16 +193,28 @@ def _step(args, ctx) -> dict:
         raise AssertionError(f"offload bench: loss with offload {losses['on']} differs from {losses['off']}")
     timed = ctx.timer.measure(steps)
     memories = {name: CheckpointMemory() for name in steps}
+    before: dict[str, Optional[int]] = {}
+    peak: dict[str, Optional[int]] = {}
     for name, step in steps.items():
-        step(memory=memories[name])
+        before[name], peak[name] = device_peak(ctx, lambda step=step, name=name: step(memory=memories[name]))
+    if ctx.is_cuda:  # the figures of the rank that needs the most (every rank holds its shard)
+        names = list(steps)
+        reduced = ctx.timer.max_over_ranks(torch.tensor([float(before[n]) for n in names] +
+                                                        [float(peak[n]) for n in names], dtype=torch.float64))
+        before = {n: int(reduced[i]) for i, n in enumerate(names)}
+        peak = {n: int(reduced[len(names) + i]) for i, n in enumerate(names)}
     stats = offloader.stats
     record = {"kind": "step", "schedule": "oases", "offload_batch": args.batch_size,
-              "config": {"hidden": hidden, "layers": layers, "heads": 8, "batch": batch, "seq_len": seq_len,
+              "config": {"hidden": hidden, "layers": layers, "heads": heads, "batch": batch, "seq_len": seq_len,
                          "tp": ctx.world_size},
               "t_step": {name: t.median for name, t in timed.items()},
               "t_step_min": {name: t.min for name, t in timed.items()},
               "ratio_on_off": timed["on"].median / timed["off"].median,
               "peak_resident_bytes": {name: m.peak for name, m in memories.items()},
+              "peak_device_bytes": peak,
+              "device_bytes_before_step": before,
+              "step_device_bytes": {n: None if peak[n] is None else peak[n] - before[n] for n in peak},
+              "peak_device_ratio_on_off": None if peak["off"] is None else peak["on"] / peak["off"],
               "checkpoints": stats.checkpoints, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
               "bytes_out": stats.bytes_out, "slab_bytes": offloader.slab.capacity, "loss": float(losses["off"]),
               "copy_path": offloader.engine(ctx.device).path}
@@ -185,10 +272,14 @@ def _aiao(args, ctx) -> dict:
 
 
 def run(args, ctx) -> list[dict]:
-    kib = args.tensor_kib or (16 if args.quick else 64)
-    records = _round_trips(ctx, kib)
-    records.append(_step(args, ctx))
-    records.append(_aiao(args, ctx))
+    parts = getattr(args, "parts", PARTS)
+    records = []
+    if "copies" in parts:
+        records += _round_trips(ctx, args.tensor_kib or (16 if args.quick else 64))
+    if "step" in parts:
+        records.append(_step(args, ctx))
+    if "aiao" in parts:
+        records.append(_aiao(args, ctx))
     memory = "separate" if ctx.is_cuda else "the same RAM"
     for r in records:
         r["device"], r["host_and_device_memory"] = ctx.device.type, memory
@@ -196,9 +287,22 @@ def run(args, ctx) -> list[dict]:
 
 
 def tables(records: list[dict]) -> list[Table]:
+    """The tables of the parts that ran (copies, step, aiao)."""
     copies = [r for r in records if r["kind"] == "copy"]
-    step = next(r for r in records if r["kind"] == "step")
-    same_ram = step["host_and_device_memory"] == "the same RAM"
+    step = next((r for r in records if r["kind"] == "step"), None)
+    aiao = next((r for r in records if r["kind"] == "aiao"), None)
+    out = []
+    if copies:
+        out.append(_copy_table(copies))
+    if step is not None:
+        out.append(_step_table(step))
+    if aiao is not None:
+        out.append(_aiao_table(aiao))
+    return out
+
+
+def _copy_table(copies: list[dict]) -> Table:
+    same_ram = copies[0]["host_and_device_memory"] == "the same RAM"
     rows = [[r["tensors"], *(r["gb_per_s"][c] for c in COPIERS),
              r["t_round_trip"]["to"] / r["t_round_trip"]["ours"],
              r["t_round_trip"]["to"] / r["t_round_trip"]["ours_inline"]] for r in copies]
@@ -209,11 +313,20 @@ def tables(records: list[dict]) -> list[Table]:
         copy_notes += ["CPU: device and host are the same RAM. save_on_cpu copies nothing here (tensor.cpu() of a "
                        "CPU tensor is the tensor itself): its figure is the hooks' overhead, not a copy",
                        "both ranks copy at once on the shared cores and memory bus"]
+    return Table(f"offload: round trips of n tensors of {kib} KiB (GB/s)",
+                 ["tensors", *COPIERS, "x to", "x to (inline)"], rows, copy_notes)
+
+
+def _step_table(step: dict) -> Table:
+    same_ram = step["host_and_device_memory"] == "the same RAM"
     c = step["config"]
     off, on = step["t_step"]["off"], step["t_step"]["on"]
     mib = {k: v / 2**20 for k, v in step["peak_resident_bytes"].items()}
-    step_rows = [["off", 1e3 * off, None, mib["off"], None, None],
-                 ["on", 1e3 * on, step["ratio_on_off"], mib["on"], step["copies_out"], step["copies_in"]]]
+    peaks = step.get("peak_device_bytes") or {"off": None, "on": None}
+    gib = {k: None if v is None else v / 2**30 for k, v in peaks.items()}
+    step_rows = [["off", 1e3 * off, None, mib["off"], gib["off"], None, None, None],
+                 ["on", 1e3 * on, step["ratio_on_off"], mib["on"], gib["on"], step.get("peak_device_ratio_on_off"),
+                  step["copies_out"], step["copies_in"]]]
     step_notes = [f"{step['checkpoints']} sublayer inputs per step (2 sub-batches), {step['offload_batch']} per copy; "
                   f"slab {step['slab_bytes'] / 2**20:.2f} MiB (sized by the profiling step); copy path "
                   f"{step['copy_path']}",
@@ -222,7 +335,16 @@ def tables(records: list[dict]) -> list[Table]:
     if same_ram:
         step_notes.append("CPU: offloading frees no memory here (same RAM); t_step(on) pays the memcpy and the copy "
                           "thread on the cores that compute; on a GPU the copies run on the DMA engines")
-    aiao = next(r for r in records if r["kind"] == "aiao")
+    else:
+        step_notes.append("peak GiB = torch.cuda.max_memory_allocated during one step (reset before each variant; "
+                          "both variants' models and gradients resident, MAX over ranks); peak on / off = their ratio")
+    return Table(f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c.get('heads', 8)} heads, "
+                 f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}",
+                 ["offload", "t_step ms", "on / off", "ckpt MiB", "peak GiB", "peak on / off", "copies out",
+                  "copies in"], step_rows, step_notes)
+
+
+def _aiao_table(aiao: dict) -> Table:
     a = aiao["config"]
     act = aiao["action_bytes"]
     aiao_rows = [[name, 1e3 * aiao["t_step"][name], aiao["ratio_on_off"] if name == "on" else None,
@@ -234,16 +356,9 @@ def tables(records: list[dict]) -> list[Table]:
                   f"{aiao['micro_batches'] * aiao['segments']}",
                   f"copies per step (on): {aiao['copies_out']} out, {aiao['copies_in']} in; same loss "
                   f"{aiao['loss']:.6f} both ways"]
-    return [
-        Table(f"offload: round trips of n tensors of {kib} KiB (GB/s)",
-              ["tensors", *COPIERS, "x to", "x to (inline)"], rows, copy_notes),
-        Table(f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c['layers']} layers, "
-              f"batch {c['batch']} x {c['seq_len']}",
-              ["offload", "t_step ms", "on / off", "ckpt MiB", "copies out", "copies in"], step_rows, step_notes),
-        Table(f"offload: AIAO pipeline, PP{aiao['pp']}, m = {aiao['micro_batches']}, ns = {aiao['segments']}, "
-              f"hidden {a['hidden']}, {a['layers']} layers, batch {a['batch']} x {a['seq_len']}",
-              ["offload", "t_iter ms", "on / off", "ckpt MiB", "actions"], aiao_rows, aiao_notes),
-    ]
+    return Table(f"offload: AIAO pipeline, PP{aiao['pp']}, m = {aiao['micro_batches']}, ns = {aiao['segments']}, "
+                 f"hidden {a['hidden']}, {a['layers']} layers, batch {a['batch']} x {a['seq_len']}",
+                 ["offload", "t_iter ms", "on / off", "ckpt MiB", "actions"], aiao_rows, aiao_notes)
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
@@ -253,7 +368,9 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     import matplotlib.pyplot as plt
 
     copies = [r for r in records if r["kind"] == "copy"]
-    step = next(r for r in records if r["kind"] == "step")
+    step = next((r for r in records if r["kind"] == "step"), None)
+    if not copies or step is None:  # the figure shows both parts side by side
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     counts = [r["tensors"] for r in copies]
     for name in COPIERS:

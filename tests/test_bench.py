@@ -1,6 +1,8 @@
 """The benchmark suite end to end: `python -m bench primitives --quick --nproc 2 --out TMP`, and
 `layers --quick` on both models (`--model gpt`, `--model llama`), `pipeline --quick` on 4 ranks,
-`offload --quick` and `memory --quick`.
+`offload --quick` and `memory --quick`; `profile --quick` on one rank with an assumed link, read
+back by the planner, and `offload --parts step` on one rank; `--device` (auto, cpu, cuda): which
+runs are refused before any rank starts, and what reaches the ranks.
 
 `primitives` is the real command (re-launched on 2 gloo ranks through oases-launch by the bench
 itself); the other suites run the same command line on the harness's ranks, each rank started as
@@ -47,6 +49,15 @@ def _document(suite, out):
         return json.load(f)
 
 
+def _device_options(nproc):
+    """--device cpu where this machine has fewer GPUs than the ranks (NCCL cannot run two ranks on
+    one GPU: --device auto is refused there); nothing (auto) elsewhere."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ["--device", "cpu"] if 0 < gpus < nproc else []
+
+
 def _run_suite(suite, out, *options):
     """Run `python -m bench SUITE --quick [OPTIONS]` (it re-launches itself on 2 ranks through
     oases-launch); return (document, stdout, out dir)."""
@@ -54,7 +65,8 @@ def _run_suite(suite, out, *options):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
            and not k.startswith("OASES_")}
     done = subprocess.run(
-        [sys.executable, "-m", "bench", suite, "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out), *options],
+        [sys.executable, "-m", "bench", suite, "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out),
+         *_device_options(WORLD_SIZE), *options],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
     )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
@@ -79,7 +91,7 @@ def _bench_rank(rank, world_size, argv):
 def _run_suite_on_ranks(suite, out, *options, nproc=WORLD_SIZE):
     """The ranks of `python -m bench SUITE --quick --nproc NPROC [OPTIONS]` on the harness (not
     re-launched: that path is the primitives run's); return (document, every rank's stdout, out dir)."""
-    argv = [suite, "--quick", "--nproc", str(nproc), "--out", str(out), *options]
+    argv = [suite, "--quick", "--nproc", str(nproc), "--out", str(out), *_device_options(nproc), *options]
     results = run_ranks(_bench_rank, nproc, argv, timeout=150)
     assert [code for code, _ in results] == [0] * nproc, results
     return _document(suite, out), "".join(printed for _, printed in results), out
@@ -485,3 +497,214 @@ def test_memory_suite(tmp_path):
     with open(doc["files"]["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert not [name for name in os.listdir(out) if name.startswith(".memory-")]
+
+
+def _no_launch_env(monkeypatch):
+    """bench's main as the launching parent: no launch environment."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_device_refusal():
+    """--device against the GPUs torch sees: cpu always runs; cuda needs a GPU per rank (NCCL
+    cannot run two ranks on one GPU), and so does auto where a GPU is visible."""
+    from bench.__main__ import device_refusal
+
+    assert device_refusal("cpu", 16, 1, 1) is None and device_refusal("cpu", 4, 2, 0) is None
+    assert device_refusal("auto", 4, 2, 0) is None  # no GPU: gloo on the CPU, as always
+    assert device_refusal("cuda", 1, 1, 1) is None and device_refusal("auto", 2, 1, 2) is None
+    no_gpu = device_refusal("cuda", 1, 1, 0)
+    assert "no GPU" in no_gpu and "--device cpu" in no_gpu
+    for device in ("cuda", "auto"):
+        shared = device_refusal(device, 2, 1, 1)
+        assert "NCCL cannot run two ranks on one GPU" in shared, shared
+        assert "--nproc 1 or fewer" in shared and "--device cpu" in shared, shared
+    assert "--hosts 2" in device_refusal("cuda", 2, 2, 2)
+    with pytest.raises(ValueError, match="device: expected one of auto, cpu, cuda"):
+        device_refusal("tpu", 1, 1, 0)
+
+
+def test_choose_device_on_cpu():
+    """bench._context.choose_device: cpu is gloo on the CPU; auto follows torch; cuda without a GPU
+    is a ValueError that names the fix."""
+    import torch
+
+    from bench._context import choose_device
+
+    assert choose_device("cpu", 3) == (torch.device("cpu"), "gloo")
+    if torch.cuda.is_available():
+        assert choose_device("auto", 0) == (torch.device("cuda", 0), "nccl")
+        return
+    assert choose_device("auto", 0) == (torch.device("cpu"), "gloo")
+    with pytest.raises(ValueError, match="--device cuda: torch sees no GPU.*--device cpu"):
+        choose_device("cuda", 0)
+
+
+def test_device_cuda_refused_without_gpu(tmp_path, monkeypatch, capfd):
+    """`--device cuda` on a machine without a GPU: refused by the launching process, exit 2,
+    nothing started or written."""
+    import torch
+
+    from bench.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    _no_launch_env(monkeypatch)
+    with pytest.raises(SystemExit) as exit:
+        main(["primitives", "--device", "cuda", "--quick", "--out", str(tmp_path / "o")])
+    err = capfd.readouterr().err
+    assert exit.value.code == 2 and "--device cuda: torch sees no GPU" in err and "--device cpu" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_device_cpu_reaches_the_ranks(tmp_path, monkeypatch):
+    """--device cpu: the launcher gets the same arguments (--device cpu for every rank) and an
+    environment with no GPU visible (CUDA_VISIBLE_DEVICES empty); auto leaves the GPUs alone."""
+    import bench.__main__ as bench_main
+
+    _no_launch_env(monkeypatch)
+    launched = []
+
+    class _Started:
+        def __init__(self, command, env):
+            launched.append((command, env))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(bench_main.subprocess, "Popen", _Started)
+    argv = ["offload", "--device", "cpu", "--nproc", "4", "--quick", "--out", str(tmp_path)]
+    assert bench_main.main(argv) == 0
+    command, env = launched[-1]
+    assert command[-len(argv):] == argv and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert command[command.index("--nproc") + 1] == "4"
+    auto = ["offload", "--nproc", "1", "--quick", "--out", str(tmp_path)]
+    if bench_main._device_refusal(bench_main._parser()[0].parse_args(auto)) is None:
+        assert bench_main.main(auto) == 0
+        visible = launched[-1][1].get("CUDA_VISIBLE_DEVICES")
+        assert visible == os.environ.get("CUDA_VISIBLE_DEVICES")  # auto: as the caller has it
+
+
+def test_profile_one_rank_needs_an_assumed_link(tmp_path, monkeypatch, capfd):
+    """profile --nproc 1 without --assume-link, or --assume-link on 2 ranks, or a latency without
+    a unit: refused before any rank starts, with the fix in the message."""
+    from bench.__main__ import main
+
+    _no_launch_env(monkeypatch)
+    cases = [(["--nproc", "1"], "pass --assume-link RATE[,LATENCY]"),
+             (["--nproc", "2", "--assume-link", "1gbit"], "only for one rank (--nproc 1)"),
+             (["--nproc", "1", "--assume-link", "10gbit,50"], "expected a number with a unit s, ms, us or ns")]
+    for options, message in cases:
+        with pytest.raises(SystemExit) as exit:
+            main(["profile", "--device", "cpu", "--quick", "--out", str(tmp_path / "o"), *options])
+        err = capfd.readouterr().err
+        assert exit.value.code == 2 and message in err, (options, err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_profile_one_rank_with_assumed_link_plans(tmp_path):
+    """`python -m bench profile --device cpu --nproc 1 --quick --assume-link 10gbit,50us` (on the
+    harness's one rank): compute, head and memory measured, the overlap skipped, the link stated
+    and marked assumed; the planner loads the profile (collectives by its ring formulas from that
+    link) and `oases plan` plans Llama-7B on 16 devices with it."""
+    from oases.planner import load_profile
+    from oases.planner.cli import main as oases_main
+
+    path = tmp_path / "p.json"
+    doc, stdout, _ = _run_suite_on_ranks("profile", tmp_path, "--device", "cpu", "--assume-link", "10gbit,50us",
+                                         "--profile-out", str(path), nproc=1)
+    assert doc["world_size"] == 1 and doc["device"]["type"] == "cpu" and doc["device"]["requested"] == "cpu"
+    assert "p2p (assumed)" in stdout and "not measured: overlap" in stdout
+    with open(path) as f:
+        profile = json.load(f)
+    assert profile["world_size"] == 1 and profile["element_bytes"] == 4 and profile["dtype"] == "float32"
+    assert profile["compute"] and profile["head"] and profile["memory"]
+    assert all(_is_time(c["forward_s"]) for c in profile["compute"])
+    assert profile["overlap"] is None and profile["overlap_efficiency"] == 1.0
+    assert set(profile["skipped"]) == {"collectives", "overlap"}
+    link = profile["assumed"]["link"]
+    assert link["bytes_per_s"] == 1.25e9 and link["latency_s"] == pytest.approx(50e-6)
+    fit = profile["collectives"]["p2p"]["2"]
+    assert fit["assumed"] is True and fit["samples"] == [] and fit["bytes_per_s"] == 1.25e9
+    assert profile["collectives"]["all_reduce"] == {} and profile["collectives"]["all_gather"] == {}
+
+    loaded = load_profile(str(path))
+    assert loaded.link_bytes_per_s == 1.25e9 and loaded.latency_s == pytest.approx(50e-6)
+    n = 2**20
+    assert loaded.collective_time("p2p", 2, n) == pytest.approx(50e-6 + n / 1.25e9)
+    assert loaded.collective_time("all_reduce", 4, n) == pytest.approx(2 * 3 * 50e-6 + 2 * 3 / 4 * n / 1.25e9)
+    plan_path = tmp_path / "plan.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = oases_main(["plan", "--model", "llama-7b", "--world", "16", "--device-memory", "80GB",
+                           "--profile", str(path), "--out", str(plan_path)])
+    assert code == 0 and "predicted step" in printed.getvalue()
+    with open(plan_path) as f:
+        plan = json.load(f)
+    assert plan
+
+
+def test_profile_memory_in_dtype():
+    """The memory section counts a layer's parameters and a row's input in --dtype (the modules
+    built on the meta device)."""
+    import torch
+
+    from bench.profile import measure_memory
+    from oases.models import GPTConfig
+
+    config = GPTConfig(vocab_size=64, seq_len=16, hidden=64, heads=8, layers=1)
+    fp32, bf16 = measure_memory(config, [1, 2]), measure_memory(config, [1, 2], torch.bfloat16)
+    h, f = 64, 256
+    params = (h * 3 * h + 3 * h + h * h + h + 2 * h) + (h * f + f + f * h + h + 2 * h)  # attention + MLP, norms
+    assert fp32[0]["layer_param_bytes"] == 4 * params and bf16[0]["layer_param_bytes"] == 2 * params
+    assert fp32[0]["input_bytes_per_row"] == 16 * 64 * 4 and bf16[0]["input_bytes_per_row"] == 16 * 64 * 2
+    assert fp32[1]["layer_param_bytes"] < fp32[0]["layer_param_bytes"]
+
+
+def test_offload_step_on_one_rank(tmp_path):
+    """`offload --parts step` on one rank with the --step-* sizes: the step alone, sized as asked,
+    the same loss with offload on and off; on a CPU no device peak memory (None)."""
+    doc, stdout, _ = _run_suite_on_ranks(
+        "offload", tmp_path, "--device", "cpu", "--parts", "step", "--step-hidden", "96", "--step-heads", "4",
+        "--step-layers", "3", "--step-seq", "24", "--step-batch", "4", nproc=1)
+    assert [r["kind"] for r in doc["cases"]] == ["step"]
+    assert "offload: GPT oases schedule, TP 1, hidden 96, 4 heads, 3 layers, batch 4 x 24" in stdout
+    assert "round trips" not in stdout and "AIAO" not in stdout
+    step = doc["cases"][0]
+    assert step["config"] == {"hidden": 96, "layers": 3, "heads": 4, "batch": 4, "seq_len": 24, "tp": 1}
+    assert _is_time(step["t_step"]["off"]) and _is_time(step["t_step"]["on"])
+    assert step["copies_out"] == step["copies_in"] > 0
+    assert step["peak_device_bytes"] == {"off": None, "on": None} and step["peak_device_ratio_on_off"] is None
+    assert step["step_device_bytes"] == {"off": None, "on": None}
+    assert doc["files"]["png"] is None  # the figure needs the copies too
+
+
+def test_offload_step_options_checked(tmp_path, monkeypatch, capfd):
+    """The step's heads must divide its hidden size and split over the ranks; unknown parts are
+    refused; all before any rank starts."""
+    from bench.__main__ import main
+
+    _no_launch_env(monkeypatch)
+    cases = [(["--nproc", "1", "--step-hidden", "96", "--step-heads", "5"], "does not divide the step's hidden"),
+             (["--nproc", "2", "--step-heads", "3", "--step-hidden", "96"], "pick a multiple of 2"),
+             (["--parts", "step,nope"], "unknown part(s) ['nope']")]
+    for options, message in cases:
+        with pytest.raises(SystemExit) as exit:
+            main(["offload", "--device", "cpu", "--quick", "--out", str(tmp_path / "o"), *options])
+        err = capfd.readouterr().err
+        assert exit.value.code == 2 and message in err, (options, err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_parse_assume_link():
+    """--assume-link RATE[,LATENCY]: the rate as --bandwidth reads it (tc syntax), the latency
+    with its unit (30us when left out); anything else a ValueError naming the option."""
+    from bench.profile import parse_assume_link, parse_latency
+
+    link = parse_assume_link("25gbit,20us")
+    assert link["bytes_per_s"] == 25e9 / 8 and link["latency_s"] == pytest.approx(20e-6)
+    assert parse_assume_link("750mbit")["latency_s"] == pytest.approx(30e-6)
+    assert [parse_latency(t) for t in ("0.5ms", "1e-5s", "800ns", "2 us")] == pytest.approx([5e-4, 1e-5, 8e-7, 2e-6])
+    for bad in ("25gbit,20", "fast,20us", "25gbit,20us,1", ",20us"):
+        with pytest.raises(ValueError, match="--assume-link"):
+            parse_assume_link(bad)
