@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo demo-gpt test test-oldest-transformers bench clean cuda-build gpu-check
+.PHONY: setup demo demo-gpt test test-oldest-transformers bench clean cuda-build gpu-check gpu-check-local
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ cuda-build:
 # per GPU type (bench/gpu_check.py). Without a GPU: a message and exit code 2.
 gpu-check:
 	$(PYTHON) -m bench all --device cuda
+
+# The same check on a one-GPU machine without a package registry, with the interpreter's own
+# packages (python3's torch, triton, transformers, pytest): .ci/gpu_local.sh says what it runs.
+gpu-check-local:
+	bash .ci/gpu_local.sh
 
 clean:
 	rm -rf $(VENV) .venv-tf-oldest build *.egg-info python_api/*.egg-info python_api/oases/_C*.so
