@@ -271,23 +271,3 @@ def _check_bad_inputs(rank, p):
 
 def test_bad_inputs_raise_on_every_rank_before_communicating():
     run_ranks(_check_bad_inputs, 2)
-
-
-def _check_kernel_path(rank, p):
-    """The CUDA path's Triton GEMM (linear_into for each gathered piece; main_grad is covered in
-    test_gpu_path.py), forced on CPU tensors under TRITON_INTERPRET, against the single-process model."""
-    from oases.ops import _gemm
-
-    _gemm._use_triton = lambda x: True
-    cases = 0
-    for op in ("all_gather_linear", "linear_reduce_scatter"):
-        for chunks, dtype, bidirectional in ((1, torch.float32, False), (2, torch.float32, True),
-                                             (2, torch.bfloat16, False)):
-            _check_case(op, rank, p, 0, chunks, dtype, True, bidirectional, seed=300 + chunks)
-            cases += 1
-    return cases
-
-
-@pytest.mark.skipif(harness_device() != "cpu", reason="forces Triton on CPU tensors: the interpreter only")
-def test_kernel_path_matches_single_process():
-    assert run_ranks(_check_kernel_path, 2, timeout=120) == [6, 6]

@@ -3,12 +3,12 @@
 Paths are chosen by named predicates only. On CUDA, Triton runs only where it fuses something
 cuBLAS does not do in one call; every other GEMM is cuBLAS (torch.mm / torch.addmm with out=):
 
-  linear_into_gathered   all_gather_linear's forward: each arriving piece's rows of y
-      _use_triton(x)       CUDA fp32/fp16/bf16 with Triton importable: oases_kernels.linear_into
-                           stores the tiles straight into the slice of the gathered output, bias
-                           added in the epilogue
-      otherwise            linear_into
-  linear_into            torch.addmm / torch.mm into the output slice (cuBLAS on CUDA)
+  linear_into            torch.addmm / torch.mm into the output slice (cuBLAS on CUDA): also
+                         all_gather_linear's forward, each arriving piece into its rows of y.
+                         (oases_kernels.linear_into, which stores the tiles into the slice from
+                         Triton, ran at 0.63-0.69x cuBLAS's speed on an H200 with bf16 Llama-7B
+                         shapes, and cuBLAS writes a row slice as fast as a whole tensor: see
+                         bench/cuda_micro.py and docs/results/.)
       _needs_row_padding(x) CPU BLAS (MKL) takes a different kernel below 16 rows, whose results
                             differ in the last bit; such pieces are computed padded to 16 rows so
                             a row's result never depends on how the rows were chunked.
@@ -64,18 +64,6 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         torch.mm(x, weight.t(), out=out)
     else:
         torch.addmm(bias, x, weight.t(), out=out)
-
-
-def linear_into_gathered(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor
-) -> None:
-    """linear_into for a piece of a gathered input: Triton stores into the slice on CUDA."""
-    if _use_triton(x):
-        import oases_kernels
-
-        oases_kernels.linear_into(x, weight, out, 0, bias)
-    else:
-        linear_into(x, weight, bias, out)
 
 
 def rows2d(t: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ bwd: dual: grad_x is a pipelined ring reduce-scatter of grad_y @ W. If W needs a
      weight-gradient GEMM while both rings travel. Without a gradient for W there is no
      re-gather; without one for x, the re-gather alone, each piece's weight-gradient GEMM run
      while the next piece travels.
-On CUDA the forward's per-piece GEMM is Triton (oases_kernels.linear_into: tiles stored straight
-into the piece's slice of y, bias in the epilogue); backward's GEMMs are cuBLAS. The rings run on
+On CUDA every GEMM is cuBLAS, the forward's each into its piece's slice of y (Triton's
+slice-writing kernel was slower on an H200: oases.ops._gemm). The rings run on
 Oases' comm stream (oases.comm.ring): the compute stream waits only for the piece it reads next.
 
     forward, p=2, chunks=1 (rank 0):
@@ -49,7 +49,7 @@ class _AllGatherLinear(torch.autograd.Function):
         gathered = shard.new_empty((ring.size * n, *shard.shape[1:]))  # [p n, ..., k]
         y = shard.new_empty((ring.size * n, *shard.shape[1:-1], weight.shape[0]))  # [p n, ..., o]
         for rows in _all_gather_rows(shard, gathered, ring, chunks, bidirectional):
-            _gemm.linear_into_gathered(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
+            _gemm.linear_into(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
         # Only the weight gradient reads x: keep this rank's shard (the input itself), re-gathered
         # in backward; the gathered copy dies here.
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
