@@ -269,3 +269,28 @@ def test_quick_run_on_gpu(tmp_path):
         assert row["err_triton"] < 2e-2 and row["ratio"] > 0
     assert (out / cm.MD_NAME).read_text().startswith("# cuda_micro")
     assert "== summary" in done.stdout
+
+
+# --- bench.cuda_plots: the PNGs of a results file (no GPU) ------------------------------------------
+
+def test_plots_of_the_committed_h200_results(tmp_path):
+    """Every plot renders from the results committed under docs/results/gpu (and a section that
+    failed or is missing is skipped, not an error)."""
+    import glob
+    import json
+
+    from bench import cuda_plots
+
+    files = sorted(glob.glob(os.path.join(REPO, "docs", "results", "gpu", "*", "cuda_micro.json")))
+    assert files, "no committed GPU results"
+    assert cuda_plots.main([files[0], "--out", str(tmp_path)]) == 0
+    for name in cuda_plots.PLOTS:
+        with open(tmp_path / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n", name
+    with open(files[0]) as f:
+        results = json.load(f)
+    results["sections"]["chunked_gemm"]["error"] = "boom"
+    del results["sections"]["batched_copies"]
+    assert not cuda_plots.plot_chunked_gemm(results, str(tmp_path / "x.png"))
+    assert not cuda_plots.plot_batched_copies(results, str(tmp_path / "y.png"))
+    assert cuda_plots.plot_triton_vs_cublas(results, str(tmp_path / "z.png"))
