@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from oases import env as env_command
 from oases.planner.model import PRESETS, load_model
 from oases.planner.profile import analytical_profile, load_profile
 from oases.planner.search import Plan, plan
@@ -97,7 +98,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--flops", type=float, default=100e12,
                    help="device FLOP/s for the analytical model without --profile (default 1e14)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
+    e = sub.add_parser("env", help="print versions, build, GPUs and link shaping for a bug report "
+                       "(--probe-link: measure the link inside a launch)", description=env_command.DESCRIPTION)
+    env_command.add_arguments(e)
     args = parser.parse_args(argv)
+    if args.command == "env":
+        return env_command.run(args)
     try:
         _check_out(args.out)
         shape = load_model(args.model, seq_len=args.seq_len)

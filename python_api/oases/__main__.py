@@ -1,0 +1,4 @@
+"""`python -m oases COMMAND ...`: the `oases` command line (`oases plan`, `oases env`)."""
+from oases.planner.cli import main
+
+raise SystemExit(main())
