@@ -205,8 +205,13 @@ _HF_IMPL = ('LlamaForCausalLM.from_pretrained(dir, attn_implementation="sdpa", '
             'distributed_config=DistributedConfig(tp_plan="auto", tp_size=p)).train()')
 
 
-def hf_tp_unavailable() -> Optional[str]:
-    """Why transformers' native tensor parallelism cannot run here, or None when it can."""
+def hf_tp_unavailable(device: Optional[torch.device] = None) -> Optional[str]:
+    """Why transformers' native tensor parallelism cannot run here on `device` (the bench's; None:
+    any), or None when it can. transformers puts its TP mesh on the accelerator torch reports, so
+    a CPU run on a machine with a visible GPU cannot hold the peer beside the other variants."""
+    if device is not None and device.type == "cpu" and torch.cuda.is_available():
+        return ("transformers places its TP mesh on the visible GPU while this run is on the CPU; from the "
+                "command line, --device cpu hides the GPUs from the ranks (CUDA_VISIBLE_DEVICES=\"\")")
     try:
         from transformers import LlamaForCausalLM
         from transformers.distributed import DistributedConfig  # noqa: F401

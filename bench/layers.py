@@ -244,7 +244,7 @@ def _llama_case(args, ctx) -> _Case:
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     peers = {name: _llama.torch_tp(name, reference, mesh) for name in _llama.PLANS}
-    hf_reason = _llama.hf_tp_unavailable()
+    hf_reason = _llama.hf_tp_unavailable(ctx.device)
     if not agree(hf_reason is None, ctx.device):
         hf_reason = hf_reason or "unavailable on another rank"
         if ctx.rank == 0:

@@ -708,3 +708,18 @@ def test_parse_assume_link():
     for bad in ("25gbit,20", "fast,20us", "25gbit,20us,1", ",20us"):
         with pytest.raises(ValueError, match="--assume-link"):
             parse_assume_link(bad)
+
+
+def test_hf_tp_peer_skipped_on_cpu_where_a_gpu_is_visible(monkeypatch):
+    """transformers puts its TP mesh on a visible GPU: a CPU run there skips the peer, saying why
+    (on the H200 machine the CPU harness's bench layers test failed on it)."""
+    import torch
+
+    from bench import _llama
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    reason = _llama.hf_tp_unavailable(torch.device("cpu"))
+    assert reason and "--device cpu hides the GPUs" in reason
+    assert _llama.hf_tp_unavailable(torch.device("cuda", 0)) == _llama.hf_tp_unavailable()  # a GPU run keeps it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _llama.hf_tp_unavailable(torch.device("cpu")) == _llama.hf_tp_unavailable()
