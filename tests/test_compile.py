@@ -44,9 +44,11 @@ def _compiled(rank, world):
     for (name, p), q in zip(compiled._orig_mod.named_parameters(), eager.parameters()):
         assert torch.equal(p.grad, q.grad), name
     # each communicating op is a graph break of its own (torch.compiler.disable), not one per ring
-    # step or per host sync inside it: 16 on this one-layer model (28 before; 17 with two layers)
+    # step or per host sync inside it: 16 on this one-layer model with torch 2.13 (28 before; 17
+    # with two layers), 17 with torch 2.11 (its dynamo breaks once more; seen on the H200 machine)
     breaks = torch._dynamo.explain(eager)(input_ids=ids).graph_break_count
-    assert breaks <= 16, breaks
+    most = 16 if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13) else 17
+    assert breaks <= most, (breaks, torch.__version__)
 
 
 def test_parallelize_and_train_step_take_a_compiled_model():
