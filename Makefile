@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo demo-gpt test test-oldest-transformers bench clean cuda-build gpu-check gpu-check-local
+.PHONY: setup demo demo-gpt test test-oldest-transformers test-packaging bench clean cuda-build gpu-check gpu-check-local
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 # The Hugging Face-facing tests on the oldest supported transformers (5.0.0), in .venv-tf-oldest.
 test-oldest-transformers: $(STAMP)
 	bash .ci/oldest_transformers.sh
+
+# `pip install --no-build-isolation .` (not editable) from a clean copy, imported from there: a
+# second build of the extension, so it is kept out of `make test`; CI runs it.
+test-packaging: $(STAMP)
+	OASES_TEST_PACKAGING=1 $(PY) -m pytest -q tests/test_packaging.py
 
 bench: $(STAMP)
 	$(PY) -m bench primitives

@@ -2,13 +2,46 @@
 (oases_kernels) and the optional compiled extension `oases._C` (csrc/).
 
 The extension is a CPU `CppExtension` when torch has no CUDA and a `CUDAExtension` (adding
-csrc/cuda/*.cu) when it has; OASES_BUILD_CUDA=0|1 forces the choice. Build without isolation
-(`pip install --no-build-isolation -e .`): torch must be importable while building.
+csrc/cuda/*.cu) when it has; OASES_BUILD_CUDA=0|1 forces the choice.
+
+Install into an environment that already has torch, without build isolation:
+
+    pip install --no-build-isolation .        # or -e . for development
+
+`oases._C` is compiled against the torch it is built with and must be loaded beside that same
+torch, so the build uses the installed one; pyproject.toml explains why torch is not a build
+requirement. The version is written once, in python_api/oases/__init__.py, and read from there.
 """
 import glob
 import os
+import re
 
 from setuptools import find_packages, setup
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+_NO_TORCH = """
+Oases could not be built: `import torch` failed while building ({err}).
+
+oases._C is compiled against torch and must run beside the same torch, so the build uses the
+torch already installed in your environment instead of fetching one. Install torch first
+(https://pytorch.org/get-started/locally/), then build without isolation:
+
+    pip install torch
+    pip install --no-build-isolation .        # or: pip install --no-build-isolation -e .
+
+If torch is installed and you still see this, pip built in an isolated environment that hides it:
+add --no-build-isolation (a plain `pip install .` isolates the build).
+"""
+
+
+def _version() -> str:
+    # Parsed, not imported: importing oases imports torch and the whole package.
+    with open(os.path.join(_HERE, "python_api", "oases", "__init__.py"), encoding="utf-8") as f:
+        found = re.findall(r'^__version__ = "([^"]+)"[ \t]*(?:#.*)?$', f.read(), flags=re.M)
+    if len(found) != 1:
+        raise SystemExit(f"expected one __version__ line in python_api/oases/__init__.py, found {len(found)}")
+    return found[0]
 
 
 def _want_cuda() -> bool:
@@ -26,10 +59,8 @@ def _want_cuda() -> bool:
 def _extensions():
     try:
         from torch.utils import cpp_extension
-    except ImportError as err:  # build isolation hides torch: say how to build instead
-        raise SystemExit(
-            "building Oases needs torch importable: pip install --no-build-isolation -e ."
-        ) from err
+    except ImportError as err:  # torch not installed, or hidden by build isolation
+        raise SystemExit(_NO_TORCH.format(err=err)) from err
     sources = sorted(glob.glob("csrc/*.cpp"))
     args = {"cxx": ["-O3", "-std=c++17"]}
     if _want_cuda():
@@ -46,8 +77,10 @@ _ext_modules, _cmdclass = _extensions()
 
 setup(
     name="oases",
-    version="0.1.0",
+    version=_version(),
     description="Overlapped tensor-parallel training for commodity GPU servers",
+    license="MIT",
+    license_files=["LICENSE"],
     python_requires=">=3.10",
     package_dir={"oases": "python_api/oases", "oases_kernels": "oases_kernels"},
     packages=["oases"]

@@ -18,7 +18,7 @@ from oases.training import train_step
 from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from oases.pretrained import load_pretrained, save_pretrained
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the only place the version is written: setup.py parses this line
 __all__ = ["amp", "comm", "dp", "ops", "nn", "parallelize", "summary", "schedule", "models", "pipeline", "train_step", "__version__",
            "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint",
            "CheckpointState", "load_pretrained", "save_pretrained"]
