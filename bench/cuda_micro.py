@@ -5,7 +5,8 @@
 Single process, `cuda:0`; exits 2 (nothing measured) when torch.cuda.is_available() is False.
 Writes DIR/cuda_micro.json (GPU, versions, every section's tables and its error, if any) and
 DIR/cuda_micro.md (the tables), both rewritten after every section (and every case of the long
-ones), so a run cut short still leaves what it measured. Every section runs inside its own
+ones), so a run cut short still leaves what it measured; at the end, the PNG plots of
+bench.cuda_plots beside them. Every section runs inside its own
 try/except: a failure is recorded (traceback in the JSON) and the next section runs. Sections
 have soft time budgets (checked between cases; what was skipped is noted), and a watchdog
 (faulthandler) dumps every thread's stack and exits after --watchdog seconds, so nothing hangs.
@@ -1045,7 +1046,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = "FAILED: " + s.error.strip().splitlines()[-1] if s.error else "ok"
         print(f"  {s.name} ({s.seconds:.1f} s, {status}) {s.headline}", flush=True)
     print(f"wrote {os.path.join(report.out_dir, JSON_NAME)} and {MD_NAME}", flush=True)
+    _plot(report.out_dir)
     return 1 if any(s.error for s in report.sections) else 0
+
+
+def _plot(out_dir: str) -> None:
+    """The PNGs of bench.cuda_plots beside the JSON; a plotting failure is reported, not fatal."""
+    try:
+        from bench import cuda_plots
+
+        cuda_plots.main([os.path.join(out_dir, JSON_NAME), "--out", out_dir])
+    except Exception:
+        traceback.print_exc()
 
 
 if __name__ == "__main__":
