@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo demo-gpt test test-oldest-transformers test-packaging bench clean cuda-build gpu-check gpu-check-local
+.PHONY: setup demo demo-gpt test docs test-oldest-transformers test-packaging bench clean cuda-build gpu-check gpu-check-local
 
 setup: $(STAMP)
 
@@ -24,6 +24,18 @@ demo-gpt: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The API reference: Sphinx's autodoc over the public API's docstrings (docs/api), HTML into
+# build/docs. -W: any warning (a docstring that is not valid reStructuredText included) fails it;
+# -E: every page is read again, so warnings are never hidden by a previous build.
+DOCS_STAMP := $(VENV)/.oases-docs-installed
+
+$(DOCS_STAMP): requirements-docs.txt $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-docs.txt
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -E -b html docs/api build/docs
 
 # The Hugging Face-facing tests on the oldest supported transformers (5.0.0), in .venv-tf-oldest.
 test-oldest-transformers: $(STAMP)

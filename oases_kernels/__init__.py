@@ -1,5 +1,7 @@
 """Triton GEMM kernels for Oases' overlap schedules (fp32 accumulation, any strides).
 
+::
+
     linear_into(x, weight, out, row_offset, bias):  out[row_offset : row_offset + M] = x @ weight.T (+ bias)
     linear_accumulate(x, weight, acc, out):         out = x @ weight.T + acc
 """

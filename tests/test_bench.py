@@ -9,8 +9,8 @@ itself); the other suites run the same command line on the harness's ranks, each
 the launcher starts one (RANK, LOCAL_RANK, WORLD_SIZE set): no interpreter to start for the bench,
 the launcher and each rank (15-20 s a suite on 2 cores). Then checks of what each wrote: the
 JSON's schema, that every case carries every figure, that the derived figures follow from the
-measured ones, the PNG, and the Chrome trace. Never asserts speed (see README: overlap on a CPU
-machine). Plus the pure helpers of bench._metrics.
+measured ones, the PNG, and the Chrome trace. Never asserts speed (see docs/benchmarks.md: overlap
+on a CPU machine). Plus the pure helpers of bench._metrics.
 """
 import contextlib
 import glob

@@ -1,5 +1,7 @@
 """Oases: overlapped tensor-parallel training for commodity GPU servers.
 
+::
+
     oases.comm         ring all-gather / reduce-scatter / all-reduce from point-to-point ops
     oases.ops          fused, differentiable all_gather_linear / linear_reduce_scatter / linear_all_reduce
     oases.nn           ColumnParallelLinear / RowParallelLinear over those ops

@@ -2,7 +2,7 @@
 
 torch.amp.GradScaler checks the gradients a rank holds. After oases.parallelize each rank holds
 shards (and a pipeline stage only its layers), so an overflow in one rank's shard would make
-that rank skip the step while the others take it: the replicas of one model diverge. Here:
+that rank skip the step while the others take it: the replicas of one model diverge. Here::
 
     scaler.unscale_(optimizer):   grads /= scale;  found = any inf/NaN in this rank's grads
                                   found = max(found over `group`)      # one all_reduce, every rank
@@ -10,9 +10,9 @@ that rank skip the step while the others take it: the replicas of one model dive
     scaler.step(optimizer):       optimizer.step() unless found        # the same decision everywhere
     scaler.update():              scale *= backoff if found else (growth after growth_interval)
 
-Use it as torch.amp.GradScaler (scale / step / update; unscale_ before clipping). `group`: the
+Use it as torch.amp.GradScaler (scale / step / update; `unscale_` before clipping). `group`: the
 ranks that train one model together (default: the world, which covers TP, pipeline stages and
-dp replicas at once). Each call of step() (or unscale_) is a collective over `group`.
+dp replicas at once). Each call of step() (or `unscale_`) is a collective over `group`.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class GradScaler(torch.amp.GradScaler):
         self.unscale_together_([optimizer])
 
     def unscale_together_(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        """unscale_ each optimizer, then one verdict for all of them over `group` (one all_reduce):
+        """`unscale_` each optimizer, then one verdict for all of them over `group` (one all_reduce):
         the optimizers of one model's parts (a pipeline's segments) step or skip together, as the
         model's single optimizer would."""
         for optimizer in optimizers:

@@ -159,6 +159,8 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
                          strict: bool = True) -> tuple[list[str], list[str]]:
     """Load an unsharded state dict into `model` at its TP degree; return load_state_dict's result.
 
+    ::
+
         check keys (if strict) and every shape against the unsharded model   # ValueError, nothing copied
         for key, full in state_dict.items():
             sharded:    param.copy_(rule.shard(full, rank, p))    # rank, p of the module's group
@@ -196,6 +198,8 @@ _RNG = "oases.rng."  # oases.rng.<rank in the group>: that rank's RNG states
 @dataclass(frozen=True)
 class CheckpointState:
     """What `load_checkpoint` restored besides tensors, and which model keys did not match.
+
+    ::
 
         step, extra:      what save_checkpoint was given (None for a checkpoint of older Oases)
         path:             the checkpoint directory loaded (a root resolves to its newest step-*)
@@ -357,6 +361,8 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
                     extra: Any = None, keep: Optional[int] = None,
                     group: Optional[dist.ProcessGroup] = None) -> str:
     """Write model (and optimizer) state, step, `extra` and RNG states; return the directory published.
+
+    ::
 
         where = path if step is None else path/step-{step:09d}
         dcp.save({"model.<key>": each rank's shards as boxes of the unsharded tensor | replicated tensor,

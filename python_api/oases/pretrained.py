@@ -117,6 +117,8 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *,
                     strict: bool = True) -> tuple[list[str], list[str]]:
     """Load a Hugging Face safetensors checkpoint (unsharded) into `model` at its own TP degree.
 
+    ::
+
         stored = {key: (file, shape)} from the headers (index.json's weight_map, or the one file)
         check keys (if strict) and shapes against the UNSHARDED model       # ValueError, nothing copied
         for key, tensor in model.state_dict().items(), each tensor once:
@@ -130,7 +132,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *,
     (the same tensor under several keys) is read once, from whichever of its keys the file has.
 
     Args:
-        model: a model (plain or `oases.parallelize`d) whose parameters are allocated.
+        model: a model (plain or sharded by `oases.parallelize`) whose parameters are allocated.
         path: a directory written by `save_pretrained` (transformers' or `oases.save_pretrained`),
             or one .safetensors file.
         strict: if False, keys the files lack are left as they are and keys the model lacks are
@@ -327,6 +329,8 @@ def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shar
                     group: Optional[dist.ProcessGroup] = None) -> None:
     """Write `model`'s unsharded weights (and config) as a Hugging Face directory, streaming.
 
+    ::
+
         writer = rank 0 of `group`
         files = state-dict entries (each tensor once) in order, cut every max_shard_size bytes
         writer: config.json (+ generation_config.json); for each file: header, then
@@ -346,7 +350,7 @@ def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shar
     `load_pretrained` ignores and transformers cannot build; a model without `config` gets none.
 
     Args:
-        model: a model, plain or `oases.parallelize`d.
+        model: a model, plain or sharded by `oases.parallelize`.
         path: the directory to write (created if needed; must not be a file).
         max_shard_size: the largest weight file in bytes (a bigger tensor gets a file alone).
         group: the ranks that call it (default: the world); its rank 0 writes.

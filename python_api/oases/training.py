@@ -106,9 +106,12 @@ def train_step(
 ) -> torch.Tensor:
     """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
 
+    ::
+
         loss = sum over the batch of causal_lm_loss_sum(model(input_ids).logits, labels)
                / number of labels[:, 1:] != -100                  # Hugging Face's mean
         parameter .grad += d loss / d parameter                   # accumulated, as loss.backward()
+
     `schedule`: "megatron", "merak", "cross_pass" or "oases" (oases.schedule.SCHEDULES);
     `sub_batches`: how many interleaved parts the batch is split into (1..8; None: the
     schedule's own, 1 for megatron and 2 for the others). `sequence_parallel`: between sublayers

@@ -33,7 +33,10 @@ def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] =
               high_priority: bool = True) -> dist.ProcessGroup:
     """`torch.distributed.new_group(ranks, backend)`, with high-priority streams on NCCL.
 
+    ::
+
         group = oases.comm.new_group([0, 1, 2, 3])         # every rank calls it, like new_group
+
     Collective: every rank of the world must call it with the same arguments.
     """
     backend = backend or dist.get_backend()

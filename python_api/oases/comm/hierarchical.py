@@ -159,8 +159,11 @@ def hierarchical_reduce_scatter(t: torch.Tensor, hosts: HostGroups, *, dim: int 
     """ring_reduce_scatter(t, hosts.group, dim=dim) in two levels (see the module docstring).
     Dual: hierarchical_all_gather.
 
+    ::
+
         n = t.shape[dim] // P
         out = sum(t from every rank).narrow(dim, rank * n, n)          # to summation order
+
     t.shape[dim] must divide by P * chunks."""
     with torch.profiler.record_function("oases::hierarchical_reduce_scatter"):
         return _drain(hierarchical_reduce_scatter_steps(t, hosts, dim=dim, chunks=chunks, bidirectional=bidirectional))
@@ -171,7 +174,10 @@ def hierarchical_all_gather(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0,
     """ring_all_gather(t, hosts.group, dim=dim) in two levels, bit-for-bit the same result.
     Dual: hierarchical_reduce_scatter.
 
+    ::
+
         out = cat([t from rank 0, ..., t from rank P-1], dim)
+
     `chunks` must divide t.shape[dim]."""
     with torch.profiler.record_function("oases::hierarchical_all_gather"):
         return _drain(hierarchical_all_gather_steps(t, hosts, dim=dim, chunks=chunks, bidirectional=bidirectional))

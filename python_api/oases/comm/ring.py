@@ -201,7 +201,7 @@ def all_gather_steps(
     """ring_all_gather, one ring step at a time: yields after each piece with the next pieces in
     flight, and returns the result (`out = yield from all_gather_steps(t, group)`), so a caller
     (oases.schedule's programs) runs other work while the pieces travel. Rings that may run at
-    the same time on one group (from two threads) need different `tag`s (a ring uses tag and
+    the same time on one group (from two threads) need different `tag` values (a ring uses tag and
     tag + 1), so their messages never match each other's."""
     ring, dim = _resolve(t, group, dim, chunks)
     _checks.divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)

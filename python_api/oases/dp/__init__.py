@@ -1,6 +1,8 @@
 """Data parallelism in the user's own loop: gradient averaging overlapped with the backward
 (`GradientSync`, DDP's buckets) and ZeRO-1 (`ZeroOptimizer`: optimizer states split over dp).
 
+::
+
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = oases.parallelize(model, mesh["tp"].get_group())
     opt = oases.dp.ZeroOptimizer(model, mesh["dp"].get_group(), torch.optim.AdamW, lr=1e-4)

@@ -84,11 +84,15 @@ class ShardedOptimizer:
     """`make_inner(masters)` on this rank's rows of each of `params`, over `group`'s ranks; no
     communication (ZeroOptimizer and oases.pipeline's ZeRO sync move the row blocks).
 
+    ::
+
         rows of p [n, ...] held here: [start, stop) = row_range(n, rank, size)
         master of p: those rows (a view for fp32 p, an fp32 copy for 16-bit p)
         step():  inner.step() on the masters' .grad          (set by whoever reduced the gradients)
+
     Row blocks, the layout the collectives use (S: every parameter's ceil(n/size) * k elements, then
-    `extra` columns, padded to a multiple of `align`):
+    `extra` columns, padded to a multiple of `align`)::
+
         pack_grads(params, grads)  -> [size, S]: block j = rows_j of every gradient   (reduce-scatter in)
         unpack_grads(params, own)  : master.grad = own's rows [/ divisor]             (reduce-scatter out)
         pack_rows(params)          -> [S]: this rank's masters in the params' dtype   (all-gather in)
@@ -119,7 +123,7 @@ class ShardedOptimizer:
         return self.inner.state
 
     def master_of(self, param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
-        """(this rank's master of `param`'s rows [start, stop) (shape [stop - start, *param.shape[1:]]),
+        """(this rank's master of `param`'s rows [start, stop) (shape `[stop - start, *param.shape[1:]]`),
         start, stop): what the inner optimizer steps."""
         s = self.slots[id(param)]
         return s.master, s.start, s.stop
@@ -217,7 +221,7 @@ class ShardedOptimizer:
     def clip_master_grads_(self, max_norm: float, norm_type: float, tp_groups: dict[int, object],
                            copied: Optional[dict[int, tuple]] = None) -> torch.Tensor:
         """Clip the masters' gradients by the norm of the whole gradient they are rows of (see
-        ZeroOptimizer.clip_grad_norm_); `tp_groups`: {id(param): its TP group} for TP shards;
+        `ZeroOptimizer.clip_grad_norm_`); `tp_groups`: {id(param): its TP group} for TP shards;
         `copied`: oases._sharding.copied_rows (rows several TP ranks hold alike, counted once)."""
         inf = norm_type == math.inf
         combine = torch.maximum if inf else torch.add
@@ -304,13 +308,16 @@ class ZeroOptimizer(ShardedOptimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the averaged gradient by its norm, as torch.nn.utils.clip_grad_norm_ on the single-process
+        """Clip the averaged gradient by its norm, as `torch.nn.utils.clip_grad_norm_` on the single-process
         model would; call it between the backward and step(), on every rank (a collective over dp and tp).
+
+        ::
 
             finish the gradient reduce-scatter (if the backward did not)
             total = norm of cat(every parameter's whole averaged gradient)   # dp rows summed over dp;
                     # TP shards summed over their TP group, replicated parameters (norms) counted once
             every master.grad *= min(1, max_norm / (total + 1e-6))
+
         Returns `total` (an fp32 scalar, the same on every rank). norm_type: 2.0 or inf."""
         if norm_type not in (2.0, math.inf):
             raise ValueError(f"norm_type: only 2.0 and inf are supported, got {norm_type!r}")

@@ -326,7 +326,10 @@ class GPT(nn.Module):
                    check_inputs: CheckMode = True, recompute: bool = True) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
+        ::
+
             loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
+
         With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
         of the group's first rank and broadcast, so every rank uses the same masks).
 
@@ -365,8 +368,11 @@ class GPT(nn.Module):
                 dropout_seed: Optional[int] = None) -> torch.Tensor:
         """Logits [b, t, vocab] (or the mean loss with `targets`); differentiable at any TP size.
 
+        ::
+
             x = embed(tokens)
             for each sublayer: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))
+
         (copy_to_tp: identity, gradient all-reduced; reduce_from_tp: all-reduce, gradient
         identity). Dropout applies only with a `dropout_seed` (the masks `train_step` draws)."""
         x = self.embed_tokens(tokens)

@@ -1,5 +1,7 @@
 """Tensor-parallel modules over `oases.ops`, and `parallelize` to shard an existing model.
 
+::
+
     ColumnParallelLinear          output features sharded (weight [out/p, in])
     RowParallelLinear             input features sharded, output reduced (weight [out, in/p])
     ParallelExperts               fused routed experts, each expert's intermediate dim sharded (partial sums)

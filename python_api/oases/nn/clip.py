@@ -26,8 +26,11 @@ __all__ = ["clip_grad_norm_"]
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of `model`'s parameters in place by the unsharded model's gradient norm.
 
+    ::
+
         total = norm of cat(every parameter's full gradient)       # as the unsharded model has it
         if total > max_norm: every .grad *= max_norm / (total + 1e-6)
+
     Returns `total` (an fp32 scalar on the gradients' device, the same on every rank). Call it on every rank of the TP
     group(s), like the backward. norm_type: 2.0 or inf.
     """

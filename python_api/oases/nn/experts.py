@@ -186,6 +186,8 @@ def check_experts(owner: str, experts: nn.Module, world_size: int) -> None:
 class ParallelExperts(nn.Module):
     """Fused routed experts with each expert's intermediate dim sharded over `group` (module doc).
 
+    ::
+
         concatenated (act_fn):  gate_up_proj [E, 2I/p, H], down_proj [E, H, I/p]
         interleaved (swiglu):   gate_up_proj [E, H, 2I/p], gate_up_proj_bias [E, 2I/p],
                                 down_proj [E, I/p, H], down_proj_bias [E, H] (replicated)

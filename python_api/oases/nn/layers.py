@@ -197,6 +197,8 @@ def _resolve_chunks(chunks: Optional[int]) -> Optional[int]:
 class ColumnParallelLinear(nn.Module):
     """nn.Linear with its output features sharded over the ranks of `group` (column parallel).
 
+    ::
+
         weight [out/p, in] = W[r*out/p : (r+1)*out/p],  bias [out/p]
         forward(x):
             sequence_parallel=False:  x [..., in] (replicated)  ->  y [..., out/p]
@@ -369,6 +371,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """nn.Linear with its input features sharded over the ranks of `group` (row parallel).
 
+    ::
+
         weight [out, in/p] = W[:, r*in/p : (r+1)*in/p],  bias [out] (replicated, added once)
         forward(x):
             input_is_parallel=False:  x = split_to_tp(x)           # [..., in] -> [..., in/p]; bwd: all-gather
@@ -378,6 +382,7 @@ class RowParallelLinear(nn.Module):
                 z = linear_reduce_scatter(x, weight, copy_to_tp(bias), dim=0)
                                                                    # bwd: grad_x all-gathered,
                                                                    # grad_bias all-reduced (full)
+
     `chunks`: pieces for the fused op's overlap (None: the op chooses).
     `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
     """
@@ -471,9 +476,12 @@ class RowParallelLinear(nn.Module):
 def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
     """Inside, the TP linears of `module` compute this rank's part and communicate nothing.
 
+    ::
+
         ColumnParallelLinear:  y_r = F.linear(x, weight, bias)      # no all-reduce of grad_x
         RowParallelLinear:     z_r = F.linear(x_r, weight)          # partial sum, no reduce, no bias
         ParallelExperts:       its MoE block's z_r = block_r(x)     # no entry, no reduce (oases.nn._moe)
+
     so that  sum_r z_r + row.bias  is what the layers compute outside. The caller owns the
     reductions (as oases.schedule does: it all-reduces z and grad_x itself, asynchronously).
     A column layer's replicated rows (`replicas`: key-value heads at p > kv_heads) still sum their

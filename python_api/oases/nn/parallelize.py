@@ -552,6 +552,8 @@ def parallelize(
     """Replace `model`'s nn.Linear (and, as planned, nn.Embedding) modules in place with their
     tensor-parallel shards; return `model`.
 
+    ::
+
         for name, linear in model.named_modules() if an nn.Linear (a Conv1D: from_conv1d below):
             style = first plan[pattern] whose pattern matches name (or a dotted tail of it)
             "column[:N]" -> ColumnParallelLinear.from_linear(linear, group, stacked=N, ...)
@@ -568,11 +570,11 @@ def parallelize(
 
     Run it on every rank of `group` (default: the world) with the same model (same seed or the
     same checkpoint). `plan` None means DEFAULT_PLAN; an explicit plan replaces it (merge with
-    {**DEFAULT_PLAN, ...} to extend it). `sequence_parallel` and `chunks` go to every layer.
+    `{**DEFAULT_PLAN, ...}` to extend it). `sequence_parallel` and `chunks` go to every layer.
     `tp_degrees` (one per decoder layer): decoder layer l is sharded over d_l ranks and runs on
     its replica's rows; the batch needs at least p / min(tp_degrees) rows. `layers` (only with
     tp_degrees): the dotted path of the nn.ModuleList of decoder layers, as model.named_modules()
-    names it, for models whose layers are not at a KNOWN_LAYERS path:
+    names it, for models whose layers are not at a KNOWN_LAYERS path::
 
         oases.parallelize(model, plan={"up": "column", "down": "row"}, tp_degrees=[1, 2, 2, 1], layers="blocks")
         # for l, layer in enumerate(model.blocks):   (the model's own loop)

@@ -94,6 +94,8 @@ def check_embedding(owner: str, embedding: nn.Module, world_size: int) -> None:
 class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with its rows (the vocabulary) sharded over the ranks of `group`.
 
+    ::
+
         weight [V/p, h] = E[vocab_start_index : vocab_end_index],  vocab_start_index = r*V/p
         forward(ids [...] integer, the same on every rank)  ->  y [..., h] (replicated)
             y_r = where(vocab_start_index <= ids < vocab_end_index, weight[ids - vocab_start_index], 0)
@@ -235,6 +237,8 @@ def vocab_parallel_cross_entropy(
     vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Cross-entropy of the full logits, from this rank's vocabulary shard of them.
+
+    ::
 
         logits_shard [..., V/p]: logits[..., r*V/p : (r+1)*V/p] (a column-parallel LM head's output)
         labels [...]: class ids in [0, V) or ignore_index, the same on every rank

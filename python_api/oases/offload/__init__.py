@@ -1,5 +1,7 @@
 """Batched offload of activation checkpoints to one preallocated host buffer (FOLD3D §4).
 
+::
+
     HostSlab              the host buffer: preallocated, pinned on CUDA, first-fit aligned regions
     CopyEngine            batched copies of many tensors to/from slab offsets, one call, on a copy
                           stream of its own (oases._C, or a Python fallback)

@@ -1,5 +1,7 @@
 """Fused, differentiable communication + linear ops (nn.Linear semantics: y = x @ W.T + b).
 
+::
+
     all_gather_linear(x, W, b)      = F.linear(all_gather(x, dim), W, b)          column-parallel
     linear_reduce_scatter(x, W, b)  = reduce_scatter(F.linear(x, W), dim) + b     row-parallel, SP
     linear_all_reduce(x, W, b)      = all_reduce(F.linear(x, W)) + b              row-parallel

@@ -1,5 +1,7 @@
 """Pipeline parallelism: stages, segments, schedules, on a (dp, pp, tp) device mesh.
 
+::
+
     oases.pipeline.Pipeline     train a GPT or any oases.train_step model (a factory) with PP x DP x TP:
                                 train_step(tokens, targets), state_dict(); offload=, segments="auto";
                                 meta-built factories (each stage allocates its part), load/save_pretrained,

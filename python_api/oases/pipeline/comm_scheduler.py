@@ -48,7 +48,7 @@ default priority, posted from the DP thread on a stream of its own (oases.pipeli
 gate is unchanged. A CUDA transfer's `wait()` makes the caller's current stream wait for it (no
 host block, as ProcessGroupNCCL's wait does), and its reaper polls `is_completed()` to count it
 in flight until the GPU has finished it. That path is written to this contract but has not run:
-no machine here has a GPU (README: what was verified where).
+it needs several ranks on NCCL, which no machine here had (docs/verified.md).
 """
 from __future__ import annotations
 

@@ -294,12 +294,13 @@ class Pipeline:
 
     `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
     (oases.planner.fold3d: choose_segments, dp_overlap_ratio) from times measured on the first
-    train_step's batch, before it runs (`self.measured` keeps them; the same on every rank):
+    train_step's batch, before it runs (`self.measured` keeps them; the same on every rank)::
 
         forward_s, backward_s = one layer's forward / backward (with recomputation) on micro-batch 0,
                                 times this stage's layers (MAX over ranks)
         dp_comm_s  = this stage's gradient sync over dp (a ring all-reduce of one bucket, scaled)
         pp_comm_s  = one activation between neighbouring stages (a ring exchange over pp)
+
     Until then the pipeline runs as segments=1 (state_dict() works; no update is pending). That
     first step rebuilds `optimizers`, `stage` and `sync` (calling `optimizer` again): make LR
     schedulers on `pipe.optimizers` after it. FOLD3D's rule models aiao; with gpipe or 1f1b,
@@ -652,8 +653,11 @@ class Pipeline:
     def sync_segment(self, segment: int) -> None:
         """Sum segment `segment`'s gradients of this stage over dp now, blocking (in place).
 
+        ::
+
             for bucket in flat buckets of [p.grad for p in stage.segment_parameters(segment)]:
                 ring reduce-scatter + all-gather over dp_group      # sum: the loss is already / (B * t)
+
         train_step does the same asynchronously (launch after the segment's backward, wait before
         its next forward); this is the plain blocking form of it, for gradients made outside
         train_step. The segment that trains a copy of a tied embedding / head (first stage:
@@ -687,8 +691,11 @@ class Pipeline:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full model's state dict (keys, order and shapes of the unsharded model's), on every rank.
 
+        ::
+
             mine = this stage's entries of oases.full_state_dict(model)   # gathered over tp
             every stage's = all_gather_object(mine, pp_group)             # merged, in the model's key order
+
         Applies every pending update first (waits for its DP sync, steps its optimizer). A
         collective over the whole mesh (every rank calls it)."""
         for k in range(self.segments):

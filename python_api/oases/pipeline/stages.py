@@ -252,7 +252,7 @@ class Stage:
         """stack.embed(tokens, where): on virtual stage 0 differentiable, elsewhere only for its ctx
         (rotary embeddings, masks: what every layer gets), without a graph. Modules whose parameters
         this rank does not hold (a meta build: another stage's embedding or final norm) are stood in
-        for meanwhile: an embedding gives zeros [*tokens.shape, h], any other module its input."""
+        for meanwhile: an embedding gives zeros `[*tokens.shape, h]`, any other module its input."""
         with _standing_in(self.model, self._absent):
             if self.layout.is_first(0):
                 return self.stack.embed(tokens, where)

@@ -1,5 +1,7 @@
 """The planner: an overlap-aware cost model and the searches that pick a layout from it.
 
+::
+
     oases.planner.model     ModelShape, presets (llama-7b, ...), load_model(preset or config file)
     oases.planner.profile   Profile: measured (bench/profiles/*.json) or analytical rates
     oases.planner.cost      Oases eqs. 2-6: node cost per layer and TP degree, resharding edges, memory
@@ -10,6 +12,7 @@
     oases.planner.collectives  Centauri: flat or hierarchical collective, all-reduce or RS + AG
     oases.planner.fold3d    FOLD3D: segment count and DP overlap ratio (eqs. 2-5)
     oases.planner.cli       `oases plan ...`
+
 Pure functions of costs: nothing here talks to a process group.
 """
 from oases.planner.chunks import backward_priority, chunk_count, overlapped_time

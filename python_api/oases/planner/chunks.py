@@ -46,8 +46,11 @@ def chunk_count(comp_cost: float, comm_cost: float, in_cost: float, *, max_chunk
     """Centauri Algorithm 1: the chunk count for an op of `comp_cost` compute and `comm_cost`
     communication seconds, `in_cost` seconds of overhead per chunk.
 
+    ::
+
         n = 1
         while 2n <= max_chunks and overlapped_time(2n) < overlapped_time(n): n = 2n
+
     With `allowed` (e.g. the counts that divide the op's rows) the walk goes through the allowed
     counts in ascending order instead of doubling, and 1 is always allowed."""
     comp_cost, comm_cost = _check_cost("comp_cost", comp_cost), _check_cost("comm_cost", comm_cost)
@@ -69,9 +72,12 @@ def chunk_count(comp_cost: float, comm_cost: float, in_cost: float, *, max_chunk
 def backward_priority(dgrad_comp: float, wgrad_comp: float, dgrad_comm: float, next_comp: float = 0.0) -> str:
     """Centauri eq. 1: which backward GEMM of a TP linear to run first.
 
+    ::
+
         activation first: dgrad_comp + max(dgrad_comm, wgrad_comp)           (dX's reduction hides behind dW)
         weight first:     wgrad_comp + dgrad_comp + max(0, dgrad_comm - next_comp)
                           (dX's reduction can only hide behind the next layer's compute)
+
     Returns "activation_first" or "weight_first", whichever costs less (ties: activation first)."""
     dgrad_comp, wgrad_comp = _check_cost("dgrad_comp", dgrad_comp), _check_cost("wgrad_comp", wgrad_comp)
     dgrad_comm, next_comp = _check_cost("dgrad_comm", dgrad_comm), _check_cost("next_comp", next_comp)

@@ -122,7 +122,10 @@ def partition(kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: 
     """Centauri's partition choice for one collective: "flat" or "hierarchical", whichever the
     model says is faster (ties: "flat", the single ring).
 
+    ::
+
         seconds = {"flat": flat_time(...), "hierarchical": hierarchical_time(...)}
+
     `kind`: all_gather | reduce_scatter | all_reduce; `nbytes`: the full tensor.
     """
     flat = flat_time(kind, nbytes, ranks_per_host, hosts, intra, inter)

@@ -45,11 +45,12 @@ def exposed_comm(segments: int, forward_s: float, backward_s: float, pp_comm_s: 
 
 def choose_segments(layers: int, pp: int, forward_s: float, backward_s: float, pp_comm_s: float,
                     dp_comm_s: float, *, micro_batches: int, max_segments: int = 8) -> int:
-    """FOLD3D's segment count for `layers` on `pp` stages (see the module docstring):
+    """FOLD3D's segment count for `layers` on `pp` stages (see the module docstring)::
 
         ns = 1
         for c in counts 2..max_segments with layers % (pp * c) == 0, ascending:
             if exposed(c) < exposed(ns): ns = c  else: stop
+
     Raises ValueError when `layers` is not divisible by `pp`."""
     layers, pp = _count("layers", layers), _count("pp", pp)
     m, max_segments = _count("micro_batches", micro_batches), _count("max_segments", max_segments)

@@ -123,7 +123,8 @@ class ModelShape:
 
     def rank_layer_parameters(self, tp: int) -> float:
         """Parameters of one layer one rank holds at TP degree `tp`: the router replicated, the
-        rest split (norms too, as eq. 6 counts them):
+        rest split (norms too, as eq. 6 counts them)::
+
             (layer_parameters() - router_parameters()) / tp + router_parameters()"""
         router = self.router_parameters()
         return (self.layer_parameters() - router) / tp + router
@@ -188,10 +189,11 @@ def load_model(spec: str, *, seq_len: Optional[int] = None) -> ModelShape:
     A Hugging Face mixture of experts (Mixtral: num_local_experts, num_experts_per_tok,
     intermediate_size per expert; Qwen2-MoE / Qwen3-MoE: num_experts, num_experts_per_tok,
     moe_intermediate_size per expert, shared_expert_intermediate_size) becomes an MoE shape. The
-    planner's layers are alike, so the layers are all MoE or all dense, by Qwen's rule of which are:
+    planner's layers are alike, so the layers are all MoE or all dense, by Qwen's rule of which are::
 
         moe(i) = experts > 0 and i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
         all MoE if any(moe(i) for i in range(layers)), else all dense (ffn_hidden = intermediate_size)
+
     (a model that mixes them has its dense layers costed as MoE ones)."""
     if not isinstance(spec, str) or not spec:
         raise TypeError(f"model: expected a preset name or a config path, got {spec!r}")

@@ -66,7 +66,7 @@ loss is computed from the slices (oases.nn.vocab_parallel_cross_entropy), never 
 
 `oases.models.GPT` implements `Stack` itself; `oases.models.adapt` finds adapters for models
 `oases.parallelize` has sharded (Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-NeoX) and accepts
-any object that implements `Stack` (a user's own model: see the README).
+any object that implements `Stack` (a user's own model: see docs/guides/models.md).
 """
 from __future__ import annotations
 

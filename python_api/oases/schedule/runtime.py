@@ -38,10 +38,13 @@ Program = Generator[Any, None, Any]
 class Communicator:
     """Issues a schedule's communication on one group; counts it and the time waited for it.
 
+    ::
+
         work = comm.all_reduce(t, "forward")                 # t summed in place once work.wait()
         out = yield from comm.all_gather(t, dim, "forward")  # ring steps; yields between them
         out = yield from comm.reduce_scatter(t, dim, "backward")
         task = comm.submit(fn); ...; result = task.wait()   # fn runs on the communicator's thread
+
     `calls[pass]` counts the calls and `bytes[pass]` the bytes this rank sends (pass: "forward",
     "recompute", "backward"): an all-reduce of n bytes sends 2 (p-1)/p n, an all-gather into n
     bytes or a reduce-scatter of n bytes (p-1)/p n. `waited` is the host's seconds blocked in

@@ -645,9 +645,12 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
                recompute: bool = True) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
+    ::
+
         for rows in split(batch, sub_batches):                # interleaved, see the module docstring
             loss += loss_sum(stack.head(stack_forward(input_ids[rows])), labels[rows]) / normalizer
         parameter .grad += d loss / d parameter;  return loss (a detached scalar)
+
     `sub_batches` None takes the schedule's own (megatron 1, the others 2); odd batches split
     unevenly (3 -> 1 + 2). `sequence_parallel`: the residual stream between sublayers is this
     rank's slice of the sequence (its length must divide by the TP size), each sublayer gathers
