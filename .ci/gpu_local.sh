@@ -19,7 +19,7 @@
 # limit cut to what is left of OASES_GPU_BUDGET_S (default 480 s), so a slow stage cannot starve
 # the ones after it; its output goes to $out/log.txt and one line to $out/summary.txt.
 # At most 8 files land in $out (the device tool brings back no more): log.txt, summary.txt, _C.so,
-# cuda_micro.json / .md, offload.json, profile.json, plan.json.
+# cuda_micro.json / .md, offload.json, profile.json, plan.json (the PNGs: bench.cuda_plots, later).
 # $out: OUT (the device tool's folder), else OASES_GPU_OUT, else bench/results/gpu-local.
 # OASES_GPU_STAGES: the stages to run (default "env build gpu-tests micro memcheck offload profile plan").
 # OASES_PREBUILT_SO: a _C .so built on such a machine before (used if the build fails);
@@ -35,6 +35,7 @@ mkdir -p "$out"
 log="$out/log.txt"
 summary="$out/summary.txt"
 work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
 export PYTHONPATH="$PWD/python_api:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 t0=$(date +%s)
 failed=0
@@ -80,9 +81,11 @@ env_report() {
 build() {
   # In place, beside the sources (PYTHONPATH above): `pip install -e .` would fetch setuptools
   # for an isolated build, and there is no registry here. With the system's gcc/g++ (OASES_CC,
-  # OASES_CXX), not the image's CC/CXX (/opt/gcc): an extension built by that newer g++ crashed
-  # (SIGSEGV) on its first C++ exception, i.e. on every argument error, on the H200 image of
-  # 2026-11 (torch 2.11 is built with GCC 13, as is /usr/bin/g++ there).
+  # OASES_CXX; deliberately not the CC/CXX the image sets, /opt/gcc): on the H200 image of
+  # 2026-11 an extension built by /opt/gcc's g++ crashed (SIGSEGV) on its first C++ exception,
+  # i.e. on every argument error, and one built by /usr/bin/g++ (GCC 13.3, as torch 2.11's
+  # build) raised properly (docs/results/gpu/nvidia-h200-2026-11-25/run3-compiler-diagnosis.txt;
+  # the cause was not established: /opt/gcc's version was not read).
   local cc="${OASES_CC:-/usr/bin/gcc}" cxx="${OASES_CXX:-/usr/bin/g++}"
   [[ -x "$cc" && -x "$cxx" ]] || { cc="${CC:-gcc}"; cxx="${CXX:-g++}"; }
   echo "compilers: $cc, $cxx"
@@ -111,7 +114,7 @@ export py out
 stage env 30 env_report
 stage build 240 build
 stage gpu-tests 180 gpu_tests
-stage micro 150 "$py" -m bench.cuda_micro --out "$out" --watchdog 140 ${OASES_MICRO_ARGS:-}
+stage micro 150 "$py" -m bench.cuda_micro --out "$out" --watchdog 140 --no-plots ${OASES_MICRO_ARGS:-}
 stage memcheck 120 env OASES_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
   "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched_copies or copy_engine or offloader_round_trip"
 stage offload 120 "$py" -m bench offload --device cuda --nproc 1 --parts step --step-hidden 1024 --step-heads 8 \

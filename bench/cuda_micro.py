@@ -1,6 +1,6 @@
 """One-GPU micro-benchmarks: the ceilings and the pieces the overlap schedules are built from.
 
-    python -m bench.cuda_micro --out DIR [--quick] [--sections a,b] [--watchdog S]
+    python -m bench.cuda_micro --out DIR [--quick] [--sections a,b] [--watchdog S] [--no-plots]
 
 Single process, `cuda:0`; exits 2 (nothing measured) when torch.cuda.is_available() is False.
 Writes DIR/cuda_micro.json (GPU, versions, every section's tables and its error, if any) and
@@ -994,6 +994,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--watchdog", type=float, default=300.0,
                         help="dump every stack and exit after this many seconds (default 300; 0: off)")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="leave out the PNGs (python -m bench.cuda_plots makes them from the JSON later)")
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
@@ -1046,7 +1048,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = "FAILED: " + s.error.strip().splitlines()[-1] if s.error else "ok"
         print(f"  {s.name} ({s.seconds:.1f} s, {status}) {s.headline}", flush=True)
     print(f"wrote {os.path.join(report.out_dir, JSON_NAME)} and {MD_NAME}", flush=True)
-    _plot(report.out_dir)
+    if not args.no_plots:
+        _plot(report.out_dir)
     return 1 if any(s.error for s in report.sections) else 0
 
 

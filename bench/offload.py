@@ -215,6 +215,9 @@ def _step(args, ctx) -> dict:
               "device_bytes_before_step": before,
               "step_device_bytes": {n: None if peak[n] is None else peak[n] - before[n] for n in peak},
               "peak_device_ratio_on_off": None if peak["off"] is None else peak["on"] / peak["off"],
+              # the step's own memory (peak minus what was allocated before it): what offload saves
+              "step_device_ratio_on_off": None if peak["off"] is None else
+              (peak["on"] - before["on"]) / max(1, peak["off"] - before["off"]),
               "checkpoints": stats.checkpoints, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
               "bytes_out": stats.bytes_out, "slab_bytes": offloader.slab.capacity, "loss": float(losses["off"]),
               "copy_path": offloader.engine(ctx.device).path}
@@ -324,9 +327,11 @@ def _step_table(step: dict) -> Table:
     mib = {k: v / 2**20 for k, v in step["peak_resident_bytes"].items()}
     peaks = step.get("peak_device_bytes") or {"off": None, "on": None}
     gib = {k: None if v is None else v / 2**30 for k, v in peaks.items()}
-    step_rows = [["off", 1e3 * off, None, mib["off"], gib["off"], None, None, None],
-                 ["on", 1e3 * on, step["ratio_on_off"], mib["on"], gib["on"], step.get("peak_device_ratio_on_off"),
-                  step["copies_out"], step["copies_in"]]]
+    own = step.get("step_device_bytes") or {"off": None, "on": None}
+    own_gib = {k: None if v is None else v / 2**30 for k, v in own.items()}
+    step_rows = [["off", 1e3 * off, None, mib["off"], own_gib["off"], None, gib["off"], None, None],
+                 ["on", 1e3 * on, step["ratio_on_off"], mib["on"], own_gib["on"], step.get("step_device_ratio_on_off"),
+                  gib["on"], step["copies_out"], step["copies_in"]]]
     step_notes = [f"{step['checkpoints']} sublayer inputs per step (2 sub-batches), {step['offload_batch']} per copy; "
                   f"slab {step['slab_bytes'] / 2**20:.2f} MiB (sized by the profiling step); copy path "
                   f"{step['copy_path']}",
@@ -336,12 +341,13 @@ def _step_table(step: dict) -> Table:
         step_notes.append("CPU: offloading frees no memory here (same RAM); t_step(on) pays the memcpy and the copy "
                           "thread on the cores that compute; on a GPU the copies run on the DMA engines")
     else:
-        step_notes.append("peak GiB = torch.cuda.max_memory_allocated during one step (reset before each variant; "
-                          "both variants' models and gradients resident, MAX over ranks); peak on / off = their ratio")
+        step_notes.append("step GiB = the step's own device memory: torch.cuda.max_memory_allocated during one step "
+                          "(reset before each variant) minus what was allocated before it, MAX over ranks; step on / "
+                          "off = their ratio; peak GiB = the whole peak, both variants' models and gradients resident")
     return Table(f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c.get('heads', 8)} heads, "
                  f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}",
-                 ["offload", "t_step ms", "on / off", "ckpt MiB", "peak GiB", "peak on / off", "copies out",
-                  "copies in"], step_rows, step_notes)
+                 ["offload", "t_step ms", "on / off", "ckpt MiB", "step GiB", "step on / off", "peak GiB",
+                  "copies out", "copies in"], step_rows, step_notes)
 
 
 def _aiao_table(aiao: dict) -> Table:

@@ -675,6 +675,7 @@ def test_offload_step_on_one_rank(tmp_path):
     assert _is_time(step["t_step"]["off"]) and _is_time(step["t_step"]["on"])
     assert step["copies_out"] == step["copies_in"] > 0
     assert step["peak_device_bytes"] == {"off": None, "on": None} and step["peak_device_ratio_on_off"] is None
+    assert step["step_device_ratio_on_off"] is None
     assert step["step_device_bytes"] == {"off": None, "on": None}
     assert doc["files"]["png"] is None  # the figure needs the copies too
 

@@ -149,11 +149,13 @@ class _Transfer:
 
 
 class _Wire:
-    """p2p between ranks simulated in one process (as NCCL: each end enqueues its part on its
-    current stream; the transfer starts when both have posted). The copy runs on the wire's own
-    stream after a sleep, so a reader that does not wait for it reads the poison."""
+    """p2p between ranks simulated in one process, paired as NCCL pairs them: by order between
+    each (sender, receiver), tags ignored (a pair whose tags or shapes differ raises: gloo, which
+    honours tags, would hide such a mismatch). Each end enqueues its part on its current stream;
+    the transfer starts when both have posted, on the wire's own stream, after a sleep, so a
+    reader that does not wait for it reads the poison."""
 
-    def __init__(self, sleep_cycles: int = 2_000_000) -> None:
+    def __init__(self, sleep_cycles: int) -> None:
         self.stream = torch.cuda.Stream()
         self.sleep_cycles = sleep_cycles
         self.sends: dict = collections.defaultdict(collections.deque)
@@ -165,8 +167,9 @@ class _Wire:
         ready = torch.cuda.Event()
         ready.record()  # the poster's current stream: the comm stream
         ends = _Transfer(), _Transfer()
-        self._offer(self.recvs, self.sends, (ring.rank, ring.peer(direction), tag), (send, ready, ends[1]), send=True)
-        self._offer(self.sends, self.recvs, (ring.peer(-direction), ring.rank, tag), (recv, ready, ends[0]), send=False)
+        # as ring._post: the receive first, then the send
+        self._offer(self.sends, self.recvs, (ring.peer(-direction), ring.rank), (recv, ready, ends[0], tag), send=False)
+        self._offer(self.recvs, self.sends, (ring.rank, ring.peer(direction)), (send, ready, ends[1], tag), send=True)
         return list(ends)
 
     def _offer(self, waiting, queue, key, end, send):
@@ -177,12 +180,16 @@ class _Wire:
             queue[key].append(end)
 
     def _copy(self, send_end, recv_end):
-        (src, src_ready, src_end), (dst, dst_ready, dst_end) = send_end, recv_end
+        (src, src_ready, src_end, src_tag), (dst, dst_ready, dst_end, dst_tag) = send_end, recv_end
+        if src_tag != dst_tag or src.shape != dst.shape:
+            raise RuntimeError(f"p2p paired out of order: send tag {src_tag} {tuple(src.shape)} met receive "
+                               f"tag {dst_tag} {tuple(dst.shape)} (NCCL pairs by order, not by tag)")
         done = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(src_ready)
             self.stream.wait_event(dst_ready)
-            torch.cuda._sleep(self.sleep_cycles)
+            if self.sleep_cycles:
+                torch.cuda._sleep(self.sleep_cycles)
             dst.copy_(src)
             src.record_stream(self.stream)
             dst.record_stream(self.stream)
@@ -203,8 +210,17 @@ def _simulated_ranks(wire):
         ring_module._post = post
 
 
-def _lockstep(gens, streams, consume):
-    """Advance every rank's generator one step per round, each on its own compute stream."""
+_SLEEP = 2_000_000  # cycles (~1 ms at 1.98 GHz)
+
+
+def _lockstep(gens, streams, consume, finish, sleep_cycles):
+    """Advance every rank's generator one step per round, each on its own compute stream, which
+    first sleeps `sleep_cycles` (a late producer); `finish(r)` runs on rank r's compute stream
+    when its generator is done."""
+    for s in streams:
+        with torch.cuda.stream(s):
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
     live = set(range(len(gens)))
     while live:
         for r in sorted(live):
@@ -213,29 +229,39 @@ def _lockstep(gens, streams, consume):
                     rows = next(gens[r])
                 except StopIteration:
                     live.discard(r)
+                    finish(r)
                     continue
                 consume(r, rows)
 
 
-class _SkipsToCompute:
-    """A broken side: the compute stream never waits for the comm stream."""
+class _BrokenSide:
+    """A side that skips one of its waits: "to_compute" (the compute stream never waits for the
+    comm stream) or "handoff" (the comm stream never waits for the compute stream)."""
 
-    def __init__(self, side):
-        self.side = side
+    def __init__(self, side, skips: str):
+        self.side, self.skips = side, skips
 
     def comm(self):
         return self.side.comm()
 
     def handoff(self, *tensors):
-        self.side.handoff(*tensors)
+        if self.skips != "handoff":
+            self.side.handoff(*tensors)
 
     def to_compute(self):
-        pass
+        if self.skips != "to_compute":
+            self.side.to_compute()
 
 
-def _rings_on_streams(p, chunks, bidirectional, broken=False):
-    """All-gather-then-GEMM and GEMM-then-reduce-scatter over p simulated ranks; returns the max
-    relative error of each against the serial result."""
+def _rings_on_streams(p, chunks, bidirectional, *, seed, slow, broken=None):
+    """All-gather-then-GEMM and GEMM-then-reduce-scatter over p simulated ranks: (each rank's
+    relative error of the gathered GEMM, of the reduce-scattered sum), against the serial result,
+    both read on the rank's compute stream before any host synchronisation.
+
+    slow="wire": every transfer sleeps first, compute is immediate (a compute stream that does not
+    wait for the comm stream reads the poison); slow="compute": the compute streams sleep before
+    producing, transfers are immediate (a comm stream that does not wait for the compute stream
+    sends the poison, or an earlier run's leftovers: `seed` makes each run's values its own)."""
     from oases.comm import ring as ring_module
     from oases.comm._streams import _COMM_PRIORITY, _DeviceSide
     from oases.comm._topology import Ring
@@ -243,24 +269,33 @@ def _rings_on_streams(p, chunks, bidirectional, broken=False):
     n, k, o = 64 * chunks, 96, 80
     device = torch.device("cuda")
     compute = [torch.cuda.Stream() for _ in range(p)]
-    sides = []
+    real = []
     for s in compute:
         with torch.cuda.stream(s):
             side = _DeviceSide(device)
         assert side.compute == s and side.stream.priority <= _COMM_PRIORITY < 0 and side.stream != s
-        sides.append(_SkipsToCompute(side) if broken else side)
-    assert len({side.stream if not broken else side.side.stream for side in sides}) == p
+        real.append(side)
+    assert len({side.stream for side in real}) == p
+    sides = [_BrokenSide(side, broken) if broken else side for side in real]
     rings = [Ring(None, r, p, tuple(range(p))) for r in range(p)]
-    w = _randn((o, k), 1)
-    shards = [_randn((n, k), 10 + r) for r in range(p)]
-    xs = [_randn((p * n, k), 20 + r) for r in range(p)]
-    ws = [_randn((o, k), 30 + r) for r in range(p)]
-    torch.cuda.synchronize()
-    wire = _Wire()
+    base = 1000 * seed
+    w = _randn((o, k), base + 1)
+    shards = [_randn((n, k), base + 10 + r) for r in range(p)]
+    xs = [_randn((p * n, k), base + 20 + r) for r in range(p)]
+    ws = [_randn((o, k), base + 30 + r) for r in range(p)]
+    wire = _Wire(_SLEEP if slow == "wire" else 0)
+    compute_sleep = 2 * _SLEEP if slow == "compute" else 0
     gathered = [torch.full((p * n, k), float("nan"), device=device) for _ in range(p)]
     ys = [torch.full((p * n, o), float("nan"), device=device) for _ in range(p)]
     outs = [torch.full((n, o), float("nan"), device=device) for _ in range(p)]
+    seen_y, seen_out = [None] * p, [None] * p
     torch.cuda.synchronize()
+
+    def product(r, rows):  # the reduce-scatter's GEMM (late when compute is slow)
+        if compute_sleep:
+            torch.cuda._sleep(compute_sleep)
+        return xs[r][rows] @ ws[r].t()
+
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation on the hot path raises
     try:
         with _simulated_ranks(wire):
@@ -270,38 +305,44 @@ def _rings_on_streams(p, chunks, bidirectional, broken=False):
             def gemm(r, rows):
                 torch.matmul(gathered[r][rows], w.t(), out=ys[r][rows])
 
-            _lockstep(gens, compute, gemm)
-            gens = [ring_module._reduce_scatter_rows(lambda rows, r=r: xs[r][rows] @ ws[r].t(), outs[r], rings[r],
+            _lockstep(gens, compute, gemm, lambda r: seen_y.__setitem__(r, ys[r].clone()), compute_sleep)
+            gens = [ring_module._reduce_scatter_rows(lambda rows, r=r: product(r, rows), outs[r], rings[r],
                                                      chunks, bidirectional, side=sides[r]) for r in range(p)]
-            _lockstep(gens, compute, lambda r, rows: None)
+            _lockstep(gens, compute, lambda r, rows: None, lambda r: seen_out.__setitem__(r, outs[r].clone()),
+                      compute_sleep)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert wire.transfers > 0
     want_y = torch.cat(shards).double() @ w.double().t()
     want_out = sum(xs[r].double() @ ws[r].double().t() for r in range(p))
-    errors = []
-    for r in range(p):
-        errors.append(float((ys[r].double() - want_y).norm() / want_y.norm()))
-        want = want_out[r * n:(r + 1) * n]
-        errors.append(float((outs[r].double() - want).norm() / want.norm()))
-    return errors
+    gather = [float((seen_y[r].double() - want_y).norm() / want_y.norm()) for r in range(p)]
+    scatter = [float((seen_out[r].double() - want_out[r * n:(r + 1) * n]).norm() / want_out[r * n:(r + 1) * n].norm())
+               for r in range(p)]
+    return gather, scatter
+
+
+def _right(errors):
+    return all(e < 1e-5 for e in errors)  # fp32 GEMMs, summed in another order; NaN fails
 
 
 @pytest.mark.parametrize("p, chunks, bidirectional", [(2, 1, False), (2, 2, True), (4, 2, False), (3, 2, True)])
 def test_rings_on_the_comm_stream_match_serial_without_host_sync(p, chunks, bidirectional):
-    errors = _rings_on_streams(p, chunks, bidirectional)
-    assert all(e < 1e-5 for e in errors), errors  # fp32 GEMMs, summed in another order; NaN fails
-    # The same rings with a side that skips the compute stream's wait read unfinished transfers.
-    broken = _rings_on_streams(p, chunks, bidirectional, broken=True)
-    assert not all(e < 1e-5 for e in broken), broken
+    _rings_on_streams(p, chunks, bidirectional, seed=0, slow="wire")  # warm: a first launch may synchronise
+    for seed, slow in ((1, "wire"), (2, "compute")):
+        gather, scatter = _rings_on_streams(p, chunks, bidirectional, seed=seed, slow=slow)
+        assert _right(gather) and _right(scatter), (slow, gather, scatter)
+    # Each wait the sides make is needed: skip one and both rings read unfinished work.
+    for seed, skips, slow in ((3, "to_compute", "wire"), (4, "handoff", "compute")):
+        gather, scatter = _rings_on_streams(p, chunks, bidirectional, seed=seed, slow=slow, broken=skips)
+        assert not _right(gather) and not _right(scatter), (skips, gather, scatter)
 
 
-def _handed_off_then_freed(record: bool) -> tuple[bool, float, bool]:
+def _handed_off_then_freed(record: bool) -> tuple[bool, bool, bool]:
     """The comm stream reads a tensor ~10 ms after the compute stream handed it over and freed
-    it, while the compute stream allocates and writes new tensors of its size at once:
-    (the comm stream read the original values, the sleep's measured ms, one new tensor got
-    the freed tensor's memory)."""
+    it, while the compute stream allocates and writes new tensors of its size at once: (the comm
+    stream read the original values, it was still busy when the new tensors were allocated, one
+    new tensor got the freed tensor's memory)."""
     from oases.comm._streams import _DeviceSide
 
     torch.cuda.synchronize()
@@ -312,31 +353,32 @@ def _handed_off_then_freed(record: bool) -> tuple[bool, float, bool]:
         side.handoff(x)
     else:
         side.stream.wait_stream(side.compute)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event()
     with side.comm():
-        start.record()
         torch.cuda._sleep(20_000_000)
         end.record()
         y = x * 1
     ptr = x.data_ptr()
     del x
     news = [torch.empty(1 << 20, device="cuda") for _ in range(4)]
+    pending = not end.query()  # a query, not a wait: the comm stream must still be sleeping
     for z in news:
         z.fill_(7.0)  # the compute stream writes its new tensors at once
     reused = any(z.data_ptr() == ptr for z in news)
     side.to_compute()
     torch.cuda.synchronize()
-    return bool(torch.equal(y, want)), start.elapsed_time(end), reused
+    return bool(torch.equal(y, want)), pending, reused
 
 
 def test_record_stream_keeps_a_handed_off_tensor_from_reuse():
-    right, sleep_ms, reused = _handed_off_then_freed(record=True)
-    assert sleep_ms > 1.0, sleep_ms  # the comm stream was still busy when x was freed
-    assert right, (sleep_ms, reused)
+    _handed_off_then_freed(record=True)  # warm: a first launch may synchronise (lazy loading)
+    right, pending, reused = _handed_off_then_freed(record=True)
+    assert pending, "the comm stream had finished before x was freed: the check proves nothing"
+    assert right and not reused, (right, reused)
     # The control: without record_stream the compute stream gets the memory back at once and
     # the comm stream reads its 7s (what handoff prevents).
-    right, sleep_ms, reused = _handed_off_then_freed(record=False)
-    assert reused and not right, (sleep_ms, reused)
+    right, pending, reused = _handed_off_then_freed(record=False)
+    assert pending and reused and not right, (pending, reused, right)
 
 
 # --- 4. Offload on CUDA ----------------------------------------------------------------------------
@@ -376,16 +418,25 @@ def _hf_offload(rank, world):
 
     import oases
 
+    from oases.offload import Offloader
+
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
     results = {}
-    for offload in (False, True):
+    offloader = Offloader(batch=2)
+    for offload in (False, offloader):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = oases.parallelize(_llama(0).cuda())
-        for step in range(2):  # the offloader's profiling step, then its slab
+        for step in range(2):  # the offloader's profiling step, then the slab it sized
             model.zero_grad()
             loss = oases.train_step(model, ids, ids, offload=offload)
-        results[offload] = (loss.detach().cpu(), {n: p.grad.detach().cpu() for n, p in model.named_parameters()})
+        results[offload is not False] = (loss.detach().cpu(),
+                                         {n: p.grad.detach().cpu() for n, p in model.named_parameters()})
+    stats = offloader.stats
+    assert offloader.slab is not None, "the second step ran without the slab the first one sized"
+    assert offloader.slab.pinned == torch.cuda.is_available()  # pinned on a GPU: asynchronous copies
+    assert stats.copies_out > 0 and stats.copies_in == stats.copies_out, stats  # it did offload
+    offloader.close()
     (want, want_grads), (got, got_grads) = results[False], results[True]
     assert torch.equal(got, want), (got, want)
     for name, g in want_grads.items():
@@ -407,7 +458,7 @@ def _demo_schedules(rank, world):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=g).cuda()
     targets = torch.randint(0, config.vocab_size, (8, config.seq_len), generator=g).cuda()
-    losses = {}
+    losses, grads = {}, {}
     for schedule in SCHEDULES:
         model = GPT(config, schedule=schedule, seed=3).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -417,16 +468,22 @@ def _demo_schedules(rank, world):
             with torch.autocast("cuda", torch.bfloat16):
                 loss = model.train_step(tokens, targets)
             trace.append(float(loss))
+            if step == 0:
+                grads[schedule] = torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters()]).cpu()
             opt.step()
         losses[schedule] = trace
-    return losses
+    first = grads["megatron"]
+    errors = {s: float((g - first).norm() / first.norm()) for s, g in grads.items()}
+    return losses, errors
 
 
 def test_demo_model_trains_in_bf16_on_every_schedule():
-    losses = run_ranks(_demo_schedules, 1, timeout=180)[0]
+    losses, grad_errors = run_ranks(_demo_schedules, 1, timeout=180)[0]
     first = losses["megatron"]
     assert first[-1] < first[0], first  # it learns
+    # bf16: the schedules split the batch into sub-batches and sum in another order; the first
+    # step's gradients (all of them, concatenated) and the losses agree within bf16's rounding
+    assert all(e < 2e-2 for e in grad_errors.values()), grad_errors
     for schedule, trace in losses.items():
-        # bf16: the schedules split the batch and reorder sums differently; equal within bf16
         for a, b in zip(trace, first):
-            assert abs(a - b) <= 1e-2 * abs(b), (schedule, trace, first)
+            assert abs(a - b) <= 3e-3 * abs(b), (schedule, trace, first)

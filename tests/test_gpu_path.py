@@ -276,8 +276,8 @@ def test_ring_waits_only_on_the_comm_side(world_size):
 
 def _check_ops_main_grad(rank, p, forced_triton):
     """Each op's main_grad += grad_w in fp32: exact (fp32) and against an fp64 oracle (bf16).
-    forced_triton: the CUDA path's GEMMs (Triton linear_into, and linear_accumulate into
-    main_grad) on CPU tensors under the interpreter."""
+    forced_triton: the CUDA path's Triton GEMM (linear_accumulate into main_grad) on CPU tensors
+    under the interpreter."""
     from oases.ops import _gemm
 
     if forced_triton:
