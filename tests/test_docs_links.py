@@ -22,8 +22,8 @@ def _pages():
     return [p for p in pages if os.path.isfile(p)]
 
 
-def _prose(path):
-    """(line number, text) of the lines outside fenced code blocks, code spans replaced by a word."""
+def _outside_fences(path):
+    """(line number, line) of the lines of a markdown file outside fenced code blocks."""
     fence = None
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -35,7 +35,13 @@ def _prose(path):
                 if stripped.startswith(fence):
                     fence = None
                 continue
-            yield number, CODE_SPAN.sub("code", line.rstrip("\n"))
+            yield number, line
+
+
+def _prose(path):
+    """(line number, text) of the lines outside fenced code blocks, code spans replaced by a word."""
+    for number, line in _outside_fences(path):
+        yield number, CODE_SPAN.sub("code", line.rstrip("\n"))
 
 
 def _slug(heading):
@@ -45,23 +51,14 @@ def _slug(heading):
 
 
 def _anchors(path):
-    anchors, seen, fence = set(), {}, None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            stripped = line.lstrip()
-            if fence is None and stripped.startswith(("```", "~~~")):
-                fence = stripped[:3]
-                continue
-            if fence is not None:
-                if stripped.startswith(fence):
-                    fence = None
-                continue
-            m = re.match(r" {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line.rstrip("\n"))
-            if m:
-                slug = _slug(m.group(1).replace("`", ""))
-                n = seen.get(slug, 0)
-                seen[slug] = n + 1
-                anchors.add(slug if n == 0 else f"{slug}-{n}")
+    anchors, seen = set(), {}
+    for _, line in _outside_fences(path):
+        m = re.match(r" {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line.rstrip("\n"))
+        if m:
+            slug = _slug(m.group(1).replace("`", ""))
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            anchors.add(slug if n == 0 else f"{slug}-{n}")
     return anchors
 
 

@@ -295,23 +295,23 @@ def _gpus() -> dict[str, Callable[[], Any]]:
                         "multiprocessors": int(props.multi_processor_count)})
         return out
 
-    def driver() -> str:
+    def nvidia_smi(*args: str) -> tuple[bool, str]:
+        """(ran, its output or why not) of `nvidia-smi args`."""
         smi = shutil.which("nvidia-smi")
         if smi is None:
-            return "nvidia-smi not found"
-        code, out, err = _command([smi, "--query-gpu=driver_version", "--format=csv,noheader"], NVIDIA_SMI_TIMEOUT_S)
+            return False, "nvidia-smi not found"
+        code, out, err = _command([smi, *args], NVIDIA_SMI_TIMEOUT_S)
         if code != 0:
-            return f"error: nvidia-smi exited {code}: {_first_line(err or out, 'no output')}"
-        return _first_line(out, "unknown")
+            return False, f"error: nvidia-smi {' '.join(args)} exited {code}: {_first_line(err or out, 'no output')}"
+        return True, out
+
+    def driver() -> str:
+        ran, out = nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader")
+        return _first_line(out, "unknown") if ran else out
 
     def topology() -> str:
-        smi = shutil.which("nvidia-smi")
-        if smi is None:
-            return "nvidia-smi not found"
-        code, out, err = _command([smi, "topo", "-m"], NVIDIA_SMI_TIMEOUT_S)
-        if code != 0:
-            return f"error: nvidia-smi topo -m exited {code}: {_first_line(err or out, 'no output')}"
-        return out.rstrip().expandtabs()  # its columns are tab-aligned: keep them aligned when indented
+        ran, out = nvidia_smi("topo", "-m")
+        return out.rstrip().expandtabs() if ran else out  # tab-aligned columns: keep them aligned when indented
 
     return {"devices": devices, "driver": driver, "nvidia_smi_topo": topology}
 
