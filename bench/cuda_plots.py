@@ -63,7 +63,7 @@ def plot_chunked_gemm(results: Mapping[str, Any], path: str) -> bool:
         ax.set_xticklabels([str(c) for c in _CHUNKS])
         ax.set_xlabel("row chunks c")
         ax.set_ylabel("efficiency t(1 GEMM) / t(c GEMMs)")
-        ax.set_ylim(0, 1.15)
+        ax.set_ylim(0, max(1.15, 1.05 * max((r.get(f"eff_c{c}") or 0) for r in rows for c in _CHUNKS[1:])))
         ax.set_title(f"{model}: a layer's 4 GEMMs, bf16", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -75,6 +75,14 @@ def _bytes(label: str) -> float:
     """'256 KiB' -> 262144.0."""
     number, unit = label.split()
     return float(number) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
+
+
+def _label(nbytes: float) -> str:
+    """262144.0 -> '256 KiB', 16777216.0 -> '16 MiB'."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
 
 
 def plot_batched_copies(results: Mapping[str, Any], path: str) -> bool:
@@ -104,7 +112,7 @@ def plot_batched_copies(results: Mapping[str, Any], path: str) -> bool:
         ax.set_title(direction.upper(), fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    sizes = ", ".join(f"{m} {int(s) >> 10} KiB" for s, m in markers.items())
+    sizes = ", ".join(f"{m} {_label(s)}" for s, m in markers.items())
     fig.suptitle(f"Batched copies ({_gpu(results)}); markers: {sizes}", fontsize=9)
     return save_figure(fig, path)
 
@@ -115,7 +123,8 @@ def plot_triton_vs_cublas(results: Mapping[str, Any], path: str) -> bool:
         return False
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.2))
-    labels = [f"{r['kernel']}\n{r['dtype'][:4]} TP{r['tp']} {r['gemm']}" for r in rows]
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    labels = [f"{r['kernel']}\n{short.get(r['dtype'], r['dtype'])} TP{r['tp']} {r['gemm']}" for r in rows]
     colors = ["tab:blue" if r["kernel"] == "linear_into" else "tab:orange" for r in rows]
     ax.bar(range(len(rows)), [r["ratio"] for r in rows], color=colors)
     ax.axhline(0.9, color="black", linestyle="--", linewidth=1, label="target 0.9")
@@ -123,7 +132,8 @@ def plot_triton_vs_cublas(results: Mapping[str, Any], path: str) -> bool:
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=6.5)
     ax.set_ylabel("t_torch / t_triton (> 1: Triton faster)")
-    ax.set_title(f"Triton kernels vs torch/cuBLAS, Llama-7B shapes, 8192 tokens ({_gpu(results)})", fontsize=9)
+    shapes = sorted({f"{r['M']}x{r['N']}x{r['K']}" for r in rows})
+    ax.set_title(f"Triton kernels vs torch/cuBLAS, {len(shapes)} GEMM shapes (M x N x K) ({_gpu(results)})", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)
     return save_figure(fig, path)
