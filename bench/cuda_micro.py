@@ -283,15 +283,11 @@ def size_label(nbytes: int) -> str:
 
 
 def render_text(table: Table) -> str:
-    """The table as aligned plain text: title, rule, header, rule, rows, rule, notes."""
+    """The table as aligned plain text (bench._report.render's layout), cells by `fmt`."""
+    from bench import _report
+
     cells = [[fmt(row.get(c)) for c in table.columns] for row in table.rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(table.columns)]
-    rule = "  ".join("-" * w for w in widths)
-    lines = [table.title, rule, "  ".join(c.rjust(w) for c, w in zip(table.columns, widths)), rule]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    lines.append(rule)
-    lines += [f"  {n}" for n in table.notes]
-    return "\n".join(lines)
+    return _report.render(_report.Table(table.title, table.columns, cells, [f"  {n}" for n in table.notes]))
 
 
 def render_markdown(table: Table) -> str:

@@ -77,14 +77,6 @@ def _bytes(label: str) -> float:
     return float(number) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit]
 
 
-def _label(nbytes: float) -> str:
-    """262144.0 -> '256 KiB', 16777216.0 -> '16 MiB'."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= size:
-            return f"{nbytes / size:g} {unit}"
-    return f"{nbytes:g} B"
-
-
 def plot_batched_copies(results: Mapping[str, Any], path: str) -> bool:
     rows = _rows(results, "batched_copies", "batched_copies")
     if not rows:
@@ -94,16 +86,15 @@ def plot_batched_copies(results: Mapping[str, Any], path: str) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), squeeze=False)
     styles = {"engine_GBps": ("CopyEngine (one call)", "tab:red"), "to_GBps": ("per tensor .to()", "tab:blue"),
               "copy_GBps": ("per tensor copy_ into preallocated", "tab:green")}
-    markers = dict(zip(sorted({_bytes(r["size"]) for r in rows}), "osD^v*"))
+    markers = dict(zip(sorted({r["size"] for r in rows}, key=_bytes), "osD^v*"))  # by tensor size
     for ax, direction in zip(axes[0], ("d2h", "h2d")):
-        mine = sorted((r for r in rows if r["dir"] == direction), key=lambda r: (_bytes(r["size"]), _bytes(r["total"])))
+        mine = sorted((r for r in rows if r["dir"] == direction), key=lambda r: _bytes(r["total"]))
         for key, (label, color) in styles.items():
-            for size, marker in markers.items():
-                pts = [(_bytes(r["total"]), r[key]) for r in mine if _bytes(r["size"]) == size]
+            for i, (size, marker) in enumerate(markers.items()):
+                pts = [(_bytes(r["total"]), r[key]) for r in mine if r["size"] == size]
                 if pts:
                     xs, ys = zip(*pts)
-                    ax.plot(xs, ys, color=color, marker=marker, linewidth=1,
-                            label=label if size == min(markers) else None)
+                    ax.plot(xs, ys, color=color, marker=marker, linewidth=1, label=label if i == 0 else None)
         if direction in ceilings:
             ax.axhline(ceilings[direction], color="black", linestyle="--", linewidth=1, label="pinned ceiling")
         ax.set_xscale("log", base=2)
@@ -112,7 +103,7 @@ def plot_batched_copies(results: Mapping[str, Any], path: str) -> bool:
         ax.set_title(direction.upper(), fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    sizes = ", ".join(f"{m} {_label(s)}" for s, m in markers.items())
+    sizes = ", ".join(f"{m} {s}" for s, m in markers.items())
     fig.suptitle(f"Batched copies ({_gpu(results)}); markers: {sizes}", fontsize=9)
     return save_figure(fig, path)
 
