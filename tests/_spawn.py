@@ -134,3 +134,26 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             lines.append(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock); killed")
         raise AssertionError("distributed run failed:\n" + "\n".join(lines))
     return [outcome[r][1] for r in range(world_size)]
+
+
+def stop_process(proc) -> None:
+    """Terminate a subprocess.Popen (a launcher then cleans up), kill it after 15 s."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
+def finish_process(proc, timeout: float) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a subprocess.Popen within `timeout` s; past it (or at the
+    test's own limit) it is stopped and the error re-raised."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # TimeoutExpired, or the test's time limit
+        stop_process(proc)
+        raise
+    return proc.returncode, out, err

@@ -585,21 +585,27 @@ def test_device_cpu_reaches_the_ranks(tmp_path, monkeypatch):
         assert visible == os.environ.get("CUDA_VISIBLE_DEVICES")  # auto: as the caller has it
 
 
+def _assert_refused(suite, cases, tmp_path, capfd):
+    """Each (options, message) of `cases`: `python -m bench suite ...` exits 2 saying `message`
+    before any rank starts (nothing written)."""
+    from bench.__main__ import main
+
+    for options, message in cases:
+        with pytest.raises(SystemExit) as exit:
+            main([suite, "--device", "cpu", "--quick", "--out", str(tmp_path / "o"), *options])
+        err = capfd.readouterr().err
+        assert exit.value.code == 2 and message in err, (options, err)
+    assert not (tmp_path / "o").exists()
+
+
 def test_profile_one_rank_needs_an_assumed_link(tmp_path, monkeypatch, capfd):
     """profile --nproc 1 without --assume-link, or --assume-link on 2 ranks, or a latency without
     a unit: refused before any rank starts, with the fix in the message."""
-    from bench.__main__ import main
-
     _no_launch_env(monkeypatch)
     cases = [(["--nproc", "1"], "pass --assume-link RATE[,LATENCY]"),
              (["--nproc", "2", "--assume-link", "1gbit"], "only for one rank (--nproc 1)"),
              (["--nproc", "1", "--assume-link", "10gbit,50"], "expected a number with a unit s, ms, us or ns")]
-    for options, message in cases:
-        with pytest.raises(SystemExit) as exit:
-            main(["profile", "--device", "cpu", "--quick", "--out", str(tmp_path / "o"), *options])
-        err = capfd.readouterr().err
-        assert exit.value.code == 2 and message in err, (options, err)
-    assert not (tmp_path / "o").exists()
+    _assert_refused("profile", cases, tmp_path, capfd)
 
 
 def test_profile_one_rank_with_assumed_link_plans(tmp_path):
@@ -683,18 +689,11 @@ def test_offload_step_on_one_rank(tmp_path):
 def test_offload_step_options_checked(tmp_path, monkeypatch, capfd):
     """The step's heads must divide its hidden size and split over the ranks; unknown parts are
     refused; all before any rank starts."""
-    from bench.__main__ import main
-
     _no_launch_env(monkeypatch)
     cases = [(["--nproc", "1", "--step-hidden", "96", "--step-heads", "5"], "does not divide the step's hidden"),
              (["--nproc", "2", "--step-heads", "3", "--step-hidden", "96"], "pick a multiple of 2"),
              (["--parts", "step,nope"], "unknown part(s) ['nope']")]
-    for options, message in cases:
-        with pytest.raises(SystemExit) as exit:
-            main(["offload", "--device", "cpu", "--quick", "--out", str(tmp_path / "o"), *options])
-        err = capfd.readouterr().err
-        assert exit.value.code == 2 and message in err, (options, err)
-    assert not (tmp_path / "o").exists()
+    _assert_refused("offload", cases, tmp_path, capfd)
 
 
 def test_parse_assume_link():

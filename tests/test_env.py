@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from _spawn import finish_process
 
 import oases
 from oases import env
@@ -39,20 +40,6 @@ def _start(argv: list[str], environ: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ)
 
 
-def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:  # TimeoutExpired or the test's limit: stop it (a launcher then cleans up)
-        proc.terminate()
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-        raise
-    return proc.returncode, out, err
-
-
 def _label(key: str) -> str:
     return env._LABELS.get(key, key.replace("_", " "))
 
@@ -65,7 +52,7 @@ def test_command_lines_print_every_field():
         "text": _start([sys.executable, "-m", "oases.env"], _clean_env(OASES_MARK="text")),
         "json": _start([*script, "env", "--json"], _clean_env(OASES_MARK="json", LOCAL_RANK="0", MASTER_PORT="29511")),
     }
-    done = {name: _finish(proc, 50) for name, proc in procs.items()}
+    done = {name: finish_process(proc, 50) for name, proc in procs.items()}
 
     code, text, err = done["text"]
     assert code == 0, err
@@ -187,7 +174,7 @@ def test_probe_link_on_a_shaped_launch_measures_the_set_rate():
     proc = _start([sys.executable, "-m", "oases.launch", "--nproc", "2", "--bandwidth", "200mbit",
                    "-m", "oases.env", "--probe-link", "--json", "--sizes", "64KiB,256KiB,1MiB,4MiB",
                    "--repeats", "3", "--timeout", "60"], _clean_env())
-    code, out, err = _finish(proc, 75)
+    code, out, err = finish_process(proc, 75)
     assert code == 0, err
     assert "cannot shape" not in err, err
     result = json.loads(out)  # rank 0's only: the other rank prints nothing

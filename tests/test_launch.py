@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _spawn import finish_process, stop_process
 
 from oases.launch import main, parse_bandwidth
 
@@ -86,21 +87,8 @@ def launch(*args: str, env: dict | None = None, timeout: float = 45.0) -> Run:
     start = time.monotonic()
     proc = subprocess.Popen([*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except BaseException:  # TimeoutExpired, or the test's time limit
-        _stop(proc)
-        raise
-    return Run(proc.returncode, stdout, stderr, proc.pid, time.monotonic() - start)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.communicate(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    code, stdout, stderr = finish_process(proc, timeout)
+    return Run(code, stdout, stderr, proc.pid, time.monotonic() - start)
 
 
 def namespaces_of(pid: int) -> list[str]:
@@ -304,7 +292,7 @@ def test_ctrl_c_stops_ranks_and_deletes_namespaces(tmp_path, shaping):
             proc.communicate(timeout=20)  # returns once the ranks, holding the pipes, are gone
         finally:
             if proc.returncode is None:
-                _stop(proc)
+                stop_process(proc)
     assert proc.returncode == 128 + signal.SIGINT
     assert namespaces_of(proc.pid) == []
     assert root_links() <= links_before
