@@ -89,12 +89,14 @@ build() {
   local cc="${OASES_CC:-/usr/bin/gcc}" cxx="${OASES_CXX:-/usr/bin/g++}"
   [[ -x "$cc" && -x "$cxx" ]] || { cc="${CC:-gcc}"; cxx="${CXX:-g++}"; }
   echo "compilers: $cc, $cxx"
+  local so  # this interpreter's name for the built module (another Python's build may sit beside it)
+  so="python_api/oases/_C$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
   if CC="$cc" CXX="$cxx" OASES_BUILD_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
        "$py" setup.py build_ext --inplace; then
-    cp python_api/oases/_C*.so "$out/_C.so"
+    cp "$so" "$out/_C.so"
   elif [[ -n "${OASES_PREBUILT_SO:-}" && -f "${OASES_PREBUILT_SO}" ]]; then
     echo "build failed: using the prebuilt ${OASES_PREBUILT_SO}"
-    cp "$OASES_PREBUILT_SO" "python_api/oases/_C$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+    cp "$OASES_PREBUILT_SO" "$so"
   else
     return 1
   fi
