@@ -40,12 +40,12 @@ def _triton_available() -> bool:
     return True
 
 
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in _TRITON_DTYPES and _triton_available()
+    """16-bit CUDA operands with Triton importable (the only GEMM Triton runs: main_grad's)."""
+    return x.is_cuda and x.dtype in _LOW_PRECISION and _triton_available()
 
 
 def _needs_row_padding(x: torch.Tensor) -> bool:
