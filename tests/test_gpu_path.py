@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _interpreter import interpreter_failure
 from _spawn import harness_device, run_ranks
 
 import oases.comm.ring as ring_module
@@ -31,6 +32,8 @@ from oases.nn import ColumnParallelLinear, RowParallelLinear
 DEVICE = harness_device()
 on_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs the harness on CUDA (OASES_TEST_DEVICE=cuda)")
 on_cpu = pytest.mark.skipif(DEVICE != "cpu", reason="Triton's interpreter runs only with the CPU harness")
+_BROKEN = interpreter_failure() if DEVICE == "cpu" else None
+interpreted = pytest.mark.skipif(_BROKEN is not None, reason=_BROKEN or "")  # runs a kernel under the interpreter
 
 
 def _randn(shape, seed, dtype=torch.float32, device="cpu"):
@@ -81,6 +84,7 @@ def test_interpreter_is_detected_under_the_cpu_harness():
 
 
 @on_cpu
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_kernel_body_without_upcast_is_right(dtype):
     """The GPU plan's tl.dot in the input dtype, run by the interpreter with one config (its bf16
@@ -320,7 +324,7 @@ def _check_ops_main_grad(rank, p, forced_triton):
     return True
 
 
-@pytest.mark.parametrize("forced_triton", [False, pytest.param(True, marks=on_cpu)])
+@pytest.mark.parametrize("forced_triton", [False, pytest.param(True, marks=[on_cpu, interpreted])])
 def test_ops_accumulate_main_grad_in_fp32(forced_triton):
     _skip_unless_gpus(2)
     assert run_ranks(_check_ops_main_grad, 2, forced_triton, timeout=120) == [True, True]

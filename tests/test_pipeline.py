@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from _spawn import harness_device, run_ranks
+from _tolerances import state_atol
 
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline, actions
@@ -73,11 +74,12 @@ CASES_8 = [
 ]
 
 
-def _assert_state(state, want_state, where, *, rtol):
-    """The pipeline's full state dict: the single-process model's keys, in order, and values."""
+def _assert_state(state, want_state, where, *, rtol, optimizer):
+    """The pipeline's full state dict: the single-process model's keys, in order, and values
+    (within tests/_tolerances.py's bound for `optimizer`)."""
     assert list(state) == list(want_state), where
     for name, value in state.items():
-        torch.testing.assert_close(value.cpu(), want_state[name], rtol=rtol, atol=1e-5,
+        torch.testing.assert_close(value.cpu(), want_state[name], rtol=rtol, atol=state_atol(optimizer),
                                    msg=lambda msg: f"{where}: {name}: {msg}")
 
 
@@ -129,7 +131,7 @@ def _train_cases(rank, world_size, cases):
             assert pipe.freed_bytes > 0 and any(p.numel() == 0 for p in pipe.model.parameters()), where
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
         assert held < set(want_state) if pp > 1 else held == set(want_state), where
-        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5)
+        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5, optimizer=optimizer)
         pipe.close()
     return True
 
@@ -227,7 +229,7 @@ def _train_hf_cases(rank, world_size, cases, device="cpu"):
             loss = pipe.train_step(tokens, targets)
             torch.testing.assert_close(loss.cpu(), want_losses[step], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: loss of step {step}: {msg}")
-        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-4)
+        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-4, optimizer=optimizer)
         pipe.close()
     return True
 
@@ -668,7 +670,7 @@ def _dp_hierarchy(rank, world_size, cases):
             loss = pipe.train_step(tokens, targets)
             torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
                                        msg=lambda msg: f"{where}: loss of step {step}: {msg}")
-        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5)
+        _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5, optimizer=optimizer)
         buckets = sum(len(b) for b in pipe.sync.buckets)
         assert buckets > pipe.segments, where  # several buckets per segment
         assert pipe.scheduler.hierarchical_syncs == STEPS * buckets, where  # every bucket, every step

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from _spawn import run_ranks
+from _tolerances import state_atol
 
 from oases.pipeline import Pipeline
 
@@ -104,13 +105,13 @@ def _check_copies(pipe, where):
         assert torch.equal(value, last_state[key]), (where, key)
 
 
-def _assert_state(state, want, where, *, exact=False):
+def _assert_state(state, want, where, *, exact=False, optimizer="sgd"):
     assert list(state) == list(want), where
     for key, value in state.items():
         if exact:
             assert torch.equal(value, want[key]), (where, key)
         else:
-            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=state_atol(optimizer),
                                        msg=lambda msg: f"{where}: {key}: {msg}")
 
 
@@ -156,7 +157,7 @@ def _train(rank, world_size, cases, tmp):
             _check_copies(pipe, where)  # (this step's update is still pending)
         final = pipe.state_dict()  # applies it
         _check_copies(pipe, where)
-        _assert_state(final, want_state, where)
+        _assert_state(final, want_state, where, optimizer=optimizer)
         if export:
             _export(pipe, golden, final, os.path.join(tmp, "out"), where)
         pipe.close()
