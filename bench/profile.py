@@ -31,6 +31,10 @@ transformer layer of oases.models.GPT (hidden, heads, seq_len from the options):
                  from the rest: LinkFit.from_samples)
     memory       per TP degree: a layer's parameter bytes and the bytes of one row's sublayer input
                  (in --dtype)
+    chunks       the MLP's first GEMM at the largest rows and TP degree, whole and cut into c = 2, 4,
+                 8, 16 row pieces (--quick: 2, 4) written into their output slices: chunk_efficiency
+                 {c: t(whole) / t(c pieces)}, which the planner's chunk choice (Centauri's
+                 Algorithm 1, oases.planner.chunk_count) divides the compute by
 
 Writes the profile to `--profile-out` (default bench/profiles/<device>.json, named by the CPU
 model or GPU name), beside the run's usual JSON; the profile carries the versions and the link.
@@ -246,6 +250,52 @@ def measure_compute(ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequen
     return compute_samples(config, fns, ctx.timer.measure(fns))
 
 
+def chunk_variants(ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int],
+                   dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:
+    """The MLP's first GEMM of one rank (rows x seq_len tokens, hidden -> ffn / degree) whole and
+    cut into c row pieces written into their slices of one output, {"chunks/<c>": fn}, c = 1 and
+    each of `counts` that divides the tokens; each fn repeated as compute_variants' are."""
+    tokens, ffn = rows * config.seq_len, config.hidden * config.mlp_ratio // degree
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, config.hidden, generator=g).to(ctx.device, dtype)
+    wt = torch.randn(ffn, config.hidden, generator=g).to(ctx.device, dtype).t()
+    y = torch.empty(tokens, ffn, device=ctx.device, dtype=dtype)
+
+    def pieces(c: int) -> Callable[[], None]:
+        bounds = [(k * tokens // c, (k + 1) * tokens // c) for k in range(c)]
+
+        def run() -> None:
+            for a, b in bounds:
+                torch.matmul(x[a:b], wt, out=y[a:b])
+        return run
+
+    fns = {f"chunks/{c}": pieces(c) for c in (1, *counts) if tokens % c == 0}
+    once = []
+    for fn in fns.values():
+        fn()
+        ctx.sync()
+        started = time.perf_counter()
+        fn()
+        ctx.sync()
+        once.append(time.perf_counter() - started)
+    times = torch.tensor([min(max(math.ceil(RUN_S / max(t, 1e-6)), 1), 64) for t in once], dtype=torch.float64)
+    times = ctx.timer.max_over_ranks(times).tolist()
+    return {name: _repeated(fn, int(k)) for (name, fn), k in zip(fns.items(), times)}
+
+
+def chunk_efficiency(fns: Mapping[str, Any], timings: Mapping[str, Any]) -> dict[str, float]:
+    """{"c": time of the whole GEMM / time of it in c pieces} from chunk_variants' timings (the
+    planner's chunk choice reads it: oases.planner.chunk_count's `efficiency`)."""
+    per_call = {int(name.split("/")[1]): timings[name].median / getattr(fn, "times", 1) for name, fn in fns.items()}
+    return {str(c): per_call[1] / t for c, t in sorted(per_call.items()) if c > 1}
+
+
+def measure_chunk_efficiency(ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int],
+                             dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    fns = chunk_variants(ctx, config, rows, degree, counts, dtype)
+    return chunk_efficiency(fns, ctx.timer.measure(fns))
+
+
 def measure_head(ctx, config: GPTConfig, rows: Sequence[int],
                  dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
     """Seconds of the GPT's head (final norm, LM head, summed cross-entropy) forward and backward,
@@ -412,6 +462,7 @@ def device_slug(device: dict[str, str]) -> str:
 
 def profile_document(ctx, config: GPTConfig, compute, head, collectives, memory,
                      overlap: Optional[dict[str, float]] = None, *, dtype: torch.dtype = torch.float32,
+                     chunks: Optional[dict[str, float]] = None,
                      assumed: Optional[dict[str, Any]] = None,
                      skipped: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """The planner's profile (oases.planner.profile_from_dict reads it). `assumed`: what was
@@ -432,6 +483,7 @@ def profile_document(ctx, config: GPTConfig, compute, head, collectives, memory,
             "dtype": str(dtype).removeprefix("torch."),
             "element_bytes": torch.empty((), dtype=dtype).element_size(), "flops_per_s": rate,
             "overlap_efficiency": 1.0 if overlap is None else overlap["overlap_efficiency"], "overlap": overlap,
+            "chunk_efficiency": chunks or {},
             "model": {"hidden": config.hidden, "heads": config.heads, "seq_len": config.seq_len,
                       "ffn_hidden": config.hidden * config.mlp_ratio, "vocab_size": config.vocab_size},
             "compute": compute, "head": head, "collectives": collectives, "memory": memory,
@@ -450,6 +502,8 @@ def run(args, ctx) -> list[dict]:
     compute = measure_compute(ctx, config, degrees, rows, dtype)
     head = measure_head(ctx, config, rows, dtype)
     memory = measure_memory(config, degrees, dtype)
+    chunks = measure_chunk_efficiency(ctx, config, max(rows), degrees[-1], (2, 4) if args.quick else (2, 4, 8, 16),
+                                      dtype)
     assumed: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     if ctx.world_size > 1:
@@ -465,7 +519,7 @@ def run(args, ctx) -> list[dict]:
         skipped = {"collectives": "one rank: nothing to communicate with (--assume-link states the link)",
                    "overlap": "one rank: no all-reduce to overlap with compute (overlap_efficiency 1.0 assumed)"}
     doc = profile_document(ctx, config, compute, head, collectives, memory, overlap, dtype=dtype,
-                           assumed=assumed, skipped=skipped)
+                           chunks=chunks, assumed=assumed, skipped=skipped)
     if ctx.rank == 0:
         path = args.profile_out or os.path.join(PROFILES_DIR, device_slug(ctx.meta["device"]) + ".json")
         write_json(path, doc)

@@ -3,6 +3,7 @@ Centauri's chunk rule and backward priority, FOLD3D's numbers, `oases plan` and 
 from __future__ import annotations
 
 import itertools
+import math
 import json
 import subprocess
 import sys
@@ -288,6 +289,45 @@ def test_chunk_count_algorithm_1():
     assert P.overlapped_time(1.0, 0.01, 1e-3, 4) == pytest.approx(1.0065)
     with pytest.raises(ValueError, match="comm_cost"):
         P.chunk_count(1.0, -1.0, 0.0)
+
+
+def test_chunk_count_with_measured_gemm_efficiency():
+    """Chunked GEMMs run slower (H200, Llama GEMMs: 0.98, 0.93, 0.83, 0.68 at 2, 4, 8, 16): the
+    compute is divided by e(n), so fewer pieces win where the ideal model took many."""
+    from oases.planner.chunks import chunk_efficiency
+
+    h200 = {2: 0.98, 4: 0.93, 8: 0.83, 16: 0.68}
+    assert chunk_efficiency(h200, 1) == 1.0 and chunk_efficiency(None, 8) == 1.0
+    assert chunk_efficiency(h200, 8) == 0.83 and chunk_efficiency(h200, 32) == 0.68
+    assert chunk_efficiency(h200, 3) == pytest.approx(0.98 + (0.93 - 0.98) * (math.log2(3) - 1))
+    # comp = comm = 1 s, free chunks: ideal takes all 16; measured, T(2) = 1/0.98 + 1/2 ~ 1.52,
+    # T(4) = 1/0.93 + 1/4 ~ 1.325, T(8) = 1/0.83 + 1/8 ~ 1.33: four pieces
+    assert P.chunk_count(1.0, 1.0, 0.0) == 16
+    assert P.chunk_count(1.0, 1.0, 0.0, efficiency=h200) == 4
+    assert P.overlapped_time(1.0, 1.0, 0.0, 4, 0.93) == pytest.approx(1 / 0.93 + 1 / 4)
+    with pytest.raises(ValueError, match="efficiency"):
+        P.chunk_count(1.0, 1.0, 0.0, efficiency={2: 0.0})
+    with pytest.raises(TypeError, match="efficiency"):
+        P.chunk_count(1.0, 1.0, 0.0, efficiency=[0.9])
+
+
+def test_plan_records_chunks_from_the_profile_efficiency(tmp_path):
+    """A plan's layers and the plan itself carry the chunk count Algorithm 1 picks with the
+    profile's efficiency; oases.plan.chunks reads it back for parallelize(model, chunks=...)."""
+    shape = P.ModelShape(layers=4, hidden=1024, heads=16, seq_len=2048, vocab_size=1024)
+    base = P.analytical_profile(flops_per_s=100e12, link="100gbit", latency_s=1e-6)
+    poor_gemms = replace(base, chunk_efficiency={2: 0.5, 4: 0.25, 8: 0.125, 16: 0.0625})
+    kwargs = dict(world=2, batch=4, tp_max=2, variants=(("oases", 2),), device_memory="80GB")
+    ideal, poor = P.plan(shape, profile=base, **kwargs), P.plan(shape, profile=poor_gemms, **kwargs)
+    assert ideal.tp == poor.tp == 2
+    assert ideal.chunks > 1 and all(layer["chunks"] == ideal.chunks for layer in ideal.layers)
+    assert poor.chunks == 1  # each piece doubles the GEMM's time: never worth cutting
+    path = tmp_path / "plan.json"
+    ideal.save(str(path))
+    assert oases.plan.chunks(str(path)) == ideal.chunks
+    with open(path) as f:
+        assert json.load(f)["profile"]["chunk_efficiency"] == {}
+    assert oases.plan.chunks(str(path)) > 1
 
 
 def test_backward_priority_eq_1():

@@ -2,6 +2,7 @@
 
     degrees = oases.plan.load("plan.json")       # [2, 2, 4, 4, ..., 2]: one TP degree per layer
     sp = oases.plan.sequence_parallel("plan.json")  # train_step(..., sequence_parallel=sp)
+    n = oases.plan.chunks("plan.json")           # parallelize(model, chunks=n)
     doc = oases.plan.read("plan.json")           # the whole document: layout, predictions, per layer
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 from oases.planner._files import read_json
 from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
 
-__all__ = ["load", "read", "sequence_parallel", "Plan"]
+__all__ = ["load", "read", "sequence_parallel", "chunks", "Plan"]
 
 
 def read(path: str) -> dict[str, Any]:
@@ -39,4 +40,14 @@ def sequence_parallel(path: str) -> bool:
     value = read(path).get("sequence_parallel", False)
     if not isinstance(value, bool):
         raise ValueError(f"path: {path!r} has a sequence_parallel that is not true or false: {value!r}")
+    return value
+
+
+def chunks(path: str) -> int:
+    """Pieces per fused GEMM + collective of the plan at `path`, for `parallelize(model, chunks=...)`
+    or the layers' `chunks=`: Centauri's Algorithm 1 with the profile's measured chunked-GEMM
+    efficiency. Plans written before the planner chose it have none: 1 (no chunking)."""
+    value = read(path).get("chunks", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"path: {path!r} has a chunks that is not a positive integer: {value!r}")
     return value

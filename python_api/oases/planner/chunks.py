@@ -11,13 +11,18 @@ them; each chunk pays a fixed `in_cost` (a message's latency, a kernel launch):
 
 Algorithm 1 doubles n from 1 while the modelled time falls and n stays within `max_chunks`
 (and among the counts the op accepts); the tail term shrinks as 1/n and the overheads grow as n.
+
+A GEMM cut into n pieces runs slower than one GEMM (smaller tiles, less reuse: on an H200 the
+Llama GEMMs at n = 2, 4, 8, 16 ran at 0.98, 0.93, 0.83, 0.68 of one). With the measured
+efficiency e(n) (a profile's "chunk_efficiency", `python -m bench profile`) the compute is
+comp / e(n) in every term; e(1) = 1, and counts between measured ones are interpolated in log2 n.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
-__all__ = ["overlapped_time", "chunk_count", "backward_priority", "op_chunks", "MAX_CHUNKS",
+__all__ = ["overlapped_time", "chunk_count", "chunk_efficiency", "backward_priority", "op_chunks", "MAX_CHUNKS",
            "OP_FLOPS_PER_S", "OP_BYTES_PER_S", "OP_IN_COST_S"]
 
 MAX_CHUNKS = 16
@@ -34,36 +39,82 @@ def _check_cost(name: str, value: float) -> float:
     return float(value)
 
 
-def overlapped_time(comp_cost: float, comm_cost: float, in_cost: float, chunks: int) -> float:
-    """Modelled seconds of an op cut into `chunks` pipelined pieces (see the module docstring)."""
+def chunk_efficiency(efficiency: Optional[Mapping[int, float]], chunks: int) -> float:
+    """e(chunks) from measured {count: time of one GEMM / time of the same GEMM in `count` pieces}:
+    1 at one chunk or with nothing measured; between measured counts linear in log2(count); beyond
+    the largest measured count, that count's figure (no extrapolated fall)."""
+    if not efficiency or chunks <= 1:
+        return 1.0
+    points = sorted({1: 1.0, **{int(c): float(e) for c, e in efficiency.items()}}.items())
+    if chunks >= points[-1][0]:
+        return points[-1][1]
+    for (c0, e0), (c1, e1) in zip(points, points[1:]):
+        if c0 <= chunks <= c1:
+            w = (math.log2(chunks) - math.log2(c0)) / (math.log2(c1) - math.log2(c0))
+            return e0 + w * (e1 - e0)
+    return 1.0  # unreachable: points start at 1 and chunks > 1
+
+
+def check_efficiency(efficiency: Optional[Mapping[int, float]], what: str = "efficiency") -> dict[int, float]:
+    """{count: e} with counts >= 1 and 0 < e <= 2 (a chunked GEMM may even run a little faster)."""
+    if efficiency is None:
+        return {}
+    if not isinstance(efficiency, Mapping):
+        raise TypeError(f"{what}: expected a mapping {{chunk count: efficiency}}, got {type(efficiency).__name__}")
+    out = {}
+    for count, e in efficiency.items():
+        try:
+            n, value = int(count), float(e)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}: {count!r}: {e!r} is not a chunk count and a number") from None
+        if n < 1 or not 0.0 < value <= 2.0:
+            raise ValueError(f"{what}: expected counts >= 1 and efficiencies in (0, 2], got {count!r}: {e!r}")
+        out[n] = value
+    return out
+
+
+def overlapped_time(comp_cost: float, comm_cost: float, in_cost: float, chunks: int,
+                    efficiency: float = 1.0) -> float:
+    """Modelled seconds of an op cut into `chunks` pipelined pieces whose GEMMs run at `efficiency`
+    of one GEMM (see the module docstring)."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks: expected a positive int, got {chunks!r}")
-    return max(comp_cost, comm_cost) + min(comp_cost, comm_cost) / chunks + chunks * in_cost
+    if not efficiency > 0:
+        raise ValueError(f"efficiency: expected a number > 0, got {efficiency!r}")
+    comp = comp_cost / efficiency
+    return max(comp, comm_cost) + min(comp, comm_cost) / chunks + chunks * in_cost
 
 
 def chunk_count(comp_cost: float, comm_cost: float, in_cost: float, *, max_chunks: int = MAX_CHUNKS,
-                allowed: Optional[Iterable[int]] = None) -> int:
+                allowed: Optional[Iterable[int]] = None, efficiency: Optional[Mapping[int, float]] = None) -> int:
     """Centauri Algorithm 1: the chunk count for an op of `comp_cost` compute and `comm_cost`
     communication seconds, `in_cost` seconds of overhead per chunk.
 
     ::
 
+        t(n) = overlapped_time(comp, comm, in_cost, n, chunk_efficiency(efficiency, n))
         n = 1
-        while 2n <= max_chunks and overlapped_time(2n) < overlapped_time(n): n = 2n
+        while 2n <= max_chunks and t(2n) < t(n): n = 2n
 
     With `allowed` (e.g. the counts that divide the op's rows) the walk goes through the allowed
-    counts in ascending order instead of doubling, and 1 is always allowed."""
+    counts in ascending order instead of doubling, and 1 is always allowed. `efficiency`: the
+    measured {count: e(count)} of chunked GEMMs (None: every count at 1, the ideal)."""
     comp_cost, comm_cost = _check_cost("comp_cost", comp_cost), _check_cost("comm_cost", comm_cost)
     in_cost = _check_cost("in_cost", in_cost)
+    efficiency = check_efficiency(efficiency)
     if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
         raise ValueError(f"max_chunks: expected a positive int, got {max_chunks!r}")
     if allowed is None:
         steps = [2 ** i for i in range(int(math.log2(max_chunks)) + 1)]
     else:
         steps = sorted({1, *(int(c) for c in allowed if 1 <= int(c) <= max_chunks)})
+
+    def t(n: int) -> float:
+        return overlapped_time(comp_cost, comm_cost, in_cost, n, chunk_efficiency(efficiency, n))
+
     best = steps[0]
     for n in steps[1:]:
-        if overlapped_time(comp_cost, comm_cost, in_cost, n) >= overlapped_time(comp_cost, comm_cost, in_cost, best):
+        if t(n) >= t(best):
             break
         best = n
     return best

@@ -39,7 +39,11 @@ def _form_line(p: Plan) -> str:
         return "does not fit / cannot run" if t is None else f"{1e3 * t:.1f} ms"
 
     chosen = "reduce-scatter + all-gather (sequence_parallel=True)" if p.sequence_parallel else "all-reduce"
-    return f"collectives: {chosen}; predicted step with all-reduces {ms('all_reduce')}, with RS + AG {ms('rs_ag')}"
+    efficiency = p.profile.get("chunk_efficiency") or {}
+    measured = ("measured chunked-GEMM efficiency " + ", ".join(f"{n}: {e:.2f}" for n, e in efficiency.items())
+                if efficiency else "chunked GEMMs assumed ideal (the profile has no chunk_efficiency)")
+    return (f"collectives: {chosen}; predicted step with all-reduces {ms('all_reduce')}, with RS + AG {ms('rs_ag')}\n"
+            f"chunks: {p.chunks} per fused op (parallelize(model, chunks={p.chunks}); {measured})")
 
 
 def render(p: Plan) -> str:

@@ -66,6 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
+from oases.planner.chunks import chunk_count
 from oases.planner.collectives import CollectiveChoice
 from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
@@ -144,6 +145,7 @@ class LayerCost:
     comm_s: float
     states_bytes: float  # the layer's shard of weights, gradients and optimizer states
     saved_bytes: float   # inputs kept for recomputation, per step (micro-batch)
+    chunks: int = 1      # pieces per fused GEMM + collective (Centauri's Algorithm 1; 1 at degree 1)
 
     @property
     def memory_bytes(self) -> float:
@@ -205,11 +207,13 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
                          f"{shape.seq_len} divisible by it; got degree {degree}")
     rs, ag = _sp_collectives(work, profile, degree) if sp else (0.0, 0.0)
     stall = 0.0  # what a pass boundary leaves exposed: min(one unit's compute, its all-reduce)
+    widest = (0.0, 0.0)  # (compute, collective) of the forward unit with the longest collective
     for sublayer in SUBLAYERS:
         c_f, c_b, c_r, a = _unit(work, profile, sublayer, degree)
         # sequence parallel: each all-reduce is a reduce-scatter + all-gather; recomputation re-gathers
         a_fwd, a_bwd = (rs + ag, rs + (2 if fine else 1) * ag) if sp else (a, a)
         stall = max(stall, min(c_f, a_fwd))
+        widest = max(widest, (c_f, a_fwd), key=lambda pair: pair[1])
         passes(c_f, a_fwd)                               # forward
         passes(c_b + (c_r if fine else 0.0), a_bwd)      # backward (fine-grained: recompute inside)
         if not fine:
@@ -235,7 +239,11 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         time += head
         compute += head
     states = shape.rank_layer_parameters(degree) * work.state_bytes
-    return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e))
+    # the fused ops' chunk count: Algorithm 1 on that unit, with the profile's chunked-GEMM efficiency
+    # (the step's time above does not model chunking: the sub-batches' overlap is what it counts)
+    chunks = 1 if degree == 1 else chunk_count(widest[0], widest[1], profile.latency_s,
+                                                efficiency=profile.chunk_efficiency)
+    return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e), chunks)
 
 
 def kept_input_bytes(work: Workload, degree: int, element_bytes: float) -> float:

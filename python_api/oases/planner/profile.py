@@ -31,6 +31,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from oases.planner._files import read_json
+from oases.planner.chunks import check_efficiency
 from oases.planner.model import SUBLAYERS, ModelShape
 
 __all__ = ["LinkFit", "ComputeSample", "Profile", "analytical_profile", "load_profile", "parse_bytes",
@@ -160,6 +161,8 @@ class Profile:
     collectives: Mapping[tuple[str, int], LinkFit] = field(default_factory=dict)
     source: str = "analytical"
     overlap: float = 1.0  # share of the shorter of an overlapped (compute, comm) pair that is hidden
+    # {n: time of one GEMM / time of it cut into n pieces}, measured (empty: every count ideal)
+    chunk_efficiency: Mapping[int, float] = field(default_factory=dict)
 
     def overlapped(self, compute_s: float, comm_s: float) -> float:
         """Seconds of a compute and a communication run at once: max(c, a) (eq. 3) when the device
@@ -228,6 +231,7 @@ class Profile:
         return {"device": self.device, "source": self.source, "flops_per_s": self.flops_per_s,
                 "link_bytes_per_s": self.link_bytes_per_s, "latency_s": self.latency_s,
                 "element_bytes": self.element_bytes, "overlap": self.overlap, "compute_samples": len(self.compute),
+                "chunk_efficiency": {str(n): e for n, e in sorted(self.chunk_efficiency.items())},
                 "collective_fits": {f"{k}@{g}": [f.latency_s, f.bytes_per_s] for (k, g), f in self.collectives.items()}}
 
 
@@ -280,6 +284,8 @@ def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float
         flops_per_s = float(doc["flops_per_s"])
         element_bytes = int(doc.get("element_bytes", 4))
         overlap = min(max(float(doc.get("overlap_efficiency", 1.0)), 0.0), 1.0)
+        # profiles written before it was measured lack it: every chunk count ideal
+        efficiency = check_efficiency(doc.get("chunk_efficiency"), f"profile: {source}: chunk_efficiency")
     except (KeyError, TypeError) as err:
         raise ValueError(f"profile: {source} lacks {err} (profile again with `python -m bench profile`)") from None
     link_fit = collectives.get(("p2p", 2)) or LinkFit(DEFAULT_LATENCY_S, 1e9)
@@ -289,4 +295,5 @@ def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float
         collectives = {}
     return Profile(device=str(doc.get("device", {}).get("name", "unknown")), flops_per_s=flops_per_s,
                    link_bytes_per_s=bytes_per_s, latency_s=latency_s, element_bytes=element_bytes,
-                   compute=compute, head=head, collectives=collectives, source=source, overlap=overlap)
+                   compute=compute, head=head, collectives=collectives, source=source, overlap=overlap,
+                   chunk_efficiency=efficiency)

@@ -121,6 +121,9 @@ class Plan:
     # None where it does not fit or cannot run)
     sequence_parallel: bool = False
     form_step_s: dict[str, Optional[float]] = field(default_factory=dict)
+    # pieces per fused GEMM + collective for parallelize(..., chunks=): the layers' most common
+    # count (Centauri's Algorithm 1 with the profile's chunked-GEMM efficiency; 1 without TP)
+    chunks: int = 1
 
     @property
     def mixed(self) -> bool:
@@ -251,11 +254,13 @@ def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batc
     exposed = max(0.0, step - compute)
     layers = tuple({"layer": i, "degree": c.degree, "time_s": c.time_s, "compute_s": c.compute_s,
                     "comm_s": c.comm_s, "memory_bytes": c.states_bytes + in_flight * c.saved_bytes,
-                    "dominated_by": c.dominated_by} for i, c in enumerate(chosen.layers))
+                    "dominated_by": c.dominated_by, "chunks": c.chunks} for i, c in enumerate(chosen.layers))
+    counts = [c.chunks for c in chosen.layers if c.degree > 1] or [1]
+    chunks = max(set(counts), key=lambda k: (counts.count(k), -k))  # ties: fewer pieces
     return Plan(model=model, world=world, batch=batch, device_memory=budget, dp=dp, pp=pp, tp=tp,
                 schedule=schedule, sub_batches=n, micro_batches=m, segments=ns, dp_overlap_ratio=ratio,
                 tp_degrees=chosen.degrees * pp, step_s=step, memory_bytes=chosen.memory_bytes,
                 compute_s=compute, exposed_comm_s=exposed,
                 dominated_by="exposed comm" if exposed > compute else "compute",
                 uniform_step_s=uniform_step, layers=layers, profile=profile.to_dict(),
-                sequence_parallel=form == "rs_ag", form_step_s=form_step)
+                sequence_parallel=form == "rs_ag", form_step_s=form_step, chunks=chunks)
