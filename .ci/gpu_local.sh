@@ -76,6 +76,17 @@ env_report() {
     echo "ip netns: refused"
   fi
   if tc qdisc show dev lo >/dev/null 2>&1; then echo "tc: works"; else echo "tc: refused"; fi
+  # Without root's netns: a user namespace of its own (`unshare -rn`) may still let tc shape its lo.
+  if unshare -rn true 2>/dev/null; then
+    echo "unshare -rn: works"
+    if unshare -rn bash -c 'ip link set lo up && tc qdisc add dev lo root netem delay 1ms' 2>&1; then
+      echo "tc in a user namespace: works"
+    else
+      echo "tc in a user namespace: refused"
+    fi
+  else
+    echo "unshare -rn: refused"
+  fi
 }
 
 build() {
@@ -119,13 +130,17 @@ stage gpu-tests 180 gpu_tests
 stage micro 150 "$py" -m bench.cuda_micro --out "$out" --watchdog 140 --no-plots ${OASES_MICRO_ARGS:-}
 stage memcheck 120 env OASES_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
   "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched_copies or copy_engine or offloader_round_trip"
-stage offload 120 "$py" -m bench offload --device cuda --nproc 1 --parts step --step-hidden 1024 --step-heads 8 \
-  --step-layers 16 --step-seq-len 2048 --step-batch 8 --warmup 2 --iters 5 --out "$work/offload"
+# A Llama-sized layer stack that fills a good part of the GPU (about 60 GB at its peak on an H200):
+# 1.6 B parameters twice (offload on and off both resident) and 64 checkpoints of 256 MiB.
+stage offload 180 "$py" -m bench offload --device cuda --nproc 1 --parts step ${OASES_OFFLOAD_ARGS:---step-hidden 2048 \
+  --step-heads 16 --step-layers 32 --step-seq-len 4096 --step-batch 8 --step-autocast bfloat16 --warmup 2 --iters 5} \
+  --out "$work/offload"
 cp "$(ls -t "$work"/offload/*.json 2>/dev/null | head -n 1)" "$out/offload.json" 2>/dev/null
 stage profile 150 "$py" -m bench profile --device cuda --nproc 1 --assume-link 25gbit,20us --dtype bfloat16 \
   --hidden 4096 --heads 32 --seq-len 2048 --vocab 32000 --rows 1,2,4 --out "$work/profile" --profile-out "$out/profile.json"
 stage plan 30 "$py" -m oases.planner.cli plan --model llama-7b --world 16 --device-memory 141GB \
   --profile "$out/profile.json" --out "$out/plan.json"
-stage cpu-suite 600 env OASES_TEST_DEVICE=cpu "$py" -m pytest -q -rf -p no:cacheprovider -n 8 --maxfail 30 tests
+stage cpu-suite 300 env OASES_TEST_DEVICE=cpu "$py" -m pytest -q -rf --tb=short -p no:cacheprovider -n 14 \
+  --maxfail 40 tests
 echo "total: $(( $(date +%s) - t0 ))s, failed=$failed" | tee -a "$summary"
 exit "$failed"

@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the step's sequence length (default: --seq-len's)")
     parser.add_argument("--step-batch", type=_positive, default=None,
                         help="the step's sequences per step (default: --batch's)")
+    parser.add_argument("--step-autocast", choices=("bfloat16", "float16"), default=None,
+                        help="run the step under torch.autocast in this dtype (default: none, fp32), as a GPU "
+                             "user trains")
 
 
 def _positive(text: str) -> int:
@@ -186,8 +189,15 @@ def _step(args, ctx) -> dict:
     offloader = Offloader(batch=args.batch_size)
     models = {"off": GPT(config, ctx.group, schedule="oases", seed=0).to(ctx.device),
               "on": GPT(config, ctx.group, schedule="oases", seed=0, offload=offloader).to(ctx.device)}
-    steps = {name: (lambda memory=None, m=m: m.train_step(tokens, targets, memory=memory))
-             for name, m in models.items()}
+    autocast = getattr(torch, args.step_autocast) if args.step_autocast else None
+
+    def step_of(model):
+        def step(memory=None):
+            with torch.autocast(ctx.device.type, autocast, enabled=autocast is not None):
+                return model.train_step(tokens, targets, memory=memory)
+        return step
+
+    steps = {name: step_of(m) for name, m in models.items()}
     losses = {name: step() for name, step in steps.items()}  # "on": its profiling step sizes the slab
     if not torch.equal(losses["off"], losses["on"]):
         raise AssertionError(f"offload bench: loss with offload {losses['on']} differs from {losses['off']}")
@@ -206,7 +216,7 @@ def _step(args, ctx) -> dict:
     stats = offloader.stats
     record = {"kind": "step", "schedule": "oases", "offload_batch": args.batch_size,
               "config": {"hidden": hidden, "layers": layers, "heads": heads, "batch": batch, "seq_len": seq_len,
-                         "tp": ctx.world_size},
+                         "tp": ctx.world_size, "autocast": args.step_autocast},
               "t_step": {name: t.median for name, t in timed.items()},
               "t_step_min": {name: t.min for name, t in timed.items()},
               "ratio_on_off": timed["on"].median / timed["off"].median,
@@ -345,7 +355,8 @@ def _step_table(step: dict) -> Table:
                           "(reset before each variant) minus what was allocated before it, MAX over ranks; step on / "
                           "off = their ratio; peak GiB = the whole peak, both variants' models and gradients resident")
     return Table(f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c.get('heads', 8)} heads, "
-                 f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}",
+                 f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}"
+                 + (f", {c['autocast']} autocast" if c.get("autocast") else ""),
                  ["offload", "t_step ms", "on / off", "ckpt MiB", "step GiB", "step on / off", "peak GiB",
                   "copies out", "copies in"], step_rows, step_notes)
 
