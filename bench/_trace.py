@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-COMPUTE, COMM, OP, DP = 0, 1, 2, 3
-THREAD_NAMES = {COMPUTE: "compute", COMM: "communication", OP: "op", DP: "data-parallel sync"}
+COMPUTE, COMM, OP, DP, IN_FLIGHT = 0, 1, 2, 3, 4
+THREAD_NAMES = {COMPUTE: "compute", COMM: "communication", OP: "op", DP: "data-parallel sync",
+                IN_FLIGHT: "collectives in flight"}
 
 
 class Recorder:
@@ -43,8 +44,12 @@ class Recorder:
         finally:
             self._sync()
             stop = time.perf_counter()
-            self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
-                                "ts": start * 1e6, "dur": (stop - start) * 1e6, "args": args})
+            self.interval(name, tid, start, stop, **args)
+
+    def interval(self, name: str, tid: int, start: float, stop: float, **args: Any) -> None:
+        """An event of times measured elsewhere (time.perf_counter seconds)."""
+        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
+                            "ts": start * 1e6, "dur": (stop - start) * 1e6, "args": args})
 
 
 class _LinearOnly:

@@ -23,6 +23,10 @@ sublayer's forward graph kept as the peers keep autograd's activations):
     t_comm      the step's all-reduces alone: as many, as large, blocking, back to back
     bound       max(t_compute, t_comm); efficiency = (t_megatron - t_step) / (t_megatron - bound)
     busy        1 - (time blocked on communication) / t_step, the least busy rank
+    exposure    (a second table, CPU) one recorded step's waits split by cause for the rank that
+                waited most (oases.schedule.exposure: dependency, issue order, latency, bandwidth,
+                interference, host; ring steps not split) and the compute's own slow-down; every
+                all-reduce's time in flight also goes to the trace
     peak MiB    rise of the process's peak resident memory during one step (VmHWM reset first,
                 glibc set to return freed blocks at once; measured after all timings)
     sent MiB    bytes each rank sends per step, by ring (oases.schedule.Communicator's count; a
@@ -70,9 +74,11 @@ import torch.nn.functional as F
 from bench import _metrics
 from bench._peers import CollectiveLog, agree
 from bench._report import Table, save_figure
+from bench._trace import IN_FLIGHT
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
+from oases.schedule.exposure import CAUSES, AllReduceModel, attribute, gather_logs
 from oases.schedule.runtime import _Task, _Work
 
 BASELINE = "megatron"
@@ -365,11 +371,14 @@ def run(args, ctx) -> list[dict]:
         compute = ctx.timer.measure(case.ours)
 
     records = []
+    tiny = torch.zeros(EXPOSURE_SMALL_BYTES // 4, device=ctx.device)  # the link's latency, for the breakdown:
+    t_tiny = ctx.timer.measure({"tiny": lambda: [dist.all_reduce(tiny) for _ in range(EXPOSURE_SMALL_CALLS)]})
+    t_tiny = t_tiny["tiny"].median / EXPOSURE_SMALL_CALLS  # back to back, as a step issues them
     for name, step in case.ours.items():
         comm = case.comms[name]
         comm.reset()
         busy_before = time.perf_counter()
-        with _traced_waits(ctx, name):
+        with _traced_waits(ctx, name), comm.recording() as log:
             step()
         step_s = time.perf_counter() - busy_before
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
@@ -383,6 +392,8 @@ def run(args, ctx) -> list[dict]:
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
                                calls, sent, None, losses[name]))
         records[-1]["checkpoint_mib"] = memory.peak / 2**20
+        records[-1]["exposure"] = _exposure(ctx, name, log, comm.waited, step_s, compute[name].median,
+                                            t_tiny, t_comm.median / max(calls, 1), replay.numel() * 4)
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
             step()
@@ -413,6 +424,40 @@ def run(args, ctx) -> list[dict]:
             f"included in every t_step of ours): {1e6 * t_check.median:.0f} us per step = "
             f"{100 * t_check.median / by_name[BASELINE]['t_step']:.2f}% of {BASELINE}'s t_step"]
     return records
+
+
+EXPOSURE_SMALL_BYTES, EXPOSURE_SMALL_CALLS = 64, 20
+
+
+def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, t_tiny: float,
+              t_one: float, one_bytes: int) -> Optional[dict]:
+    """The recorded step's waits split by cause (oases.schedule.exposure), for the rank that
+    waited most; the link model through an all-reduce of EXPOSURE_SMALL_BYTES and one of the
+    step's mean size, each timed alone. `unattributed`: waits not on an asynchronous all-reduce
+    (ring steps: sequence parallelism's gathers and scatters). `compute_slowed`: the step's time
+    not waiting, minus t_compute (the same step with nothing sent): compute slowed while the
+    transfers run (CPU interference on the compute side; noise when small). The in-flight
+    interval of every all-reduce goes to the trace (tid IN_FLIGHT). None on CUDA or one rank."""
+    if ctx.world_size < 2 or ctx.is_cuda:
+        return None
+    logs = gather_logs(log, ctx.group)
+    for r in log.records:
+        if r.ended is not None:
+            ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
+    if not one_bytes > EXPOSURE_SMALL_BYTES:
+        return None
+    link = AllReduceModel.fit(t_tiny, EXPOSURE_SMALL_BYTES, t_one, one_bytes, ctx.world_size)
+    per_rank = attribute(logs, link)
+    figures = torch.tensor([waited, step_s], dtype=torch.float64)
+    gathered = [torch.zeros_like(figures) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, figures, group=ctx.group)
+    rank = max(range(ctx.world_size), key=lambda r: float(gathered[r][0]))
+    waited_r, step_r = (float(v) for v in gathered[rank])
+    causes = per_rank[rank]
+    return {"rank": rank, "waited": waited_r, "step": step_r, "causes": causes,
+            "unattributed": max(0.0, waited_r - sum(causes.values())),
+            "compute_slowed": step_r - waited_r - t_compute,
+            "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}}
 
 
 def _record(name: str, t_step: float, t_compute: Optional[float], t_comm: Optional[float],
@@ -450,7 +495,30 @@ def tables(records: list[dict]) -> list[Table]:
          "peers keep autograd's activations instead)",
          "sent MiB = bytes each rank sends per step by ring: all-reduce (AR) 2 (p-1)/p n, all-gather (AG) "
          "and reduce-scatter (RS) (p-1)/p n, for a full tensor of n bytes",
-         *records[0]["notes"]])]
+         *records[0]["notes"]]), *_exposure_table(records)]
+
+
+def _exposure_table(records: list[dict]) -> list[Table]:
+    """Where each schedule's waits went (one recorded step, the rank that waited most)."""
+    rows = []
+    for r in records:
+        e = r.get("exposure")
+        if e is None:
+            continue
+        rows.append([r["schedule"], 1e3 * e["step"], 1e3 * e["waited"], *(1e3 * e["causes"][c] for c in CAUSES),
+                     1e3 * e["unattributed"], 1e3 * e["compute_slowed"]])
+    if not rows:
+        return []
+    return [Table("layers: where the waits went (ms; one recorded step, the rank that waited most)",
+                  ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed"], rows,
+                  ["waited = dependency + issue order + latency + bandwidth + interference + host + ring steps "
+                   "(oases.schedule.exposure): dependency = no other sub-batch ran while it waited; issue order = "
+                   "a peer had not issued it yet; latency / bandwidth = the link's own time for it (a ring's "
+                   "messages / its bytes, fitted from all-reduces timed alone) not covered by compute; "
+                   "interference = slower than that link time (the cores that compute also reduce, or "
+                   "collectives sharing the link); host = waking up after it completed; ring steps = waits "
+                   "inside ring all-gathers / reduce-scatters (sequence parallelism), not split",
+                   "compute slowed = step - waited - t_compute: the compute's own slow-down while transfers run"])]
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:

@@ -29,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
 
 from bench import _metrics  # noqa: E402
+from oases.schedule.exposure import CAUSES  # noqa: E402
 from bench.pipeline import scaled_batch  # noqa: E402
 WORLD_SIZE = 2
 SCHEDULES = ("megatron", "merak", "cross_pass", "oases", "oases-sp", "oases-keep")
@@ -280,7 +281,10 @@ def test_layers_suite(tmp_path):
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == set(range(WORLD_SIZE))
-    assert {e["tid"] for e in events} == {0, 1}  # steps and the waits inside them
+    assert {e["tid"] for e in events} == {0, 1, 4}  # steps, the waits inside them, all-reduces in flight
+    in_flight = [e for e in events if e["tid"] == 4 and e["name"].startswith("oases all_reduce")]
+    assert len(in_flight) == WORLD_SIZE * records["oases"]["all_reduces"]
+    assert "layers: where the waits went" in stdout
 
 
 def _check_layers_records(records, peers):
@@ -291,6 +295,18 @@ def _check_layers_records(records, peers):
         assert all(_is_time(r[k]) for k in ("t_step", "t_compute", "t_comm", "bound")), name
         assert r["bound"] == max(r["t_compute"], r["t_comm"]) and 0 <= r["busy"] <= 1, name
         assert r["collectives"] is None and r["collective_calls"] == r["all_reduces"] > 0, name
+        # the exposure breakdown of one recorded step: the causes and the waits in ring steps (a
+        # gathered head's logits, sequence parallelism) add up to the waits; megatron's waits on its
+        # all-reduces are all dependency (one sub-batch)
+        e = r["exposure"]
+        assert set(e["causes"]) == set(CAUSES) and all(v >= 0 for v in e["causes"].values()), name
+        assert sum(e["causes"].values()) + e["unattributed"] == pytest.approx(e["waited"], rel=1e-6), name
+        assert 0 < sum(e["causes"].values()) and _is_time(e["step"]), name
+    megatron = records["megatron"]["exposure"]
+    assert megatron["causes"]["dependency"] == pytest.approx(sum(megatron["causes"].values()))
+    for name in ("cross_pass", "oases"):  # two sub-batches: the other one's compute could cover each wait
+        causes = records[name]["exposure"]["causes"]
+        assert causes["dependency"] < 0.5 * sum(causes.values()), name
     for name, r in records.items():
         assert r["loss"] == pytest.approx(records["megatron"]["loss"], rel=1e-4), name
         assert math.isclose(r["speedup_vs_megatron"], records["megatron"]["t_step"] / r["t_step"]), name
@@ -381,7 +397,7 @@ def test_layers_suite_llama(tmp_path):
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == set(range(WORLD_SIZE))
-    assert {e["tid"] for e in events} == {0, 1}
+    assert {e["tid"] for e in events} == {0, 1, 4}  # steps, waits, all-reduces in flight
     for rank in range(WORLD_SIZE):
         names = {e["name"] for e in events if e["pid"] == rank and e["tid"] == 0}
         assert names >= {f"{s} step" for s in (*SCHEDULES, "torch_tp", "torch_tp_nosp", "hf_tp")}, rank

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from oases.comm import all_gather_steps, reduce_scatter_steps, ring_all_gather, ring_reduce_scatter
+from oases.schedule.exposure import CollectiveRecord, ExposureLog
 
 __all__ = ["BARRIER", "Communicator", "interleave"]
 
@@ -51,7 +52,9 @@ class Communicator:
     communication, the exposed communication on the CPU (on CUDA, `wait()` orders streams
     without blocking the host: time with CUDA events). With no process group (world size 1)
     nothing is sent, counted or waited for. Inside `with comm.dry_run():` it counts but sends
-    nothing (results are then wrong): benchmarks time compute alone with it.
+    nothing (results are then wrong): benchmarks time compute alone with it. Inside
+    `with comm.recording() as log:` each asynchronous all-reduce is logged (issued, completed,
+    each wait on it) for oases.schedule.exposure's breakdown of the waits by cause.
 
     `submit` runs a function on the communicator's own thread (started on first use, ended by
     `close()`), in submission order: the CPU's counterpart of a communication stream. There,
@@ -70,6 +73,8 @@ class Communicator:
         self.bytes: Counter = Counter()
         self.waited = 0.0
         self._dry_run = False  # see dry_run()
+        self._log: Optional[ExposureLog] = None  # see recording()
+        self._alone = False  # whether the program now resumed was the only one to run since it yielded
         self._lock = threading.Lock()  # counters are updated from both threads
         self._thread: Optional[ThreadPoolExecutor] = None
 
@@ -86,6 +91,20 @@ class Communicator:
             yield
         finally:
             self._dry_run = previous
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[ExposureLog]:
+        """Inside: log every asynchronous all-reduce and the waits on it (oases.schedule.exposure)."""
+        previous, self._log = self._log, ExposureLog()
+        try:
+            yield self._log
+        finally:
+            self._log = previous
+
+    def resumed(self, alone: bool) -> None:
+        """`interleave` says whether a program it resumes is the only one that ran since it yielded
+        (then nothing else could cover the communication it is about to wait for)."""
+        self._alone = alone
 
     @property
     def has_thread(self) -> bool:
@@ -132,7 +151,11 @@ class Communicator:
         self._count(phase, t.numel() * t.element_size(), 2)
         if self._dry_run:
             return _Work(None, self)
-        return _Work(dist.all_reduce(t, group=self.group, async_op=True), self)
+        record = None if self._log is None else self._log.issue(phase, t.numel() * t.element_size())
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        if record is not None:
+            work.get_future().add_done_callback(lambda _: ExposureLog.ended(record))
+        return _Work(work, self, record)
 
     def all_gather(self, t: torch.Tensor, dim: int, phase: str) -> Generator[None, None, torch.Tensor]:
         """cat(t from every rank, dim), by ring; a generator (see the class docstring)."""
@@ -190,25 +213,35 @@ class _Task:
 class _Work:
     """A communication's handle; `wait()` blocks until it is done and books the time blocked."""
 
-    def __init__(self, work: Optional[dist.Work], owner: Communicator) -> None:
-        self._work, self._owner = work, owner
+    def __init__(self, work: Optional[dist.Work], owner: Communicator,
+                 record: Optional[CollectiveRecord] = None) -> None:
+        self._work, self._owner, self._record = work, owner, record
 
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
             self._work.wait()
-            self._owner.waited += time.perf_counter() - start
+            end = time.perf_counter()
+            self._owner.waited += end - start
+            if self._record is not None:
+                self._record.waits.append((start, end, self._owner._alone))
 
 
-def interleave(programs: list[Program]) -> list[Any]:
-    """Run `programs` round-robin, switching at each yield; return their return values in order."""
+def interleave(programs: list[Program], on_resume: Optional[Callable[[bool], None]] = None) -> list[Any]:
+    """Run `programs` round-robin, switching at each yield; return their return values in order.
+    `on_resume(alone)` is called before each resumption: alone = no other program ran since this
+    one last yielded (Communicator.resumed: the exposure breakdown's "dependency")."""
     results: list[Any] = [None] * len(programs)
     running = dict(enumerate(programs))
     held: set[int] = set()
+    last = None  # the program resumed last
     while running:
         for i in list(running):
             if i in held:
                 continue
+            if on_resume is not None:
+                on_resume(last in (None, i))
+            last = i
             try:
                 if next(running[i]) is BARRIER:
                     held.add(i)

@@ -704,7 +704,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     ]
     if offload is not None:
         offload.begin_step()
-    loss = sum(interleave(programs)) / normalizer
+    loss = sum(interleave(programs, on_resume=comm.resumed)) / normalizer
     if offload is not None:
         memory.peak = max(memory.peak, offload.end_step().peak_resident_bytes)
     if sequence_parallel and comm.world_size > 1:
