@@ -380,10 +380,10 @@ def run(args, ctx) -> list[dict]:
         busy_before = time.perf_counter()
         with _traced_waits(ctx, name), comm.recording() as log:
             step()
-        step_s = time.perf_counter() - busy_before
+        step_s, waited = time.perf_counter() - busy_before, comm.waited
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
         # MIN over ranks of the busy share (host time: on CUDA, waits do not block the host)
-        busy = -ctx.timer.max_over_ranks(torch.tensor([comm.waited / step_s - 1.0], dtype=torch.float64))
+        busy = -ctx.timer.max_over_ranks(torch.tensor([waited / step_s - 1.0], dtype=torch.float64))
         p = ctx.world_size  # all-reduces sending as many bytes by ring: 2 (p-1)/p numel*4 each
         replay = torch.zeros(round(sent / max(calls, 1) * p / (2 * max(p - 1, 1)) / 4), device=ctx.device)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
@@ -392,7 +392,7 @@ def run(args, ctx) -> list[dict]:
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
                                calls, sent, None, losses[name]))
         records[-1]["checkpoint_mib"] = memory.peak / 2**20
-        records[-1]["exposure"] = _exposure(ctx, name, log, comm.waited, step_s, compute[name].median,
+        records[-1]["exposure"] = _exposure(ctx, name, log, waited, step_s, compute[name].median,
                                             t_tiny, t_comm.median / max(calls, 1), replay.numel() * 4)
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
