@@ -371,14 +371,12 @@ def run(args, ctx) -> list[dict]:
         compute = ctx.timer.measure(case.ours)
 
     records = []
-    tiny = torch.zeros(EXPOSURE_SMALL_BYTES // 4, device=ctx.device)  # the link's latency, for the breakdown:
-    t_tiny = ctx.timer.measure({"tiny": lambda: [dist.all_reduce(tiny) for _ in range(EXPOSURE_SMALL_CALLS)]})
-    t_tiny = t_tiny["tiny"].median / EXPOSURE_SMALL_CALLS  # back to back, as a step issues them
+    link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
     for name, step in case.ours.items():
         comm = case.comms[name]
         comm.reset()
         busy_before = time.perf_counter()
-        with _traced_waits(ctx, name), comm.recording() as log:
+        with _traced_waits(ctx, name), (comm.recording() if link is not None else contextlib.nullcontext()) as log:
             step()
         step_s, waited = time.perf_counter() - busy_before, comm.waited
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
@@ -392,8 +390,8 @@ def run(args, ctx) -> list[dict]:
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
                                calls, sent, None, losses[name]))
         records[-1]["checkpoint_mib"] = memory.peak / 2**20
-        records[-1]["exposure"] = _exposure(ctx, name, log, waited, step_s, compute[name].median,
-                                            t_tiny, t_comm.median / max(calls, 1), replay.numel() * 4)
+        records[-1]["exposure"] = (None if link is None
+                                   else _exposure(ctx, name, log, waited, step_s, compute[name].median, link))
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
             step()
@@ -426,36 +424,44 @@ def run(args, ctx) -> list[dict]:
     return records
 
 
-EXPOSURE_SMALL_BYTES, EXPOSURE_SMALL_CALLS = 64, 20
+EXPOSURE_SIZES = ((64, 20), (1 << 20, 4))  # (bytes, calls back to back) of the all-reduces the link is fitted to
 
 
-def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, t_tiny: float,
-              t_one: float, one_bytes: int) -> Optional[dict]:
-    """The recorded step's waits split by cause (oases.schedule.exposure), for the rank that
-    waited most; the link model through an all-reduce of EXPOSURE_SMALL_BYTES and one of the
-    step's mean size, each timed alone. `unattributed`: waits not on an asynchronous all-reduce
-    (ring steps: sequence parallelism's gathers and scatters). `compute_slowed`: the step's time
-    not waiting, minus t_compute (the same step with nothing sent): compute slowed while the
-    transfers run (CPU interference on the compute side; noise when small). The in-flight
-    interval of every all-reduce goes to the trace (tid IN_FLIGHT). None on CUDA or one rank."""
+def _exposure_link(ctx) -> Optional[AllReduceModel]:
+    """The link model of the exposure breakdown: the line through all-reduces of EXPOSURE_SIZES,
+    each timed alone, back to back as a step issues them (CPU only: on CUDA a wait does not block
+    the host; None there and on one rank)."""
     if ctx.world_size < 2 or ctx.is_cuda:
         return None
+    times = []
+    for nbytes, calls in EXPOSURE_SIZES:
+        t = torch.zeros(nbytes // 4, device=ctx.device)
+        timing = ctx.timer.measure({"alone": lambda t=t, calls=calls: [dist.all_reduce(t) for _ in range(calls)]})
+        times.append(timing["alone"].median / calls)
+    (small, _), (large, _) = EXPOSURE_SIZES
+    return AllReduceModel.fit(times[0], small, times[1], large, ctx.world_size)
+
+
+def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: AllReduceModel) -> dict:
+    """The recorded step's waits split by cause (oases.schedule.exposure) for the rank that
+    waited most. `recorded`: its waits on asynchronous all-reduces, which the causes add up to;
+    `unattributed`: the rest (ring steps: sequence parallelism's gathers and scatters).
+    `compute_slowed`: the step's time not waiting, minus t_compute (the same step with nothing
+    sent): compute slowed while the transfers run (CPU interference on the compute side; noise
+    when small). The in-flight interval of every all-reduce goes to the trace (tid IN_FLIGHT)."""
     logs = gather_logs(log, ctx.group)
     for r in log.records:
         if r.ended is not None:
             ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
-    if not one_bytes > EXPOSURE_SMALL_BYTES:
-        return None
-    link = AllReduceModel.fit(t_tiny, EXPOSURE_SMALL_BYTES, t_one, one_bytes, ctx.world_size)
     per_rank = attribute(logs, link)
-    figures = torch.tensor([waited, step_s], dtype=torch.float64)
+    figures = torch.tensor([waited, step_s, log.waited], dtype=torch.float64)
     gathered = [torch.zeros_like(figures) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, figures, group=ctx.group)
     rank = max(range(ctx.world_size), key=lambda r: float(gathered[r][0]))
-    waited_r, step_r = (float(v) for v in gathered[rank])
+    waited_r, step_r, recorded_r = (float(v) for v in gathered[rank])
     causes = per_rank[rank]
-    return {"rank": rank, "waited": waited_r, "step": step_r, "causes": causes,
-            "unattributed": max(0.0, waited_r - sum(causes.values())),
+    return {"rank": rank, "waited": waited_r, "step": step_r, "causes": causes, "recorded": recorded_r,
+            "unattributed": waited_r - recorded_r,
             "compute_slowed": step_r - waited_r - t_compute,
             "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}}
 

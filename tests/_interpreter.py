@@ -9,14 +9,15 @@ interpreter skip with this reason where the probe fails, and run everywhere else
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 
 @functools.lru_cache(maxsize=None)
 def interpreter_failure() -> Optional[str]:
     """None where the interpreter runs a loop over a kernel argument (or is not in use), else why not."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    from oases_kernels._gemm import interpreting
+
+    if not interpreting():
         return None
     import numpy
     import torch

@@ -8,6 +8,7 @@ up to its measured waits. The link model is fitted from all-reduces timed alone 
 """
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from oases.schedule.exposure import CAUSES, AllReduceModel, CollectiveRecord, at
 
 
 def _record(index, issued, ended, waits, nbytes=1000):
-    return CollectiveRecord(index, "forward", nbytes, issued, ended, list(waits))
+    return CollectiveRecord(index, "forward", nbytes, issued, ended=ended, waits=list(waits))
 
 
 def test_attribution_of_each_interval():
@@ -122,7 +123,8 @@ def _causes(rank, world_size, case):
     elif case == "interference":  # the same all-reduces without, then with CPU hogs on every core
         log = _recorded(comm, [_reducer(comm, [8 << 20] * 3), _idle(3)])
         calm = attribute(gather_logs(log, group), link)[rank]
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(4)] if rank == 0 else []
+        count = max(4, os.cpu_count() or 1)  # every core busy, however many the machine has
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)] if rank == 0 else []
         try:
             dist.barrier()
             time.sleep(0.3)  # the hogs spinning
@@ -145,8 +147,8 @@ def _share(results, cause, ranks=(0, 1)):
 
 
 def test_cpu_hogs_are_attributed_to_interference():
-    """The same 8 MiB all-reduces, calm and then with 4 CPU hogs on the 2 ranks' cores: the hogs
-    show up as interference (the link model was fitted calm)."""
+    """The same 8 MiB all-reduces, calm and then with a CPU hog on every core: the hogs show up as
+    interference (the link model was fitted calm)."""
     results = run_ranks(_causes, 2, "interference", timeout=90)
     share, waited = _share(results, "interference")
     calm_waited = sum(sum(r[2].values()) for r in results)

@@ -23,9 +23,11 @@ import math
 from typing import Iterable, Mapping, Optional
 
 __all__ = ["overlapped_time", "chunk_count", "chunk_efficiency", "backward_priority", "op_chunks", "MAX_CHUNKS",
+           "OP_MAX_CHUNKS",
            "OP_FLOPS_PER_S", "OP_BYTES_PER_S", "OP_IN_COST_S"]
 
 MAX_CHUNKS = 16
+OP_MAX_CHUNKS = 8  # the most pieces the fused ops pick for themselves (op_chunks), and plans suggest
 # The rates `op_chunks` assumes when an op is called with chunks=None (no profile at hand): one CPU
 # core's GEMM rate, a 1 Gbit link, and the cost of one more ring message + GEMM call on gloo.
 OP_FLOPS_PER_S = 50e9
@@ -45,7 +47,7 @@ def chunk_efficiency(efficiency: Optional[Mapping[int, float]], chunks: int) -> 
     the largest measured count, that count's figure (no extrapolated fall)."""
     if not efficiency or chunks <= 1:
         return 1.0
-    points = sorted({1: 1.0, **{int(c): float(e) for c, e in efficiency.items()}}.items())
+    points = sorted({**{int(c): float(e) for c, e in efficiency.items()}, 1: 1.0}.items())  # e(1) is 1 by definition
     if chunks >= points[-1][0]:
         return points[-1][1]
     for (c0, e0), (c1, e1) in zip(points, points[1:]):
@@ -138,7 +140,7 @@ def backward_priority(dgrad_comp: float, wgrad_comp: float, dgrad_comm: float, n
 
 
 def op_chunks(rows: int, row_elems: int, out_features: int, *, comm_bytes: float,
-              divides: Optional[int] = None, max_chunks: int = 8) -> int:
+              divides: Optional[int] = None, max_chunks: int = OP_MAX_CHUNKS) -> int:
     """Chunk count for a fused GEMM + collective called with chunks=None, from the default rates:
 
         comp = 2 * rows * row_elems * out_features / OP_FLOPS_PER_S

@@ -66,7 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from oases.planner.chunks import chunk_count
+from oases.planner.chunks import OP_MAX_CHUNKS, chunk_count
 from oases.planner.collectives import CollectiveChoice
 from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
@@ -241,8 +241,11 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
     states = shape.rank_layer_parameters(degree) * work.state_bytes
     # the fused ops' chunk count: Algorithm 1 on that unit, with the profile's chunked-GEMM efficiency
     # (the step's time above does not model chunking: the sub-batches' overlap is what it counts)
-    chunks = 1 if degree == 1 else chunk_count(widest[0], widest[1], profile.latency_s,
-                                                efficiency=profile.chunk_efficiency)
+    # (counts the ops accept: at most OP_MAX_CHUNKS, dividing a sub-batch's rows on this rank)
+    tokens = round(work.rows_at(degree) / n * shape.seq_len / (degree if sp else 1))
+    allowed = [c for c in range(1, OP_MAX_CHUNKS + 1) if tokens % c == 0]
+    chunks = 1 if degree == 1 else chunk_count(widest[0], widest[1], profile.latency_s, max_chunks=OP_MAX_CHUNKS,
+                                                allowed=allowed, efficiency=profile.chunk_efficiency)
     return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e), chunks)
 
 

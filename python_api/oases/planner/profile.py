@@ -284,10 +284,10 @@ def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float
         flops_per_s = float(doc["flops_per_s"])
         element_bytes = int(doc.get("element_bytes", 4))
         overlap = min(max(float(doc.get("overlap_efficiency", 1.0)), 0.0), 1.0)
-        # profiles written before it was measured lack it: every chunk count ideal
-        efficiency = check_efficiency(doc.get("chunk_efficiency"), f"profile: {source}: chunk_efficiency")
     except (KeyError, TypeError) as err:
         raise ValueError(f"profile: {source} lacks {err} (profile again with `python -m bench profile`)") from None
+    # profiles written before it was measured lack it: every chunk count ideal
+    efficiency = check_efficiency(doc.get("chunk_efficiency"), f"profile: {source}: chunk_efficiency")
     link_fit = collectives.get(("p2p", 2)) or LinkFit(DEFAULT_LATENCY_S, 1e9)
     bytes_per_s, latency_s = link_fit.bytes_per_s, link_fit.latency_s
     if link is not None:  # another network: ring formulas from the new rate, the measured latency

@@ -9,8 +9,10 @@
     causes = attribute(logs, link)[rank]             # {cause: seconds}, summing to the waits
 
 A log holds, per asynchronous all-reduce this rank issued: its bytes, when it was issued, when it
-completed (its future's callback), and each wait on it: [start, end) and whether any other
-sub-batch's program had run since it was issued (`alone`: nothing could have covered it). The
+completed (its future's callback; it runs on the backend's thread and needs the GIL, so it may
+come a little late: that shows as interference), and each wait on it: [start, end) and whether
+no other sub-batch's program ran between its issue and the wait (`alone`: nothing could have
+covered it; a wait after the programs ended, such as a gradient sum, is alone). The
 ranks' clocks must be comparable (time.perf_counter is CLOCK_MONOTONIC: ranks on one host, as the
 link emulator runs them). For a wait [w0, w1) on collective i of rank r:
 
@@ -54,6 +56,7 @@ class CollectiveRecord:
     phase: str
     nbytes: int
     issued: float
+    others_at_issue: int = 0  # the Communicator's count of resumptions after another program, then
     ended: Optional[float] = None
     waits: list[tuple[float, float, bool]] = field(default_factory=list)  # (start, end, alone)
 
@@ -66,9 +69,9 @@ class ExposureLog:
         self.records: list[CollectiveRecord] = []
         self._lock = threading.Lock()
 
-    def issue(self, phase: str, nbytes: int) -> CollectiveRecord:
+    def issue(self, phase: str, nbytes: int, others: int = 0) -> CollectiveRecord:
         with self._lock:
-            record = CollectiveRecord(len(self.records), phase, nbytes, time.perf_counter())
+            record = CollectiveRecord(len(self.records), phase, nbytes, time.perf_counter(), others)
             self.records.append(record)
         return record
 

@@ -74,7 +74,7 @@ class Communicator:
         self.waited = 0.0
         self._dry_run = False  # see dry_run()
         self._log: Optional[ExposureLog] = None  # see recording()
-        self._alone = False  # whether the program now resumed was the only one to run since it yielded
+        self._others = 0  # resumptions of a program after another one ran (interleave's on_resume)
         self._lock = threading.Lock()  # counters are updated from both threads
         self._thread: Optional[ThreadPoolExecutor] = None
 
@@ -102,9 +102,11 @@ class Communicator:
             self._log = previous
 
     def resumed(self, alone: bool) -> None:
-        """`interleave` says whether a program it resumes is the only one that ran since it yielded
-        (then nothing else could cover the communication it is about to wait for)."""
-        self._alone = alone
+        """`interleave` says whether a program it resumes is the only one that ran since it yielded;
+        a wait is "alone" (exposure's dependency) when no resumption after another program came
+        between its collective's issue and the wait."""
+        if not alone:
+            self._others += 1
 
     @property
     def has_thread(self) -> bool:
@@ -151,7 +153,7 @@ class Communicator:
         self._count(phase, t.numel() * t.element_size(), 2)
         if self._dry_run:
             return _Work(None, self)
-        record = None if self._log is None else self._log.issue(phase, t.numel() * t.element_size())
+        record = None if self._log is None else self._log.issue(phase, t.numel() * t.element_size(), self._others)
         work = dist.all_reduce(t, group=self.group, async_op=True)
         if record is not None:
             work.get_future().add_done_callback(lambda _: ExposureLog.ended(record))
@@ -224,7 +226,8 @@ class _Work:
             end = time.perf_counter()
             self._owner.waited += end - start
             if self._record is not None:
-                self._record.waits.append((start, end, self._owner._alone))
+                alone = self._owner._others == self._record.others_at_issue
+                self._record.waits.append((start, end, alone))
 
 
 def interleave(programs: list[Program], on_resume: Optional[Callable[[bool], None]] = None) -> list[Any]:
