@@ -323,7 +323,7 @@ def _peak_rise_mib(step) -> Optional[float]:
 
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current VmRSS
-        before = status("VmRSS:")
+        before = status("VmHWM:")  # that reset value: VmRSS read now may already have moved (other threads)
     except (OSError, StopIteration):
         return None
     step()
