@@ -327,7 +327,9 @@ def _peak_rise_mib(step) -> Optional[float]:
     except (OSError, StopIteration):
         return None
     step()
-    return (status("VmHWM:") - before) / 1024
+    # Linux batches each thread's RSS counters (up to 64 pages), so a step that allocates almost
+    # nothing can read a fraction of a MiB below the reset value: no rise.
+    return max(0, status("VmHWM:") - before) / 1024
 
 
 @contextlib.contextmanager
@@ -460,7 +462,11 @@ def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: floa
     rank = max(range(ctx.world_size), key=lambda r: float(gathered[r][0]))
     waited_r, step_r, recorded_r = (float(v) for v in gathered[rank])
     causes = per_rank[rank]
+    by_phase: dict[str, float] = {}  # that rank's recorded waits per pass (forward, recompute, backward)
+    for r in logs[rank]:
+        by_phase[r.phase] = by_phase.get(r.phase, 0.0) + sum(w1 - w0 for w0, w1, _ in r.waits)
     return {"rank": rank, "waited": waited_r, "step": step_r, "causes": causes, "recorded": recorded_r,
+            "by_phase": by_phase,
             "unattributed": waited_r - recorded_r,
             "compute_slowed": step_r - waited_r - t_compute,
             "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}}
@@ -511,12 +517,14 @@ def _exposure_table(records: list[dict]) -> list[Table]:
         e = r.get("exposure")
         if e is None:
             continue
+        phases = e["by_phase"]
         rows.append([r["schedule"], 1e3 * e["step"], 1e3 * e["waited"], *(1e3 * e["causes"][c] for c in CAUSES),
-                     1e3 * e["unattributed"], 1e3 * e["compute_slowed"]])
+                     1e3 * e["unattributed"], 1e3 * e["compute_slowed"],
+                     " / ".join(f"{1e3 * phases.get(p, 0.0):.0f}" for p in ("forward", "recompute", "backward"))])
     if not rows:
         return []
     return [Table("layers: where the waits went (ms; one recorded step, the rank that waited most)",
-                  ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed"], rows,
+                  ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed", "fwd / recomp / bwd"], rows,
                   ["waited = dependency + issue order + latency + bandwidth + interference + host + ring steps "
                    "(oases.schedule.exposure): dependency = no other sub-batch ran while it waited; issue order = "
                    "a peer had not issued it yet; latency / bandwidth = the link's own time for it (a ring's "
@@ -524,7 +532,8 @@ def _exposure_table(records: list[dict]) -> list[Table]:
                    "interference = slower than that link time (the cores that compute also reduce, or "
                    "collectives sharing the link); host = waking up after it completed; ring steps = waits "
                    "inside ring all-gathers / reduce-scatters (sequence parallelism), not split",
-                   "compute slowed = step - waited - t_compute: the compute's own slow-down while transfers run"])]
+                   "compute slowed = step - waited - t_compute: the compute's own slow-down while transfers run",
+                   "fwd / recomp / bwd = the recorded waits by the pass of their all-reduce"])]
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:

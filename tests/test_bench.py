@@ -301,6 +301,7 @@ def _check_layers_records(records, peers):
         assert set(e["causes"]) == set(CAUSES) and all(v >= 0 for v in e["causes"].values()), name
         assert sum(e["causes"].values()) == pytest.approx(e["recorded"], rel=1e-6), name
         assert e["recorded"] + e["unattributed"] == pytest.approx(e["waited"], rel=1e-6), name
+        assert sum(e["by_phase"].values()) == pytest.approx(e["recorded"], rel=1e-6), name
         if not name.endswith("-sp"):
             assert e["unattributed"] == pytest.approx(0, abs=1e-9) and 0 < e["waited"] < e["step"], name
     megatron = records["megatron"]["exposure"]
