@@ -78,7 +78,8 @@ from bench._trace import IN_FLIGHT
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
-from oases.schedule.exposure import CAUSES, AllReduceModel, attribute, gather_logs
+from oases.planner.profile import LinkFit
+from oases.schedule.exposure import CAUSES, attribute, gather_logs
 from oases.schedule.runtime import _Task, _Work
 
 BASELINE = "megatron"
@@ -429,22 +430,21 @@ def run(args, ctx) -> list[dict]:
 EXPOSURE_SIZES = ((64, 20), (1 << 20, 4))  # (bytes, calls back to back) of the all-reduces the link is fitted to
 
 
-def _exposure_link(ctx) -> Optional[AllReduceModel]:
-    """The link model of the exposure breakdown: the line through all-reduces of EXPOSURE_SIZES,
+def _exposure_link(ctx) -> Optional[LinkFit]:
+    """The link model of the exposure breakdown: a LinkFit through all-reduces of EXPOSURE_SIZES,
     each timed alone, back to back as a step issues them (CPU only: on CUDA a wait does not block
     the host; None there and on one rank)."""
     if ctx.world_size < 2 or ctx.is_cuda:
         return None
-    times = []
+    samples = []
     for nbytes, calls in EXPOSURE_SIZES:
         t = torch.zeros(nbytes // 4, device=ctx.device)
         timing = ctx.timer.measure({"alone": lambda t=t, calls=calls: [dist.all_reduce(t) for _ in range(calls)]})
-        times.append(timing["alone"].median / calls)
-    (small, _), (large, _) = EXPOSURE_SIZES
-    return AllReduceModel.fit(times[0], small, times[1], large, ctx.world_size)
+        samples.append((nbytes, timing["alone"].median / calls))
+    return LinkFit.from_samples(samples)
 
 
-def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: AllReduceModel) -> dict:
+def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: LinkFit) -> dict:
     """The recorded step's waits split by cause (oases.schedule.exposure) for the rank that
     waited most. `recorded`: its waits on asynchronous all-reduces, which the causes add up to;
     `unattributed`: the rest (ring steps: sequence parallelism's gathers and scatters).

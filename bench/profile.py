@@ -278,7 +278,7 @@ def chunk_variants(ctx, config: GPTConfig, rows: int, degree: int, counts: Seque
     return _each_for_run_s(ctx, {f"chunks/{c}": pieces(c) for c in (1, *counts) if tokens % c == 0})
 
 
-def chunk_efficiency(fns: Mapping[str, Any], timings: Mapping[str, Any]) -> dict[str, float]:
+def efficiency_from_timings(fns: Mapping[str, Any], timings: Mapping[str, Any]) -> dict[str, float]:
     """{"c": time of the whole GEMM / time of it in c pieces} from chunk_variants' timings (the
     planner's chunk choice reads it: oases.planner.chunk_count's `efficiency`)."""
     per_call = {int(name.split("/")[1]): timings[name].median / getattr(fn, "times", 1) for name, fn in fns.items()}
@@ -289,7 +289,7 @@ def chunk_efficiency(fns: Mapping[str, Any], timings: Mapping[str, Any]) -> dict
 def measure_chunk_efficiency(ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int],
                              dtype: torch.dtype = torch.float32) -> dict[str, float]:
     fns = chunk_variants(ctx, config, rows, degree, counts, dtype)
-    return chunk_efficiency(fns, ctx.timer.measure(fns))
+    return efficiency_from_timings(fns, ctx.timer.measure(fns))
 
 
 def measure_head(ctx, config: GPTConfig, rows: Sequence[int],

@@ -4,7 +4,7 @@ The attribution on hand-made records (each cause's interval, exact seconds), the
 ranks with each cause injected and seen attributed: a single program (dependency), a peer that
 issues late (issue order), one large all-reduce with nothing to cover it (bandwidth), many tiny
 ones (latency), CPU hogs on the cores the transfers use (interference). Every rank's causes add
-up to its measured waits. The link model is fitted from all-reduces timed alone in the same run.
+up to its measured waits. The link (the planner's LinkFit) is fitted to all-reduces timed alone in the same run.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from _spawn import run_ranks, stop_process
 
 from oases.schedule import Communicator, interleave
-from oases.schedule.exposure import CAUSES, AllReduceModel, CollectiveRecord, attribute, gather_logs
+from oases.planner.profile import LinkFit
+from oases.schedule.exposure import CAUSES, CollectiveRecord, attribute, gather_logs
 
 
 def _record(index, issued, ended, waits, nbytes=1000):
@@ -29,9 +30,9 @@ def _record(index, issued, ended, waits, nbytes=1000):
 
 
 def test_attribution_of_each_interval():
-    # the link: 2 ranks, latency 0.1 s per message (0.2 s per all-reduce), 1000 bytes/s -> 1000 B: 1.2 s
-    link = AllReduceModel(latency_s=0.1, bytes_per_s=1000.0, world_size=2)
-    assert link.seconds(1000) == pytest.approx(1.2) and link.latency_seconds() == pytest.approx(0.2)
+    # the link: an all-reduce costs 0.2 s of latency + 1 ms per byte -> 1000 B: 1.2 s
+    link = LinkFit(latency_s=0.2, bytes_per_s=1000.0)
+    assert link.time(1000) == pytest.approx(1.2)
     # rank 0 issues at 0, rank 1 at 1: the ring starts at 1, the link alone ends at 2.2; it ends at
     # 3.2 (1 s slower); rank 0 waits [0.5, 3.5): 0.5 issue order, 1.2 on the link (0.2 latency,
     # 1.0 bandwidth), 1.0 interference, 0.3 host. Rank 1 waits alone [1.5, 3.4): dependency.
@@ -47,14 +48,6 @@ def test_attribution_of_each_interval():
                                   "bandwidth": 0.6 * 1.0 / 1.2, "host": 0.1})
     with pytest.raises(ValueError, match="different numbers"):
         attribute([r0, []], link)
-
-
-def test_fit_recovers_the_line():
-    link = AllReduceModel(latency_s=50e-6, bytes_per_s=1e8, world_size=4)
-    fitted = AllReduceModel.fit(link.seconds(4), 4, link.seconds(2**22), 2**22, 4)
-    assert fitted.latency_s == pytest.approx(50e-6) and fitted.bytes_per_s == pytest.approx(1e8)
-    with pytest.raises(ValueError, match="n_small < n_large"):
-        AllReduceModel.fit(1.0, 8, 2.0, 8, 2)
 
 
 # ---- injected causes on 2 gloo ranks ----------------------------------------------------------------
@@ -78,9 +71,9 @@ def _timed_alone(group, nbytes, calls):
     return statistics.median(times)
 
 
-def _link(group, world_size):
+def _link(group):
     small, large = 16, 8 << 20
-    return AllReduceModel.fit(_timed_alone(group, small, 50), small, _timed_alone(group, large, 3), large, world_size)
+    return LinkFit.from_samples([(small, _timed_alone(group, small, 50)), (large, _timed_alone(group, large, 3))])
 
 
 def _reducer(comm, sizes, before_issue=lambda: None):
@@ -110,7 +103,7 @@ def _recorded(comm, programs):
 def _causes(rank, world_size, case):
     group = dist.group.WORLD
     comm = Communicator(group, world_size)
-    link = _link(group, world_size)
+    link = _link(group)
     if case == "dependency":  # one program: nothing else to run while it waits
         log = _recorded(comm, [_reducer(comm, [1 << 20] * 3)])
     elif case == "issue order":  # rank 1 issues each all-reduce 0.15 s late

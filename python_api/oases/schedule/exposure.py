@@ -5,7 +5,7 @@
     with comm.recording() as log:                    # a Communicator's all-reduces, logged
         oases.train_step(model, ids, labels, comm=comm)
     logs = gather_logs(log, comm.group)              # every rank's log (a collective)
-    link = AllReduceModel.fit(t_small, n_small, t_large, n_large, world_size)   # timed alone
+    link = LinkFit.from_samples([(n, t), ...])     # all-reduces timed alone (oases.planner.profile)
     causes = attribute(logs, link)[rank]             # {cause: seconds}, summing to the waits
 
 A log holds, per asynchronous all-reduce this rank issued: its bytes, when it was issued, when it
@@ -19,7 +19,7 @@ link emulator runs them). For a wait [w0, w1) on collective i of rank r:
 ::
 
     issued_i   = max over ranks of the time i was issued (no ring step runs before every rank issued)
-    T_i        = link.seconds(nbytes_i), of which link.latency_seconds() per-message latency
+    T_i        = link.time(nbytes_i), of which link.latency_s is the link's per-call latency
     dependency                      the whole wait, when alone (no other program to run meanwhile:
                                     one sub-batch, a pass barrier, the others finished)
     otherwise the wait's overlap with these intervals, in order:
@@ -39,11 +39,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["CAUSES", "CollectiveRecord", "ExposureLog", "AllReduceModel", "attribute", "gather_logs"]
+__all__ = ["CAUSES", "CollectiveRecord", "ExposureLog", "Link", "attribute", "gather_logs"]
 
 CAUSES = ("dependency", "issue order", "latency", "bandwidth", "interference", "host")
 
@@ -84,32 +84,13 @@ class ExposureLog:
         return sum(w1 - w0 for r in self.records for w0, w1, _ in r.waits)
 
 
-@dataclass(frozen=True)
-class AllReduceModel:
-    """Seconds of one all-reduce of n bytes over p ranks alone on the link: a ring's
-    2 (p-1) messages of latency plus 2 (p-1)/p n bytes at the link's rate."""
+class Link(Protocol):
+    """Seconds of one all-reduce alone on the link: time(n) = latency_s + n / bytes_per_s (the
+    planner's LinkFit is one: `LinkFit.from_samples` fits it to timed all-reduces)."""
 
     latency_s: float
-    bytes_per_s: float
-    world_size: int
 
-    def latency_seconds(self) -> float:
-        return 2 * (self.world_size - 1) * self.latency_s
-
-    def seconds(self, nbytes: int) -> float:
-        p = self.world_size
-        return self.latency_seconds() + 2 * (p - 1) / p * nbytes / self.bytes_per_s
-
-    @classmethod
-    def fit(cls, t_small: float, n_small: int, t_large: float, n_large: int, world_size: int) -> "AllReduceModel":
-        """The line through two timed all-reduces (n_small < n_large bytes)."""
-        if not 0 < n_small < n_large or world_size < 2:
-            raise ValueError(f"fit: expected 0 < n_small < n_large and world_size >= 2, got {n_small}, {n_large}, "
-                             f"{world_size}")
-        p = world_size
-        per_byte = max((t_large - t_small) / (n_large - n_small), 1e-15)
-        latency = max(t_small - per_byte * n_small, 0.0) / (2 * (p - 1))
-        return cls(latency, 2 * (p - 1) / p / per_byte, p)
+    def time(self, nbytes: float) -> float: ...
 
 
 def gather_logs(log: ExposureLog, group: Optional[dist.ProcessGroup]) -> list[list[CollectiveRecord]]:
@@ -123,7 +104,7 @@ def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
-def attribute(logs: Sequence[Sequence[CollectiveRecord]], link: AllReduceModel) -> list[dict[str, float]]:
+def attribute(logs: Sequence[Sequence[CollectiveRecord]], link: Link) -> list[dict[str, float]]:
     """{cause: seconds} per rank from every rank's records (see the module docstring); each
     rank's causes add up to its waits."""
     counts = {len(records) for records in logs}
@@ -135,8 +116,8 @@ def attribute(logs: Sequence[Sequence[CollectiveRecord]], link: AllReduceModel) 
         causes = dict.fromkeys(CAUSES, 0.0)
         for record in records:
             issued = max(rs[record.index].issued for rs in logs)
-            t_link = link.seconds(record.nbytes)
-            lat_share = min(1.0, link.latency_seconds() / t_link) if t_link > 0 else 0.0
+            t_link = link.time(record.nbytes)
+            lat_share = min(1.0, link.latency_s / t_link) if t_link > 0 else 0.0
             link_end = issued + t_link
             end = record.ended if record.ended is not None else max((w1 for _, w1, _ in record.waits), default=issued)
             for w0, w1, alone in record.waits:
