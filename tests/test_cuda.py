@@ -85,14 +85,17 @@ def test_extension_reports_cuda():
     assert info["cuda"] is True, info
 
 
+@pytest.mark.parametrize("gap", [13, 0], ids=["gaps", "end-to-end"])
 @pytest.mark.parametrize("count", [0, 300], ids=["odd", "many-small"])
 @pytest.mark.parametrize("slab_on", ["cuda", "pinned"])
-def test_batched_copies_match_torch(slab_on, count):
-    """pack: tensors -> slab regions (unaligned: 13-byte gaps); unpack: back into new tensors.
-    A device slab takes the copy kernel (D2D); a pinned host slab cudaMemcpyAsync (D2H, H2D)."""
+def test_batched_copies_match_torch(slab_on, count, gap):
+    """pack: tensors -> slab regions (13-byte gaps, or end to end: the runs of small tensors that
+    are gathered on the GPU and leave in one DMA copy); unpack: back into new tensors. A device
+    slab takes the copy kernel (D2D); a pinned host slab cudaMemcpyAsync (D2H, H2D)."""
     C = _C()
     tensors = _mixed_tensors(seed=count + len(slab_on), count=count)
-    offsets, total = _offsets(tensors, gap=13)
+    offsets, total = _offsets(tensors, gap=gap)
+    total += 13
     if slab_on == "cuda":
         slab = torch.full((total,), 0xAB, dtype=torch.uint8, device="cuda")
     else:
@@ -104,6 +107,14 @@ def test_batched_copies_match_torch(slab_on, count):
         assert torch.equal(slab[off:off + n].cpu(), _bytes(t).cpu()), (t.dtype, t.shape, off)
         assert torch.all(slab[off + n:off + n + 13].cpu() == 0xAB)  # nothing written past the tensor
     outs = [torch.full_like(t, 1) if t.dtype != torch.bool else torch.zeros_like(t) for t in tensors]
+    C.unpack(slab, outs, offsets)
+    torch.cuda.synchronize()
+    for t, o in zip(tensors, outs):
+        assert torch.equal(o, t), (t.dtype, t.shape)
+    # empty_batch's tensors: a run of small tensors end to end is one allocation, in one copy
+    outs, owners = C.empty_batch(offsets, [t.shape for t in tensors], [t.dtype for t in tensors],
+                                 tensors[0].device)
+    assert len(owners) < len(tensors) if gap == 0 and count else len(owners) <= len(tensors)
     C.unpack(slab, outs, offsets)
     torch.cuda.synchronize()
     for t, o in zip(tensors, outs):
@@ -132,6 +143,33 @@ def test_copy_engine_round_trip_through_a_pinned_host_slab(count):
     assert dict(engine.calls) == {"out": 1, "in": 1}
     with pytest.raises(ValueError, match="must be pinned"):
         engine.copy_out(tensors[:3], torch.zeros(total, dtype=torch.uint8), offsets[:3])
+
+
+def test_copy_engine_moves_small_tensors_in_runs_and_keeps_dropped_sources_alive():
+    """256 tensors of 16 KiB in consecutive HostSlab regions: out, one gather and one DMA copy
+    (the sources dropped at once and their memory handed to new tensors, which the copy must not
+    see); in, views of one allocation, bit-exact."""
+    from oases.offload import CopyEngine, HostSlab
+
+    n, numel = 256, 4096
+    slab = HostSlab(n * numel * 4)
+    offsets = [slab.allocate(numel * 4) for _ in range(n)]
+    assert offsets == [i * numel * 4 for i in range(n)]  # end to end
+    engine = CopyEngine("cuda")
+    tensors = [_randn(numel, seed=i) for i in range(n)]
+    expected = torch.cat([t.cpu() for t in tensors])
+    torch.cuda._sleep(50_000_000)  # the copy stream waits for this behind `ready`
+    event = engine.copy_out(tensors, slab.buffer, offsets)
+    del tensors
+    junk = [torch.full((numel,), 7.0, device="cuda") for _ in range(n)]  # may take their memory
+    event.wait()
+    engine.synchronize()
+    assert torch.equal(slab.buffer[: n * numel * 4].view(torch.float32), expected)
+    outs, event = engine.copy_in(slab.buffer, offsets, [((numel,), torch.float32)] * n)
+    event.wait()
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == 1
+    assert torch.equal(torch.cat(outs).cpu(), expected)
+    del junk
 
 
 # --- 3. Streams ------------------------------------------------------------------------------------

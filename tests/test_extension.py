@@ -97,7 +97,7 @@ def test_pack_unpack_round_trip(C, aligned):
     assert torch.equal(backing, packed)  # unpack only reads the slab
 
 
-def test_empty_batch_and_exact_fit(C):
+def test_no_tensors_and_exact_fit(C):
     slab = torch.zeros(8, dtype=torch.uint8)
     C.pack([], slab, [])
     C.unpack(slab, [], [])
@@ -107,6 +107,68 @@ def test_empty_batch_and_exact_fit(C):
     C.unpack(slab, [y], [0])
     assert torch.equal(x, y)
     C.pack([torch.empty(0)], slab, [8])  # an empty tensor fits at the end
+
+
+def _owner_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_empty_batch_shares_one_allocation_per_run_laid_out_as_the_slab(C):
+    """Small tensors whose slab regions lie end to end (each offset a multiple of its element
+    size) become views of one allocation with the slab's layout, so unpack moves the run in one
+    copy; a gap, a tensor over 1 MiB, an offset its element size does not divide, or an empty
+    tensor ends the run. The bytes round-trip through pack and unpack either way."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5, 3, generator=g),                      # run A: 60 bytes at 4
+               torch.randn(9, generator=g).to(torch.bfloat16),      #   18 bytes at 64
+               torch.randint(0, 256, (3,), generator=g, dtype=torch.uint8),  # 3 at 82
+               torch.randn(1, generator=g).to(torch.bfloat16),      # 2 at 85: odd offset, own
+               torch.randn(4, generator=g),                         # run B (after a gap): 16 at 96
+               torch.randn(2, 2, generator=g).double(),             #   32 at 112
+               torch.empty(0, 3),                                   # empty: own
+               torch.randn((1 << 18) + 1, generator=g),             # 1 MiB + 4: own
+               torch.randn(3, generator=g)]                         # 12 bytes after it: own (a run of one)
+    offsets = [4, 64, 82, 85, 96, 112, 144, 144, (1 << 20) + 148]
+    size = offsets[-1] + 12
+    slab = torch.zeros(size, dtype=torch.uint8)
+    C.pack(tensors, slab, offsets)
+    outs, owners = C.empty_batch(offsets, [t.shape for t in tensors], [t.dtype for t in tensors], torch.device("cpu"))
+    assert [o.shape for o in outs] == [t.shape for t in tensors]
+    assert [o.dtype for o in outs] == [t.dtype for t in tensors]
+    assert all(o.is_contiguous() for o in outs)
+    groups = [_owner_of(o) for o in outs]
+    assert groups[0] == groups[1] == groups[2]                   # run A
+    assert groups[4] == groups[5] != groups[0]                   # run B
+    assert len({groups[i] for i in (0, 3, 4, 7, 8)}) == 5         # the rest: their own
+    # owners: run A, the odd one, run B, the empty one, the 1 MiB one, the last one
+    assert len(owners) == 6
+    assert [_owner_of(o) for i, o in enumerate(owners) if i != 3] == [groups[i] for i in (0, 3, 4, 7, 8)]
+    # laid out as the slab: the same relative offsets, the same alignment modulo 16
+    for i in (1, 2):
+        assert outs[i].data_ptr() - outs[0].data_ptr() == offsets[i] - offsets[0]
+    assert (outs[0].data_ptr() - groups[0]) % 16 == offsets[0] % 16
+    assert outs[5].data_ptr() - outs[4].data_ptr() == offsets[5] - offsets[4]
+    C.unpack(slab, outs, offsets)
+    for t, o in zip(tensors, outs):
+        assert torch.equal(_as_bytes(o), _as_bytes(t)), (t.dtype, t.shape)
+
+
+def test_empty_batch_caps_a_run_at_64_mib(C):
+    """Runs hold at most 64 MiB: 80 tensors of 1 MiB end to end make two runs (64 + 16)."""
+    mib = 1 << 20
+    offsets = [i * mib for i in range(80)]
+    outs, owners = C.empty_batch(offsets, [(mib // 4,)] * 80, [torch.float32] * 80, torch.device("cpu"))
+    assert [o.numel() for o in owners] == [64 * mib, 16 * mib]
+    assert len({_owner_of(o) for o in outs[:64]}) == 1 and len({_owner_of(o) for o in outs[64:]}) == 1
+
+
+def test_empty_batch_checks_its_arguments(C):
+    with pytest.raises(RuntimeError, match="specs: need one shape and one dtype per offset"):
+        C.empty_batch([0, 8], [(2,)], [torch.float32, torch.float32], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"specs\[0\]: negative size -2"):
+        C.empty_batch([0], [(3, -2)], [torch.float32], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"offsets\[1\]=-4"):
+        C.empty_batch([0, -4], [(1,), (1,)], [torch.float32] * 2, torch.device("cpu"))
 
 
 def test_build_info(C):

@@ -152,6 +152,21 @@ def test_extension_splits_large_copies_over_threads():
     assert not slab[~covered].any()
 
 
+@pytest.mark.parametrize("use_extension", PATHS)
+def test_copies_are_named_in_a_profile(use_extension):
+    """While a profiler runs, each batched copy is a range named after its direction and path
+    (none is opened otherwise: that costs a small copy's own time)."""
+    engine = CopyEngine("cpu", use_extension=use_extension, asynchronous=False)
+    buffer = torch.zeros(1024, dtype=torch.uint8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.copy_out([torch.ones(8)], buffer, [0]).wait()
+        outs, event = engine.copy_in(buffer, [0], [((8,), torch.float32)])
+        event.wait()
+    names = {e.key for e in prof.key_averages()}
+    assert {f"oases.offload.copy_out:{engine.path}", f"oases.offload.copy_in:{engine.path}"} <= names
+    assert torch.equal(outs[0], torch.ones(8))
+
+
 # ---- Offloader ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("use_extension", PATHS)

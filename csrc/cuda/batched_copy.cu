@@ -1,12 +1,13 @@
 // Batched copies on the current CUDA stream, with the contract of the host path in batched_copy.cpp:
-//   batched_copy_cuda          one launch copies many (src, dst, nbytes) pairs on one GPU: block b
-//                              walks pair b's bytes in 16-byte words where both ends are aligned,
-//                              bytes elsewhere;
+//   batched_copy_cuda          one launch copies up to 128 (src, dst, nbytes) pairs on one GPU,
+//                              passed by value in its parameter: block b walks pair b's bytes in
+//                              16-byte words where both ends are aligned, bytes elsewhere;
 //   batched_memcpy_async_cuda  GPU <-> pinned host: one cudaMemcpyAsync per pair (the DMA engines,
 //                              no SMs), issued back to back; the offload engine's path.
 // Neither synchronises the host: callers order them with events (oases.offload.CopyEngine).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -19,11 +20,20 @@
 namespace oases {
 namespace {
 
-__global__ void batched_copy_kernel(const char* const* src, char* const* dst,
-                                    const int64_t* nbytes) {
-  const char* s = src[blockIdx.x];
-  char* d = dst[blockIdx.x];
-  const int64_t n = nbytes[blockIdx.x];
+// The pairs of one launch travel by value as the kernel's parameter (3 KiB, under the 4 KiB that
+// every CUDA version takes): no table to allocate and copy to the GPU first.
+constexpr int kPairsPerLaunch = 128;
+
+struct PairTable {
+  const char* src[kPairsPerLaunch];
+  char* dst[kPairsPerLaunch];
+  int64_t nbytes[kPairsPerLaunch];
+};
+
+__global__ void batched_copy_kernel(const PairTable table) {
+  const char* s = table.src[blockIdx.x];
+  char* d = table.dst[blockIdx.x];
+  const int64_t n = table.nbytes[blockIdx.x];
   const bool aligned = (reinterpret_cast<uintptr_t>(s) % 16 == 0) &&
                        (reinterpret_cast<uintptr_t>(d) % 16 == 0);
   int64_t done = 0;
@@ -52,26 +62,18 @@ void batched_copy_cuda(const std::vector<void*>& src, const std::vector<void*>& 
 #else
   cudaStream_t stream = nullptr;
 #endif
-  // Pointer and size tables travel in one small host-to-device copy on the same stream.
-  std::vector<int64_t> table(3 * n);
-  for (size_t i = 0; i < n; ++i) {
-    table[i] = reinterpret_cast<int64_t>(src[i]);
-    table[n + i] = reinterpret_cast<int64_t>(dst[i]);
-    table[2 * n + i] = nbytes[i];
+  // One launch per kPairsPerLaunch pairs, the pairs in its parameter.
+  for (size_t first = 0; first < n; first += kPairsPerLaunch) {
+    const size_t count = std::min(n - first, static_cast<size_t>(kPairsPerLaunch));
+    PairTable table;
+    for (size_t i = 0; i < count; ++i) {
+      table.src[i] = static_cast<const char*>(src[first + i]);
+      table.dst[i] = static_cast<char*>(dst[first + i]);
+      table.nbytes[i] = nbytes[first + i];
+    }
+    batched_copy_kernel<<<static_cast<unsigned>(count), 256, 0, stream>>>(table);
+    check(cudaGetLastError(), "batched_copy_kernel");
   }
-  int64_t* device_table = nullptr;
-  check(cudaMallocAsync(reinterpret_cast<void**>(&device_table), table.size() * sizeof(int64_t), stream),
-        "cudaMallocAsync");
-  check(cudaMemcpyAsync(device_table, table.data(), table.size() * sizeof(int64_t),
-                        cudaMemcpyHostToDevice, stream),
-        "cudaMemcpyAsync");
-  batched_copy_kernel<<<static_cast<unsigned>(n), 256, 0, stream>>>(
-      reinterpret_cast<const char* const*>(device_table),
-      reinterpret_cast<char* const*>(device_table + n), device_table + 2 * n);
-  check(cudaGetLastError(), "batched_copy_kernel");
-  check(cudaFreeAsync(device_table, stream), "cudaFreeAsync");
-  // No host synchronisation: a copy from pageable host memory returns only once `table` has been
-  // staged, so it may go out of scope now; the kernel and the free are ordered on `stream`.
 }
 
 void batched_memcpy_async_cuda(const std::vector<void*>& src, const std::vector<void*>& dst,

@@ -15,6 +15,12 @@ issued on a copy stream of their own so the caller keeps computing.
     reuse only after the copy read it; a tensor copied in is allocated on the copy stream and
     `record_stream`-ed on the stream that waits for it.
 
+    Small tensors: with the extension, tensors of at most 1 MiB whose buffer regions lie end to
+    end (as a HostSlab's consecutive regions do when their sizes are multiples of 256 bytes) move
+    as one run: out, one gather kernel into a device staging buffer and one DMA copy; in, one DMA
+    copy into one allocation that the run's tensors are views of (its memory is freed once all of
+    them are dropped). Larger or scattered tensors move one copy each.
+
     CPU: the copy stream is one worker thread; copies run there in issue order, the extension's
     memcpy releasing the GIL (and split over the intra-op threads), events are futures.
     `asynchronous=False` runs every copy in the caller instead.
@@ -22,10 +28,12 @@ issued on a copy stream of their own so the caller keeps computing.
 The path: `oases._C.pack/unpack` when `_should_use_extension(device)` (the extension is built,
 with CUDA for a GPU), else the Python fallback (one `copy_` per tensor), which is also the
 reference; `use_extension=False` forces it, True requires the extension. Each batched copy runs
-in a `torch.profiler.record_function("oases.offload.copy_<out|in>:<extension|python>")` range.
+in a `torch.profiler.record_function("oases.offload.copy_<out|in>:<extension|python>")` range
+while a profiler runs (none otherwise: opening one costs microseconds, a small copy's own time).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +53,13 @@ def _should_use_extension(device: torch.device) -> bool:
     if not _extension.is_available():
         return False
     return device.type == "cpu" or (device.type == "cuda" and _extension.compiled().build_info()["cuda"])
+
+
+def _profiled(name: str):
+    """A profiler range named `name` while a profiler runs, else nothing."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 class CopyEvent:
@@ -124,7 +139,7 @@ class CopyEngine:
             raise ValueError(f"offsets: need one offset per spec, got {len(offsets)} for {len(specs)}")
         if self.device.type == "cuda":
             return self._cuda_copy_in(buffer, offsets, specs)
-        outs = [torch.empty(tuple(shape), dtype=dtype, device=self.device) for shape, dtype in specs]
+        outs, _ = self._empty(offsets, specs)
         self._count("in", self._check(outs, buffer, offsets, "specs"))
         return outs, self._run(self._copy_in_now, buffer, outs, offsets)
 
@@ -168,6 +183,19 @@ class CopyEngine:
                                  f"of {buffer.numel()} bytes")
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def _empty(self, offsets: list[int], specs: Sequence[Spec]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(outs, owners): new tensors for specs on the device; with the extension, small tensors
+        whose regions lie end to end share one allocation laid out as the buffer (oases._C.empty_batch),
+        so they come in with one copy; owners: the distinct allocations."""
+        if self.use_extension:
+            try:
+                return _extension.compiled().empty_batch(offsets, [tuple(shape) for shape, _ in specs],
+                                                         [dtype for _, dtype in specs], self.device)
+            except RuntimeError as err:  # c10::Error: the message names the argument
+                raise ValueError(str(err).splitlines()[0]) from None
+        outs = [torch.empty(tuple(shape), dtype=dtype, device=self.device) for shape, dtype in specs]
+        return outs, outs
+
     def _count(self, direction: str, nbytes: int) -> None:
         self.calls[direction] += 1
         self.bytes[direction] += nbytes
@@ -190,7 +218,7 @@ class CopyEngine:
             return CopyEvent(future=self._worker.submit(fn, *args))
 
     def _copy_out_now(self, tensors: list[torch.Tensor], buffer: torch.Tensor, offsets: list[int]) -> None:
-        with torch.profiler.record_function(f"oases.offload.copy_out:{self.path}"):
+        with _profiled(f"oases.offload.copy_out:{self.path}"):
             if self.use_extension:
                 _extension.compiled().pack(tensors, buffer, offsets)
                 return
@@ -200,7 +228,7 @@ class CopyEngine:
                     buffer[off: off + nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
 
     def _copy_in_now(self, buffer: torch.Tensor, outs: list[torch.Tensor], offsets: list[int]) -> None:
-        with torch.profiler.record_function(f"oases.offload.copy_in:{self.path}"):
+        with _profiled(f"oases.offload.copy_in:{self.path}"):
             if self.use_extension:
                 _extension.compiled().unpack(buffer, outs, offsets)
                 return
@@ -222,8 +250,9 @@ class CopyEngine:
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             self._copy_out_now(tensors, buffer, offsets)
-            for t in tensors:  # their memory is reused only after this stream read it
-                t.record_stream(stream)
+            if not self.use_extension:  # (the extension's pack records them itself, in C++)
+                for t in tensors:  # their memory is reused only after this stream read it
+                    t.record_stream(stream)
             done.record(stream)
         return CopyEvent(cuda_event=done)
 
@@ -232,8 +261,8 @@ class CopyEngine:
             raise ValueError("buffer: must be pinned for asynchronous copies to a GPU (HostSlab pins on CUDA)")
         stream, done = self._copy_stream(), torch.cuda.Event()
         with torch.cuda.stream(stream):  # allocated on the copy stream: no wait on the compute stream
-            outs = [torch.empty(tuple(shape), dtype=dtype, device=self.device) for shape, dtype in specs]
+            outs, owners = self._empty(offsets, specs)
             self._count("in", self._check(outs, buffer, offsets, "specs"))
             self._copy_in_now(buffer, outs, offsets)
             done.record(stream)
-        return outs, CopyEvent(cuda_event=done, tensors=outs)
+        return outs, CopyEvent(cuda_event=done, tensors=owners)
