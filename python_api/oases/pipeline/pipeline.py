@@ -70,6 +70,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._leaves import grad_leaf
 from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
 from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
@@ -617,7 +618,7 @@ class Pipeline:
                     self._embed(step, i)
                 x = self.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype)
                 # Offloading, the received input is not kept here: layer 0's checkpoint holds it.
-                x = x.requires_grad_() if off is None else StageInput.apply(self._anchor, x, step.grads, (k, i))
+                x = grad_leaf(x) if off is None else StageInput.apply(self._anchor, x, step.grads, (k, i))
             keep = None if off is None else (off, (k, i), step.saved.setdefault((k, i), []))
             y = self.stage.forward_segment(k, x, step.ctx[i], offload=keep)
             if off is not None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Generator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from oases._leaves import grad_leaf
 from oases._rows import block_rows, padded, unpadded
 from oases.offload import CheckpointStack, Offloader
 from oases.schedule.protocol import LayerPlacements, RowMove, Stack, SubBatch
@@ -119,17 +120,17 @@ class _Recorded:
 
 
 def _record(sub, x: torch.Tensor, ctx: Any) -> _Recorded:
-    x = x.detach().requires_grad_()
+    x = grad_leaf(x)  # (not cached by autocast: see oases._leaves)
     with torch.enable_grad():
         h = sub.norm(x)
-        h_leaf = h.detach().requires_grad_()
+        h_leaf = grad_leaf(h)
         part = sub.core(h_leaf, ctx)
     return _Recorded(x, h, h_leaf, part)
 
 
 def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Communicator) -> Generator:
     """Gradient of x for x_out = x + finish(AR(part)) given grad_out; accumulates parameter grads."""
-    z = torch.zeros_like(rec.part, requires_grad=True)  # stands for AR(part): finish is affine in it
+    z = grad_leaf(torch.zeros_like(rec.part))  # stands for AR(part): finish is affine in it
     with torch.enable_grad():
         sub.finish(z, ctx).backward(grad_out)
     rec.part.backward(z.grad)  # AR's adjoint is the identity: grad(part) = grad(AR(part))
@@ -186,7 +187,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
     if move_out is not None:  # the head runs on every row of the sub-batch
         x = yield from _move_rows(move_out, x, rows, "forward")
     saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
-    x = x.requires_grad_()
+    x = grad_leaf(x)
     with torch.enable_grad():
         loss = loss_sum(stack.head(x, ctx), labels)
         (loss / normalizer).backward()
@@ -378,11 +379,11 @@ _SEQ = -2  # the sequence dimension: x [b, t, h] (and a stacked norm output [k, 
 
 def _record_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str) -> Generator:
     """Rerun norm, the gather and core with autograd: the graph of one sublayer (sequence parallel)."""
-    x_r = x_r.detach().requires_grad_()
+    x_r = grad_leaf(x_r)
     with torch.enable_grad():
         h_r = sub.norm(x_r)
     h = yield from comm.all_gather(h_r.detach(), _SEQ, phase)
-    h_leaf = h.requires_grad_()
+    h_leaf = grad_leaf(h)
     with torch.enable_grad():
         part = sub.core(h_leaf, ctx)
     return _Recorded(x_r, h_r, h_leaf, part)
@@ -404,7 +405,7 @@ def _forward_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str
 
 def _backward_sp(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Communicator) -> Generator:
     """Gradient of x_r for x_r + finish(RS(part)) given grad_out [b, t/p, h]; accumulates parameter grads."""
-    z = torch.zeros_like(grad_out, requires_grad=True)  # stands for RS(part): finish is affine in it
+    z = grad_leaf(torch.zeros_like(grad_out))  # stands for RS(part): finish is affine in it
     with torch.enable_grad():
         sub.finish(z, ctx).backward(grad_out)
     grad_part = yield from comm.all_gather(z.grad, _SEQ, "backward")  # reduce-scatter's adjoint
@@ -428,7 +429,7 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
             x = yield from _forward_sp(sub, x, tokens, comm, "forward")
     saved.flush()
     x_full = yield from comm.all_gather(x, _SEQ, "forward")  # the head sees every token, as without SP
-    x_full.requires_grad_()
+    x_full = grad_leaf(x_full)
     with torch.enable_grad():
         loss = loss_sum(stack.head(x_full, ctx), labels)
         (loss / normalizer).backward()
@@ -486,7 +487,7 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
         yield
     _, x_full = task.wait()  # the head sees every token, as without SP
     saved.flush()
-    x_full.requires_grad_()
+    x_full = grad_leaf(x_full)
     with torch.enable_grad():
         loss = loss_sum(stack.head(x_full, ctx), labels)
         (loss / normalizer).backward()
@@ -495,7 +496,7 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
     yield
     for i in reversed(range(len(subs))):
         grad_part, h, x_leaf, h_r, grad = task.wait()
-        h_leaf = h.requires_grad_()
+        h_leaf = grad_leaf(h)
         with torch.enable_grad():
             part = subs[i].core(h_leaf, tokens)
         part.backward(grad_part)
@@ -533,10 +534,10 @@ def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicat
             grad_r = grad_r + x_leaf.grad
         if following is None:
             return comm.all_gather_sync(grad_r.contiguous(), _SEQ, "backward")  # the split's adjoint
-        z = torch.zeros_like(grad_r, requires_grad=True)  # stands for RS(part): finish is affine in it
+        z = grad_leaf(torch.zeros_like(grad_r))  # stands for RS(part): finish is affine in it
         following.finish(z, tokens).backward(grad_r)
         grad_part = comm.all_gather_sync(z.grad, _SEQ, "backward")  # reduce-scatter's adjoint
-        x_leaf = x_saved.detach().requires_grad_()
+        x_leaf = grad_leaf(x_saved)
         h_r = following.norm(x_leaf)
     h = comm.all_gather_sync(h_r.detach(), _SEQ, "recompute")
     return grad_part, h, x_leaf, h_r, grad_r
