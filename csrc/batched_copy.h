@@ -11,7 +11,7 @@ namespace oases {
 //
 // Devices: tensors and slab on the same device (CPU: multi-threaded memcpy; CUDA: one kernel), or
 // (CUDA build) tensors on one GPU and slab in pinned host memory, on the current stream, no host
-// synchronisation: small tensors (<= 1 MiB) whose slab regions lie end to end are gathered by one
+// synchronisation: small tensors (<= 64 KiB) whose slab regions lie end to end are gathered by one
 // kernel and leave in one cudaMemcpyAsync per run; every other tensor in one of its own. CUDA
 // tensors are record_stream-ed on the current stream (the caller may drop them at once). Pairs
 // that continue one another on both sides move as one. Every check runs before any byte moves.

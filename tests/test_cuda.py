@@ -105,7 +105,10 @@ def test_batched_copies_match_torch(slab_on, count, gap):
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
         assert torch.equal(slab[off:off + n].cpu(), _bytes(t).cpu()), (t.dtype, t.shape, off)
-        assert torch.all(slab[off + n:off + n + 13].cpu() == 0xAB)  # nothing written past the tensor
+        if gap:  # nothing written between the tensors
+            assert torch.all(slab[off + n:off + n + gap].cpu() == 0xAB)
+    end = offsets[-1] + tensors[-1].numel() * tensors[-1].element_size()
+    assert torch.all(slab[end:].cpu() == 0xAB)  # nor past the last one
     outs = [torch.full_like(t, 1) if t.dtype != torch.bool else torch.zeros_like(t) for t in tensors]
     C.unpack(slab, outs, offsets)
     torch.cuda.synchronize()
@@ -143,6 +146,23 @@ def test_copy_engine_round_trip_through_a_pinned_host_slab(count):
     assert dict(engine.calls) == {"out": 1, "in": 1}
     with pytest.raises(ValueError, match="must be pinned"):
         engine.copy_out(tensors[:3], torch.zeros(total, dtype=torch.uint8), offsets[:3])
+
+
+def test_tensors_of_separate_allocations_end_to_end_copy_apart():
+    """Tensors of 32 MiB (each its own cudaMalloc, often end to end in the address space) into
+    consecutive slab regions: one cudaMemcpyAsync each, never one across two allocations (which
+    the driver refuses), both ways."""
+    C = _C()
+    torch.cuda.empty_cache()
+    tensors = [_randn(8 << 20, seed=i) for i in range(4)]
+    nbytes = 32 << 20
+    slab = torch.empty(4 * nbytes, dtype=torch.uint8).pin_memory()
+    offsets = [i * nbytes for i in range(4)]
+    C.pack(tensors, slab, offsets)
+    outs = [torch.empty_like(t) for t in tensors]
+    C.unpack(slab, outs, offsets)
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
 
 
 def test_copy_engine_moves_small_tensors_in_runs_and_keeps_dropped_sources_alive():
