@@ -131,9 +131,11 @@ stage micro 150 "$py" -m bench.cuda_micro --out "$out" --watchdog 140 --no-plots
 stage memcheck 120 env OASES_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \
   "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched_copies or copy_engine or offloader_round_trip"
 # A Llama-sized layer stack that fills a good part of the GPU (about 60 GB at its peak on an H200):
-# 1.6 B parameters twice (offload on and off both resident) and 64 checkpoints of 256 MiB.
-stage offload 180 "$py" -m bench offload --device cuda --nproc 1 --parts step ${OASES_OFFLOAD_ARGS:---step-hidden 2048 \
-  --step-heads 16 --step-layers 32 --step-seq-len 4096 --step-batch 8 --step-autocast bfloat16 --warmup 2 --iters 5} \
+# 1.6 B parameters twice (offload on and off both resident) and 64 checkpoints of 256 MiB; one more
+# step per variant with the allocator's history: the allocations live at its peak, by frame.
+stage offload 240 "$py" -m bench offload --device cuda --nproc 1 --parts step ${OASES_OFFLOAD_ARGS:---step-hidden 2048 \
+  --step-heads 16 --step-layers 32 --step-seq-len 4096 --step-batch 8 --step-autocast bfloat16 --warmup 2 --iters 5 \
+  --step-memory-peak} \
   --out "$work/offload"
 cp "$(ls -t "$work"/offload/*.json 2>/dev/null | head -n 1)" "$out/offload.json" 2>/dev/null
 stage profile 150 "$py" -m bench profile --device cuda --nproc 1 --assume-link 25gbit,20us --dtype bfloat16 \

@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from bench._report import Table, save_figure
+from bench._memory_peak import peak_allocations
 from oases.models import GPT, GPTConfig
 from oases.offload import ALIGNMENT, CopyEngine, HostSlab, Offloader
 from oases.schedule import CheckpointMemory
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the step's sequence length (default: --seq-len's)")
     parser.add_argument("--step-batch", type=_positive, default=None,
                         help="the step's sequences per step (default: --batch's)")
+    parser.add_argument("--step-memory-peak", action="store_true",
+                        help="CUDA: one more step per variant with the allocator's history recorded; the JSON and a "
+                             "table show the allocations live at the step's peak, by the code that made them")
     parser.add_argument("--step-autocast", choices=("bfloat16", "float16"), default=None,
                         help="run the step under torch.autocast in this dtype (default: none, fp32), as a GPU "
                              "user trains")
@@ -213,6 +217,9 @@ def _step(args, ctx) -> dict:
                                                         [float(peak[n]) for n in names], dtype=torch.float64))
         before = {n: int(reduced[i]) for i, n in enumerate(names)}
         peak = {n: int(reduced[len(names) + i]) for i, n in enumerate(names)}
+    peak_live = None
+    if getattr(args, "step_memory_peak", False) and ctx.is_cuda:
+        peak_live = {name: peak_allocations(step, ctx.device) for name, step in steps.items()}
     stats = offloader.stats
     record = {"kind": "step", "schedule": "oases", "offload_batch": args.batch_size,
               "config": {"hidden": hidden, "layers": layers, "heads": heads, "batch": batch, "seq_len": seq_len,
@@ -230,7 +237,7 @@ def _step(args, ctx) -> dict:
               (peak["on"] - before["on"]) / max(1, peak["off"] - before["off"]),
               "checkpoints": stats.checkpoints, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
               "bytes_out": stats.bytes_out, "slab_bytes": offloader.slab.capacity, "loss": float(losses["off"]),
-              "copy_path": offloader.engine(ctx.device).path}
+              "copy_path": offloader.engine(ctx.device).path, "peak_live": peak_live}
     offloader.close()
     return record
 
@@ -309,6 +316,8 @@ def tables(records: list[dict]) -> list[Table]:
         out.append(_copy_table(copies))
     if step is not None:
         out.append(_step_table(step))
+        if step.get("peak_live"):
+            out.append(_peak_table(step["peak_live"]))
     if aiao is not None:
         out.append(_aiao_table(aiao))
     return out
@@ -359,6 +368,19 @@ def _step_table(step: dict) -> Table:
                  + (f", {c['autocast']} autocast" if c.get("autocast") else ""),
                  ["offload", "t_step ms", "on / off", "ckpt MiB", "step GiB", "step on / off", "peak GiB",
                   "copies out", "copies in"], step_rows, step_notes)
+
+
+def _peak_table(peak_live: dict) -> Table:
+    rows, notes = [], []
+    for name, summary in peak_live.items():
+        notes.append(f"{name}: peak {summary['peak_bytes'] / 2**30:.2f} GiB above the step's start, reached by "
+                     f"{summary['set_by']}; {summary['other_bytes'] / 2**30:.2f} GiB in smaller groups")
+        for g in summary["groups"]:
+            rows.append([name, g["bytes"] / 2**30, g["count"], g["frame"]])
+    notes.append("the blocks live at the step's peak (torch.cuda.memory._record_memory_history, one step per "
+                 "variant), by the innermost project frames of their allocation")
+    return Table("offload: where the step's peak device memory goes", ["offload", "GiB", "blocks", "allocated at"],
+                 rows, notes)
 
 
 def _aiao_table(aiao: dict) -> Table:

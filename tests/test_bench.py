@@ -706,7 +706,8 @@ def test_offload_step_on_one_rank(tmp_path):
     (None)."""
     doc, stdout, _ = _run_suite_on_ranks(
         "offload", tmp_path, "--device", "cpu", "--parts", "step", "--step-hidden", "96", "--step-heads", "4",
-        "--step-layers", "3", "--step-seq", "24", "--step-batch", "4", "--step-autocast", "bfloat16", nproc=1)
+        "--step-layers", "3", "--step-seq", "24", "--step-batch", "4", "--step-autocast", "bfloat16",
+        "--step-memory-peak", nproc=1)
     assert [r["kind"] for r in doc["cases"]] == ["step"]
     assert "offload: GPT oases schedule, TP 1, hidden 96, 4 heads, 3 layers, batch 4 x 24" in stdout
     assert "round trips" not in stdout and "AIAO" not in stdout
@@ -719,7 +720,39 @@ def test_offload_step_on_one_rank(tmp_path):
     assert step["peak_device_bytes"] == {"off": None, "on": None} and step["peak_device_ratio_on_off"] is None
     assert step["step_device_ratio_on_off"] is None
     assert step["step_device_bytes"] == {"off": None, "on": None}
+    assert step["peak_live"] is None  # the allocator's history is CUDA's
     assert doc["files"]["png"] is None  # the figure needs the copies too
+
+
+def _frames(*names):
+    return [{"filename": f"/x/python_api/oases/schedule/{n}.py", "line": 10 + i, "name": n}
+            for i, n in enumerate(names)] + [{"filename": "/usr/lib/torch/nn/linear.py", "line": 1, "name": "fwd"}]
+
+
+def test_live_at_peak_replays_the_allocator_trace():
+    """The peak above the start and the blocks live then: frees of blocks from before the trace
+    count (at their request), a block freed late (record_stream: requested, completed later) leaves
+    at its request, a completion without a request still frees; the groups follow the project's
+    innermost frames."""
+    from bench._memory_peak import frame_label, live_at_peak
+
+    a = lambda addr, size, *names: {"action": "alloc", "addr": addr, "size": size, "frames": _frames(*names)}
+    req = lambda addr, size: {"action": "free_requested", "addr": addr, "size": size}
+    done = lambda addr, size: {"action": "free_completed", "addr": addr, "size": size}
+    events = [a(1, 100, "ckpt"), a(2, 50, "work"),   # 150
+              req(99, 40), done(99, 40),             # 110: a block from before the trace
+              req(2, 50), a(3, 200, "work"),         # 260: the peak (block 2 requested, completion pending)
+              done(2, 50),                           # no change: already counted at its request
+              done(1, 100),                          # completion without a request: 160
+              a(4, 90, "late"),                      # 250 < 260
+              {"action": "segment_alloc", "addr": 7, "size": 1 << 30}]
+    peak, at, live = live_at_peak(events)
+    assert (peak, at) == (260, 5)
+    assert sorted(e["addr"] for e in live) == [1, 3]
+    assert live_at_peak([]) == (0, None, [])
+    assert frame_label(_frames("inner", "outer", "top", "more"), depth=2) == "inner.py:10 inner < outer.py:11 outer"
+    assert frame_label([{"filename": "/usr/lib/torch/x.py", "line": 3, "name": "f"}]) == "x.py:3 f"
+    assert frame_label([]) == "?"
 
 
 def test_offload_step_options_checked(tmp_path, monkeypatch, capfd):
