@@ -25,7 +25,8 @@ demo-gpt: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The API reference: Sphinx's autodoc over the public API's docstrings (docs/api), HTML into
+# The documentation site: docs/*.md (MyST) and the API reference, Sphinx's autodoc over the public
+# API's docstrings (docs/api), HTML into
 # build/docs. -W: any warning (a docstring that is not valid reStructuredText included) fails it;
 # -E: every page is read again, so warnings are never hidden by a previous build.
 DOCS_STAMP := $(VENV)/.oases-docs-installed
@@ -35,7 +36,7 @@ $(DOCS_STAMP): requirements-docs.txt $(STAMP)
 	touch $(DOCS_STAMP)
 
 docs: $(DOCS_STAMP)
-	$(VENV)/bin/sphinx-build -W --keep-going -E -b html docs/api build/docs
+	$(VENV)/bin/sphinx-build -W --keep-going -E -b html docs build/docs
 
 # The Hugging Face-facing tests on the oldest supported transformers (5.0.0), in .venv-tf-oldest.
 test-oldest-transformers: $(STAMP)
