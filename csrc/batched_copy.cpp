@@ -210,33 +210,44 @@ void pack_to_host_cuda(const std::vector<torch::Tensor>& tensors, const torch::T
 }
 #endif
 
+// The (src, dst, nbytes) pairs of a copy between `tensors` and slab regions, merged (merge_adjacent).
+struct Pairs {
+  std::vector<char*> src, dst;
+  std::vector<int64_t> nbytes;
+};
+
+Pairs pairs_of(const std::vector<torch::Tensor>& tensors, const torch::Tensor& slab,
+               const std::vector<int64_t>& offsets, bool to_slab) {
+  const size_t n = tensors.size();
+  Pairs p{std::vector<char*>(n), std::vector<char*>(n), std::vector<int64_t>(n)};
+  std::vector<const void*> owners(n);
+  char* base = static_cast<char*>(slab.data_ptr());
+  for (size_t i = 0; i < n; ++i) {
+    char* t = static_cast<char*>(tensors[i].data_ptr());
+    p.src[i] = to_slab ? t : base + offsets[i];
+    p.dst[i] = to_slab ? base + offsets[i] : t;
+    p.nbytes[i] = nbytes_of(tensors[i]);
+    owners[i] = owner_of(tensors[i]);
+  }
+  merge_adjacent(p.src, p.dst, p.nbytes, owners);
+  return p;
+}
+
 void copy(const std::vector<torch::Tensor>& tensors, torch::Tensor slab,
           const std::vector<int64_t>& offsets, bool to_slab) {
   check_args(tensors, slab, offsets);
-  const size_t n = tensors.size();
 #ifdef OASES_WITH_CUDA
-  if (n > 0 && (tensors[0].is_cuda() || slab.is_cuda())) {
+  if (!tensors.empty() && (tensors[0].is_cuda() || slab.is_cuda())) {
     const c10::DeviceGuard guard(tensors[0].is_cuda() ? tensors[0].device() : slab.device());
     if (to_slab && slab.is_cpu()) {
       pack_to_host_cuda(tensors, slab, offsets);
     } else {
-      std::vector<char*> src(n), dst(n);
-      std::vector<int64_t> nbytes(n);
-      std::vector<const void*> owners(n);
-      char* base = static_cast<char*>(slab.data_ptr());
-      for (size_t i = 0; i < n; ++i) {
-        char* t = static_cast<char*>(tensors[i].data_ptr());
-        src[i] = to_slab ? t : base + offsets[i];
-        dst[i] = to_slab ? base + offsets[i] : t;
-        nbytes[i] = nbytes_of(tensors[i]);
-        owners[i] = owner_of(tensors[i]);
-      }
-      merge_adjacent(src, dst, nbytes, owners);
-      std::vector<void*> vs(src.begin(), src.end()), vd(dst.begin(), dst.end());
+      const Pairs p = pairs_of(tensors, slab, offsets, to_slab);
+      std::vector<void*> vs(p.src.begin(), p.src.end()), vd(p.dst.begin(), p.dst.end());
       if (slab.is_cuda()) {
-        batched_copy_cuda(vs, vd, nbytes);  // same GPU: one kernel
+        batched_copy_cuda(vs, vd, p.nbytes);  // same GPU: one kernel
       } else {
-        batched_memcpy_async_cuda(vs, vd, nbytes);  // pinned host -> GPU: the DMA engines
+        batched_memcpy_async_cuda(vs, vd, p.nbytes);  // pinned host -> GPU: the DMA engines
       }
     }
     // The tensors' memory is reused only after this stream is done with them (a no-op where
@@ -250,19 +261,8 @@ void copy(const std::vector<torch::Tensor>& tensors, torch::Tensor slab,
 #endif
   TORCH_CHECK(slab.is_cpu(), "slab: device ", slab.device(),
               " needs an extension built with CUDA (OASES_BUILD_CUDA=1)");
-  std::vector<char*> src(n), dst(n);
-  std::vector<int64_t> nbytes(n);
-  std::vector<const void*> owners(n);
-  char* base = static_cast<char*>(slab.data_ptr());
-  for (size_t i = 0; i < n; ++i) {
-    char* t = static_cast<char*>(tensors[i].data_ptr());
-    src[i] = to_slab ? t : base + offsets[i];
-    dst[i] = to_slab ? base + offsets[i] : t;
-    nbytes[i] = nbytes_of(tensors[i]);
-    owners[i] = owner_of(tensors[i]);
-  }
-  merge_adjacent(src, dst, nbytes, owners);
-  copy_pairs(src, dst, nbytes);
+  const Pairs p = pairs_of(tensors, slab, offsets, to_slab);
+  copy_pairs(p.src, p.dst, p.nbytes);
 }
 
 }  // namespace
