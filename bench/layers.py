@@ -553,5 +553,9 @@ def plot(records: list[dict], path: str, title: str) -> bool:
                       label="bound max(compute, comm)" if i == 0 else None)
     ax.set_ylabel("ms per training step (MAX over ranks)")
     ax.set_title(f"{records[0]['title']}\n{title}", fontsize=8)
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)  # the peers' names are long
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
     ax.legend(fontsize=7)
+    fig.tight_layout()
     return save_figure(fig, path)
