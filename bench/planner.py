@@ -302,7 +302,7 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     meas = np.array([1e3 * r["measured_s"] for r in records])
     for hidden in sorted({r["hidden"] for r in records}):
         pick = [i for i, r in enumerate(records) if r["hidden"] == hidden]
-        ax.scatter(meas[pick], pred[pick], label=f"hidden {hidden}")
+        ax.scatter(meas[pick], pred[pick], label=f"hidden {hidden}", zorder=3)  # above the band
         for i in pick:
             ax.annotate(records[i]["config"], (meas[i], pred[i]), fontsize=6)
     top = 1.1 * max(pred.max(), meas.max())
