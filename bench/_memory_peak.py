@@ -5,8 +5,9 @@ that made them, from the CUDA caching allocator's history.
     # summary = {"peak_bytes": P, "events": E, "set_by": "stack.py:168 _program < ...",
     #            "groups": [{"frame": "stack.py:131 _record < ...", "bytes": B, "count": N}, ...]}
 
-    P = max over the run of (bytes allocated now - bytes allocated when fn started)
-      = what torch.cuda.max_memory_allocated() - memory_allocated() before the run reports
+    P = max over the run of (bytes allocated now - bytes allocated when fn started), in the sizes
+      the allocations asked for (torch.cuda.max_memory_allocated counts their blocks, rounded up
+      to 512 bytes: slightly more)
     groups: the blocks live at that moment, by the innermost frames of the project (oases/, bench/,
     examples/) on their allocation's Python stack, largest first; frees of blocks allocated before
     the run count against P as the allocator counts them.
@@ -31,11 +32,11 @@ def live_at_peak(events: Sequence[dict]) -> tuple[int, Optional[int], list[dict]
     (peak bytes above the start, index of the entry that reached it or None, entries live then).
 
     alloc adds a block; free_requested takes it away (the allocator stops counting it there, also
-    for a block from before the trace); free_completed takes away a block whose request was not
-    seen. Other actions (segment_*, snapshot, oom) move no allocated bytes."""
+    for a block from before the trace); free_completed only returns a block to the pool (a block
+    freed with record_stream completes later; one requested before the trace was counted off
+    already). Other actions (segment_*, snapshot, oom) move no allocated bytes."""
     def replay(stop: int):
         live: dict[int, dict] = {}
-        requested: set[int] = set()
         now = 0
         for i, e in enumerate(events[:stop]):
             action, addr = e.get("action"), e.get("addr")
@@ -44,14 +45,8 @@ def live_at_peak(events: Sequence[dict]) -> tuple[int, Optional[int], list[dict]
                 now += e["size"]
             elif action == "free_requested":
                 live.pop(addr, None)
-                requested.add(addr)
                 now -= e["size"]
-            elif action == "free_completed":
-                if addr in requested:
-                    requested.discard(addr)
-                else:
-                    live.pop(addr, None)
-                    now -= e["size"]
+            # free_completed: the block back in the pool; no allocated bytes move
             yield i, now, live
 
     peak, peak_at = 0, None

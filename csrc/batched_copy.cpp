@@ -190,7 +190,9 @@ void pack_to_host_cuda(const std::vector<torch::Tensor>& tensors, const torch::T
       dma_owners.push_back(owner_of(tensors[r.first]));
       continue;
     }
-    const int64_t start = (cursor + kAlign - 1) / kAlign * kAlign + r.offset % kAlign;
+    // the first position at or after the cursor congruent to the run's slab offset (mod kAlign):
+    // at most kAlign - 1 bytes of padding, as `staged` allows
+    const int64_t start = cursor + ((r.offset - cursor) % kAlign + kAlign) % kAlign;
     char* const run_on_device = static_cast<char*>(staging.data_ptr()) + start;
     for (size_t i = r.first; i < r.last; ++i) {
       gather_src.push_back(tensors[i].data_ptr());

@@ -5,7 +5,9 @@ errors): the Markdown pages of docs/ (MyST) and the API reference generated from
 A link from a page to a file of the repository outside docs/ (`../README.md`, a source file, a
 test) resolves to that file's place in the checkout, relative to the built page, so the site read
 from build/docs/ in a checkout reaches it; a link to anything that does not exist stays a warning
-(so an error: a broken link fails the build).
+(so an error: a broken link fails the build). Not checked: an anchor into such a file
+(`../README.md#a-heading`), and whether the file is tracked (a clean-clone CI build is). The
+links are right for the site as `make docs` builds it, in build/docs/ of a checkout.
 """
 import os
 import sys

@@ -732,8 +732,8 @@ def _frames(*names):
 def test_live_at_peak_replays_the_allocator_trace():
     """The peak above the start and the blocks live then: frees of blocks from before the trace
     count (at their request), a block freed late (record_stream: requested, completed later) leaves
-    at its request, a completion without a request still frees; the groups follow the project's
-    innermost frames."""
+    at its request, a completion alone moves nothing (its request came before the trace); the
+    groups follow the project's innermost frames."""
     from bench._memory_peak import frame_label, live_at_peak
 
     a = lambda addr, size, *names: {"action": "alloc", "addr": addr, "size": size, "frames": _frames(*names)}
@@ -743,8 +743,8 @@ def test_live_at_peak_replays_the_allocator_trace():
               req(99, 40), done(99, 40),             # 110: a block from before the trace
               req(2, 50), a(3, 200, "work"),         # 260: the peak (block 2 requested, completion pending)
               done(2, 50),                           # no change: already counted at its request
-              done(1, 100),                          # completion without a request: 160
-              a(4, 90, "late"),                      # 250 < 260
+              done(77, 100),                         # a completion alone (requested before): no change
+              req(1, 100), a(4, 90, "late"),         # 250 < 260
               {"action": "segment_alloc", "addr": 7, "size": 1 << 30}]
     peak, at, live = live_at_peak(events)
     assert (peak, at) == (260, 5)

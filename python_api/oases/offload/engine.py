@@ -19,7 +19,7 @@ issued on a copy stream of their own so the caller keeps computing.
     HostSlab's consecutive regions do when their sizes are multiples of 256 bytes) move as one run:
     out (each at most 64 KiB), one gather kernel into a device staging buffer and one DMA copy; in
     (each at most 1 MiB), one DMA copy into one allocation that the run's tensors are views of
-    (its memory is freed once all of them are dropped). Others move one copy each. Measured on an
+    (its memory is freed once all of them are dropped; they share one version counter). Others move one copy each. Measured on an
     H200 (docs/benchmarks.md): 256 tensors of 16 KiB 3.5x (out) and 3.2x (in) the rate of
     per-tensor copies; 16 of them about 1x (the call's own overhead dominates).
 
@@ -193,6 +193,8 @@ class CopyEngine:
             try:
                 return _extension.compiled().empty_batch(offsets, [tuple(shape) for shape, _ in specs],
                                                          [dtype for _, dtype in specs], self.device)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as err:  # c10::Error: the message names the argument
                 raise ValueError(str(err).splitlines()[0]) from None
         outs = [torch.empty(tuple(shape), dtype=dtype, device=self.device) for shape, dtype in specs]

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from oases._leaves import grad_leaf
 from oases._sharding import tp_rules
 from oases.checkpoint import _layout, full_state_dict
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
@@ -365,7 +366,8 @@ class _OffloadedLayer(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x = ctx.offloader.get(ctx.saved).detach().requires_grad_(ctx.needs_x)
+        x = ctx.offloader.get(ctx.saved)
+        x = grad_leaf(x) if ctx.needs_x else x.detach()  # (not cached by autocast: oases._leaves)
         ctx.offloader.release(ctx.saved)
         with torch.random.fork_rng(devices=[]), torch.enable_grad():
             torch.set_rng_state(ctx.rng)
