@@ -19,9 +19,10 @@ issued on a copy stream of their own so the caller keeps computing.
     HostSlab's consecutive regions do when their sizes are multiples of 256 bytes) move as one run:
     out (each at most 64 KiB), one gather kernel into a device staging buffer and one DMA copy; in
     (each at most 1 MiB), one DMA copy into one allocation that the run's tensors are views of
-    (its memory is freed once all of them are dropped; they share one version counter). Others move one copy each. Measured on an
-    H200 (docs/benchmarks.md): 256 tensors of 16 KiB 3.5x (out) and 3.2x (in) the rate of
-    per-tensor copies; 16 of them about 1x (the call's own overhead dominates).
+    (its memory is freed once all of them are dropped; they share one version counter). Others
+    move one copy each. Measured on an H200 (`python -m bench.cuda_micro --sections
+    batched_copies`, docs/benchmarks.md): 256 tensors of 16 KiB 3.5x (out) and 3.2x (in) the rate
+    of per-tensor copies; 16 of them about 1x (the call's own overhead dominates).
 
     CPU: the copy stream is one worker thread; copies run there in issue order, the extension's
     memcpy releasing the GIL (and split over the intra-op threads), events are futures.
