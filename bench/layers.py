@@ -19,7 +19,8 @@ gathers and scatters are counted in `sent` and replayed as all-reduces of the sa
 sublayer's forward graph kept as the peers keep autograd's activations):
 
     t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
-    t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run())
+    t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run()),
+                timed in the same round-robin as every step
     t_comm      the step's all-reduces alone: as many, as large, blocking, back to back
     bound       max(t_compute, t_comm); efficiency = (t_megatron - t_step) / (t_megatron - bound)
     busy        1 - (time blocked on communication) / t_step, the least busy rank
@@ -354,6 +355,17 @@ def _traced_waits(ctx, label: str):
             cls.wait = original
 
 
+_DRY = "dry/"  # the timer's name for a step's compute-only run
+
+
+def _dry(step: Callable[[], object], comm: Communicator) -> Callable[[], object]:
+    """`step` with `comm`'s collectives counted but not sent (Communicator.dry_run)."""
+    def compute_only() -> object:
+        with comm.dry_run():
+            return step()
+    return compute_only
+
+
 def run(args, ctx) -> list[dict]:
     case = _llama_case(args, ctx) if args.model == "llama" else _gpt_case(args, ctx)
     steps = {**case.ours, **case.peers}
@@ -365,13 +377,12 @@ def run(args, ctx) -> list[dict]:
         case.check()
         case.check = None  # lets go of what it held (llama: the unsharded model)
 
-    timed = ctx.timer.measure(steps)
+    # Each step of ours also runs compute-only (its Communicator's dry run) in the same round-robin as
+    # every step: a machine whose speed drifts (a shared host) moves the bound and the steps alike.
+    timed = ctx.timer.measure({**steps, **{_DRY + name: _dry(step, case.comms[name]) for name, step in case.ours.items()}})
+    compute = {name: timed[_DRY + name] for name in case.ours}
     # The TP group's input check every step of ours runs first (oases.inputs; check_inputs=True), alone.
     t_check = ctx.timer.measure({"check": lambda: agree_inputs(case.inputs, ctx.group, device=ctx.device)})["check"]
-    with contextlib.ExitStack() as dry:
-        for comm in case.comms.values():
-            dry.enter_context(comm.dry_run())
-        compute = ctx.timer.measure(case.ours)
 
     records = []
     link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
