@@ -90,5 +90,5 @@ setup(
     cmdclass=_cmdclass,
     install_requires=["torch>=2.4", "numpy", "scipy"],
     extras_require={"triton": ["triton"], "bench": ["matplotlib"]},
-    entry_points={"console_scripts": ["oases-launch=oases.launch:main", "oases=oases.planner.cli:main"]},
+    entry_points={"console_scripts": ["oases-launch=oases.launch:main", "oases=oases.cli:main"]},
 )

@@ -79,7 +79,7 @@ from bench._trace import IN_FLIGHT
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
-from oases.planner.profile import LinkFit
+from oases.costs.link import LinkFit
 from oases.schedule.exposure import CAUSES, attribute, gather_logs
 from oases.schedule.runtime import _Task, _Work
 

@@ -63,7 +63,7 @@ from oases.schedule import SubBatch
 
 PROFILES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_LATENCY = "30us"  # --assume-link without a latency: oases.planner.profile.DEFAULT_LATENCY_S
+DEFAULT_LATENCY = "30us"  # --assume-link without a latency: oases.costs.link.DEFAULT_LATENCY_S
 _LATENCY_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
 _LATENCY = re.compile(r"(?P<number>\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+)\s*(?P<unit>s|ms|us|µs|ns)", re.IGNORECASE)
 _SUBLAYERS = {"attention": _Attention, "mlp": _MLP}

@@ -643,7 +643,7 @@ def test_profile_one_rank_with_assumed_link_plans(tmp_path):
     and marked assumed; the planner loads the profile (collectives by its ring formulas from that
     link) and `oases plan` plans Llama-7B on 16 devices with it."""
     from oases.planner import load_profile
-    from oases.planner.cli import main as oases_main
+    from oases.cli import main as oases_main
 
     path = tmp_path / "p.json"
     doc, stdout, _ = _run_suite_on_ranks("profile", tmp_path, "--device", "cpu", "--assume-link", "10gbit,50us",

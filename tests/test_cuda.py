@@ -360,14 +360,14 @@ def _rings_on_streams(p, chunks, bidirectional, *, seed, slow, broken=None):
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation on the hot path raises
     try:
         with _simulated_ranks(wire):
-            gens = [ring_module._all_gather_rows(shards[r], gathered[r], rings[r], chunks, bidirectional,
+            gens = [ring_module.all_gather_rows(shards[r], gathered[r], rings[r], chunks, bidirectional,
                                                  side=sides[r]) for r in range(p)]
 
             def gemm(r, rows):
                 torch.matmul(gathered[r][rows], w.t(), out=ys[r][rows])
 
             _lockstep(gens, compute, gemm, lambda r: seen_y.__setitem__(r, ys[r].clone()), compute_sleep)
-            gens = [ring_module._reduce_scatter_rows(lambda rows, r=r: product(r, rows), outs[r], rings[r],
+            gens = [ring_module.reduce_scatter_rows(lambda rows, r=r: product(r, rows), outs[r], rings[r],
                                                      chunks, bidirectional, side=sides[r]) for r in range(p)]
             _lockstep(gens, compute, lambda r, rows: None, lambda r: seen_out.__setitem__(r, outs[r].clone()),
                       compute_sleep)

@@ -21,7 +21,7 @@ from _spawn import finish_process
 import oases
 from oases import env
 from oases.launch import parse_bandwidth
-from oases.planner.cli import main as oases_main
+from oases.cli import main as oases_main
 from oases.planner.profile import parse_link
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,7 @@ def _label(key: str) -> str:
 def test_command_lines_print_every_field():
     """(a) `python -m oases.env` (text) and the console script's `oases env --json` exit 0 with every
     field. Both start at once: each pays torch's import."""
-    script = [OASES_SCRIPT] if os.path.exists(OASES_SCRIPT) else [sys.executable, "-m", "oases.planner.cli"]
+    script = [OASES_SCRIPT] if os.path.exists(OASES_SCRIPT) else [sys.executable, "-m", "oases"]
     procs = {
         "text": _start([sys.executable, "-m", "oases.env"], _clean_env(OASES_MARK="text")),
         "json": _start([*script, "env", "--json"], _clean_env(OASES_MARK="json", LOCAL_RANK="0", MASTER_PORT="29511")),

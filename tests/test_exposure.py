@@ -21,7 +21,7 @@ import torch.distributed as dist
 from _spawn import run_ranks, stop_process
 
 from oases.schedule import Communicator, interleave
-from oases.planner.profile import LinkFit
+from oases.costs.link import LinkFit
 from oases.schedule.exposure import CAUSES, CollectiveRecord, attribute, gather_logs
 
 

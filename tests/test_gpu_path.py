@@ -234,7 +234,7 @@ def _check_ring_ordering(rank, p):
 
         out = torch.empty((n, 3), device=device)
         with _recording_posts(side):
-            for _ in ring_module._reduce_scatter_rows(produce, out, ring, chunks, bidirectional, side=side):
+            for _ in ring_module.reduce_scatter_rows(produce, out, ring, chunks, bidirectional, side=side):
                 side.log.append(("caller", side.in_comm))
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
         kinds = [k for k, _ in side.log]
@@ -258,7 +258,7 @@ def _check_ring_ordering(rank, p):
         side = _RecordingSide()
         out = torch.empty((p * n, 3), device=device)
         with _recording_posts(side):
-            for rows in ring_module._all_gather_rows(shard, out, ring, chunks, bidirectional, side=side):
+            for rows in ring_module.all_gather_rows(shard, out, ring, chunks, bidirectional, side=side):
                 side.log.append(("caller", side.in_comm))
         assert torch.equal(out, want)
         assert all(in_comm for k, in_comm in side.log if k in ("wait", "post")), side.log

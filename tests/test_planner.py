@@ -15,7 +15,7 @@ import pytest
 
 import oases.plan
 from oases import planner as P
-from oases.planner.cli import main as cli_main
+from oases.cli import main as cli_main
 from oases.planner.cost import sequence_parallel_form
 from oases.planner.profile import ComputeSample, LinkFit, Profile, profile_from_dict
 
@@ -294,7 +294,7 @@ def test_chunk_count_algorithm_1():
 def test_chunk_count_with_measured_gemm_efficiency():
     """Chunked GEMMs run slower (H200, Llama GEMMs: 0.98, 0.93, 0.83, 0.68 at 2, 4, 8, 16): the
     compute is divided by e(n), so fewer pieces win where the ideal model took many."""
-    from oases.planner.chunks import chunk_efficiency
+    from oases.costs.chunks import chunk_efficiency
 
     h200 = {2: 0.98, 4: 0.93, 8: 0.83, 16: 0.68}
     assert chunk_efficiency(h200, 1) == 1.0 and chunk_efficiency(None, 8) == 1.0
@@ -345,7 +345,7 @@ def test_backward_priority_eq_1():
 
 
 def test_ops_default_chunks_follow_the_chunk_rule():
-    from oases.planner.chunks import op_chunks
+    from oases.costs.chunks import op_chunks
 
     assert op_chunks(4, 4, 4, comm_bytes=64, divides=4) == 1  # tiny: the per-chunk overhead dominates
     big = op_chunks(4096, 1024, 1024, comm_bytes=4096 * 1024 * 4, divides=4096)
@@ -417,7 +417,7 @@ def test_cli_closed_pipe_ends_quietly(tmp_path):
     """`oases plan ... | head`: the reader is gone before the table is printed; the plan is still
     written, the exit code is 0 and nothing is printed on stderr."""
     out = tmp_path / "plan.json"
-    code = ("import sys; from oases.planner.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = ("import sys; from oases.cli import main; sys.exit(main(sys.argv[1:]))")
     process = subprocess.Popen([sys.executable, "-c", code, "plan", "--model", "gpt2-small", "--world", "4",
                                 "--device-memory", "16GB", "--link", "10gbit", "--out", str(out)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -19,7 +19,7 @@ import oases.plan
 from oases._rows import block_rows, padded, part_sizes, unpadded
 from oases.models import GPT, GPTConfig
 from oases.models.gpt import _check_tp_degrees
-from oases.planner.cli import main as cli_main
+from oases.cli import main as cli_main
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4, mlp_ratio=2)
 BATCH, SEED, DROPOUT_SEED = 4, 7, 1234

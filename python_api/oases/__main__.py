@@ -1,4 +1,4 @@
 """`python -m oases COMMAND ...`: the `oases` command line (`oases plan`, `oases env`)."""
-from oases.planner.cli import main
+from oases.cli import main
 
 raise SystemExit(main())

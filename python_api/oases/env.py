@@ -19,7 +19,7 @@ MASTER_ADDR, MASTER_PORT set). Over gloo it times a ping-pong between ranks 0 an
 round trip is one message) and an all-gather on all ranks, over --sizes (default 64 KiB ..
 16 MiB), median of --repeats rounds after an untimed one (more rounds below 1 MiB, up to 16x, where
 they cost little and scheduling noise weighs most), and fits each to
-t = latency_s + nbytes / bytes_per_s (oases.planner.profile.LinkFit.from_samples, the planner's
+t = latency_s + nbytes / bytes_per_s (oases.costs.link.LinkFit.from_samples, the planner's
 own fit; an all-gather's nbytes is the gathered tensor). Rank 0 prints the point-to-point rate
 in the syntax of `oases plan --link` (e.g. 198mbit) with the latency beside it, and the
 all-gather as the ring link the planner would assume for it. Outside a launch it says how to
@@ -466,7 +466,7 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _fit(samples: Sequence[tuple[int, float]]) -> dict[str, Any]:
-    from oases.planner.profile import LinkFit
+    from oases.costs.link import LinkFit
 
     fit = LinkFit.from_samples(samples)
     return {"samples": [[int(n), float(t)] for n, t in samples], "latency_s": fit.latency_s,

@@ -1,5 +1,5 @@
 """Two-level (inter-/intra-host) all-gather, reduce-scatter and all-reduce, and the planned forms
-that pick flat or hierarchical by Centauri's partition choice (oases.planner.collectives).
+that pick flat or hierarchical by Centauri's partition choice (oases.costs.collectives).
 
 A group of P = h k ranks, packed into h hosts of k (group rank g = host * k + local), has one
 intra-host group per host (its k ranks, ranked by local index) and one inter-host group per local
@@ -30,7 +30,7 @@ Bytes each rank sends, for a full tensor of T bytes (RS input, AG output), m = T
     hierarchical:   intra (k-1)/k T over the host's link, then inter (h-1)/h T / k over the NIC;
                     the k ranks of a host share the NIC: (h-1)/h T per host NIC, each way
 
-(h = 2, k = 2: 3/4 T against 1/2 T through each NIC.) oases.planner.collectives models the times.
+(h = 2, k = 2: 3/4 T against 1/2 T through each NIC.) oases.costs.collectives models the times.
 
 Summation order: the flat ring sums block g as ((x[g+1] + x[g+2]) + ...) + x[g] round the ring of
 P ranks; the hierarchical form sums each host's ranks in its ring order, then the host partials
@@ -52,8 +52,9 @@ from oases.comm.groups import new_group
 from oases.comm.ring import (_drain, _to_rows, all_gather_steps, all_reduce, reduce_scatter_steps,
                              ring_all_gather, ring_reduce_scatter)
 from oases.comm._topology import ring_of
-from oases.planner.collectives import partition
-from oases.planner.profile import DEFAULT_LATENCY_S, LinkFit
+from oases.costs.collectives import partition
+from oases.costs.link import DEFAULT_LATENCY_S, LinkFit
+from oases.costs.rate import parse_bandwidth
 
 __all__ = ["HostGroups", "HostLinks", "hierarchical_all_gather", "hierarchical_reduce_scatter",
            "hierarchical_all_reduce", "planned_all_gather", "planned_reduce_scatter", "planned_all_reduce",
@@ -122,7 +123,7 @@ class HostGroups:
 
 @dataclass(frozen=True)
 class HostLinks:
-    """The two links of the host model (oases.planner.collectives): a host's internal link and
+    """The two links of the host model (oases.costs.collectives): a host's internal link and
     its NIC. Must be the same on every rank, so every rank plans the same collective."""
 
     intra: LinkFit
@@ -132,8 +133,6 @@ class HostLinks:
     def from_env(cls, latency_s: float = DEFAULT_LATENCY_S) -> "HostLinks":
         """The links oases-launch shaped: OASES_BANDWIDTH between hosts, OASES_INTRA_BANDWIDTH
         inside one; an unset (unshaped) link runs at UNSHAPED_BYTES_PER_S."""
-        from oases.launch import parse_bandwidth
-
         def rate(name: str) -> float:
             text = os.environ.get(name)
             if not text:
@@ -209,7 +208,7 @@ def _choice(kind: str, t: torch.Tensor, hosts: HostGroups, links: HostLinks, ful
 
 def planned_reduce_scatter(t: torch.Tensor, hosts: HostGroups, links: HostLinks, *, dim: int = 0,
                            chunks: int = 1) -> torch.Tensor:
-    """Reduce-scatter by the form oases.planner.partition picks for this size and these links:
+    """Reduce-scatter by the form oases.costs.collectives.partition picks for this size and these links:
     ring_reduce_scatter on hosts.group ("flat") or hierarchical_reduce_scatter. Every rank picks
     the same form (same shape, same links). The trace shows `oases::planned[...]`."""
     _check_member(hosts)

@@ -34,7 +34,8 @@ from oases import _checks
 from oases.comm._streams import _Side, side_for
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce", "all_gather_steps", "reduce_scatter_steps"]
+__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce", "all_gather_steps", "reduce_scatter_steps",
+           "all_gather_rows", "reduce_scatter_rows"]
 
 # A lane is a direction round the ring: +1 sends to the next rank, -1 to the previous one.
 _Lane = tuple[int, int, int]  # (direction, first row within a piece, rows)
@@ -65,7 +66,7 @@ def _wait(works: list[dist.Work]) -> None:
         w.wait()
 
 
-def _all_gather_rows(
+def all_gather_rows(
     shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool, tag: int = 0,
     side: Optional[_Side] = None,
 ) -> Iterator[slice]:
@@ -117,7 +118,7 @@ def _all_gather_rows(
                 yield rows(block_received(step, lane), k, lane)
 
 
-def _reduce_scatter_rows(
+def reduce_scatter_rows(
     produce: Callable[[slice], torch.Tensor],
     out: torch.Tensor,
     ring: Ring,
@@ -207,7 +208,7 @@ def all_gather_steps(
     _checks.divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
     shard = _to_rows(t, dim)
     out = shard.new_empty((shard.shape[0] * ring.size, *shard.shape[1:]))
-    for _ in _all_gather_rows(shard, out, ring, chunks, bidirectional, tag):
+    for _ in all_gather_rows(shard, out, ring, chunks, bidirectional, tag):
         yield
     return out.movedim(0, dim).contiguous()
 
@@ -228,7 +229,7 @@ def reduce_scatter_steps(
     _checks.full_divisible("t.shape[dim]", t.shape[dim], ring.size, chunks)
     rows = _to_rows(t, dim)
     out = rows.new_empty((rows.shape[0] // ring.size, *rows.shape[1:]))
-    for _ in _reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional, tag=tag):
+    for _ in reduce_scatter_rows(rows.__getitem__, out, ring, chunks, bidirectional, tag=tag):
         yield
     return out.movedim(0, dim).contiguous()
 
@@ -311,9 +312,9 @@ def all_reduce(
     with torch.profiler.record_function("oases::all_reduce"):
         # Reduce-scatter reads this rank's own rows only at its last step, where it overwrites
         # them elementwise with their sum; all-gather then fills the other blocks in place.
-        for _ in _reduce_scatter_rows(flat.__getitem__, own, ring, chunks, bidirectional):
+        for _ in reduce_scatter_rows(flat.__getitem__, own, ring, chunks, bidirectional):
             pass
-        for _ in _all_gather_rows(own, flat, ring, chunks, bidirectional):
+        for _ in all_gather_rows(own, flat, ring, chunks, bidirectional):
             pass
     if flat.data_ptr() != t.data_ptr():
         t.copy_(flat[: t.numel()].view(t.shape))

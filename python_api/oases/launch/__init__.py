@@ -51,6 +51,6 @@ measures a pair inside host 0 and a pair across hosts (needs 2 or more ranks per
 root or iproute2 the layout (the environment) stays and the links are unshaped, as above.
 """
 from oases.launch._cli import main
-from oases.launch._rate import parse_bandwidth
+from oases.costs.rate import parse_bandwidth
 
 __all__ = ["main", "parse_bandwidth"]

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from oases.launch._rate import parse_bandwidth
+from oases.costs.rate import parse_bandwidth
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

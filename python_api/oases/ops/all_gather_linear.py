@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from oases import _checks
 from oases.comm._topology import Ring, ring_of
-from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
+from oases.comm.ring import all_gather_rows, reduce_scatter_rows
 from oases.ops import _gemm
 from oases.ops._autocast import autocast_operands
-from oases.planner.chunks import op_chunks
+from oases.costs.chunks import op_chunks
 
 __all__ = ["all_gather_linear"]
 
@@ -48,7 +48,7 @@ class _AllGatherLinear(torch.autograd.Function):
         n = shard.shape[0]
         gathered = shard.new_empty((ring.size * n, *shard.shape[1:]))  # [p n, ..., k]
         y = shard.new_empty((ring.size * n, *shard.shape[1:-1], weight.shape[0]))  # [p n, ..., o]
-        for rows in _all_gather_rows(shard, gathered, ring, chunks, bidirectional):
+        for rows in all_gather_rows(shard, gathered, ring, chunks, bidirectional):
             _gemm.linear_into(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
         # Only the weight gradient reads x: keep this rank's shard (the input itself), re-gathered
         # in backward; the gathered copy dies here.
@@ -70,7 +70,7 @@ class _AllGatherLinear(torch.autograd.Function):
         if need_w:
             shard = x.movedim(ctx.dim, 0).contiguous()  # [n, ..., k]
             gathered = shard.new_empty((ring.size * shard.shape[0], *shard.shape[1:]))  # [p n, ..., k]
-            ring_pieces = _all_gather_rows(shard, gathered, ring, chunks, bidirectional)
+            ring_pieces = all_gather_rows(shard, gathered, ring, chunks, bidirectional)
             # next() posts the gather's first ring step now, ahead of the reduce-scatter's pieces.
             arrived = itertools.chain([next(ring_pieces)], ring_pieces)
 
@@ -85,7 +85,7 @@ class _AllGatherLinear(torch.autograd.Function):
         if need_x:
             n = grad_y.shape[0] // ring.size
             grad_rows = grad_y.new_empty((n, *grad_y.shape[1:-1], weight.shape[1]))  # [n, ..., k]
-            scattered = _reduce_scatter_rows(
+            scattered = reduce_scatter_rows(
                 lambda rows: torch.matmul(grad_y[rows], weight), grad_rows, ring, chunks, bidirectional,
             )
             for _ in scattered:  # this piece's partial sum is on the wire: one weight-gradient GEMM
@@ -131,7 +131,7 @@ def all_gather_linear(
     dim = _checks.sharded_linear("all_gather_linear", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
-    if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.planner.chunks.op_chunks)
+    if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.costs.chunks.op_chunks)
         chunks = op_chunks(ring.size * x.shape[dim] * row_elems, x.shape[-1], weight.shape[0], divides=x.shape[dim],
                            comm_bytes=(ring.size - 1) * x.numel() * x.element_size())
     _checks.chunks_arg(chunks)

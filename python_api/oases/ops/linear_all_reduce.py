@@ -29,7 +29,7 @@ from oases import _checks
 from oases.comm._topology import Ring, ring_of
 from oases.ops import _gemm
 from oases.ops._autocast import autocast_operands
-from oases.planner.chunks import op_chunks
+from oases.costs.chunks import op_chunks
 
 __all__ = ["linear_all_reduce"]
 
@@ -99,7 +99,7 @@ def linear_all_reduce(
     _checks.weight_bias(x, weight, bias)
     ring = ring_of(group)
     rows = x.numel() // max(x.shape[-1], 1)
-    if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.planner.chunks.op_chunks)
+    if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.costs.chunks.op_chunks)
         chunks = op_chunks(rows, x.shape[-1], weight.shape[0], divides=None, max_chunks=max(1, min(8, rows)),
                            comm_bytes=2 * (ring.size - 1) / ring.size * rows * weight.shape[0] * x.element_size())
     _checks.chunks_arg(chunks)

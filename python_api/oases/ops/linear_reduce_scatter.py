@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases.comm._topology import Ring, ring_of
-from oases.comm.ring import _all_gather_rows, _reduce_scatter_rows
+from oases.comm.ring import all_gather_rows, reduce_scatter_rows
 from oases.ops import _gemm
 from oases.ops._autocast import autocast_operands
-from oases.planner.chunks import op_chunks
+from oases.costs.chunks import op_chunks
 
 __all__ = ["linear_reduce_scatter"]
 
@@ -38,7 +38,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         rows = x.movedim(dim, 0).contiguous()  # [p n, ..., k]
         n = rows.shape[0] // ring.size
         y = rows.new_empty((n, *rows.shape[1:-1], weight.shape[0]))  # [n, ..., o]
-        for _ in _reduce_scatter_rows(lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional):
+        for _ in reduce_scatter_rows(lambda r: F.linear(rows[r], weight), y, ring, chunks, bidirectional):
             pass
         if bias is not None:
             y.add_(bias)
@@ -58,7 +58,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         grad_x = torch.empty_like(rows) if need_x else None  # [p n, ..., k]
         if need_x or need_w:
             gathered = grad_y.new_empty((rows.shape[0], *grad_y.shape[1:]))  # [p n, ..., o]
-            for r in _all_gather_rows(grad_y, gathered, ctx.ring, ctx.chunks, ctx.bidirectional):
+            for r in all_gather_rows(grad_y, gathered, ctx.ring, ctx.chunks, ctx.bidirectional):
                 g = _gemm.rows2d(gathered[r])
                 if need_x:
                     torch.mm(g, weight, out=_gemm.rows2d(grad_x[r]))
@@ -102,7 +102,7 @@ def linear_reduce_scatter(
     dim = _checks.sharded_linear("linear_reduce_scatter", x, weight, bias, dim)
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
-    if chunks is None and x.shape[dim] % ring.size == 0:  # Centauri's Algorithm 1 (oases.planner.chunks)
+    if chunks is None and x.shape[dim] % ring.size == 0:  # Centauri's Algorithm 1 (oases.costs.chunks)
         chunks = op_chunks(x.shape[dim] * row_elems, x.shape[-1], weight.shape[0], divides=x.shape[dim] // ring.size,
                            comm_bytes=(ring.size - 1) / ring.size * x.numel() // x.shape[-1] * weight.shape[0]
                            * x.element_size())

@@ -34,6 +34,7 @@ from oases.models.gpt import GPT, GPTConfig
 from oases.models.hf import HFStack
 from oases.nn._materialize import is_on_meta, materialize
 from oases.nn.parallelize import parallelize
+from oases.training import adapt
 from oases.pipeline.stages import Roles, Stage, StageLayout, _owned_modules, check_layers, probe_roles
 
 __all__ = ["build", "meta_roles"]
@@ -44,8 +45,6 @@ def build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGro
           stage: int) -> tuple[nn.Module, object, Optional[Roles]]:
     """(model, its Stack view, its Roles when built on meta else None); see the module doc.
     Local: no communication, so every error is raised on every rank alike."""
-    from oases.training import adapt  # oases.training imports the schedules, which import models
-
     if isinstance(config, GPTConfig):
         if not init_weights:
             raise ValueError("init_weights=False: only for a factory that builds the model on the meta device")
@@ -86,8 +85,6 @@ def meta_roles(model: nn.Module, stack: object) -> Roles:
         named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
         return Roles(frozenset(n for n, i in named if i in head), frozenset(n for n, i in named if i in embed),
                      embedding.embedding_dim, embedding.weight.dtype, stack.lm_head.weight.shape[0])
-    from oases.training import adapt
-
     probe = copy.deepcopy(model)  # meta: costs nothing; every parameter trainable, so all are found
     for p in probe.parameters():
         p.requires_grad_(True)

@@ -76,7 +76,8 @@ from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
 from oases.inputs import CheckMode, agree_mesh_inputs
 from oases.models.gpt import GPTConfig
-from oases.planner.collectives import partition
+from oases.costs.collectives import partition
+from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.pipeline import _storage
 from oases.pipeline._build import build
 from oases.pipeline.comm_scheduler import CommScheduler
@@ -493,8 +494,6 @@ class Pipeline:
 
     def _choose(self, step: _Step) -> None:
         """segments / dp_overlap_ratio "auto": measure (see the class doc), choose, reconfigure."""
-        from oases.planner.fold3d import choose_segments, dp_overlap_ratio
-
         per_stage = self._layers // self.pp
         tokens = step.micro[0][0]
         _, ctx = self.stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))

@@ -8,15 +8,16 @@
     oases.planner.memory    resident bytes per rank through build, load, train, checkpoint, export
     oases.planner.ilp       the Oases ILP over per-layer strategies (scipy.optimize.milp)
     oases.planner.search    plan(): per-layer TP degrees inside a search over (dp, pp, tp, schedule, ...)
-    oases.planner.chunks    Centauri: chunk count (Algorithm 1), backward priority (eq. 1)
-    oases.planner.collectives  Centauri: flat or hierarchical collective, all-reduce or RS + AG
     oases.planner.fold3d    FOLD3D: segment count and DP overlap ratio (eqs. 2-5)
     oases.planner.cli       `oases plan ...`
 
+Centauri's chunk and collective rules (chunk_count, partition, ...) live in oases.costs, which the
+runtime reads too; they are re-exported here.
+
 Pure functions of costs: nothing here talks to a process group.
 """
-from oases.planner.chunks import backward_priority, chunk_count, overlapped_time
-from oases.planner.collectives import CollectiveChoice, all_reduce_form, flat_time, hierarchical_time, partition
+from oases.costs.chunks import backward_priority, chunk_count, overlapped_time
+from oases.costs.collectives import CollectiveChoice, all_reduce_form, flat_time, hierarchical_time, partition
 from oases.planner.cost import LayerCost, StepCost, Workload, edge_cost, fixed_memory, layer_cost, step_cost, tp_degrees
 from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.planner.ilp import Solution, solve_chain

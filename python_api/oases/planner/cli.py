@@ -2,7 +2,7 @@
 
     oases plan --model llama-7b --world 16 --device-memory 24GB --link 25gbit
     oases plan --model my_config.json --world 8 --device-memory 16GB --profile bench/profiles/cpu-x.json
-    python -m oases.planner.cli plan ...                     # the same
+    python -m oases plan ...                                 # the same (the command line: oases.cli)
 
 The JSON (default plan.json) is read back by `oases.plan.load(path)` (the per-layer degrees) and
 `oases.plan.sequence_parallel(path)` (whether to train with sequence_parallel=True).
@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
-from oases import env as env_command
 from oases.planner.model import PRESETS, load_model
 from oases.planner.profile import analytical_profile, load_profile
 from oases.planner.search import Plan, plan
 
-__all__ = ["main", "render"]
+__all__ = ["DESCRIPTION", "add_arguments", "run", "render"]
+
+DESCRIPTION = __doc__.splitlines()[0]
 
 
 def _runs(values: Sequence) -> list[tuple[int, int]]:
@@ -84,11 +85,8 @@ def render(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="oases", description="Oases command line")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("plan", help="choose (dp, pp, tp), schedule and per-layer TP degrees for a model",
-                       description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `oases plan`."""
     p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a JSON config file "
                    "(ModelShape fields, GPTConfig's or a Hugging Face config.json)")
     p.add_argument("--world", required=True, type=int, help="number of devices (ranks)")
@@ -102,12 +100,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--flops", type=float, default=100e12,
                    help="device FLOP/s for the analytical model without --profile (default 1e14)")
     p.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
-    e = sub.add_parser("env", help="print versions, build, GPUs and link shaping for a bug report "
-                       "(--probe-link: measure the link inside a launch)", description=env_command.DESCRIPTION)
-    env_command.add_arguments(e)
-    args = parser.parse_args(argv)
-    if args.command == "env":
-        return env_command.run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`oases plan` on parsed arguments: 0 when the plan is written, 2 on a bad argument."""
     try:
         _check_out(args.out)
         shape = load_model(args.model, seq_len=args.seq_len)
@@ -142,6 +138,3 @@ def _check_out(path: str) -> None:
     if not os.access(folder, os.W_OK):
         raise ValueError(f"--out: the folder {folder} is not writable; choose another path")
 
-
-if __name__ == "__main__":
-    sys.exit(main())

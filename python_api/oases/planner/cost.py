@@ -66,10 +66,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
-from oases.planner.chunks import OP_MAX_CHUNKS, chunk_count
-from oases.planner.collectives import CollectiveChoice
+from oases.costs.chunks import OP_MAX_CHUNKS, chunk_count
+from oases.costs.collectives import CollectiveChoice
 from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
+from oases.schedule import SCHEDULES  # the runtime's own table: one source of truth
 
 __all__ = ["Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory", "step_cost",
            "tp_degrees", "sequence_parallel_ok", "sequence_parallel_form", "kept_input_bytes", "buffer_bytes",
@@ -80,8 +81,6 @@ DEFAULT_STATE_BYTES = 16.0  # per parameter: weights + gradients + Adam's two mo
 
 def _traits(schedule: str) -> tuple[int, bool, bool]:
     """(default sub-batches, fine-grained recomputation, pass barriers) of an oases schedule."""
-    from oases.schedule import SCHEDULES  # the runtime's own table: one source of truth
-
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
     s = SCHEDULES[schedule]

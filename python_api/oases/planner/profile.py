@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from oases.costs.chunks import check_efficiency
+from oases.costs.link import DEFAULT_LATENCY_S, LinkFit
+from oases.costs.rate import parse_bandwidth
 from oases.planner._files import read_json
-from oases.planner.chunks import check_efficiency
 from oases.planner.model import SUBLAYERS, ModelShape
 
 __all__ = ["LinkFit", "ComputeSample", "Profile", "analytical_profile", "load_profile", "parse_bytes",
@@ -41,7 +43,6 @@ PROFILE_FORMAT = "oases-profile"
 PROFILE_VERSION = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DIRECTIONS = ("forward", "backward", "recompute")
-DEFAULT_LATENCY_S = 30e-6  # per message on a ring step; an Ethernet / PCIe figure when none is measured
 
 _BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -76,42 +77,10 @@ def parse_link(text: Union[str, float, int]) -> float:
         if not text > 0:
             raise ValueError(f"link: must be positive bytes/s, got {text!r}")
         return float(text)
-    from oases.launch import parse_bandwidth
-
     try:
         return parse_bandwidth(text)
     except ValueError as err:
         raise ValueError(f"link: {err}") from None
-
-
-@dataclass(frozen=True)
-class LinkFit:
-    """t(nbytes) = latency_s + nbytes / bytes_per_s."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    def time(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
-
-    @classmethod
-    def from_samples(cls, samples: Sequence[tuple[float, float]]) -> "LinkFit":
-        """The fit of measured (nbytes, seconds), each term from the samples where it dominates:
-        the bandwidth from the two largest sizes (the slope between them, where the latency is
-        negligible; at least a quarter of the largest sample's own rate, so a noisy pair cannot
-        make the link free), the latency as the median of t - nbytes / bytes_per_s (clipped at 0).
-        Least squares instead lets noisy small messages set the slope (on a 750 Mbit/s link:
-        58 MB/s from samples whose 6 MB message ran at 47 MB/s)."""
-        if not samples:
-            raise ValueError("samples: expected (nbytes, seconds) pairs, got none")
-        pairs = sorted((float(n), float(t)) for n, t in samples)
-        (n_hi, t_hi) = pairs[-1]
-        slope = t_hi / n_hi
-        if len(pairs) > 1 and n_hi > pairs[-2][0]:
-            slope = max((t_hi - pairs[-2][1]) / (n_hi - pairs[-2][0]), slope / 4)
-        slope = max(slope, 1e-15)
-        latency = max(float(np.median([t - n * slope for n, t in pairs])), 0.0)
-        return cls(latency, 1.0 / slope)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
     with comm.recording() as log:                    # a Communicator's all-reduces, logged
         oases.train_step(model, ids, labels, comm=comm)
     logs = gather_logs(log, comm.group)              # every rank's log (a collective)
-    link = LinkFit.from_samples([(n, t), ...])     # all-reduces timed alone (oases.planner.profile)
+    link = LinkFit.from_samples([(n, t), ...])     # all-reduces timed alone (oases.costs.link)
     causes = attribute(logs, link)[rank]             # {cause: seconds}, summing to the waits
 
 A log holds, per asynchronous all-reduce this rank issued: its bytes, when it was issued, when it
@@ -86,7 +86,7 @@ class ExposureLog:
 
 class Link(Protocol):
     """Seconds of one all-reduce alone on the link: time(n) = latency_s + n / bytes_per_s (the
-    planner's LinkFit is one: `LinkFit.from_samples` fits it to timed all-reduces)."""
+    oases.costs.link.LinkFit is one: `LinkFit.from_samples` fits it to timed all-reduces)."""
 
     latency_s: float
 

@@ -43,7 +43,7 @@ COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 class LinkLike(Protocol):
-    """What the model reads of a link: oases.planner.profile.LinkFit has both."""
+    """What the model reads of a link: oases.costs.link.LinkFit has both."""
 
     latency_s: float
     bytes_per_s: float
