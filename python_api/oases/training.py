@@ -26,7 +26,7 @@ from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases._compiled import original_module
 from oases.offload import Offloader
 from oases.schedule import CheckpointMemory, Communicator, Stack, check_step, train_step as _run_schedule
-from oases.schedule.stack import check_placements
+from oases.schedule.placed import check_placements
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 

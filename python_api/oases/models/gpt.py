@@ -167,7 +167,7 @@ class GPT(nn.Module):
     step sizes its HostSlab); the same losses and gradients.
 
     `sequence_parallel=True`: `train_step` keeps the residual stream as this rank's slice of the
-    sequence between sublayers (oases.schedule.stack); seq_len must divide by p.
+    sequence between sublayers (oases.schedule.sequence_parallel); seq_len must divide by p.
 
     `train_step` runs forward and backward on `schedule` (see oases.schedule.SCHEDULES); every
     schedule gives the loss and gradients of the single-process model with the same seed, and so

@@ -70,6 +70,7 @@ any object that implements `Stack` (a user's own model: see docs/guides/models.m
 """
 from __future__ import annotations
 
+import copy
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, runtime_checkable
@@ -204,3 +205,15 @@ class Stack(Protocol):
 
     def head(self, x: torch.Tensor, ctx: Any) -> torch.Tensor:
         """Final hidden states x [b, t, h] -> logits [b, t, vocab] (final norm included)."""
+
+
+def with_tokens(ctx: Any, tokens: SubBatch) -> Any:
+    """The stack's context with its SubBatch (where `finish` reads positions) narrowed to `tokens`:
+    ctx itself if it is a SubBatch, else a shallow copy whose `where` attribute is replaced."""
+    if isinstance(ctx, SubBatch):
+        return tokens
+    if isinstance(getattr(ctx, "where", None), SubBatch):
+        narrowed = copy.copy(ctx)
+        object.__setattr__(narrowed, "where", tokens)  # frozen dataclasses too
+        return narrowed
+    return ctx

@@ -1,0 +1,142 @@
+"""One sub-batch's forward, loss and backward as a program that yields at each communication.
+
+Fine-grained recomputation ("oases") keeps each sublayer's input, so recomputing starts after an
+all-reduce and never repeats one: the gradient of an all-reduce's input is its output's gradient.
+The column-parallel input's gradient (the "copy" dual) is the all-reduce of the backward pass.
+
+    cross_pass / oases, backward of one layer (A, B: sub-batches):
+      compute: | A: recompute+bwd mlp | B: recompute+bwd mlp | A: attn | B: attn | A: next layer ...
+      comm   :                        | A: AR grad           | B: AR   | A: AR   | B: AR ...
+    merak holds A at the end of each pass until B gets there (B's last all-reduce is exposed).
+
+Per-layer TP degrees (oases.schedule.placed) run the same program with each layer on its own
+Communicator and its replica's rows, the rows moved at the layer boundaries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generator, Optional
+
+import torch
+
+from oases._leaves import grad_leaf
+from oases.schedule.placed import move_rows, move_rows_adjoint
+from oases.schedule.protocol import Stack, SubBatch
+from oases.schedule.runtime import BARRIER, Communicator
+from oases.schedule.table import LossSum, Schedule, _Checkpoints
+
+if TYPE_CHECKING:
+    from oases.schedule.placed import PlacedStep
+
+@dataclass
+class _Recorded:
+    """One sublayer's recomputed graph: x -> h = norm(x) | h' (leaf) -> part = core(h')."""
+
+    x: torch.Tensor
+    h: torch.Tensor
+    h_leaf: torch.Tensor
+    part: torch.Tensor
+
+
+def _record(sub, x: torch.Tensor, ctx: Any) -> _Recorded:
+    x = grad_leaf(x)  # (not cached by autocast: see oases._leaves)
+    with torch.enable_grad():
+        h = sub.norm(x)
+        h_leaf = grad_leaf(h)
+        part = sub.core(h_leaf, ctx)
+    return _Recorded(x, h, h_leaf, part)
+
+
+def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Communicator) -> Generator:
+    """Gradient of x for x_out = x + finish(AR(part)) given grad_out; accumulates parameter grads."""
+    z = grad_leaf(torch.zeros_like(rec.part))  # stands for AR(part): finish is affine in it
+    with torch.enable_grad():
+        sub.finish(z, ctx).backward(grad_out)
+    rec.part.backward(z.grad)  # AR's adjoint is the identity: grad(part) = grad(AR(part))
+    grad_h = rec.h_leaf.grad  # this rank's heads / features only: sum over ranks
+    if grad_h is None:  # core ignores its input (no column-parallel path): nothing to reduce
+        grad_h = torch.zeros_like(rec.h_leaf)
+    work = comm.all_reduce(grad_h, "backward")
+    yield
+    work.wait()
+    rec.h.backward(grad_h)
+    return grad_out + rec.x.grad
+
+
+def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Communicator, phase: str) -> Generator:
+    """x + finish(all_reduce(part)); all-reduces `part` in place (not a tensor autograd saved)."""
+    work = comm.all_reduce(part, phase)
+    yield
+    work.wait()
+    with torch.no_grad():
+        return x + sub.finish(part, ctx)
+
+
+def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
+             plan: Schedule, comm: Communicator, saved: _Checkpoints,
+             placed: Optional["PlacedStep"] = None) -> Generator:
+    """One sub-batch's forward, loss and backward, yielding at each communication. `placed`:
+    per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows
+    moved at the layer boundaries; see oases.schedule.protocol)."""
+    layers = [tuple(layer) for layer in stack.layers()]
+    with torch.enable_grad():
+        embedded, ctx = stack.embed(input_ids, where)
+    x, rows = embedded.detach(), embedded.shape[0]  # x [rows, t, h]
+    if placed is None:
+        comms, ctxs, moves, move_out = [comm] * len(layers), [ctx] * len(layers), [None] * len(layers), None
+    else:
+        comms, ctxs, moves, move_out = placed.per_layer(stack, ctx, rows)
+    # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer; kept: each
+    # sublayer's forward graph instead, without recomputation
+    kept: list[_Recorded] = []
+    for layer, c, lctx, move in zip(layers, comms, ctxs, moves):
+        if move is not None:  # the boundary between layers of different degrees: this replica's rows
+            x = yield from move_rows(move, x, rows, "forward")
+        for i, sub in enumerate(layer):
+            if not plan.recompute:  # the graph kept for the backward (autograd's activations held)
+                rec = _record(sub, x, lctx)
+                kept.append(rec)
+                part = rec.part.detach().clone()  # reduced in place: not a tensor the graph holds
+            else:
+                if plan.fine_grained_recompute or i == 0:
+                    saved.push(x)
+                with torch.no_grad():
+                    part = sub.core(sub.norm(x), lctx)
+            x = yield from _finish_reduced(sub, x, part, lctx, c, "forward")
+    if move_out is not None:  # the head runs on every row of the sub-batch
+        x = yield from move_rows(move_out, x, rows, "forward")
+    saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
+    x = grad_leaf(x)
+    with torch.enable_grad():
+        loss = loss_sum(stack.head(x, ctx), labels)
+        (loss / normalizer).backward()
+    grad = x.grad
+    if move_out is not None:
+        grad = yield from move_rows_adjoint(move_out, grad, rows)
+    if plan.pass_barriers:
+        yield BARRIER
+    for index in reversed(range(len(layers))):
+        layer, c, lctx = layers[index], comms[index], ctxs[index]
+        if plan.fine_grained_recompute:
+            for sub in reversed(layer):
+                rec = kept.pop() if not plan.recompute else _record(sub, saved.pop(), lctx)
+                grad = yield from _backward(sub, rec, grad, lctx, c)
+        else:
+            x_in, records = saved.pop(), []
+            for sub in layer:  # activation checkpointing reruns the whole layer, its all-reduces included
+                rec = _record(sub, x_in, lctx)
+                records.append(rec)
+                x_in = yield from _finish_reduced(sub, x_in, rec.part.detach().clone(), lctx, c, "recompute")
+            if plan.pass_barriers:
+                yield BARRIER
+            for sub, rec in zip(reversed(layer), reversed(records)):
+                grad = yield from _backward(sub, rec, grad, lctx, c)
+            if plan.pass_barriers:
+                yield BARRIER
+        if placed is not None:
+            placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
+            if moves[index] is not None:
+                grad = yield from move_rows_adjoint(moves[index], grad, rows)
+    if embedded.requires_grad:  # a frozen embedding has nothing to learn
+        embedded.backward(grad)
+    return loss.detach()

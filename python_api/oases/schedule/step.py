@@ -1,0 +1,118 @@
+"""`train_step`: a step's sub-batch programs built and interleaved (oases.schedule.runtime)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from oases.offload import Offloader
+from oases.schedule.placed import PlacedStep, check_placements
+from oases.schedule.programs import _program
+from oases.schedule.protocol import LayerPlacements, Stack, SubBatch
+from oases.schedule.runtime import Communicator, interleave
+from oases.schedule.sequence_parallel import (_program_sp, _program_sp_fine, _sequence_parallel_parameters,
+                                              _sum_over_group)
+from oases.schedule.table import (SCHEDULES, CheckpointMemory, LossSum, Schedule, _Checkpoints,
+                                  _OffloadedCheckpoints, check_step, split_rows)
+
+__all__ = ["train_step"]
+
+def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_sum: LossSum,
+               normalizer: float, comm: Communicator, schedule: str = "oases",
+               sub_batches: Optional[int] = None, sequence_parallel: bool = False,
+               dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
+               memory: Optional[CheckpointMemory] = None, offload: Optional[Offloader] = None,
+               recompute: bool = True) -> torch.Tensor:
+    """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
+
+    ::
+
+        for rows in split(batch, sub_batches):                # interleaved, see the module docstring
+            loss += loss_sum(stack.head(stack_forward(input_ids[rows])), labels[rows]) / normalizer
+        parameter .grad += d loss / d parameter;  return loss (a detached scalar)
+
+    `sub_batches` None takes the schedule's own (megatron 1, the others 2); odd batches split
+    unevenly (3 -> 1 + 2). `sequence_parallel`: the residual stream between sublayers is this
+    rank's slice of the sequence (its length must divide by the TP size), each sublayer gathers
+    its normed input and reduce-scatters its output (see above), and the gradients of the
+    parameters of norm and finish are summed over the group after the step. `comm` issues and
+    counts the communication on the TP group; `memory` (a CheckpointMemory) accounts the inputs
+    kept for recomputation (on the device). `offload` (an oases.offload.Offloader) moves those
+    inputs to host memory in batches as the forward saves them and brings them back, a batch
+    ahead, in the backward's order of use (one group per sub-batch: copies per step
+    = sum over sub-batches of ceil(inputs / offload.batch) each way); the same losses and
+    gradients, bit for bit. With `stack.layer_placements()` (per-layer TP degrees) each layer
+    communicates on its own Communicator and `comm` is not used; every sub-batch needs at least
+    a row per replica of each layer (blocks differ by a row where the replicas do not divide
+    its rows), and sequence_parallel and offload are refused
+    (ValueError). `recompute=False` keeps each sublayer's forward graph (autograd's activations,
+    as a model trained without activation checkpointing holds them) and runs the backward on it,
+    with the schedule's sub-batches and overlap: the compute of one forward less per step, the
+    memory of every activation more (not with sequence_parallel or offload; `memory` then counts
+    nothing). Checks run before any communication, so a bad argument raises on every rank alike.
+    """
+    parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
+                       sequence_parallel=sequence_parallel, attention_mask=attention_mask,
+                       world_size=comm.world_size, recompute=recompute, offload=offload is not None)
+    plan, batch = SCHEDULES[schedule], input_ids.shape[0]
+    if not recompute:  # per sublayer, from the kept graphs
+        plan = dataclasses.replace(plan, fine_grained_recompute=True, recompute=False)
+    get_placements = getattr(stack, "layer_placements", None)
+    placements = get_placements() if get_placements is not None else None
+    check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
+    memory = CheckpointMemory() if memory is None else memory
+    if offload is not None and not isinstance(offload, Offloader):
+        raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
+    if placements is not None:
+        if offload is not None:
+            raise ValueError("offload: not supported with per-layer tp_degrees; pass offload=None")
+        return _train_step_placed(stack, placements, input_ids, labels, loss_sum, normalizer, plan, parts,
+                                  comm, dropout_seed, attention_mask, memory)
+    program, extra = _program, ()
+    if sequence_parallel:
+        params = _sequence_parallel_parameters(stack)
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
+        threaded = plan.fine_grained_recompute and comm.has_thread
+        program, extra = (_program_sp_fine if threaded else _program_sp), (rank,)
+    programs = [
+        program(stack, input_ids[r], labels[r],
+                SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                loss_sum, normalizer, plan, comm,
+                _Checkpoints(memory) if offload is None else _OffloadedCheckpoints(offload, k), *extra)
+        for k, r in enumerate(split_rows(batch, parts))
+    ]
+    if offload is not None:
+        offload.begin_step()
+    loss = sum(interleave(programs, on_resume=comm.resumed)) / normalizer
+    if offload is not None:
+        memory.peak = max(memory.peak, offload.end_step().peak_resident_bytes)
+    if sequence_parallel and comm.world_size > 1:
+        _sum_over_group(params, before, comm)
+    return loss
+
+
+def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, labels, loss_sum: LossSum,
+                       normalizer: float, plan: Schedule, parts: int, comm: Communicator,
+                       dropout_seed: Optional[int], attention_mask: Optional[torch.Tensor],
+                       memory: CheckpointMemory) -> torch.Tensor:
+    """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
+    layer on its own communicator; the replicas' gradient sums started as layers finish."""
+    batch = input_ids.shape[0]
+    placed = PlacedStep(placements, parts)
+    with placements.while_scheduled():
+        placed.begin()
+        try:
+            programs = [
+                _program(stack, input_ids[r], labels[r],
+                         SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                         loss_sum, normalizer, plan, comm, _Checkpoints(memory), placed)
+                for r in split_rows(batch, parts)
+            ]
+            loss = sum(interleave(programs)) / normalizer
+            placed.finish()
+        finally:
+            placed.restore()
+    return loss

@@ -1,0 +1,132 @@
+"""The schedules' table and what a step keeps for recomputation.
+
+Training schedules for a stack of TP sublayers `x = x + finish(all_reduce(core(norm(x))))`
+(the model implements oases.schedule.Stack: an embedding, layers of sublayers, a head). They
+differ in how the batch is split and what is recomputed (per layer of 2 sublayers, as in a
+Llama or GPT):
+
+    schedule    sub-batches  recomputation             pass barriers   all-reduces per layer
+    megatron    1            full, per layer (with AR)  -               6 (2 fwd, 2 recompute, 2 bwd)
+    merak       2            full, per layer (with AR)  yes             6, each as 2 half-size
+    cross_pass  2            full, per layer (with AR)  no              6, each as 2 half-size
+    oases       2            per sublayer, no AR        no              4, each as 2 half-size
+
+(`sub_batches` overrides the count: 1 to 8, each all-reduce then split that many ways.) The
+programs that run them: oases.schedule.programs (and .sequence_parallel); the step that
+interleaves them: oases.schedule.step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from oases._rows import block_rows
+from oases.offload import CheckpointStack
+
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "LossSum", "split_rows", "check_step"]
+
+MAX_SUB_BATCHES = 8
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a training step runs: the batch split along dim 0 into `sub_batches` interleaved
+    programs (the default; train_step may override it); recomputation per sublayer from its
+    input (no all-reduce) or per layer (all of it); programs held at each pass boundary or not."""
+
+    sub_batches: int
+    fine_grained_recompute: bool
+    pass_barriers: bool
+    recompute: bool = True  # False: each sublayer's graph kept from the forward (train_step(recompute=False))
+
+
+SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
+    "megatron": Schedule(sub_batches=1, fine_grained_recompute=False, pass_barriers=False),
+    "merak": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=True),
+    "cross_pass": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=False),
+    "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
+})
+
+@dataclass
+class CheckpointMemory:
+    """Bytes of the sublayer (or layer) inputs a step keeps for recomputation, over every
+    sub-batch: `held` now, `peak` the most at once (the activation memory a schedule controls)."""
+
+    held: int = 0
+    peak: int = 0
+
+
+class _Checkpoints:
+    """A program's stack of kept inputs, accounted in a CheckpointMemory shared by the programs."""
+
+    def __init__(self, memory: CheckpointMemory) -> None:
+        self._items: list[torch.Tensor] = []
+        self._memory = memory
+
+    def push(self, t: torch.Tensor) -> None:
+        self._items.append(t)
+        self._memory.held += t.numel() * t.element_size()
+        self._memory.peak = max(self._memory.peak, self._memory.held)
+
+    def pop(self) -> torch.Tensor:
+        t = self._items.pop()
+        self._memory.held -= t.numel() * t.element_size()
+        return t
+
+    def flush(self) -> None:
+        """The forward is done (nothing to do: the inputs stay on the device)."""
+
+
+class _OffloadedCheckpoints(CheckpointStack):
+    """A program's kept inputs through an oases.offload.Offloader: they leave the device in
+    batches as they are pushed and come back, a batch ahead, as they are popped. The offloader
+    accounts the device-resident bytes (train_step copies its peak into the CheckpointMemory)."""
+
+
+# loss_sum(logits [b, t, vocab], labels [b, t]) -> the sub-batch's summed loss (a scalar)
+LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def split_rows(batch: int, parts: int) -> list[slice]:
+    """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one (3 -> 1 + 2;
+    oases._rows.block_rows)."""
+    return [block_rows(batch, parts, i) for i in range(parts)]
+
+
+def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
+               sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int,
+               recompute: bool = True, offload: bool = False) -> int:
+    """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
+    communication); return the number of sub-batches."""
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute: expected a bool, got {recompute!r}")
+    if not recompute and sequence_parallel:
+        raise ValueError("recompute=False: not with sequence_parallel (its sublayers are recomputed from "
+                         "their sequence slices); pass recompute=True")
+    if not recompute and offload:
+        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
+                         "pass recompute=True")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
+    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_SUB_BATCHES:
+        raise ValueError(f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
+                         f"own), got {sub_batches!r}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [batch, seq], got shape {tuple(input_ids.shape)}")
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids' {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' "
+                         f"{tuple(input_ids.shape)}")
+    batch = input_ids.shape[0]
+    if batch < parts:
+        raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
+                         f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
+    if sequence_parallel and input_ids.shape[1] % world_size:
+        raise ValueError(f"input_ids: sequence_parallel splits the sequence over {world_size} ranks; got "
+                         f"length {input_ids.shape[1]} (pad it to a multiple of {world_size})")
+    return parts
