@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.oases-installed
 
-.PHONY: setup demo demo-gpt test docs test-oldest-transformers test-packaging bench clean cuda-build gpu-check gpu-check-local
+.PHONY: setup demo demo-gpt test lint docs test-oldest-transformers test-packaging bench clean cuda-build gpu-check gpu-check-local
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ demo-gpt: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# ruff (pinned in requirements.txt; configured in pyproject.toml): pyflakes, pycodestyle, import
+# order, docstrings on the package's public API. tests/test_lint.py runs the same check.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The documentation site: docs/*.md (MyST) and the API reference, Sphinx's autodoc over the public
 # API's docstrings (docs/api), HTML into

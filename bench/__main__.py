@@ -17,7 +17,7 @@ runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG a
 
 `python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): see
 bench/gpu_check.py.
-"""
+"""  # noqa: E501 (its first line is argparse's description: kept whole)
 from __future__ import annotations
 
 import argparse

@@ -83,8 +83,7 @@ def torchtitan_plan(config) -> dict[str, Any]:
         LM head       [b, s/p, h] all-gathered in, logits [b, s, V/p] stay sharded (loss_parallel)
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     layer = "model.layers.*."
     return {

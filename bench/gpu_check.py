@@ -119,8 +119,8 @@ def summarize(suite: str, document: dict[str, Any]) -> list[list[Any]]:
 
 
 # Suites that cannot run on GPUs yet, and why (left out of the default list).
-CPU_ONLY = {"pipeline": "bench pipeline measures the emulated CPU cluster (gloo); the pipeline's CUDA path is checked by "
-                       "the test suite on NCCL (tests/test_pipeline.py)"}
+CPU_ONLY = {"pipeline": "bench pipeline measures the emulated CPU cluster (gloo); the pipeline's CUDA path is "
+                        "checked by the test suite on NCCL (tests/test_pipeline.py)"}
 
 
 def _parser() -> argparse.ArgumentParser:

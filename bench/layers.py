@@ -76,10 +76,10 @@ from bench import _metrics
 from bench._peers import CollectiveLog, agree
 from bench._report import Table, save_figure
 from bench._trace import IN_FLIGHT
+from oases.costs.link import LinkFit
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
-from oases.costs.link import LinkFit
 from oases.schedule.exposure import CAUSES, attribute, gather_logs
 from oases.schedule.runtime import _Task, _Work
 
@@ -240,9 +240,10 @@ def _gpt_case(args, ctx) -> _Case:
 
 
 def _llama_case(args, ctx) -> _Case:
+    from torch.distributed.device_mesh import init_device_mesh
+
     import oases
     from bench import _llama
-    from torch.distributed.device_mesh import init_device_mesh
 
     hidden, seq_len, batch = _sizes(args)
     config = _llama.llama_config(hidden=hidden, heads=args.heads, kv_heads=args.kv_heads, layers=args.layers,
@@ -379,7 +380,8 @@ def run(args, ctx) -> list[dict]:
 
     # Each step of ours also runs compute-only (its Communicator's dry run) in the same round-robin as
     # every step: a machine whose speed drifts (a shared host) moves the bound and the steps alike.
-    timed = ctx.timer.measure({**steps, **{_DRY + name: _dry(step, case.comms[name]) for name, step in case.ours.items()}})
+    timed = ctx.timer.measure({**steps, **{_DRY + name: _dry(step, case.comms[name])
+                                           for name, step in case.ours.items()}})
     compute = {name: timed[_DRY + name] for name in case.ours}
     # The TP group's input check every step of ours runs first (oases.inputs; check_inputs=True), alone.
     t_check = ctx.timer.measure({"check": lambda: agree_inputs(case.inputs, ctx.group, device=ctx.device)})["check"]
@@ -420,7 +422,8 @@ def run(args, ctx) -> list[dict]:
         records.append(r)
     for r in records:  # after every timing: see _peak_rise_mib
         peak = _peak_rise_mib(steps[r["schedule"]])
-        r["peak_mib"] = None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
+        r["peak_mib"] = (None if peak is None
+                         else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64))))
     by_name = {r["schedule"]: r for r in records}
     for r in records:
         r["speedup_vs_megatron"] = _metrics.speedup(by_name[BASELINE]["t_step"], r["t_step"])

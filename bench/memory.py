@@ -107,8 +107,9 @@ class _Job:
         self.refused: Optional[str] = None  # why save_checkpoint did not take the optimizer
 
     def build(self) -> None:
-        import oases
         from transformers import LlamaForCausalLM
+
+        import oases
 
         with torch.device("meta"):
             self.model = LlamaForCausalLM(self.config)

@@ -40,8 +40,8 @@ from typing import Callable, Optional
 
 import torch
 
-from bench._report import Table, save_figure
 from bench._memory_peak import peak_allocations
+from bench._report import Table, save_figure
 from oases.models import GPT, GPTConfig
 from oases.offload import ALIGNMENT, CopyEngine, HostSlab, Offloader
 from oases.schedule import CheckpointMemory
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-heads", type=_positive, default=8,
                         help="the step's attention heads (default 8); must divide --step-hidden, and the ranks "
                              "must divide it")
-    parser.add_argument("--step-layers", type=_positive, default=None, help="the step's GPT layers (default: --layers's)")
+    parser.add_argument("--step-layers", type=_positive, default=None,
+                        help="the step's GPT layers (default: --layers's)")
     parser.add_argument("--step-seq-len", "--step-seq", dest="step_seq_len", type=_positive, default=None,
                         help="the step's sequence length (default: --seq-len's)")
     parser.add_argument("--step-batch", type=_positive, default=None,

@@ -372,7 +372,8 @@ def run(args, ctx) -> list[dict]:
     peaks = {}
     for name, pipe in pipes.items():
         peak = _peak_rise_mib(lambda: (pipe.train_step(tokens, targets), pipe.close()))
-        peaks[name] = None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
+        peaks[name] = (None if peak is None
+                       else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64))))
     for pipe in pipes.values():
         pipe.close()
 

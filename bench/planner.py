@@ -141,7 +141,8 @@ def _spearman(x: list[float], y: list[float]) -> float:
 
 def run(args, ctx) -> list[dict]:
     if ctx.world_size != 2:
-        raise ValueError(f"--nproc: the planner suite runs on 2 ranks (TP 2 and its DP counterpart), got {ctx.world_size}")
+        raise ValueError(f"--nproc: the planner suite runs on 2 ranks (TP 2 and its DP counterpart), "
+                         f"got {ctx.world_size}")
     quick = args.quick
     hiddens = [int(h) for h in (args.hiddens or ("64" if quick else "256,512")).split(",")]
     batch, seq_len = args.batch or (4 if quick else 8), args.seq_len or (16 if quick else 64)
@@ -241,7 +242,8 @@ def _mixed_case(ctx, config: GPTConfig, shape: ModelShape, profile, tokens: torc
                         "fits_budget": None if p is None else p.memory_bytes <= budget,
                         "memory_budget_bytes": budget, "measured_s": timing.median, "measured_min_s": timing.min,
                         "best_fitting_uniform": best,
-                        "speedup_vs_best_fitting_uniform": None if best is None else measured[best].median / timing.median})
+                        "speedup_vs_best_fitting_uniform": (None if best is None
+                                                            else measured[best].median / timing.median)})
     return records
 
 

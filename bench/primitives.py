@@ -59,15 +59,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from oases import comm, ops
-from oases.comm.hierarchical import UNSHAPED_BYTES_PER_S
-from oases.ops import _gemm
-from oases.planner import partition
-
 from bench import _metrics, _peers
 from bench._peers import Peer
 from bench._report import Panel, Table, plot_panels
 from bench._trace import OP, instrument
+from oases import comm, ops
+from oases.comm.hierarchical import UNSHAPED_BYTES_PER_S
+from oases.ops import _gemm
+from oases.planner import partition
 
 FUSED = ("all_gather_linear", "linear_reduce_scatter", "linear_all_reduce")
 COLLECTIVES = ("ring_all_gather", "ring_reduce_scatter", "all_reduce")

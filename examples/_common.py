@@ -54,7 +54,8 @@ def progress(label: str, done: int, total: int, loss: float) -> None:
         print(line, flush=True)
 
 
-def summarize(schedule: str, times: list[float], waited: Optional[list[float]], losses: list[float], tokens: int) -> dict:
+def summarize(schedule: str, times: list[float], waited: Optional[list[float]], losses: list[float],
+              tokens: int) -> dict:
     """One schedule's figures over every rank: median step time of the slowest rank, the least
     busy rank's busy fraction (share of the step not blocked on communication), first/last loss."""
     warm = 2 if len(times) > 4 else 0  # the first steps pay one-off allocation costs

@@ -16,8 +16,9 @@ import sys
 
 import torch
 
-from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, train_loop
 from oases.models import GPT, GPTConfig
+
+from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, train_loop
 
 
 def _args(argv=None) -> argparse.Namespace:

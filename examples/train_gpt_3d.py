@@ -21,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, progress, summarize
 from oases.models import GPTConfig
 from oases.pipeline import Pipeline
+
+from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, progress, summarize
 
 PP, DP, HOSTS = 2, 2, 2
 

@@ -7,9 +7,10 @@
 The model is transformers' own LlamaForCausalLM (a small config built here, random init, GQA),
 sharded with one `oases.parallelize` call and trained with `oases.train_step` in a plain loop
 with torch.optim.AdamW (labels are the inputs: the loss shifts them, as Hugging Face's does).
-`oases-sp` is the oases schedule with sequence parallelism. Each schedule starts from the same seed and sees the same batches of a
-deterministic character-level corpus, so the losses agree step by step; only the time differs.
-Started outside a distributed launch, the script re-launches itself through `oases-launch`.
+`oases-sp` is the oases schedule with sequence parallelism. Each schedule starts from the same
+seed and sees the same batches of a deterministic character-level corpus, so the losses agree
+step by step; only the time differs. Started outside a distributed launch, the script
+re-launches itself through `oases-launch`.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 import oases
-from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, train_loop
 from oases.schedule import Communicator
+
+from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, train_loop
 
 
 def _args(argv=None) -> argparse.Namespace:

@@ -7,8 +7,7 @@ from typing import Optional
 
 import torch
 
-from ._gemm import (DTYPES, check_dtype_device, check_operands, check_writable, launch_gemm,
-                    x_or_fp32)
+from ._gemm import DTYPES, check_dtype_device, check_operands, check_writable, launch_gemm, x_or_fp32
 
 
 def linear_into(

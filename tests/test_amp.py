@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from _spawn import run_ranks
-
 import oases
+
+from _spawn import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -14,12 +14,12 @@ import warnings
 import pytest
 import torch
 
-from _shards import expected_shard as _expected
-from _spawn import run_ranks
-
 import oases
 from oases import ops
 from oases.schedule import SCHEDULES
+
+from _shards import expected_shard as _expected
+from _spawn import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -29,8 +29,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
 
 from bench import _metrics  # noqa: E402
-from oases.schedule.exposure import CAUSES  # noqa: E402
 from bench.pipeline import scaled_batch  # noqa: E402
+from oases.schedule.exposure import CAUSES  # noqa: E402
+
 WORLD_SIZE = 2
 SCHEDULES = ("megatron", "merak", "cross_pass", "oases", "oases-sp", "oases-keep")
 FUSED = {"all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"}
@@ -642,8 +643,8 @@ def test_profile_one_rank_with_assumed_link_plans(tmp_path):
     harness's one rank): compute, head and memory measured, the overlap skipped, the link stated
     and marked assumed; the planner loads the profile (collectives by its ring formulas from that
     link) and `oases plan` plans Llama-7B on 16 devices with it."""
-    from oases.planner import load_profile
     from oases.cli import main as oases_main
+    from oases.planner import load_profile
 
     path = tmp_path / "p.json"
     doc, stdout, _ = _run_suite_on_ranks("profile", tmp_path, "--device", "cpu", "--assume-link", "10gbit,50us",
@@ -736,9 +737,15 @@ def test_live_at_peak_replays_the_allocator_trace():
     groups follow the project's innermost frames."""
     from bench._memory_peak import frame_label, live_at_peak
 
-    a = lambda addr, size, *names: {"action": "alloc", "addr": addr, "size": size, "frames": _frames(*names)}
-    req = lambda addr, size: {"action": "free_requested", "addr": addr, "size": size}
-    done = lambda addr, size: {"action": "free_completed", "addr": addr, "size": size}
+    def a(addr, size, *names):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": _frames(*names)}
+
+    def req(addr, size):
+        return {"action": "free_requested", "addr": addr, "size": size}
+
+    def done(addr, size):
+        return {"action": "free_completed", "addr": addr, "size": size}
+
     events = [a(1, 100, "ckpt"), a(2, 50, "work"),   # 150
               req(99, 40), done(99, 40),             # 110: a block from before the trace
               req(2, 50), a(3, 200, "work"),         # 260: the peak (block 2 requested, completion pending)

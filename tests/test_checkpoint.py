@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _spawn import run_ranks
-
 import oases
 from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
+
+from _spawn import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # TP sums in another order than the plain model's
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -228,7 +228,8 @@ def _check_bad_input(rank, p, path):
 
     bad = dict(changed, **{"ffn.w1.weight": torch.zeros(64, 17)})
     with pytest.raises(ValueError, match=rf"ffn\.w1\.weight: state_dict has shape \(64, 17\), the model expects "
-                                         rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) of it at TP={p}\)"):
+                                         rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) "
+                                         rf"of it at TP={p}\)"):
         oases.load_full_state_dict(tp, bad)
     bad = dict(changed, scale=torch.zeros(15))  # a replicated buffer, last in the state dict
     with pytest.raises(ValueError, match=r"scale: state_dict has shape \(15,\), the model expects \(16,\)$"):
@@ -247,7 +248,8 @@ def _check_bad_input(rank, p, path):
     oases.save_checkpoint(other, where)
     with pytest.raises(ValueError, match=rf"checkpoint '.*ffn48' does not fit the model; nothing was loaded:\n"
                                          rf"  ffn\.w1\.weight: checkpoint has shape \(96, 16\), the model expects "
-                                         rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) of it at TP={p}\)\n"
+                                         rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) "
+                                         rf"of it at TP={p}\)\n"
                                          rf"  ffn\.w1\.bias: .*\n  ffn\.w2\.weight: checkpoint has shape \(16, 48\)"):
         oases.load_checkpoint(tp, where)  # raised before any collective: nobody waits
     _assert_state(tp, before)

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
-from _spawn import run_ranks
 from test_checkpoint import HAVE_TRANSFORMERS, TOY_PLAN, _llama, _parallelize, _toy
 
 import oases
+
+from _spawn import run_ranks
 
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformers")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -274,7 +274,8 @@ def _check_bad_input(rank, p, path):
         oases.save_checkpoint(model, os.path.join(path, "x"), optimizer=stranger)
     with pytest.raises(ValueError, match=r"is not a parameter of the model"):
         oases.load_checkpoint(target, where, optimizer=stranger)
-    with pytest.raises(TypeError, match=r"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, got dict"):
+    with pytest.raises(TypeError, match=r"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, "
+                                        r"got dict"):
         oases.load_checkpoint(target, where, optimizer={})
     with pytest.raises(ValueError, match=r"optimizer: checkpoint '.*plain' holds no optimizer state \(saved without "
                                          r"optimizer=\); load it with optimizer=None"):

@@ -3,9 +3,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks
-
 import oases.comm as oc
+
+from _spawn import run_ranks
 
 
 def _data(world_size, shape, seed, dtype=torch.float32):

@@ -478,7 +478,6 @@ def _hf_offload(rank, world):
     import warnings
 
     import oases
-
     from oases.offload import Offloader
 
     ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks
-
 import oases
+
+from _spawn import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -16,13 +16,14 @@ import sys
 import time
 
 import pytest
-from _spawn import finish_process
 
 import oases
 from oases import env
-from oases.launch import parse_bandwidth
 from oases.cli import main as oases_main
+from oases.launch import parse_bandwidth
 from oases.planner.profile import parse_link
+
+from _spawn import finish_process
 
 pytestmark = pytest.mark.timeout(60)
 OASES_SCRIPT = os.path.join(os.path.dirname(sys.executable), "oases")  # the console script (setup.py)

@@ -10,7 +10,8 @@ TINY = ["--steps", "2", "--bandwidth", "none", "--hidden", "64", "--heads", "4",
 
 
 @pytest.mark.parametrize("script, extra", [("train_llama.py", ["--kv-heads", "2"]), ("train_gpt.py", []),
-                                           ("train_gpt_3d.py", ["--layers", "4", "--batch", "8", "--segments", "auto"])])
+                                           ("train_gpt_3d.py",
+                                            ["--layers", "4", "--batch", "8", "--segments", "auto"])])
 def test_example_trains(script, extra):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *TINY, *extra],

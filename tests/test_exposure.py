@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks, stop_process
-
-from oases.schedule import Communicator, interleave
 from oases.costs.link import LinkFit
+from oases.schedule import Communicator, interleave
 from oases.schedule.exposure import CAUSES, CollectiveRecord, attribute, gather_logs
+
+from _spawn import run_ranks, stop_process
 
 
 def _record(index, issued, ended, waits, nbytes=1000):

@@ -30,14 +30,12 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-
-from _shards import check_export, check_grads, expected_shard
-from _spawn import run_ranks
 
 import oases
 from oases.schedule import SCHEDULES
 
+from _shards import check_export, check_grads, expected_shard
+from _spawn import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=96, max_position_embeddings=64,
@@ -184,6 +182,7 @@ def test_gpt_oss_matches_unsharded_tp4():
 def test_gpt_oss_experts_form_checked():
     """Only GPT-OSS's own gate is taken for the interleaved form; p must divide the intermediate size."""
     import transformers.models.gpt_oss.modeling_gpt_oss as gpt_oss
+
     from oases.nn.experts import check_experts, is_fused_experts
 
     experts = gpt_oss.GptOssExperts(_config())

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _interpreter import interpreter_failure
-from _spawn import harness_device, run_ranks
-
 import oases.comm.ring as ring_module
 from oases import ops
 from oases.comm._streams import _HostSide
 from oases.comm._topology import ring_of
 from oases.nn import ColumnParallelLinear, RowParallelLinear
+
+from _interpreter import interpreter_failure
+from _spawn import harness_device, run_ranks
 
 DEVICE = harness_device()
 on_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="needs the harness on CUDA (OASES_TEST_DEVICE=cuda)")

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks
-
 import oases.comm as oc
-from oases.planner import all_reduce_form, flat_time, hierarchical_time, partition
 from oases.costs.link import LinkFit
+from oases.planner import all_reduce_form, flat_time, hierarchical_time, partition
+
+from _spawn import run_ranks
 
 FAST = LinkFit(30e-6, 1.7e9)   # a host's loopback
 SLOW = LinkFit(30e-6, 25e6)    # 200 Mbit/s NICs

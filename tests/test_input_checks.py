@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks
-
 import oases
 from oases.inputs import agree_inputs, set_check_inputs
 from oases.models import GPT, GPTConfig
+
+from _spawn import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 VOCAB, T = 96, 12
@@ -206,7 +206,7 @@ def _check_pipeline(rank, world_size):
     _raises(head + rf"its batch size differs: global ranks 0, 1, 2 pass shape \(4, {T}\), global rank 3 passes shape "
                    rf"\(2, {T}\) \(targets differ as well\); give every rank of the mesh the same global batch",
             pipe.train_step, ids[:2] if odd else ids, targets[:2] if odd else targets)
-    _raises(head + rf"its sequence length differs", pipe.train_step, ids[:, :5] if rank == 2 else ids,
+    _raises(head + r"its sequence length differs", pipe.train_step, ids[:, :5] if rank == 2 else ids,
             targets[:, :5] if rank == 2 else targets)
     _raises(head + r"its content differs \(the same shape \(4, 12\) and dtype int64, other values: global ranks 0, 1, "
                    r"3 vs global rank 2\)", pipe.train_step, _swapped(ids) if rank == 2 else ids, targets)

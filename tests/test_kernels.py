@@ -2,11 +2,12 @@
 or compiled for the GPU when the harness runs on CUDA (tensors on harness_device())."""
 import pytest
 import torch
-from _interpreter import interpreter_failure
-from _spawn import harness_device
 
 from oases_kernels import linear_accumulate, linear_into
 from oases_kernels._gemm import Tiles, launch_gemm
+
+from _interpreter import interpreter_failure
+from _spawn import harness_device
 
 # Tolerances against the fp64 reference rounded to the output dtype: the kernel accumulates in
 # fp32 and rounds once, so it may differ from the rounded reference by about one ulp.

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from _spawn import finish_process, stop_process
 
 from oases.launch import main, parse_bandwidth
+
+from _spawn import finish_process, stop_process
 
 LAUNCH = (sys.executable, "-m", "oases.launch")
 CAN_SHAPE = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None

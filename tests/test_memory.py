@@ -9,9 +9,10 @@
 each with SLACK for the allocator. The process's first dcp.save is done before the phases, on a
 one-element state: on torch 2.11 a process's first save costs a fixed ~118 MiB (measured on the
 H200 image: the same for a 10 MiB and a 200 MiB state; later saves nothing), a cost of
-torch's, not of the model's size, which the limits are about. The model is a Llama whose embedding and head are vocab-parallel
-(plan entries "vocab" / "vocab_head"), so every tensor is sharded, and whose largest tensor is
-about 0.16 F, as in a 1.5-2 GiB Llama with a 32k vocabulary.
+torch's, not of the model's size, which the limits are about. The model is a Llama whose
+embedding and head are vocab-parallel (plan entries "vocab" / "vocab_head"), so every tensor
+is sharded, and whose largest tensor is about 0.16 F, as in a 1.5-2 GiB Llama with a 32k
+vocabulary.
 """
 import gc
 import os
@@ -21,9 +22,9 @@ import warnings
 import pytest
 import torch
 
-from _spawn import run_ranks
-
 import oases
+
+from _spawn import run_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: the repository root
 from bench._rss import PeakRSS  # noqa: E402

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _spawn import run_ranks
-
 import oases
+
+from _spawn import run_ranks
 
 pytest.importorskip("transformers")
 

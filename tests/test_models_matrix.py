@@ -54,14 +54,14 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-
-from _shards import check_export, check_grads, expected_shard as _expected
-from _spawn import run_ranks
 
 import oases
 from oases.schedule import SCHEDULES
+
+from _shards import check_export, check_grads
+from _shards import expected_shard as _expected
+from _spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")
@@ -313,7 +313,8 @@ def _check_models(rank, p, kinds, root):
     return True
 
 
-@pytest.mark.parametrize("kinds", [("llama", "llama_tied", "qwen3", "mixtral"), ("qwen2moe", "gemma", "gemma2", "olmo2"),
+@pytest.mark.parametrize("kinds", [("llama", "llama_tied", "qwen3", "mixtral"),
+                                   ("qwen2moe", "gemma", "gemma2", "olmo2"),
                                    ("cohere", "phi3", "phi", "gpt2"), ("neox", "gptj", "starcoder2")],
                          ids=lambda kinds: "-".join(kinds))
 def test_models_match_unsharded_tp2(kinds):

@@ -28,14 +28,13 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-
-from _shards import check_export, check_grads, expected_shard as _expected
-from _spawn import run_ranks
 
 import oases
 from oases.nn import DEFAULT_PLAN
 from oases.schedule import SCHEDULES
+
+from _shards import check_export, check_grads
+from _spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")

@@ -13,11 +13,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _spawn import run_ranks
-
 import oases.comm.ring as ring_module
 from oases.nn import ColumnParallelLinear, RowParallelLinear
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+
+from _spawn import run_ranks
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 S, B, H, FFN = 24, 2, 24, 48  # seq, batch, hidden, MLP width: divisible by 2, 3, 4 (and S/p by 2)

@@ -11,12 +11,20 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _spawn import run_ranks
-
 from oases import _extension
-from oases.offload import (ALIGNMENT, CheckpointStack, CheckpointState, CopyEngine, HostSlab, Offloader,
-                           SlabTooSmallError, offload_saved_tensors)
+from oases.offload import (
+    ALIGNMENT,
+    CheckpointStack,
+    CheckpointState,
+    CopyEngine,
+    HostSlab,
+    Offloader,
+    SlabTooSmallError,
+    offload_saved_tensors,
+)
 from oases.offload.slab import _UNBOUNDED, _FirstFit
+
+from _spawn import run_ranks
 
 PATHS = [pytest.param(True, id="extension", marks=pytest.mark.skipif(not _extension.is_available(),
                                                                       reason="oases._C not built")),

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from _spawn import harness_device, run_ranks
-
 import oases.comm
 import oases.comm.ring as ring_module
 from oases import ops
+
+from _spawn import run_ranks
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=4e-2, atol=8e-2)}
 

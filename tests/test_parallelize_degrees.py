@@ -23,11 +23,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _nanogpt import Block
-from _spawn import run_ranks
-
 import oases
 from oases.nn import ColumnParallelLinear, RowParallelLinear
+
+from _nanogpt import Block
+from _spawn import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LAYERS, BATCH, SEQ, VOCAB = 4, 4, 8, 128

@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _spawn import harness_device, run_ranks
-from _tolerances import state_atol
-
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline, actions
+
+from _spawn import harness_device, run_ranks
+from _tolerances import state_atol
 
 CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2)
 STEPS, SEED = 3, 7
@@ -420,8 +420,8 @@ class _NoLinks:
 def test_each_link_delivers_in_the_order_its_receiver_uses(schedule, segments, stages, micro_batches):
     """Links match messages by order (as NCCL does): for every stage and link, the keys the
     neighbour sends, in its order, are the keys this stage's actions wait for, in their order."""
-    from oases.pipeline.p2p import StageComm, link_of
     from oases.pipeline.comm_scheduler import CommScheduler
+    from oases.pipeline.p2p import StageComm, link_of
 
     last = stages * segments - 1
     for stage in range(stages):

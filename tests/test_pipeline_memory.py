@@ -16,7 +16,6 @@ another model's checkpoint or weights raise ValueError on every rank.
 """
 import os
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,11 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from _nanogpt import Block
-from _spawn import run_ranks
-
 import oases
 from oases.pipeline import Pipeline
+
+from _nanogpt import Block
+from _spawn import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from oases.pipeline import Pipeline
+
 from _spawn import run_ranks
 from _tolerances import state_atol
-
-from oases.pipeline import Pipeline
 
 pytest.importorskip("transformers")
 

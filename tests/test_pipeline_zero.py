@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _spawn import run_ranks
-
 from oases.dp import ShardedOptimizer
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline, ZeroSegmentSync
+
+from _spawn import run_ranks
 
 CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=4)
 STEPS, SEED, BATCH, SAVED_AT = 3, 7, 4, 2

@@ -3,8 +3,8 @@ Centauri's chunk rule and backward priority, FOLD3D's numbers, `oases plan` and 
 from __future__ import annotations
 
 import itertools
-import math
 import json
+import math
 import subprocess
 import sys
 import time

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks
-
 import oases
 from oases._sharding import ShardRule, tp_rules
+
+from _spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 

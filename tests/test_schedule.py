@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from _spawn import run_ranks
-
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, CheckpointMemory
+
+from _spawn import run_ranks
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2)
 
@@ -93,7 +93,8 @@ def test_oases_moves_two_thirds_of_megatrons_bytes():
     # adjoint before the embedding, and one all-reduce of the norms' and biases' gradients.
     calls, sent = counts["oases-sp"]
     sublayers, norm_and_bias = 2 * layers, 3 * CONFIG["hidden"] * 4
-    assert calls == {"forward": 2 * 2 * sublayers + 2, "recompute": 2 * sublayers, "backward": 2 * 2 * sublayers + 2 + 1}
+    assert calls == {"forward": 2 * 2 * sublayers + 2, "recompute": 2 * sublayers,
+                     "backward": 2 * 2 * sublayers + 2 + 1}
     assert sent == {"forward": sublayers * activation + activation // 2, "recompute": sublayers * activation // 2,
                     "backward": sublayers * activation + activation // 2 + sublayers * norm_and_bias}
 

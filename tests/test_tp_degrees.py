@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _spawn import run_ranks
-
 import oases
 import oases.plan
 from oases._rows import block_rows, padded, part_sizes, unpadded
+from oases.cli import main as cli_main
 from oases.models import GPT, GPTConfig
 from oases.models.gpt import _check_tp_degrees
-from oases.cli import main as cli_main
+
+from _spawn import run_ranks
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4, mlp_ratio=2)
 BATCH, SEED, DROPOUT_SEED = 4, 7, 1234

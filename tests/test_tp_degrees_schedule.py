@@ -13,12 +13,12 @@ import io
 import pytest
 import torch
 
-from _spawn import run_ranks
-
 import oases
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, split_rows
 from oases.training import causal_lm_loss_sum
+
+from _spawn import run_ranks
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4, mlp_ratio=2)
 SEED, STEP_SEED, DROPOUT = 7, 99, 0.25
@@ -231,8 +231,10 @@ def _hf_ranks_main(rank, world_size, models, cases):
             out.loss.backward()
             want = {n: q.grad for n, q in ref.named_parameters()}
             loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask)
-            where = f"rank {rank} {kind} tp_degrees={degrees} {schedule} sub_batches={sub_batches} b={b} padded={padded}"
-            torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}")
+            where = (f"rank {rank} {kind} tp_degrees={degrees} {schedule} sub_batches={sub_batches} b={b} "
+                     f"padded={padded}")
+            torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{where}: loss {m}")
             for name, q in tp.named_parameters():
                 assert q.grad is not None, f"{where}: {name} got no gradient"
                 torch.testing.assert_close(q.grad, _hf_expected(tp, name, want[name], degrees, rank, world_size),

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _shards import expected_shard as _expected
-from _spawn import run_ranks
-
 import oases
 from oases.schedule import SCHEDULES, Communicator
+
+from _shards import expected_shard as _expected
+from _spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")
@@ -241,8 +241,9 @@ def test_bad_input_raises_on_every_rank_before_communication():
 def test_unknown_architecture_names_what_the_adapter_needs():
     import transformers as tf
 
+    # its layers: base_model.encoder.layer
     model = tf.BertForMaskedLM(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=64, vocab_size=64))  # its layers: base_model.encoder.layer
+                                             intermediate_size=64, vocab_size=64))
     with pytest.raises(ValueError, match=r"no adapter for BertForMaskedLM \(no decoder layers.*implement "
                                          r"oases.schedule.Stack"):
         oases.train_step(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))

@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 
-from _spawn import run_ranks
-
 import oases
 from oases.models import GPT, GPTConfig
+
+from _spawn import run_ranks
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed")

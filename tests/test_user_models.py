@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _shards import check_grads, expected_shard as _expected
-from _spawn import run_ranks
-
 import oases
+
+from _shards import check_grads
+from _spawn import run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed")

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from _spawn import run_ranks
-
 import oases
+
+from _spawn import run_ranks
 
 pytest.importorskip("transformers")
 

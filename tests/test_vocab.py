@@ -19,12 +19,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _spawn import run_ranks
-
 import oases
 from oases._sharding import ShardRule
-from oases.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _mappings
-from oases.nn import vocab_parallel_cross_entropy
+from oases.nn import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _mappings,
+    vocab_parallel_cross_entropy,
+)
+
+from _spawn import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -33,6 +33,8 @@ class GradScaler(torch.amp.GradScaler):
         self.group = group
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """grads /= scale for `optimizer`, with the found-inf verdict taken over `group`:
+        unscale_together_([optimizer])."""
         self.unscale_together_([optimizer])
 
     def unscale_together_(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:

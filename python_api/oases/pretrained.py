@@ -341,8 +341,9 @@ def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shar
         barrier(group)
 
     A collective: every rank of `group` (default: the world; without a process group, a plain
-    model in one process) calls it with its replica of the same model (any TP degree; TP groups inside `group`; a module whose group lacks the writer is
-    another replica's and sends nothing). Only the writer writes; everyone returns after the files
+    model in one process) calls it with its replica of the same model (any TP degree; TP groups
+    inside `group`; a module whose group lacks the writer is another replica's and sends nothing).
+    Only the writer writes; everyone returns after the files
     exist. Weight files and an index a previous save left in `path` are removed first. Config:
     transformers models write theirs (with `dtype` and `architectures` set, as transformers does)
     and their generation_config; a dataclass config (oases.models.GPT's GPTConfig) is written as

@@ -18,14 +18,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases._compiled import original_module
 from oases.dp.grad_sync import GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
-from oases._compiled import original_module
 from oases.offload import Offloader
-from oases.schedule import CheckpointMemory, Communicator, Stack, check_step, train_step as _run_schedule
+from oases.schedule import CheckpointMemory, Communicator, Stack, check_step
+from oases.schedule import train_step as _run_schedule
 from oases.schedule.placed import check_placements
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]

@@ -48,10 +48,17 @@ import torch
 import torch.distributed as dist
 
 from oases import _checks
-from oases.comm.groups import new_group
-from oases.comm.ring import (_drain, _to_rows, all_gather_steps, all_reduce, reduce_scatter_steps,
-                             ring_all_gather, ring_reduce_scatter)
 from oases.comm._topology import ring_of
+from oases.comm.groups import new_group
+from oases.comm.ring import (
+    _drain,
+    _to_rows,
+    all_gather_steps,
+    all_reduce,
+    reduce_scatter_steps,
+    ring_all_gather,
+    ring_reduce_scatter,
+)
 from oases.costs.collectives import partition
 from oases.costs.link import DEFAULT_LATENCY_S, LinkFit
 from oases.costs.rate import parse_bandwidth
@@ -81,6 +88,7 @@ class HostGroups:
 
     @property
     def size(self) -> int:
+        """P = hosts * ranks_per_host, the ranks of `group`."""
         return self.hosts * self.ranks_per_host
 
     @classmethod

@@ -75,7 +75,7 @@ def all_gather_rows(
     Yields slices of `out`'s rows as they become valid: this rank's pieces first, then the
     received pieces in arrival order. While the caller holds a yielded slice, the pieces after it
     are in flight. On CUDA a received piece is forwarded from the comm stream as soon as it has
-    arrived, never behind the caller's GEMMs:
+    arrived, never behind the caller's GEMMs::
 
         compute: | own0 | own1 |(wait ev 1.0) 1.0 |(wait ev 1.1) 1.1 |
         comm   : post 0.*  |wait 1.0, post 2.0, ev|wait 1.1, post 2.1, ev|     (p > 2: forward)
@@ -138,7 +138,7 @@ def reduce_scatter_rows(
     Each contribution is produced before the partial sum it extends is waited for, and only the
     accumulate (received partial += contribution) waits for the transfer. On CUDA the wait, the
     accumulate and the next send run on the comm stream, so the compute stream runs every
-    contribution's GEMM back to back and waits once, at the end, for `out`:
+    contribution's GEMM back to back and waits once, at the end, for `out`::
 
         compute: | P1.0 | P1.1 | P0.0        | P0.1        |(wait ev) out ready
         comm   :   |post P1.0|post P1.1|wait P0.0', += P0.0|wait P0.1', += P0.1| ev

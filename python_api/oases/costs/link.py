@@ -22,6 +22,7 @@ class LinkFit:
     bytes_per_s: float
 
     def time(self, nbytes: float) -> float:
+        """Seconds for `nbytes` on the link: latency_s + nbytes / bytes_per_s."""
         return self.latency_s + nbytes / self.bytes_per_s
 
     @classmethod

@@ -57,10 +57,14 @@ class AllReduceMean:
         self.group, self.size = group, ring_of(group).size
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
+        """Concatenate `grads` into one flat tensor and start its all-reduce (SUM, async) over `group`;
+        returns (flat, work)."""
         flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]
         return flat, dist.all_reduce(flat, group=self.group, async_op=True)
 
     def complete(self, params: list[nn.Parameter], pending: object) -> None:
+        """Wait for the all-reduce, divide by the group's size and copy each parameter's slice of it
+        into p.grad (a new tensor where p.grad is None)."""
         flat, work = pending
         work.wait()
         flat.div_(self.size)

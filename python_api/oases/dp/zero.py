@@ -116,10 +116,12 @@ class ShardedOptimizer:
 
     @property
     def param_groups(self) -> list[dict]:
+        """The inner optimizer's param_groups (over the masters)."""
         return self.inner.param_groups
 
     @property
     def state(self) -> Any:
+        """The inner optimizer's state (the masters')."""
         return self.inner.state
 
     def master_of(self, param: nn.Parameter) -> tuple[nn.Parameter, int, int]:

@@ -9,9 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from oases.launch._netns import (TOPOLOGIES, UNSHAPED, Namespaces, Placement, ShapingUnavailable,
-                                 Topology, find_tools)
 from oases.costs.rate import parse_bandwidth
+from oases.launch._netns import TOPOLOGIES, UNSHAPED, Namespaces, Placement, ShapingUnavailable, Topology, find_tools
 from oases.launch._ranks import RankProcess, run_ranks
 from oases.launch._signals import Interrupted, signals_raise
 

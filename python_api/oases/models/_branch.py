@@ -111,7 +111,8 @@ def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
         for name, m in layer.named_modules():
             jitter = {a: v for a, v in vars(m).items() if "jitter" in a and isinstance(v, float) and v > 0}
             why = _SAMPLES_IN_TRAINING.get(type(m).__name__) or (
-                f"draws random noise in training ({', '.join(f'{a}={v}' for a, v in jitter.items())})" if jitter else "")
+                f"draws random noise in training ({', '.join(f'{a}={v}' for a, v in jitter.items())})" if jitter
+                else "")
             if why:
                 raise ValueError(
                     f"oases.train_step: decoder layer {i}'s {name or 'layer'} ({type(m).__name__}) {why}; the "

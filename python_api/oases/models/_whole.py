@@ -39,7 +39,8 @@ class WholeLayer:
     """One decoder layer as one sublayer (module doc); `group` is the TP group its all-reduce is on
     (`alone`: none, a layer of TP degree 1 whose schedule communicator has one rank)."""
 
-    def __init__(self, index: int, layer: nn.Module, group: Optional[dist.ProcessGroup], *, alone: bool = False) -> None:
+    def __init__(self, index: int, layer: nn.Module, group: Optional[dist.ProcessGroup], *,
+                 alone: bool = False) -> None:
         self.index, self.layer = index, layer
         self.lead = alone or not dist.is_initialized() or ring_of(group).rank == 0
 

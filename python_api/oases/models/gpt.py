@@ -44,10 +44,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases._sharding import ShardRule, tp_rules
-from oases.models._placed import layer_placements
-from oases.nn._degrees import (DegreeGroups, check_tp_degrees as _check_tp_degrees, make_placements, reshard_rows,
-                               sum_over_replicas_while)
 from oases.inputs import CheckMode, agree_step_inputs
+from oases.models._placed import layer_placements
+from oases.nn._degrees import DegreeGroups, make_placements, reshard_rows, sum_over_replicas_while
+from oases.nn._degrees import check_tp_degrees as _check_tp_degrees
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -60,6 +60,9 @@ __all__ = ["GPTConfig", "GPT"]
 
 @dataclass(frozen=True)
 class GPTConfig:
+    """A GPT's sizes: vocabulary, longest sequence (seq_len), width, attention heads, blocks, MLP
+    width as a multiple of hidden (mlp_ratio), and the residual dropout."""
+
     vocab_size: int = 256
     seq_len: int = 64
     hidden: int = 128
@@ -229,7 +232,8 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
         if self.tp_degrees is None:
             self.blocks = nn.ModuleList(
-                nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group), _MLP(config, 2 * i + 1, self.tp, self.group)])
+                nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group),
+                               _MLP(config, 2 * i + 1, self.tp, self.group)])
                 for i in range(config.layers)
             )
         else:
@@ -292,14 +296,17 @@ class GPT(nn.Module):
     takes_attention_mask = False  # every sequence is whole: no padding mask
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, t <= seq_len] -> wte(tokens) + wpe(positions 0..t-1), x [b, t, h]."""
         if tokens.dim() != 2 or tokens.shape[1] > self.config.seq_len:
             raise ValueError(f"tokens: expected [batch, t <= {self.config.seq_len}], got {tuple(tokens.shape)}")
         return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
+        """input_ids [b, t] -> (embed_tokens(input_ids), `where` as the ctx)."""
         return self.embed_tokens(input_ids), where
 
     def layers(self) -> list[tuple[_Sublayer, ...]]:
+        """Each block as its sublayers (attention, MLP)."""
         return [tuple(block) for block in self.blocks]
 
     def layer_placements(self) -> Optional[LayerPlacements]:

@@ -36,6 +36,7 @@ the layer's backward ends for every sub-batch).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -43,8 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-import inspect
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
 from oases.models._placed import layer_placements
@@ -143,7 +142,8 @@ class HFStack:
                              f"loss.backward(), or parallelize without tp_degrees")
         tp_group = next((m.group for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
                         None)
-        self._layers = [self._sublayers(i, layer, parts, tp_group, alone=self.degrees is not None and self.degrees[i] == 1)
+        self._layers = [self._sublayers(i, layer, parts, tp_group,
+                                        alone=self.degrees is not None and self.degrees[i] == 1)
                         for i, (layer, parts) in enumerate(zip(self.decoder, self.parts))]
         check_sharded([layer for i, layer in enumerate(self._layers)
                        if (self.degrees is None or self.degrees[i] > 1) and self.parts[i].kind != "whole"],
@@ -173,6 +173,9 @@ class HFStack:
                              "loss.backward() (exact with sharded experts)")
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
+        """input_ids [b, t] -> (x [b, t, h], the first decoder layer's input; a _Context of `where` and
+        every layer's keyword arguments), recorded by running the base model's forward with stand-ins for
+        its decoder layers."""
         calls: list = []
         recorders = [_Recorder(calls, layer) for layer in self.decoder]
         # what the base's forward expects of a layer, once known: kept on the model (a step makes a new HFStack)
@@ -198,6 +201,8 @@ class HFStack:
         return x, _Context(where, tuple(kwargs for _, kwargs in calls))
 
     def layers(self) -> list[tuple[Branch, ...]]:
+        """Each decoder layer's sublayers: an attention and an MLP branch, one branch for a parallel
+        block, or the whole layer."""
         return self._layers
 
     def layer_placements(self) -> Optional[LayerPlacements]:

@@ -61,9 +61,12 @@ class NanoGPTStack:
         check_sharded(self._layers, container.h)
 
     def check_trainable(self) -> None:
+        """Refuse, in training mode, what the blocks' recomputation would draw anew (check_no_dropout)."""
         check_no_dropout(self.model, self.container.h)
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
+        """input_ids [b, t] -> (wte(input_ids) [+ wpe(positions)], through `drop` where there is one,
+        x [b, t, h]; `where` as the ctx)."""
         x = self.container.wte(input_ids)  # [b, t, h]
         wpe = getattr(self.container, "wpe", None)
         if wpe is not None:
@@ -72,7 +75,9 @@ class NanoGPTStack:
         return (drop(x) if drop is not None else x), where
 
     def layers(self) -> list[tuple[Branch, ...]]:
+        """Each block as two branches: (ln_1, attn) and (ln_2, mlp)."""
         return self._layers
 
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        """x [b, t, h] -> logits: lm_head(ln_f(x))."""
         return self.lm_head(self.container.ln_f(x))

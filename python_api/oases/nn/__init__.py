@@ -26,5 +26,5 @@ from oases.nn.parallelize import DEFAULT_PLAN, parallelize
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelExperts", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_", "ShardRule", "ShardedRMSNorm",
-           "summary", "Summary"]
+           "vocab_parallel_cross_entropy", "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_",
+           "ShardRule", "ShardedRMSNorm", "summary", "Summary"]

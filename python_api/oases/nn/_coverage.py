@@ -26,8 +26,17 @@ import torch.nn as nn
 
 from oases._sharding import tp_rules
 from oases.comm._topology import ring_of
-from oases.nn._parts import (_calls, attention_of, decoder_layers_of, find_stack, inner_base, is_projection, layer_parts,
-                             mlp_of, projections)
+from oases.nn._parts import (
+    _calls,
+    attention_of,
+    decoder_layers_of,
+    find_stack,
+    inner_base,
+    is_projection,
+    layer_parts,
+    mlp_of,
+    projections,
+)
 from oases.nn.experts import is_experts
 from oases.nn.layers import RowParallelLinear
 
@@ -190,7 +199,8 @@ def _suggestion(layer: nn.Module, part: str, child: str) -> str:
     return f"{child!r}: {'row' if child == last else 'column'!r}"
 
 
-def check_coverage(model: nn.Module, planned: set[str], explicit: bool, skip_layers: frozenset[int] = frozenset()) -> None:
+def check_coverage(model: nn.Module, planned: set[str], explicit: bool,
+                   skip_layers: frozenset[int] = frozenset()) -> None:
     """Before parallelize changes anything: ValueError (default plan) or a warning (explicit plan)
     when the decoder layers' shardable parameters would stay mostly replicated; `planned` are
     the qualified names of the projections the plan shards, `skip_layers` layers left whole on purpose."""

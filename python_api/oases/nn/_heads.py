@@ -39,9 +39,9 @@ from oases.nn import _mappings
 from oases.nn._parts import HEAD_PROJECTIONS, is_norm
 from oases.nn.norm import ShardedRMSNorm
 
-__all__ = ["PER_RANK_ATTRIBUTES", "count", "heads", "check_heads", "check_widths", "localize_heads", "qkv_parts", "full_width_norms",
-           "check_norm_form", "shard_norms", "head_parameters", "shard_head_parameters", "sum_head_shared_grads",
-           "head_dim"]
+__all__ = ["PER_RANK_ATTRIBUTES", "count", "heads", "check_heads", "check_widths", "localize_heads", "qkv_parts",
+           "full_width_norms", "check_norm_form", "shard_norms", "head_parameters", "shard_head_parameters",
+           "sum_head_shared_grads", "head_dim"]
 
 # Integer attributes of an attention module that count its heads or the features made of them.
 PER_RANK_ATTRIBUTES = (

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from oases import comm
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp", "lead_only", "grad_on_lead", "copy_to_replicas"]
+__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp", "lead_only", "grad_on_lead",
+           "copy_to_replicas"]
 
 
 def _all_reduced(t: torch.Tensor, ring: Ring) -> torch.Tensor:

@@ -105,7 +105,8 @@ class _Replay:
         self.shard_of, self.device, self.allocate = shard_of, device, allocate
         self.values: dict[int, torch.Tensor] = {}
         self.canonical: dict[int, str] = {}  # id(tensor) -> the name whose writes count
-        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
+        for name, t in (list(model.named_parameters(remove_duplicate=False))
+                        + list(model.named_buffers(remove_duplicate=False))):
             self.canonical.setdefault(id(t), name)
         self.names: dict[int, str] = {id(m): n for n, m in model.named_modules()}
         self.partial: set[str] = set()  # names some of whose entries no init has written yet
@@ -242,7 +243,8 @@ def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
     if missing:
         raise ValueError(
             f"model: built on the meta device, and no initialisation oases can replay sets {', '.join(missing)} "
-            f"(neither a reset_parameters() of their module nor, for a Hugging Face model, its _init_weights, writes all of them); "
+            f"(neither a reset_parameters() of their module nor, for a Hugging Face model, its _init_weights, "
+            f"writes all of them); "
             f"pass init_weights=False and load their values (oases.load_pretrained / oases.load_checkpoint), "
             f"or build the model on a real device")
     return replay.values
@@ -283,5 +285,6 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, ini
                     value = values[id(source[name])]
                     if tuple(value.shape) != tuple(t.shape):  # the layout and the rules disagree: a bug
                         raise RuntimeError(f"{name}: built {tuple(value.shape)} for a {tuple(t.shape)} tensor")
-                    made[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+                    made[id(t)] = (nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
+                                   else value)
                 store[leaf] = made[id(t)]

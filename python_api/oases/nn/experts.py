@@ -86,6 +86,7 @@ class ClampedSwiGLU:
     limit: float
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2m] -> [..., m], as the class docstring writes it."""
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]  # [..., m] each
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
@@ -118,7 +119,8 @@ def _form(module: nn.Module) -> Optional[str]:
         return "concatenated" if ok else None
     if set(own) == set(_INTERLEAVED):
         # transformers 5.0 sets no is_concatenated (its gate checks the interleaving: check_experts)
-        if getattr(module, "is_concatenated", False) is not False or getattr(module, "is_transposed", None) is not True \
+        if getattr(module, "is_concatenated", False) is not False \
+                or getattr(module, "is_transposed", None) is not True \
                 or not (_real(getattr(module, "alpha", None)) and _real(getattr(module, "limit", None))):
             return None
         gate_up = own["gate_up_proj"]
@@ -288,6 +290,8 @@ class ParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: each token's routed experts'
+        outputs times their weights, summed; this rank's partial sum over its I/p features."""
         out = torch.zeros_like(hidden_states)  # [T, H]: this rank's partial sum
         with torch.no_grad():
             routed = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # [E + 1, k, T]
@@ -299,6 +303,7 @@ class ParallelExperts(nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        """The sizes, the swiglu if any, and this rank's TP shard (intermediate features per expert)."""
         form = "" if self.swiglu is None else f", {self.swiglu}"
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}{form}, tp={self.world_size} (rank {self.rank}: "

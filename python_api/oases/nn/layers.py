@@ -60,11 +60,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks, ops
-from oases.ops import _gemm
 from oases._sharding import ShardRule, row_shard, vocab_rule
 from oases.comm._topology import ring_of
 from oases.nn._mappings import copy_to_replicas, copy_to_tp, gather_from_tp, split_to_tp
 from oases.nn.experts import ParallelExperts
+from oases.ops import _gemm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "no_tp_communication"]
 
@@ -322,6 +322,8 @@ class ColumnParallelLinear(nn.Module):
         return _from_conv1d(cls, conv, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> y [..., out/p] = F.linear(x, dense_weight(), bias), this rank's output features
+        (with sequence_parallel x is [s/p, b, in]; with gather_output y is [..., out]): see the class docstring."""
         main_grad = _main_grad(self)
         weight, bias = self.dense_weight(), self.bias
         if self._copied:  # rows held alike by replica_group's ranks: their gradients summed over it
@@ -352,6 +354,7 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
+        """The sizes, this rank's shard and the options that are set."""
         s = (f"in_features={self.in_features}, out_features={self.out_features}, "
              f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: out_features "
              f"{self.weight.shape[0]})")
@@ -449,6 +452,8 @@ class RowParallelLinear(nn.Module):
         return _from_conv1d(cls, conv, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in/p] ([..., in] without input_is_parallel) -> z [..., out], replicated (with
+        sequence_parallel [s/p, b, out]); under no_tp_communication, this rank's partial sum without bias."""
         main_grad = _main_grad(self)
         weight = self.dense_weight()
         if not self._communicate:
@@ -464,6 +469,7 @@ class RowParallelLinear(nn.Module):
                                      main_grad=main_grad)
 
     def extra_repr(self) -> str:
+        """The sizes, this rank's shard and the options."""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
                 f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "

@@ -58,6 +58,7 @@ class ShardedRMSNorm(nn.Module):
         return ShardRule(0).shard(full, self.rank, self.world_size)
 
     def tp_layout(self) -> dict[str, ShardRule]:
+        """How the weight cuts the full norm's: ShardRule(0), this rank's features."""
         return {"weight": ShardRule(0)}
 
     @classmethod
@@ -73,6 +74,7 @@ class ShardedRMSNorm(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x_r [..., features/p] -> y_r [..., features/p], normalised over all the features (module doc)."""
         h = x.float()  # [..., features/p]
         ss = sum_over_tp(h.pow(2).sum(-1, keepdim=True), self.group)  # [..., 1]: over all features
         h = h * torch.rsqrt(ss / self.features + self.eps)
@@ -80,5 +82,6 @@ class ShardedRMSNorm(nn.Module):
         return (scale * h).to(x.dtype)
 
     def extra_repr(self) -> str:
+        """The sizes, this rank's shard and unit_offset if set."""
         return (f"features={self.features}, eps={self.eps}, tp={self.world_size} (rank {self.rank}: "
                 f"{self.weight.shape[0]})" + (", unit_offset=True" if self.unit_offset else ""))

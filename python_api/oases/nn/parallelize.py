@@ -174,14 +174,19 @@ import torch.nn as nn
 
 from oases import _checks
 from oases._compiled import original_module
-from oases.inputs import watch_inputs
 from oases.comm._topology import ring_of
-from oases.nn._materialize import is_on_meta, materialize
-from oases.nn._degrees import (DegreeGroups, check_tp_degrees, hook_decoder_layers, make_placements,
-                               sum_over_replicas_while)
-from oases.nn import _coverage as _summary, _heads, _kv, _moe
+from oases.inputs import watch_inputs
+from oases.nn import _alibi, _heads, _kv, _moe
+from oases.nn import _coverage as _summary
+from oases.nn._degrees import (
+    DegreeGroups,
+    check_tp_degrees,
+    hook_decoder_layers,
+    make_placements,
+    sum_over_replicas_while,
+)
 from oases.nn._heads import PER_RANK_ATTRIBUTES
-from oases.nn import _alibi
+from oases.nn._materialize import is_on_meta, materialize
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable, is_conv1d
 from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
@@ -389,7 +394,8 @@ def _check_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
             a, b = name, planned[others[0]]
             embedding = a if isinstance(model.get_submodule(a), nn.Embedding) else b
             head = b if embedding == a else a
-            if isinstance(model.get_submodule(embedding), nn.Embedding) and isinstance(model.get_submodule(head), nn.Linear):
+            if (isinstance(model.get_submodule(embedding), nn.Embedding)
+                    and isinstance(model.get_submodule(head), nn.Linear)):
                 if (embedding, head) not in pairs:
                     pairs.append((embedding, head))
                 continue

@@ -157,6 +157,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.padding_idx - self.vocab_start_index
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] (int64 or int32, the same on every rank) -> y [..., h], replicated: this rank's rows
+        for the ids it owns, zeros for the others, all-reduced over `group`."""
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise TypeError(f"ids: expected an int64 or int32 tensor of token ids, got {got}")
@@ -171,6 +173,7 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(y, self.group)
 
     def extra_repr(self) -> str:
+        """The sizes, the ids this rank owns and padding_idx if set."""
         s = (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.world_size} (rank {self.rank}: ids "
              f"[{self.vocab_start_index}, {self.vocab_end_index}))")
         return s if self.padding_idx is None else s + f", padding_idx={self.padding_idx}"

@@ -74,11 +74,14 @@ class CopyEvent:
         self._future, self._cuda_event, self._tensors = future, cuda_event, list(tensors)
 
     def done(self) -> bool:
+        """Whether the copy completed (never blocks)."""
         if self._future is not None:
             return self._future.done()
         return self._cuda_event is None or bool(self._cuda_event.query())
 
     def wait(self) -> None:
+        """Make the caller wait for the copy: on the CPU the host blocks (and re-raises the copy's error);
+        on CUDA the current stream waits for it, the host does not."""
         if self._future is not None:
             self._future.result()  # re-raises the copy's exception, if any
         elif self._cuda_event is not None:
@@ -120,6 +123,7 @@ class CopyEngine:
 
     @property
     def path(self) -> str:
+        """The copy path in use: "extension" (oases._C) or "python"."""
         return "extension" if self.use_extension else "python"
 
     def copy_out(self, tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: Sequence[int]) -> CopyEvent:
@@ -155,6 +159,7 @@ class CopyEngine:
             worker.submit(lambda: None).result()
 
     def close(self) -> None:
+        """End the CPU worker thread after its queued copies (a later copy starts another)."""
         with self._lock:
             worker, self._worker = self._worker, None
         if worker is not None:

@@ -46,6 +46,7 @@ class CheckpointStack:
         return len(self._items)
 
     def push(self, t: torch.Tensor) -> None:
+        """Save `t` in the offloader under this stack's group (it leaves with its batch)."""
         self._items.append(self.offloader.save(t, group=self.group))
 
     def flush(self) -> None:
@@ -55,6 +56,8 @@ class CheckpointStack:
         self._prefetch_ahead(0)
 
     def pop(self) -> torch.Tensor:
+        """The newest checkpoint's tensor on its device, released from the offloader; its batch and
+        `ahead` more are prefetched first."""
         c = self._items.pop()
         self._items.append(c)  # keep c in view while its own batch is prefetched
         self._prefetch_ahead()

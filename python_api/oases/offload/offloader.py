@@ -42,6 +42,8 @@ __all__ = ["Offloader", "Checkpoint", "CheckpointState", "OffloadStats"]
 
 
 class CheckpointState(enum.Enum):
+    """Where a checkpoint's bytes are (the state diagram in the module docstring)."""
+
     ON_DEVICE = "on device"
     IN_FLIGHT_OUT = "in flight out"
     ON_HOST = "on host"
@@ -105,6 +107,7 @@ class Checkpoint:
 
     @property
     def state(self) -> CheckpointState:
+        """Where its bytes are now (never blocks): IN_FLIGHT_OUT becomes ON_HOST once its copy out is done."""
         r = self._record
         if r.state is CheckpointState.IN_FLIGHT_OUT and r.event is not None and r.event.done():
             r.state, r.event = CheckpointState.ON_HOST, None

@@ -121,6 +121,7 @@ class HostSlab:
 
     @property
     def capacity(self) -> int:
+        """The slab's size in bytes (`nbytes`)."""
         return self._regions.capacity
 
     @property

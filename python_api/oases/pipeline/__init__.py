@@ -16,9 +16,10 @@
 """
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import SegmentSync
-from oases.pipeline.zero_sync import ZeroSegmentSync
 from oases.pipeline.pipeline import Pipeline
 from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.pipeline.stages import Stage, StageLayout
+from oases.pipeline.zero_sync import ZeroSegmentSync
 
-__all__ = ["Pipeline", "CommScheduler", "SegmentSync", "ZeroSegmentSync", "SCHEDULES", "Action", "actions", "Stage", "StageLayout"]
+__all__ = ["Pipeline", "CommScheduler", "SegmentSync", "ZeroSegmentSync", "SCHEDULES", "Action", "actions", "Stage",
+           "StageLayout"]

@@ -34,8 +34,8 @@ from oases.models.gpt import GPT, GPTConfig
 from oases.models.hf import HFStack
 from oases.nn._materialize import is_on_meta, materialize
 from oases.nn.parallelize import parallelize
-from oases.training import adapt
 from oases.pipeline.stages import Roles, Stage, StageLayout, _owned_modules, check_layers, probe_roles
+from oases.training import adapt
 
 __all__ = ["build", "meta_roles"]
 

@@ -41,14 +41,43 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _dcp
-from oases.checkpoint import (_EXTRA, _GROUPS, _MODEL, _STATE, CheckpointState, _check, _open, _optimizer_entries,
-                              _optimizer_reads, _optimizer_view, _restore_optimizer, _rng_key, _run_entries,
-                              _save_target, _set_rng, _sharded, _shards)
+from oases.checkpoint import (
+    _EXTRA,
+    _GROUPS,
+    _MODEL,
+    _STATE,
+    CheckpointState,
+    _check,
+    _open,
+    _optimizer_entries,
+    _optimizer_reads,
+    _optimizer_view,
+    _restore_optimizer,
+    _rng_key,
+    _run_entries,
+    _save_target,
+    _set_rng,
+    _sharded,
+    _shards,
+)
 from oases.comm._topology import ring_of
 from oases.nn._materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid
-from oases.pretrained import (_DTYPES, _INDEX, _SINGLE, _Entry, _check_save, _gathered, _header, _prepare, _split,
-                              _stored, _ties, _write, load_pretrained as _load_pretrained)
+from oases.pretrained import (
+    _DTYPES,
+    _INDEX,
+    _SINGLE,
+    _check_save,
+    _Entry,
+    _gathered,
+    _header,
+    _prepare,
+    _split,
+    _stored,
+    _ties,
+    _write,
+)
+from oases.pretrained import load_pretrained as _load_pretrained
 
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline

@@ -106,6 +106,7 @@ class SegmentSync:
             self._pending[segment] += [self._submit(b) for b in self._deferred.pop(segment)]
 
     def pending(self, segment: int) -> bool:
+        """Whether segment `segment`'s sync was launched and not yet waited for."""
         return segment in self._pending
 
     def wait(self, segment: int) -> None:

@@ -30,9 +30,10 @@ the next, which only receives from it; a middle stage receives on one pair and s
 of the same link), and ProcessGroupNCCL gives every pair of a group its own communicator and
 stream for single isend / irecv (torch 2.13; a version that shared one communicator per group
 would put a middle stage's receive and send on one stream), so nothing posted on one pair waits
-behind another pair's traffic. `make_links` connects every pair once, in an
-order without cycles, before any step (NCCL's first message on a pair blocks both ends). The order is the sender's: `expect` derives, from the schedule of
-the neighbouring stages, the keys each link delivers here in the order they are sent, and
+behind another pair's traffic. `make_links` connects every pair once, in an order without
+cycles, before any step (NCCL's first message on a pair blocks both ends). The order is the
+sender's: `expect` derives, from the schedule of the neighbouring stages, the keys each link
+delivers here in the order they are sent, and
 `post_recv` checks that each receive it posts is the next one of its link (a receive out of
 order is a RuntimeError, never a silently swapped tensor). Every schedule of oases.pipeline uses
 its inputs in that order, since each stage runs the forwards (and the backwards) in the same

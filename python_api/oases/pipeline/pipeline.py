@@ -71,24 +71,25 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._leaves import grad_leaf
-from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
 from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
+from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
+from oases.costs.collectives import partition
+from oases.dp.zero import ShardedOptimizer
 from oases.inputs import CheckMode, agree_mesh_inputs
 from oases.models.gpt import GPTConfig
-from oases.costs.collectives import partition
-from oases.planner.fold3d import choose_segments, dp_overlap_ratio
+from oases.offload import Offloader, OffloadStats
 from oases.pipeline import _storage
 from oases.pipeline._build import build
 from oases.pipeline.comm_scheduler import CommScheduler
-from oases.dp.zero import ShardedOptimizer
 from oases.pipeline.dp_sync import CHUNK_BYTES, SegmentSync, buckets_of
-from oases.pipeline.zero_sync import ZeroSegmentSync
 from oases.pipeline.p2p import StageComm, make_links, mesh_grid
 from oases.pipeline.schedules import SCHEDULES, Action, actions
-from oases.offload import Offloader, OffloadStats
-from oases.pipeline.stages import Stage, StageInput, StageLayout, check_layers as _check_layers
+from oases.pipeline.stages import Stage, StageInput, StageLayout
+from oases.pipeline.stages import check_layers as _check_layers
 from oases.pipeline.tied import pair_group, sum_copies
+from oases.pipeline.zero_sync import ZeroSegmentSync
+from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.schedule import SubBatch
 
 __all__ = ["Pipeline"]
@@ -122,7 +123,8 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
                   dp_chunk_bytes: int) -> dict[str, int]:
     """Every argument check of Pipeline(...) that needs no model: local only, so every rank raises
     the same error. Returns the mesh sizes {"dp": .., "pp": .., "tp": ..}."""
-    if dp_overlap_ratio != "auto" and (isinstance(dp_overlap_ratio, bool) or not isinstance(dp_overlap_ratio, (int, float))
+    if dp_overlap_ratio != "auto" and (isinstance(dp_overlap_ratio, bool)
+                                       or not isinstance(dp_overlap_ratio, (int, float))
                                        or not 0.0 <= dp_overlap_ratio <= 1.0):
         raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1] or 'auto', got {dp_overlap_ratio!r}")
     if isinstance(dp_bucket_numel, bool) or not isinstance(dp_bucket_numel, int) or dp_bucket_numel < 1:
@@ -179,7 +181,8 @@ def _check_dp_hierarchy(dp_hierarchy: bool | str, mesh) -> Optional[int]:
     """dp_hierarchy's checks (local: every rank raises the same error). Returns how many of each
     dp group's ranks a host holds (hosts of LOCAL_WORLD_SIZE consecutive ranks, as oases-launch
     --hosts packs them), or None when the DP sync stays flat (False, or dp = 1)."""
-    if not (dp_hierarchy is False or dp_hierarchy is True or (isinstance(dp_hierarchy, str) and dp_hierarchy == "auto")):
+    if not (dp_hierarchy is False or dp_hierarchy is True
+            or (isinstance(dp_hierarchy, str) and dp_hierarchy == "auto")):
         raise ValueError(f"dp_hierarchy: expected False, True or 'auto', got {dp_hierarchy!r}")
     lines = _dp_lines(mesh)
     if dp_hierarchy is False or len(lines[0]) == 1:
@@ -260,9 +263,10 @@ class Pipeline:
     `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
     oases.pipeline.schedules); `optimizer(params)` builds the optimizer of one segment's
     parameters on this rank (called once per segment; it must treat parameters independently, as
-    SGD and AdamW do, so per-segment optimizers equal one over the whole model). `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's
-    gradient buckets whose DP sync starts as soon as its backward ends (the rest start at the next
-    train_step, under its forwards); `dp_bucket_numel`: elements per flat gradient bucket;
+    SGD and AdamW do, so per-segment optimizers equal one over the whole model).
+    `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's gradient buckets whose DP sync
+    starts as soon as its backward ends (the rest start at the next train_step, under its
+    forwards); `dp_bucket_numel`: elements per flat gradient bucket;
     `dp_chunk_bytes`: the most a DP ring piece moves (what a PP transfer may wait behind);
     `offload` (True or an oases.offload.Offloader): the per-layer checkpoints go to host memory
     in batches after each forward action and come back before their backward (`offload_stats`
@@ -353,7 +357,8 @@ class Pipeline:
             pp=self.pp, segments=segments, stage=dist.get_rank(self.pp_group))
         devices = {p.device for p in self.model.parameters() if not p.is_meta}  # meta: other stages' (meta build)
         if len(devices) != 1:
-            raise ValueError(f"config: the model's parameters are on {len(devices)} devices ({sorted(map(str, devices))}); "
+            raise ValueError(f"config: the model's parameters are on {len(devices)} devices "
+                             f"({sorted(map(str, devices))}); "
                              "a stage runs on one device: move the model there in the factory")
         device = devices.pop()
         _check_backend(self.pp_group, device)

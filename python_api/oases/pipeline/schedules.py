@@ -38,6 +38,9 @@ __all__ = ["Action", "SCHEDULES", "actions"]
 
 
 class Action(NamedTuple):
+    """One action of a stage: the forward (kind "F") or backward ("B") of micro-batch `micro_batch`
+    through this stage's part of segment `segment`; written F<i>^<k>."""
+
     kind: str  # "F" forward or "B" backward
     segment: int
     micro_batch: int

@@ -94,6 +94,7 @@ class StageLayout:
         return self.layers // (self.stages * self.segments)
 
     def layers_of(self, segment: int) -> range:
+        """This stage's `chunk` consecutive layers of segment `segment` (after the earlier stages')."""
         start = segment * (self.layers // self.segments) + self.stage * self.chunk
         return range(start, start + self.chunk)
 
@@ -153,7 +154,8 @@ class Stage:
         self._layers = list(stack.layers())
         if len(self._layers) != layout.layers:
             raise ValueError(f"model: {len(self._layers)} layers, but the layout was made for {layout.layers}")
-        layer_params = [_unique(p for sub in layer for p in _parameters_of(sub, i)) for i, layer in enumerate(self._layers)]
+        layer_params = [_unique(p for sub in layer for p in _parameters_of(sub, i))
+                        for i, layer in enumerate(self._layers)]
         in_layers = {id(p) for params in layer_params for p in params}
         rest = _unique(p for p in model.parameters() if id(p) not in in_layers)
         if roles is None:  # one token through embed and head: activation size and dtype, vocabulary, who uses what
@@ -261,7 +263,8 @@ class Stage:
                 return self.stack.embed(tokens, where)
 
     def _layer(self, index: int, x: torch.Tensor, ctx: object) -> torch.Tensor:
-        """Layer `index` as GPT.forward runs it: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x))))) per sublayer."""
+        """Layer `index` as GPT.forward runs it: x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))
+        per sublayer."""
         for s in self._layers[index]:
             h = s.norm(x)
             if self.tp > 1:
@@ -270,7 +273,8 @@ class Stage:
                 x = x + s.finish(s.core(h, ctx), ctx)
         return x
 
-    def time_layer(self, shape: torch.Size, dtype: torch.dtype, ctx: object, *, repeats: int = 2) -> tuple[float, float]:
+    def time_layer(self, shape: torch.Size, dtype: torch.dtype, ctx: object, *,
+                   repeats: int = 2) -> tuple[float, float]:
         """Seconds of one layer's forward and backward (with its recomputation) on x [shape], as
         forward_segment runs it (the last of `repeats` runs; gradients returned, not accumulated).
         A collective over the TP group when tp > 1."""

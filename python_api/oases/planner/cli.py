@@ -66,14 +66,16 @@ def render(p: Plan) -> str:
                      f"{1e3 * x['comm_s']:.2f}", f"{x['memory_bytes'] / 1e6:.1f}", x["dominated_by"]])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     rule = "  ".join("-" * w for w in widths)
-    lines += [f"per layer of one pipeline stage ({m.layers // p.pp} layers" + (", repeated on each stage)" if p.pp > 1 else ")"),
+    lines += [f"per layer of one pipeline stage ({m.layers // p.pp} layers"
+              + (", repeated on each stage)" if p.pp > 1 else ")"),
               rule, "  ".join(h.rjust(w) for h, w in zip(header, widths)), rule]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines += [rule, ""]
     uniform = p.uniform_step_s
     if p.mixed:
         verdict = (f"mixed per-layer degrees: {uniform / p.step_s:.3f}x faster than uniform TP {p.tp} "
-                   f"({1e3 * uniform:.1f} ms)" if uniform != float("inf") else f"uniform TP {p.tp} does not fit in memory")
+                   f"({1e3 * uniform:.1f} ms)" if uniform != float("inf")
+                   else f"uniform TP {p.tp} does not fit in memory")
     else:
         verdict = "uniform: no mixed plan of this layout is predicted faster"
     lines += [f"predicted step: {1e3 * p.step_s:.1f} ms   memory: {p.memory_bytes / 1e9:.2f} GB per device   "

@@ -127,6 +127,7 @@ class Workload:
 
     @property
     def n(self) -> int:
+        """Sub-batches per step (`sub_batches`, the schedule's own when None was given)."""
         return int(self.sub_batches)  # type: ignore[arg-type]
 
     def rows_at(self, degree: int) -> float:
@@ -148,14 +149,17 @@ class LayerCost:
 
     @property
     def memory_bytes(self) -> float:
+        """Bytes per rank: the layer's states and its saved inputs."""
         return self.states_bytes + self.saved_bytes
 
     @property
     def exposed_comm_s(self) -> float:
+        """Communication not hidden under compute: max(0, time_s - compute_s)."""
         return max(0.0, self.time_s - self.compute_s)
 
     @property
     def dominated_by(self) -> str:
+        """"comm" when communication takes longer than compute, else "compute"."""
         return "comm" if self.comm_s > self.compute_s else "compute"
 
 
@@ -311,14 +315,17 @@ class StepCost:
 
     @property
     def compute_s(self) -> float:
+        """Compute seconds of every layer, summed."""
         return sum(c.compute_s for c in self.layers)
 
     @property
     def comm_s(self) -> float:
+        """Communication seconds of every layer and of the resharding between layers (edges_s), summed."""
         return sum(c.comm_s for c in self.layers) + sum(self.edges_s)
 
     @property
     def exposed_comm_s(self) -> float:
+        """Communication not hidden under compute: max(0, time_s - compute_s)."""
         return max(0.0, self.time_s - self.compute_s)
 
     @property

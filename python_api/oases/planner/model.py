@@ -91,6 +91,7 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
+        """Features per attention head: hidden // heads."""
         return self.hidden // self.heads
 
     @property
@@ -115,6 +116,7 @@ class ModelShape:
         raise ValueError(f"sublayer: {sublayer!r} is not one of {SUBLAYERS}")
 
     def layer_parameters(self) -> int:
+        """Parameters of one layer, unsharded: its attention and MLP sublayers'."""
         return sum(self.parameters(s) for s in SUBLAYERS)
 
     def router_parameters(self) -> int:
@@ -154,9 +156,12 @@ class ModelShape:
         return 2 * tokens * self.hidden * self.vocab_size
 
     def embedding_parameters(self) -> int:
+        """Parameters outside the layers: 2 * vocab_size * hidden (the token embedding and the head),
+        seq_len * hidden (the positions) and 2 * hidden (the final norm)."""
         return self.vocab_size * self.hidden * 2 + self.seq_len * self.hidden + 2 * self.hidden
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (dataclasses.asdict)."""
         return asdict(self)
 
 
@@ -237,7 +242,8 @@ def _from_config(config: Mapping[str, Any], default_name: str) -> ModelShape:
     missing = [k for k in ("layers", "hidden", "heads", "seq_len", "vocab_size") if k not in fields]
     if missing:
         raise ValueError(f"model: the config lacks {missing} (ModelShape fields or Hugging Face's "
-                         "num_hidden_layers / hidden_size / num_attention_heads / max_position_embeddings / vocab_size)")
+                         "num_hidden_layers / hidden_size / num_attention_heads / max_position_embeddings / "
+                         "vocab_size)")
     return ModelShape(**fields)
 
 

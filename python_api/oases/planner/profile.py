@@ -99,6 +99,8 @@ class ComputeSample:
     record_s: Optional[float] = None  # the forward again with autograd recording (recomputation); None: forward_s
 
     def seconds(self, direction: str) -> float:
+        """Seconds of `direction`: "forward", "backward", else the recomputation (record_s, or
+        forward_s where it was not measured)."""
         if direction == "forward":
             return self.forward_s
         if direction == "backward":
@@ -113,6 +115,7 @@ class ComputeSample:
                 and not (self.sublayer == "mlp" and shape.experts))
 
     def shape(self) -> ModelShape:
+        """A one-layer ModelShape of the sample's sizes (vocab_size 1)."""
         return ModelShape(1, self.hidden, self.heads, self.seq_len, 1, ffn_hidden=self.ffn_hidden)
 
 

@@ -30,8 +30,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from oases.planner.cost import (LayerCost, Workload, edge_cost, fixed_memory, layer_cost, sequence_parallel_ok,
-                                tp_degrees)
+from oases.planner.cost import (
+    LayerCost,
+    Workload,
+    edge_cost,
+    fixed_memory,
+    layer_cost,
+    sequence_parallel_ok,
+    tp_degrees,
+)
 from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.planner.ilp import solve_chain
 from oases.planner.model import ModelShape
@@ -58,6 +65,7 @@ class DegreePlan:
 
     @property
     def compute_s(self) -> float:
+        """Compute seconds of every layer, summed."""
         return sum(c.compute_s for c in self.layers)
 
 
@@ -127,9 +135,12 @@ class Plan:
 
     @property
     def mixed(self) -> bool:
+        """Whether the layers' TP degrees differ."""
         return len(set(self.tp_degrees)) > 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON data: {"format": PLAN_FORMAT, "version": PLAN_VERSION, ...} with its fields
+        (uniform_step_s None where no uniform plan fits)."""
         doc = asdict(self)
         doc["model"] = self.model.to_dict()
         doc["tp_degrees"] = list(self.tp_degrees)
@@ -138,6 +149,7 @@ class Plan:
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, **doc}
 
     def save(self, path: str) -> None:
+        """Write to_dict() to `path` as JSON (NaN or inf raise ValueError)."""
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1, allow_nan=False)
             f.write("\n")

@@ -70,6 +70,7 @@ class ExposureLog:
         self._lock = threading.Lock()
 
     def issue(self, phase: str, nbytes: int, others: int = 0) -> CollectiveRecord:
+        """Log an all-reduce of `nbytes` issued now in `phase` and return its record."""
         with self._lock:
             record = CollectiveRecord(len(self.records), phase, nbytes, time.perf_counter(), others)
             self.records.append(record)
@@ -77,10 +78,12 @@ class ExposureLog:
 
     @staticmethod
     def ended(record: CollectiveRecord) -> None:
+        """Stamp `record`'s completion time: now."""
         record.ended = time.perf_counter()
 
     @property
     def waited(self) -> float:
+        """Seconds spent in every wait of every record, summed."""
         return sum(w1 - w0 for r in self.records for w0, w1, _ in r.waits)
 
 
@@ -90,7 +93,8 @@ class Link(Protocol):
 
     latency_s: float
 
-    def time(self, nbytes: float) -> float: ...
+    def time(self, nbytes: float) -> float:
+        """Seconds of one all-reduce of `nbytes` alone on the link."""
 
 
 def gather_logs(log: ExposureLog, group: Optional[dist.ProcessGroup]) -> list[list[CollectiveRecord]]:

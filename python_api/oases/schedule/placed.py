@@ -109,6 +109,8 @@ class PlacedStep:
                     p.grad = None
 
     def layer_done(self, index: int) -> None:
+        """A program finished layer `index`'s backward; after the last program, start the sum of the
+        layer's parameter gradients (and a has-gradient flag each) over its replicas."""
         self._done[index] += 1
         params = self._params[index]
         if self._done[index] < self._programs or not params:

@@ -70,8 +70,8 @@ any object that implements `Stack` (a user's own model: see docs/guides/models.m
 """
 from __future__ import annotations
 
-import copy
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, runtime_checkable
 

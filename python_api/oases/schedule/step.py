@@ -12,10 +12,22 @@ from oases.schedule.placed import PlacedStep, check_placements
 from oases.schedule.programs import _program
 from oases.schedule.protocol import LayerPlacements, Stack, SubBatch
 from oases.schedule.runtime import Communicator, interleave
-from oases.schedule.sequence_parallel import (_program_sp, _program_sp_fine, _sequence_parallel_parameters,
-                                              _sum_over_group)
-from oases.schedule.table import (SCHEDULES, CheckpointMemory, LossSum, Schedule, _Checkpoints,
-                                  _OffloadedCheckpoints, check_step, split_rows)
+from oases.schedule.sequence_parallel import (
+    _program_sp,
+    _program_sp_fine,
+    _sequence_parallel_parameters,
+    _sum_over_group,
+)
+from oases.schedule.table import (
+    SCHEDULES,
+    CheckpointMemory,
+    LossSum,
+    Schedule,
+    _Checkpoints,
+    _OffloadedCheckpoints,
+    check_step,
+    split_rows,
+)
 
 __all__ = ["train_step"]
 
