@@ -129,6 +129,8 @@ def _train_cases(rank, world_size, cases):
             assert pipe.comm.lazy_receives == 0 and pipe.comm.slab is None, where
         if pp > 1:  # other stages' layers are freed on this rank
             assert pipe.freed_bytes > 0 and any(p.numel() == 0 for p in pipe.model.parameters()), where
+        with pytest.warns(DeprecationWarning, match="Pipeline.actions"):  # the old name of the actions
+            assert pipe.plan is pipe.actions and all(a.kind in ("F", "B") for a in pipe.actions), where
         held = set(pipe.stage.state_dict())  # this stage's part of the model only
         assert held < set(want_state) if pp > 1 else held == set(want_state), where
         _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5, optimizer=optimizer)

@@ -63,6 +63,7 @@ counters: `deferred_chunks`, `pp_latency`, ... (see oases.pipeline.comm_schedule
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -387,7 +388,7 @@ class Pipeline:
             self.freed_bytes = self.stage.release_unowned()
 
     def _configure(self, segments: int, dp_overlap_ratio: float) -> None:
-        """Everything that depends on the segment count and r: layout, stage, optimizers, plan, sync."""
+        """Everything that depends on the segment count and r: layout, stage, optimizers, actions, sync."""
         _check_layers("config" if isinstance(self.config, GPTConfig) else "model", self._layers, self.pp, segments)
         self.segments, self.dp_overlap_ratio = segments, dp_overlap_ratio
         stage = dist.get_rank(self.pp_group)
@@ -406,15 +407,15 @@ class Pipeline:
         tied = {id(p) for p in self._tied}
         sync_params = [[p for p in params if id(p) not in tied] for params in segment_params]
         sync_params += [self._tied] if self._tied else []
-        self.plan: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
-                                          micro_batches=self.micro_batches)
+        self.actions: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
+                                             micro_batches=self.micro_batches)
         self.comm.expect(self.schedule, segments, self.micro_batches)  # each link's arrivals, in send order
-        backward = [(a.segment, a.micro_batch) for a in self.plan if a.kind == "B"]
+        backward = [(a.segment, a.micro_batch) for a in self.actions if a.kind == "B"]
         self._next_backward = dict(zip(backward, backward[1:]))  # offload: what to prefetch during B(k, i)
-        # Where each segment's first forward and last backward sit in the plan.
-        self._first_forward = {k: min(j for j, a in enumerate(self.plan) if a.kind == "F" and a.segment == k)
+        # Where each segment's first forward and last backward sit in the actions.
+        self._first_forward = {k: min(j for j, a in enumerate(self.actions) if a.kind == "F" and a.segment == k)
                                for k in range(segments)}
-        self._last_backward = {max(j for j, a in enumerate(self.plan) if a.kind == "B" and a.segment == k): k
+        self._last_backward = {max(j for j, a in enumerate(self.actions) if a.kind == "B" and a.segment == k): k
                                for k in range(segments)}
         # Two-level DP rings: always with dp_hierarchy=True; with "auto" where the planner says so.
         self.dp_hierarchical = self._dp_hosts is not None and (
@@ -432,6 +433,12 @@ class Pipeline:
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> list[Action]:
+        """Deprecated name of `actions` (this stage's actions in order); "plan" is the planner's word."""
+        warnings.warn("Pipeline.plan is deprecated: use Pipeline.actions", DeprecationWarning, stacklevel=2)
+        return self.actions
 
     def _check_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> None:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
@@ -478,7 +485,7 @@ class Pipeline:
             self.offloader.begin_step()
         try:
             self._post_recv(0, step)  # receives are posted in the order they are waited for
-            for j, action in enumerate(self.plan):
+            for j, action in enumerate(self.actions):
                 if self._first_forward[action.segment] == j:
                     self._apply_update(action.segment)
                     self._post_lazy(action.segment, step)
@@ -535,8 +542,8 @@ class Pipeline:
         self.comm.post_lazy(keys, step.shapes, step.dtype)
 
     def _post_recv(self, j: int, step: _Step) -> None:
-        """Post the receive plan[j] waits for, if any."""
-        key = self._recv_key(self.plan[j]) if j < len(self.plan) else None
+        """Post the receive actions[j] waits for, if any."""
+        key = self._recv_key(self.actions[j]) if j < len(self.actions) else None
         if key is not None:
             self.comm.post_recv(key, step.shapes[key[2]], step.dtype)
 

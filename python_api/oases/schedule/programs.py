@@ -73,7 +73,7 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-             plan: Schedule, comm: Communicator, saved: _Checkpoints,
+             sched: Schedule, comm: Communicator, saved: _Checkpoints,
              placed: Optional["PlacedStep"] = None) -> Generator:
     """One sub-batch's forward, loss and backward, yielding at each communication. `placed`:
     per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows
@@ -93,12 +93,12 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
         if move is not None:  # the boundary between layers of different degrees: this replica's rows
             x = yield from move_rows(move, x, rows, "forward")
         for i, sub in enumerate(layer):
-            if not plan.recompute:  # the graph kept for the backward (autograd's activations held)
+            if not sched.recompute:  # the graph kept for the backward (autograd's activations held)
                 rec = _record(sub, x, lctx)
                 kept.append(rec)
                 part = rec.part.detach().clone()  # reduced in place: not a tensor the graph holds
             else:
-                if plan.fine_grained_recompute or i == 0:
+                if sched.fine_grained_recompute or i == 0:
                     saved.push(x)
                 with torch.no_grad():
                     part = sub.core(sub.norm(x), lctx)
@@ -113,13 +113,13 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
     grad = x.grad
     if move_out is not None:
         grad = yield from move_rows_adjoint(move_out, grad, rows)
-    if plan.pass_barriers:
+    if sched.pass_barriers:
         yield BARRIER
     for index in reversed(range(len(layers))):
         layer, c, lctx = layers[index], comms[index], ctxs[index]
-        if plan.fine_grained_recompute:
+        if sched.fine_grained_recompute:
             for sub in reversed(layer):
-                rec = kept.pop() if not plan.recompute else _record(sub, saved.pop(), lctx)
+                rec = kept.pop() if not sched.recompute else _record(sub, saved.pop(), lctx)
                 grad = yield from _backward(sub, rec, grad, lctx, c)
         else:
             x_in, records = saved.pop(), []
@@ -127,11 +127,11 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
                 rec = _record(sub, x_in, lctx)
                 records.append(rec)
                 x_in = yield from _finish_reduced(sub, x_in, rec.part.detach().clone(), lctx, c, "recompute")
-            if plan.pass_barriers:
+            if sched.pass_barriers:
                 yield BARRIER
             for sub, rec in zip(reversed(layer), reversed(records)):
                 grad = yield from _backward(sub, rec, grad, lctx, c)
-            if plan.pass_barriers:
+            if sched.pass_barriers:
                 yield BARRIER
         if placed is not None:
             placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum

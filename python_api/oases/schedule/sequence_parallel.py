@@ -62,14 +62,14 @@ def _backward_sp(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Co
 
 
 def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                plan: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
+                sched: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
     embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
     x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
     for layer in layers:
         for i, sub in enumerate(layer):
-            if plan.fine_grained_recompute or i == 0:
+            if sched.fine_grained_recompute or i == 0:
                 saved.push(x)
             x = yield from _forward_sp(sub, x, tokens, comm, "forward")
     saved.flush()
@@ -79,10 +79,10 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
         loss = loss_sum(stack.head(x_full, ctx), labels)
         (loss / normalizer).backward()
     grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
-    if plan.pass_barriers:
+    if sched.pass_barriers:
         yield BARRIER
     for layer in reversed(layers):
-        if plan.fine_grained_recompute:
+        if sched.fine_grained_recompute:
             for sub in reversed(layer):
                 rec = yield from _record_sp(sub, saved.pop(), tokens, comm, "recompute")
                 grad = yield from _backward_sp(sub, rec, grad, tokens, comm)
@@ -92,11 +92,11 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
             rec = yield from _record_sp(sub, x_in, tokens, comm, "recompute")
             records.append(rec)
             x_in = yield from _forward_sp(sub, x_in, tokens, comm, "recompute", rec.part.detach())
-        if plan.pass_barriers:
+        if sched.pass_barriers:
             yield BARRIER
         for sub, rec in zip(reversed(layer), reversed(records)):
             grad = yield from _backward_sp(sub, rec, grad, tokens, comm)
-        if plan.pass_barriers:
+        if sched.pass_barriers:
             yield BARRIER
     grad_full = yield from comm.all_gather(grad.contiguous(), _SEQ, "backward")  # the split's adjoint
     if embedded.requires_grad:
@@ -105,7 +105,7 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
 
 
 def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                     plan: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
+                     sched: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
     """Sequence parallel with fine-grained recomputation ("oases"): the program's thread runs the
     cores; everything between two cores -- scatter, finish, norm, gather, and in backward their
     adjoints -- is one task on the communicator's thread, so it overlaps the other sub-batch's core.

@@ -68,9 +68,9 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
                        world_size=comm.world_size, recompute=recompute, offload=offload is not None)
-    plan, batch = SCHEDULES[schedule], input_ids.shape[0]
+    sched, batch = SCHEDULES[schedule], input_ids.shape[0]
     if not recompute:  # per sublayer, from the kept graphs
-        plan = dataclasses.replace(plan, fine_grained_recompute=True, recompute=False)
+        sched = dataclasses.replace(sched, fine_grained_recompute=True, recompute=False)
     get_placements = getattr(stack, "layer_placements", None)
     placements = get_placements() if get_placements is not None else None
     check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
@@ -80,19 +80,19 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     if placements is not None:
         if offload is not None:
             raise ValueError("offload: not supported with per-layer tp_degrees; pass offload=None")
-        return _train_step_placed(stack, placements, input_ids, labels, loss_sum, normalizer, plan, parts,
+        return _train_step_placed(stack, placements, input_ids, labels, loss_sum, normalizer, sched, parts,
                                   comm, dropout_seed, attention_mask, memory)
     program, extra = _program, ()
     if sequence_parallel:
         params = _sequence_parallel_parameters(stack)
         before = [None if p.grad is None else p.grad.clone() for p in params]
         rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
-        threaded = plan.fine_grained_recompute and comm.has_thread
+        threaded = sched.fine_grained_recompute and comm.has_thread
         program, extra = (_program_sp_fine if threaded else _program_sp), (rank,)
     programs = [
         program(stack, input_ids[r], labels[r],
                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                loss_sum, normalizer, plan, comm,
+                loss_sum, normalizer, sched, comm,
                 _Checkpoints(memory) if offload is None else _OffloadedCheckpoints(offload, k), *extra)
         for k, r in enumerate(split_rows(batch, parts))
     ]
@@ -107,7 +107,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
 
 
 def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, labels, loss_sum: LossSum,
-                       normalizer: float, plan: Schedule, parts: int, comm: Communicator,
+                       normalizer: float, sched: Schedule, parts: int, comm: Communicator,
                        dropout_seed: Optional[int], attention_mask: Optional[torch.Tensor],
                        memory: CheckpointMemory) -> torch.Tensor:
     """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
@@ -120,7 +120,7 @@ def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, lab
             programs = [
                 _program(stack, input_ids[r], labels[r],
                          SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                         loss_sum, normalizer, plan, comm, _Checkpoints(memory), placed)
+                         loss_sum, normalizer, sched, comm, _Checkpoints(memory), placed)
                 for r in split_rows(batch, parts)
             ]
             loss = sum(interleave(programs)) / normalizer
