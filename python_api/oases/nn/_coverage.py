@@ -231,7 +231,7 @@ def check_coverage(model: nn.Module, planned: set[str], explicit: bool,
                + (f"Plan entries that would shard them: {{{', '.join(entries)}}} (merge with "
                   f"{{**oases.nn.DEFAULT_PLAN, ...}})" if entries else "Name them in plan= ('column' / 'row')"))
     if explicit:
-        warnings.warn(message, UserWarning, stacklevel=3)
+        warnings.warn(message, UserWarning, stacklevel=4)  # check_coverage <- check_plan <- parallelize <- caller
         return
     raise ValueError(message + "; pass plan= to shard them (or to keep them whole on purpose)")
 

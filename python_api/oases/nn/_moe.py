@@ -38,10 +38,9 @@ a row-parallel bias inside the block (the shared gate would scale it), router ji
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from oases.comm._topology import ring_of
@@ -50,7 +49,7 @@ from oases.nn._mappings import copy_to_tp, grad_on_lead, reduce_from_tp
 from oases.nn.experts import ParallelExperts, check_experts, is_fused_experts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
-__all__ = ["find_experts", "check_blocks", "shard_experts", "make_region"]
+__all__ = ["find_experts", "check_blocks", "make_region"]
 
 
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -101,14 +100,6 @@ def check_blocks(model: nn.Module, experts: dict[str, nn.Module], kinds: dict[st
                                  f"{block_name} (a gate may scale its output, and the bias must be added once); "
                                  f"oases shards MoE blocks whose row-parallel projections have no bias")
     return frozenset(replicated)
-
-
-def shard_experts(model: nn.Module, name: str, group: Optional[dist.ProcessGroup]) -> ParallelExperts:
-    """Replace the fused experts at `name` by this rank's ParallelExperts shard (checked before)."""
-    parent, _, leaf = name.rpartition(".")
-    layer = ParallelExperts.from_experts(model.get_submodule(name), group)
-    setattr(model.get_submodule(parent), leaf, layer)
-    return layer
 
 
 def _enter(experts: ParallelExperts, block: nn.Module, args: tuple, kwargs: dict):

@@ -160,11 +160,6 @@ replicas (ValueError).
 from __future__ import annotations
 
 import copy
-import dataclasses
-import fnmatch
-import functools
-import warnings
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -172,24 +167,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases import _checks
 from oases._compiled import original_module
 from oases.comm._topology import ring_of
 from oases.inputs import watch_inputs
-from oases.nn import _alibi, _heads, _kv, _moe
-from oases.nn import _coverage as _summary
-from oases.nn._degrees import (
-    DegreeGroups,
-    check_tp_degrees,
-    hook_decoder_layers,
-    make_placements,
-    sum_over_replicas_while,
-)
+from oases.nn._apply import hook_degrees, localize_heads, make_groups, make_moe_regions, shard_modules, warn_unplaced
 from oases.nn._heads import PER_RANK_ATTRIBUTES
-from oases.nn._materialize import is_on_meta, materialize
+from oases.nn._materialize import materialize
+from oases.nn._moe import find_experts
 from oases.nn._parts import HEAD_PROJECTIONS
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, check_shardable, is_conv1d
-from oases.nn.vocab import VocabParallelEmbedding, check_embedding, check_vocab
+from oases.nn._plan_checks import KNOWN_LAYERS, check_arguments, check_degree_plan, check_model, check_plan
+from oases.nn._styles import ResolvedPlan, Style, parse_style, place, vocab_entries
+from oases.nn.layers import is_conv1d
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "KNOWN_LAYERS", "PER_RANK_ATTRIBUTES"]
 
@@ -211,334 +199,6 @@ DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
     # Mixtral, Qwen2/3-MoE: routed experts fused in 3-D tensors, each expert sharded on its intermediate dim
     "experts": "experts",
 })
-
-@dataclass(frozen=True)
-class _Style:
-    kind: str  # "column", "row", "vocab_head" (an nn.Linear), "vocab" (an nn.Embedding) or "experts"
-    stacked: int = 1
-    parts: tuple[int, ...] = ()  # unequal blocks' sizes ("column:a,b,c")
-    qkv: bool = False  # "column:qkv": parts from the attention module's head counts
-    replicas: tuple[int, ...] = ()  # key-value heads at p > kv_heads: ranks per copy, per block (oases.nn._kv)
-
-
-def _parse_style(pattern: str, value: object) -> _Style:
-    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N equal stacked blocks), 'column:qkv' "
-                     f"(a fused [q | k | v], blocks from the head counts), 'column:a,b,...' (blocks of these "
-                     f"sizes), 'row', 'vocab_head' (an LM head nn.Linear), 'vocab' (an nn.Embedding) or 'experts' "
-                     f"(fused routed experts), got {value!r}")
-    if not isinstance(value, str):
-        raise bad
-    if value in ("vocab", "vocab_head", "experts"):
-        return _Style(value)
-    kind, _, stacked = value.partition(":")
-    if kind == "row" and not stacked:
-        return _Style("row")
-    if kind != "column":
-        raise bad
-    if not stacked:
-        return _Style("column")
-    if stacked == "qkv":
-        return _Style("column", qkv=True)
-    sizes = stacked.split(",")
-    if not all(n.isdigit() and int(n) >= 1 for n in sizes):
-        raise bad
-    if len(sizes) > 1:
-        return _Style("column", parts=tuple(int(n) for n in sizes))
-    return _Style("column", int(stacked))
-
-
-def _features(module: nn.Module) -> tuple[int, int]:
-    """(in, out) features of an nn.Linear or a Hugging Face Conv1D."""
-    return (module.nx, module.nf) if is_conv1d(module) else (module.in_features, module.out_features)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    parts = name.split(".")
-    return any(fnmatch.fnmatchcase(".".join(parts[i:]), pattern) for i in range(len(parts)))
-
-
-def _check_no_adapters(model: nn.Module) -> None:
-    """A module wrapping a `base_layer` with adapters beside it (PEFT's LoRA: lora_A / lora_B) is
-    refused: oases shards the base layer's weight, not its adapters (ValueError naming the modules)."""
-    wrapped = [name for name, m in model.named_modules()
-               if isinstance(getattr(m, "base_layer", None), nn.Module)
-               and any(n != "base_layer" for n, _ in m.named_children())]
-    if wrapped:
-        lora = all(hasattr(model.get_submodule(n), "lora_A") for n in wrapped)
-        raise ValueError(
-            f"model: {wrapped[0]}" + (f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else "")
-            + f" wraps its base_layer with {'LoRA adapters (lora_A / lora_B)' if lora else 'adapters'}, as PEFT "
-            f"does; oases.parallelize shards plain projections, not adapters. Merge them into the weights before "
-            f"parallelize (model = model.merge_and_unload()), or train without them")
-
-
-def _transformers_module(model: nn.Module) -> Optional[str]:
-    """The class name of the first Hugging Face transformers module in `model`, if any."""
-    for module in model.modules():
-        if any(c.__module__.startswith("transformers.") for c in type(module).__mro__):
-            return type(module).__name__
-    return None
-
-
-def _plan_layers(modules: dict[str, nn.Module], styles: dict[str, _Style]) -> dict[str, _Style]:
-    placed = {}
-    for name in modules:
-        style = next((s for pattern, s in styles.items() if _matches(name, pattern)), None)
-        if style is not None:
-            placed[name] = style
-    return placed
-
-
-def _resolve_qkv(model: nn.Module, placed: dict[str, _Style], linears: dict[str, nn.Module]) -> None:
-    """'column:qkv' entries get their blocks, (q, k, v) widths from their parent's head counts."""
-    for name, style in placed.items():
-        if style.qkv:
-            parent = model.get_submodule(name.rpartition(".")[0])
-            parts = _heads.qkv_parts(name, parent, _features(linears[name])[1])
-            placed[name] = _Style("column", parts=parts)
-
-
-def _check_layers(placed: dict[str, _Style], linears: dict[str, nn.Module], p: int) -> None:
-    for name, style in placed.items():
-        linear = linears[name]
-        n_in, n_out = _features(linear)
-        kind = "Conv1D" if is_conv1d(linear) else "nn.Linear"
-        owner = f"{name} ({kind} {n_in} -> {n_out}, planned as {style.kind!r})"
-        if style.kind == "column":
-            check_shardable(owner, "out_features", n_out, p, style.stacked, style.parts, style.replicas)
-        elif style.kind == "vocab_head":
-            if is_conv1d(linear):
-                raise ValueError(f"{owner}: a vocabulary-parallel head must be an nn.Linear; remove it from the plan")
-            check_vocab(owner, "out_features", n_out, p)
-        else:
-            check_shardable(owner, "in_features", n_in, p)
-
-
-def _check_parts(model: nn.Module, placed: dict[str, _Style], linears: dict[str, nn.Module]) -> None:
-    """Every module a column or row layer is planned in (an attention, an MLP) is sharded whole: its
-    column layers' outputs reach a row layer, so it needs one, and no projection of it is left out."""
-    children: dict[str, list[str]] = {}
-    for name in linears:
-        children.setdefault(name.rpartition(".")[0], []).append(name)
-    for parent, names in children.items():
-        kinds = {n: placed[n].kind if n in placed else None for n in names}
-        if "column" not in kinds.values():
-            continue
-        left = [n.rpartition(".")[2] for n, k in kinds.items() if k is None]
-        where = parent or type(model).__name__
-        if "row" not in kinds.values():
-            raise ValueError(f"{where}: its projections are planned as column-parallel with no row-parallel one to "
-                             f"reduce their sharded outputs; plan its output projection as 'row'")
-        if left:
-            raise ValueError(f"{where}: {', '.join(left)} would stay whole while the other projections of the same "
-                             f"module are sharded (its input or output would be a shard); plan "
-                             f"{', '.join(repr(n) for n in left)} as 'column' or 'row'")
-
-
-def _check_kinds(styles: dict[str, _Style], linears: dict[str, nn.Linear],
-                 embeddings: dict[str, nn.Embedding]) -> None:
-    """A vocabulary entry that would place no module of its kind but names one of the other kind is a slip."""
-    for pattern, style in styles.items():
-        if style.kind not in ("vocab", "vocab_head"):
-            continue
-        own, other = (embeddings, linears) if style.kind == "vocab" else (linears, embeddings)
-        if any(_matches(n, pattern) for n in own):
-            continue
-        wrong = next((n for n in other if _matches(n, pattern)), None)
-        if wrong is not None:
-            is_a, use = ("an nn.Linear", "'vocab_head'") if style.kind == "vocab" else ("an nn.Embedding", "'vocab'")
-            raise ValueError(f"plan[{pattern!r}]: {style.kind!r} matches {wrong}, {is_a}; use {use} for it")
-
-
-def _vocab_entries(model: nn.Module) -> dict[str, _Style]:
-    """{exact qualified name: "vocab" | "vocab_head"} for the model's input embedding and LM head
-    (Hugging Face's accessors, else nanoGPT's wte / lm_head), when they are a plain nn.Embedding and
-    nn.Linear, keyed by their qualified names (as plan patterns, they also match a longer name ending
-    in them: harmless for the model's own embedding and head paths)."""
-    found: dict[str, _Style] = {}
-    names = {id(m): n for n, m in model.named_modules() if n}
-    pairs = []
-    for getter, kind in (("get_input_embeddings", "vocab"), ("get_output_embeddings", "vocab_head")):
-        get = getattr(model, getter, None)
-        try:
-            module = get() if callable(get) else None
-        except (NotImplementedError, AttributeError):
-            module = None
-        pairs.append((module, kind))
-    if all(m is None for m, _ in pairs):
-        transformer = getattr(model, "transformer", model)
-        pairs = [(getattr(transformer, "wte", None), "vocab"), (getattr(model, "lm_head", None), "vocab_head")]
-    for module, kind in pairs:
-        wanted = nn.Embedding if kind == "vocab" else nn.Linear
-        if type(module) is wanted and id(module) in names:  # exactly: subclasses may change forward
-            found[names[id(module)]] = _Style(kind)
-    (embedding, _), (head, _) = pairs
-    if (head is not None and embedding is not None and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
-            and len(found) == 1):  # tied to an embedding that stays whole (Gemma's scaled one): the head too
-        found.clear()
-    return found
-
-
-def _check_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
-    """The (embedding, head) pairs among the vocabulary-planned modules `names` that share one
-    weight (tie_word_embeddings): both sharded, they keep sharing one shard. Any other tie of a
-    planned module raises a ValueError (sharding it alone would silently untie it)."""
-    holders: dict[int, list[str]] = {}
-    for qualified, param in model.named_parameters(remove_duplicate=False):
-        holders.setdefault(id(param), []).append(qualified)
-    planned = {f"{name}.weight": name for name in names}
-    pairs = []
-    for name in names:
-        others = [n for n in holders[id(model.get_submodule(name).weight)] if n != f"{name}.weight"]
-        if len(others) == 1 and others[0] in planned:
-            a, b = name, planned[others[0]]
-            embedding = a if isinstance(model.get_submodule(a), nn.Embedding) else b
-            head = b if embedding == a else a
-            if (isinstance(model.get_submodule(embedding), nn.Embedding)
-                    and isinstance(model.get_submodule(head), nn.Linear)):
-                if (embedding, head) not in pairs:
-                    pairs.append((embedding, head))
-                continue
-        if others:
-            raise ValueError(
-                f"{name}: its weight is tied to {', '.join(others)} (the same Parameter, e.g. "
-                f"tie_word_embeddings=True); sharding it alone would silently untie them. Plan both ends of the "
-                f"tie (the embedding as 'vocab', the head as 'vocab_head': they share one shard), untie them "
-                f"({name}.weight = nn.Parameter({name}.weight.detach().clone())), or leave the tied modules "
-                f"replicated (remove {name} from the plan)"
-            )
-    return pairs
-
-
-def _attention_modules(model: nn.Module, placed: dict[str, _Style]) -> dict[str, nn.Module]:
-    """Parents of column-sharded head projections, checked to have all their head projections sharded."""
-    found: dict[str, nn.Module] = {}
-    for name, style in placed.items():
-        parent, _, leaf = name.rpartition(".")
-        if style.kind == "column" and leaf in HEAD_PROJECTIONS and parent not in found:
-            found[parent] = model.get_submodule(parent)
-    for parent, module in found.items():
-        for child, sub in module.named_children():
-            qualified = f"{parent}.{child}" if parent else child
-            if child in HEAD_PROJECTIONS and (isinstance(sub, nn.Linear) or is_conv1d(sub)):
-                style = placed.get(qualified)
-                if style is None or style.kind != "column":
-                    raise ValueError(
-                        f"{parent or type(model).__name__}: its head projections must all be column-parallel, "
-                        f"but {child} is planned as {style.kind if style else 'nothing (left unsharded)'}; "
-                        f"add {child!r}: 'column' to the plan"
-                    )
-    return found
-
-
-# Attention modules whose forward fixes how the fused projection's features map to heads, whatever
-# the module's head counts say (the exceptions to sharding by parts).
-_UNSHARDABLE_ATTENTION: Mapping[str, str] = MappingProxyType(
-    {"CodeGenAttention": "splits its fused qkv_proj into mp_num = 4 groups fixed in its forward"})
-
-# Where per-layer tp_degrees find decoder layers without `layers=` (the first that is a non-empty
-# nn.ModuleList wins): Hugging Face decoders (LlamaForCausalLM's model.layers, GPTNeoXForCausalLM's
-# gpt_neox.layers: base_model is the inner model), nanoGPT-style models (with or without `transformer`).
-KNOWN_LAYERS = ("base_model.layers", "transformer.h", "h")
-
-
-def _module_list(model: nn.Module, path: str) -> Optional[nn.ModuleList]:
-    owner: object = model
-    for part in path.split("."):
-        owner = getattr(owner, part, None)
-    return owner if isinstance(owner, nn.ModuleList) and len(owner) > 0 else None
-
-
-def _decoder_layers(model: nn.Module, layers: Optional[str]) -> tuple[str, nn.ModuleList]:
-    """(qualified name, module) of the decoder layers a per-layer plan applies to: `layers` (a dotted
-    path), else the first of KNOWN_LAYERS; else ValueError / TypeError naming the fix."""
-    if layers is None:
-        found = next((m for m in (_module_list(model, path) for path in KNOWN_LAYERS) if m is not None), None)
-        if found is None:
-            raise ValueError(f"tp_degrees: {type(model).__name__} has no decoder layers where oases looks "
-                             f"({', '.join('model.' + k for k in KNOWN_LAYERS)}: a non-empty nn.ModuleList); "
-                             f"pass layers='dotted.path' naming your nn.ModuleList of decoder layers "
-                             f"(e.g. layers='blocks'), or tp_degrees=None")
-    else:
-        if not isinstance(layers, str):
-            raise TypeError(f"layers: expected a dotted path (str) to the model's nn.ModuleList of decoder layers, "
-                            f"e.g. layers='model.blocks', got {type(layers).__name__}")
-        try:
-            found = model.get_submodule(layers) if layers else None
-        except AttributeError:
-            found = None
-        if found is None:
-            raise ValueError(f"layers: {type(model).__name__} has no submodule {layers!r}; pass the dotted path of "
-                             f"its nn.ModuleList of decoder layers, as model.named_modules() names it")
-        if not isinstance(found, nn.ModuleList):
-            raise TypeError(f"layers: model.{layers} is a {type(found).__name__}, not an nn.ModuleList; name the "
-                            f"nn.ModuleList holding the decoder layers (one tp_degrees entry per element)")
-        if len(found) == 0:
-            raise ValueError(f"layers: model.{layers} is an empty nn.ModuleList; name the one holding the "
-                             f"decoder layers")
-    name = next((n for n, m in model.named_modules() if m is found), "")
-    if not name:  # the model itself, or a ModuleList held outside the module tree
-        raise ValueError(f"layers: the decoder layers must be a registered submodule of {type(model).__name__} "
-                         f"(a name in model.named_modules()); pass layers='dotted.path' naming it")
-    return name, found
-
-
-def _check_degree_plan(model: nn.Module, tp_degrees: object, layers: Optional[str], styles: dict[str, _Style],
-                       p: int) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
-    """(decoder layers' name, the layers, the degrees) of a per-layer plan, or ValueError / TypeError
-    (local checks, the same on every rank, before any subgroup is made)."""
-    prefix, found = _decoder_layers(model, layers)
-    if isinstance(tp_degrees, Sequence) and not isinstance(tp_degrees, (str, bytes)) and len(tp_degrees) != len(found):
-        raise ValueError(f"tp_degrees: expected one degree per layer of model.{prefix} ({len(found)} layers), got "
-                         f"{len(tp_degrees)}: {list(tp_degrees)}; pass {len(found)} degrees"
-                         + ("" if layers else ", or layers='dotted.path' naming other decoder layers"))
-    degrees = check_tp_degrees(tp_degrees, len(found), p)
-    if p > 1 and p != dist.get_world_size():
-        raise ValueError(f"group: per-layer tp_degrees make subgroups on every rank of the world, so the group "
-                         f"must be the whole world ({dist.get_world_size()} ranks), got {p} ranks")
-    for pattern, style in styles.items():
-        if style.kind in ("vocab", "vocab_head"):
-            raise ValueError(f"plan[{pattern!r}]: {style.kind!r} is not supported with per-layer tp_degrees (the "
-                             f"embedding and the LM head run replicated on every rank); remove it or pass "
-                             f"tp_degrees=None")
-    return prefix, found, degrees
-
-
-def _degree_of(prefix: Optional[str], degrees: Optional[tuple[int, ...]], p: int) -> Callable[[str], int]:
-    """name -> the TP degree of the module: its decoder layer's, else p (embedding, head, no plan)."""
-    def degree(name: str) -> int:
-        if prefix is None or not name.startswith(prefix + "."):
-            return p
-        return degrees[int(name[len(prefix) + 1:].split(".")[0])]
-    return degree
-
-
-def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent), leaf, layer)
-
-
-def _target_device(model: nn.Module, device: object, init_weights: object) -> Optional[torch.device]:
-    """The device a meta-built model is materialised on (None: the model has real tensors)."""
-    if not isinstance(init_weights, bool):
-        raise TypeError(f"init_weights: expected a bool, got {init_weights!r}")
-    on_meta = is_on_meta(model)
-    if device is None:
-        if on_meta:
-            raise ValueError("model: has tensors on the meta device; pass device='cpu' (or 'cuda', ...) so that "
-                             "parallelize allocates this rank's shards there")
-        return None
-    try:
-        target = torch.device(device)
-    except (TypeError, RuntimeError) as err:
-        raise TypeError(f"device: expected a torch.device or a device string such as 'cpu', got {device!r}") from err
-    if target.type == "meta":
-        raise ValueError("device: 'meta' allocates nothing; pass the device this rank's shards live on")
-    if not on_meta:
-        raise ValueError("device: is for models built on the meta device (`with torch.device('meta'): "
-                         "model = Cls(config)`); this one has real tensors: drop device= (or move the model "
-                         "with model.to(device) first)")
-    return target
 
 
 def parallelize(
@@ -610,175 +270,71 @@ def parallelize(
     compiled, model = model, original_module(model)
     ring = ring_of(group)
     p = ring.size
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    target = _target_device(model, device, init_weights)
-    if allocate is not None and (target is None or not callable(allocate)):
-        raise TypeError("allocate: a callable name -> bool, only with device= (a model built on meta)")
-    config = getattr(model, "config", None)
-    if target is not None and getattr(config, "tie_word_embeddings", False) is True and callable(
-            getattr(model, "tie_weights", None)):
-        model.tie_weights()  # transformers < 5.x ties a meta-built model's head only when it inits weights
-    if isinstance(model, nn.Linear):
-        raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
-                        "RowParallelLinear.from_linear for a single layer")
-    if isinstance(model, nn.Embedding):
-        raise TypeError("model: is itself an nn.Embedding; use VocabParallelEmbedding.from_embedding")
-    if chunks is not None:
-        _checks.chunks_arg(chunks)
-    if layers is not None and tp_degrees is None:
-        raise ValueError(f"layers={layers!r}: names the decoder layers of a per-layer plan, and no tp_degrees "
-                         f"was given; pass tp_degrees=[one degree per layer] too, or drop layers")
-    if tp_degrees is not None and sequence_parallel:
-        raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
-                         "degrees split the batch rows, not the sequence); pass sequence_parallel=False")
-    _check_no_adapters(model)
-    hf = _transformers_module(model) if sequence_parallel else None
-    if hf is not None:
-        raise ValueError(
-            f"sequence_parallel=True: {hf} is a Hugging Face transformers model, whose embeddings, "
-            "norms and attention expect the whole sequence on every rank; sequence parallelism needs "
-            "a model written for [s/p, b, h] activations. Use sequence_parallel=False here, and "
-            "oases.train_step(model, ..., sequence_parallel=True) for sequence parallelism in training"
-        )
-    if not isinstance(vocab_parallel, bool):
-        raise TypeError(f"vocab_parallel: expected a bool, got {vocab_parallel!r}")
-    default = plan is None
-    plan = DEFAULT_PLAN if plan is None else plan
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"plan: expected a mapping of module-name patterns to 'column' or 'row', "
-                        f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}")
-    styles = {pattern: _parse_style(pattern, value) for pattern, value in plan.items()}
-    if default and vocab_parallel and tp_degrees is None and p > 1:
-        styles.update(_vocab_entries(model))
-    linears = {name: m for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))}
-    embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
-
-    prefix, decoder_layers, degrees = None, None, None
-    if tp_degrees is not None:
-        prefix, decoder_layers, degrees = _check_degree_plan(model, tp_degrees, layers, styles, p)
-    degree = _degree_of(prefix, degrees, p)  # p for every module without tp_degrees
-    placed = _plan_layers(linears, {k: s for k, s in styles.items() if s.kind not in ("vocab", "experts")})
-    placed_embeddings = _plan_layers(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"})
-    experts = _moe.find_experts(model)
-    placed_experts = _plan_layers(experts, {k: s for k, s in styles.items() if s.kind == "experts"})
-    _check_kinds(styles, linears, embeddings)
-    _resolve_qkv(model, placed, linears)
-    columns = {n: (s.stacked, s.parts) for n, s in placed.items() if s.kind == "column"}
-    for name, replicas in _kv.plan_replicas(model, columns, degree, degrees is not None).items():
-        placed[name] = dataclasses.replace(placed[name], replicas=replicas)  # kv heads at p > kv_heads
-    for name, style in placed.items():
-        _check_layers({name: style}, linears, degree(name))
-    for name in placed_embeddings:
-        embedding = embeddings[name]
-        check_embedding(f"{name} (nn.Embedding {embedding.num_embeddings} x {embedding.embedding_dim}, "
-                        f"planned as 'vocab')", embedding, p)
-    tied = _check_ties(model, [n for n, s in placed.items() if s.kind == "vocab_head"] + list(placed_embeddings))
-    attention = _attention_modules(model, placed)
-    norms = {}  # {attention: {norm child: (eps, unit_offset)}}: norms over a sharded projection's whole width
-    for name, module in attention.items():
-        if type(module).__name__ in _UNSHARDABLE_ATTENTION:
-            raise ValueError(f"{name}: {type(module).__name__} {_UNSHARDABLE_ATTENTION[type(module).__name__]}, so its "
-                             f"heads cannot be split across ranks; leave its projections out of the plan (plan= "
-                             f"without them) or use TP degree 1 for this model")
-        if degrees is not None and _alibi.takes_head_biases(module):
-            raise ValueError(f"{name}: tp_degrees with an attention that takes per-head biases from the base model "
-                             f"(ALiBi: {type(module).__name__}) is not supported yet (its rows are not cut to a "
-                             f"replica's); parallelize without tp_degrees")
-        _heads.check_heads(name, module, degree(name))
-        widths = {child: _features(sub)[1] for child, sub in module.named_children()
-                  if placed.get(f"{name}.{child}" if name else child, _Style("row")).kind == "column"}
-        _heads.check_widths(name, module, widths)
-        found = _heads.full_width_norms(module, widths)
-        norms[name] = {child: _heads.check_norm_form(f"{name}.{child}", module.get_submodule(child))
-                       for child in found}
-    routers = _moe.check_blocks(model, {n: experts[n] for n in placed_experts}, {n: s.kind for n, s in placed.items()},
-                                degree, p)  # MoE blocks' replicated routers and gates
-    explicit = plan is not DEFAULT_PLAN
-    if p > 1:
-        skip = frozenset(i for i, d in enumerate(degrees or ()) if d == 1)
-        _summary.check_coverage(model, {n for n, s in placed.items() if s.kind in ("column", "row")}
-                                | set(placed_experts), explicit, skip)
-    _check_parts(model, placed, linears)
+    target = check_model(model, device, init_weights, allocate)  # None: a model with real tensors
+    if target is not None:
+        _tie_meta_head(model)
+    check_arguments(model, chunks, tp_degrees, layers, sequence_parallel, vocab_parallel)
+    styles = _resolve_styles(model, plan, vocab_parallel and tp_degrees is None and p > 1)
+    resolved = _match_modules(model, styles, plan is not None and plan is not DEFAULT_PLAN, tp_degrees, layers, p)
+    check_plan(model, resolved, p)  # every check, on every rank alike, before anything is changed
 
     original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
-    groups = {p: group}  # {degree: this rank's TP group at that degree}
-    if degrees is not None:  # collective: every rank of the world makes every subgroup
-        placements, row_groups = make_placements(group or dist.group.WORLD, p, ring.rank, degrees)
-        groups.update((d, at.tp_group) for d, at in placements.items() if d < p)
-    # q, k, v (gate, up) share one all-reduce of their input's gradient, one entry per group
-    entries = {d: _SharedEntry(g) for d, g in groups.items()}
-    counts = {c for s in placed.values() for c in s.replicas if c > 1}
-    replica_groups = _kv.replica_groups(group, counts) if counts else {}  # collective over the world
-    for name, style in placed.items():  # nothing is changed before every check has passed
-        linear, d = linears[name], degree(name)
-        if d == 1 < p:
-            continue  # a decoder layer of degree 1 stays unsharded (its replica's rows, on this rank alone)
-        column, row = ((ColumnParallelLinear.from_conv1d, RowParallelLinear.from_conv1d) if is_conv1d(linear)
-                       else (ColumnParallelLinear.from_linear, RowParallelLinear.from_linear))
-        if style.kind == "column":
-            layer = column(linear, groups[d], stacked=style.stacked, parts=style.parts, replicas=style.replicas,
-                           replica_group=replica_groups.get(max(style.replicas, default=1)),
-                           sequence_parallel=sequence_parallel, chunks=chunks)
-            layer._entry = entries[d]
-        elif style.kind == "vocab_head":  # the full logits, for the model's own forward and loss
-            layer = column(linear, group, gather_output=True, pad_vocab=True,
-                           sequence_parallel=sequence_parallel, chunks=chunks)
-        else:
-            layer = row(linear, groups[d], sequence_parallel=sequence_parallel, chunks=chunks)
-        _replace(model, name, layer)
-    for name in placed_embeddings:
-        _replace(model, name, VocabParallelEmbedding.from_embedding(embeddings[name], group))
-    for name in placed_experts:
-        if not degree(name) == 1 < p:
-            _moe.shard_experts(model, name, groups[degree(name)])
-    for embedding, head in tied:  # one shard serves both ends of the tie (same rows, same rule)
-        model.get_submodule(head).weight = model.get_submodule(embedding).weight
+    groups = make_groups(group, ring.rank, p, resolved)  # collectives over the world
+    shard_modules(model, resolved, groups, p, sequence_parallel=sequence_parallel, chunks=chunks)
     if target is not None:  # before any hook is registered on a parameter
         materialize(model, original, target, init_weights, allocate or (lambda name: True))
         del original
-    for name, module in attention.items():
-        d = degree(name)
-        if not d == 1 < p:
-            full_heads = _heads.heads(module)[0]
-            if full_heads is not None:  # ALiBi slopes from the base model: this rank's heads' rows
-                _alibi.slice_head_biases(module, full_heads, groups[d])
-            _heads.shard_head_parameters(module, groups[d])  # GPT-OSS's sinks: this rank's heads (full counts)
-            _heads.localize_heads(module, d)
-            _heads.shard_norms(module, norms[name], groups[d])
-            _heads.sum_head_shared_grads(module, groups[d])
-    for name in placed_experts:  # each MoE block one TP region: one all-reduce, router gradients summed
-        if not degree(name) == 1 < p:
-            _moe.make_region(model, name, _summary.ROUTERS)
-    if degrees is not None:
-        sums_on = [True]  # oases.train_step turns the hooks off: its schedule sums the replicas itself
-        for layer, d in zip(decoder_layers, degrees):
-            if d < p:  # each replica saw its rows only: sum the gradients over the replicas
-                for param in layer.parameters():
-                    if param.requires_grad:
-                        param.register_hook(functools.partial(sum_over_replicas_while, sums_on,
-                                                              group=placements[d].replica_group))
-        model._oases_degree_groups = DegreeGroups(placements, row_groups, sums_on)  # read by oases.models.hf
-        hook_decoder_layers(decoder_layers, degrees, p, placements, row_groups, where=prefix)
-        model.tp_degrees = degrees  # oases.train_step reads it (HF: runs it on the schedules)
-
-    unplaced = [name for name in linears if name not in placed and name not in routers]
-    unused = [pattern for pattern, s in styles.items() if explicit and s.kind != "vocab"
-              and not any(_matches(n, pattern) for n in (experts if s.kind == "experts" else linears))]
-    unused_vocab = [pattern for pattern, s in styles.items()
-                    if s.kind == "vocab" and not any(_matches(n, pattern) for n in embeddings)]
-    whole = _summary.whole_layers(model) if p > 1 else ""
-    if unplaced or unused or unused_vocab or whole:
-        message = "oases.parallelize:" + whole
-        if unplaced:
-            kind = "nn.Linear / Conv1D" if any(is_conv1d(linears[n]) for n in unplaced) else "nn.Linear"
-            message += (f" left {len(unplaced)} {kind} module(s) unsharded (replicated on every rank; "
-                        f"no plan pattern matches them): {', '.join(unplaced)}." + _summary.report(model, unplaced))
-        if unused:
-            message += f" Plan patterns matching no nn.Linear: {', '.join(map(repr, unused))}."
-        if unused_vocab:
-            message += f" Plan patterns matching no nn.Embedding: {', '.join(map(repr, unused_vocab))}."
-        warnings.warn(message, UserWarning, stacklevel=2)
+    localize_heads(resolved, groups, p)
+    make_moe_regions(model, resolved, p)
+    hook_degrees(model, resolved, groups, p)
+    warn_unplaced(model, resolved, p)
     if not sequence_parallel:  # every rank of the group must get the same inputs (a sequence-parallel one: its slice)
         watch_inputs(model, group)
     return compiled
+
+
+def _tie_meta_head(model: nn.Module) -> None:
+    """transformers < 5.x ties a meta-built model's head only when it inits weights: tie it here."""
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) is True and callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+
+
+def _resolve_styles(model: nn.Module, plan: Optional[Mapping[str, str]], vocab: bool) -> dict[str, Style]:
+    """{pattern: Style} of `plan` (None: DEFAULT_PLAN, with the model's embedding and head planned
+    "vocab" / "vocab_head" when `vocab`), or a TypeError / ValueError naming the bad entry."""
+    default = plan is None
+    plan = DEFAULT_PLAN if default else plan
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan: expected a mapping of module-name patterns to 'column' or 'row', "
+                        f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}")
+    styles = {pattern: parse_style(pattern, value) for pattern, value in plan.items()}
+    if default and vocab:
+        styles.update(vocab_entries(model))
+    return styles
+
+
+def _match_modules(model: nn.Module, styles: dict[str, Style], explicit: bool, tp_degrees: Optional[Sequence[int]],
+                   layers: Optional[str], p: int) -> ResolvedPlan:
+    """The plan resolved against `model`: its projections, embeddings and experts, the style of each
+    one a pattern places (the first matching, in plan order), and each module's TP degree."""
+    prefix, decoder_layers, degrees = None, None, None
+    if tp_degrees is not None:
+        prefix, decoder_layers, degrees = check_degree_plan(model, tp_degrees, layers, styles, p)
+    linears = {name: m for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))}
+    embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
+    experts = find_experts(model)
+    return ResolvedPlan(styles, explicit, linears, embeddings, experts,
+                placed=place(linears, {k: s for k, s in styles.items() if s.kind not in ("vocab", "experts")}),
+                placed_embeddings=place(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"}),
+                placed_experts=place(experts, {k: s for k, s in styles.items() if s.kind == "experts"}),
+                degree=_degree_of(prefix, degrees, p), prefix=prefix, decoder_layers=decoder_layers, degrees=degrees)
+
+
+def _degree_of(prefix: Optional[str], degrees: Optional[tuple[int, ...]], p: int) -> Callable[[str], int]:
+    """name -> the TP degree of the module: its decoder layer's, else p (embedding, head, no plan)."""
+    def degree(name: str) -> int:
+        if prefix is None or not name.startswith(prefix + "."):
+            return p
+        return degrees[int(name[len(prefix) + 1:].split(".")[0])]
+    return degree
