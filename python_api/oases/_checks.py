@@ -1,13 +1,29 @@
-"""Argument checks shared by `oases.comm` and `oases.ops`.
+"""Argument checks shared across the package (the one home of the checks more than one module makes).
 
 Every check runs on local metadata only (shapes, dtypes, devices), so under SPMD every rank
 raises the same error before any communication starts and no rank is left waiting.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Collection, Optional
 
 import torch
+
+
+def is_int(value: Any) -> bool:
+    """Whether `value` is an int and not a bool (True is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def one_of(name: str, value: Any, choices: Collection[str]) -> None:
+    """ValueError naming `name` unless `value` is one of `choices` (listed sorted in the message)."""
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {sorted(choices)}")
+
+
+def from_transformers(module: Any) -> bool:
+    """Whether `module`'s class (or a base of it) comes from Hugging Face transformers."""
+    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
 
 
 def floating(name: str, t: torch.Tensor) -> None:

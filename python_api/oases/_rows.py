@@ -16,12 +16,19 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["block_rows", "part_sizes", "padded", "unpadded"]
+__all__ = ["block_rows", "split_rows", "part_sizes", "padded", "unpadded"]
 
 
 def block_rows(batch: int, parts: int, index: int) -> slice:
     """Block `index` of the `parts` contiguous blocks of `batch` rows (see the module docstring)."""
     return slice(index * batch // parts, (index + 1) * batch // parts)
+
+
+def split_rows(batch: int, parts: int) -> list[slice]:
+    """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one
+    (block_rows of each part: 3 rows in 2 -> 1 + 2). The schedules' sub-batches and the pipeline's
+    micro-batches are cut by it."""
+    return [block_rows(batch, parts, i) for i in range(parts)]
 
 
 def part_sizes(batch: int, replicas: int, replica: int, parts: int) -> tuple[int, ...]:

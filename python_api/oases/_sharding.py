@@ -29,6 +29,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from oases import _checks
+
 __all__ = ["ShardRule", "Chunk", "vocab_rule", "whole", "rows_of", "column_shard", "row_shard", "tp_rules",
            "sharded_parameters", "copied_rows", "squares_once"]
 
@@ -85,7 +87,7 @@ class ShardRule:
         if self.replicas:
             blocks = len(self.parts) or 1
             if self.stacked != 1 or self.size is not None or len(self.replicas) != blocks \
-                    or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.replicas):
+                    or any(not _checks.is_int(c) or c < 1 for c in self.replicas):
                 raise ValueError(f"ShardRule: replicas must be one positive int per block ({blocks}), with stacked=1 "
                                  f"and no padded size; got replicas={self.replicas!r}, stacked={self.stacked}, "
                                  f"size={self.size}, parts={self.parts}")

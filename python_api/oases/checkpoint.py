@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases import _checks
 from oases._sharding import ShardRule, rows_of, whole
 from oases.comm._topology import ring_of
 
@@ -222,7 +223,7 @@ def _sharded(value: torch.Tensor, s: _Shard) -> "Chunked":
 
 
 def _count(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _checks.is_int(value):
         raise TypeError(f"{name}: expected an int >= {least} or None, got {value!r}")
     if value < least:
         raise ValueError(f"{name}: must be >= {least}, got {value}")

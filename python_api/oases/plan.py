@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from oases import _checks
 from oases.planner._files import read_json
 from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
 
@@ -48,6 +49,6 @@ def chunks(path: str) -> int:
     or the layers' `chunks=`: Centauri's Algorithm 1 with the profile's measured chunked-GEMM
     efficiency. Plans written before the planner chose it have none: 1 (no chunking)."""
     value = read(path).get("chunks", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _checks.is_int(value) or value < 1:
         raise ValueError(f"path: {path!r} has a chunks that is not a positive integer: {value!r}")
     return value

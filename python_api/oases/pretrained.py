@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from oases import _checks
 from oases.checkpoint import _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
@@ -278,7 +279,7 @@ def _check_save(path: Union[str, os.PathLike], max_shard_size: object, model: nn
     path = os.fspath(path)
     if os.path.isfile(path):
         raise FileExistsError(f"path: {path!r} is a file; save_pretrained writes a directory")
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+    if not _checks.is_int(max_shard_size) or max_shard_size < 1:
         raise ValueError(f"max_shard_size: expected a positive number of bytes, got {max_shard_size!r}")
     if sys.byteorder != "little":
         raise NotImplementedError("save_pretrained: safetensors is little-endian; this machine is not")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases import _checks
 from oases._compiled import original_module
 from oases.dp.grad_sync import GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
@@ -41,7 +42,7 @@ def adapt(model: object) -> Stack:
     ValueError naming what is needed."""
     if all(inspect.ismethod(getattr(model, name, None)) for name in ("embed", "layers", "head")):
         return model  # type: ignore[return-value]
-    if isinstance(model, nn.Module) and any(c.__module__.startswith("transformers.") for c in type(model).__mro__):
+    if isinstance(model, nn.Module) and _checks.from_transformers(model):
         return HFStack(model)
     if is_nanogpt(model):
         return NanoGPTStack(model)

@@ -106,7 +106,7 @@ class HostGroups:
         members = sorted(range(world) if ranks is None else (int(r) for r in ranks))
         if len(set(members)) != len(members) or not members or not all(0 <= r < world for r in members):
             raise ValueError(f"ranks: expected distinct global ranks in [0, {world}), got {ranks!r}")
-        if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+        if not _checks.is_int(ranks_per_host) or ranks_per_host < 1:
             raise ValueError(f"ranks_per_host: expected an int >= 1, got {ranks_per_host!r}")
         if len(members) % ranks_per_host:
             raise ValueError(f"ranks_per_host: {len(members)} ranks do not split into hosts of {ranks_per_host}")
@@ -329,7 +329,7 @@ def packed_ranks_per_host(ranks: Sequence[int], ranks_per_host: int) -> int:
     global ranks (host of rank r = r // ranks_per_host, as oases-launch --hosts packs them): the
     `ranks_per_host` to give HostGroups.create(..., ranks=ranks). Local (no communication).
     ValueError unless every host holding any of `ranks` holds the same number of them."""
-    if isinstance(ranks_per_host, bool) or not isinstance(ranks_per_host, int) or ranks_per_host < 1:
+    if not _checks.is_int(ranks_per_host) or ranks_per_host < 1:
         raise ValueError(f"ranks_per_host: expected an int >= 1, got {ranks_per_host!r}")
     per_host: dict[int, int] = {}
     for r in ranks:

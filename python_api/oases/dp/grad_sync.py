@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases import _checks
 from oases.comm._topology import ring_of
 
 __all__ = ["GradientSync", "Reducer", "AllReduceMean"]
@@ -140,7 +141,7 @@ class GradientSync:
                  *, bucket_bytes: int = 25 * 2**20, reducer: Optional[Reducer] = None,
                  max_in_flight: int = 2) -> None:
         for name, value in (("bucket_bytes", bucket_bytes), ("max_in_flight", max_in_flight)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _checks.is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.max_in_flight = max_in_flight
         self._in_flight: list[_Bucket] = []  # started in the backward, oldest first

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases import _checks
 from oases._sharding import ShardRule, tp_rules
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models._placed import layer_placements
@@ -199,8 +200,7 @@ class GPT(nn.Module):
                  sequence_parallel: bool = False, offload: Union[bool, Offloader] = False,
                  tp_degrees: Optional[Sequence[int]] = None) -> None:
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+        _checks.one_of("schedule", schedule, SCHEDULES)
         distributed = dist.is_available() and dist.is_initialized()
         self.tp = dist.get_world_size(group) if distributed else 1
         self.tp_rank = dist.get_rank(group) if distributed else 0

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from oases import _checks
 from oases import comm as _comm
 from oases._rows import block_rows, padded, part_sizes, unpadded
 
@@ -117,7 +118,7 @@ def check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]
     if len(degrees) != layers:
         raise ValueError(f"tp_degrees: expected one degree per layer ({layers}), got {len(degrees)}: {list(degrees)}")
     for i, d in enumerate(degrees):
-        if isinstance(d, bool) or not isinstance(d, int):
+        if not _checks.is_int(d):
             raise TypeError(f"tp_degrees[{i}]: expected an int, got {type(d).__name__}")
         if d < 1 or d & (d - 1) or p % d:
             raise ValueError(f"tp_degrees[{i}]: {d} is not a power of two dividing the group size {p} "

@@ -117,7 +117,7 @@ def _check_no_adapters(model: nn.Module) -> None:
 def _transformers_module(model: nn.Module) -> Optional[str]:
     """The class name of the first Hugging Face transformers module in `model`, if any."""
     for module in model.modules():
-        if any(c.__module__.startswith("transformers.") for c in type(module).__mro__):
+        if _checks.from_transformers(module):
             return type(module).__name__
     return None
 

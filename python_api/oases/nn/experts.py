@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases import _checks
 from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
 from oases.nn._mappings import lead_only
@@ -212,7 +213,7 @@ class ParallelExperts(nn.Module):
         super().__init__()
         for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
                             ("intermediate_size", intermediate_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _checks.is_int(value) or value < 1:
                 raise ValueError(f"ParallelExperts: {name} must be a positive int, got {value!r}")
         if (act_fn is None) == (swiglu is None):
             raise TypeError("ParallelExperts: give exactly one of act_fn (the concatenated form's activation) and "

@@ -73,14 +73,14 @@ def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: i
                     parts: tuple[int, ...] = (), replicas: tuple[int, ...] = ()) -> None:
     """`size` features (in `stacked` equal blocks, or blocks of the sizes `parts`) must split into
     whole per-rank shards; with `replicas` (one per block), block i into world_size / replicas[i]."""
-    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 1:
+    if not _checks.is_int(stacked) or stacked < 1:
         raise ValueError(f"{owner}: stacked must be an int >= 1, got {stacked!r}")
     if replicas:
         if parts:
             check_shardable(owner, arg, size, 1, 1, parts)  # the blocks' own sizes
         blocks = parts or (size,)
         if stacked != 1 or not isinstance(replicas, tuple) or len(replicas) != len(blocks) or any(
-                isinstance(c, bool) or not isinstance(c, int) or c < 1 or world_size % c for c in replicas):
+                not _checks.is_int(c) or c < 1 or world_size % c for c in replicas):
             raise ValueError(f"{owner}: replicas must be a tuple of one int per block ({len(blocks)}), each dividing "
                              f"the tensor-parallel world size {world_size}, with stacked=1; got {replicas!r}")
         for n, c in zip(blocks, replicas):
@@ -91,7 +91,7 @@ def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: i
     if parts:
         if stacked != 1:
             raise ValueError(f"{owner}: pass stacked (equal blocks) or parts (their sizes), not both")
-        if (not isinstance(parts, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in parts)
+        if (not isinstance(parts, tuple) or any(not _checks.is_int(n) or n < 1 for n in parts)
                 or sum(parts) != size):
             raise ValueError(f"{owner}: parts must be a tuple of positive block sizes summing to {arg}={size} "
                              f"(e.g. (q, k, v) widths), got {parts!r}")

@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from oases import comm
+from oases import _checks, comm
 from oases._sharding import ShardRule, vocab_rule
 from oases.comm._topology import Ring, ring_of
 from oases.nn._mappings import reduce_from_tp
@@ -67,7 +67,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 def check_vocab(owner: str, arg: str, size: int, world_size: int) -> None:
     """A vocabulary of `size` tokens: at least one token (p need not divide it: shards are padded)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not _checks.is_int(size) or size < 1:
         raise ValueError(f"{owner}: {arg} must be a positive int (the vocabulary), got {size!r}")
 
 

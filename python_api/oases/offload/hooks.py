@@ -20,6 +20,7 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.nn as nn
 
+from oases import _checks
 from oases.offload.offloader import Checkpoint, CheckpointState, Offloader
 
 __all__ = ["offload_saved_tensors"]
@@ -51,9 +52,9 @@ def offload_saved_tensors(offloader: Offloader, *, min_bytes: int = 0, ahead: in
     """
     if not isinstance(offloader, Offloader):
         raise TypeError(f"offloader: expected an oases.offload.Offloader, got {type(offloader).__name__}")
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+    if not _checks.is_int(min_bytes) or min_bytes < 0:
         raise ValueError(f"min_bytes: expected an int >= 0, got {min_bytes!r}")
-    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+    if not _checks.is_int(ahead) or ahead < 0:
         raise ValueError(f"ahead: expected an int >= 0, got {ahead!r}")
     group = object()  # this context's saves batch only with each other
     saved: list[weakref.ref] = []  # every checkpoint, in saving order (weak: the graph owns them)

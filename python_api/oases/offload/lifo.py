@@ -21,6 +21,7 @@ from typing import Hashable, Optional
 
 import torch
 
+from oases import _checks
 from oases.offload.offloader import Checkpoint, CheckpointState, Offloader
 
 __all__ = ["CheckpointStack"]
@@ -37,7 +38,7 @@ class CheckpointStack:
     def __init__(self, offloader: Offloader, group: Hashable, *, ahead: int = 1) -> None:
         if not isinstance(offloader, Offloader):
             raise TypeError(f"offloader: expected an oases.offload.Offloader, got {type(offloader).__name__}")
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+        if not _checks.is_int(ahead) or ahead < 0:
             raise ValueError(f"ahead: expected an int >= 0 (batches prefetched early), got {ahead!r}")
         self.offloader, self.group, self.ahead = offloader, group, ahead
         self._items: list[Checkpoint] = []

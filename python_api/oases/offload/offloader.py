@@ -35,6 +35,7 @@ from typing import Hashable, Iterable, Optional
 
 import torch
 
+from oases import _checks
 from oases.offload.engine import CopyEngine, CopyEvent
 from oases.offload.slab import _UNBOUNDED, ALIGNMENT, HostSlab, _FirstFit, _round_up
 
@@ -147,7 +148,7 @@ class Offloader:
     def __init__(self, slab: Optional[HostSlab] = None, *, batch: int = 8, engine: Optional[CopyEngine] = None) -> None:
         if slab is not None and not isinstance(slab, HostSlab):
             raise TypeError(f"slab: expected an oases.offload.HostSlab or None, got {type(slab).__name__}")
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        if not _checks.is_int(batch) or batch < 1:
             raise ValueError(f"batch: expected an int >= 1 (checkpoints per copy call), got {batch!r}")
         if engine is not None and not isinstance(engine, CopyEngine):
             raise TypeError(f"engine: expected an oases.offload.CopyEngine or None, got {type(engine).__name__}")

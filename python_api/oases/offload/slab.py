@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from oases import _checks
+
 __all__ = ["HostSlab", "SlabTooSmallError", "ALIGNMENT"]
 
 ALIGNMENT = 256  # bytes: every region starts at a multiple (the CUDA copy kernel's words, DMA bursts)
@@ -106,7 +108,7 @@ class HostSlab:
     """
 
     def __init__(self, nbytes: int, *, pin_memory: Optional[bool] = None) -> None:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        if not _checks.is_int(nbytes):
             raise TypeError(f"nbytes: expected an int (bytes), got {type(nbytes).__name__}")
         if nbytes < 0:
             raise ValueError(f"nbytes: must be >= 0, got {nbytes}")

@@ -71,7 +71,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases import _checks
 from oases._leaves import grad_leaf
+from oases._rows import split_rows
 from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
 from oases.comm.hierarchical import HostGroups, HostLinks, packed_ranks_per_host, ranks_per_host_from_env
@@ -128,9 +130,9 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
                                        or not isinstance(dp_overlap_ratio, (int, float))
                                        or not 0.0 <= dp_overlap_ratio <= 1.0):
         raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1] or 'auto', got {dp_overlap_ratio!r}")
-    if isinstance(dp_bucket_numel, bool) or not isinstance(dp_bucket_numel, int) or dp_bucket_numel < 1:
+    if not _checks.is_int(dp_bucket_numel) or dp_bucket_numel < 1:
         raise ValueError(f"dp_bucket_numel: expected an int >= 1, got {dp_bucket_numel!r}")
-    if isinstance(dp_chunk_bytes, bool) or not isinstance(dp_chunk_bytes, int) or dp_chunk_bytes < 1:
+    if not _checks.is_int(dp_chunk_bytes) or dp_chunk_bytes < 1:
         raise ValueError(f"dp_chunk_bytes: expected an int >= 1 (bytes per DP ring piece), got {dp_chunk_bytes!r}")
     if not isinstance(config, GPTConfig) and not callable(config):
         raise ValueError(f"config: expected an oases.models.GPTConfig or a model factory (a callable returning "
@@ -147,11 +149,10 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
     if mesh.size() != world:
         raise ValueError(f"mesh: dp * pp * tp = {sizes['dp']} * {sizes['pp']} * {sizes['tp']} = {mesh.size()}, "
                          f"but the world size is {world}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
-    if segments != "auto" and (isinstance(segments, bool) or not isinstance(segments, int) or segments < 1):
+    _checks.one_of("schedule", schedule, SCHEDULES)
+    if segments != "auto" and (not _checks.is_int(segments) or segments < 1):
         raise ValueError(f"segments: expected an int >= 1 or 'auto', got {segments!r}")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+    if not _checks.is_int(micro_batches) or micro_batches < 1:
         raise ValueError(f"micro_batches: expected an int >= 1, got {micro_batches!r}")
     if schedule == "1f1b" and segments not in (1, "auto"):
         raise ValueError(f"segments: the 1f1b schedule runs one segment, got {segments} (use 'aiao')")
@@ -602,10 +603,10 @@ class Pipeline:
         """This DP rank's contiguous block of rows, cut into micro-batches of near-equal rows."""
         rows = tokens.shape[0] // self.dp
         block = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
-        parts = torch.arange(rows).tensor_split(self.micro_batches)  # sizes differ by at most one
+        parts = split_rows(rows, self.micro_batches)  # sizes differ by at most one
         mine = [t[block].to(self.comm.device) for t in (tokens, targets)]  # on the model's device
-        micro = [tuple(t[p[0]:p[-1] + 1] for t in mine) for p in parts]
-        shapes = [torch.Size((len(p), tokens.shape[1], self.stage.hidden)) for p in parts]  # [b_i, t, h]
+        micro = [tuple(t[p] for t in mine) for p in parts]
+        shapes = [torch.Size((p.stop - p.start, tokens.shape[1], self.stage.hidden)) for p in parts]  # [b_i, t, h]
         return _Step(micro, {}, shapes, self.stage.dtype, targets.numel(),  # normalizer: the global batch's tokens
                      loss=torch.zeros((), dtype=torch.float32, device=self.comm.device))
 

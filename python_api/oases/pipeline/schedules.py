@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from oases import _checks
+
 __all__ = ["Action", "SCHEDULES", "actions"]
 
 
@@ -79,8 +81,7 @@ def actions(schedule: str, *, stage: int, stages: int, segments: int, micro_batc
         1f1b:  F(0, 0..w-1), (F(0, w+j), B(0, j)) for j < m-w, B(0, m-w..m-1)   (w = min(p-s-1, m))
         aiao:  [F(k, i) for k, i] + [B(k, i) for k descending, i]
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    _checks.one_of("schedule", schedule, SCHEDULES)
     if schedule == "1f1b" and segments != 1:
         raise ValueError(f"segments: the 1f1b schedule runs one segment, got {segments} (use 'aiao')")
     return SCHEDULES[schedule](stage, stages, segments, micro_batches)

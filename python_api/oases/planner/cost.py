@@ -66,6 +66,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
+from oases import _checks
 from oases.costs.chunks import OP_MAX_CHUNKS, chunk_count
 from oases.costs.collectives import CollectiveChoice
 from oases.planner.model import SUBLAYERS, ModelShape
@@ -81,8 +82,7 @@ DEFAULT_STATE_BYTES = 16.0  # per parameter: weights + gradients + Adam's two mo
 
 def _traits(schedule: str) -> tuple[int, bool, bool]:
     """(default sub-batches, fine-grained recomputation, pass barriers) of an oases schedule."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    _checks.one_of("schedule", schedule, SCHEDULES)
     s = SCHEDULES[schedule]
     return s.sub_batches, s.fine_grained_recompute, s.pass_barriers
 
@@ -115,11 +115,11 @@ class Workload:
     def __post_init__(self) -> None:
         for name in ("rows", "tp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _checks.is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         default, _, _ = _traits(self.schedule)
         n = default if self.sub_batches is None else self.sub_batches
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 8:
+        if not _checks.is_int(n) or not 1 <= n <= 8:
             raise ValueError(f"sub_batches: expected an int in 1..8 or None, got {self.sub_batches!r}")
         object.__setattr__(self, "sub_batches", n)
         if not isinstance(self.sequence_parallel, bool):

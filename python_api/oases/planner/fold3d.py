@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import math
 
+from oases import _checks
+
 __all__ = ["choose_segments", "dp_overlap_ratio", "exposed_comm"]
 
 
@@ -31,7 +33,7 @@ def _seconds(name: str, value: float) -> float:
 
 
 def _count(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _checks.is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from oases import _checks
 from oases.planner.cost import Workload, buffer_bytes, kept_input_bytes, logits_bytes, tp_degrees
 from oases.planner.model import ModelShape
 
@@ -72,7 +73,7 @@ _STEP_TEMPORARIES: Mapping[str, int] = MappingProxyType({"adamw": 2, "adam": 2, 
 
 
 def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _checks.is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from oases import _checks
 from oases.planner._files import read_json
 
 __all__ = ["ModelShape", "PRESETS", "SUBLAYERS", "load_model", "shape_from_config"]
@@ -67,11 +68,11 @@ class ModelShape:
     def __post_init__(self) -> None:
         for field_name in ("layers", "hidden", "heads", "seq_len", "vocab_size"):
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _checks.is_int(value) or value < 1:
                 raise ValueError(f"{field_name}: expected a positive int, got {value!r}")
         for field_name in ("experts", "experts_per_token", "shared_ffn_hidden"):
             value = getattr(self, field_name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not _checks.is_int(value) or value < 0:
                 raise ValueError(f"{field_name}: expected an int >= 0, got {value!r}")
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
             raise ValueError(f"experts_per_token: expected 1..experts={self.experts} (top-k routing), "
@@ -254,7 +255,7 @@ def _hf_experts(config: Mapping[str, Any], fields: dict[str, Any]) -> None:
     experts = fields.get("experts", 0)
     step = 1 if config.get("decoder_sparse_step") is None else config["decoder_sparse_step"]
     dense_only = [] if config.get("mlp_only_layers") is None else config["mlp_only_layers"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    if not _checks.is_int(step) or step < 1:
         raise ValueError(f"model: decoder_sparse_step must be a positive int, got {step!r}")
     if not isinstance(dense_only, list):
         raise ValueError(f"model: mlp_only_layers must be a list of layer indices, got {dense_only!r}")

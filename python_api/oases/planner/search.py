@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
+from oases import _checks
 from oases.planner.cost import (
     LayerCost,
     Workload,
@@ -163,7 +164,7 @@ def _powers_of_two(limit: int) -> Iterable[int]:
 
 
 def _count(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _checks.is_int(value) or value < 1:
         raise ValueError(f"{name}: expected a positive int, got {value!r}")
     return value
 

@@ -23,7 +23,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-from oases._rows import block_rows
+from oases import _checks
+from oases._rows import split_rows
 from oases.offload import CheckpointStack
 
 __all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "LossSum", "split_rows", "check_step"]
@@ -90,12 +91,6 @@ class _OffloadedCheckpoints(CheckpointStack):
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def split_rows(batch: int, parts: int) -> list[slice]:
-    """`parts` contiguous row ranges covering `batch` rows, sizes differing by at most one (3 -> 1 + 2;
-    oases._rows.block_rows)."""
-    return [block_rows(batch, parts, i) for i in range(parts)]
-
-
 def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
                sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int,
                recompute: bool = True, offload: bool = False) -> int:
@@ -109,10 +104,9 @@ def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, 
     if not recompute and offload:
         raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
                          "pass recompute=True")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: {schedule!r} is not one of {sorted(SCHEDULES)}")
+    _checks.one_of("schedule", schedule, SCHEDULES)
     parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
-    if isinstance(parts, bool) or not isinstance(parts, int) or not 1 <= parts <= MAX_SUB_BATCHES:
+    if not _checks.is_int(parts) or not 1 <= parts <= MAX_SUB_BATCHES:
         raise ValueError(f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
                          f"own), got {sub_batches!r}")
     if input_ids.dim() != 2:
