@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from bench import _metrics
 from bench._peers import CollectiveLog, agree
 from bench._report import Table, save_figure
+from bench._threads import OtherThreadsCPU
 from bench._trace import IN_FLIGHT
 from oases.costs.link import LinkFit
 from oases.inputs import agree_inputs
@@ -392,7 +393,8 @@ def run(args, ctx) -> list[dict]:
         comm = case.comms[name]
         comm.reset()
         busy_before = time.perf_counter()
-        with _traced_waits(ctx, name), (comm.recording() if link is not None else contextlib.nullcontext()) as log:
+        with _traced_waits(ctx, name), (comm.recording() if link is not None else contextlib.nullcontext()) as log, \
+                OtherThreadsCPU() as comm_cpu:
             step()
         step_s, waited = time.perf_counter() - busy_before, comm.waited
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
@@ -407,7 +409,8 @@ def run(args, ctx) -> list[dict]:
                                calls, sent, None, losses[name]))
         records[-1]["checkpoint_mib"] = memory.peak / 2**20
         records[-1]["exposure"] = (None if link is None
-                                   else _exposure(ctx, name, log, waited, step_s, compute[name].median, link))
+                                   else _exposure(ctx, name, log, waited, step_s, compute[name].median, link,
+                                                  comm_cpu.seconds))
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
             step()
@@ -458,23 +461,28 @@ def _exposure_link(ctx) -> Optional[LinkFit]:
     return LinkFit.from_samples(samples)
 
 
-def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: LinkFit) -> dict:
+def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: LinkFit,
+              comm_cpu_s: Optional[float]) -> dict:
     """The recorded step's waits split by cause (oases.schedule.exposure) for the rank that
     waited most. `recorded`: its waits on asynchronous all-reduces, which the causes add up to;
     `unattributed`: the rest (ring steps: sequence parallelism's gathers and scatters).
     `compute_slowed`: the step's time not waiting, minus t_compute (the same step with nothing
     sent): compute slowed while the transfers run (CPU interference on the compute side; noise
-    when small). The in-flight interval of every all-reduce goes to the trace (tid IN_FLIGHT)."""
+    when small). `comm_cpu`: the CPU seconds that rank's other threads (gloo's, the communicator's)
+    used during the step (bench._threads; None without /proc): the transfers' own cost to the cores
+    the compute runs on, one measured part of what slows it. The in-flight interval of every
+    all-reduce goes to the trace (tid IN_FLIGHT)."""
     logs = gather_logs(log, ctx.group)
     for r in log.records:
         if r.ended is not None:
             ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
     per_rank = attribute(logs, link)
-    figures = torch.tensor([waited, step_s, log.waited], dtype=torch.float64)
+    figures = torch.tensor([waited, step_s, log.waited, -1.0 if comm_cpu_s is None else comm_cpu_s],
+                           dtype=torch.float64)
     gathered = [torch.zeros_like(figures) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, figures, group=ctx.group)
     rank = max(range(ctx.world_size), key=lambda r: float(gathered[r][0]))
-    waited_r, step_r, recorded_r = (float(v) for v in gathered[rank])
+    waited_r, step_r, recorded_r, comm_cpu_r = (float(v) for v in gathered[rank])
     causes = per_rank[rank]
     by_phase: dict[str, float] = {}  # that rank's recorded waits per pass (forward, recompute, backward)
     for r in logs[rank]:
@@ -483,6 +491,7 @@ def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: floa
             "by_phase": by_phase,
             "unattributed": waited_r - recorded_r,
             "compute_slowed": step_r - waited_r - t_compute,
+            "comm_cpu": None if comm_cpu_r < 0 else comm_cpu_r,
             "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}}
 
 
@@ -534,11 +543,13 @@ def _exposure_table(records: list[dict]) -> list[Table]:
         phases = e["by_phase"]
         rows.append([r["schedule"], 1e3 * e["step"], 1e3 * e["waited"], *(1e3 * e["causes"][c] for c in CAUSES),
                      1e3 * e["unattributed"], 1e3 * e["compute_slowed"],
+                     None if e.get("comm_cpu") is None else 1e3 * e["comm_cpu"],
                      " / ".join(f"{1e3 * phases.get(p, 0.0):.0f}" for p in ("forward", "recompute", "backward"))])
     if not rows:
         return []
     return [Table("layers: where the waits went (ms; one recorded step, the rank that waited most)",
-                  ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed", "fwd / recomp / bwd"], rows,
+                  ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed", "comm CPU",
+                   "fwd / recomp / bwd"], rows,
                   ["waited = dependency + issue order + latency + bandwidth + interference + host + ring steps "
                    "(oases.schedule.exposure): dependency = no other sub-batch ran while it waited; issue order = "
                    "a peer had not issued it yet; latency / bandwidth = the link's own time for it (a ring's "
@@ -547,6 +558,9 @@ def _exposure_table(records: list[dict]) -> list[Table]:
                    "collectives sharing the link); host = waking up after it completed; ring steps = waits "
                    "inside ring all-gathers / reduce-scatters (sequence parallelism), not split",
                    "compute slowed = step - waited - t_compute: the compute's own slow-down while transfers run",
+                   "comm CPU = CPU time that rank's other threads (gloo's, the communicator's) used in the step: "
+                   "the transfers' own cost to the cores the compute needs (on a CPU run every core computes), "
+                   "which overlap cannot hide",
                    "fwd / recomp / bwd = the recorded waits by the pass of their all-reduce"])]
 
 

@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -285,7 +286,34 @@ def test_layers_suite(tmp_path):
     assert {e["tid"] for e in events} == {0, 1, 4}  # steps, the waits inside them, all-reduces in flight
     in_flight = [e for e in events if e["tid"] == 4 and e["name"].startswith("oases all_reduce")]
     assert len(in_flight) == WORLD_SIZE * records["oases"]["all_reduces"]
-    assert "layers: where the waits went" in stdout
+    assert "layers: where the waits went" in stdout and "comm CPU" in stdout
+    # the transfers' CPU on the rank that waited most: gloo's threads, measured from /proc; a
+    # compute-only step of the same schedule would use next to none (an upper bound: the step's span)
+    for name in SCHEDULES:
+        e = records[name]["exposure"]
+        assert e["comm_cpu"] is not None and 0 <= e["comm_cpu"] <= 2 * e["step"], (name, e)
+
+
+def test_other_threads_cpu_counts_other_threads_only():
+    """bench._threads: a busy second thread's CPU is counted, the caller's own is not."""
+    import threading
+
+    from bench._threads import OtherThreadsCPU
+
+    def spin(seconds):  # `seconds` of this thread's own CPU
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    with OtherThreadsCPU() as alone:
+        spin(0.3)  # the caller's own CPU: not counted
+    worker = threading.Thread(target=spin, args=(0.3,))
+    with OtherThreadsCPU() as other:
+        worker.start()
+        worker.join()
+    # (other threads of this process, e.g. a harness's, may use some CPU in both blocks alike)
+    assert alone.seconds is not None and other.seconds is not None, (alone.seconds, other.seconds)
+    assert other.seconds - alone.seconds >= 0.2 and alone.seconds < 0.2, (alone.seconds, other.seconds)
 
 
 def _check_layers_records(records, peers):
