@@ -14,14 +14,16 @@ v = ns*p - 1.
 A stage runs any `oases.schedule.Stack` (oases.models.GPT, a Hugging Face model through
 oases.models.HFStack, nanoGPT, a user's own stack): layer i is `stack.layers()[i]`, each
 sublayer x + finish(reduce_from_tp(core(copy_to_tp(norm(x)), ctx)), ctx) as in GPT.forward.
+
+Its parts: the folding (StageLayout) in oases.pipeline._layout, which parameters are the embedding's
+and the head's (Roles) in _roles, the module subtrees a stage owns or stands in for in _subtrees,
+the autograd functions of offload in _offloaded.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
-from dataclasses import dataclass
-from typing import Hashable, Iterable, Iterator, Optional
+from typing import Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,86 +31,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from oases._leaves import grad_leaf
-from oases._sharding import tp_rules
 from oases.checkpoint import _layout, full_state_dict
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.offload import Offloader
+from oases.pipeline._layout import StageLayout, placement_of_layer, shared_across_placements
+from oases.pipeline._layout import check_layers as check_layers  # (re-exported: oases.pipeline._build)
+from oases.pipeline._offloaded import OffloadedLayer
+from oases.pipeline._offloaded import StageInput as StageInput  # (re-exported)
+from oases.pipeline._roles import Roles, probe_roles
+from oases.pipeline._subtrees import outermost, standing_in
+from oases.pipeline._subtrees import owned_modules as _owned_modules
 from oases.schedule import Stack, SubBatch
 
 __all__ = ["StageLayout", "Stage", "Roles", "probe_roles"]
-
-
-@dataclass(frozen=True)
-class Roles:
-    """What a stage knows of a model's embedding and head, by parameter name (every name of a tied one).
-
-        head:   the parameters stack.head uses (final norm, LM head)
-        embed:  the parameters stack.embed uses (the others outside the layers go with it too)
-        hidden, dtype: of the activations; vocab_size: of the logits (all of it when vocab-parallel)
-    """
-
-    head: frozenset[str]
-    embed: frozenset[str]
-    hidden: int
-    dtype: torch.dtype
-    vocab_size: int
-
-
-def probe_roles(model: nn.Module, stack: Stack, rest: list[nn.Parameter],
-                device: Optional[torch.device] = None) -> Roles:
-    """Roles found by running one token through stack.embed and stack.head and differentiating each
-    once (on every rank of the stage alike: a vocab-parallel embedding or head communicates over
-    TP there); `rest`: the parameters outside the layers (only their trainable ones are found)."""
-    tokens = torch.zeros((1, 1), dtype=torch.long, device=device or (rest[0].device if rest else None))
-    x, ctx = stack.embed(tokens, SubBatch(slice(0, 1), 1))
-    logits = stack.head(x.detach(), ctx)
-    group = getattr(stack, "logits_group", None)
-    names: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    head = frozenset(n for p in _used_by(logits, rest) for n in names[id(p)])
-    embed = frozenset(n for p in _used_by(x, rest) for n in names[id(p)])
-    vocab = logits.shape[-1] * (dist.get_world_size(group) if group is not None else 1)
-    return Roles(head, embed, x.shape[-1], x.dtype, vocab)
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Where stage `stage` of `stages` sits when `layers` layers are folded into `segments` segments."""
-
-    layers: int
-    stages: int
-    segments: int
-    stage: int
-
-    def __post_init__(self) -> None:
-        if self.layers % (self.stages * self.segments):
-            raise ValueError(f"config.layers: {self.layers} is not divisible by pp * segments = "
-                             f"{self.stages} * {self.segments}")
-
-    @property
-    def chunk(self) -> int:
-        """Layers per (segment, stage)."""
-        return self.layers // (self.stages * self.segments)
-
-    def layers_of(self, segment: int) -> range:
-        """This stage's `chunk` consecutive layers of segment `segment` (after the earlier stages')."""
-        start = segment * (self.layers // self.segments) + self.stage * self.chunk
-        return range(start, start + self.chunk)
-
-    def virtual(self, segment: int) -> int:
-        """The position of (segment, this stage) in the chain of ns * p virtual stages."""
-        return segment * self.stages + self.stage
-
-    def is_first(self, segment: int) -> bool:
-        """Runs the embedding (virtual stage 0)."""
-        return self.virtual(segment) == 0
-
-    def is_last(self, segment: int) -> bool:
-        """Runs the final norm, LM head and loss (virtual stage ns*p - 1)."""
-        return self.virtual(segment) == self.stages * self.segments - 1
 
 
 class Stage:
@@ -146,7 +82,7 @@ class Stage:
     def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
                  tp_group: Optional[dist.ProcessGroup], roles: Optional[Roles] = None) -> None:
         self.model, self.stack, self.layout = model, stack, layout
-        self._anchor = torch.empty(0, requires_grad=True)  # see _OffloadedLayer
+        self._anchor = torch.empty(0, requires_grad=True)  # see OffloadedLayer
         distributed = dist.is_available() and dist.is_initialized()
         self.tp = dist.get_world_size(tp_group) if distributed and tp_group is not None else 1
         self.group = tp_group if self.tp > 1 else None
@@ -181,7 +117,7 @@ class Stage:
         self.shapes = _layout(model)[2]  # {key: unsharded shape} of the whole model (before release_unowned)
         # Modules outside the layers whose parameters this rank does not hold (a meta build's other stages'):
         # stood in for while embed computes the ctx.
-        self._absent = _outermost(name for name, m in model.named_modules() if any(
+        self._absent = outermost(name for name, m in model.named_modules() if any(
             p.is_meta and id(p) not in in_layers for p in m.parameters(recurse=False)))
 
     def shared_at(self, segments: int) -> Optional[str]:
@@ -256,7 +192,7 @@ class Stage:
         (rotary embeddings, masks: what every layer gets), without a graph. Modules whose parameters
         this rank does not hold (a meta build: another stage's embedding or final norm) are stood in
         for meanwhile: an embedding gives zeros `[*tokens.shape, h]`, any other module its input."""
-        with _standing_in(self.model, self._absent):
+        with standing_in(self.model, self._absent):
             if self.layout.is_first(0):
                 return self.stack.embed(tokens, where)
             with torch.no_grad():
@@ -307,7 +243,7 @@ class Stage:
             if offload is None:
                 x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)
             else:  # the anchor makes the output need grad even when x does not (a frozen embedding)
-                x = _OffloadedLayer.apply(x, self._anchor, functools.partial(self._layer, i, ctx=ctx), *offload)
+                x = OffloadedLayer.apply(x, self._anchor, functools.partial(self._layer, i, ctx=ctx), *offload)
         return x
 
     def loss_sum(self, x: torch.Tensor, targets: torch.Tensor, ctx: object) -> torch.Tensor:
@@ -352,117 +288,6 @@ class Stage:
         return freed
 
 
-class _OffloadedLayer(torch.autograd.Function):
-    """y = layer(x) with x kept in an Offloader, recomputed in backward (reentrant-style checkpoint:
-    the recomputation's backward accumulates the parameters' .grad and returns x's gradient; the
-    CPU random state of the forward is restored for it, as torch.utils.checkpoint does).
-    `anchor`: a tensor that requires grad, so the output does even when x does not."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, layer, offloader: Offloader, group: Hashable,
-                handles: list) -> torch.Tensor:
-        ctx.layer, ctx.offloader, ctx.needs_x = layer, offloader, x.requires_grad
-        ctx.rng = torch.get_rng_state()
-        ctx.saved = offloader.save(x.detach(), group=group)
-        handles.append(ctx.saved)
-        with torch.no_grad():
-            return layer(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x = ctx.offloader.get(ctx.saved)
-        x = grad_leaf(x) if ctx.needs_x else x.detach()  # (not cached by autocast: oases._leaves)
-        ctx.offloader.release(ctx.saved)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            torch.set_rng_state(ctx.rng)
-            y = ctx.layer(x)
-        torch.autograd.backward(y, grad)
-        return (x.grad if ctx.needs_x else None), None, None, None, None, None
-
-
-class StageInput(torch.autograd.Function):
-    """x = StageInput.apply(anchor, received, sink, key): `received` entering the stage's autograd
-    graph without becoming a leaf the pipeline must keep (its memory can go with its offloaded
-    copy); backward puts its gradient in sink[key]. `anchor`: any tensor requiring grad."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, received: torch.Tensor, sink: dict, key: Hashable) -> torch.Tensor:
-        ctx.sink, ctx.key = sink, key
-        return received.view_as(received)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.sink[ctx.key] = grad
-        return None, None, None, None
-
-
-def _owned_modules(model: nn.Module, owned_keys: set[str]) -> Optional[nn.Module]:
-    """A module tree holding, at their own qualified names, the largest submodules of `model` whose
-    parameters are all in `owned_keys` (their state-dict keys are the model's); None when some owned
-    parameter sits in no such submodule (e.g. directly on a module that also holds others')."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    whole: list[str] = []
-    for name, module in model.named_modules():
-        if not name or any(name.startswith(w + ".") for w in whole):
-            continue
-        inside = [f"{name}.{n}" for n, _ in module.named_parameters(remove_duplicate=False)]
-        if inside and all(k in owned_keys for k in inside):
-            whole.append(name)
-    covered = {k for k in params if any(k.startswith(w + ".") for w in whole)}
-    if not owned_keys <= covered:
-        return None
-    sharded = {k for k in tp_rules(model) if k in owned_keys}
-    if not sharded <= set(tp_rules(_tree(model, whole))):  # a tp_layout() above the owned modules
-        return None
-    return _tree(model, whole)
-
-
-def _tree(model: nn.Module, whole: list[str]) -> nn.Module:
-    """A module holding model's submodules `whole` at their own qualified names."""
-    root = nn.Module()
-    for name in whole:
-        parent = root
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(parent, part):
-                parent.add_module(part, nn.Module())
-            parent = getattr(parent, part)
-        parent.add_module(leaf, model.get_submodule(name))
-    return root
-
-
-def check_layers(what: str, layers: int, pp: int, segments: int) -> None:
-    """ValueError unless `layers` layers fold into pp stages of `segments` segments."""
-    if layers % (pp * segments):
-        raise ValueError(f"{what}: {layers} layers are not divisible by pp * segments = {pp} * {segments}")
-
-
-def placement_of_layer(index: int, layers: int, stages: int, segments: int) -> tuple[int, int]:
-    """(segment, stage) holding layer `index` (StageLayout's folding, seen from any stage)."""
-    per_segment = layers // segments
-    return index // per_segment, (index % per_segment) // (per_segment // stages)
-
-
-def shared_across_placements(model: nn.Module, layer_params: list[list[nn.Parameter]],
-                             embed_params: list[nn.Parameter], head_params: list[nn.Parameter],
-                             stages: int, segments: int) -> Optional[str]:
-    """The name of a parameter used at two (segment, stage) placements, or None; one that only the
-    embedding and the head use (tied input/output embeddings) is allowed.
-
-        place(layer i) = placement_of_layer(i);  place(embedding) = (0, 0);  place(head) = (ns-1, p-1)"""
-    places: dict[int, set[tuple[int, int]]] = {}
-    for i, params in enumerate(layer_params):
-        for p in params:
-            places.setdefault(id(p), set()).add(placement_of_layer(i, len(layer_params), stages, segments))
-    tied = {id(p) for p in embed_params} & {id(p) for p in head_params}
-    for params, place in ((embed_params, (0, 0)), (head_params, (segments - 1, stages - 1))):
-        for p in params:
-            if id(p) not in tied or id(p) in places:  # (a tied one in a layer too: refused)
-                places.setdefault(id(p), set()).add(place)
-    names = {id(p): n for n, p in model.named_parameters()}
-    return next((names.get(i, "?") for i, where in places.items() if len(where) > 1), None)
-
-
 def _unique(params) -> list[nn.Parameter]:
     """`params` without repeats (tied parameters once), in first-seen order."""
     seen: dict[int, nn.Parameter] = {}
@@ -476,54 +301,3 @@ def _parameters_of(sublayer: object, index: int) -> list[nn.Parameter]:
         return list(sublayer.parameters())
     raise ValueError(f"model: a sublayer of layer {index} ({type(sublayer).__name__}) is not an nn.Module and has "
                      "no parameters() method; the pipeline needs each sublayer's parameters to place them")
-
-
-def _used_by(out: torch.Tensor, params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """The trainable parameters among `params` that `out` depends on (differentiated once)."""
-    trainable = [p for p in params if p.requires_grad]
-    if not trainable or not out.requires_grad:
-        return []
-    grads = torch.autograd.grad(out.float().sum(), trainable, allow_unused=True)
-    return [p for p, g in zip(trainable, grads) if g is not None]
-
-
-class _StandIn(nn.Module):
-    """Stands in for a module whose parameters this rank does not hold while a stage computes its
-    ctx: an embedding (a module with an int `embedding_dim`) gives zeros [*ids.shape, dim], any
-    other module returns its first input."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        dim = getattr(module, "embedding_dim", None)
-        self.dim = dim if isinstance(dim, int) else None
-        self.out_dtype = next(module.parameters()).dtype
-
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.dim is None:
-            return x
-        return torch.zeros((*x.shape, self.dim), dtype=self.out_dtype, device=x.device)
-
-
-@contextlib.contextmanager
-def _standing_in(model: nn.Module, names: list[str]) -> Iterator[None]:
-    """model's submodules `names` replaced by _StandIns for the block (restored after)."""
-    saved = []
-    try:
-        for name in names:
-            parent, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            saved.append((owner, leaf, getattr(owner, leaf)))
-            setattr(owner, leaf, _StandIn(saved[-1][2]))
-        yield
-    finally:
-        for owner, leaf, module in reversed(saved):
-            setattr(owner, leaf, module)
-
-
-def _outermost(names: Iterable[str]) -> list[str]:
-    """`names` (qualified module names, in named_modules order) without those inside another one."""
-    kept: list[str] = []
-    for name in names:
-        if not any(name == k or name.startswith(k + ".") for k in kept):
-            kept.append(name)
-    return kept

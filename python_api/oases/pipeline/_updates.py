@@ -1,0 +1,105 @@
+"""A Pipeline's per-segment optimizers and DP syncs, and when each segment's update is applied: before
+the segment's next forward, after its DP sync (and a tied copy's) is over; with a loss scaler, one
+unscale and one inf/NaN verdict for every pending segment (see the oases.pipeline.pipeline module doc)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases.comm.hierarchical import HostGroups
+from oases.dp.zero import ShardedOptimizer
+from oases.pipeline.comm_scheduler import CommScheduler
+from oases.pipeline.dp_sync import SegmentSync
+from oases.pipeline.tied import sum_copies
+from oases.pipeline.zero_sync import ZeroSegmentSync
+
+if TYPE_CHECKING:
+    from oases.pipeline.pipeline import Pipeline
+
+__all__ = ["make_optimizers", "sync_parameters", "make_sync", "apply_update", "sum_tied"]
+
+
+def make_optimizers(segment_params: list[list[nn.Parameter]], make: Callable, *, zero: bool,
+                    dp_group: dist.ProcessGroup) -> list[torch.optim.Optimizer]:
+    """One optimizer per segment: make(its parameters), or with zero a ShardedOptimizer of this dp rank's rows."""
+    if zero:  # ZeRO-1: each segment's optimizer steps this dp rank's rows (oases.dp.ShardedOptimizer)
+        return [ShardedOptimizer(params, dp_group, make) for params in segment_params]
+    return [make(params) for params in segment_params]  # one per segment
+
+
+def sync_parameters(segment_params: list[list[nn.Parameter]], tied: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """What each DP sync segment sums: segment k's parameters but a tied copy; the tied copy as segment ns."""
+    ids = {id(p) for p in tied}
+    sync_params = [[p for p in params if id(p) not in ids] for params in segment_params]
+    return sync_params + ([tied] if tied else [])
+
+
+def make_sync(sync_params: list[list[nn.Parameter]], dp_group: dist.ProcessGroup, scheduler: CommScheduler,
+              optimizers: list[torch.optim.Optimizer], *, zero: bool, overlap_ratio: float, bucket_numel: int,
+              chunk_bytes: int, hosts: Optional[HostGroups]) -> SegmentSync:
+    """The per-segment DP sync: with zero a reduce-scatter into the optimizers' rows, all-gathered after
+    their steps (ZeroSegmentSync), else a sum of whole gradients (SegmentSync; two-level rings on `hosts`)."""
+    if zero:  # reduce-scatter into the optimizers' rows, all-gather after their steps
+        return ZeroSegmentSync(sync_params, dp_group, scheduler, optimizers, overlap_ratio=overlap_ratio,
+                               bucket_numel=bucket_numel, chunk_bytes=chunk_bytes)
+    return SegmentSync(sync_params, dp_group, scheduler, overlap_ratio=overlap_ratio, bucket_numel=bucket_numel,
+                       chunk_bytes=chunk_bytes, hosts=hosts)
+
+
+def apply_update(pipe: Pipeline, segment: int) -> None:
+    """Segment `segment`'s pending optimizer step, before its forward. ZeRO: then segment
+    k+1's step, whose all-gather runs under segment k's forwards (oases.pipeline.zero_sync);
+    and segment k's all-gather is waited for."""
+    if pipe._failed is not None:  # ranks may hold different pending steps: their collectives would not match
+        raise RuntimeError("pipeline: an earlier step failed mid-way (see the cause); its pending updates are "
+                           "not applied; build a new Pipeline") from pipe._failed
+    if segment in pipe._update_pending:
+        _step(pipe, segment)
+    if pipe.zero:
+        if segment + 1 in pipe._update_pending:
+            _step(pipe, segment + 1)
+        pipe.sync.wait_gather(segment)
+
+
+def _wait_sync(pipe: Pipeline, segment: int) -> None:
+    pipe.sync.wait(segment)
+    if segment == pipe._tied_home:
+        pipe.sync.wait(pipe.segments)
+
+
+def _step(pipe: Pipeline, segment: int) -> None:
+    """Wait for the segment's DP sync (and a tied copy's), step, clear its grads (ZeRO: start
+    the all-gather of its parameters). With a loss scaler, the first pending step of a train
+    step waits for every pending segment's sync and unscales them all (one verdict for all of
+    them over the scaler's group); each segment then steps or skips by it, and the scale is
+    updated after the last."""
+    scaler = pipe.loss_scaler
+    if scaler is not None and not pipe._unscaled:
+        pending = sorted(pipe._update_pending)
+        for k in pending:
+            _wait_sync(pipe, k)
+        scaler.unscale_together_([pipe.optimizers[k] for k in pending])
+        pipe._unscaled = True
+    _wait_sync(pipe, segment)
+    if scaler is None:
+        pipe.optimizers[segment].step()
+    else:
+        scaler.step(pipe.optimizers[segment])
+    pipe.optimizers[segment].zero_grad(set_to_none=True)
+    pipe._update_pending.discard(segment)
+    if scaler is not None and not pipe._update_pending:
+        scaler.update()
+        pipe._unscaled = False
+    if pipe.zero:
+        pipe.sync.gather(segment)
+
+
+def sum_tied(pipe: Pipeline) -> None:
+    """End of a step, on a copy of a tied embedding / head (first and last stage): add the
+    other copy's gradient (a collective with that stage), then start the weight's DP sync."""
+    if pipe._tied and pipe._tied_group is not None:
+        sum_copies(pipe._tied, pipe._tied_group)
+        pipe.sync.launch(pipe.segments)
