@@ -18,7 +18,7 @@ import time
 import pytest
 
 import oases
-from oases import env
+from oases import _env_report, env
 from oases.cli import main as oases_main
 from oases.launch import parse_bandwidth
 from oases.planner.profile import parse_link
@@ -207,7 +207,7 @@ def test_link_shaping_reports_why_a_namespace_is_refused(monkeypatch, tmp_path, 
     without root the launcher's own check (find_tools) gives it, and nothing is tried."""
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setenv("PATH", _fake_tools(tmp_path, ip_body))
-    monkeypatch.setattr(env, "COMMAND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_env_report, "COMMAND_TIMEOUT_S", 0.5)  # read where the probes run
     start = time.monotonic()
     shaping = env._link_shaping()
     assert time.monotonic() - start < 10

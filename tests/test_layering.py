@@ -31,7 +31,9 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("oases.checkpoint",),
     ("oases.pretrained", "oases.training"),
     ("oases.pipeline",),
-    ("oases", "oases.__main__", "oases.cli", "oases.plan", "oases.env"),  # the front: oases/__init__.py, the CLI
+    # the front: oases/__init__.py, the CLI (oases env: its report and link probe in _env_*, _link_probe)
+    ("oases", "oases.__main__", "oases.cli", "oases.plan", "oases.env", "oases._env_guards", "oases._env_report",
+     "oases._link_probe"),
 )
 OPEN_FLOORS = (0, len(FLOORS) - 1)  # the leaves and the front: their modules may import one another
 

@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _checks
-from oases.checkpoint import _check, _layout, _Shard
+from oases.checkpoint._unsharded import _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
 __all__ = ["load_pretrained", "save_pretrained"]

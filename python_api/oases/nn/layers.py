@@ -52,146 +52,29 @@ every rank; for layers too large for that, build on device="meta" and load this 
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases import _checks, ops
+from oases import ops
 from oases._sharding import ShardRule, row_shard, vocab_rule
 from oases.comm._topology import ring_of
+from oases.nn._fusion import _linear, _main_grad
+from oases.nn._layer_args import (
+    _check_flag,
+    _check_replicas,
+    _check_transposed,
+    _resolve_chunks,
+    check_shardable,
+    is_conv1d,
+)
 from oases.nn._mappings import copy_to_replicas, copy_to_tp, gather_from_tp, split_to_tp
+from oases.nn._shared_entry import _SharedEntry
 from oases.nn.experts import ParallelExperts
-from oases.ops import _gemm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "no_tp_communication"]
-
-
-def check_shardable(owner: str, arg: str, size: int, world_size: int, stacked: int = 1,
-                    parts: tuple[int, ...] = (), replicas: tuple[int, ...] = ()) -> None:
-    """`size` features (in `stacked` equal blocks, or blocks of the sizes `parts`) must split into
-    whole per-rank shards; with `replicas` (one per block), block i into world_size / replicas[i]."""
-    if not _checks.is_int(stacked) or stacked < 1:
-        raise ValueError(f"{owner}: stacked must be an int >= 1, got {stacked!r}")
-    if replicas:
-        if parts:
-            check_shardable(owner, arg, size, 1, 1, parts)  # the blocks' own sizes
-        blocks = parts or (size,)
-        if stacked != 1 or not isinstance(replicas, tuple) or len(replicas) != len(blocks) or any(
-                not _checks.is_int(c) or c < 1 or world_size % c for c in replicas):
-            raise ValueError(f"{owner}: replicas must be a tuple of one int per block ({len(blocks)}), each dividing "
-                             f"the tensor-parallel world size {world_size}, with stacked=1; got {replicas!r}")
-        for n, c in zip(blocks, replicas):
-            if n % (world_size // c):
-                raise ValueError(f"{owner}: {arg}={size} has a block of {n} features held by groups of {c} ranks; "
-                                 f"{n} is not divisible by {world_size // c} (world size {world_size} / {c})")
-        return
-    if parts:
-        if stacked != 1:
-            raise ValueError(f"{owner}: pass stacked (equal blocks) or parts (their sizes), not both")
-        if (not isinstance(parts, tuple) or any(not _checks.is_int(n) or n < 1 for n in parts)
-                or sum(parts) != size):
-            raise ValueError(f"{owner}: parts must be a tuple of positive block sizes summing to {arg}={size} "
-                             f"(e.g. (q, k, v) widths), got {parts!r}")
-        bad = [n for n in parts if n % world_size]
-        if bad:
-            raise ValueError(f"{owner}: {arg}={size} is made of blocks {parts}, and {bad[0]} is not divisible by the "
-                             f"tensor-parallel world size {world_size}; each block must split into whole shards "
-                             f"(whole heads: head counts divisible by {world_size})")
-        return
-    if size % stacked:
-        raise ValueError(
-            f"{owner}: {arg}={size} does not split into stacked={stacked} equal blocks; "
-            f"use the number of blocks the features are made of (3 for q|k|v)"
-        )
-    block = size // stacked
-    if block % world_size:
-        what = f"{arg}={size}" if stacked == 1 else f"{arg}={size} ({stacked} blocks of {block})"
-        raise ValueError(
-            f"{owner}: {what} is not divisible by the tensor-parallel world size {world_size}; "
-            f"choose {arg} so that each block is a multiple of {world_size} (or pad the layer)"
-        )
-
-
-class _SharedEntry:
-    """Where replicated activations enter one group's TP region, shared by the column layers
-    `parallelize` makes: layers fed the same input tensor one after the other (q, k, v; gate, up)
-    reuse one copy_to_tp of it, so its gradient is all-reduced once, after autograd has summed
-    theirs, not once per layer. The entry is held until its gradient arrives or the next input
-    comes (whichever is first); inference tensors, which carry no version, are not shared.
-    """
-
-    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        self.group = group
-        self._last: Optional[tuple[weakref.ref, tuple, torch.Tensor]] = None
-
-    @torch.compiler.disable  # weakrefs and versions: one graph break under torch.compile
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_inference():
-            return copy_to_tp(x, self.group)
-        key = (x._version, x.requires_grad, torch.is_grad_enabled())
-        if self._last is not None and self._last[0]() is x and self._last[1] == key:
-            return self._last[2]
-        entered = copy_to_tp(x, self.group)
-        self._last = (weakref.ref(x), key, entered)
-        if entered.requires_grad:
-            entered.register_hook(self._forget)
-        return entered
-
-    def _forget(self, grad: torch.Tensor) -> None:
-        self._last = None
-
-
-class _LinearMainGrad(torch.autograd.Function):
-    """y = F.linear(x, weight, bias); backward: main_grad += grad_w in fp32, no grad for weight."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, main_grad):
-        ctx.save_for_backward(x, weight)
-        ctx.main_grad, ctx.has_bias = main_grad, bias is not None
-        return nn.functional.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [m, o]
-        grad_x = torch.matmul(grad_y, weight) if need_x else None
-        if need_w:
-            _gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
-        grad_b = g2.sum(0) if ctx.has_bias and need_b else None
-        return grad_x, None, grad_b, None
-
-
-def _main_grad(layer: nn.Module) -> Optional[torch.Tensor]:
-    """`layer.weight.main_grad` when this forward's weight gradient goes there, else None."""
-    weight = layer.weight
-    if not layer.gradient_accumulation_fusion or not (torch.is_grad_enabled() and weight.requires_grad):
-        return None
-    if getattr(weight, "main_grad", None) is None:
-        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    _gemm.check_main_grad(weight.main_grad, weight)
-    return weight.main_grad
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            main_grad: Optional[torch.Tensor]) -> torch.Tensor:
-    if main_grad is None:
-        return nn.functional.linear(x, weight, bias)
-    return _LinearMainGrad.apply(x, weight, bias, main_grad)
-
-
-def _check_flag(owner: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: {name} must be a bool, got {value!r}")
-
-
-def _resolve_chunks(chunks: Optional[int]) -> Optional[int]:
-    if chunks is not None:
-        _checks.chunks_arg(chunks)
-    return chunks
 
 
 class ColumnParallelLinear(nn.Module):
@@ -511,42 +394,6 @@ def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
     finally:
         for m, mode in zip(layers, previous):
             m._communicate = mode
-
-
-def _check_replicas(owner: str, replicas: tuple[int, ...], replica_group: Optional[dist.ProcessGroup],
-                    ring, other_mode: bool) -> None:
-    """replicas > 1 need their replica_group: the c consecutive ranks of the layer's group holding
-    this rank's copies (one c for every replicated block); not with a padded, transposed, gathered
-    or gradient-fused layer."""
-    if other_mode:
-        raise ValueError(f"{owner}: replicas (blocks held alike by several ranks) are for a plain column layer: "
-                         f"not with pad_vocab, transposed, gather_output or gradient_accumulation_fusion")
-    counts = {c for c in replicas if c > 1}
-    if len(counts) > 1:
-        raise ValueError(f"{owner}: replicas {replicas} name several replica counts; one replica_group serves one")
-    c = counts.pop()
-    first = ring.rank // c * c
-    want = ring.global_ranks[first:first + c]
-    held = tuple(dist.get_process_group_ranks(replica_group)) if replica_group is not None else None
-    if held is None or sorted(held) != sorted(want):
-        raise ValueError(f"{owner}: replicas={replicas} needs replica_group: the process group of global ranks "
-                         f"{list(want)} (the {c} consecutive ranks of the layer's group holding this rank's "
-                         f"copies), got {'None' if held is None else list(held)}")
-
-
-def _check_transposed(owner: str, transposed: object, fusion: bool) -> None:
-    _check_flag(owner, "transposed", transposed)
-    if transposed and fusion:
-        raise ValueError(f"{owner}: gradient_accumulation_fusion is not supported with transposed=True (a Conv1D "
-                         f"layout); pass gradient_accumulation_fusion=False")
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Whether `module` is a Hugging Face Conv1D: y = x @ weight + bias, weight [nx, nf] (GPT-2's projections)."""
-    weight = getattr(module, "weight", None)
-    return (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
-            and isinstance(getattr(module, "nx", None), int) and isinstance(weight, torch.Tensor)
-            and tuple(weight.shape) == (module.nx, module.nf))
 
 
 def _from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup], kw: dict):

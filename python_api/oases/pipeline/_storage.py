@@ -41,25 +41,11 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _dcp
-from oases.checkpoint import (
-    _EXTRA,
-    _GROUPS,
-    _MODEL,
-    _STATE,
-    CheckpointState,
-    _check,
-    _open,
-    _optimizer_entries,
-    _optimizer_reads,
-    _optimizer_view,
-    _restore_optimizer,
-    _rng_key,
-    _run_entries,
-    _save_target,
-    _set_rng,
-    _sharded,
-    _shards,
-)
+from oases.checkpoint import CheckpointState
+from oases.checkpoint._disk import _open, _rng_key, _run_entries, _save_target, _set_rng, _sharded
+from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _STATE
+from oases.checkpoint._optimizer import _optimizer_entries, _optimizer_reads, _optimizer_view, _restore_optimizer
+from oases.checkpoint._unsharded import _check, _shards
 from oases.comm._topology import ring_of
 from oases.nn._materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid

@@ -31,7 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from oases.checkpoint import _layout, full_state_dict
+from oases.checkpoint import full_state_dict
+from oases.checkpoint._unsharded import _layout
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.offload import Offloader

@@ -1,0 +1,247 @@
+"""On-disk checkpoints: `save_checkpoint` and `load_checkpoint` (oases.checkpoint's module doc),
+each rank writing and reading its own shards through oases._dcp."""
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from oases import _checks
+from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _RNG
+from oases.checkpoint._optimizer import (
+    _check_groups,
+    _optimizer_entries,
+    _optimizer_reads,
+    _optimizer_view,
+    _restore_optimizer,
+)
+from oases.checkpoint._unsharded import _check, _layout, _Shard
+from oases.comm._topology import ring_of
+
+if TYPE_CHECKING:
+    from oases._dcp import Chunked
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """What `load_checkpoint` restored besides tensors, and which model keys did not match.
+
+    ::
+
+        step, extra:      what save_checkpoint was given (None for a checkpoint of older Oases)
+        path:             the checkpoint directory loaded (a root resolves to its newest step-*)
+        missing_keys:     model keys the checkpoint lacks, left as they were (strict=False only)
+        unexpected_keys:  checkpoint keys the model lacks, not read (strict=False only)
+    """
+
+    step: Optional[int]
+    extra: Any
+    path: str
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _sharded(value: torch.Tensor, s: _Shard) -> "Chunked":
+    """`value` (shaped like the shard s.local) as its boxes of the unsharded tensor."""
+    from oases._dcp import Chunked
+
+    return Chunked(value.detach(), tuple(s.rule.chunks(s.full_shape, s.rank, s.size)), s.full_shape)
+
+
+def _count(name: str, value: object, least: int) -> None:
+    if not _checks.is_int(value):
+        raise TypeError(f"{name}: expected an int >= {least} or None, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name}: must be >= {least}, got {value}")
+
+
+def _save_target(path: Union[str, os.PathLike], step: object, keep: object, extra: object) -> str:
+    """Where a checkpoint of `step` under `path` is published, after the local checks of the
+    arguments every saver shares (step, keep, extra picklable)."""
+    from oases import _dcp
+
+    if step is not None:
+        _count("step", step, 0)
+    if keep is not None:
+        _count("keep", keep, 1)
+        if step is None:
+            raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
+    try:
+        torch.save(extra, io.BytesIO())
+    except Exception as e:
+        raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
+    root = os.path.normpath(os.fspath(path))
+    return root if step is None else _dcp.step_dir(root, step)
+
+
+def _run_entries(extra: Any, rank: int) -> dict[str, Any]:
+    """The entries of a checkpoint besides model and optimizer: the format, `extra`, this rank's RNG."""
+    from oases import _dcp
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return {_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
+            f"{_RNG}{rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}}
+
+
+def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
+                    optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
+                    extra: Any = None, keep: Optional[int] = None,
+                    group: Optional[dist.ProcessGroup] = None) -> str:
+    """Write model (and optimizer) state, step, `extra` and RNG states; return the directory published.
+
+    ::
+
+        where = path if step is None else path/step-{step:09d}
+        dcp.save({"model.<key>": each rank's shards as boxes of the unsharded tensor | replicated tensor,
+                  "optim.state.<param name>.<state>": likewise (shard-shaped state is sharded),
+                  "optim.master.<param name>": a ZeroOptimizer's fp32 masters of 16-bit parameters (rows),
+                  "optim.param_groups": param_groups with parameter names,
+                  "oases.extra": extra, "oases.rng.<rank>": this rank's RNG states}, .<where>.partial)
+        rank 0: write oases_checkpoint.json (format, world size, step), rename to `where`
+        keep=N: delete all but the N newest (highest step) complete path/step-*, never `where`, and stale partials
+
+    A collective over `group` (default: the world; ranks holding replicas of the model, at any TP
+    degrees inside it): no rank gathers the model; each writes its own shards, a replicated entry
+    or a shard held by several replicas is written once. The stored tensors have the unsharded
+    model's shapes, so `load_checkpoint` reads them at any TP degree. `path` must be a directory
+    every rank sees; saving replaces a checkpoint already at `where`, never other files.
+
+    Args:
+        optimizer: any torch.optim optimizer over the model's parameters.
+        step: the training step (an int >= 0) or None.
+        extra: anything picklable (e.g. {"data": position}), returned by load_checkpoint; one value
+            is stored (the same on every rank: a per-rank position belongs in a list indexed by rank).
+        keep: with step, the number of newest step-* checkpoints to keep (>= 1).
+    Returns:
+        The published checkpoint directory.
+    """
+    from oases import _dcp
+
+    ring = ring_of(group)
+    where = _save_target(path, step, keep, extra)
+    _, shards, _ = _layout(model)
+    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
+                               for key, value in model.state_dict().items()}
+    if optimizer is not None:
+        entries.update(_optimizer_entries(_optimizer_view(model, optimizer), shards))
+    entries.update(_run_entries(extra, ring.rank))
+    _dcp.check_target(where)  # every check above and here is local: no rank is left waiting
+    marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": optimizer is not None}
+    _dcp.save(entries, where, ring, marker, keep)
+    return where
+
+
+def _open(path: Union[str, os.PathLike]) -> tuple[str, dict, Optional[dict]]:
+    """(the checkpoint directory `path` names, its DCP metadata {key: metadata}, its marker or None)."""
+    from oases import _dcp
+
+    where = _dcp.find(os.path.normpath(os.fspath(path)))
+    stored = _dcp.read_metadata(where).state_dict_metadata
+    marker = _dcp.read_marker(where)
+    if _dcp.FORMAT_KEY in stored and marker is None:
+        raise ValueError(f"path: checkpoint {where!r} is incomplete (no {_dcp.MARKER}: its writer died before "
+                         f"publishing it); load an earlier one, or the root directory to pick the newest complete one")
+    return where, stored, marker
+
+
+def _rng_key(what: str, stored: dict, marker: dict, size: int, rank: int) -> Optional[str]:
+    """This rank's RNG entry if the checkpoint was saved by a group of `size` ranks, else None (a warning)."""
+    if marker.get("world_size") == size and f"{_RNG}{rank}" in stored:
+        return f"{_RNG}{rank}"
+    warnings.warn(f"load_checkpoint: {what} was saved by {marker.get('world_size')} ranks, this group has {size}: "
+                  f"RNG states not restored")
+    return None
+
+
+def _set_rng(what: str, saved: dict) -> None:
+    torch.set_rng_state(saved["cpu"])
+    if saved["cuda"] is None:
+        return
+    if torch.cuda.is_available() and len(saved["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(saved["cuda"])
+    else:
+        warnings.warn(f"load_checkpoint: {what} holds the RNG states of {len(saved['cuda'])} GPUs, this rank sees "
+                      f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored")
+
+
+def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
+                    optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True,
+                    group: Optional[dist.ProcessGroup] = None) -> CheckpointState:
+    """Load a `save_checkpoint` directory (or the newest complete step-* under a root) at any TP degree.
+
+        where = path if path holds a checkpoint else newest complete path/step-*
+        check the checkpoint against the model (keys if strict, shapes) and the optimizer   # local only
+        dcp.load: each rank reads the boxes of its own shards, straight into the model's tensors
+        optimizer.load_state_dict(the saved state, re-sharded to this layout, keyed by its indices)
+        ZeroOptimizer: fp32 masters read as its rows (those not saved: refilled from the parameters)
+        restore this rank's RNG states if the group has as many ranks as the one that saved
+        return CheckpointState(step, extra, where, missing_keys, unexpected_keys)
+
+    A collective over `group` (default: the world), like `save_checkpoint`. Every check runs on
+    local metadata before any communication, so a bad model, optimizer or checkpoint raises the
+    same error on every rank and changes nothing. Tensors are cast to the model's dtype on copy;
+    the optimizer's state follows torch's load_state_dict rules (cast, moved to its parameter's
+    device), its hyper-parameters (lr, ...) are the checkpoint's. Checkpoints of older Oases (the
+    unsharded model's state dict at the top level) load too, without optimizer.
+
+    Args:
+        optimizer: an optimizer over the model's parameters, grouped as the saved one was.
+        strict: if False, keys on one side only are skipped and listed in the result.
+    Returns:
+        CheckpointState(step, extra, path, missing_keys, unexpected_keys).
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from oases import _dcp
+
+    ring = ring_of(group)
+    _, shards, expected = _layout(model)
+    view = _optimizer_view(model, optimizer) if optimizer is not None else None
+    where, stored, marker = _open(path)
+    what = f"checkpoint {where!r}"
+    ours = _dcp.FORMAT_KEY in stored  # else one of older Oases: the model's keys at the top level, nothing else
+    held = {key[len(_MODEL):]: meta for key, meta in stored.items() if key.startswith(_MODEL)} if ours else stored
+    non_tensors = [key for key in expected if key in held and not isinstance(held[key], TensorStorageMetadata)]
+    if non_tensors:
+        raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
+    _check(what, expected, {key: getattr(meta, "size", ()) for key, meta in held.items()}, shards, strict)
+    small: dict[str, Any] = {}  # pickled entries, read by this rank alone before any collective
+    rng = None
+    if ours:
+        small[_EXTRA] = None
+        rng = _rng_key(what, stored, marker, ring.size, ring.rank)
+        if rng is not None:
+            small[rng] = None
+    if optimizer is not None:
+        if not ours:
+            raise ValueError(f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
+                             f"optimizer state; load it with optimizer=None")
+        slots, reads = _optimizer_reads(what, view, stored, shards)
+        small.update({key: None for key, value in reads.items() if value is None})
+        small[_GROUPS] = None
+    if small:
+        _dcp.read_local(small, where)
+    if optimizer is not None:
+        _check_groups(what, view.names, small[_GROUPS])
+
+    local = model.state_dict()  # detached views of the model's own tensors: reads land in them
+    prefix = _MODEL if ours else ""
+    entries: dict[str, Any] = {prefix + key: _sharded(local[key], shards[key]) if key in shards else local[key]
+                               for key in expected if key in held}
+    if optimizer is not None:
+        entries.update({key: value for key, value in reads.items() if value is not None})
+    _dcp.load(entries, where, ring)  # the one collective
+    if optimizer is not None:
+        values = {key: small[key] if value is None else value for key, value in reads.items()}
+        _restore_optimizer(view, slots, values, small[_GROUPS])  # ZeroOptimizer: and its fp32 masters
+    if rng is not None:
+        _set_rng(what, small[rng])
+    return CheckpointState(step=marker["step"] if ours else None, extra=small.get(_EXTRA), path=where,
+                           missing_keys=[key for key in expected if key not in held],
+                           unexpected_keys=[key for key in held if key not in expected])

@@ -1,0 +1,193 @@
+"""Optimizer state in checkpoints: an optimizer (torch.optim, or a ZeroOptimizer's inner one over
+its rows) as checkpoints see it, its state as entries keyed by parameter name, and read back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from oases._sharding import rows_of, whole
+from oases.checkpoint._keys import _GROUPS, _MASTER, _STATE
+from oases.checkpoint._unsharded import _Shard
+
+
+@dataclass(frozen=True)
+class _OptimizerView:
+    """An optimizer as checkpoints see it: the torch optimizer whose state_dict is stored (a
+    ZeroOptimizer's inner one), and for each of its parameters (flat index) the model parameter
+    it stands for, that parameter's name, the rows [start, stop) of it the state covers (ZeRO)
+    or None (all of it), and ZeRO's fp32 master of those rows where it is a tensor of its own
+    (16-bit parameters) or None; `resync(params)` refills those masters from the parameters."""
+
+    inner: torch.optim.Optimizer
+    names: list[list[str]]  # per param group: the model parameter names, in the group's order
+    params: list[nn.Parameter]  # flat index -> the model parameter
+    rows: list[Optional[tuple[int, int]]]  # flat index -> ZeRO rows, or None
+    masters: list[Optional[torch.Tensor]] = ()  # flat index -> fp32 master of the rows [stop - start, ...], or None
+    resync: Optional[Callable[[list[nn.Parameter]], None]] = None  # ZeRO: masters <- parameters
+
+    def flat_names(self) -> list[str]:
+        return [name for group in self.names for name in group]
+
+
+def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
+    """The checkpoint view of a torch.optim optimizer over the model's parameters, or of an
+    oases.dp.ZeroOptimizer (its inner optimizer over this dp rank's rows); local checks only."""
+    names: dict[int, str] = {id(p): name for name, p in model.named_parameters()}
+    zero = callable(getattr(optimizer, "master_of", None)) and isinstance(getattr(optimizer, "inner", None),
+                                                                           torch.optim.Optimizer)
+    if not zero and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, got "
+                        f"{type(optimizer).__name__}")
+    inner = optimizer.inner if zero else optimizer
+    stand_for = {}  # id(inner parameter) -> (model parameter, rows, master with storage of its own)
+    if zero:
+        for p in optimizer.params:
+            master, start, stop = optimizer.master_of(p)
+            if p.dim() == 0:
+                raise ValueError(f"optimizer: {names.get(id(p), 'a parameter')} is 0-d; ZeroOptimizer checkpoints "
+                                 f"need parameters with at least one dimension")
+            stand_for[id(master)] = (p, (start, stop), master if master.dtype != p.dtype else None)
+    groups, params, rows, masters, strangers = [], [], [], [], []
+    for g, group in enumerate(inner.param_groups):
+        mine = []
+        for i, q in enumerate(group["params"]):
+            p, piece, master = stand_for.get(id(q), (q, None, None))
+            if id(p) not in names:
+                strangers.append(f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})")
+            mine.append(names.get(id(p), ""))
+            params.append(p)
+            rows.append(piece)
+            masters.append(master)
+        groups.append(mine)
+    if strangers:
+        raise ValueError(f"optimizer: {', '.join(strangers)} is not a parameter of the model (optimizer state is "
+                         f"stored by model.named_parameters() name); build the optimizer from model.parameters()")
+    resync = getattr(optimizer, "sync_masters", None) if zero else None
+    return _OptimizerView(inner, groups, params, rows, masters, resync)
+
+
+def _state_chunks(view: _OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, _Shard],
+                  name: str) -> Optional[tuple[list, torch.Size, tuple[int, ...]]]:
+    """How a state tensor of parameter `index` stored with global `shape` lies on this rank:
+    (its boxes, the global shape, the local shape), or None when it is not shaped like the
+    parameter (a scalar step: replicated). ZeRO: the boxes of its rows."""
+    p, piece, shard = view.params[index], view.rows[index], shards.get(name)
+    full = shard.full_shape if shard is not None else p.shape
+    if tuple(shape) != tuple(full):
+        return None
+    chunks = shard.rule.chunks(full, shard.rank, shard.size) if shard is not None else whole(tuple(full))
+    if piece is None:
+        return chunks, torch.Size(full), tuple(p.shape)
+    start, stop = piece
+    return rows_of(chunks, start, stop), torch.Size(full), (stop - start, *p.shape[1:])
+
+
+def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
+    """The optimizer's state keyed by parameter name: parameter-shaped tensors as their boxes of
+    the full parameter (TP shards, ZeRO rows), the rest as they are."""
+    from oases._dcp import Chunked
+
+    names = view.flat_names()  # [optimizer index]
+    saved = view.inner.state_dict()  # {"state": {index: {name: value}}, "param_groups": [{..., "params": [index]}]}
+    entries: dict[str, Any] = {_GROUPS: [dict(group, params=[names[i] for i in group["params"]])
+                                         for group in saved["param_groups"]]}
+    for index, state in saved["state"].items():
+        p, piece = view.params[index], view.rows[index]
+        for name, value in state.items():
+            if "." in name:
+                raise ValueError(f"optimizer: state name {name!r} has a '.', which checkpoint keys use as separator")
+            if isinstance(value, torch.Tensor):  # exp_avg [shard] is sharded like its parameter; step [] replicated
+                local = tuple(p.shape) if piece is None else (piece[1] - piece[0], *p.shape[1:])
+                full = shards[names[index]].full_shape if names[index] in shards else p.shape
+                placed = _state_chunks(view, index, full, shards, names[index]) if tuple(value.shape) == local else None
+                value = value.detach() if placed is None else Chunked(value.detach(), tuple(placed[0]), placed[1])
+            entries[f"{_STATE}{names[index]}.{name}"] = value
+    for index, master in enumerate(view.masters):  # ZeRO's fp32 masters of 16-bit parameters: their rows
+        if master is not None:
+            full = shards[names[index]].full_shape if names[index] in shards else view.params[index].shape
+            placed = _state_chunks(view, index, full, shards, names[index])
+            entries[f"{_MASTER}{names[index]}"] = Chunked(master.detach(), tuple(placed[0]), placed[1])
+    return entries
+
+
+def _optimizer_reads(what: str, view: _OptimizerView, stored: dict,
+                     shards: dict[str, _Shard]) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
+    """({checkpoint key: (optimizer index, state name | None for ZeRO's fp32 master)}, {key: buffer to
+    read into | None for pickled}); local checks only. A master is read straight into the optimizer's."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from oases._dcp import Chunked
+
+    if _GROUPS not in stored:
+        raise ValueError(f"optimizer: {what} holds no optimizer state (saved without optimizer=); "
+                         f"load it with optimizer=None")
+    index = {name: i for i, name in enumerate(view.flat_names())}
+    params = [p for group in view.inner.param_groups for p in group["params"]]
+    where, reads = {}, {}
+    for key, meta in stored.items():
+        if key.startswith(_MASTER) and key[len(_MASTER):] in index and isinstance(meta, TensorStorageMetadata):
+            i = index[key[len(_MASTER):]]
+            placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(_MASTER):])
+            if view.masters and view.masters[i] is not None and placed is not None:
+                where[key] = (i, None)
+                reads[key] = Chunked(view.masters[i].detach(), tuple(placed[0]), placed[1])
+            continue
+        if not key.startswith(_STATE):
+            continue
+        name, state = key[len(_STATE):].rsplit(".", 1)
+        if name not in index:
+            continue  # a parameter the optimizer lacks: the param_groups check names it
+        i = index[name]
+        where[key] = (i, state)
+        if not isinstance(meta, TensorStorageMetadata):
+            reads[key] = None  # pickled: read locally first
+            continue
+        placed = _state_chunks(view, i, tuple(meta.size), shards, name)
+        current = view.inner.state.get(params[i], {}).get(state)
+        buffer = _buffer(current, meta.size if placed is None else placed[2], meta.properties.dtype)
+        reads[key] = buffer if placed is None else Chunked(buffer, tuple(placed[0]), placed[1])
+    return where, reads
+
+
+def _buffer(current: object, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Where to read an optimizer state tensor: the optimizer's own one when it fits (no new memory;
+    load_state_dict then keeps it as it is), else a new CPU tensor (load_state_dict casts and moves it)."""
+    if isinstance(current, torch.Tensor) and tuple(current.shape) == tuple(shape) and current.dtype == dtype:
+        return current.detach()
+    return torch.zeros(shape, dtype=dtype)  # zeros: a padded vocabulary's rows are in no chunk, never read
+
+
+def _check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:
+    """ValueError unless the optimizer's param_groups hold the same parameters as the checkpoint's."""
+    if len(saved) != len(names):
+        raise ValueError(f"optimizer: has {len(names)} param_groups, {what} has {len(saved)}; build it as it was")
+    for g, (mine, theirs) in enumerate(zip(names, saved)):
+        lacking = [n for n in theirs["params"] if n not in mine]
+        surplus = [n for n in mine if n not in theirs["params"]]
+        if lacking or surplus:
+            raise ValueError(f"optimizer: param_groups[{g}] does not hold the parameters {what} has there: "
+                             f"missing {lacking}, not in the checkpoint {surplus}; build it as it was")
+
+
+def _restore_optimizer(view: _OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any],
+                       saved_groups: list[dict]) -> None:
+    """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices; ZeRO: the
+    fp32 masters the checkpoint lacks are refilled from the (loaded) parameters."""
+    from oases._dcp import Chunked
+
+    state: dict[int, dict[str, Any]] = {}
+    read_masters = set()
+    for key, (i, name) in slots.items():
+        if name is None:  # a master, read in place
+            read_masters.add(i)
+            continue
+        value = values[key]
+        state.setdefault(i, {})[name] = value.local if isinstance(value, Chunked) else value  # [shard] | as saved
+    index = {name: i for i, name in enumerate(view.flat_names())}
+    groups = [dict(saved, params=[index[n] for n in mine]) for saved, mine in zip(saved_groups, view.names)]
+    view.inner.load_state_dict({"state": state, "param_groups": groups})
+    if view.resync is not None:
+        view.resync([p for i, p in enumerate(view.params) if i not in read_masters])
