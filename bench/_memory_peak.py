@@ -2,8 +2,8 @@
 that made them, from the CUDA caching allocator's history.
 
     summary = peak_allocations(fn, device)   # runs fn() once with the history recorded (CUDA)
-    # summary = {"peak_bytes": P, "events": E, "set_by": "stack.py:168 _program < ...",
-    #            "groups": [{"frame": "stack.py:131 _record < ...", "bytes": B, "count": N}, ...]}
+    # summary = {"peak_bytes": P, "events": E, "set_by": "programs.py:96 _program < ...",
+    #            "groups": [{"frame": "programs.py:41 _record < ...", "bytes": B, "count": N}, ...]}
 
     P = max over the run of (bytes allocated now - bytes allocated when fn started), in the sizes
       the allocations asked for (torch.cuda.max_memory_allocated counts their blocks, rounded up

@@ -36,6 +36,7 @@ suppress_warnings = ["myst.strikethrough"]  # (HTML output only: the extension's
 # The public API is what each package's __all__ exports; members appear in source order.
 autodoc_default_options = {"members": True, "member-order": "bysource"}
 autodoc_class_signature = "mixed"
+napoleon_include_init_with_doc = True  # a constructor's Args (GPT, Pipeline) shown with its class
 autodoc_typehints = "signature"
 autodoc_preserve_defaults = True
 # Overrides of torch methods without a docstring of their own stay bare: torch's docstrings refer to

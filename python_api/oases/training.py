@@ -151,6 +151,30 @@ def train_step(
     on its own degree's Communicator (the model's), so `comm`, `offload` and `sequence_parallel`
     are refused, and each sub-batch needs at least p / min(tp_degrees) rows; nanoGPT-style
     models with tp_degrees are refused.
+
+    Args:
+        model: oases.models.GPT, a parallelized Hugging Face causal LM or nanoGPT-style model, or a Stack.
+        input_ids: the token ids [b, t].
+        labels: [b, t], not shifted (token i predicts labels[i + 1]); -100 is ignored.
+        schedule: the TP schedule (default "oases").
+        sub_batches: how many parts the batch is split into (None: the schedule's own).
+        sequence_parallel: keep the sequence sharded between sublayers.
+        attention_mask: [b, t] padding mask (None: no padding).
+        loss_fn: `loss_fn(logits, labels)`, the summed loss of its rows (None: the causal-LM loss).
+        comm: a Communicator on the model's TP group (None: a new one).
+        memory: a CheckpointMemory accounting the activations kept for recomputation (None: not accounted).
+        offload: True, False or an Offloader, as above (default False: no offload).
+        recompute: recompute each sublayer's forward in the backward (False: keep its graph).
+        grad_sync: a GradientSync averaging the gradients over data-parallel replicas (None: no DP).
+        check_inputs: True, "broadcast" or False, as above.
+
+    Returns:
+        The step's loss (a scalar tensor), the gradients accumulated into .grad.
+
+    Raises:
+        ValueError: a bad argument or an unsupported combination, naming it (inputs that differ
+            over the TP group: on every rank, with check_inputs=True).
+        TypeError: `grad_sync` not a GradientSync, `offload` neither a bool nor an Offloader.
     """
     if grad_sync is not None and not isinstance(grad_sync, GradientSync):
         raise TypeError(f"grad_sync: expected an oases.dp.GradientSync (or a ZeroOptimizer's .sync), got "

@@ -113,11 +113,14 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     every rank sees; saving replaces a checkpoint already at `where`, never other files.
 
     Args:
+        model: the model, plain or tensor-parallel (its shards are written as boxes of the unsharded tensors).
+        path: the checkpoint directory, or with step the root of its step-* directories.
         optimizer: any torch.optim optimizer over the model's parameters.
         step: the training step (an int >= 0) or None.
         extra: anything picklable (e.g. {"data": position}), returned by load_checkpoint; one value
             is stored (the same on every rank: a per-rank position belongs in a list indexed by rank).
         keep: with step, the number of newest step-* checkpoints to keep (>= 1).
+        group: the ranks that call it (default None: the world).
     Returns:
         The published checkpoint directory.
     """
@@ -191,8 +194,11 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     unsharded model's state dict at the top level) load too, without optimizer.
 
     Args:
+        model: the model to fill, plain or tensor-parallel at any TP degree.
+        path: a `save_checkpoint` directory, or a root whose newest complete step-* is loaded.
         optimizer: an optimizer over the model's parameters, grouped as the saved one was.
         strict: if False, keys on one side only are skipped and listed in the result.
+        group: the ranks that call it (default None: the world).
     Returns:
         CheckpointState(step, extra, path, missing_keys, unexpected_keys).
     """

@@ -106,6 +106,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     has the unsharded model's keys, shapes, dtypes and devices, and is a snapshot: every tensor is
     a fresh copy that later training does not change. Ready for `load_state_dict` of the plain
     model, `load_full_state_dict` at any TP degree, or `torch.save`.
+
+    Args:
+        model: the model, plain or tensor-parallel.
+
+    Returns:
+        {key: full tensor}, the unsharded model's state dict.
     """
     local, shards, _ = _layout(model)  # every check before the first collective
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
@@ -142,6 +148,18 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     Returns nn.Module.load_state_dict's (missing_keys, unexpected_keys) named tuple: with
     strict=False missing keys are left as they are and unexpected ones ignored, and listed there;
     shapes are checked regardless.
+
+    Args:
+        model: the model to fill, plain or tensor-parallel at any TP degree.
+        state_dict: the unsharded model's state dict (e.g. from `full_state_dict`), the whole of it on every rank.
+        strict: if False, missing and unexpected keys are allowed (and listed in the result).
+
+    Returns:
+        (missing_keys, unexpected_keys), as nn.Module.load_state_dict's named tuple.
+
+    Raises:
+        ValueError: missing or unexpected keys (if strict) or a shape mismatch, before anything is copied.
+        TypeError: `state_dict` is not a mapping of names to tensors.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a mapping of names to tensors, got {type(state_dict).__name__}")

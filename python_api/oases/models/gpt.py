@@ -199,6 +199,25 @@ class GPT(nn.Module):
                  schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False,
                  sequence_parallel: bool = False, offload: Union[bool, Offloader] = False,
                  tp_degrees: Optional[Sequence[int]] = None) -> None:
+        """Build this rank's shards of the model (the class docstring describes each argument).
+
+        Args:
+            config: the model's sizes (a GPTConfig); heads and hidden * mlp_ratio must divide by the TP size.
+            group: the tensor-parallel process group (default None: the world; no initialised process
+                group: one rank).
+            schedule: the schedule `train_step` runs on (default "oases"; see oases.schedule.SCHEDULES).
+            seed: the seed the full model is initialised from (GPT-2 style); this rank keeps its shards.
+            vocab_parallel: shard the token embedding and the LM head by vocabulary rows (TP > 1).
+            sequence_parallel: `train_step` keeps the residual stream sequence-sharded between sublayers.
+            offload: True or an oases.offload.Offloader: `train_step` offloads the sublayer inputs it keeps
+                for recomputation (default False: they stay).
+            tp_degrees: one TP degree per layer, each a power of two dividing p (None: every layer at p).
+
+        Raises:
+            ValueError: config sizes not divisible by the TP size, a bad schedule or tp_degrees, or
+                tp_degrees with vocab_parallel, sequence_parallel, offload or a group that is not the world.
+            TypeError: offload neither a bool nor an oases.offload.Offloader, or tp_degrees not a list of ints.
+        """
         super().__init__()
         _checks.one_of("schedule", schedule, SCHEDULES)
         distributed = dist.is_available() and dist.is_initialized()
@@ -345,7 +364,25 @@ class GPT(nn.Module):
         is the blocking form (no sub-batch overlap, no recomputation). `check_inputs`: the TP group
         agrees on tokens and targets first (True: ValueError on every rank where they differ;
         "broadcast": TP rank 0's; False: not checked; see oases.inputs). `recompute=False`: each
-        sublayer's forward graph kept, no recomputation (oases.schedule.train_step)."""
+        sublayer's forward graph kept, no recomputation (oases.schedule.train_step).
+
+        Args:
+            tokens: the token ids [b, t] (int64).
+            targets: each position's class index [b, t] (int64), not shifted.
+            dropout_seed: the dropout masks' seed (None: drawn and broadcast, as above).
+            sub_batches: how many parts the batch is split into (None: the schedule's own).
+            memory: an oases.schedule.CheckpointMemory accounting the activations kept for recomputation
+                (None: not accounted).
+            check_inputs: True (the default), "broadcast" or False, as above.
+            recompute: recompute each sublayer's forward in the backward (False: keep its graph).
+
+        Returns:
+            The mean token loss (a scalar tensor); the gradients are accumulated into .grad.
+
+        Raises:
+            ValueError: targets' shape differs from tokens', a bad step argument, or, with
+                check_inputs=True, tokens or targets that differ over the TP group.
+        """
         tokens, targets = agree_step_inputs(self, self.comm, check_inputs, tokens=tokens, targets=targets)
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")

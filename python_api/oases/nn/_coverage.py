@@ -100,7 +100,18 @@ def _own_parameters(module: nn.Module) -> list:
 
 
 def summary(model: nn.Module) -> Summary:
-    """The parts of `model` and how they are sharded on this rank (module doc). Local: no communication."""
+    """The parts of `model` and how they are sharded on this rank (module doc). Local: no communication.
+
+    Args:
+        model: an nn.Module, sharded (e.g. by `oases.parallelize`) or not.
+
+    Returns:
+        A Summary: the TP world size, each part (name, style, this rank's and the full parameter
+        counts), the totals, the decoder layers' sharded share and the projections they leave whole.
+
+    Raises:
+        TypeError: `model` is not an nn.Module.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     rules = tp_rules(model)

@@ -104,6 +104,24 @@ class ColumnParallelLinear(nn.Module):
     the last ranks' rows past out_features are padding (zeros) whose outputs are -inf
     (`mask_padding`) and are dropped by gather_output (oases.nn.vocab).
     `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
+
+    Args:
+        in_features: the full layer's input features.
+        out_features: the full layer's output features, sharded over `group`.
+        bias: whether the layer has a bias (sharded like the output features).
+        group: the tensor-parallel process group (default None: the world).
+        gather_output: all-gather the output to [..., out] (default False: this rank's [..., out/p]).
+        sequence_parallel: the input is this rank's slice of the sequence, [s/p, b, in].
+        chunks: pieces per shard for all_gather_linear's overlap (None: the op chooses).
+        stacked: how many equal blocks the output features are, each sharded on its own (default 1).
+        parts: the blocks' sizes, where they differ (default (): no parts; only with stacked=1).
+        replicas: per block, how many consecutive ranks hold its slice alike (default (): none).
+        replica_group: with replicas, the group of this rank's copies.
+        pad_vocab: an LM head: out_features need not divide by p (padding rows, outputs -inf).
+        transposed: the weight kept in a Conv1D's layout, [in, out/p] (default False: [out/p, in]).
+        gradient_accumulation_fusion: the weight's gradient goes to weight.main_grad in fp32.
+        device: where the parameters are allocated, as for nn.Linear.
+        dtype: the parameters' dtype, as for nn.Linear.
     """
 
     def __init__(
@@ -195,13 +213,31 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
-        """This rank's shard of `linear` (values copied): computes `linear`'s output slice r."""
+        """This rank's shard of `linear` (values copied): computes `linear`'s output slice r.
+
+        Args:
+            linear: the full nn.Linear (its values and requires_grad flags are copied).
+            group: the tensor-parallel process group (default None: the world).
+            **kw: the constructor's other keyword arguments (gather_output, stacked, ...).
+
+        Returns:
+            A ColumnParallelLinear on `linear`'s device and dtype, holding this rank's shard.
+        """
         return _from_linear(cls, linear, group, kw)
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup] = None, **kw) -> "ColumnParallelLinear":
         """This rank's shard of a Hugging Face Conv1D (weight [in, out]), kept in its layout: weight
-        [in, out/p], computing the output slice r of x @ conv.weight + conv.bias."""
+        [in, out/p], computing the output slice r of x @ conv.weight + conv.bias.
+
+        Args:
+            conv: the full Conv1D (its values and requires_grad flags are copied).
+            group: the tensor-parallel process group (default None: the world).
+            **kw: the constructor's other keyword arguments (transposed is True).
+
+        Returns:
+            A transposed ColumnParallelLinear on `conv`'s device and dtype, holding this rank's shard.
+        """
         return _from_conv1d(cls, conv, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,6 +307,19 @@ class RowParallelLinear(nn.Module):
 
     `chunks`: pieces for the fused op's overlap (None: the op chooses).
     `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
+
+    Args:
+        in_features: the full layer's input features, sharded over `group`.
+        out_features: the full layer's output features.
+        bias: whether the layer has a bias (replicated, added once).
+        group: the tensor-parallel process group (default None: the world).
+        input_is_parallel: the input is already this rank's [..., in/p] (default True; False: split here).
+        sequence_parallel: reduce-scatter the output to this rank's slice of the sequence, [s/p, b, out].
+        chunks: pieces for the fused op's overlap (None: the op chooses).
+        transposed: the weight kept in a Conv1D's layout, [in/p, out] (default False: [out, in/p]).
+        gradient_accumulation_fusion: the weight's gradient goes to weight.main_grad in fp32.
+        device: where the parameters are allocated, as for nn.Linear.
+        dtype: the parameters' dtype, as for nn.Linear.
     """
 
     def __init__(
@@ -325,13 +374,31 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
-        """This rank's shard of `linear` (values copied): its partial product, reduced, is `linear`'s."""
+        """This rank's shard of `linear` (values copied): its partial product, reduced, is `linear`'s.
+
+        Args:
+            linear: the full nn.Linear (its values and requires_grad flags are copied).
+            group: the tensor-parallel process group (default None: the world).
+            **kw: the constructor's other keyword arguments (input_is_parallel, sequence_parallel, ...).
+
+        Returns:
+            A RowParallelLinear on `linear`'s device and dtype, holding this rank's shard.
+        """
         return _from_linear(cls, linear, group, kw)
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup] = None, **kw) -> "RowParallelLinear":
         """This rank's shard of a Hugging Face Conv1D (weight [in, out]), kept in its layout: weight
-        [in/p, out]; its partial product, reduced, is x @ conv.weight + conv.bias."""
+        [in/p, out]; its partial product, reduced, is x @ conv.weight + conv.bias.
+
+        Args:
+            conv: the full Conv1D (its values and requires_grad flags are copied).
+            group: the tensor-parallel process group (default None: the world).
+            **kw: the constructor's other keyword arguments (transposed is True).
+
+        Returns:
+            A transposed RowParallelLinear on `conv`'s device and dtype, holding this rank's shard.
+        """
         return _from_conv1d(cls, conv, group, kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

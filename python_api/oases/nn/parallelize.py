@@ -266,6 +266,30 @@ def parallelize(
     has the values of the whole model's build.
     A torch.compile'd model (OptimizedModule): its original module is sharded in place and the
     compiled wrapper returned (it traces the sharded model on its next call).
+
+    Args:
+        model: the model to shard in place (with real tensors, built on meta, or torch.compile'd).
+        group: the tensor-parallel process group (default None: the world).
+        plan: {pattern: style} (default None: DEFAULT_PLAN, plus the embedding and LM head as
+            `vocab_parallel` says); an explicit plan replaces it.
+        sequence_parallel: passed to every layer (a Hugging Face model: ValueError).
+        chunks: passed to every layer (None: the ops choose).
+        tp_degrees: one TP degree per decoder layer, each a power of two dividing p (None: every layer at p).
+        layers: with tp_degrees, the dotted path of the decoder layers' nn.ModuleList (None: a KNOWN_LAYERS path).
+        device: only for a model built on meta: where this rank's shards and replicated tensors are allocated.
+        init_weights: with device, give them `Cls(config)`'s values (False: leave them uninitialised).
+        allocate: with device, `allocate(name) -> bool`: which tensors this rank holds (None: all of them).
+        vocab_parallel: with plan=None, shard the input embedding and the LM head over the vocabulary.
+
+    Returns:
+        `model`, sharded in place (a torch.compile'd model: the compiled wrapper).
+
+    Raises:
+        ValueError: a bad plan or argument (naming the module or argument), raised on every rank before
+            anything is replaced; with the default plan, less than half of the decoder layers' projection
+            parameters sharded.
+        TypeError: a plan that is not a mapping, a bad argument type, or a `layers` path that does not
+            name an nn.ModuleList.
     """
     compiled, model = model, original_module(model)
     ring = ring_of(group)

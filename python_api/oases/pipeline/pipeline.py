@@ -184,6 +184,34 @@ class Pipeline:
                  offload: bool | Offloader = False, dp_hierarchy: bool | str = False,
                  init_weights: bool = True, zero: bool = False,
                  loss_scaler: Optional[GradScaler] = None) -> None:
+        """Build this rank's part of the pipeline (the class docstring describes each argument).
+
+        Args:
+            config: an oases.models.GPTConfig, or a factory: a callable returning the unsharded model.
+            mesh: a device mesh with dimensions named ("dp", "pp", "tp") over every rank.
+            schedule: "gpipe", "1f1b" (the default: segments=1, micro_batches >= pp) or "aiao".
+            segments: segments per stage (default 1), or "auto" (FOLD3D's rule; one segment unless aiao).
+            micro_batches: how many micro-batches each DP rank's rows are split into (default 4).
+            optimizer: `optimizer(params)` builds one segment's optimizer (default: SGD with lr=0.1).
+            seed: the seed the parameters start from (default 0).
+            dp_overlap_ratio: r in [0, 1], the share of a segment's buckets synced as its backward ends
+                (default 1.0), or "auto".
+            preemption: PP transfers hold back DP sync chunks (default True).
+            dp_bucket_numel: elements per flat gradient bucket (default `2**22`).
+            dp_chunk_bytes: the most one DP ring piece moves (default `2**18`).
+            offload: True or an oases.offload.Offloader: per-layer checkpoints go to host memory
+                (default False: they stay).
+            dp_hierarchy: two-level DP rings: True, "auto", or False (the default: the flat ring).
+            init_weights: a factory building on meta: give its tensors the single-process build's values
+                (False: leave them for `load_pretrained` / `load_checkpoint`).
+            zero: ZeRO-1 over dp (default False).
+            loss_scaler: an oases.amp.GradScaler, for fp16 (default None: no loss scaling).
+
+        Raises:
+            ValueError: a bad argument (naming it), on every rank before any communication.
+            TypeError: init_weights or zero not a bool, offload neither a bool nor an Offloader, or
+                loss_scaler not a GradScaler.
+        """
         checked = check_arguments(config, mesh, schedule=schedule, segments=segments, micro_batches=micro_batches,
                                   dp_overlap_ratio=dp_overlap_ratio, dp_bucket_numel=dp_bucket_numel,
                                   dp_chunk_bytes=dp_chunk_bytes, init_weights=init_weights, zero=zero,
@@ -268,7 +296,21 @@ class Pipeline:
         returns the mean token loss of the whole batch, the same on every rank (see the module doc).
         `check_inputs` (oases.inputs): True checks first that every rank of the mesh got the same
         batch (one all_gather of a summary; ValueError on every rank otherwise), "broadcast" uses
-        rank 0's, False skips it."""
+        rank 0's, False skips it.
+
+        Args:
+            tokens: the global batch's token ids [B, t] (int64), the same on every rank.
+            targets: each position's class index [B, t] (int64), not shifted.
+            check_inputs: True (the default), "broadcast" or False, as above.
+
+        Returns:
+            The mean token loss of the whole batch (a scalar tensor), the same on every rank.
+
+        Raises:
+            ValueError: a bad batch (shapes, dtypes, values, B not divisible by dp, fewer rows per DP
+                rank than micro-batches), or, with check_inputs=True, batches that differ over the mesh.
+            RuntimeError: an earlier step failed mid-way (build a new Pipeline).
+        """
         if self._failed is not None:
             raise RuntimeError("train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
                                "on the pipeline's links, which match in order; build a new Pipeline") from self._failed
