@@ -15,7 +15,7 @@ Communicator and its replica's rows, the rows moved at the layer boundaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generator, Optional
+from typing import TYPE_CHECKING, Any, Generator, Optional, Protocol
 
 import torch
 
@@ -72,6 +72,68 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
         return x + sub.finish(part, ctx)
 
 
+def layer_backward(layer, grad: torch.Tensor, sched: Schedule, saved: _Checkpoints, passes: "LayerPasses",
+                   kept: Optional[list[_Recorded]] = None) -> Generator:
+    """The gradient of one layer's input given its output's, `grad`; accumulates parameter grads.
+    The one backward loop of every program: `passes` says how a sublayer's graph is recorded, rerun
+    and differentiated with its communication (plain all-reduces, or sequence parallelism's)::
+
+        per sublayer (fine-grained): rec = kept graph, or passes.record(sub, saved input);
+                                     grad = passes.backward(sub, rec, grad)
+        per layer: rerun the layer from its saved input, recording each sublayer and redoing its
+                   communication (passes.rerun); then backward through the sublayers in reverse
+    """
+    if sched.fine_grained_recompute:
+        for sub in reversed(layer):
+            rec = kept.pop() if not sched.recompute else (yield from passes.record(sub, saved.pop()))
+            grad = yield from passes.backward(sub, rec, grad)
+        return grad
+    x_in, records = saved.pop(), []
+    for sub in layer:  # activation checkpointing reruns the whole layer, its communication included
+        rec = yield from passes.record(sub, x_in)
+        records.append(rec)
+        x_in = yield from passes.rerun(sub, x_in, rec)
+    if sched.pass_barriers:
+        yield BARRIER
+    for sub, rec in zip(reversed(layer), reversed(records)):
+        grad = yield from passes.backward(sub, rec, grad)
+    if sched.pass_barriers:
+        yield BARRIER
+    return grad
+
+
+class LayerPasses(Protocol):
+    """How layer_backward records, reruns and differentiates a sublayer (generators: they yield at
+    each communication)."""
+
+    def record(self, sub, x: torch.Tensor) -> Generator:
+        """-> the sublayer's graph (_Recorded) rerun from its input `x` with autograd."""
+
+    def rerun(self, sub, x: torch.Tensor, rec: _Recorded) -> Generator:
+        """-> the sublayer's output from `x` and its recorded core output, its communication redone."""
+
+    def backward(self, sub, rec: _Recorded, grad: torch.Tensor) -> Generator:
+        """-> the gradient of the sublayer's input given its output's `grad` (parameter grads accumulate)."""
+
+
+@dataclass(frozen=True)
+class _Plain:
+    """The passes of a replicated residual stream: all-reduces on `comm`, ctx `ctx`."""
+
+    ctx: Any
+    comm: Communicator
+
+    def record(self, sub, x: torch.Tensor) -> Generator:
+        return _record(sub, x, self.ctx)
+        yield  # a generator that communicates nothing
+
+    def rerun(self, sub, x: torch.Tensor, rec: _Recorded) -> Generator:
+        return (yield from _finish_reduced(sub, x, rec.part.detach().clone(), self.ctx, self.comm, "recompute"))
+
+    def backward(self, sub, rec: _Recorded, grad: torch.Tensor) -> Generator:
+        return (yield from _backward(sub, rec, grad, self.ctx, self.comm))
+
+
 def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
              sched: Schedule, comm: Communicator, saved: _Checkpoints,
              placed: Optional["PlacedStep"] = None) -> Generator:
@@ -117,22 +179,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
         yield BARRIER
     for index in reversed(range(len(layers))):
         layer, c, lctx = layers[index], comms[index], ctxs[index]
-        if sched.fine_grained_recompute:
-            for sub in reversed(layer):
-                rec = kept.pop() if not sched.recompute else _record(sub, saved.pop(), lctx)
-                grad = yield from _backward(sub, rec, grad, lctx, c)
-        else:
-            x_in, records = saved.pop(), []
-            for sub in layer:  # activation checkpointing reruns the whole layer, its all-reduces included
-                rec = _record(sub, x_in, lctx)
-                records.append(rec)
-                x_in = yield from _finish_reduced(sub, x_in, rec.part.detach().clone(), lctx, c, "recompute")
-            if sched.pass_barriers:
-                yield BARRIER
-            for sub, rec in zip(reversed(layer), reversed(records)):
-                grad = yield from _backward(sub, rec, grad, lctx, c)
-            if sched.pass_barriers:
-                yield BARRIER
+        grad = yield from layer_backward(layer, grad, sched, saved, _Plain(lctx, c), kept)
         if placed is not None:
             placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
             if moves[index] is not None:

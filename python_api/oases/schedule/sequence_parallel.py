@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Generator, Optional
 
 import torch
 
 from oases._leaves import grad_leaf
-from oases.schedule.programs import _Recorded
+from oases.schedule.programs import _Recorded, layer_backward
 from oases.schedule.protocol import Stack, SubBatch, with_tokens
 from oases.schedule.runtime import BARRIER, Communicator
 from oases.schedule.table import LossSum, Schedule, _Checkpoints
@@ -61,6 +62,24 @@ def _backward_sp(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Co
     return grad_out + rec.x.grad
 
 
+@dataclass(frozen=True)
+class _SequenceParallel:
+    """The passes of a sequence-parallel residual stream (see layer_backward): gathers and
+    scatters on `comm`, for this rank's `tokens`."""
+
+    tokens: Any
+    comm: Communicator
+
+    def record(self, sub, x_r: torch.Tensor) -> Generator:
+        return (yield from _record_sp(sub, x_r, self.tokens, self.comm, "recompute"))
+
+    def rerun(self, sub, x_r: torch.Tensor, rec: _Recorded) -> Generator:
+        return (yield from _forward_sp(sub, x_r, self.tokens, self.comm, "recompute", rec.part.detach()))
+
+    def backward(self, sub, rec: _Recorded, grad: torch.Tensor) -> Generator:
+        return (yield from _backward_sp(sub, rec, grad, self.tokens, self.comm))
+
+
 def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
                 sched: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
@@ -81,23 +100,9 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
     grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
     if sched.pass_barriers:
         yield BARRIER
+    passes = _SequenceParallel(tokens, comm)
     for layer in reversed(layers):
-        if sched.fine_grained_recompute:
-            for sub in reversed(layer):
-                rec = yield from _record_sp(sub, saved.pop(), tokens, comm, "recompute")
-                grad = yield from _backward_sp(sub, rec, grad, tokens, comm)
-            continue
-        x_in, records = saved.pop(), []
-        for sub in layer:
-            rec = yield from _record_sp(sub, x_in, tokens, comm, "recompute")
-            records.append(rec)
-            x_in = yield from _forward_sp(sub, x_in, tokens, comm, "recompute", rec.part.detach())
-        if sched.pass_barriers:
-            yield BARRIER
-        for sub, rec in zip(reversed(layer), reversed(records)):
-            grad = yield from _backward_sp(sub, rec, grad, tokens, comm)
-        if sched.pass_barriers:
-            yield BARRIER
+        grad = yield from layer_backward(layer, grad, sched, saved, passes)
     grad_full = yield from comm.all_gather(grad.contiguous(), _SEQ, "backward")  # the split's adjoint
     if embedded.requires_grad:
         embedded.backward(grad_full)
