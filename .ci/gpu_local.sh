@@ -140,7 +140,7 @@ stage offload 240 "$py" -m bench offload --device cuda --nproc 1 --parts step ${
 cp "$(ls -t "$work"/offload/*.json 2>/dev/null | head -n 1)" "$out/offload.json" 2>/dev/null
 stage profile 150 "$py" -m bench profile --device cuda --nproc 1 --assume-link 25gbit,20us --dtype bfloat16 \
   --hidden 4096 --heads 32 --seq-len 2048 --vocab 32000 --rows 1,2,4 --out "$work/profile" --profile-out "$out/profile.json"
-stage plan 30 "$py" -m oases.planner.cli plan --model llama-7b --world 16 --device-memory 141GB \
+stage plan 30 "$py" -m oases plan --model llama-7b --world 16 --device-memory 141GB \
   --profile "$out/profile.json" --out "$out/plan.json"
 stage cpu-suite 300 env OASES_TEST_DEVICE=cpu "$py" -m pytest -q -rf --tb=short -p no:cacheprovider -n 14 \
   --maxfail 40 tests

@@ -408,9 +408,12 @@ def run(args, ctx) -> list[dict]:
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
                                calls, sent, None, losses[name]))
         records[-1]["checkpoint_mib"] = memory.peak / 2**20
+        # other threads' CPU is the transfers' only with one intra-op thread and no communicator thread
+        # (sequence parallelism's runs norms and finishes there): else not measured
+        transfers_cpu = comm_cpu.seconds if torch.get_num_threads() == 1 and not name.endswith("-sp") else None
         records[-1]["exposure"] = (None if link is None
                                    else _exposure(ctx, name, log, waited, step_s, compute[name].median, link,
-                                                  comm_cpu.seconds))
+                                                  transfers_cpu))
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
             step()
@@ -469,7 +472,8 @@ def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: floa
     `compute_slowed`: the step's time not waiting, minus t_compute (the same step with nothing
     sent): compute slowed while the transfers run (CPU interference on the compute side; noise
     when small). `comm_cpu`: the CPU seconds that rank's other threads (gloo's, the communicator's)
-    used during the step (bench._threads; None without /proc): the transfers' own cost to the cores
+    used during the step (bench._threads; None where those threads also compute: intra-op threads
+    > 1, or sequence parallelism's communicator thread): the transfers' own cost to the cores
     the compute runs on, one measured part of what slows it. The in-flight interval of every
     all-reduce goes to the trace (tid IN_FLIGHT)."""
     logs = gather_logs(log, ctx.group)

@@ -349,7 +349,8 @@ class Pipeline:
     def _choose(self, step: Step) -> None:
         """segments / dp_overlap_ratio "auto": measure (see the class doc), choose, reconfigure
         (oases.pipeline._autotune)."""
-        self.measured = measure(self.stage, self.sync, self.comm, step.micro[0][0], step.shapes[0], step.dtype,
+        # the largest micro-batch (split_rows puts the larger ones last), as before the split was shared
+        self.measured = measure(self.stage, self.sync, self.comm, step.micro[-1][0], step.shapes[-1], step.dtype,
                                 self._layers // self.pp)
         segments, ratio = choose(self.measured, layers=self._layers, pp=self.pp, micro_batches=self.micro_batches,
                                  segments=self.segments, ratio=self.dp_overlap_ratio, auto=self._auto,
