@@ -133,3 +133,15 @@ def test_relative_imports_resolve():
     assert list(imported("from . import ring", "oases.comm", True)) == [(1, "oases.comm.ring")]
     assert list(imported("from .ring import x", "oases.comm.hierarchical", False)) == [(1, "oases.comm.ring")]
     assert list(imported("from ..costs import rate", "oases.comm.ring", False)) == [(1, "oases.costs.rate")]
+
+
+def test_the_cost_rules_import_neither_torch_nor_oases():
+    """oases.costs is the pure floor the planner and the runtime share: no torch, no other oases module."""
+    for path in sorted((PACKAGE / "costs").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top != "torch" and (top != "oases" or name.startswith("oases.costs")), \
+                    f"{path.name}:{node.lineno} imports {name}"
