@@ -16,7 +16,8 @@ data and weights, measured in one run (variants round-robin, medians, MAX over r
 Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whose
 gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm;
 `oases-keep`: the oases schedule without recomputation, `train_step(..., recompute=False)`, each
-sublayer's forward graph kept as the peers keep autograd's activations):
+sublayer's forward graph kept as the peers keep autograd's activations; `oases-selective`: those
+graphs saving only GEMM and attention outputs, `recompute="selective"`):
 
     t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
     t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run()),
@@ -87,12 +88,15 @@ from oases.schedule.runtime import _Task, _Work
 BASELINE = "megatron"
 MODELS = ("gpt", "llama")
 # Our variants: every schedule, and the oases schedule with sequence parallelism ("-sp").
-VARIANTS = (*SCHEDULES, "oases-sp", "oases-keep")
+VARIANTS = (*SCHEDULES, "oases-sp", "oases-selective", "oases-keep")
+_RECOMPUTE = {"-keep": False, "-selective": "selective"}  # train_step's recompute of a variant's suffix
 
 
-def _variant(name: str) -> tuple[str, bool, bool]:
+def _variant(name: str) -> tuple[str, bool, object]:
     """(schedule, sequence_parallel, recompute) of a variant name."""
-    return name.removesuffix("-sp").removesuffix("-keep"), name.endswith("-sp"), not name.endswith("-keep")
+    recompute = next((r for suffix, r in _RECOMPUTE.items() if name.endswith(suffix)), True)
+    base = name.removesuffix("-sp").removesuffix("-keep").removesuffix("-selective")
+    return base, name.endswith("-sp"), recompute
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 _SHORT = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
 

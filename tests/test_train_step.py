@@ -80,7 +80,7 @@ def _check_models(rank, world_size, models, cases, plan=None):
             tp.lm_head.gather_output = False
         for schedule, sub_batches, b, padded, *rest in cases:
             sp = bool(rest and rest[0])
-            recompute = not (len(rest) > 1 and rest[1] == "keep")
+            recompute = {"keep": False, "selective": "selective"}.get(rest[1], True) if len(rest) > 1 else True
             ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
             ref.zero_grad(set_to_none=True)
             tp.zero_grad(set_to_none=True)
@@ -120,9 +120,11 @@ def test_vocab_parallel_llama_matches_unsharded():
 
 def _check_without_recomputation(rank, world_size):
     """recompute=False: each sublayer's forward graph kept, the schedules' sub-batches and
-    overlap unchanged; every schedule, padded, 3 sub-batches; refused with sequence parallelism
-    and offload, on every rank before any communication."""
+    overlap unchanged; every schedule, padded, 3 sub-batches; "selective" likewise; refused with
+    sequence parallelism and offload, on every rank before any communication."""
     cases = [(s, None, 4, True, False, "keep") for s in SCHEDULES] + [("oases", 3, 3, False, False, "keep")]
+    cases += [("oases", None, 4, True, False, "selective"), ("megatron", None, 3, False, False, "selective"),
+              ("oases", 3, 3, False, False, "selective")]
     _check_models(rank, world_size, [("llama", 4, 2), ("neox", 4, 4), ("qwen3", 4, 2)], cases)
     tp = _model("llama")
     with warnings.catch_warnings():
@@ -133,7 +135,9 @@ def _check_without_recomputation(rank, world_size):
         oases.train_step(tp, ids, labels, sequence_parallel=True, recompute=False)
     with pytest.raises(ValueError, match="recompute=False: not with offload"):
         oases.train_step(tp, ids, labels, offload=True, recompute=False)
-    with pytest.raises(TypeError, match="recompute: expected a bool"):
+    with pytest.raises(ValueError, match="recompute='selective': not with sequence_parallel"):
+        oases.train_step(tp, ids, labels, sequence_parallel=True, recompute="selective")
+    with pytest.raises(TypeError, match="recompute: expected True, False or 'selective'"):
         oases.train_step(tp, ids, labels, recompute="no")
     dist.barrier()
     return True
@@ -141,6 +145,45 @@ def _check_without_recomputation(rank, world_size):
 
 def test_without_recomputation_every_schedule_matches_unsharded():
     run_ranks(_check_without_recomputation, 2, timeout=240)
+
+
+def _count_ops(rank, world_size):
+    """Per step, aten ops run: "selective" reruns element-wise ops (the MLP's SiLU, the norms'
+    rsqrt) but no matrix product; True reruns both; False neither."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    tp = _model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    ids, labels, _ = _batch(4, 12, seed=1, padded=False)
+    counts = {}
+    for recompute in (False, "selective", True):
+        oases.train_step(tp, ids, labels, recompute=recompute)  # any first-step work done
+        with Count() as count:
+            oases.train_step(tp, ids, labels, recompute=recompute)
+        counts[recompute] = count.ops
+    mm = {k: c.get("mm", 0) + c.get("addmm", 0) + c.get("bmm", 0) for k, c in counts.items()}
+    silu = {k: c.get("silu", 0) for k, c in counts.items()}
+    rsqrt = {k: c.get("rsqrt", 0) for k, c in counts.items()}
+    assert mm[False] == mm["selective"] < mm[True], mm
+    assert silu[False] < silu["selective"] == silu[True], silu
+    assert rsqrt[False] < rsqrt["selective"], rsqrt
+    return True
+
+
+def test_selective_recomputation_reruns_elementwise_ops_not_gemms():
+    run_ranks(_count_ops, 2, timeout=120)
 
 
 def test_qwen3_mistral_and_neox_every_schedule_match_unsharded():

@@ -26,7 +26,7 @@ from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import CheckpointMemory, Communicator, Stack, check_step
+from oases.schedule import CheckpointMemory, Communicator, Recompute, Stack, check_step
 from oases.schedule import train_step as _run_schedule
 from oases.schedule.placed import check_placements
 
@@ -102,7 +102,7 @@ def train_step(
     comm: Optional[Communicator] = None,
     memory: Optional[CheckpointMemory] = None,
     offload: Union[bool, Offloader] = False,
-    recompute: bool = True,
+    recompute: Recompute = True,
     grad_sync: Optional[GradientSync] = None,
     check_inputs: CheckMode = True,
 ) -> torch.Tensor:
@@ -135,7 +135,9 @@ def train_step(
     `recompute=False`: no recomputation; each sublayer's forward graph is kept and the backward
     runs on it, still on the schedule's sub-batches and overlap (a forward's compute less per
     step, autograd's activations held as in a model trained without activation checkpointing;
-    not with sequence_parallel or offload).
+    not with sequence_parallel or offload). `recompute="selective"`: the same kept graphs saving only
+    the matrix products' and attention's outputs, the element-wise rest recomputed in the backward
+    (Megatron's and torchtitan's selective recomputation; oases.schedule.selective).
     `grad_sync`: an oases.dp.GradientSync (or oases.dp.ZeroOptimizer(...).sync) averaging the
     gradients over data-parallel replicas: its buckets start during the step's backwards and the
     step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
@@ -164,7 +166,8 @@ def train_step(
         comm: a Communicator on the model's TP group (None: a new one).
         memory: a CheckpointMemory accounting the activations kept for recomputation (None: not accounted).
         offload: True, False or an Offloader, as above (default False: no offload).
-        recompute: recompute each sublayer's forward in the backward (False: keep its graph).
+        recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
+            or keep it saving only GEMM and attention outputs ("selective").
         grad_sync: a GradientSync averaging the gradients over data-parallel replicas (None: no DP).
         check_inputs: True, "broadcast" or False, as above.
 

@@ -53,7 +53,7 @@ from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, SubBatch, check_step, train_step
+from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, Recompute, SubBatch, check_step, train_step
 from oases.schedule.protocol import LayerPlacements
 
 __all__ = ["GPTConfig", "GPT"]
@@ -349,7 +349,7 @@ class GPT(nn.Module):
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
                    sub_batches: Optional[int] = None, memory: Optional[CheckpointMemory] = None,
-                   check_inputs: CheckMode = True, recompute: bool = True) -> torch.Tensor:
+                   check_inputs: CheckMode = True, recompute: Recompute = True) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
         ::
@@ -364,7 +364,8 @@ class GPT(nn.Module):
         is the blocking form (no sub-batch overlap, no recomputation). `check_inputs`: the TP group
         agrees on tokens and targets first (True: ValueError on every rank where they differ;
         "broadcast": TP rank 0's; False: not checked; see oases.inputs). `recompute=False`: each
-        sublayer's forward graph kept, no recomputation (oases.schedule.train_step).
+        sublayer's forward graph kept, no recomputation; "selective": kept saving only GEMM and
+        attention outputs (oases.schedule.train_step).
 
         Args:
             tokens: the token ids [b, t] (int64).
@@ -374,7 +375,8 @@ class GPT(nn.Module):
             memory: an oases.schedule.CheckpointMemory accounting the activations kept for recomputation
                 (None: not accounted).
             check_inputs: True (the default), "broadcast" or False, as above.
-            recompute: recompute each sublayer's forward in the backward (False: keep its graph).
+            recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
+            or keep it saving only GEMM and attention outputs ("selective").
 
         Returns:
             The mean token loss (a scalar tensor); the gradients are accumulated into .grad.

@@ -5,6 +5,7 @@ or builds that for a parallelized model and calls `train_step` here.
 
     oases.schedule.table              the schedules (SCHEDULES), checks, recomputation memory
     oases.schedule.programs           one sub-batch's program (recompute per sublayer or per layer)
+    oases.schedule.selective          recompute="selective": kept graphs that save only GEMM outputs
     oases.schedule.sequence_parallel  the same with the sequence split over the TP ranks
     oases.schedule.placed             per-layer TP degrees: row moves, replica gradient sums
     oases.schedule.step               train_step: the programs interleaved
@@ -13,7 +14,15 @@ or builds that for a parallelized model and calls `train_step` here.
 from oases.schedule.protocol import Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 from oases.schedule.step import train_step
-from oases.schedule.table import MAX_SUB_BATCHES, SCHEDULES, CheckpointMemory, Schedule, check_step, split_rows
+from oases.schedule.table import (
+    MAX_SUB_BATCHES,
+    SCHEDULES,
+    CheckpointMemory,
+    Recompute,
+    Schedule,
+    check_step,
+    split_rows,
+)
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "train_step", "check_step", "split_rows",
-           "Stack", "Sublayer", "SubBatch", "Communicator", "interleave", "BARRIER"]
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "Recompute", "train_step", "check_step",
+           "split_rows", "Stack", "Sublayer", "SubBatch", "Communicator", "interleave", "BARRIER"]

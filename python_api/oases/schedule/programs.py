@@ -23,6 +23,7 @@ from oases._leaves import grad_leaf
 from oases.schedule.placed import move_rows, move_rows_adjoint
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator
+from oases.schedule.selective import selective as _selective
 from oases.schedule.table import LossSum, Schedule, _Checkpoints
 
 if TYPE_CHECKING:
@@ -38,12 +39,14 @@ class _Recorded:
     part: torch.Tensor
 
 
-def _record(sub, x: torch.Tensor, ctx: Any) -> _Recorded:
+def _record(sub, x: torch.Tensor, ctx: Any, selective: bool = False) -> _Recorded:
+    """The sublayer's graph from `x`; `selective`: saving only its GEMMs' and attention's outputs
+    (oases.schedule.selective; the norm is rerun from x)."""
     x = grad_leaf(x)  # (not cached by autocast: see oases._leaves)
     with torch.enable_grad():
-        h = sub.norm(x)
+        h = _selective(sub.norm, x) if selective else sub.norm(x)
         h_leaf = grad_leaf(h)
-        part = sub.core(h_leaf, ctx)
+        part = _selective(sub.core, h_leaf, ctx) if selective else sub.core(h_leaf, ctx)
     return _Recorded(x, h, h_leaf, part)
 
 
@@ -156,7 +159,7 @@ def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum
             x = yield from move_rows(move, x, rows, "forward")
         for i, sub in enumerate(layer):
             if not sched.recompute:  # the graph kept for the backward (autograd's activations held)
-                rec = _record(sub, x, lctx)
+                rec = _record(sub, x, lctx, sched.selective)
                 kept.append(rec)
                 part = rec.part.detach().clone()  # reduced in place: not a tensor the graph holds
             else:

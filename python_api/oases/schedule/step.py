@@ -19,9 +19,11 @@ from oases.schedule.sequence_parallel import (
     _sum_over_group,
 )
 from oases.schedule.table import (
+    RECOMPUTE_SELECTIVE,
     SCHEDULES,
     CheckpointMemory,
     LossSum,
+    Recompute,
     Schedule,
     _Checkpoints,
     _OffloadedCheckpoints,
@@ -36,7 +38,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
                sub_batches: Optional[int] = None, sequence_parallel: bool = False,
                dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
                memory: Optional[CheckpointMemory] = None, offload: Optional[Offloader] = None,
-               recompute: bool = True) -> torch.Tensor:
+               recompute: Recompute = True) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
     ::
@@ -63,14 +65,18 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     as a model trained without activation checkpointing holds them) and runs the backward on it,
     with the schedule's sub-batches and overlap: the compute of one forward less per step, the
     memory of every activation more (not with sequence_parallel or offload; `memory` then counts
-    nothing). Checks run before any communication, so a bad argument raises on every rank alike.
+    nothing). `recompute="selective"` keeps those graphs saving only the outputs of the matrix
+    products and attention, and recomputes the rest (norms, rotary, activations) in the backward
+    (oases.schedule.selective): no GEMM twice, less memory than False, the same gradients.
+    Checks run before any communication, so a bad argument raises on every rank alike.
     """
     parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
                        sequence_parallel=sequence_parallel, attention_mask=attention_mask,
                        world_size=comm.world_size, recompute=recompute, offload=offload is not None)
     sched, batch = SCHEDULES[schedule], input_ids.shape[0]
-    if not recompute:  # per sublayer, from the kept graphs
-        sched = dataclasses.replace(sched, fine_grained_recompute=True, recompute=False)
+    if recompute is not True:  # per sublayer, from the kept graphs
+        sched = dataclasses.replace(sched, fine_grained_recompute=True, recompute=False,
+                                    selective=recompute == RECOMPUTE_SELECTIVE)
     get_placements = getattr(stack, "layer_placements", None)
     placements = get_placements() if get_placements is not None else None
     check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional
+from typing import Callable, Literal, Mapping, Optional, Union
 
 import torch
 
@@ -27,9 +27,15 @@ from oases import _checks
 from oases._rows import split_rows
 from oases.offload import CheckpointStack
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "LossSum", "split_rows", "check_step"]
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "Recompute", "CheckpointMemory", "LossSum", "split_rows",
+           "check_step"]
 
 MAX_SUB_BATCHES = 8
+
+# train_step's recompute: True (the schedule's recomputation), False (each sublayer's graph kept) or
+# "selective" (kept, saving only GEMM and attention outputs: oases.schedule.selective)
+RECOMPUTE_SELECTIVE = "selective"
+Recompute = Union[bool, Literal["selective"]]
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Schedule:
     fine_grained_recompute: bool
     pass_barriers: bool
     recompute: bool = True  # False: each sublayer's graph kept from the forward (train_step(recompute=False))
+    selective: bool = False  # with recompute False: the kept graphs save only GEMM and attention outputs
 
 
 SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
@@ -93,17 +100,17 @@ LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
                sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int,
-               recompute: bool = True, offload: bool = False) -> int:
+               recompute: Recompute = True, offload: bool = False) -> int:
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute: expected a bool, got {recompute!r}")
-    if not recompute and sequence_parallel:
-        raise ValueError("recompute=False: not with sequence_parallel (its sublayers are recomputed from "
-                         "their sequence slices); pass recompute=True")
-    if not recompute and offload:
-        raise ValueError("recompute=False: not with offload (it moves the inputs kept for recomputation); "
-                         "pass recompute=True")
+    if not isinstance(recompute, bool) and recompute != RECOMPUTE_SELECTIVE:
+        raise TypeError(f"recompute: expected True, False or {RECOMPUTE_SELECTIVE!r}, got {recompute!r}")
+    if recompute is not True and sequence_parallel:
+        raise ValueError(f"recompute={recompute!r}: not with sequence_parallel (its sublayers are recomputed "
+                         "from their sequence slices); pass recompute=True")
+    if recompute is not True and offload:
+        raise ValueError(f"recompute={recompute!r}: not with offload (it moves the inputs kept for "
+                         "recomputation); pass recompute=True")
     _checks.one_of("schedule", schedule, SCHEDULES)
     parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
     if not _checks.is_int(parts) or not 1 <= parts <= MAX_SUB_BATCHES:
