@@ -76,6 +76,7 @@ import torch.distributed as dist
 
 from bench import _metrics
 from bench._report import Table
+from bench._threads import OtherThreadsCPU
 from bench._trace import COMM, COMPUTE, DP, OP
 from oases.models import GPTConfig
 from oases.pipeline import Pipeline
@@ -326,10 +327,11 @@ def run(args, ctx) -> list[dict]:
     def call(name: str) -> Callable[[], None]:
         def fn() -> None:
             probes[name].reset()
-            for _ in range(args.steps):
-                pipes[name].train_step(tokens, targets)
-            pipes[name].close()
-            per_call[name].append(probes[name].figures())
+            with OtherThreadsCPU() as other:
+                for _ in range(args.steps):
+                    pipes[name].train_step(tokens, targets)
+                pipes[name].close()
+            per_call[name].append({**probes[name].figures(), "comm_cpu": other.seconds})
         return fn
 
     timed = ctx.timer.measure({name: call(name) for name in pipes})
@@ -394,7 +396,7 @@ def run(args, ctx) -> list[dict]:
         f = figures[v.name]
         t_iter = timed[v.name].median / args.steps
         per_iter = {k: f[k] / args.steps for k in ("dp_wait", "pp_wait", "fwd", "bwd", "deferred", "forced",
-                                                   "dp_chunks", "overlapped")}
+                                                   "dp_chunks", "overlapped", "comm_cpu")}
         records.append({
             "variant": v.name, "schedule": v.schedule, "segments": pipes[v.name].segments,
             "dp_overlap_ratio": pipes[v.name].dp_overlap_ratio, "measured": pipes[v.name].measured,
@@ -402,7 +404,7 @@ def run(args, ctx) -> list[dict]:
             "t_iter": t_iter, "t_iter_min": timed[v.name].min / args.steps,
             "dp_exposed": per_iter["dp_wait"], "pp_wait": per_iter["pp_wait"],
             "fwd": per_iter["fwd"], "bwd": per_iter["bwd"],
-            "send_latency": f["send_latency"], "recv_latency": f["recv_latency"],
+            "send_latency": f["send_latency"], "recv_latency": f["recv_latency"], "comm_cpu": per_iter["comm_cpu"],
             "deferred_chunks": per_iter["deferred"], "forced_chunks": per_iter["forced"],
             "dp_chunks": per_iter["dp_chunks"], "overlapped_chunks": per_iter["overlapped"],
             "speedup_vs_1f1b": _metrics.speedup(base_t, t_iter),
@@ -411,7 +413,31 @@ def run(args, ctx) -> list[dict]:
             "stage_compute": stage_compute, "dp_to_compute": dp_alone.median / stage_compute,
             "config": config_record, "timeline": timelines[v.name],
         })
+    for r in records:
+        r["gap"] = gap_vs_baseline(r, records[[v.name for v in variants].index(BASELINE)])
     return records
+
+
+GAP_PARTS = ("dp_exposed", "compute_slowed", "bubble", "rest")
+
+
+def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
+    """Where a variant's iteration stands against the 1f1b pipeline with its DP sync hidden::
+
+        ideal          = base.t_iter - base.dp_exposed     # 1f1b's compute and bubbles, no DP wait
+        gap            = r.t_iter - ideal
+        dp_exposed     = r.dp_exposed                      # the DP sync the schedule did not hide
+        compute_slowed = (r.fwd + r.bwd) - (base.fwd + base.bwd)   # its compute, longer beside DP
+        bubble         = r.pp_wait - base.pp_wait          # waits for PP receives, more or fewer
+        rest           = gap - the three above             # optimizer, hooks, the medians' mismatch
+
+    compute_slowed is what the machine adds where the transfers take CPU from the compute (ranks
+    and gloo's threads sharing the cores); comm_cpu (the other threads' CPU time) is beside it."""
+    ideal = base["t_iter"] - base["dp_exposed"]
+    parts = {"dp_exposed": r["dp_exposed"], "compute_slowed": (r["fwd"] + r["bwd"]) - (base["fwd"] + base["bwd"]),
+             "bubble": r["pp_wait"] - base["pp_wait"]}
+    gap = r["t_iter"] - ideal
+    return {"ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values())}
 
 
 def tables(records: list[dict]) -> list[Table]:
@@ -438,7 +464,23 @@ def tables(records: list[dict]) -> list[Table]:
                    *_preemption_lines(records),
                    "send/recv lat: CommScheduler.pp_latency medians, posting to completion (a receive posted ahead "
                    "includes the sender's compute)",
-                   f"mapping: {c['mapping']}"])]
+                   f"mapping: {c['mapping']}"]), _gap_table(records)]
+
+
+def _gap_table(records: list[dict]) -> Table:
+    """Each variant against 1f1b with its DP sync hidden (gap_vs_baseline), ms per iteration."""
+    rows = [[r["variant"], 1e3 * r["t_iter"], 1e3 * r["gap"]["ideal"], 1e3 * r["gap"]["gap"],
+             *(1e3 * r["gap"][k] for k in GAP_PARTS), 1e3 * r["comm_cpu"]]
+            for r in records if r["variant"] != BASELINE]
+    return Table(f"pipeline: where each schedule stands against {BASELINE} with its DP sync hidden (ms/iteration)",
+                 ["variant", "t_iter", "ideal", "gap", "DP exposed", "compute slowed", "bubble", "rest",
+                  "comm CPU"], rows,
+                 [f"ideal = {BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed "
+                  "+ bubble + rest (bench.pipeline.gap_vs_baseline)",
+                  f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
+                  "the transfers share the ranks' cores); bubble: PP receive waits above its; rest: the remainder",
+                  "comm CPU: CPU time of each rank's other threads (gloo's, the DP and PP schedulers') per "
+                  "iteration, MAX over ranks"])
 
 
 def _regime_line(r: dict) -> str:

@@ -475,6 +475,16 @@ def test_pipeline_suite(tmp_path):
     for name, r in records.items():  # the regime the run was in: the stage's DP sync alone / its compute
         assert r["stage_compute"] == pytest.approx(base["fwd"] + base["bwd"]), name
         assert r["dp_to_compute"] == pytest.approx(r["dp_alone"] / r["stage_compute"]), name
+        # against 1f1b with its DP sync hidden: the parts add up to the gap, each from the record's figures
+        gap = r["gap"]
+        assert gap["ideal"] == pytest.approx(base["t_iter"] - base["dp_exposed"]), name
+        assert gap["gap"] == pytest.approx(r["t_iter"] - gap["ideal"]), name
+        assert gap["dp_exposed"] == r["dp_exposed"] and gap["bubble"] == pytest.approx(r["pp_wait"] - base["pp_wait"])
+        assert gap["compute_slowed"] == pytest.approx(r["fwd"] + r["bwd"] - base["fwd"] - base["bwd"]), name
+        assert sum(gap[k] for k in ("dp_exposed", "compute_slowed", "bubble", "rest")) == pytest.approx(gap["gap"])
+        assert math.isfinite(r["comm_cpu"]) and r["comm_cpu"] > 0, name  # gloo's threads did the DP sync
+    assert base["gap"]["gap"] == pytest.approx(base["dp_exposed"]) and base["gap"]["compute_slowed"] == 0
+    assert "with its DP sync hidden" in stdout
     with open(doc["files"]["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     with open(doc["files"]["trace"]) as f:
