@@ -1,5 +1,6 @@
-"""Gradient-accumulation fusion of the parallel linears (oases.nn.layers' module doc): the weight's
-gradient added, in fp32, into `weight.main_grad` instead of being returned to autograd."""
+"""Gradient-accumulation fusion of the parallel linears (oases.nn.layers; its contract: the layers
+guide, docs/guides/parallelize.md): the weight's gradient added, in fp32, into `weight.main_grad`
+instead of being returned to autograd."""
 from __future__ import annotations
 
 from typing import Optional

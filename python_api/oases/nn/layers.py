@@ -1,53 +1,18 @@
 """Tensor-parallel linear layers: thin modules over `oases.ops` and the mappings in `_mappings`.
 
-Megatron's pair, with its meanings (p ranks in `group`, r this rank; W [out, in], b [out] the
-weights of the unsharded nn.Linear):
+Megatron's pair (p ranks in `group`, r this rank; W [out, in], b [out] the unsharded nn.Linear's):
 
     ColumnParallelLinear   weight W[r-th block of rows]  [out/p, in]   bias b[r-th block]  [out/p]
     RowParallelLinear      weight W[:, r-th block]       [out, in/p]   bias b (replicated) [out]
-
     y = row(act(column(x)))  computes  F.linear(act(F.linear(x, W1, b1)), W2, b2)  of the unsharded
     model, with one reduction (row) per pair and each activation sharded on its features between.
+    backward:  each parameter's .grad = the matching slice of the unsharded model's gradient
+               gradient_accumulation_fusion=True:  weight.main_grad += dL/dweight (fp32), weight.grad None
 
-Communication, by mode (s, b, h: sequence, batch, features):
-
-                             column (x -> y_r)                      row (y_r -> z)
-    sequence_parallel=False  x [..., in] replicated                 z [..., out] replicated
-                             y_r = F.linear(copy_to_tp(x))          z = linear_all_reduce(y_r)
-                             bwd: grad_x all-reduced                bwd: no communication
-    sequence_parallel=True   x [s/p, b, in] sequence shard          z [s/p, b, out] sequence shard
-                             y_r = all_gather_linear(x, dim=0)      z = linear_reduce_scatter(y_r, dim=0)
-                             bwd: grad_x reduce-scattered           bwd: grad_y_r all-gathered
-
-Gradients: every parameter's .grad on each rank is the matching slice of the unsharded model's
-gradient. The one case that needs care is the row layer's replicated bias under sequence
-parallelism: each rank sees only its s/p rows of grad_z, so linear_reduce_scatter returns only
-this rank's part of grad_b. The layer passes its bias through `copy_to_tp` (identity forward,
-all-reduce backward), so .grad holds the sum over ranks -- the full gradient -- as soon as
-backward returns, with no optimizer- or DDP-side hook to remember (one all-reduce of `out`
-elements per backward).
-
-Gradient-accumulation fusion (opt-in, `gradient_accumulation_fusion=True`, Megatron's name):
-the weight's gradient is added, in fp32, into `weight.main_grad` (an fp32 tensor of the weight's
-shape, created zeroed by the first forward that needs it) instead of being returned to autograd:
-`weight.grad` stays None, and with bf16/fp16 weights the products are summed in fp32 inside the
-backward GEMMs rather than rounded to 16 bits per call and summed in fresh buffers. The caller
-owns main_grad: read it for the optimizer step, then `weight.main_grad.zero_()`. The bias
-gradient is unaffected (.grad, as usual).
-
-    backward:  weight.main_grad += dL/dweight   (fp32)      weight.grad: None
-
-Hugging Face's Conv1D (GPT-2's projections: weight stored transposed, [in, out], and
-y = x @ W + b) is sharded by the same layers with `transposed=True` (`from_conv1d`): the weight
-keeps Conv1D's layout and names, so its shard is W[:, r-th block] [in, out/p] for a column layer
-(ShardRule(1)) and W[r-th block] [in/p, out] for a row layer (ShardRule(0)), and checkpoints and
-exports hold Conv1D's full [in, out] tensors.
-
-Initialisation: the full layer is built with nn.Linear's own init (same RNG draws as
-`nn.Linear(in, out)`) on every rank, and each rank keeps its shard. With the same
-`torch.manual_seed` on every rank the shards tile exactly the weights the unsharded layer would
-have had, so a sharded model is the unsharded one, split. The full weight exists briefly on
-every rank; for layers too large for that, build on device="meta" and load this rank's shard.
+Each mode's communication: each class's pseudo-code. The contracts (communication as one table, the
+row bias's gradient under sequence parallelism, gradient-accumulation fusion, Hugging Face's Conv1D
+layout, initialisation, stacked / replicas / pad_vocab): the layers guide, docs/guides/parallelize.md,
+section "The parallel layers in detail".
 """
 from __future__ import annotations
 
@@ -90,21 +55,6 @@ class ColumnParallelLinear(nn.Module):
                 y = all_gather_linear(x, weight, bias, dim=0)      # bwd: grad_x reduce-scattered
             gather_output=True:  y = gather_from_tp(y)             # y [..., out]; bwd: split
 
-    `stacked` (default 1): the output features are that many equal blocks laid end to end, such
-    as a fused q|k|v projection (3); each block is sharded on its own, so this rank's output is
-    [q_r | k_r | v_r] and a model's `split` into equal thirds still finds q, k and v.
-    `chunks`: pieces per shard for all_gather_linear's overlap (None: the op chooses); unused
-    without sequence parallelism, where the forward has no communication to hide.
-    `replicas` (one per block: (c,) without parts) with `replica_group`: block i's slice is held
-    alike by replicas[i] consecutive ranks (ShardRule's replicas): a GQA model's key-value heads at
-    p > kv_heads, each rank holding the kv head its query heads use. `replica_group` holds this
-    rank's copies' ranks (the c consecutive ranks of `group` that share them); in backward each copy's
-    gradient is summed over it (copy_to_replicas), so every copy gets the unsharded model's rows.
-    `pad_vocab` (an LM head): out_features need not divide by p; each rank holds ceil(out/p) rows,
-    the last ranks' rows past out_features are padding (zeros) whose outputs are -inf
-    (`mask_padding`) and are dropped by gather_output (oases.nn.vocab).
-    `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
-
     Args:
         in_features: the full layer's input features.
         out_features: the full layer's output features, sharded over `group`.
@@ -112,8 +62,8 @@ class ColumnParallelLinear(nn.Module):
         group: the tensor-parallel process group (default None: the world).
         gather_output: all-gather the output to [..., out] (default False: this rank's [..., out/p]).
         sequence_parallel: the input is this rank's slice of the sequence, [s/p, b, in].
-        chunks: pieces per shard for all_gather_linear's overlap (None: the op chooses).
-        stacked: how many equal blocks the output features are, each sharded on its own (default 1).
+        chunks: pieces per shard for all_gather_linear's overlap (None: the op chooses); sequence_parallel only.
+        stacked: how many equal blocks the output features are (q|k|v: 3), each sharded alone (default 1).
         parts: the blocks' sizes, where they differ (default (): no parts; only with stacked=1).
         replicas: per block, how many consecutive ranks hold its slice alike (default (): none).
         replica_group: with replicas, the group of this rank's copies.
@@ -122,6 +72,8 @@ class ColumnParallelLinear(nn.Module):
         gradient_accumulation_fusion: the weight's gradient goes to weight.main_grad in fp32.
         device: where the parameters are allocated, as for nn.Linear.
         dtype: the parameters' dtype, as for nn.Linear.
+
+    Each option's contract: the layers guide (docs/guides/parallelize.md, "The parallel layers in detail").
     """
 
     def __init__(
@@ -305,9 +257,6 @@ class RowParallelLinear(nn.Module):
                                                                    # bwd: grad_x all-gathered,
                                                                    # grad_bias all-reduced (full)
 
-    `chunks`: pieces for the fused op's overlap (None: the op chooses).
-    `gradient_accumulation_fusion`: weight's gradient goes to weight.main_grad in fp32 (module doc).
-
     Args:
         in_features: the full layer's input features, sharded over `group`.
         out_features: the full layer's output features.
@@ -320,6 +269,8 @@ class RowParallelLinear(nn.Module):
         gradient_accumulation_fusion: the weight's gradient goes to weight.main_grad in fp32.
         device: where the parameters are allocated, as for nn.Linear.
         dtype: the parameters' dtype, as for nn.Linear.
+
+    See the layers guide (docs/guides/parallelize.md, section "The parallel layers in detail").
     """
 
     def __init__(
@@ -440,11 +391,10 @@ def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
 
     so that  sum_r z_r + row.bias  is what the layers compute outside. The caller owns the
     reductions (as oases.schedule does: it all-reduces z and grad_x itself, asynchronously).
-    A column layer's replicated rows (`replicas`: key-value heads at p > kv_heads) still sum their
-    weight's gradient over their replica group: a parameter's gradient, not the layers' traffic.
-    Graphs recorded inside keep this meaning after the context exits. Only for layers without
-    sequence parallelism, gather_output or input splitting: those raise ValueError. Yields the
-    layers it switched; restores each one's previous mode on exit.
+    Graphs recorded inside keep this meaning after the context exits (a column layer's `replicas`
+    still sum their gradient: see the layers guide). Only for layers without sequence parallelism,
+    gather_output or input splitting: those raise ValueError. Yields the layers it switched;
+    restores each one's previous mode on exit.
     """
     layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelExperts))]
     for m in layers:
