@@ -107,60 +107,8 @@ def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 class Pipeline:
     """A model cut into pp stages (ns segments each), replicated dp times, each stage TP-sharded tp ways.
 
-    `config`: an `oases.models.GPTConfig` (parameters start as `GPT(config, seed=seed)`'s), or a
-    factory: a callable returning the unsharded model, e.g. `lambda: LlamaForCausalLM(cfg)`; every
-    rank calls it under `torch.manual_seed(seed)` (so parameters start as the single-process model
-    made the same way), shards it with `oases.parallelize` over tp (unless already sharded) and
-    sees it through `oases.train_step`'s adapters (Hugging Face Llama / Mistral / Qwen2 / Qwen3 /
-    GPT-NeoX, nanoGPT, any `oases.schedule.Stack` module). Every rank builds the whole model,
-    then frees the parameters of other stages' layers once the layout is final (`freed_bytes`;
-    embedding and head stay on every rank: every stage runs the embedding for its ctx). Tied
-    input/output embeddings are trained on the first and the last stage, as copies whose
-    gradients are summed (module doc). A factory
-    that builds on meta (`with torch.device("meta"): return Cls(cfg)`) gets only what its stage
-    places allocated, on the mesh's device (oases.pipeline._build): its layers, the embedding on
-    the first stage, the head on the last; `init_weights=True` gives them the single-process
-    build's values, False leaves them for `load_pretrained` / `load_checkpoint` (segments: an int).
-    The loss is the GPT's: mean over every token of cross_entropy(logits, targets), targets not shifted.
-
-    `schedule`: "gpipe", "1f1b" (segments=1, micro_batches >= pp) or "aiao" (see
-    oases.pipeline.schedules); `optimizer(params)` builds the optimizer of one segment's
-    parameters on this rank (called once per segment; it must treat parameters independently, as
-    SGD and AdamW do, so per-segment optimizers equal one over the whole model).
-    `dp_overlap_ratio` r in [0, 1]: the fraction of a segment's gradient buckets whose DP sync
-    starts as soon as its backward ends (the rest start at the next train_step, under its
-    forwards); `dp_bucket_numel`: elements per flat gradient bucket;
-    `dp_chunk_bytes`: the most a DP ring piece moves (what a PP transfer may wait behind);
-    `offload` (True or an oases.offload.Offloader): the per-layer checkpoints go to host memory
-    in batches after each forward action and come back before their backward (`offload_stats`
-    after each step; bit-exact; the slab is sized by the first step, so a later step with larger
-    micro-batches raises SlabTooSmallError: pass an Offloader with a larger HostSlab then);
-    `preemption`: PP transfers hold back DP sync chunks (module doc);
-    `dp_hierarchy`: the DP sync's rings in two levels (oases.comm.hierarchical: intra-host, then
-    inter-host) over hosts of LOCAL_WORLD_SIZE consecutive ranks (oases-launch --hosts H): True
-    always, "auto" when oases.planner.partition predicts it faster for this stage's largest
-    bucket on HostLinks.from_env() (`dp_hierarchical` says which ran; False: the flat ring). Each
-    host must hold as many of every dp group's ranks (ValueError otherwise); LOCAL_WORLD_SIZE
-    and the OASES_*BANDWIDTH variables must be the same on every rank (as oases-launch sets them).
-    `zero=True`: ZeRO-1 (oases.pipeline.zero_sync): each segment's DP sync reduce-scatters gradient
-    rows instead of summing whole gradients, `optimizers[k]` is an oases.dp.ShardedOptimizer
-    stepping `optimizer(masters)` on this dp rank's ceil(n/dp) rows of each parameter (fp32
-    masters for 16-bit ones: optimizer state ~1/dp per rank), and the parameters are all-gathered
-    in preemptible chunks on the DP thread, segment k+1's under segment k's forwards; checkpoints
-    store the rows (loadable at any dp, with or without zero); not with dp_hierarchy.
-    Every argument is checked (ValueError naming it) on every rank before any communication.
-    `close()` ends the threads.
-    Pipelines on one mesh share its dp group and the DP rings' message tags: close() one (its DP sync may still
-    be in flight after train_step returns) before another trains.
-
-    `loss_scaler` (an oases.amp.GradScaler, for fp16): the last stage back-propagates the scaled
-    loss; the first pending update of the next step waits for every segment's DP sync, unscales
-    each segment's gradients and takes one inf/NaN verdict for all segments over the scaler's
-    group (default: the world: every stage and replica), so every segment of every rank steps or
-    skips alike, as one optimizer would; the scale is updated after the last segment's update.
-    Not with zero=True. The scaler's state is not in the pipeline's checkpoints: save
-    `loss_scaler.state_dict()` beside them.
-
+    One train_step is the pseudo-code of this module's docstring (oases.pipeline.pipeline); the
+    constructor's Args list the arguments.
     `segments="auto"` and `dp_overlap_ratio="auto"` are chosen by FOLD3D's rules
     (oases.planner.fold3d: choose_segments, dp_overlap_ratio) from times measured on the first
     train_step's batch, before it runs (`self.measured` keeps them; the same on every rank)::
@@ -170,10 +118,9 @@ class Pipeline:
         dp_comm_s  = this stage's gradient sync over dp (a ring all-reduce of one bucket, scaled)
         pp_comm_s  = one activation between neighbouring stages (a ring exchange over pp)
 
-    Until then the pipeline runs as segments=1 (state_dict() works; no update is pending). That
-    first step rebuilds `optimizers`, `stage` and `sync` (calling `optimizer` again): make LR
-    schedulers on `pipe.optimizers` after it. FOLD3D's rule models aiao; with gpipe or 1f1b,
-    "auto" means one segment.
+    Every argument's contract (factories and meta builds, the per-segment optimizer, offload,
+    preemption, dp_hierarchy, zero, loss_scaler, "auto", close()): the pipeline guide
+    (docs/guides/pipeline.md, section "The Pipeline class: arguments and contracts").
     """
 
     def __init__(self, config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str = "1f1b",
@@ -184,7 +131,7 @@ class Pipeline:
                  offload: bool | Offloader = False, dp_hierarchy: bool | str = False,
                  init_weights: bool = True, zero: bool = False,
                  loss_scaler: Optional[GradScaler] = None) -> None:
-        """Build this rank's part of the pipeline (the class docstring describes each argument).
+        """Build this rank's part of the pipeline (each argument's contract: the pipeline guide).
 
         Args:
             config: an oases.models.GPTConfig, or a factory: a callable returning the unsharded model.
