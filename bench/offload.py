@@ -1,4 +1,4 @@
-"""Suite `offload`: batched checkpoint offload (oases.offload) against per-tensor copies, and the
+"""Suite `offload`: batched offload of saved tensors (oases.offload) against per-tensor copies, and the
 oases schedule's step with offload on and off.
 
     python -m bench offload                  # 2 ranks; --quick for seconds
@@ -19,7 +19,7 @@ round trip = every tensor to the host and back, GB/s = 2 n size / time:
 
 Step: oases.models.GPT on the "oases" schedule (TP over the ranks), `train_step` with
 offload=False and with an Offloader (batch --batch-size, its profiling step in the warm-up):
-t_step, the ratio, peak device-resident checkpoint bytes (oases.schedule.CheckpointMemory; with
+t_step, the ratio, peak device-resident bytes of the recompute inputs (oases.schedule.CheckpointMemory; with
 offload the Offloader's account: saved until the copy out is issued, back from the copy in to
 release), copies per step. Sized by --step-hidden, --step-heads, --step-layers, --step-seq-len and
 --step-batch (defaults: --hidden, 8, --layers, --seq-len, --batch). On CUDA also the allocator's
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=None, help="GPT layers (default 4; --quick: 2)")
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; --quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 128 (--quick: 16)")
-    parser.add_argument("--batch-size", type=int, default=2, help="checkpoints per offload copy (default 2)")
+    parser.add_argument("--batch-size", type=int, default=2, help="saved tensors per offload copy (default 2)")
     parser.add_argument("--parts", type=_parts, default=PARTS, metavar="PART[,PART...]",
                         help=f"what to run, comma-separated from {', '.join(PARTS)} (default: all)")
     parser.add_argument("--step-hidden", type=_positive, default=None,
@@ -236,7 +236,8 @@ def _step(args, ctx) -> dict:
               # the step's own memory (peak minus what was allocated before it): what offload saves
               "step_device_ratio_on_off": None if peak["off"] is None else
               (peak["on"] - before["on"]) / max(1, peak["off"] - before["off"]),
-              "checkpoints": stats.checkpoints, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
+              # "checkpoints": the saves (OffloadStats.saves); the key keeps its name: the JSON files are read back
+              "checkpoints": stats.saves, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
               "bytes_out": stats.bytes_out, "slab_bytes": offloader.slab.capacity, "loss": float(losses["off"]),
               "copy_path": offloader.engine(ctx.device).path, "peak_live": peak_live}
     offloader.close()
@@ -355,7 +356,8 @@ def _step_table(step: dict) -> Table:
     step_notes = [f"{step['checkpoints']} sublayer inputs per step (2 sub-batches), {step['offload_batch']} per copy; "
                   f"slab {step['slab_bytes'] / 2**20:.2f} MiB (sized by the profiling step); copy path "
                   f"{step['copy_path']}",
-                  "ckpt MiB = peak device-resident checkpoint bytes (with offload: as the Offloader accounts them)",
+                  "kept MiB = peak device-resident bytes of the recompute inputs (with offload: as the Offloader "
+                  "accounts them)",
                   "target: t_step(on) <= 1.05 x t_step(off) when the copies are hidden"]
     if same_ram:
         step_notes.append("CPU: offloading frees no memory here (same RAM); t_step(on) pays the memcpy and the copy "
@@ -367,7 +369,7 @@ def _step_table(step: dict) -> Table:
     return Table(f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c.get('heads', 8)} heads, "
                  f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}"
                  + (f", {c['autocast']} autocast" if c.get("autocast") else ""),
-                 ["offload", "t_step ms", "on / off", "ckpt MiB", "step GiB", "step on / off", "peak GiB",
+                 ["offload", "t_step ms", "on / off", "kept MiB", "step GiB", "step on / off", "peak GiB",
                   "copies out", "copies in"], step_rows, step_notes)
 
 
@@ -390,7 +392,7 @@ def _aiao_table(aiao: dict) -> Table:
     aiao_rows = [[name, 1e3 * aiao["t_step"][name], aiao["ratio_on_off"] if name == "on" else None,
                   aiao["peak_resident_bytes"][name] / 2**20, aiao["peak_resident_bytes"][name] / act]
                  for name in ("off", "on")]
-    aiao_notes = [f"ckpt MiB: off = every layer input of the m x ns forward actions, kept until its backward "
+    aiao_notes = [f"kept MiB: off = every layer input of the m x ns forward actions, kept until its backward "
                   f"(counted from the shapes); on = the Offloader's peak account; 'actions' = that / one forward "
                   f"action's inputs ({act / 2**20:.2f} MiB). Target: on <= 2 actions' worth, off = m x ns = "
                   f"{aiao['micro_batches'] * aiao['segments']}",
@@ -398,7 +400,7 @@ def _aiao_table(aiao: dict) -> Table:
                   f"{aiao['loss']:.6f} both ways"]
     return Table(f"offload: AIAO pipeline, PP{aiao['pp']}, m = {aiao['micro_batches']}, ns = {aiao['segments']}, "
                  f"hidden {a['hidden']}, {a['layers']} layers, batch {a['batch']} x {a['seq_len']}",
-                 ["offload", "t_iter ms", "on / off", "ckpt MiB", "actions"], aiao_rows, aiao_notes)
+                 ["offload", "t_iter ms", "on / off", "kept MiB", "actions"], aiao_rows, aiao_notes)
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
@@ -427,7 +429,7 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     names = ["off", "on"]
     bars = right.bar(names, [1e3 * step["t_step"][n] for n in names], color=["tab:gray", "tab:blue"])
     for bar, n in zip(bars, names):
-        right.annotate(f"ckpt {step['peak_resident_bytes'][n] / 2**20:.2f} MiB", (bar.get_x() + bar.get_width() / 2,
+        right.annotate(f"kept {step['peak_resident_bytes'][n] / 2**20:.2f} MiB", (bar.get_x() + bar.get_width() / 2,
                        bar.get_height()), ha="center", va="bottom", fontsize=8)
     right.set_ylabel("ms per training step (MAX over ranks)")
     right.set_title(f"GPT oases schedule, offload off / on (x{step['ratio_on_off']:.2f})", fontsize=9)

@@ -445,7 +445,7 @@ def test_record_stream_keeps_a_handed_off_tensor_from_reuse():
 # --- 4. Offload on CUDA ----------------------------------------------------------------------------
 
 def test_offloader_round_trip_is_bit_exact_on_cuda():
-    from oases.offload import CheckpointState, HostSlab, Offloader
+    from oases.offload import HostSlab, Offloader, OffloadState
 
     tensors = _mixed_tensors(seed=3, count=20)
     tensors.append(_randn((48, 40), 4).t())  # dense, transposed
@@ -454,7 +454,7 @@ def test_offloader_round_trip_is_bit_exact_on_cuda():
     cs = [off.save(t, group="g") for t in tensors]
     off.flush("g")
     off.engine(torch.device("cuda", torch.cuda.current_device())).synchronize()
-    assert all(c.state is CheckpointState.ON_HOST for c in cs)
+    assert all(c.state is OffloadState.ON_HOST for c in cs)
     off.prefetch(reversed(cs))
     for t, c in zip(tensors, cs):
         back = off.get(c)

@@ -14,11 +14,11 @@ import torch.nn as nn
 from oases import _extension
 from oases.offload import (
     ALIGNMENT,
-    CheckpointStack,
-    CheckpointState,
     CopyEngine,
     HostSlab,
     Offloader,
+    OffloadStack,
+    OffloadState,
     SlabTooSmallError,
     offload_saved_tensors,
 )
@@ -185,30 +185,30 @@ def test_offloader_states_counts_and_exact_restore(use_extension):
     off.begin_step()
     cs = [off.save(t, group="k") for t in tensors]
     # 10 saves, batch 3: three batches left, the tenth waits for a flush
-    assert off.stats.copies_out == 3 and cs[-1].state is CheckpointState.ON_DEVICE
+    assert off.stats.copies_out == 3 and cs[-1].state is OffloadState.ON_DEVICE
     assert [c.batch for c in cs] == [0, 0, 0, 1, 1, 1, 2, 2, 2, None]
-    assert all(c.state in (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST) for c in cs[:9])
-    with pytest.raises(ValueError, match=r"prefetch: Checkpoint\(#9, group='k', \[3\] torch.bool, on device\) "
+    assert all(c.state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST) for c in cs[:9])
+    with pytest.raises(ValueError, match=r"prefetch: OffloadHandle\(#9, group='k', \[3\] torch.bool, on device\) "
                                          r"was never offloaded"):
         off.prefetch([cs[0], cs[-1]])
     assert off.stats.copies_in == 0  # the check ran before any copy
     off.flush("k")
     engine.synchronize()
     assert off.stats.copies_out == math.ceil(len(tensors) / 3) == 4
-    assert all(c.state is CheckpointState.ON_HOST for c in cs)
+    assert all(c.state is OffloadState.ON_HOST for c in cs)
     assert off.stats.resident_bytes == 0 and off.slab.in_use > 0
     off.prefetch(reversed(cs[6:]))  # batches 3 and 2: two calls
-    assert off.stats.copies_in == 2 and cs[6].state is CheckpointState.IN_FLIGHT_IN
+    assert off.stats.copies_in == 2 and cs[6].state is OffloadState.IN_FLIGHT_IN
     for t, c in zip(tensors, cs):
         restored = off.get(c)  # batches 1 and 0 are fetched here, one call each
         assert restored.dtype == t.dtype and restored.shape == t.shape and torch.equal(restored, t)
         if t.is_contiguous() or t.permute(*reversed(range(t.dim()))).is_contiguous():
             assert restored.stride() == t.stride()  # dense layouts come back as they left
-        assert c.state is CheckpointState.ON_DEVICE
+        assert c.state is OffloadState.ON_DEVICE
         off.release(c)
-        assert c.state is CheckpointState.RELEASED
+        assert c.state is OffloadState.RELEASED
     stats = off.end_step()
-    assert (stats.copies_out, stats.copies_in, stats.checkpoints) == (4, 4, 10)
+    assert (stats.copies_out, stats.copies_in, stats.saves) == (4, 4, 10)
     assert stats.bytes_out == stats.bytes_in == sum(t.numel() * t.element_size() for t in tensors)
     assert stats.resident_bytes == 0 and off.slab.in_use == 0
     with pytest.raises(ValueError, match=r"release: .* was already released \(double free\)"):
@@ -217,7 +217,7 @@ def test_offloader_states_counts_and_exact_restore(use_extension):
         off.get(cs[1])
     with pytest.raises(ValueError, match=r"prefetch: .* was released"):
         off.prefetch([cs[2]])
-    with pytest.raises(TypeError, match="get: expected a Checkpoint that this Offloader's save"):
+    with pytest.raises(TypeError, match="get: expected an OffloadHandle that this Offloader's save"):
         off.get(Offloader().save(torch.ones(2)))
     engine.close()
 
@@ -253,7 +253,7 @@ def test_profiling_step_sizes_the_slab():
     tensors = [torch.randn(n) for n in (10, 300, 7, 64, 1000)]
     for step in range(3):
         off.begin_step()
-        stack = CheckpointStack(off, group=0)
+        stack = OffloadStack(off, group=0)
         for t in tensors:
             stack.push(t)
         stack.flush()
@@ -267,11 +267,11 @@ def test_profiling_step_sizes_the_slab():
     off.close()
 
 
-def test_checkpoint_stack_batches_and_prefetches_ahead():
+def test_offload_stack_batches_and_prefetches_ahead():
     """push 7 with batch 2: copies out [0 1] [2 3] [4 5] + flush [6], which also fetches [6];
     popping 6 fetches one batch ahead ([4 5]); each further batch is fetched one batch early."""
     off = Offloader(HostSlab(1 << 16), batch=2, engine=CopyEngine("cpu", asynchronous=False))
-    stack = CheckpointStack(off, group=1, ahead=1)
+    stack = OffloadStack(off, group=1, ahead=1)
     tensors = [torch.full((16,), float(i)) for i in range(7)]
     for t in tensors:
         stack.push(t)
@@ -285,6 +285,38 @@ def test_checkpoint_stack_batches_and_prefetches_ahead():
     assert fetched == [2, 3, 3, 4, 4, 4, 4] and len(stack) == 0
     # never more than the batch in use and the one ahead (2 + 2), against 7 without offloading
     assert off.stats.peak_resident_bytes == 4 * 64
+    off.close()
+
+
+def test_old_checkpoint_names_warn_and_work():
+    """The offload package's old names ("checkpoint" is a training state saved to files): each
+    warns, naming the new one, and is the new object; none is in __all__."""
+    import oases.offload as offload
+
+    for old, new in (("Checkpoint", "OffloadHandle"), ("CheckpointState", "OffloadState"),
+                     ("CheckpointStack", "OffloadStack")):
+        assert old not in offload.__all__ and new in offload.__all__
+        with pytest.warns(DeprecationWarning, match=f"oases.offload.{new}"):
+            assert getattr(offload, old) is getattr(offload, new)
+    with pytest.warns(DeprecationWarning, match="OffloadStack"):
+        from oases.offload import CheckpointStack
+    with pytest.raises(AttributeError, match="Checkpoints"):
+        offload.Checkpoints  # only the listed names are aliases
+    off = Offloader(batch=2, engine=CopyEngine("cpu", asynchronous=False))
+    off.begin_step()
+    stack = CheckpointStack(off, group=0)
+    handle = off.save(torch.arange(3.0), group=1)
+    stack.push(torch.ones(4))
+    stack.flush()
+    off.flush(1)
+    with pytest.warns(DeprecationWarning, match=r"OffloadStats\.saves"):
+        assert off.stats.checkpoints == off.stats.saves == 2
+    with pytest.warns(DeprecationWarning, match="handles="):
+        off.prefetch(checkpoints=[handle])
+    with pytest.raises(TypeError, match="both handles and checkpoints"):
+        off.prefetch([handle], checkpoints=[handle])
+    assert torch.equal(off.get(handle), torch.arange(3.0)) and torch.equal(stack.pop(), torch.ones(4))
+    off.release(handle)
     off.close()
 
 
@@ -315,8 +347,8 @@ def test_saved_tensors_context_is_bit_exact(dtype):
         stats = off.end_step()
         assert torch.equal(loss, want_loss)
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
-        assert stats.checkpoints > 8  # parameters stay: only activations are offloaded
-        assert stats.copies_out == stats.copies_in == math.ceil(stats.checkpoints / 4)
+        assert stats.saves > 8  # parameters stay: only activations are offloaded
+        assert stats.copies_out == stats.copies_in == math.ceil(stats.saves / 4)
         assert stats.resident_bytes == 0 and stats.host_bytes == 0
     off.close()
 
@@ -365,7 +397,7 @@ def _tp_offload(rank, world_size):
                 assert torch.equal(p.grad, q.grad), (name, step, n)
             stats = off.offloader.stats
             assert stats.copies_out == stats.copies_in == parts * math.ceil(kept / 3), (name, stats)
-            assert stats.checkpoints == parts * kept and stats.resident_bytes == 0
+            assert stats.saves == parts * kept and stats.resident_bytes == 0
             assert memories[1].peak == stats.peak_resident_bytes <= memories[0].peak, (name, memories, stats)
             if kept > 3:  # more than one batch per sub-batch: some inputs are off the device at the peak
                 assert memories[1].peak < memories[0].peak, (name, memories, stats)

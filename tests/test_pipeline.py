@@ -597,7 +597,7 @@ def _offload_cases(rank, world_size, cases):
             assert torch.equal(value, runs[True][1][name]), (where, name)
         per_action = layers // (pp * segments)  # layer inputs saved per forward action of this stage
         saves = m * segments * per_action
-        assert stats.checkpoints == saves, (where, stats)
+        assert stats.saves == saves, (where, stats)
         copies = m * segments * -(-per_action // offload_batch)  # ceil per (segment, micro-batch) group
         assert stats.copies_out == copies and stats.copies_in == copies, (where, stats)
         one_action = per_action * max(CONFIG["seq_len"] * CONFIG["hidden"] * 4 * -(-batch // dp // m), 0)

@@ -21,21 +21,21 @@ import torch
 import torch.nn as nn
 
 from oases import _checks
-from oases.offload.offloader import Checkpoint, CheckpointState, Offloader
+from oases.offload.offloader import Offloader, OffloadHandle, OffloadState
 
 __all__ = ["offload_saved_tensors"]
 
-_COMING_BACK = (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST)
+_COMING_BACK = (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST)
 
 
 class _Packed:
-    """What autograd keeps for one saved tensor: the tensor itself, or a checkpoint (and, once
+    """What autograd keeps for one saved tensor: the tensor itself, or an offload handle (and, once
     unpacked, the device tensor)."""
 
-    __slots__ = ("kept", "checkpoint", "position")
+    __slots__ = ("kept", "handle", "position")
 
-    def __init__(self, kept: Optional[torch.Tensor], checkpoint: Optional[Checkpoint], position: int) -> None:
-        self.kept, self.checkpoint, self.position = kept, checkpoint, position
+    def __init__(self, kept: Optional[torch.Tensor], handle: Optional[OffloadHandle], position: int) -> None:
+        self.kept, self.handle, self.position = kept, handle, position
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -57,7 +57,7 @@ def offload_saved_tensors(offloader: Offloader, *, min_bytes: int = 0, ahead: in
     if not _checks.is_int(ahead) or ahead < 0:
         raise ValueError(f"ahead: expected an int >= 0, got {ahead!r}")
     group = object()  # this context's saves batch only with each other
-    saved: list[weakref.ref] = []  # every checkpoint, in saving order (weak: the graph owns them)
+    saved: list[weakref.ref] = []  # every handle, in saving order (weak: the graph owns them)
     positions = itertools.count()
 
     def pack(t: torch.Tensor) -> Union[_Packed, torch.Tensor]:
@@ -70,7 +70,7 @@ def offload_saved_tensors(offloader: Offloader, *, min_bytes: int = 0, ahead: in
     def unpack(p: _Packed) -> torch.Tensor:
         if p.kept is not None:
             return p.kept
-        c = p.checkpoint
+        c = p.handle
         wanted, batches = [], []
         for ref in reversed(saved[: p.position + 1]):  # p's batch, then the ones saved before it
             other = ref()
@@ -85,7 +85,7 @@ def offload_saved_tensors(offloader: Offloader, *, min_bytes: int = 0, ahead: in
         offloader.prefetch(wanted)
         p.kept = offloader.get(c)
         offloader.release(c)
-        p.checkpoint = None
+        p.handle = None
         return p.kept
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

@@ -1,7 +1,8 @@
-"""CheckpointStack: one program's checkpoints, pushed in forward and popped in reverse in backward
-(the use order of a layer stack), offloaded in batches and prefetched ahead of their use.
+"""OffloadStack: one program's saved tensors (its recompute inputs), pushed in forward and popped
+in reverse in backward (the use order of a layer stack), offloaded in batches and prefetched ahead
+of their use.
 
-    saved = CheckpointStack(offloader, group=k)     # k: the sub-batch (or micro-batch)
+    saved = OffloadStack(offloader, group=k)        # k: the sub-batch (or micro-batch)
     saved.push(x)          # forward: every `batch` pushes leave the device in one copy
     saved.flush()          # forward done: the last (partial) batch too; the first batch the
                            # backward needs starts coming back (overlapping the loss and the head)
@@ -22,15 +23,15 @@ from typing import Hashable, Optional
 import torch
 
 from oases import _checks
-from oases.offload.offloader import Checkpoint, CheckpointState, Offloader
+from oases.offload.offloader import Offloader, OffloadHandle, OffloadState
 
-__all__ = ["CheckpointStack"]
+__all__ = ["OffloadStack"]
 
-_COMING_BACK = (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST)
+_COMING_BACK = (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST)
 
 
-class CheckpointStack:
-    """LIFO of one group's checkpoints in an Offloader (see the module docstring).
+class OffloadStack:
+    """LIFO of one group's saved tensors in an Offloader (see the module docstring).
 
     ahead: batches prefetched beyond the one in use (0: a batch is fetched at its first pop).
     """
@@ -41,7 +42,7 @@ class CheckpointStack:
         if not _checks.is_int(ahead) or ahead < 0:
             raise ValueError(f"ahead: expected an int >= 0 (batches prefetched early), got {ahead!r}")
         self.offloader, self.group, self.ahead = offloader, group, ahead
-        self._items: list[Checkpoint] = []
+        self._items: list[OffloadHandle] = []
 
     def __len__(self) -> int:
         return len(self._items)
@@ -57,7 +58,7 @@ class CheckpointStack:
         self._prefetch_ahead(0)
 
     def pop(self) -> torch.Tensor:
-        """The newest checkpoint's tensor on its device, released from the offloader; its batch and
+        """The newest saved tensor on its device, released from the offloader; its batch and
         `ahead` more are prefetched first."""
         c = self._items.pop()
         self._items.append(c)  # keep c in view while its own batch is prefetched
@@ -71,7 +72,7 @@ class CheckpointStack:
         """Prefetch the next 1 + ahead distinct batches in use order (newest first)."""
         ahead = self.ahead if ahead is None else ahead
         batches: list[int] = []
-        wanted: list[Checkpoint] = []
+        wanted: list[OffloadHandle] = []
         for c in reversed(self._items):
             b = c.batch
             if b is None:

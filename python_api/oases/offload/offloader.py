@@ -1,4 +1,4 @@
-"""Offloader: checkpoints leave the device in batches and come back, in use order, before use.
+"""Offloader: saved tensors leave the device in batches and come back, in use order, before use.
 
     off = Offloader(batch=8)                  # no slab: the first step profiles and sizes it
     c = off.save(x, group=k)                  # every `batch` saves of group k: one copy out
@@ -8,20 +8,20 @@
     off.release(c)                            # c is done with: its device and host memory go
     stats = off.end_step()                    # counts of the step; the first step allocates the slab
 
-Each checkpoint has an explicit state, so misuse raises instead of reading stale memory:
+Each saved tensor's handle has an explicit state, so misuse raises instead of reading stale memory:
 
     save --> ON_DEVICE --offload--> IN_FLIGHT_OUT --(copy done)--> ON_HOST
                  ^                                                    |
                  +----get (waits)---- IN_FLIGHT_IN <----prefetch------+
-    release (from any state) --> RELEASED;   prefetch of a checkpoint never offloaded, get or
+    release (from any state) --> RELEASED;   prefetch of a tensor never offloaded, get or
     release of a RELEASED one (a double free) and a slab too small raise.
 
 Host storage: a preallocated HostSlab (given, or allocated by `end_step()` of the first step
 from that step's high-water mark; until then each batch gets a host buffer of its own, so the
-profiling step offloads too). A checkpoint's host region is freed as soon as its copy in is
+profiling step offloads too). A saved tensor's host region is freed as soon as its copy in is
 issued: the next copy out into it is issued later on the same copy stream, so it cannot
 overtake. Device-resident bytes (`stats.resident_bytes`, `peak_resident_bytes`) count a
-checkpoint from save until its copy out is issued, and again from its copy in until release:
+saved tensor from save until its copy out is issued, and again from its copy in until release:
 the device memory the offloader holds references to.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterable, Optional
@@ -39,11 +40,11 @@ from oases import _checks
 from oases.offload.engine import CopyEngine, CopyEvent
 from oases.offload.slab import _UNBOUNDED, ALIGNMENT, HostSlab, _FirstFit, _round_up
 
-__all__ = ["Offloader", "Checkpoint", "CheckpointState", "OffloadStats"]
+__all__ = ["Offloader", "OffloadHandle", "OffloadState", "OffloadStats"]
 
 
-class CheckpointState(enum.Enum):
-    """Where a checkpoint's bytes are (the state diagram in the module docstring)."""
+class OffloadState(enum.Enum):
+    """Where a saved tensor's bytes are (the state diagram in the module docstring)."""
 
     ON_DEVICE = "on device"
     IN_FLIGHT_OUT = "in flight out"
@@ -57,11 +58,11 @@ class OffloadStats:
     """What an Offloader did since the step began (oases.offload.Offloader.begin_step).
 
     copies_out / copies_in: batched copy calls; bytes_out / bytes_in: bytes they moved;
-    checkpoints: saves; resident_bytes: device bytes of checkpoints the offloader holds now,
+    saves: tensors saved; resident_bytes: device bytes of saved tensors the offloader holds now,
     peak_resident_bytes: the most at once; host_bytes: bytes of host regions in use now (aligned),
     host_high_water: the slab size this step's placements need."""
 
-    checkpoints: int = 0
+    saves: int = 0
     copies_out: int = 0
     copies_in: int = 0
     bytes_out: int = 0
@@ -71,15 +72,22 @@ class OffloadStats:
     host_bytes: int = 0
     host_high_water: int = 0
 
+    @property
+    def checkpoints(self) -> int:
+        """Deprecated name of `saves` ("checkpoint" is a training state saved to files)."""
+        warnings.warn("OffloadStats.checkpoints is deprecated: use OffloadStats.saves", DeprecationWarning,
+                      stacklevel=2)
+        return self.saves
+
 
 class _Record:
-    """A checkpoint's mutable state, apart from its handle so that a finalizer can see it."""
+    """A saved tensor's mutable state, apart from its handle so that a finalizer can see it."""
 
     __slots__ = ("state", "tensor", "order", "nbytes", "shape", "dtype", "device", "buffer", "offset",
                  "profile_offset", "event", "batch", "peers", "offloaded", "resident", "region")
 
     def __init__(self, tensor: torch.Tensor, order: Optional[list[int]]) -> None:
-        self.state = CheckpointState.ON_DEVICE
+        self.state = OffloadState.ON_DEVICE
         self.tensor: Optional[torch.Tensor] = tensor
         self.order = order  # permutation making the tensor contiguous (None: it was copied contiguous)
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -95,7 +103,7 @@ class _Record:
         self.region = False  # holds a slab region (freed on release or when the handle dies)
 
 
-class Checkpoint:
+class OffloadHandle:
     """A handle on one saved tensor; `state` says where its bytes are (never blocks)."""
 
     def __init__(self, owner: "Offloader", record: _Record, group: Hashable, index: int,
@@ -107,11 +115,11 @@ class Checkpoint:
         weakref.finalize(self, owner._dead.append, record)
 
     @property
-    def state(self) -> CheckpointState:
+    def state(self) -> OffloadState:
         """Where its bytes are now (never blocks): IN_FLIGHT_OUT becomes ON_HOST once its copy out is done."""
         r = self._record
-        if r.state is CheckpointState.IN_FLIGHT_OUT and r.event is not None and r.event.done():
-            r.state, r.event = CheckpointState.ON_HOST, None
+        if r.state is OffloadState.IN_FLIGHT_OUT and r.event is not None and r.event.done():
+            r.state, r.event = OffloadState.ON_HOST, None
         return r.state
 
     @property
@@ -120,7 +128,7 @@ class Checkpoint:
         return self._record.batch
 
     def __repr__(self) -> str:
-        return (f"Checkpoint(#{self.index}, group={self.group!r}, {list(self.shape)} {self.dtype}, "
+        return (f"OffloadHandle(#{self.index}, group={self.group!r}, {list(self.shape)} {self.dtype}, "
                 f"{self.state.value})")
 
 
@@ -138,10 +146,10 @@ def _inverse(p: list[int]) -> list[int]:
 
 
 class Offloader:
-    """Moves checkpoints to host memory in batches and back in use order (module docstring).
+    """Moves saved tensors to host memory in batches and back in use order (module docstring).
 
     slab: the HostSlab (None: allocated by the first `end_step()` from that step's need);
-    batch: checkpoints per copy call (copies per step and group = ceil(saves / batch));
+    batch: saved tensors per copy call (copies per step and group = ceil(saves / batch));
     engine: the CopyEngine (None: one per device, made on first use, closed by `close()`).
     """
 
@@ -149,18 +157,18 @@ class Offloader:
         if slab is not None and not isinstance(slab, HostSlab):
             raise TypeError(f"slab: expected an oases.offload.HostSlab or None, got {type(slab).__name__}")
         if not _checks.is_int(batch) or batch < 1:
-            raise ValueError(f"batch: expected an int >= 1 (checkpoints per copy call), got {batch!r}")
+            raise ValueError(f"batch: expected an int >= 1 (saved tensors per copy call), got {batch!r}")
         if engine is not None and not isinstance(engine, CopyEngine):
             raise TypeError(f"engine: expected an oases.offload.CopyEngine or None, got {type(engine).__name__}")
         self.slab, self.batch = slab, batch
         self._engines: dict[torch.device, CopyEngine] = {} if engine is None else {engine.device: engine}
         self._owned = engine is None
-        self._pending: dict[Hashable, list[Checkpoint]] = {}
+        self._pending: dict[Hashable, list[OffloadHandle]] = {}
         self._profile = _FirstFit(_UNBOUNDED) if slab is None else None  # placements a slab would get
         self._batches = itertools.count()
         self._saves = itertools.count()
         self._lock = threading.RLock()
-        self._dead: list[_Record] = []  # records of handles that died, to free (see Checkpoint)
+        self._dead: list[_Record] = []  # records of handles that died, to free (see OffloadHandle)
         self.stats = OffloadStats()
 
     # ---- the step -----------------------------------------------------------------------------------
@@ -188,7 +196,7 @@ class Offloader:
 
     # ---- saving and offloading ----------------------------------------------------------------------
 
-    def save(self, tensor: torch.Tensor, *, group: Hashable = 0) -> Checkpoint:
+    def save(self, tensor: torch.Tensor, *, group: Hashable = 0) -> OffloadHandle:
         """Register `tensor` (kept on the device for now); once `group` has `batch` saves not yet
         offloaded, they leave in one copy. Any dtype, any strides, zero-size too."""
         if not isinstance(tensor, torch.Tensor):
@@ -204,8 +212,8 @@ class Offloader:
         with self._lock:
             self._reap()
             record = _Record(t.permute(order), order)
-            c = Checkpoint(self, record, group, next(self._saves), tuple(tensor.shape))
-            self.stats.checkpoints += 1
+            c = OffloadHandle(self, record, group, next(self._saves), tuple(tensor.shape))
+            self.stats.saves += 1
             self._add_resident(record.nbytes)
             pending = self._pending.setdefault(group, [])
             pending.append(c)
@@ -223,14 +231,14 @@ class Offloader:
                 for i in range(0, len(pending), self.batch):
                     self._offload(pending[i: i + self.batch])
 
-    def _offload(self, checkpoints: list[Checkpoint]) -> None:
-        records = [c._record for c in checkpoints]
+    def _offload(self, handles: list[OffloadHandle]) -> None:
+        records = [c._record for c in handles]
         buffer, offsets = self._place(records)
         event = self._engine(records[0].device).copy_out([r.tensor for r in records], buffer, offsets)
-        number, peers = next(self._batches), [weakref.ref(c) for c in checkpoints]
+        number, peers = next(self._batches), [weakref.ref(c) for c in handles]
         for r, off in zip(records, offsets):
             r.buffer, r.offset, r.event, r.batch, r.peers = buffer, off, event, number, peers
-            r.tensor, r.state, r.offloaded = None, CheckpointState.IN_FLIGHT_OUT, True
+            r.tensor, r.state, r.offloaded = None, OffloadState.IN_FLIGHT_OUT, True
             self._drop_resident(r)
         self.stats.copies_out += 1
         self.stats.bytes_out += sum(r.nbytes for r in records)
@@ -265,26 +273,36 @@ class Offloader:
 
     # ---- bringing back ------------------------------------------------------------------------------
 
-    def prefetch(self, checkpoints: Iterable[Checkpoint]) -> None:
-        """Start copying `checkpoints` back to the device, in the order given, `batch` per copy call
+    def prefetch(self, handles: Optional[Iterable[OffloadHandle]] = None, *,
+                 checkpoints: Optional[Iterable[OffloadHandle]] = None) -> None:
+        """Start copying `handles` back to the device, in the order given, `batch` per copy call
         (a batch whose members share a host buffer). Ones already in (or coming in) are skipped;
-        one never offloaded, or released, raises ValueError (before any copy starts)."""
-        checkpoints = list(checkpoints)
+        one never offloaded, or released, raises ValueError (before any copy starts).
+        `checkpoints`: the deprecated name of `handles` (warns)."""
+        if checkpoints is not None:
+            if handles is not None:
+                raise TypeError("prefetch: got both handles and checkpoints (its deprecated name)")
+            warnings.warn("Offloader.prefetch(checkpoints=...) is deprecated: use handles=", DeprecationWarning,
+                          stacklevel=2)
+            handles = checkpoints
+        if handles is None:
+            raise TypeError("prefetch: missing the handles to bring back")
+        handles = list(handles)
         with self._lock:
             self._reap()
             wanted, seen = [], set()
-            for c in checkpoints:
+            for c in handles:
                 self._check_mine(c, "prefetch")
                 state = c.state
-                if state is CheckpointState.RELEASED:
+                if state is OffloadState.RELEASED:
                     raise ValueError(f"prefetch: {c} was released; nothing is left to bring back")
                 if not c._record.offloaded:
                     raise ValueError(f"prefetch: {c} was never offloaded (still on the device); prefetch brings "
                                      "back what save()/flush() moved out")
-                if state in (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST) and id(c) not in seen:
+                if state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST) and id(c) not in seen:
                     wanted.append(c)
                     seen.add(id(c))
-            chunk: list[Checkpoint] = []
+            chunk: list[OffloadHandle] = []
             for c in wanted:
                 if chunk and (len(chunk) == self.batch or c._record.buffer is not chunk[0]._record.buffer):
                     self._fetch(chunk)
@@ -293,43 +311,43 @@ class Offloader:
             if chunk:
                 self._fetch(chunk)
 
-    def _fetch(self, checkpoints: list[Checkpoint]) -> None:
-        records = [c._record for c in checkpoints]
+    def _fetch(self, handles: list[OffloadHandle]) -> None:
+        records = [c._record for c in handles]
         specs = [(r.shape, r.dtype) for r in records]
         outs, event = self._engine(records[0].device).copy_in(records[0].buffer, [r.offset for r in records], specs)
         for r, out in zip(records, outs):
             self._free_region(r)  # later copies out are issued after this copy in, on the same stream
-            r.tensor, r.event, r.state, r.buffer = out, event, CheckpointState.IN_FLIGHT_IN, None
+            r.tensor, r.event, r.state, r.buffer = out, event, OffloadState.IN_FLIGHT_IN, None
             self._add_resident(r.nbytes)
             r.resident = True
         self.stats.copies_in += 1
         self.stats.bytes_in += sum(r.nbytes for r in records)
 
-    def get(self, c: Checkpoint) -> torch.Tensor:
+    def get(self, c: OffloadHandle) -> torch.Tensor:
         """The saved tensor on its device (same shape, dtype, strides where it was dense): waits for
         its copy in, first issuing one for its whole batch if none was prefetched."""
         with self._lock:
             self._reap()
             self._check_mine(c, "get")
             state = c.state
-            if state is CheckpointState.RELEASED:
+            if state is OffloadState.RELEASED:
                 raise ValueError(f"get: {c} was released; its memory may already hold other data")
-            if state in (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST):  # with its batch
+            if state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST):  # with its batch
                 peers = [p() for p in c._record.peers]
                 self.prefetch([c] + [p for p in peers if p is not None and p is not c and p.state in
-                                     (CheckpointState.IN_FLIGHT_OUT, CheckpointState.ON_HOST)])
+                                     (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST)])
             r = c._record
-            if r.state is CheckpointState.IN_FLIGHT_IN:
+            if r.state is OffloadState.IN_FLIGHT_IN:
                 r.event.wait()
-                r.event, r.state = None, CheckpointState.ON_DEVICE
+                r.event, r.state = None, OffloadState.ON_DEVICE
             return r.tensor.permute(_inverse(r.order))
 
-    def release(self, c: Checkpoint) -> None:
+    def release(self, c: OffloadHandle) -> None:
         """Done with `c`: drop the offloader's device tensor and host region. Twice raises."""
         with self._lock:
             self._reap()
             self._check_mine(c, "release")
-            if c.state is CheckpointState.RELEASED:
+            if c.state is OffloadState.RELEASED:
                 raise ValueError(f"release: {c} was already released (double free)")
             r = c._record
             pending = self._pending.get(c.group, [])
@@ -337,7 +355,7 @@ class Offloader:
                 pending.remove(c)
             self._free_region(r)
             self._drop_resident(r)
-            r.tensor, r.buffer, r.event, r.state = None, None, None, CheckpointState.RELEASED
+            r.tensor, r.buffer, r.event, r.state = None, None, None, OffloadState.RELEASED
 
     # ---- engines, accounting ------------------------------------------------------------------------
 
@@ -352,13 +370,13 @@ class Offloader:
         if engine is None:
             if not self._owned:
                 raise ValueError(f"engine: the Offloader's engine copies for {next(iter(self._engines))}, "
-                                 f"not for a checkpoint on {device}")
+                                 f"not for a tensor on {device}")
             engine = self._engines[device] = CopyEngine(device)
         return engine
 
     def _check_mine(self, c: object, what: str) -> None:
-        if not isinstance(c, Checkpoint) or c._owner is not self:
-            raise TypeError(f"{what}: expected a Checkpoint that this Offloader's save() returned, got "
+        if not isinstance(c, OffloadHandle) or c._owner is not self:
+            raise TypeError(f"{what}: expected an OffloadHandle that this Offloader's save() returned, got "
                             f"{type(c).__name__}")
 
     def _add_resident(self, nbytes: int) -> None:

@@ -1,4 +1,4 @@
-"""HostSlab: the one host buffer offloaded checkpoints live in, preallocated, and its allocator.
+"""HostSlab: the one host buffer offloaded tensors live in, preallocated, and its allocator.
 
     slab = HostSlab(64 << 20)          # pinned when torch.cuda.is_available(), plain memory otherwise
     offset = slab.allocate(nbytes)     # a region [offset, offset + nbytes) of slab.buffer, 256-aligned
@@ -94,7 +94,7 @@ class _FirstFit:
 
 
 class HostSlab:
-    """One preallocated host buffer that checkpoints are offloaded into, in aligned regions.
+    """One preallocated host buffer that saved tensors are offloaded into, in aligned regions.
 
         slab = HostSlab(nbytes)                  # buffer: uint8 [nbytes], allocated once, here
         off = slab.allocate(n)                   # slab.buffer[off : off + n] is this region
@@ -145,7 +145,7 @@ class HostSlab:
             size = _round_up(nbytes, ALIGNMENT)
             needed = max(self._regions.used_end() + size, self._regions.high_water)
             raise SlabTooSmallError(
-                f"HostSlab: no room for a checkpoint of {nbytes} bytes: {self.in_use} of {self.capacity} bytes in "
+                f"HostSlab: no room for a tensor of {nbytes} bytes: {self.in_use} of {self.capacity} bytes in "
                 f"use (largest free run {self._regions.largest_free()}); this step needs at least {needed} bytes: "
                 f"create HostSlab({needed}) or larger, or let Offloader() size its slab from a profiling step",
                 needed)

@@ -31,7 +31,7 @@ class Step:
     dtype: torch.dtype  # of activations and their gradients
     normalizer: int  # tokens in the global batch: each micro-batch's loss is divided by it
     inputs: dict[tuple[int, int], Optional[torch.Tensor]] = field(default_factory=dict)  # (k, i) -> stage input
-    saved: dict[tuple[int, int], list] = field(default_factory=dict)  # offload: (k, i) -> its layers' Checkpoints
+    saved: dict[tuple[int, int], list] = field(default_factory=dict)  # offload: (k, i) -> its layers' OffloadHandles
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # offload: (k, i) -> input's gradient
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> output / loss
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
@@ -112,12 +112,12 @@ def _forward(pipe: Pipeline, k: int, i: int, step: Step) -> None:
         if i not in step.ctx:
             _embed(pipe, step, i)
         x = pipe.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype)
-        # Offloading, the received input is not kept here: layer 0's checkpoint holds it.
+        # Offloading, the received input is not kept here: layer 0's saved input holds it.
         x = grad_leaf(x) if off is None else StageInput.apply(pipe._anchor, x, step.grads, (k, i))
     keep = None if off is None else (off, (k, i), step.saved.setdefault((k, i), []))
     y = pipe.stage.forward_segment(k, x, step.ctx[i], offload=keep)
     if off is not None:
-        off.flush((k, i))  # this micro-batch's checkpoints leave while the next one computes
+        off.flush((k, i))  # this micro-batch's recompute inputs leave while the next one computes
     if pipe.layout.is_last(k):
         y = pipe.stage.loss_sum(y, step.micro[i][1], step.ctx[i]) / step.normalizer
         step.loss += y.detach()
@@ -129,7 +129,7 @@ def _forward(pipe: Pipeline, k: int, i: int, step: Step) -> None:
 def _backward(pipe: Pipeline, k: int, i: int, step: Step) -> None:
     v, off = pipe.layout.virtual(k), pipe.offloader
     x, y = step.inputs.pop((k, i)), step.outputs.pop((k, i))
-    if off is not None:  # FOLD3D §4: this backward's checkpoints (if not yet), then the next one's
+    if off is not None:  # FOLD3D §4: this backward's recompute inputs (if not yet), then the next one's
         off.prefetch(reversed(step.saved[k, i]))
         following = pipe._next_backward.get((k, i))
         if following is not None:

@@ -13,7 +13,7 @@ __all__ = ["OffloadedLayer", "StageInput"]
 
 
 class OffloadedLayer(torch.autograd.Function):
-    """y = layer(x) with x kept in an Offloader, recomputed in backward (reentrant-style checkpoint:
+    """y = layer(x) with x kept in an Offloader, recomputed in backward (reentrant-style activation checkpointing:
     the recomputation's backward accumulates the parameters' .grad and returns x's gradient; the
     CPU random state of the forward is restored for it, as torch.utils.checkpoint does).
     `anchor`: a tensor that requires grad, so the output does even when x does not."""

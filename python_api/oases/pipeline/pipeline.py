@@ -146,7 +146,7 @@ class Pipeline:
             preemption: PP transfers hold back DP sync chunks (default True).
             dp_bucket_numel: elements per flat gradient bucket (default `2**22`).
             dp_chunk_bytes: the most one DP ring piece moves (default `2**18`).
-            offload: True or an oases.offload.Offloader: per-layer checkpoints go to host memory
+            offload: True or an oases.offload.Offloader: per-layer recompute inputs go to host memory
                 (default False: they stay).
             dp_hierarchy: two-level DP rings: True, "auto", or False (the default: the flat ring).
             init_weights: a factory building on meta: give its tensors the single-process build's values

@@ -237,9 +237,9 @@ class Stage:
         """Segment `segment`'s layers of this stage on x [b, t, h] (the embedding's output on virtual stage 0).
 
         offload = (offloader, group, handles): each layer's input is saved in the offloader under
-        `group` (its Checkpoint appended to `handles`, in layer order) instead of being kept by
+        `group` (its OffloadHandle appended to `handles`, in layer order) instead of being kept by
         torch.utils.checkpoint; backward gets it back (waiting for its copy in), releases it and
-        recomputes the layer, as the checkpoint would."""
+        recomputes the layer, as torch.utils.checkpoint would."""
         for i in self.layout.layers_of(segment):
             if offload is None:
                 x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)

@@ -25,7 +25,7 @@ import torch
 
 from oases import _checks
 from oases._rows import split_rows
-from oases.offload import CheckpointStack
+from oases.offload import OffloadStack
 
 __all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "Recompute", "CheckpointMemory", "LossSum", "split_rows",
            "check_step"]
@@ -88,7 +88,7 @@ class _Checkpoints:
         """The forward is done (nothing to do: the inputs stay on the device)."""
 
 
-class _OffloadedCheckpoints(CheckpointStack):
+class _OffloadedCheckpoints(OffloadStack):
     """A program's kept inputs through an oases.offload.Offloader: they leave the device in
     batches as they are pushed and come back, a batch ahead, as they are popped. The offloader
     accounts the device-resident bytes (train_step copies its peak into the CheckpointMemory)."""
