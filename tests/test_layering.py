@@ -24,6 +24,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("oases.launch",),
     ("oases.comm",),
     ("oases.offload", "oases.ops", "oases.dp"),
+    ("oases.degrees",),  # per-layer TP degrees: placements, row moves, hooks (oases.nn and the models read them)
     ("oases.nn",),
     ("oases.schedule",),
     ("oases.models",),

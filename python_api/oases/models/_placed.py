@@ -1,7 +1,7 @@
 """LayerPlacements (oases.schedule.protocol) from a model's per-layer degree groups.
 
 Shared by oases.models.GPT and the Hugging Face adapter (oases.models.HFStack): both keep an
-oases.nn._degrees.DegreeGroups (this rank's Placement per degree, the resharding groups, the
+oases.degrees.DegreeGroups (this rank's Placement per degree, the resharding groups, the
 switch of the replica-sum hooks) and hand the schedules the same thing:
 
     for layer l at degree d:  LayerPlacement(d, Communicator(tp group of d), replica, replicas,
@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch.nn as nn
 
-from oases.nn._degrees import DegreeGroups
+from oases.degrees import DegreeGroups
 from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove
 from oases.schedule.runtime import Communicator
 

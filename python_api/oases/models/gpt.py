@@ -45,10 +45,10 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._sharding import ShardRule, tp_rules
+from oases.degrees import DegreeGroups, make_placements, reshard_rows, sum_over_replicas_while
+from oases.degrees import check_tp_degrees as _check_tp_degrees
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models._placed import layer_placements
-from oases.nn._degrees import DegreeGroups, make_placements, reshard_rows, sum_over_replicas_while
-from oases.nn._degrees import check_tp_degrees as _check_tp_degrees
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy

@@ -45,10 +45,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases.degrees import kwargs_rows
 from oases.models._branch import Branch, check_no_dropout, check_sharded
 from oases.models._placed import layer_placements
 from oases.models._whole import WholeLayer
-from oases.nn._degrees import kwargs_rows
 from oases.nn._mappings import copy_to_tp
 from oases.nn._parts import LayerParts, find_stack, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
@@ -226,7 +226,7 @@ class HFStack:
     def replica_ctx(self, ctx: _Context, rows: slice) -> _Context:
         """ctx narrowed to a replica's `rows` of the sub-batch: its SubBatch, and every tensor of
         the layers' keyword arguments whose first dim is the sub-batch's row count (as
-        parallelize's hooks cut them: oases.nn._degrees.kwargs_rows)."""
+        parallelize's hooks cut them: oases.degrees.kwargs_rows)."""
         batch = ctx.where.rows.stop - ctx.where.rows.start
         kwargs = tuple(kwargs_rows(layer, batch, rows) for layer in ctx.layer_kwargs)
         return _Context(ctx.where.replica_rows(rows), kwargs)

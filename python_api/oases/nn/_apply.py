@@ -13,9 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.nn import _alibi, _heads, _kv, _moe
-from oases.nn import _coverage as _summary
-from oases.nn._degrees import (
+from oases.degrees import (
     DegreeGroups,
     Placement,
     RowGroups,
@@ -23,6 +21,8 @@ from oases.nn._degrees import (
     make_placements,
     sum_over_replicas_while,
 )
+from oases.nn import _alibi, _heads, _kv, _moe
+from oases.nn import _coverage as _summary
 from oases.nn._styles import ResolvedPlan, matches
 from oases.nn.layers import _SharedEntry, is_conv1d
 
@@ -97,7 +97,7 @@ def make_moe_regions(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
 
 
 def hook_degrees(model: nn.Module, plan: ResolvedPlan, groups: Groups, p: int) -> None:
-    """Per-layer tp_degrees: the decoder layers' hooks (rows resharded and cut, oases.nn._degrees), the
+    """Per-layer tp_degrees: the decoder layers' hooks (rows resharded and cut, oases.degrees), the
     gradients of layers of degree < p summed over their replicas, and the degrees recorded on the model."""
     if plan.degrees is None:
         return

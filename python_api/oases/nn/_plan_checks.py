@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
+from oases.degrees import check_tp_degrees
 from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
-from oases.nn._degrees import check_tp_degrees
 from oases.nn._materialize import is_on_meta
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn._styles import ResolvedPlan, Style, features, matches

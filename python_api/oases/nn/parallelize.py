@@ -130,7 +130,7 @@ j = r // d_l (blocks differ by a row at most where p / d_l does not divide B):
     x = reshard_rows(x, d_{L-1} -> p)                 # [B, ...] on every rank, in layers[-1]'s output
     <the model's code after layers[-1]>               # final norm, head, loss: the whole batch
 
-Hooks on the decoder layers do the resharding and the cutting (oases.nn._degrees), and each
+Hooks on the decoder layers do the resharding and the cutting (oases.degrees), and each
 parameter gradient of a layer with d_l < p is summed over its replicas, so model(...) and
 loss.backward() give the unsharded model's loss, logits and gradients when the model keeps this
 contract (Hugging Face Llama, Mistral, Qwen2, GPT-NeoX and nanoGPT-style models do):

@@ -1,21 +1,8 @@
-"""Per-layer TP degrees: where a layer of degree d runs, and moving activations between degrees.
+"""Decoder layers run at their own degrees by hooks (oases.parallelize), and the replica-gradient sums.
 
-Shared by oases.models.GPT(tp_degrees=...) and oases.parallelize(model, group, tp_degrees=...).
-Ranks are positions 0..p-1 in the model's group. At degree d, rank r is TP rank r % d of replica
-r // d, which holds row block r // d of the batch's p / d blocks ("data parallel inside the group";
-oases._rows.block_rows: sizes differ by at most one when p / d does not divide B):
-
-    x [B, ...] at degree p (every rank)  --reshard_rows(p -> d)-->  x [~B d / p, ...], replica r // d's rows
-    reshard_rows to a lower degree:  fwd: keep this rank's sub-block   bwd: all-gather the rows
-    reshard_rows to a higher degree: fwd: all-gather the rows          bwd: keep this rank's sub-block
-    (over the hi / lo ranks that share the higher degree's replica and the lower degree's TP position)
-
-The blocks nest (block j at degree hi is blocks j hi/lo .. (j + 1) hi/lo - 1 at degree lo < hi), so
-each move stays inside one replica of the higher degree; blocks of unequal size are all-gathered
-padded to the largest (oases._rows.padded / unpadded). A layer of degree d < p sees its replica's
-rows only, so each of its parameter gradients is summed over its p / d replicas
-(`sum_over_replicas`, a gradient hook): the loss is normalised over the whole batch, so the sum is
-the full gradient whatever the blocks' sizes.
+A layer of degree d < p sees its replica's rows only, so each of its parameter gradients is summed
+over its p / d replicas (`sum_over_replicas`, a gradient hook): the loss is normalised over the
+whole batch, so the sum is the full gradient whatever the blocks' sizes.
 """
 from __future__ import annotations
 
@@ -26,51 +13,11 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from oases import _checks
 from oases import comm as _comm
-from oases._rows import block_rows, padded, part_sizes, unpadded
+from oases.degrees.placements import Placement, RowGroups
+from oases.degrees.rows import reshard_rows
 
-__all__ = ["DegreeGroups", "Placement", "RowGroup", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees",
-           "hook_decoder_layers", "kwargs_rows", "make_placements", "reshard_rows", "sum_over_replicas",
-           "sum_over_replicas_while"]
-
-
-def _part(x: torch.Tensor, sizes: tuple[int, ...], index: int) -> torch.Tensor:
-    """Rows of part `index` of x [sum(sizes), ...] (parts of `sizes` rows, in order), a new tensor."""
-    return x.narrow(0, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)
-
-
-def _gather_parts(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: tuple[int, ...]) -> torch.Tensor:
-    """cat(x from each rank of `group`, dim 0) [sum(sizes), ...]; rank k's x has sizes[k] rows."""
-    return unpadded(_comm.ring_all_gather(padded(x.contiguous(), sizes), group, dim=0), sizes)
-
-
-class RowsDown(torch.autograd.Function):
-    """fwd: keep part `index` along dim 0 (parts of `sizes` rows; local); bwd: all-gather dim 0
-    over `group`. Dual of RowsUp."""
-
-    @staticmethod
-    def forward(ctx, x, group, sizes: tuple[int, ...], index: int):
-        ctx.group, ctx.sizes = group, sizes
-        return _part(x, sizes, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_parts(grad, ctx.group, ctx.sizes), None, None, None
-
-
-class RowsUp(torch.autograd.Function):
-    """fwd: all-gather dim 0 over `group` (rank k holding sizes[k] rows); bwd: keep part `index`.
-    Dual of RowsDown."""
-
-    @staticmethod
-    def forward(ctx, x, group, sizes: tuple[int, ...], index: int):
-        ctx.sizes, ctx.index = sizes, index
-        return _gather_parts(x, group, sizes)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _part(grad, ctx.sizes, ctx.index), None, None, None
+__all__ = ["DegreeGroups", "hook_decoder_layers", "kwargs_rows", "sum_over_replicas", "sum_over_replicas_while"]
 
 
 def sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -92,109 +39,6 @@ class DegreeGroups:
     placements: dict[int, "Placement"]
     row_groups: "RowGroups"
     sums_on: list[bool]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where this rank runs a block of TP degree `degree` (of a group of p ranks)."""
-
-    degree: int
-    tp_group: Optional[dist.ProcessGroup]       # the replica's `degree` consecutive ranks
-    replica_group: Optional[dist.ProcessGroup]  # the p / degree ranks at this TP position; None at degree p
-    replica: int                                # this rank's replica: rank // degree
-    replicas: int                               # p // degree
-
-    def rows(self, batch: int) -> slice:
-        """This replica's rows of a batch of `batch` rows (oases._rows.block_rows)."""
-        return block_rows(batch, self.replicas, self.replica)
-
-
-def check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]:
-    """The degrees as a tuple, or ValueError / TypeError (local checks: the same on every rank)."""
-    if isinstance(tp_degrees, (str, bytes)) or not isinstance(tp_degrees, Sequence):
-        raise TypeError(f"tp_degrees: expected a list of ints (one TP degree per layer, e.g. oases.plan.load(path)), "
-                        f"got {type(tp_degrees).__name__}")
-    degrees = tuple(tp_degrees)
-    if len(degrees) != layers:
-        raise ValueError(f"tp_degrees: expected one degree per layer ({layers}), got {len(degrees)}: {list(degrees)}")
-    for i, d in enumerate(degrees):
-        if not _checks.is_int(d):
-            raise TypeError(f"tp_degrees[{i}]: expected an int, got {type(d).__name__}")
-        if d < 1 or d & (d - 1) or p % d:
-            raise ValueError(f"tp_degrees[{i}]: {d} is not a power of two dividing the group size {p} "
-                             f"(allowed: {[2 ** k for k in range(p.bit_length()) if p % 2 ** k == 0]})")
-    return degrees
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """The ranks that move rows between degrees lo < hi: the `parts` = hi / lo ranks of this rank's
-    replica `replica` (of `replicas` = p / hi) at degree hi that share its TP position at degree lo.
-    Each holds one lo replica's block of the hi replica's rows; this rank part `index`."""
-
-    group: Optional[dist.ProcessGroup]
-    parts: int
-    index: int
-    replica: int
-    replicas: int
-
-    def sizes(self, batch: int) -> tuple[int, ...]:
-        """The row counts of the parts, for a batch of `batch` rows (oases._rows.part_sizes)."""
-        return part_sizes(batch, self.replicas, self.replica, self.parts)
-
-
-# {(lo, hi): the RowGroup of this rank resharding rows between degrees lo < hi}
-RowGroups = dict[tuple[int, int], RowGroup]
-
-
-def make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees: tuple[int, ...]
-                    ) -> tuple[dict[int, Placement], RowGroups]:
-    """({degree: this rank's Placement}, {(lo, hi): this rank's RowGroup between degrees lo < hi}).
-
-    Collective on every rank of the world (group == the world), in the same order everywhere:
-    for each degree d < p, the replicas' TP groups and the same-position groups; for each pair of
-    neighbouring degrees lo < hi (the embedding and head count as degree p), the groups of the
-    hi / lo ranks {r: r // hi, r % lo fixed}. A rank list made before is reused (so is `group`)."""
-    ranks = dist.get_process_group_ranks(group) if p > 1 else [0]
-    made: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {tuple(range(p)): group}
-
-    def make(members: list[int]) -> None:  # every rank makes every group (non-members get a placeholder)
-        if tuple(members) not in made:
-            made[tuple(members)] = _comm.new_group([ranks[m] for m in members])
-
-    def own(members: range) -> Optional[dist.ProcessGroup]:  # a group this rank is in
-        return made[tuple(members)]
-
-    for d in sorted(set(degrees)):
-        for j in range(p // d):
-            make(list(range(j * d, (j + 1) * d)))
-        for t in range(d):
-            make(list(range(t, p, d)))
-    edges = sorted({tuple(sorted(pair)) for pair in zip((p, *degrees), (*degrees, p)) if pair[0] != pair[1]})
-    for lo, hi in edges:
-        for j in range(p // hi):
-            for t in range(lo):
-                make([j * hi + t + k * lo for k in range(hi // lo)])
-    placements = {}
-    for d in set(degrees):
-        j = me // d
-        placements[d] = Placement(d, own(range(j * d, (j + 1) * d)),
-                                  None if d == p else own(range(me % d, p, d)), j, p // d)
-    rows = {}
-    for lo, hi in edges:
-        base = (me // hi) * hi + me % lo
-        rows[lo, hi] = RowGroup(own(range(base, base + hi, lo)), hi // lo, (me % hi) // lo, me // hi, p // hi)
-    return placements, rows
-
-
-def reshard_rows(x: torch.Tensor, a: int, b: int, row_groups: RowGroups, batch: int) -> torch.Tensor:
-    """x: this rank's replica's rows of a batch of `batch` rows at degree a -> its rows at degree b
-    ([~batch a / p, ...] -> [~batch b / p, ...]; `row_groups` from make_placements; the identity
-    when a == b)."""
-    if a == b:
-        return x
-    move = row_groups[min(a, b), max(a, b)]
-    return (RowsDown if b < a else RowsUp).apply(x, move.group, move.sizes(batch), move.index)
 
 
 # --- decoder layers called as layer(hidden_states, *args, **kwargs) ------------------------------
