@@ -16,8 +16,8 @@ import oases
 import oases.plan
 from oases._rows import block_rows, padded, part_sizes, unpadded
 from oases.cli import main as cli_main
+from oases.degrees import check_tp_degrees
 from oases.models import GPT, GPTConfig
-from oases.models.gpt import _check_tp_degrees
 
 from _spawn import run_ranks
 
@@ -177,11 +177,11 @@ def test_row_blocks_nest():
 
 
 def test_degree_checks_without_ranks():
-    assert _check_tp_degrees([1, 2, 4], 3, 4) == (1, 2, 4)
+    assert check_tp_degrees([1, 2, 4], 3, 4) == (1, 2, 4)
     with pytest.raises(ValueError, match="power of two"):
-        _check_tp_degrees([3, 3], 2, 6)  # divides 6, not a power of two
+        check_tp_degrees([3, 3], 2, 6)  # divides 6, not a power of two
     with pytest.raises(ValueError, match="one degree per layer"):
-        _check_tp_degrees([1, 1, 1], 2, 2)
+        check_tp_degrees([1, 1, 1], 2, 2)
     model = GPT(GPTConfig(**CONFIG), tp_degrees=[1] * 4, seed=SEED)  # one process: the plain model
     plain = GPT(GPTConfig(**CONFIG), seed=SEED)
     tokens, targets = _batch()

@@ -1,24 +1,21 @@
 """Per-layer TP degrees: layer l of a stack sharded over d_l ranks of a TP group of p, as p / d_l replicas.
 
-Shared by oases.models.GPT(tp_degrees=...) and oases.parallelize(model, group, tp_degrees=...);
-the schedules read the placements (oases.schedule.placed).
+Shared by oases.models.GPT(tp_degrees=...) and oases.parallelize(model, group, tp_degrees=...),
+each of which builds one LayerDegrees and keeps it on the model (`model.layer_degrees`); the
+schedules read it (oases.schedule.placed).
 
+    plan         LayerDegrees: the degrees, this rank's placements and row groups, the replica-sum switch
     checks       check_tp_degrees: one power of two dividing p per layer
     placements   Placement (where a layer of degree d runs on this rank), RowGroup, make_placements
     rows         RowsDown / RowsUp (the resharding autograd functions), reshard_rows
-    hooks        decoder layers run at their degrees by hooks; the replica-gradient sums
+    hooks        decoder layers run at their degrees by hooks; the replica-gradient sums (ReplicaSums)
 """
 from oases.degrees.checks import check_tp_degrees
-from oases.degrees.hooks import (
-    DegreeGroups,
-    hook_decoder_layers,
-    kwargs_rows,
-    sum_over_replicas,
-    sum_over_replicas_while,
-)
+from oases.degrees.hooks import ReplicaSums, hook_decoder_layers, hook_replica_sums, kwargs_rows, sum_over_replicas
 from oases.degrees.placements import Placement, RowGroup, RowGroups, make_placements
+from oases.degrees.plan import LayerDegrees
 from oases.degrees.rows import RowsDown, RowsUp, reshard_rows
 
-__all__ = ["DegreeGroups", "Placement", "RowGroup", "RowGroups", "RowsDown", "RowsUp", "check_tp_degrees",
-           "hook_decoder_layers", "kwargs_rows", "make_placements", "reshard_rows", "sum_over_replicas",
-           "sum_over_replicas_while"]
+__all__ = ["LayerDegrees", "Placement", "ReplicaSums", "RowGroup", "RowGroups", "RowsDown", "RowsUp",
+           "check_tp_degrees", "hook_decoder_layers", "hook_replica_sums", "kwargs_rows", "make_placements",
+           "reshard_rows", "sum_over_replicas"]

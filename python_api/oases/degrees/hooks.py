@@ -1,14 +1,15 @@
 """Decoder layers run at their own degrees by hooks (oases.parallelize), and the replica-gradient sums.
 
 A layer of degree d < p sees its replica's rows only, so each of its parameter gradients is summed
-over its p / d replicas (`sum_over_replicas`, a gradient hook): the loss is normalised over the
-whole batch, so the sum is the full gradient whatever the blocks' sizes.
+over its p / d replicas (`sum_over_replicas`, a gradient hook: hook_replica_sums, the one copy
+oases.models.GPT and oases.parallelize use): the loss is normalised over the whole batch, so the sum
+is the full gradient whatever the blocks' sizes.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from oases import comm as _comm
 from oases.degrees.placements import Placement, RowGroups
 from oases.degrees.rows import reshard_rows
 
-__all__ = ["DegreeGroups", "hook_decoder_layers", "kwargs_rows", "sum_over_replicas", "sum_over_replicas_while"]
+__all__ = ["ReplicaSums", "hook_decoder_layers", "hook_replica_sums", "kwargs_rows", "sum_over_replicas"]
 
 
 def sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -25,20 +26,53 @@ def sum_over_replicas(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Ten
     return _comm.all_reduce(grad.clone(memory_format=torch.contiguous_format), group)
 
 
-def sum_over_replicas_while(on: list[bool], grad: torch.Tensor, group: dist.ProcessGroup) -> Optional[torch.Tensor]:
-    """A parameter gradient hook: sum_over_replicas while `on[0]` (a model's own forward + backward);
-    a schedule that sums the replicas' gradients itself (oases.train_step) sets on[0] = False."""
-    return sum_over_replicas(grad, group) if on[0] else None
+class ReplicaSums:
+    """The switch of a model's replica-sum hooks: on for the model's own forward + backward; a
+    schedule that sums the replicas' gradients itself (oases.train_step) runs inside `suspended()`.
+
+        with sums.suspended():   # the hooks return the gradient as it is
+            ...
+    """
+
+    def __init__(self) -> None:
+        self._on = True
+
+    @property
+    def on(self) -> bool:
+        """Whether the hooks sum the gradients now."""
+        return self._on
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Inside, the hooks stand down; the switch is put back as it was after (nested, or after an error)."""
+        previous, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = previous
 
 
-@dataclass
-class DegreeGroups:
-    """What a model with per-layer degrees keeps: this rank's Placement per degree, the resharding
-    groups, and the switch of its replica-sum hooks (`sums_on[0]`; see sum_over_replicas_while)."""
+def _sum_while_on(sums: ReplicaSums, grad: torch.Tensor, group: dist.ProcessGroup) -> Optional[torch.Tensor]:
+    """A parameter gradient hook: sum_over_replicas while `sums.on`, else the gradient as it is."""
+    return sum_over_replicas(grad, group) if sums.on else None
 
-    placements: dict[int, "Placement"]
-    row_groups: "RowGroups"
-    sums_on: list[bool]
+
+def hook_replica_sums(layers: Sequence[torch.nn.Module], degrees: Sequence[int], placements: dict[int, Placement],
+                      sums: ReplicaSums) -> list:
+    """Each parameter gradient of a layer of degree d < p summed over its p / d replicas (over its
+    Placement's replica_group) by a hook, while `sums.on`; returns the hooks' handles.
+
+        for layer l with d_l < p, each parameter w requiring grad:   w.grad += sum over replicas of d w
+    """
+    handles = []
+    for layer, d in zip(layers, degrees):
+        group = placements[d].replica_group
+        if group is None:  # degree p: one replica, every row
+            continue
+        for param in layer.parameters():
+            if param.requires_grad:
+                handles.append(param.register_hook(functools.partial(_sum_while_on, sums, group=group)))
+    return handles
 
 
 # --- decoder layers called as layer(hidden_states, *args, **kwargs) ------------------------------

@@ -33,7 +33,6 @@ gradients once, per step, as the block's backward ends: see `layer_placements`).
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -45,15 +44,14 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._sharding import ShardRule, tp_rules
-from oases.degrees import DegreeGroups, make_placements, reshard_rows, sum_over_replicas_while
-from oases.degrees import check_tp_degrees as _check_tp_degrees
+from oases.degrees import LayerDegrees, check_tp_degrees
 from oases.inputs import CheckMode, agree_step_inputs
-from oases.models._placed import layer_placements
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, Recompute, SubBatch, check_step, train_step
+from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import LayerPlacements
 
 __all__ = ["GPTConfig", "GPT"]
@@ -229,9 +227,9 @@ class GPT(nn.Module):
         self.config, self.schedule, self.sequence_parallel = config, schedule, sequence_parallel
         if not isinstance(offload, (bool, Offloader)):
             raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
-        self.tp_degrees: Optional[tuple[int, ...]] = None  # None: every layer at degree self.tp
+        degrees = None  # None: every layer at degree self.tp
         if tp_degrees is not None:  # every check before the subgroups are made
-            self.tp_degrees = _check_tp_degrees(tp_degrees, config.layers, self.tp)
+            degrees = check_tp_degrees(tp_degrees, config.layers, self.tp)
             for name, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel),
                                 ("offload", offload)):
                 if value is not False:
@@ -249,27 +247,22 @@ class GPT(nn.Module):
         else:
             self.wte = nn.Embedding(config.vocab_size, config.hidden)
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
-        if self.tp_degrees is None:
+        self.layer_degrees: Optional[LayerDegrees] = None  # per-layer degrees: their placements and row groups
+        if degrees is None:
             self.blocks = nn.ModuleList(
                 nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group),
                                _MLP(config, 2 * i + 1, self.tp, self.group)])
                 for i in range(config.layers)
             )
         else:
-            self._placements, self._row_groups = make_placements(self.group, self.tp, self.tp_rank, self.tp_degrees)
-            where = [self._placements[d] for d in self.tp_degrees]
-            self._hooks_on = [True]  # off while a schedule runs the stack (it sums the gradients itself)
-            self._degree_groups = DegreeGroups(self._placements, self._row_groups, self._hooks_on)
+            self.layer_degrees = LayerDegrees.make(self.group, self.tp, self.tp_rank, degrees, where="blocks")
+            where = [self.layer_degrees.placement(i) for i in range(config.layers)]
             self.blocks = nn.ModuleList(
                 nn.ModuleList([_Attention(config, 2 * i, at.degree, at.tp_group),
                                _MLP(config, 2 * i + 1, at.degree, at.tp_group)])
                 for i, at in enumerate(where)
             )
-            for block, at in zip(self.blocks, where):
-                if at.replica_group is not None:
-                    for param in block.parameters():
-                        param.register_hook(functools.partial(sum_over_replicas_while, self._hooks_on,
-                                                              group=at.replica_group))
+            self.layer_degrees.hook_replica_sums(self.blocks)  # suspended while a schedule sums them itself
             self._layer_placements: Optional[LayerPlacements] = None  # made on first use (Communicators)
         self.norm_f = nn.LayerNorm(config.hidden)
         if self.logits_group is not None:
@@ -277,6 +270,11 @@ class GPT(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.reset_parameters(seed)
+
+    @property
+    def tp_degrees(self) -> Optional[tuple[int, ...]]:
+        """The per-layer TP degrees (`self.layer_degrees.degrees`), or None: every layer at degree p."""
+        return None if self.layer_degrees is None else self.layer_degrees.degrees
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
@@ -335,8 +333,7 @@ class GPT(nn.Module):
         if self.tp_degrees is None:
             return None
         if self._layer_placements is None:
-            self._layer_placements = layer_placements(self._degree_groups, self.tp_degrees, self.blocks,
-                                                      self.tp, comm_at_p=self.comm)
+            self._layer_placements = layer_placements(self.layer_degrees, self.blocks, comm_at_p=self.comm)
         return self._layer_placements
 
     def head(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:
@@ -441,7 +438,7 @@ class GPT(nn.Module):
 
     def _check_rows(self, tokens: torch.Tensor) -> None:
         """ValueError unless every replica of every layer gets a row of the batch (before communication)."""
-        most = self.tp // min(self.tp_degrees)
+        most = self.layer_degrees.most_replicas
         if tokens.shape[0] < most:
             raise ValueError(f"tokens: tp_degrees {list(self.tp_degrees)} run up to {most} replicas, each on its own "
                              f"block of the batch's rows; got batch size {tokens.shape[0]} (use at least {most} rows)")
@@ -456,7 +453,7 @@ class GPT(nn.Module):
         batch, degree = x.shape[0], self.tp
         for block, d in zip(self.blocks, self.tp_degrees):
             x, degree = self._reshard_rows(x, degree, d, batch), d
-            at = self._placements[d]
+            at = self.layer_degrees.placements[d]
             rows = SubBatch(at.rows(batch), batch, where.seed)  # dropout masks: this replica's rows
             for s in block:
                 h = s.norm(x)
@@ -469,7 +466,7 @@ class GPT(nn.Module):
     def _reshard_rows(self, x: torch.Tensor, a: int, b: int, batch: int) -> torch.Tensor:
         """x, rows of a batch of `batch`, in the row layout of degree a -> that of degree b (see the
         module docstring)."""
-        return reshard_rows(x, a, b, self._row_groups, batch)
+        return self.layer_degrees.reshard_rows(x, a, b, batch)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""

@@ -45,13 +45,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.degrees import kwargs_rows
+from oases.degrees import LayerDegrees, kwargs_rows
 from oases.models._branch import Branch, check_no_dropout, check_sharded
-from oases.models._placed import layer_placements
 from oases.models._whole import WholeLayer
 from oases.nn._mappings import copy_to_tp
 from oases.nn._parts import LayerParts, find_stack, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import LayerPlacements, SubBatch
 
 __all__ = ["HFStack"]
@@ -130,7 +130,10 @@ class HFStack:
         self.parts = _parts_of(self.decoder)
         self._names = _top_names(model, self.base, self.lm_head)
         decoder = self.decoder
-        degrees = getattr(model, "tp_degrees", None)  # parallelize(..., tp_degrees=...): degree-1 layers unsharded
+        # parallelize(..., tp_degrees=...) keeps model.layer_degrees (and model.tp_degrees): degree-1 layers unsharded
+        layer_degrees = getattr(model, "layer_degrees", None)
+        self.layer_degrees = layer_degrees if isinstance(layer_degrees, LayerDegrees) else None
+        degrees = self.layer_degrees.degrees if self.layer_degrees is not None else getattr(model, "tp_degrees", None)
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
         if self.degrees is not None and len(self.degrees) != len(decoder):
             raise ValueError(f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
@@ -207,19 +210,19 @@ class HFStack:
 
     def layer_placements(self) -> Optional[LayerPlacements]:
         """Per-layer TP degrees (parallelize(..., tp_degrees=...)): the decoder layers' placements
-        over the groups parallelize made, their Communicators made at the first call and kept on
-        the model; None without tp_degrees. While a schedule runs, parallelize's replica-sum hooks
-        stand down and the schedule sums each layer's gradients over its replicas itself."""
+        over the groups parallelize made (model.layer_degrees), their Communicators made at the
+        first call and kept on the model; None without tp_degrees. While a schedule runs,
+        parallelize's replica-sum hooks stand down and the schedule sums each layer's gradients
+        over its replicas itself."""
         if self.degrees is None:
             return None
         kept = getattr(self.model, "oases_layer_placements", None)
         if not isinstance(kept, LayerPlacements) or tuple(at.degree for at in kept.layers) != self.degrees:
-            groups = getattr(self.model, "_oases_degree_groups", None)
-            if groups is None:
+            if self.layer_degrees is None:
                 raise ValueError("tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "
-                                 "keeps with them; parallelize it with oases.parallelize(model, tp_degrees=...)")
-            kept = layer_placements(groups, self.degrees, self.decoder,
-                                    dist.get_world_size() if dist.is_initialized() else 1)
+                                 "keeps with them (model.layer_degrees); parallelize it with "
+                                 "oases.parallelize(model, tp_degrees=...)")
+            kept = layer_placements(self.layer_degrees, self.decoder)
             self.model.oases_layer_placements = kept
         return kept
 

@@ -5,22 +5,14 @@ and the warning about what stayed whole.
 """
 from __future__ import annotations
 
-import functools
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.degrees import (
-    DegreeGroups,
-    Placement,
-    RowGroups,
-    hook_decoder_layers,
-    make_placements,
-    sum_over_replicas_while,
-)
+from oases.degrees import LayerDegrees
 from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
 from oases.nn._styles import ResolvedPlan, matches
@@ -37,23 +29,22 @@ class Groups:
     by_degree: dict[int, Optional[dist.ProcessGroup]]  # {degree: this rank's TP group at that degree}
     entries: dict[int, _SharedEntry]  # {degree: where its column layers' input enters, shared by q, k, v}
     replica_groups: dict[int, dist.ProcessGroup]  # {c: this rank's group of the c ranks holding one kv head}
-    placements: dict[int, Placement] = field(default_factory=dict)  # per-layer tp_degrees: {degree: Placement}
-    row_groups: RowGroups = field(default_factory=dict)
+    degrees: Optional[LayerDegrees] = None  # per-layer tp_degrees: the degrees' placements and row groups
 
 
 def make_groups(group: Optional[dist.ProcessGroup], rank: int, p: int, plan: ResolvedPlan) -> Groups:
     """The groups of a checked plan. Collective over the world, on every rank in this order: the
     per-layer degrees' subgroups, then the replicated kv heads' groups."""
     by_degree = {p: group}
-    placements, row_groups = {}, {}
+    degrees = None
     if plan.degrees is not None:  # collective: every rank of the world makes every subgroup
-        placements, row_groups = make_placements(group or dist.group.WORLD, p, rank, plan.degrees)
-        by_degree.update((d, at.tp_group) for d, at in placements.items() if d < p)
+        degrees = LayerDegrees.make(group or dist.group.WORLD, p, rank, plan.degrees, where=plan.prefix)
+        by_degree.update((d, at.tp_group) for d, at in degrees.placements.items() if d < p)
     # q, k, v (gate, up) share one all-reduce of their input's gradient, one entry per group
     entries = {d: _SharedEntry(g) for d, g in by_degree.items()}
     counts = {c for s in plan.placed.values() for c in s.replicas if c > 1}
     replica_groups = _kv.replica_groups(group, counts) if counts else {}  # collective over the world
-    return Groups(by_degree, entries, replica_groups, placements, row_groups)
+    return Groups(by_degree, entries, replica_groups, degrees)
 
 
 def shard_modules(model: nn.Module, plan: ResolvedPlan, groups: Groups, p: int, *, sequence_parallel: bool,
@@ -96,21 +87,17 @@ def make_moe_regions(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
             _moe.make_region(model, name, _summary.ROUTERS)
 
 
-def hook_degrees(model: nn.Module, plan: ResolvedPlan, groups: Groups, p: int) -> None:
-    """Per-layer tp_degrees: the decoder layers' hooks (rows resharded and cut, oases.degrees), the
-    gradients of layers of degree < p summed over their replicas, and the degrees recorded on the model."""
-    if plan.degrees is None:
+def hook_degrees(model: nn.Module, plan: ResolvedPlan, groups: Groups) -> None:
+    """Per-layer tp_degrees: the gradients of decoder layers of degree < p summed over their replicas,
+    the layers' hooks (rows resharded and cut: oases.degrees), and the degrees kept on the model as
+    `model.layer_degrees` (and `model.tp_degrees`, its degrees), which oases.train_step reads."""
+    degrees = groups.degrees
+    if degrees is None:
         return
-    sums_on = [True]  # oases.train_step turns the hooks off: its schedule sums the replicas itself
-    for layer, d in zip(plan.decoder_layers, plan.degrees):
-        if d < p:  # each replica saw its rows only: sum the gradients over the replicas
-            for param in layer.parameters():
-                if param.requires_grad:
-                    param.register_hook(functools.partial(sum_over_replicas_while, sums_on,
-                                                          group=groups.placements[d].replica_group))
-    model._oases_degree_groups = DegreeGroups(groups.placements, groups.row_groups, sums_on)  # read by oases.models.hf
-    hook_decoder_layers(plan.decoder_layers, plan.degrees, p, groups.placements, groups.row_groups, where=plan.prefix)
-    model.tp_degrees = plan.degrees  # oases.train_step reads it (HF: runs it on the schedules)
+    degrees.hook_replica_sums(plan.decoder_layers)  # oases.train_step's schedules suspend them: they sum themselves
+    degrees.hook_layers(plan.decoder_layers)
+    model.layer_degrees = degrees
+    model.tp_degrees = degrees.degrees
 
 
 def warn_unplaced(model: nn.Module, plan: ResolvedPlan, p: int) -> None:

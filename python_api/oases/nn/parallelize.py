@@ -310,7 +310,7 @@ def parallelize(
         del original
     localize_heads(resolved, groups, p)
     make_moe_regions(model, resolved, p)
-    hook_degrees(model, resolved, groups, p)
+    hook_degrees(model, resolved, groups)
     warn_unplaced(model, resolved, p)
     if not sequence_parallel:  # every rank of the group must get the same inputs (a sequence-parallel one: its slice)
         watch_inputs(model, group)

@@ -6,18 +6,60 @@ replica's rows of the sub-batch (blocks of unequal size where the replicas do no
 the rows move at layer boundaries (a local split going down a degree, an all-gather going up;
 adjoints in backward), and each layer's parameter gradients are summed over its replicas once
 the last sub-batch's backward of it ends (asynchronous, waited for at the end).
+
+`layer_placements` makes a stack's LayerPlacements from the model's oases.degrees.LayerDegrees
+(oases.models.GPT and the Hugging Face adapter both hand the schedules these):
+
+    for layer l at degree d:  LayerPlacement(d, Communicator(tp group of d), replica, replicas,
+                                             rows_in = RowMove(d_{l-1} -> d), Communicator(replica group),
+                                             layer's parameters)
+    rows_out = RowMove(d_{L-1} -> p);  while_scheduled: degrees.replica_sums_suspended (the hooks stand down)
 """
 from __future__ import annotations
 
-from typing import Any, Generator, Optional
+from typing import Any, Generator, Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 from oases._rows import padded, unpadded
-from oases.schedule.protocol import LayerPlacements, RowMove, Stack, SubBatch, with_tokens
+from oases.degrees import LayerDegrees
+from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove, Stack, SubBatch, with_tokens
+from oases.schedule.runtime import Communicator
 from oases.schedule.table import split_rows
 
-__all__ = ["PlacedStep", "check_placements", "move_rows", "move_rows_adjoint"]
+__all__ = ["PlacedStep", "check_placements", "layer_placements", "move_rows", "move_rows_adjoint"]
+
+
+def layer_placements(degrees: LayerDegrees, layers: Sequence[nn.Module], *,
+                     comm_at_p: Optional[Communicator] = None) -> LayerPlacements:
+    """The placements of `layers` at `degrees` (one Communicator per degree, per replica group and
+    per pair of neighbouring degrees, made here, once; `comm_at_p`: the one to reuse at degree p,
+    e.g. the model's own). A schedule enters `while_scheduled()`: the replica-sum hooks stand down."""
+    p = degrees.p
+    comms = {d: comm_at_p if d == p and comm_at_p is not None else Communicator(at.tp_group if d > 1 else None, d)
+             for d, at in degrees.placements.items()}
+    replica_comms = {d: Communicator(at.replica_group, at.replicas) for d, at in degrees.placements.items()
+                     if at.replica_group is not None}
+    ups: dict[tuple[int, int], RowMove] = {}  # one Communicator per pair of neighbouring degrees
+
+    def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
+        if a == b:
+            return None
+        lo, hi = min(a, b), max(a, b)
+        if (lo, hi) not in ups:
+            at = degrees.row_groups[lo, hi]
+            ups[lo, hi] = RowMove(Communicator(at.group, at.parts), False, at.parts, at.index, at.replica, at.replicas)
+        up = ups[lo, hi]
+        return RowMove(up.comm, b < a, up.parts, up.index, up.replica, up.replicas)
+
+    placed, previous = [], p
+    for d, layer in zip(degrees.degrees, layers):
+        at = degrees.placements[d]
+        placed.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms.get(d),
+                                     tuple(layer.parameters())))
+        previous = d
+    return LayerPlacements(tuple(placed), move(previous, p), degrees.replica_sums_suspended)
 
 # ---- per-layer TP degrees: rows moved at layer boundaries, gradients summed over replicas -------------
 #
