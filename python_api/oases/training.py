@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._compiled import original_module
+from oases.degrees import refuse_with_degrees
 from oases.dp.grad_sync import GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models.hf import HFStack
@@ -195,14 +196,9 @@ def train_step(
         placements = get_placements()
         per_layer = placements is not None
     if per_layer:  # local checks first: an HF model's placements are made (collectively) after check_step
-        if sequence_parallel:
-            raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
-                             "degrees would split the sequence differently); pass sequence_parallel=False")
-        for name, value in (("comm", comm), ("offload", offload)):
-            if value is not None and value is not False:
-                raise ValueError(f"{name}: not supported with per-layer tp_degrees (the model's layers communicate on "
-                                 f"Communicators of their own, one per degree: model.layer_placements()); pass "
-                                 f"{name}={'None' if name == 'comm' else 'False'}")
+        refuse_with_degrees("sequence_parallel", sequence_parallel)
+        refuse_with_degrees("comm", comm)
+        refuse_with_degrees("offload", offload)
     if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable()
     tp = Communicator(None, 1) if per_layer else _tp_communicator(model)  # per layer: unused (the layers' own)

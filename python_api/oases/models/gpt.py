@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._sharding import ShardRule, tp_rules
-from oases.degrees import LayerDegrees, check_tp_degrees
+from oases.degrees import LayerDegrees, check_tp_degrees, check_world_group, refuse_with_degrees
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
@@ -232,12 +232,8 @@ class GPT(nn.Module):
             degrees = check_tp_degrees(tp_degrees, config.layers, self.tp)
             for name, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel),
                                 ("offload", offload)):
-                if value is not False:
-                    raise ValueError(f"{name}: not supported with per-layer tp_degrees; pass {name}=False "
-                                     f"(or tp_degrees=None)")
-            if self.tp > 1 and self.tp != dist.get_world_size():
-                raise ValueError(f"group: per-layer tp_degrees make subgroups on every rank of the world, so the "
-                                 f"group must be the whole world ({dist.get_world_size()} ranks), got {self.tp} ranks")
+                refuse_with_degrees(name, value, fix=f"pass {name}=False (or tp_degrees=None)")
+            check_world_group(self.tp)
         self.offloader = Offloader() if offload is True else (offload or None)
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
         self.comm = Communicator(self.group, self.tp)

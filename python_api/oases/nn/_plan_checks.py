@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
-from oases.degrees import check_tp_degrees
+from oases.degrees import find_layer_degrees, refuse_with_degrees
 from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
 from oases.nn._materialize import is_on_meta
@@ -23,12 +22,7 @@ from oases.nn._styles import ResolvedPlan, Style, features, matches
 from oases.nn.layers import check_shardable, is_conv1d
 from oases.nn.vocab import check_embedding, check_vocab
 
-__all__ = ["KNOWN_LAYERS", "check_model", "check_arguments", "check_degree_plan", "check_plan"]
-
-# Where per-layer tp_degrees find decoder layers without `layers=` (the first that is a non-empty
-# nn.ModuleList wins): Hugging Face decoders (LlamaForCausalLM's model.layers, GPTNeoXForCausalLM's
-# gpt_neox.layers: base_model is the inner model), nanoGPT-style models (with or without `transformer`).
-KNOWN_LAYERS = ("base_model.layers", "transformer.h", "h")
+__all__ = ["check_model", "check_arguments", "check_degree_plan", "check_plan"]
 
 # Attention modules whose forward fixes how the fused projection's features map to heads, whatever
 # the module's head counts say (the exceptions to sharding by parts).
@@ -83,9 +77,8 @@ def check_arguments(model: nn.Module, chunks: Optional[int], tp_degrees: object,
     if layers is not None and tp_degrees is None:
         raise ValueError(f"layers={layers!r}: names the decoder layers of a per-layer plan, and no tp_degrees "
                          f"was given; pass tp_degrees=[one degree per layer] too, or drop layers")
-    if tp_degrees is not None and sequence_parallel:
-        raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
-                         "degrees split the batch rows, not the sequence); pass sequence_parallel=False")
+    if tp_degrees is not None:
+        refuse_with_degrees("sequence_parallel", sequence_parallel)
     _check_no_adapters(model)
     hf = _transformers_module(model) if sequence_parallel else None
     if hf is not None:
@@ -122,60 +115,12 @@ def _transformers_module(model: nn.Module) -> Optional[str]:
     return None
 
 
-def _module_list(model: nn.Module, path: str) -> Optional[nn.ModuleList]:
-    owner: object = model
-    for part in path.split("."):
-        owner = getattr(owner, part, None)
-    return owner if isinstance(owner, nn.ModuleList) and len(owner) > 0 else None
-
-
-def _decoder_layers(model: nn.Module, layers: Optional[str]) -> tuple[str, nn.ModuleList]:
-    """(qualified name, module) of the decoder layers a per-layer plan applies to: `layers` (a dotted
-    path), else the first of KNOWN_LAYERS; else ValueError / TypeError naming the fix."""
-    if layers is None:
-        found = next((m for m in (_module_list(model, path) for path in KNOWN_LAYERS) if m is not None), None)
-        if found is None:
-            raise ValueError(f"tp_degrees: {type(model).__name__} has no decoder layers where oases looks "
-                             f"({', '.join('model.' + k for k in KNOWN_LAYERS)}: a non-empty nn.ModuleList); "
-                             f"pass layers='dotted.path' naming your nn.ModuleList of decoder layers "
-                             f"(e.g. layers='blocks'), or tp_degrees=None")
-    else:
-        if not isinstance(layers, str):
-            raise TypeError(f"layers: expected a dotted path (str) to the model's nn.ModuleList of decoder layers, "
-                            f"e.g. layers='model.blocks', got {type(layers).__name__}")
-        try:
-            found = model.get_submodule(layers) if layers else None
-        except AttributeError:
-            found = None
-        if found is None:
-            raise ValueError(f"layers: {type(model).__name__} has no submodule {layers!r}; pass the dotted path of "
-                             f"its nn.ModuleList of decoder layers, as model.named_modules() names it")
-        if not isinstance(found, nn.ModuleList):
-            raise TypeError(f"layers: model.{layers} is a {type(found).__name__}, not an nn.ModuleList; name the "
-                            f"nn.ModuleList holding the decoder layers (one tp_degrees entry per element)")
-        if len(found) == 0:
-            raise ValueError(f"layers: model.{layers} is an empty nn.ModuleList; name the one holding the "
-                             f"decoder layers")
-    name = next((n for n, m in model.named_modules() if m is found), "")
-    if not name:  # the model itself, or a ModuleList held outside the module tree
-        raise ValueError(f"layers: the decoder layers must be a registered submodule of {type(model).__name__} "
-                         f"(a name in model.named_modules()); pass layers='dotted.path' naming it")
-    return name, found
-
-
 def check_degree_plan(model: nn.Module, tp_degrees: object, layers: Optional[str], styles: dict[str, Style],
                       p: int) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
     """(decoder layers' name, the layers, the degrees) of a per-layer plan, or ValueError / TypeError
-    (local checks, the same on every rank, before any subgroup is made)."""
-    prefix, found = _decoder_layers(model, layers)
-    if isinstance(tp_degrees, Sequence) and not isinstance(tp_degrees, (str, bytes)) and len(tp_degrees) != len(found):
-        raise ValueError(f"tp_degrees: expected one degree per layer of model.{prefix} ({len(found)} layers), got "
-                         f"{len(tp_degrees)}: {list(tp_degrees)}; pass {len(found)} degrees"
-                         + ("" if layers else ", or layers='dotted.path' naming other decoder layers"))
-    degrees = check_tp_degrees(tp_degrees, len(found), p)
-    if p > 1 and p != dist.get_world_size():
-        raise ValueError(f"group: per-layer tp_degrees make subgroups on every rank of the world, so the group "
-                         f"must be the whole world ({dist.get_world_size()} ranks), got {p} ranks")
+    (local checks, the same on every rank, before any subgroup is made): oases.degrees.find_layer_degrees,
+    and no vocabulary-parallel style in the plan."""
+    prefix, found, degrees = find_layer_degrees(model, tp_degrees, layers, p)
     for pattern, style in styles.items():
         if style.kind in ("vocab", "vocab_head"):
             raise ValueError(f"plan[{pattern!r}]: {style.kind!r} is not supported with per-layer tp_degrees (the "

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from oases._rows import padded, unpadded
-from oases.degrees import LayerDegrees
+from oases.degrees import LayerDegrees, refuse_with_degrees
 from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove, Stack, SubBatch, with_tokens
 from oases.schedule.runtime import Communicator
 from oases.schedule.table import split_rows
@@ -195,9 +195,7 @@ def check_placements(placements: Optional[LayerPlacements], batch: int, parts: i
     communication, the same on every rank); the rows need not divide evenly."""
     if placements is None:
         return
-    if sequence_parallel:
-        raise ValueError("sequence_parallel=True: not supported with per-layer tp_degrees (layers of different "
-                         "degrees would split the sequence differently); pass sequence_parallel=False")
+    refuse_with_degrees("sequence_parallel", sequence_parallel)
     most = placements.most_replicas
     sizes = [r.stop - r.start for r in split_rows(batch, parts)]
     if min(sizes) < most:

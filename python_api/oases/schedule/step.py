@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from oases.degrees import refuse_with_degrees
 from oases.offload import Offloader
 from oases.schedule.placed import PlacedStep, check_placements
 from oases.schedule.programs import _program
@@ -84,8 +85,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     if offload is not None and not isinstance(offload, Offloader):
         raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
     if placements is not None:
-        if offload is not None:
-            raise ValueError("offload: not supported with per-layer tp_degrees; pass offload=None")
+        refuse_with_degrees("offload", offload, fix="pass offload=None")
         return _train_step_placed(stack, placements, input_ids, labels, loss_sum, normalizer, sched, parts,
                                   comm, dropout_seed, attention_mask, memory)
     program, extra = _program, ()
