@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from oases import _checks
 
-__all__ = ["check_tp_degrees", "check_world_group", "refuse_with_degrees"]
+__all__ = ["check_batch_rows", "check_tp_degrees", "check_world_group", "refuse_with_degrees"]
 
 # Why each option does not combine with per-layer degrees (refuse_with_degrees names it).
 _WHY: Mapping[str, str] = {
@@ -36,6 +36,15 @@ def check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]
             raise ValueError(f"tp_degrees[{i}]: {d} is not a power of two dividing the group size {p} "
                              f"(allowed: {[2 ** k for k in range(p.bit_length()) if p % 2 ** k == 0]})")
     return degrees
+
+
+def check_batch_rows(what: str, batch: int, degrees: Sequence[int], p: int) -> None:
+    """ValueError unless a batch of `batch` rows gives every replica of every layer a row: at least
+    p / min(degrees) rows (they need not divide evenly)."""
+    most = p // min(degrees)
+    if batch < most:
+        raise ValueError(f"{what}: tp_degrees {list(degrees)} run up to {most} replicas, each on its own block "
+                         f"of the batch's rows; got batch size {batch} (use at least {most} rows)")
 
 
 def check_world_group(p: int) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from oases import comm as _comm
+from oases.degrees.checks import check_batch_rows
 from oases.degrees.placements import Placement, RowGroups
 from oases.degrees.rows import reshard_rows
 
@@ -147,8 +148,6 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
     requires grad (its gradient would be this replica's share only); at layer 0, ValueError if
     the batch B has fewer rows than p / min(degrees) replicas (each needs one; B need not divide).
     `where` names the layers in the messages."""
-    most = p // min(degrees)
-
     def before(layer_index: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         prev, d = (degrees[layer_index - 1] if layer_index else p), degrees[layer_index]
         x = args[0] if args else kwargs.get("hidden_states")
@@ -165,9 +164,8 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
                              f"layer would be partial. Compute it without grad (torch.no_grad(), .detach()), or make "
                              f"its parameters the layer's own")
         batch = _batch_of(x, prev, p, placements)
-        if layer_index == 0 and batch < most:
-            raise ValueError(f"batch: tp_degrees {list(degrees)} run up to {most} replicas, each on its own block "
-                             f"of the batch's rows; got batch size {batch} (use at least {most} rows)")
+        if layer_index == 0:
+            check_batch_rows("batch", batch, degrees, p)
         x, rest = reshard_rows(x, prev, d, row_groups, batch), args[1:]
         if d < p:
             setattr(x, _BATCH_NOTE, batch)  # for this layer's `after`

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases.degrees.checks import check_batch_rows
 from oases.degrees.hooks import ReplicaSums, hook_decoder_layers, hook_replica_sums
 from oases.degrees.placements import Placement, RowGroups, make_placements
 from oases.degrees.rows import reshard_rows
@@ -60,10 +61,9 @@ class LayerDegrees:
         """Where layer `index` runs on this rank."""
         return self.placements[self.degrees[index]]
 
-    @property
-    def most_replicas(self) -> int:
-        """p / min(degrees): a batch needs at least this many rows (one per replica)."""
-        return self.p // min(self.degrees)
+    def check_rows(self, what: str, batch: int) -> None:
+        """ValueError unless a batch of `batch` rows gives every replica a row (oases.degrees.check_batch_rows)."""
+        check_batch_rows(what, batch, self.degrees, self.p)
 
     def reshard_rows(self, x: torch.Tensor, a: int, b: int, batch: int) -> torch.Tensor:
         """x, this rank's replica's rows of a batch of `batch` rows at degree a -> its rows at degree

@@ -22,10 +22,7 @@ the embedding and the head run at degree p (the whole batch on every rank):
 
     x = embed(tokens)                                 # [B, t, h] on every rank (degree p)
     for l: x = reshard_rows(x, d_{l-1} -> d_l); x = block_l(x)    # [~B d_l / p, t, h]
-    loss = head(reshard_rows(x, d_{L-1} -> p))
-    reshard_rows to a lower degree:  fwd: keep this rank's sub-block   bwd: all-gather the rows
-    reshard_rows to a higher degree: fwd: all-gather the rows          bwd: keep this rank's sub-block
-    (over the hi/lo ranks that share the higher degree's replica and the lower degree's TP position)
+    loss = head(reshard_rows(x, d_{L-1} -> p))       # moves of rows and their adjoints: oases.degrees
 and each parameter gradient of a block with d_l < p is summed over its p/d_l replicas (an
 all-reduce over the ranks at the same TP position, by a hook as autograd produces the gradient;
 under oases.train_step's schedules the hooks stand down and the schedule sums each block's
@@ -179,16 +176,13 @@ class GPT(nn.Module):
 
     `tp_degrees=[d_0, ..., d_{L-1}]` (one per layer, each a power of two dividing p; e.g.
     `oases.plan.load("plan.json")`): layer l runs at TP degree d_l as p/d_l replicas, each on its
-    d_l consecutive ranks of `group` and its block of the batch rows, resharding the rows between
-    layers of different degrees (see the module docstring); `group` must be the whole world
-    (the subgroups are made at construction, collectively on every rank). Same loss and per-shard
-    gradients as the single-process model; the batch needs at least p / min(tp_degrees) rows
-    (one per replica; blocks differ by a row where the replicas do not divide it).
-    `forward` + `backward` run it with blocking collectives on the autograd path; `train_step`
-    (and `oases.train_step(model, ids, labels, schedule=s)`) on the overlapped schedules
-    (megatron, merak, cross_pass, oases): `layer_placements()` gives them each block's
-    Communicator (one per degree), row moves and replica group (oases.schedule.protocol); each
-    sub-batch needs at least p / min(tp_degrees) rows.
+    block of the batch rows (see the module docstring; kept as `self.layer_degrees`, an
+    oases.degrees.LayerDegrees); `group` must be the whole world (the subgroups are made at
+    construction, collectively on every rank). Same loss and per-shard gradients as the
+    single-process model; the batch (each sub-batch under `train_step`) needs at least
+    p / min(tp_degrees) rows. `forward` + `backward` run it with blocking collectives on the
+    autograd path; `train_step` and `oases.train_step` on the overlapped schedules, which read
+    each block's Communicator, row moves and replica group from `layer_placements()`.
     vocab_parallel, sequence_parallel and offload do not combine with it (ValueError), nor does
     `oases.pipeline`.
     """
@@ -244,22 +238,15 @@ class GPT(nn.Module):
             self.wte = nn.Embedding(config.vocab_size, config.hidden)
         self.wpe = nn.Embedding(config.seq_len, config.hidden)
         self.layer_degrees: Optional[LayerDegrees] = None  # per-layer degrees: their placements and row groups
-        if degrees is None:
-            self.blocks = nn.ModuleList(
-                nn.ModuleList([_Attention(config, 2 * i, self.tp, self.group),
-                               _MLP(config, 2 * i + 1, self.tp, self.group)])
-                for i in range(config.layers)
-            )
-        else:
+        where = [(self.tp, self.group)] * config.layers  # each block's (TP degree, TP group)
+        if degrees is not None:  # collective: every rank of the world makes every subgroup
             self.layer_degrees = LayerDegrees.make(self.group, self.tp, self.tp_rank, degrees, where="blocks")
-            where = [self.layer_degrees.placement(i) for i in range(config.layers)]
-            self.blocks = nn.ModuleList(
-                nn.ModuleList([_Attention(config, 2 * i, at.degree, at.tp_group),
-                               _MLP(config, 2 * i + 1, at.degree, at.tp_group)])
-                for i, at in enumerate(where)
-            )
+            where = [(at.degree, at.tp_group) for at in map(self.layer_degrees.placement, range(config.layers))]
+        self.blocks = nn.ModuleList(nn.ModuleList([_Attention(config, 2 * i, d, g), _MLP(config, 2 * i + 1, d, g)])
+                                    for i, (d, g) in enumerate(where))
+        if self.layer_degrees is not None:
             self.layer_degrees.hook_replica_sums(self.blocks)  # suspended while a schedule sums them itself
-            self._layer_placements: Optional[LayerPlacements] = None  # made on first use (Communicators)
+        self._layer_placements: Optional[LayerPlacements] = None  # made on first use (Communicators)
         self.norm_f = nn.LayerNorm(config.hidden)
         if self.logits_group is not None:
             self.lm_head = ColumnParallelLinear(config.hidden, config.vocab_size, bias=False, group=self.group)
@@ -432,24 +419,18 @@ class GPT(nn.Module):
             return gather_from_tp(self.head(x), self.group)
         return self.head(x)
 
-    def _check_rows(self, tokens: torch.Tensor) -> None:
-        """ValueError unless every replica of every layer gets a row of the batch (before communication)."""
-        most = self.layer_degrees.most_replicas
-        if tokens.shape[0] < most:
-            raise ValueError(f"tokens: tp_degrees {list(self.tp_degrees)} run up to {most} replicas, each on its own "
-                             f"block of the batch's rows; got batch size {tokens.shape[0]} (use at least {most} rows)")
-
     def _per_layer_blocks(self, x: torch.Tensor, where: SubBatch) -> torch.Tensor:
         """The blocks at their own degrees: x [B, t, h] (degree p) -> [B, t, h] (degree p).
 
             for block l at degree d:  x = reshard_rows(x, -> d)     # [~B d / p, t, h], this replica's rows
                                       x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))  # on its TP group
             x = reshard_rows(x, -> p)"""
-        self._check_rows(x)
+        plan = self.layer_degrees
+        plan.check_rows("tokens", x.shape[0])  # before any communication
         batch, degree = x.shape[0], self.tp
-        for block, d in zip(self.blocks, self.tp_degrees):
-            x, degree = self._reshard_rows(x, degree, d, batch), d
-            at = self.layer_degrees.placements[d]
+        for block, d in zip(self.blocks, plan.degrees):
+            x, degree = plan.reshard_rows(x, degree, d, batch), d
+            at = plan.placements[d]
             rows = SubBatch(at.rows(batch), batch, where.seed)  # dropout masks: this replica's rows
             for s in block:
                 h = s.norm(x)
@@ -457,12 +438,7 @@ class GPT(nn.Module):
                     x = x + s.finish(reduce_from_tp(s.core(copy_to_tp(h, at.tp_group)), at.tp_group), rows)
                 else:
                     x = x + s.finish(s.core(h), rows)
-        return self._reshard_rows(x, degree, self.tp, batch)
-
-    def _reshard_rows(self, x: torch.Tensor, a: int, b: int, batch: int) -> torch.Tensor:
-        """x, rows of a batch of `batch`, in the row layout of degree a -> that of degree b (see the
-        module docstring)."""
-        return self.layer_degrees.reshard_rows(x, a, b, batch)
+        return plan.reshard_rows(x, degree, self.tp, batch)
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""
