@@ -150,7 +150,8 @@ def _check_plan(kind, degrees, p):
     model = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match=r"left 1 nn.Linear module\(s\) unsharded .*: (lm_head|embed_out)\."):
         assert oases.parallelize(model, tp_degrees=degrees) is model
-    assert model.tp_degrees == tuple(degrees)
+    assert model.tp_degrees == model.layer_degrees.degrees == tuple(degrees)
+    assert not [name for name in vars(model) if name.startswith("_oases")]  # one public attribute, nothing private
     if kind == "neox":
         _check_sharding(model.gpt_neox.layers, degrees, lambda l: (l.attention.query_key_value, l.mlp.dense_4h_to_h))
     else:
