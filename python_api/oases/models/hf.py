@@ -28,10 +28,11 @@ After `oases.parallelize(model, tp_degrees=[...])`, `layer_placements()` gives t
 decoder layer's degree (oases.schedule.protocol): its all-reduces on a Communicator of its own
 degree's TP group, its replica's rows (`replica_ctx` cuts every [b, ...] keyword argument of the
 layers -- masks, rotary tables, position ids -- to them), rows moved between degrees, on the
-groups parallelize made; their Communicators are made at the first step and kept on the model
-(`model.oases_layer_placements`). While a schedule runs, parallelize's replica-sum hooks stand
-down and the schedule sums each layer's gradients over its replicas itself (asynchronously, as
-the layer's backward ends for every sub-batch).
+groups parallelize made (`model.layer_degrees`, an oases.degrees.LayerDegrees); their
+Communicators are made at the first step and kept on the model (`model.oases_layer_placements`).
+While a schedule runs, parallelize's replica-sum hooks stand down and the schedule sums each
+layer's gradients over its replicas itself (asynchronously, as the layer's backward ends for
+every sub-batch).
 """
 from __future__ import annotations
 

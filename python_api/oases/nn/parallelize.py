@@ -283,7 +283,9 @@ def parallelize(
         vocab_parallel: with plan=None, shard the input embedding and the LM head over the vocabulary.
 
     Returns:
-        `model`, sharded in place (a torch.compile'd model: the compiled wrapper).
+        `model`, sharded in place (a torch.compile'd model: the compiled wrapper). With tp_degrees it
+        keeps them as `model.layer_degrees` (an oases.degrees.LayerDegrees: the degrees, this rank's
+        placements and groups) and `model.tp_degrees` (the degrees, a tuple).
 
     Raises:
         ValueError: a bad plan or argument (naming the module or argument), raised on every rank before
