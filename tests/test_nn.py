@@ -255,7 +255,9 @@ def _check_shared_entry(rank, p):
 
     torch.manual_seed(5)
     q, k = ColumnParallelLinear(H, FFN), ColumnParallelLinear(H, FFN)
-    q._entry = k._entry = _SharedEntry(None)
+    entry = _SharedEntry(None)
+    q.use_entry(entry)
+    k.use_entry(entry)
     x = _randn([S, B, H], 6)
     with torch.inference_mode():
         q(x), k(x)

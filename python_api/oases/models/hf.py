@@ -29,7 +29,9 @@ decoder layer's degree (oases.schedule.protocol): its all-reduces on a Communica
 degree's TP group, its replica's rows (`replica_ctx` cuts every [b, ...] keyword argument of the
 layers -- masks, rotary tables, position ids -- to them), rows moved between degrees, on the
 groups parallelize made (`model.layer_degrees`, an oases.degrees.LayerDegrees); their
-Communicators are made at the first step and kept on the model (`model.oases_layer_placements`).
+Communicators are made at the first step and kept on the model (`model.oases_layer_placements`;
+beside it `model.oases_layer_returns_tuple`, what the base model's forward expects a decoder layer
+to return, found at the first step).
 While a schedule runs, parallelize's replica-sum hooks stand down and the schedule sums each
 layer's gradients over its replicas itself (asynchronously, as the layer's backward ends for
 every sub-batch).
@@ -183,7 +185,7 @@ class HFStack:
         calls: list = []
         recorders = [_Recorder(calls, layer) for layer in self.decoder]
         # what the base's forward expects of a layer, once known: kept on the model (a step makes a new HFStack)
-        known: Optional[bool] = getattr(self.model, "_oases_layer_returns_tuple", None)
+        known: Optional[bool] = getattr(self.model, "oases_layer_returns_tuple", None)
         for recorder in recorders if known is not None else ():
             recorder.tuple = known
         with _standing_in(self.base, self._layers_name, recorders):
@@ -198,7 +200,7 @@ class HFStack:
                 for recorder in recorders:
                     recorder.tuple = not recorder.tuple
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
-            self.model._oases_layer_returns_tuple = recorders[0].tuple
+            self.model.oases_layer_returns_tuple = recorders[0].tuple
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")
         x = calls[0][0]

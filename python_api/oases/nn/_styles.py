@@ -55,7 +55,7 @@ class Style:
         layer = column(module, group, stacked=self.stacked, parts=self.parts, replicas=self.replicas,
                        replica_group=replica_groups.get(max(self.replicas, default=1)),
                        sequence_parallel=sequence_parallel, chunks=chunks)
-        layer._entry = entry
+        layer.use_entry(entry)
         return layer
 
 

@@ -9,10 +9,8 @@ Megatron's pair (p ranks in `group`, r this rank; W [out, in], b [out] the unsha
     backward:  each parameter's .grad = the matching slice of the unsharded model's gradient
                gradient_accumulation_fusion=True:  weight.main_grad += dL/dweight (fp32), weight.grad None
 
-Each mode's communication: each class's pseudo-code. The contracts (communication as one table, the
-row bias's gradient under sequence parallelism, gradient-accumulation fusion, Hugging Face's Conv1D
-layout, initialisation, stacked / replicas / pad_vocab): the layers guide, docs/guides/parallelize.md,
-section "The parallel layers in detail".
+Each mode's communication: each class's pseudo-code; the contracts: docs/guides/parallelize.md,
+"The parallel layers in detail" (communication, gradients, fusion, Conv1D, init, blocks, replicas).
 """
 from __future__ import annotations
 
@@ -126,7 +124,7 @@ class ColumnParallelLinear(nn.Module):
         start, stop = (self._rule.held(out_features, ring.rank, ring.size) if pad_vocab
                        else (0, sum(n for _, n, _ in spans)))
         self._held = stop - start  # real rows on this rank (rows past them: a padded vocabulary's)
-        self._entry: Optional[_SharedEntry] = None  # set by parallelize: see _SharedEntry
+        self._entry: Optional[_SharedEntry] = None  # use_entry (parallelize): see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         w = full.weight.detach()
@@ -135,6 +133,10 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(self.shard(full.bias.detach()).clone())  # [out/p]
         else:
             self.register_parameter("bias", None)
+
+    def use_entry(self, entry: _SharedEntry) -> None:
+        """Enter the TP region through `entry`, shared by the layers fed one input (q, k, v): one all-reduce."""
+        self._entry = entry
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a full [out, ...] weight or [out] bias (a view; a zero-padded copy
