@@ -81,7 +81,7 @@ from bench._trace import IN_FLIGHT
 from oases.costs.link import LinkFit
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
-from oases.schedule import SCHEDULES, CheckpointMemory, Communicator
+from oases.schedule import SCHEDULES, Communicator, RecomputeMemory
 from oases.schedule.exposure import CAUSES, attribute, gather_logs
 from oases.schedule.runtime import _Task, _Work
 
@@ -272,7 +272,7 @@ def _llama_case(args, ctx) -> _Case:
         oases.parallelize(model)
     comms = {name: Communicator(dist.group.WORLD, ctx.world_size) for name in VARIANTS}
 
-    def ours(name: str, memory: Optional[CheckpointMemory] = None) -> torch.Tensor:
+    def ours(name: str, memory: Optional[RecomputeMemory] = None) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         schedule, sequence_parallel, recompute = _variant(name)
         return oases.train_step(model, ids, ids, schedule=schedule, sequence_parallel=sequence_parallel,
@@ -407,7 +407,7 @@ def run(args, ctx) -> list[dict]:
         p = ctx.world_size  # all-reduces sending as many bytes by ring: 2 (p-1)/p numel*4 each
         replay = torch.zeros(round(sent / max(calls, 1) * p / (2 * max(p - 1, 1)) / 4), device=ctx.device)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
-        memory = CheckpointMemory()
+        memory = RecomputeMemory()
         step(memory=memory)
         records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
                                calls, sent, None, losses[name]))
@@ -534,7 +534,7 @@ def tables(records: list[dict]) -> list[Table]:
          "x megatron", *(f"x {p}" for p in peers), "peak MiB", "ckpt MiB", "sent MiB", "collectives"], rows,
         ["efficiency = (t_megatron - t_step) / (t_megatron - bound); busy = share of the step not "
          "blocked on communication (least busy rank)",
-         "ckpt MiB = sublayer inputs kept for recomputation at most at once (oases.schedule.CheckpointMemory; "
+         "ckpt MiB = sublayer inputs kept for recomputation at most at once (oases.schedule.RecomputeMemory; "
          "peers keep autograd's activations instead)",
          "sent MiB = bytes each rank sends per step by ring: all-reduce (AR) 2 (p-1)/p n, all-gather (AG) "
          "and reduce-scatter (RS) (p-1)/p n, for a full tensor of n bytes",

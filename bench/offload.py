@@ -19,7 +19,7 @@ round trip = every tensor to the host and back, GB/s = 2 n size / time:
 
 Step: oases.models.GPT on the "oases" schedule (TP over the ranks), `train_step` with
 offload=False and with an Offloader (batch --batch-size, its profiling step in the warm-up):
-t_step, the ratio, peak device-resident bytes of the recompute inputs (oases.schedule.CheckpointMemory; with
+t_step, the ratio, peak device-resident bytes of the recompute inputs (oases.schedule.RecomputeMemory; with
 offload the Offloader's account: saved until the copy out is issued, back from the copy in to
 release), copies per step. Sized by --step-hidden, --step-heads, --step-layers, --step-seq-len and
 --step-batch (defaults: --hidden, 8, --layers, --seq-len, --batch). On CUDA also the allocator's
@@ -44,7 +44,7 @@ from bench._memory_peak import peak_allocations
 from bench._report import Table, save_figure
 from oases.models import GPT, GPTConfig
 from oases.offload import ALIGNMENT, CopyEngine, HostSlab, Offloader
-from oases.schedule import CheckpointMemory
+from oases.schedule import RecomputeMemory
 
 COUNTS = (1, 2, 4, 8, 16, 32, 64)
 COPIERS = ("to", "save_on_cpu", "ours", "ours_inline", "ours_python")
@@ -207,7 +207,7 @@ def _step(args, ctx) -> dict:
     if not torch.equal(losses["off"], losses["on"]):
         raise AssertionError(f"offload bench: loss with offload {losses['on']} differs from {losses['off']}")
     timed = ctx.timer.measure(steps)
-    memories = {name: CheckpointMemory() for name in steps}
+    memories = {name: RecomputeMemory() for name in steps}
     before: dict[str, Optional[int]] = {}
     peak: dict[str, Optional[int]] = {}
     for name, step in steps.items():

@@ -56,7 +56,7 @@ def _step_peaks(rank, world):
     the checkpoint bytes the schedule keeps."""
     from oases.models import GPT, GPTConfig
     from oases.offload import Offloader
-    from oases.schedule import CheckpointMemory
+    from oases.schedule import RecomputeMemory
 
     config = GPTConfig(vocab_size=64, seq_len=128, hidden=64, heads=4, layers=12)
     g = torch.Generator().manual_seed(0)
@@ -66,7 +66,7 @@ def _step_peaks(rank, world):
     for autocast in (True, False):
         for offload in (False, True):
             model = GPT(config, schedule="oases", seed=0, offload=Offloader(batch=2) if offload else False)
-            memory = CheckpointMemory()
+            memory = RecomputeMemory()
 
             def step(memory=None):
                 with torch.autocast("cpu", torch.bfloat16, enabled=autocast):

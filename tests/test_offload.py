@@ -374,7 +374,7 @@ CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio
 def _tp_offload(rank, world_size):
     import oases
     from oases.models import GPT, GPTConfig
-    from oases.schedule import CheckpointMemory
+    from oases.schedule import RecomputeMemory
 
     config = GPTConfig(**CONFIG, dropout=0.25)
     g = torch.Generator().manual_seed(7)
@@ -389,7 +389,7 @@ def _tp_offload(rank, world_size):
         off = GPT(config, schedule=schedule, seed=3, sequence_parallel=sp, offload=Offloader(batch=3))
         parts = 1 if schedule == "megatron" else 2
         for step in range(2):  # the profiling step, then the preallocated slab
-            memories = CheckpointMemory(), CheckpointMemory()
+            memories = RecomputeMemory(), RecomputeMemory()
             losses = [m.train_step(tokens, targets, dropout_seed=11 + step, memory=mem)
                       for m, mem in zip((plain, off), memories)]
             assert torch.equal(losses[0], losses[1]), (name, step, losses)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from oases.models import GPT, GPTConfig
-from oases.schedule import SCHEDULES, CheckpointMemory
+from oases.schedule import SCHEDULES, RecomputeMemory
 
 from _spawn import run_ranks
 
@@ -61,7 +61,7 @@ def _count_communication(rank, world_size):
     counts = {}
     for name, schedule, sp in [(s, s, False) for s in SCHEDULES] + [("oases-sp", "oases", True)]:
         model = GPT(config, schedule=schedule, sequence_parallel=sp)
-        memory = CheckpointMemory()
+        memory = RecomputeMemory()
         model.train_step(tokens, targets, memory=memory)
         assert memory.held == 0, name
         counts[name] = (dict(model.comm.calls), dict(model.comm.bytes), memory.peak)
@@ -167,3 +167,16 @@ def test_forward_is_differentiable_and_sub_batches_are_a_parameter():
         shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets[:, 1:].flatten())
     grads = {n: p.grad for n, p in model.named_parameters()}
     run_ranks(_check_forward_and_sub_batches, 2, loss.detach(), grads, shifted, logits, model.state_dict())
+
+
+def test_checkpoint_memory_is_the_old_name_of_recompute_memory():
+    """CheckpointMemory ("checkpoint" is a training state saved to files) warns and is
+    RecomputeMemory; it is not in __all__, and no other name is aliased."""
+    import oases.schedule as schedule
+
+    assert "CheckpointMemory" not in schedule.__all__ and "RecomputeMemory" in schedule.__all__
+    with pytest.warns(DeprecationWarning, match="oases.schedule.RecomputeMemory"):
+        from oases.schedule import CheckpointMemory
+    assert CheckpointMemory is RecomputeMemory
+    with pytest.raises(AttributeError, match="Checkpoints"):
+        schedule.Checkpoints

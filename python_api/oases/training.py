@@ -27,7 +27,7 @@ from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.vocab import vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import CheckpointMemory, Communicator, Recompute, Stack, check_step
+from oases.schedule import Communicator, Recompute, RecomputeMemory, Stack, check_step
 from oases.schedule import train_step as _run_schedule
 from oases.schedule.placed import check_placements
 
@@ -101,7 +101,7 @@ def train_step(
     attention_mask: Optional[torch.Tensor] = None,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     comm: Optional[Communicator] = None,
-    memory: Optional[CheckpointMemory] = None,
+    memory: Optional[RecomputeMemory] = None,
     offload: Union[bool, Offloader] = False,
     recompute: Recompute = True,
     grad_sync: Optional[GradientSync] = None,
@@ -127,7 +127,7 @@ def train_step(
     batch divided by the number of labels != -100 (with a vocab-parallel head it receives
     this rank's slice of the logits: see oases.schedule.protocol). `comm`: an oases.schedule.Communicator on the
     model's TP group, to count calls, bytes and time waited across steps (default: a new one);
-    `memory`: an oases.schedule.CheckpointMemory that accounts the activations kept for
+    `memory`: an oases.schedule.RecomputeMemory that accounts the activations kept for
     recomputation (its `peak`, in bytes, over every sub-batch). `offload`: move those inputs to
     host memory in batches during the forward and bring them back, in the backward's order of
     use, just before recomputation (oases.offload; bit-exact). True uses the model's own
@@ -165,7 +165,7 @@ def train_step(
         attention_mask: [b, t] padding mask (None: no padding).
         loss_fn: `loss_fn(logits, labels)`, the summed loss of its rows (None: the causal-LM loss).
         comm: a Communicator on the model's TP group (None: a new one).
-        memory: a CheckpointMemory accounting the activations kept for recomputation (None: not accounted).
+        memory: a RecomputeMemory accounting the activations kept for recomputation (None: not accounted).
         offload: True, False or an Offloader, as above (default False: no offload).
         recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
             or keep it saving only GEMM and attention outputs ("selective").

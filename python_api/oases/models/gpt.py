@@ -47,7 +47,7 @@ from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import SCHEDULES, CheckpointMemory, Communicator, Recompute, SubBatch, check_step, train_step
+from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, SubBatch, check_step, train_step
 from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import LayerPlacements
 
@@ -328,7 +328,7 @@ class GPT(nn.Module):
     # --- training -----------------------------------------------------------------------------------
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
-                   sub_batches: Optional[int] = None, memory: Optional[CheckpointMemory] = None,
+                   sub_batches: Optional[int] = None, memory: Optional[RecomputeMemory] = None,
                    check_inputs: CheckMode = True, recompute: Recompute = True) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
@@ -352,7 +352,7 @@ class GPT(nn.Module):
             targets: each position's class index [b, t] (int64), not shifted.
             dropout_seed: the dropout masks' seed (None: drawn and broadcast, as above).
             sub_batches: how many parts the batch is split into (None: the schedule's own).
-            memory: an oases.schedule.CheckpointMemory accounting the activations kept for recomputation
+            memory: an oases.schedule.RecomputeMemory accounting the activations kept for recomputation
                 (None: not accounted).
             check_inputs: True (the default), "broadcast" or False, as above.
             recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),

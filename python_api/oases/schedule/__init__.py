@@ -10,19 +10,33 @@ or builds that for a parallelized model and calls `train_step` here.
     oases.schedule.placed             per-layer TP degrees: row moves, replica gradient sums
     oases.schedule.step               train_step: the programs interleaved
     oases.schedule.runtime            Communicator and interleave; .exposure: waits by cause
+
+`CheckpointMemory`, the old name of `RecomputeMemory`, warns and returns it (a checkpoint is a
+training state saved to files: oases.checkpoint).
 """
+import warnings
+
 from oases.schedule.protocol import Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 from oases.schedule.step import train_step
 from oases.schedule.table import (
     MAX_SUB_BATCHES,
     SCHEDULES,
-    CheckpointMemory,
     Recompute,
+    RecomputeMemory,
     Schedule,
     check_step,
     split_rows,
 )
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "CheckpointMemory", "Recompute", "train_step", "check_step",
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "RecomputeMemory", "Recompute", "train_step", "check_step",
            "split_rows", "Stack", "Sublayer", "SubBatch", "Communicator", "interleave", "BARRIER"]
+
+
+def __getattr__(name: str) -> object:
+    """The old name (PEP 562): warn, and return RecomputeMemory."""
+    if name != "CheckpointMemory":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn("oases.schedule.CheckpointMemory is deprecated: use oases.schedule.RecomputeMemory",
+                  DeprecationWarning, stacklevel=2)
+    return RecomputeMemory

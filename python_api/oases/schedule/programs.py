@@ -24,7 +24,7 @@ from oases.schedule.placed import move_rows, move_rows_adjoint
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator
 from oases.schedule.selective import selective as _selective
-from oases.schedule.table import LossSum, Schedule, _Checkpoints
+from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
 
 if TYPE_CHECKING:
     from oases.schedule.placed import PlacedStep
@@ -75,7 +75,7 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
         return x + sub.finish(part, ctx)
 
 
-def layer_backward(layer, grad: torch.Tensor, sched: Schedule, saved: _Checkpoints, passes: "LayerPasses",
+def layer_backward(layer, grad: torch.Tensor, sched: Schedule, saved: _RecomputeInputs, passes: "LayerPasses",
                    kept: Optional[list[_Recorded]] = None) -> Generator:
     """The gradient of one layer's input given its output's, `grad`; accumulates parameter grads.
     The one backward loop of every program: `passes` says how a sublayer's graph is recorded, rerun
@@ -138,7 +138,7 @@ class _Plain:
 
 
 def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-             sched: Schedule, comm: Communicator, saved: _Checkpoints,
+             sched: Schedule, comm: Communicator, saved: _RecomputeInputs,
              placed: Optional["PlacedStep"] = None) -> Generator:
     """One sub-batch's forward, loss and backward, yielding at each communication. `placed`:
     per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows

@@ -11,7 +11,7 @@ from oases._leaves import grad_leaf
 from oases.schedule.programs import _Recorded, layer_backward
 from oases.schedule.protocol import Stack, SubBatch, with_tokens
 from oases.schedule.runtime import BARRIER, Communicator
-from oases.schedule.table import LossSum, Schedule, _Checkpoints
+from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
 
 #
 #   forward of a sublayer:  h_r = norm(x_r); h = all_gather(h_r); z_r = reduce_scatter(core(h))
@@ -81,7 +81,7 @@ class _SequenceParallel:
 
 
 def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                sched: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
+                sched: Schedule, comm: Communicator, saved: _RecomputeInputs, rank: int) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
     embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
@@ -110,7 +110,7 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
 
 
 def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                     sched: Schedule, comm: Communicator, saved: _Checkpoints, rank: int) -> Generator:
+                     sched: Schedule, comm: Communicator, saved: _RecomputeInputs, rank: int) -> Generator:
     """Sequence parallel with fine-grained recomputation ("oases"): the program's thread runs the
     cores; everything between two cores -- scatter, finish, norm, gather, and in backward their
     adjoints -- is one task on the communicator's thread, so it overlaps the other sub-batch's core.

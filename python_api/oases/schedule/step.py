@@ -22,12 +22,12 @@ from oases.schedule.sequence_parallel import (
 from oases.schedule.table import (
     RECOMPUTE_SELECTIVE,
     SCHEDULES,
-    CheckpointMemory,
     LossSum,
     Recompute,
+    RecomputeMemory,
     Schedule,
-    _Checkpoints,
-    _OffloadedCheckpoints,
+    _OffloadedRecomputeInputs,
+    _RecomputeInputs,
     check_step,
     split_rows,
 )
@@ -38,7 +38,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
                normalizer: float, comm: Communicator, schedule: str = "oases",
                sub_batches: Optional[int] = None, sequence_parallel: bool = False,
                dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-               memory: Optional[CheckpointMemory] = None, offload: Optional[Offloader] = None,
+               memory: Optional[RecomputeMemory] = None, offload: Optional[Offloader] = None,
                recompute: Recompute = True) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
@@ -53,7 +53,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     rank's slice of the sequence (its length must divide by the TP size), each sublayer gathers
     its normed input and reduce-scatters its output (see above), and the gradients of the
     parameters of norm and finish are summed over the group after the step. `comm` issues and
-    counts the communication on the TP group; `memory` (a CheckpointMemory) accounts the inputs
+    counts the communication on the TP group; `memory` (a RecomputeMemory) accounts the inputs
     kept for recomputation (on the device). `offload` (an oases.offload.Offloader) moves those
     inputs to host memory in batches as the forward saves them and brings them back, a batch
     ahead, in the backward's order of use (one group per sub-batch: copies per step
@@ -81,7 +81,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     get_placements = getattr(stack, "layer_placements", None)
     placements = get_placements() if get_placements is not None else None
     check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
-    memory = CheckpointMemory() if memory is None else memory
+    memory = RecomputeMemory() if memory is None else memory
     if offload is not None and not isinstance(offload, Offloader):
         raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
     if placements is not None:
@@ -99,7 +99,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
         program(stack, input_ids[r], labels[r],
                 SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
                 loss_sum, normalizer, sched, comm,
-                _Checkpoints(memory) if offload is None else _OffloadedCheckpoints(offload, k), *extra)
+                _RecomputeInputs(memory) if offload is None else _OffloadedRecomputeInputs(offload, k), *extra)
         for k, r in enumerate(split_rows(batch, parts))
     ]
     if offload is not None:
@@ -115,7 +115,7 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
 def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, labels, loss_sum: LossSum,
                        normalizer: float, sched: Schedule, parts: int, comm: Communicator,
                        dropout_seed: Optional[int], attention_mask: Optional[torch.Tensor],
-                       memory: CheckpointMemory) -> torch.Tensor:
+                       memory: RecomputeMemory) -> torch.Tensor:
     """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
     layer on its own communicator; the replicas' gradient sums started as layers finish."""
     batch = input_ids.shape[0]
@@ -126,7 +126,7 @@ def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, lab
             programs = [
                 _program(stack, input_ids[r], labels[r],
                          SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                         loss_sum, normalizer, sched, comm, _Checkpoints(memory), placed)
+                         loss_sum, normalizer, sched, comm, _RecomputeInputs(memory), placed)
                 for r in split_rows(batch, parts)
             ]
             loss = sum(interleave(programs)) / normalizer

@@ -27,7 +27,7 @@ from oases import _checks
 from oases._rows import split_rows
 from oases.offload import OffloadStack
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "Recompute", "CheckpointMemory", "LossSum", "split_rows",
+__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "Recompute", "RecomputeMemory", "LossSum", "split_rows",
            "check_step"]
 
 MAX_SUB_BATCHES = 8
@@ -59,7 +59,7 @@ SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
 })
 
 @dataclass
-class CheckpointMemory:
+class RecomputeMemory:
     """Bytes of the sublayer (or layer) inputs a step keeps for recomputation, over every
     sub-batch: `held` now, `peak` the most at once (the activation memory a schedule controls)."""
 
@@ -67,10 +67,10 @@ class CheckpointMemory:
     peak: int = 0
 
 
-class _Checkpoints:
-    """A program's stack of kept inputs, accounted in a CheckpointMemory shared by the programs."""
+class _RecomputeInputs:
+    """A program's stack of kept inputs, accounted in a RecomputeMemory shared by the programs."""
 
-    def __init__(self, memory: CheckpointMemory) -> None:
+    def __init__(self, memory: RecomputeMemory) -> None:
         self._items: list[torch.Tensor] = []
         self._memory = memory
 
@@ -88,10 +88,10 @@ class _Checkpoints:
         """The forward is done (nothing to do: the inputs stay on the device)."""
 
 
-class _OffloadedCheckpoints(OffloadStack):
+class _OffloadedRecomputeInputs(OffloadStack):
     """A program's kept inputs through an oases.offload.Offloader: they leave the device in
     batches as they are pushed and come back, a batch ahead, as they are popped. The offloader
-    accounts the device-resident bytes (train_step copies its peak into the CheckpointMemory)."""
+    accounts the device-resident bytes (train_step copies its peak into the RecomputeMemory)."""
 
 
 # loss_sum(logits [b, t, vocab], labels [b, t]) -> the sub-batch's summed loss (a scalar)
