@@ -31,11 +31,13 @@ def _check_schedules(rank, world_size, cases):
         tokens, targets = _batch(batch, seed)
         variants = [(s, False, False) for s in SCHEDULES] + [(s, False, True) for s in SCHEDULES]
         variants += [("oases", True, False), ("megatron", True, True)]
-        for schedule, vocab_parallel, sp in variants:
+        variants += [("oases", False, False, "selective"), ("cross_pass", True, False, "selective")]
+        for schedule, vocab_parallel, sp, *recompute in variants:
+            recompute = recompute[0] if recompute else True
             model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel, sequence_parallel=sp)
-            loss = model.train_step(tokens, targets, dropout_seed=dropout_seed)
+            loss = model.train_step(tokens, targets, dropout_seed=dropout_seed, recompute=recompute)
             where = (f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} "
-                     f"vocab_parallel={vocab_parallel} sequence_parallel={sp}")
+                     f"vocab_parallel={vocab_parallel} sequence_parallel={sp} recompute={recompute}")
             if vocab_parallel:
                 assert model.wte.weight.shape[0] == config.vocab_size // world_size
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}")

@@ -5,6 +5,7 @@ the unsharded model's own forward and loss.backward(); all-reduce counts per lay
 Each rank builds the whole model from a shared seed, keeps a copy as the reference, parallelizes
 the other, and compares the loss and every gradient (sliced by each module's tp_layout()).
 """
+import contextlib
 import copy
 import importlib.util
 import warnings
@@ -162,7 +163,11 @@ def _count_ops(rank, world_size):
             self.ops[name] = self.ops.get(name, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    tp = _model("llama")
+    import transformers as tf
+
+    torch.manual_seed(0)  # attention through scaled_dot_product_attention, to see it saved
+    tp = tf.LlamaForCausalLM(tf.LlamaConfig(**{**SMALL, "attn_implementation": "sdpa"}, num_attention_heads=4,
+                                            num_key_value_heads=2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
@@ -174,6 +179,8 @@ def _count_ops(rank, world_size):
             oases.train_step(tp, ids, labels, recompute=recompute)
         counts[recompute] = count.ops
     mm = {k: c.get("mm", 0) + c.get("addmm", 0) + c.get("bmm", 0) for k, c in counts.items()}
+    sdpa = {k: sum(n for op, n in c.items() if op.startswith("_scaled_dot_product")) for k, c in counts.items()}
+    assert 0 < sdpa[False] == sdpa["selective"] < sdpa[True], sdpa  # attention is saved, not rerun
     silu = {k: c.get("silu", 0) for k, c in counts.items()}
     rsqrt = {k: c.get("rsqrt", 0) for k, c in counts.items()}
     assert mm[False] == mm["selective"] < mm[True], mm
@@ -184,6 +191,68 @@ def _count_ops(rank, world_size):
 
 def test_selective_recomputation_reruns_elementwise_ops_not_gemms():
     run_ranks(_count_ops, 2, timeout=120)
+
+
+def _selective_equals_kept(rank, world_size):
+    """recompute="selective" gives the kept graph's loss and gradients bit for bit (the recomputed
+    ops are deterministic), in fp32 and under bf16 autocast."""
+    tp = _model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(tp)
+    ids, labels, mask = _batch(4, 12, seed=3, padded=True)
+    for dtype in (None, torch.bfloat16):
+        got = {}
+        for recompute in (False, "selective"):
+            tp.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+                loss = oases.train_step(tp, ids, labels, attention_mask=mask, recompute=recompute)
+            got[recompute] = loss, {n: p.grad.clone() for n, p in tp.named_parameters()}
+        assert torch.equal(got[False][0], got["selective"][0]), dtype
+        for name, grad in got[False][1].items():
+            assert torch.equal(grad, got["selective"][1][name]), (dtype, name)
+    return True
+
+
+def test_selective_recomputation_equals_the_kept_graph_bit_for_bit():
+    run_ranks(_selective_equals_kept, 2, timeout=120)
+
+
+def test_selective_refuses_a_saved_output_changed_in_place():
+    """A forward that changes a matrix product's output in place (through F.linear's or matmul's
+    reshaping of it) would make the rerun read changed values: refused with a ValueError saying
+    what to do, never silently wrong gradients."""
+    import torch.nn.functional as F
+
+    from oases.schedule.selective import explained, selective
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+
+    def scaled_linear(x):
+        y = F.linear(x, w)
+        y.mul_(2)
+        return y.sin()
+
+    def scaled_scores(x):
+        q = x.view(2, 3, 2, 2).transpose(1, 2)
+        s = q @ q.transpose(-1, -2)
+        s /= 2
+        return s.softmax(-1)
+
+    for fn in (scaled_linear, scaled_scores):
+        out = selective(fn, x).sum()
+        with pytest.raises(ValueError, match="recompute='selective'.*in place.*recompute=True or False"):
+            with explained():
+                out.backward()
+
+    def plain(x):  # no in-place change: the same gradients as autograd's own graph
+        return (F.linear(x, w).sin() @ w).softmax(-1)
+
+    plain(x).sum().backward()
+    want, x.grad, w.grad = (x.grad.clone(), w.grad.clone()), None, None
+    selective(plain, x).sum().backward()
+    assert torch.equal(x.grad, want[0]) and torch.equal(w.grad, want[1])
 
 
 def test_qwen3_mistral_and_neox_every_schedule_match_unsharded():

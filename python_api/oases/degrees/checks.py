@@ -3,6 +3,7 @@ subgroup is made), and the one refusal of what does not combine with them.
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Mapping, Optional, Sequence
 
 import torch.distributed as dist
@@ -12,13 +13,13 @@ from oases import _checks
 __all__ = ["check_batch_rows", "check_tp_degrees", "check_world_group", "refuse_with_degrees"]
 
 # Why each option does not combine with per-layer degrees (refuse_with_degrees names it).
-_WHY: Mapping[str, str] = {
+_WHY: Mapping[str, str] = MappingProxyType({
     "sequence_parallel": "layers of different degrees split the batch rows, not the sequence",
     "vocab_parallel": "the embedding and the LM head run replicated on every rank",
     "offload": "the per-degree programs keep their recompute inputs on the device",
     "comm": "the model's layers communicate on Communicators of their own, one per degree: model.layer_placements()",
-}
-_UNSET: Mapping[str, None] = {"comm": None}  # an option's value that asks for nothing (others: False)
+})
+_UNSET: Mapping[str, None] = MappingProxyType({"comm": None})  # an option's value that asks for nothing (others: False)
 
 
 def check_tp_degrees(tp_degrees: object, layers: int, p: int) -> tuple[int, ...]:

@@ -356,7 +356,7 @@ class GPT(nn.Module):
                 (None: not accounted).
             check_inputs: True (the default), "broadcast" or False, as above.
             recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
-            or keep it saving only GEMM and attention outputs ("selective").
+                or keep it saving only GEMM and attention outputs ("selective").
 
         Returns:
             The mean token loss (a scalar tensor); the gradients are accumulated into .grad.

@@ -136,6 +136,8 @@ class ColumnParallelLinear(nn.Module):
 
     def use_entry(self, entry: _SharedEntry) -> None:
         """Enter the TP region through `entry`, shared by the layers fed one input (q, k, v): one all-reduce."""
+        if not isinstance(entry, _SharedEntry):
+            raise TypeError(f"entry: expected the _SharedEntry parallelize makes, got {type(entry).__name__}")
         self._entry = entry
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:

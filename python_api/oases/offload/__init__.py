@@ -19,6 +19,7 @@ Old names, deprecated (they warn and return the new object): `Checkpoint` (now `
 is `OffloadStats.saves`. "Checkpoint" is a training state saved to files (`oases.checkpoint`).
 """
 import warnings
+from types import MappingProxyType
 
 from oases.offload.engine import CopyEngine, CopyEvent
 from oases.offload.hooks import offload_saved_tensors
@@ -29,7 +30,8 @@ from oases.offload.slab import ALIGNMENT, HostSlab, SlabTooSmallError
 __all__ = ["HostSlab", "SlabTooSmallError", "ALIGNMENT", "CopyEngine", "CopyEvent", "Offloader", "OffloadHandle",
            "OffloadState", "OffloadStats", "OffloadStack", "offload_saved_tensors"]
 
-_DEPRECATED = {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"}
+_DEPRECATED = MappingProxyType(
+    {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"})
 
 
 def __getattr__(name: str) -> object:

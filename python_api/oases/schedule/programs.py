@@ -23,6 +23,7 @@ from oases._leaves import grad_leaf
 from oases.schedule.placed import move_rows, move_rows_adjoint
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator
+from oases.schedule.selective import explained
 from oases.schedule.selective import selective as _selective
 from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
 
@@ -55,7 +56,8 @@ def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Commu
     z = grad_leaf(torch.zeros_like(rec.part))  # stands for AR(part): finish is affine in it
     with torch.enable_grad():
         sub.finish(z, ctx).backward(grad_out)
-    rec.part.backward(z.grad)  # AR's adjoint is the identity: grad(part) = grad(AR(part))
+    with explained():  # (selective graphs: a saved output changed in place is refused here)
+        rec.part.backward(z.grad)  # AR's adjoint is the identity: grad(part) = grad(AR(part))
     grad_h = rec.h_leaf.grad  # this rank's heads / features only: sum over ranks
     if grad_h is None:  # core ignores its input (no column-parallel path): nothing to reduce
         grad_h = torch.zeros_like(rec.h_leaf)
