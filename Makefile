@@ -26,9 +26,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # ruff (pinned in requirements.txt; configured in pyproject.toml): pyflakes, pycodestyle, import
-# order, docstrings on the package's public API. tests/test_lint.py runs the same check.
+# order, docstrings on the package's public API, and its formatter (`ruff format .` writes it).
+# tests/test_lint.py runs the same checks.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The documentation site: docs/*.md (MyST) and the API reference, Sphinx's autodoc over the public
 # API's docstrings (docs/api), HTML into

@@ -12,6 +12,7 @@ Install into an environment that already has torch, without build isolation:
 torch, so the build uses the installed one; pyproject.toml explains why torch is not a build
 requirement. The version is written once, in python_api/oases/__init__.py, and read from there.
 """
+
 import glob
 import os
 import re
@@ -83,9 +84,7 @@ setup(
     license_files=["LICENSE"],
     python_requires=">=3.10",
     package_dir={"oases": "python_api/oases", "oases_kernels": "oases_kernels"},
-    packages=["oases"]
-    + ["oases." + p for p in find_packages("python_api/oases")]
-    + ["oases_kernels"],
+    packages=["oases"] + ["oases." + p for p in find_packages("python_api/oases")] + ["oases_kernels"],
     ext_modules=_ext_modules,
     cmdclass=_cmdclass,
     install_requires=["torch>=2.4", "numpy", "scipy"],

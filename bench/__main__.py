@@ -18,6 +18,7 @@ runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG a
 `python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): see
 bench/gpu_check.py.
 """  # noqa: E501 (its first line is argparse's description: kept whole)
+
 from __future__ import annotations
 
 import argparse
@@ -49,23 +50,42 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
     """The command line, every suite's own options included (the launching parent checks them
     all before it starts the ranks, at the cost of importing torch)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--device", choices=DEVICES, default="auto",
-                        help="auto (default): cuda + NCCL when a GPU is visible, else cpu + gloo; cpu: gloo on "
-                             "the CPU even where GPUs exist; cuda: NCCL, one GPU per rank (refused without a GPU "
-                             "or with more ranks than GPUs)")
+    common.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="auto (default): cuda + NCCL when a GPU is visible, else cpu + gloo; cpu: gloo on "
+        "the CPU even where GPUs exist; cuda: NCCL, one GPU per rank (refused without a GPU "
+        "or with more ranks than GPUs)",
+    )
     common.add_argument("--nproc", type=_positive_int, default=2, help="ranks to launch (default: 2)")
-    common.add_argument("--bandwidth", metavar="RATE",
-                        help="shape the links to RATE, tc syntax (250mbit, 1gbit, 8gbit); default unshaped")
-    common.add_argument("--topology", choices=("shared", "switch"), default="shared",
-                        help="shaped-link topology, see oases.launch (default: shared)")
-    common.add_argument("--hosts", type=_positive_int, default=1,
-                        help="emulated servers (oases-launch --hosts): --bandwidth between them (default: 1)")
-    common.add_argument("--intra-bandwidth", metavar="RATE",
-                        help="with --hosts: shape the links inside a host to RATE (default: unshaped)")
+    common.add_argument(
+        "--bandwidth",
+        metavar="RATE",
+        help="shape the links to RATE, tc syntax (250mbit, 1gbit, 8gbit); default unshaped",
+    )
+    common.add_argument(
+        "--topology",
+        choices=("shared", "switch"),
+        default="shared",
+        help="shaped-link topology, see oases.launch (default: shared)",
+    )
+    common.add_argument(
+        "--hosts",
+        type=_positive_int,
+        default=1,
+        help="emulated servers (oases-launch --hosts): --bandwidth between them (default: 1)",
+    )
+    common.add_argument(
+        "--intra-bandwidth",
+        metavar="RATE",
+        help="with --hosts: shape the links inside a host to RATE (default: unshaped)",
+    )
     common.add_argument("--threads", type=_positive_int, default=1, help="intra-op threads per rank (default: 1)")
     common.add_argument("--quick", action="store_true", help="small shapes, few iterations (seconds; for tests)")
-    common.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                        help="where to write results (default: bench/results)")
+    common.add_argument(
+        "--out", default=DEFAULT_OUT, metavar="DIR", help="where to write results (default: bench/results)"
+    )
     common.add_argument("--warmup", type=int, help="untimed calls per variant (default: 2; --quick: 1)")
     common.add_argument("--iters", type=_positive_int, help="timed calls per variant (default: 9; --quick: 3)")
     common.add_argument("--timeout", type=float, default=900.0, help="collective timeout in seconds")
@@ -95,8 +115,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.iters is None:
         args.iters = 3 if args.quick else 9
     if not args.quick and (args.warmup < MIN_WARMUP or args.iters < MIN_ITERS):
-        parser.error(f"--warmup >= {MIN_WARMUP} and --iters >= {MIN_ITERS} for figures worth reporting "
-                     "(--quick allows fewer)")
+        parser.error(
+            f"--warmup >= {MIN_WARMUP} and --iters >= {MIN_ITERS} for figures worth reporting (--quick allows fewer)"
+        )
     world = int(os.environ.get("WORLD_SIZE", args.nproc)) if inside else args.nproc
     checks = getattr(modules[args.suite], "check_args", None)
     refusal = checks(args, world) if checks is not None else None
@@ -120,15 +141,21 @@ def device_refusal(device: str, nproc: int, hosts: int, gpus: int) -> Optional[s
         return None
     chosen = "--device cuda" if device == "cuda" else "--device auto (a GPU is visible, so cuda)"
     if gpus < 1:
-        return ("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False: no NVIDIA driver, "
-                "CUDA_VISIBLE_DEVICES empty, or a CPU build of torch); run with --device cpu (or auto)")
+        return (
+            "--device cuda: torch sees no GPU here (torch.cuda.is_available() is False: no NVIDIA driver, "
+            "CUDA_VISIBLE_DEVICES empty, or a CPU build of torch); run with --device cpu (or auto)"
+        )
     if hosts > 1:
-        return (f"{chosen} with --hosts {hosts}: the emulated hosts share this machine's GPUs and each host's "
-                "ranks count LOCAL_RANK from 0, so two ranks would use one GPU, which NCCL cannot do; "
-                "pass --device cpu to emulate hosts on the CPU cores")
+        return (
+            f"{chosen} with --hosts {hosts}: the emulated hosts share this machine's GPUs and each host's "
+            "ranks count LOCAL_RANK from 0, so two ranks would use one GPU, which NCCL cannot do; "
+            "pass --device cpu to emulate hosts on the CPU cores"
+        )
     if nproc > gpus:
-        return (f"{chosen} --nproc {nproc}: torch sees {gpus} GPU(s) and NCCL cannot run two ranks on one GPU; "
-                f"pass --nproc {gpus} or fewer, or --device cpu to run {nproc} gloo ranks on the CPU cores")
+        return (
+            f"{chosen} --nproc {nproc}: torch sees {gpus} GPU(s) and NCCL cannot run two ranks on one GPU; "
+            f"pass --nproc {gpus} or fewer, or --device cpu to run {nproc} gloo ranks on the CPU cores"
+        )
     return None
 
 
@@ -147,8 +174,9 @@ def _launcher_installed() -> bool:
     spec = importlib.util.find_spec("oases")
     if spec is None or not spec.submodule_search_locations:
         return False
-    return any(os.path.exists(os.path.join(location, "launch", "__main__.py"))
-               for location in spec.submodule_search_locations)
+    return any(
+        os.path.exists(os.path.join(location, "launch", "__main__.py")) for location in spec.submodule_search_locations
+    )
 
 
 def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
@@ -157,16 +185,18 @@ def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
         env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     if _launcher_installed():
-        command = [sys.executable, "-m", "oases.launch", "--nproc", str(args.nproc),
-                   "--threads", str(args.threads)]
+        command = [sys.executable, "-m", "oases.launch", "--nproc", str(args.nproc), "--threads", str(args.threads)]
         if args.bandwidth and args.hosts > 1:
             command += ["--bandwidth", args.bandwidth, "--hosts", str(args.hosts)]
             command += ["--intra-bandwidth", args.intra_bandwidth] if args.intra_bandwidth else []
         elif args.bandwidth:
             command += ["--bandwidth", args.bandwidth, "--topology", args.topology]
     elif args.bandwidth:
-        print("bench: oases.launch is not installed, so the link cannot be shaped; run under a "
-              "launcher in a shaped namespace instead (see /work/shared/README.md)", file=sys.stderr)
+        print(
+            "bench: oases.launch is not installed, so the link cannot be shaped; run under a "
+            "launcher in a shaped namespace instead (see /work/shared/README.md)",
+            file=sys.stderr,
+        )
         return 2
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
@@ -205,9 +235,11 @@ def _write_outputs(args, suite: ModuleType, ctx, records: list[dict], events: li
     created = datetime.datetime.now()
     paths = _report.output_paths(args.out, args.suite, created)
     link = ctx.meta["link"]
-    title = (f"{args.suite}: {ctx.world_size} ranks on {ctx.meta['device']['name']}, "
-             f"{link['bandwidth'] or 'unshaped'} {link['topology'] or ''}, "
-             f"{ctx.meta['threads_per_rank']} thread(s)/rank")
+    title = (
+        f"{args.suite}: {ctx.world_size} ranks on {ctx.meta['device']['name']}, "
+        f"{link['bandwidth'] or 'unshaped'} {link['topology'] or ''}, "
+        f"{ctx.meta['threads_per_rank']} thread(s)/rank"
+    )
     for table in suite.tables(records):
         print(_report.render(table) + "\n", flush=True)
     plotted = hasattr(suite, "plot") and suite.plot(records, paths.png, title)
@@ -224,8 +256,10 @@ def _write_outputs(args, suite: ModuleType, ctx, records: list[dict], events: li
         "cases": records,
     }
     _report.write_json(paths.json, document)
-    print(f"wrote {paths.json}" + (f", {paths.png}" if plotted else "") + (f", {paths.trace}" if traced else ""),
-          flush=True)
+    print(
+        f"wrote {paths.json}" + (f", {paths.png}" if plotted else "") + (f", {paths.trace}" if traced else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

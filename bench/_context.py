@@ -5,6 +5,7 @@ device from `args.device` (choose_device: gloo on CPU, NCCL with one GPU per loc
 initialises the process group, sets the intra-op threads, and describes the run (device and the
 choice that picked it, link, versions) for the JSON.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -52,13 +53,17 @@ def choose_device(requested: str, local_rank: int) -> tuple[torch.device, str]:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu"), "gloo"
     if not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
-                         "run with --device cpu (or auto)")
+        raise ValueError(
+            "--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
+            "run with --device cpu (or auto)"
+        )
     count = torch.cuda.device_count()
     if local_rank >= count:
-        raise ValueError(f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but torch sees "
-                         f"{count}, and NCCL cannot run two ranks on one GPU; run at most {count} rank(s) per "
-                         "host, or --device cpu")
+        raise ValueError(
+            f"--device {requested}: LOCAL_RANK {local_rank} needs GPU {local_rank}, but torch sees "
+            f"{count}, and NCCL cannot run two ranks on one GPU; run at most {count} rank(s) per "
+            "host, or --device cpu"
+        )
     return torch.device("cuda", local_rank), "nccl"
 
 
@@ -66,8 +71,9 @@ def setup(args) -> Context:
     """Initialise torch.distributed from the launch environment on the device `args.device`
     picks (choose_device; "auto" when args has none) and build the context."""
     # torch 2.13 renames all_gather_into_tensor / reduce_scatter_tensor; the old names still work.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed\.", category=FutureWarning
+    )
     torch.set_num_threads(args.threads)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, backend = choose_device(getattr(args, "device", "auto"), local_rank)
@@ -78,21 +84,30 @@ def setup(args) -> Context:
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     timer = Timer(None, device, warmup=args.warmup, iters=args.iters)
-    return Context(rank, world, device, None, timer, Recorder(rank, sync),
-                   meta=describe_run(args, device, world, backend))
+    return Context(
+        rank, world, device, None, timer, Recorder(rank, sync), meta=describe_run(args, device, world, backend)
+    )
 
 
 def describe_run(args, device: torch.device, world_size: int, backend: str) -> dict[str, Any]:
     """Device, link, versions and settings: what a reader needs to compare two JSON files."""
     return {
-        "device": {"type": device.type, "name": device_name(device), "requested": getattr(args, "device", "auto"),
-                   "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")},
+        "device": {
+            "type": device.type,
+            "name": device_name(device),
+            "requested": getattr(args, "device", "auto"),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        },
         "world_size": world_size,
         "backend": backend,
         "link": link(args),
         "threads_per_rank": torch.get_num_threads(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "triton": _version("triton"), "oases": _version("oases")},
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "oases": _version("oases"),
+        },
         "host": platform.node(),
         "load_average": load_average(),
         "quick": bool(args.quick),
@@ -138,8 +153,14 @@ def link(args) -> dict[str, Any]:
         text, topology, source = requested, args.topology, "bench --bandwidth (not verified)"
     else:
         text, topology, source = None, None, "unshaped"
-    return {"shaped": text is not None, "bandwidth": text, "bytes_per_s": _bytes_per_s(text),
-            "topology": topology, "requested": requested, "source": source}
+    return {
+        "shaped": text is not None,
+        "bandwidth": text,
+        "bytes_per_s": _bytes_per_s(text),
+        "topology": topology,
+        "requested": requested,
+        "source": source,
+    }
 
 
 def _bytes_per_s(text: Optional[str]) -> Optional[float]:

@@ -32,6 +32,7 @@ What the HF model needs for sequence parallelism (all through its public forward
 from its embedding's output, which is this rank's s/p rows, and the rotary embeddings (s/p) no
 longer match the all-gathered queries (s): the forward raises a size mismatch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,21 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["CHAR_VOCAB", "llama_config", "build", "torchtitan_plan", "megatron_plan", "PLANS", "TorchTP",
-           "torch_tp", "HF_TP", "hf_tp_unavailable", "has_accelerate", "hf_tp", "check_gradients"]
+__all__ = [
+    "CHAR_VOCAB",
+    "llama_config",
+    "build",
+    "torchtitan_plan",
+    "megatron_plan",
+    "PLANS",
+    "TorchTP",
+    "torch_tp",
+    "HF_TP",
+    "hf_tp_unavailable",
+    "has_accelerate",
+    "hf_tp",
+    "check_gradients",
+]
 
 CHAR_VOCAB = 29  # examples/train_llama.py's character vocabulary, padded to a multiple of p
 
@@ -58,9 +72,17 @@ def llama_config(*, hidden: int, heads: int, kv_heads: int, layers: int, seq_len
         if n % p:
             raise ValueError(f"layers --model llama: {what} {n} is not divisible by the {p} ranks")
     intermediate = -(-int(2.75 * hidden) // p) * p
-    return LlamaConfig(vocab_size=-(-CHAR_VOCAB // p) * p, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                       max_position_embeddings=seq_len, tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaConfig(
+        vocab_size=-(-CHAR_VOCAB // p) * p,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
 
 
 def build(config) -> nn.Module:
@@ -76,11 +98,11 @@ def build(config) -> nn.Module:
 def torchtitan_plan(config) -> dict[str, Any]:
     """torchtitan's apply_tp for Llama with loss parallelism, on Hugging Face's module names.
 
-        embedding     vocabulary rows sharded; ids replicated in, [b, s/p, h] out (reduce-scatter)
-        every norm    sequence parallel: [b, s/p, h] in and out
-        attention     its hidden_states all-gathered to [b, s, h] once, for q/k/v together
-        q/k/v, gate/up  column-parallel (output features);  o/down  row-parallel, reduce-scattered to s/p
-        LM head       [b, s/p, h] all-gathered in, logits [b, s, V/p] stay sharded (loss_parallel)
+    embedding     vocabulary rows sharded; ids replicated in, [b, s/p, h] out (reduce-scatter)
+    every norm    sequence parallel: [b, s/p, h] in and out
+    attention     its hidden_states all-gathered to [b, s, h] once, for q/k/v together
+    q/k/v, gate/up  column-parallel (output features);  o/down  row-parallel, reduce-scattered to s/p
+    LM head       [b, s/p, h] all-gathered in, logits [b, s, V/p] stay sharded (loss_parallel)
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
@@ -92,8 +114,9 @@ def torchtitan_plan(config) -> dict[str, Any]:
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         layer + "input_layernorm": SequenceParallel(),
         # HF's decoder layer calls self_attn(hidden_states=..., ...): a keyword argument
-        layer + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        layer + "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
         **{layer + f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"},
         layer + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         layer + "post_attention_layernorm": SequenceParallel(),
@@ -115,8 +138,10 @@ def megatron_plan(config) -> dict[str, Any]:
 
     layer = "model.layers.*."
     return {
-        layer + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Replicate()},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        layer + "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+        ),
         **{layer + f"self_attn.{n}_proj": ColwiseParallel() for n in "qkv"},
         layer + "self_attn.o_proj": RowwiseParallel(),
         layer + "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
@@ -133,14 +158,20 @@ class _PlanSpec:
     description: str
 
 
-PLANS: Mapping[str, _PlanSpec] = MappingProxyType({
-    "torch_tp": _PlanSpec(
-        torchtitan_plan, True,
-        "torchtitan's apply_tp (sequence parallel, vocabulary-parallel embedding and LM head, loss_parallel)"),
-    "torch_tp_nosp": _PlanSpec(
-        megatron_plan, False,
-        "DTensor TP without sequence parallelism (Megatron's layout; embedding, norms, LM head replicated)"),
-})
+PLANS: Mapping[str, _PlanSpec] = MappingProxyType(
+    {
+        "torch_tp": _PlanSpec(
+            torchtitan_plan,
+            True,
+            "torchtitan's apply_tp (sequence parallel, vocabulary-parallel embedding and LM head, loss_parallel)",
+        ),
+        "torch_tp_nosp": _PlanSpec(
+            megatron_plan,
+            False,
+            "DTensor TP without sequence parallelism (Megatron's layout; embedding, norms, LM head replicated)",
+        ),
+    }
+)
 
 
 # ---- the peer ----------------------------------------------------------------------------------
@@ -175,11 +206,16 @@ class TorchTP:
         return loss.detach()
 
     def describe(self) -> dict[str, Any]:
-        impl = self.impl or ("parallelize_module(LlamaForCausalLM, init_device_mesh(cpu, (p,)), plan)"
-                             + (" + loss_parallel()" if self.loss_parallel else ""))
-        return {"impl": impl, "description": self.description,
-                "plan": {k: v if isinstance(v, str) else repr(v) for k, v in self.plan.items()},
-                "notes": list(self.notes)}
+        impl = self.impl or (
+            "parallelize_module(LlamaForCausalLM, init_device_mesh(cpu, (p,)), plan)"
+            + (" + loss_parallel()" if self.loss_parallel else "")
+        )
+        return {
+            "impl": impl,
+            "description": self.description,
+            "plan": {k: v if isinstance(v, str) else repr(v) for k, v in self.plan.items()},
+            "notes": list(self.notes),
+        }
 
 
 def torch_tp(name: str, model: nn.Module, mesh) -> TorchTP:
@@ -189,19 +225,25 @@ def torch_tp(name: str, model: nn.Module, mesh) -> TorchTP:
     spec = PLANS[name]
     plan = spec.make(model.config)
     peer = parallelize_module(copy.deepcopy(model), mesh, plan)
-    notes = ["step = forward + backward; no activation recomputation; eager (no torch.compile)",
-             "position_ids = arange(s) passed to the HF forward (see bench._llama)"]
+    notes = [
+        "step = forward + backward; no activation recomputation; eager (no torch.compile)",
+        "position_ids = arange(s) passed to the HF forward (see bench._llama)",
+    ]
     if spec.loss_parallel:
-        notes += ["async TP (torchtitan's maybe_enable_async_tp) not applied: it needs torch.compile and "
-                  "CUDA symmetric memory",
-                  "norm weight gradients (Partial after backward) reduced to Replicate at the end of the step"]
+        notes += [
+            "async TP (torchtitan's maybe_enable_async_tp) not applied: it needs torch.compile and "
+            "CUDA symmetric memory",
+            "norm weight gradients (Partial after backward) reduced to Replicate at the end of the step",
+        ]
     return TorchTP(name, peer, plan, spec.loss_parallel, spec.description, notes)
 
 
 # ---- transformers' own tensor parallelism ------------------------------------------------------
 HF_TP = "hf_tp"
-_HF_IMPL = ('LlamaForCausalLM.from_pretrained(dir, attn_implementation="sdpa", '
-            'distributed_config=DistributedConfig(tp_plan="auto", tp_size=p)).train()')
+_HF_IMPL = (
+    'LlamaForCausalLM.from_pretrained(dir, attn_implementation="sdpa", '
+    'distributed_config=DistributedConfig(tp_plan="auto", tp_size=p)).train()'
+)
 
 
 def hf_tp_unavailable(device: Optional[torch.device] = None) -> Optional[str]:
@@ -209,8 +251,10 @@ def hf_tp_unavailable(device: Optional[torch.device] = None) -> Optional[str]:
     any), or None when it can. transformers puts its TP mesh on the accelerator torch reports, so
     a CPU run on a machine with a visible GPU cannot hold the peer beside the other variants."""
     if device is not None and device.type == "cpu" and torch.cuda.is_available():
-        return ("transformers places its TP mesh on the visible GPU while this run is on the CPU; from the "
-                "command line, --device cpu hides the GPUs from the ranks (CUDA_VISIBLE_DEVICES=\"\")")
+        return (
+            "transformers places its TP mesh on the visible GPU while this run is on the CPU; from the "
+            'command line, --device cpu hides the GPUs from the ranks (CUDA_VISIBLE_DEVICES="")'
+        )
     try:
         from transformers import LlamaForCausalLM
         from transformers.distributed import DistributedConfig  # noqa: F401
@@ -268,38 +312,47 @@ def hf_tp(model: nn.Module, world_size: int, *, from_pretrained: Optional[bool] 
                 if dist.get_rank() == 0:
                     model.save_pretrained(box[0])
                 dist.barrier()
-                peer = LlamaForCausalLM.from_pretrained(box[0], attn_implementation="sdpa",
-                                                        distributed_config=config)
+                peer = LlamaForCausalLM.from_pretrained(box[0], attn_implementation="sdpa", distributed_config=config)
                 dist.barrier()
             finally:
                 if dist.get_rank() == 0:
                     shutil.rmtree(box[0], ignore_errors=True)
             impl = _HF_IMPL
-            route = ("from_pretrained: rank 0 saved the unsharded weights (save_pretrained) to a temporary "
-                     "directory; every rank loaded its shards from it")
+            route = (
+                "from_pretrained: rank 0 saved the unsharded weights (save_pretrained) to a temporary "
+                "directory; every rank loaded its shards from it"
+            )
         else:
             config, _, mesh = LlamaForCausalLM.prepare_distribute_model(config)
             peer = LlamaForCausalLM.maybe_distribute_model(copy.deepcopy(model), config, mesh)
-            impl = ('LlamaForCausalLM.maybe_distribute_model(copy of the model, '
-                    '*prepare_distribute_model(DistributedConfig(tp_plan="auto", tp_size=p)))')
-            route = ("in process (accelerate not installed, which from_pretrained's TP path requires in "
-                     f"transformers {_transformers_version()}): the plan applied by the two steps from_pretrained "
-                     "runs, on a copy holding the same weights (checked equal by hand to the from_pretrained route: "
-                     "weights, loss, gradients, collectives)")
+            impl = (
+                "LlamaForCausalLM.maybe_distribute_model(copy of the model, "
+                '*prepare_distribute_model(DistributedConfig(tp_plan="auto", tp_size=p)))'
+            )
+            route = (
+                "in process (accelerate not installed, which from_pretrained's TP path requires in "
+                f"transformers {_transformers_version()}): the plan applied by the two steps from_pretrained "
+                "runs, on a copy holding the same weights (checked equal by hand to the from_pretrained route: "
+                "weights, loss, gradients, collectives)"
+            )
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     peer.train()  # from_pretrained returns the model in eval mode; a training loop calls train()
-    notes = [f"route: {route}",
-             "transformers' own plan for Llama (tp_plan=\"auto\"): q/k/v/gate/up colwise, o/down rowwise "
-             "(all-reduce forward), embed_tokens embedding_rowwise (vocabulary-parallel, all-reduce forward), "
-             "lm_head colwise_gather_output (logits all-gathered, loss on full logits); norms replicated",
-             "no sequence parallelism (DistributedConfig.enable_sequence_parallel is reserved, not wired), no "
-             "shared input marking: each colwise projection all-reduces its own input gradient in backward "
-             "(q, k, v, gate, up: 5 all-reduces a layer where a shared PrepareModuleInput needs 2)",
-             "step = zero_grad, forward with labels, backward; no recomputation; eager (no torch.compile)"]
-    description = ("transformers' native tensor parallelism (from_pretrained tp_plan=\"auto\": "
-                   "the model's base_model_tp_plan on DTensor)")
+    notes = [
+        f"route: {route}",
+        'transformers\' own plan for Llama (tp_plan="auto"): q/k/v/gate/up colwise, o/down rowwise '
+        "(all-reduce forward), embed_tokens embedding_rowwise (vocabulary-parallel, all-reduce forward), "
+        "lm_head colwise_gather_output (logits all-gathered, loss on full logits); norms replicated",
+        "no sequence parallelism (DistributedConfig.enable_sequence_parallel is reserved, not wired), no "
+        "shared input marking: each colwise projection all-reduces its own input gradient in backward "
+        "(q, k, v, gate, up: 5 all-reduces a layer where a shared PrepareModuleInput needs 2)",
+        "step = zero_grad, forward with labels, backward; no recomputation; eager (no torch.compile)",
+    ]
+    description = (
+        'transformers\' native tensor parallelism (from_pretrained tp_plan="auto": '
+        "the model's base_model_tp_plan on DTensor)"
+    )
     return TorchTP(HF_TP, peer, dict(peer.tp_plan), False, description, notes, impl=impl)
 
 
@@ -323,5 +376,7 @@ def check_gradients(peer: TorchTP, reference: nn.Module, rtol: float = 1e-4) -> 
             raise AssertionError(f"layers: {peer.name} gradient of {name} is missing or mis-shaped")
         error = float((g - want).norm() / want.norm().clamp_min(1e-12))
         if error > rtol:
-            raise AssertionError(f"layers: {peer.name} gradient of {name} differs from the unsharded model's "
-                                 f"(relative error {error:.2e}): the peer is wrong")
+            raise AssertionError(
+                f"layers: {peer.name} gradient of {name} differs from the unsharded model's "
+                f"(relative error {error:.2e}): the peer is wrong"
+            )

@@ -14,6 +14,7 @@ that made them, from the CUDA caching allocator's history.
 
 `live_at_peak(events)` is the replay, on the trace entries of torch.cuda.memory._snapshot().
 """
+
 from __future__ import annotations
 
 import sys
@@ -35,6 +36,7 @@ def live_at_peak(events: Sequence[dict]) -> tuple[int, Optional[int], list[dict]
     for a block from before the trace); free_completed only returns a block to the pool (a block
     freed with record_stream completes later; one requested before the trace was counted off
     already). Other actions (segment_*, snapshot, oom) move no allocated bytes."""
+
     def replay(stop: int):
         live: dict[int, dict] = {}
         now = 0
@@ -74,8 +76,9 @@ def frame_label(frames: Sequence[dict], depth: int = 3) -> str:
 def peak_allocations(fn: Callable[[], object], device: torch.device, *, top: int = 12) -> dict:
     """Run fn() once on `device` (CUDA) with the allocator's history recorded; see the module docstring."""
     torch.cuda.synchronize(device)
-    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                             max_entries=sys.maxsize, device=device)
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context="alloc", stacks="python", max_entries=sys.maxsize, device=device
+    )
     try:
         fn()
         torch.cuda.synchronize(device)
@@ -92,7 +95,10 @@ def peak_allocations(fn: Callable[[], object], device: torch.device, *, top: int
         g[0] += e["size"]
         g[1] += 1
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
-    return {"peak_bytes": peak, "events": len(events),
-            "set_by": None if at is None else frame_label(events[at].get("frames", [])),
-            "groups": [{"frame": k, "bytes": b, "count": n} for k, (b, n) in ranked[:top]],
-            "other_bytes": sum(b for _, (b, _) in ranked[top:])}
+    return {
+        "peak_bytes": peak,
+        "events": len(events),
+        "set_by": None if at is None else frame_label(events[at].get("frames", [])),
+        "groups": [{"frame": k, "bytes": b, "count": n} for k, (b, n) in ranked[:top]],
+        "other_bytes": sum(b for _, (b, _) in ranked[top:]),
+    }

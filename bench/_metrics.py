@@ -1,15 +1,16 @@
 """The derived figures every suite reports, as pure functions of measured times.
 
-    bound      = max(t_compute, t_comm)                         the best any overlap can do
-    efficiency = (t_serial - t_overlap) / (t_serial - bound)    1: all of the hideable part hidden
-                                                                0: nothing hidden; < 0: slower
-    speedup    = t_peer / t_ours
-    bus bandwidth (nccl-tests' convention, comparable across world sizes p):
-        all-gather, reduce-scatter: (bytes of the full tensor / t) * (p - 1) / p
-        all-reduce:                 (bytes of the tensor / t) * 2 (p - 1) / p
-    ring bytes: what each rank sends for a collective by ring (as oases.schedule.Communicator
-        counts it): all-reduce 2 (p - 1) / p n, all-gather / reduce-scatter (p - 1) / p n, n the full tensor
+bound      = max(t_compute, t_comm)                         the best any overlap can do
+efficiency = (t_serial - t_overlap) / (t_serial - bound)    1: all of the hideable part hidden
+                                                            0: nothing hidden; < 0: slower
+speedup    = t_peer / t_ours
+bus bandwidth (nccl-tests' convention, comparable across world sizes p):
+    all-gather, reduce-scatter: (bytes of the full tensor / t) * (p - 1) / p
+    all-reduce:                 (bytes of the tensor / t) * 2 (p - 1) / p
+ring bytes: what each rank sends for a collective by ring (as oases.schedule.Communicator
+    counts it): all-reduce 2 (p - 1) / p n, all-gather / reduce-scatter (p - 1) / p n, n the full tensor
 """
+
 from __future__ import annotations
 
 from typing import Optional

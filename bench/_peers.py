@@ -12,6 +12,7 @@
 Every peer is built on every rank, and is available on all of them or on none (`agree`), so a
 collective is never entered by a subset of the ranks.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -25,9 +26,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oases.ops import _gemm
 
-__all__ = ["Peer", "agree", "materialize", "torch_tp", "torch_symm_mem", "TORCH_ASYNC_IMPL",
-           "all_gather_linear_async", "linear_reduce_scatter_async", "linear_all_reduce_async",
-           "torch_all_gather", "torch_reduce_scatter", "torch_all_reduce", "CollectiveLog"]
+__all__ = [
+    "Peer",
+    "agree",
+    "materialize",
+    "torch_tp",
+    "torch_symm_mem",
+    "TORCH_ASYNC_IMPL",
+    "all_gather_linear_async",
+    "linear_reduce_scatter_async",
+    "linear_all_reduce_async",
+    "torch_all_gather",
+    "torch_reduce_scatter",
+    "torch_all_reduce",
+    "CollectiveLog",
+]
 
 
 @dataclass
@@ -35,7 +48,7 @@ class Peer:
     impl: str
     fn: Optional[Callable[[], torch.Tensor]] = None  # None: n/a here
     reason: Optional[str] = None  # why it is n/a
-    note: Optional[str] = None    # what ran instead of what was asked, when that differs
+    note: Optional[str] = None  # what ran instead of what was asked, when that differs
 
 
 def agree(ok: bool, device: torch.device) -> bool:
@@ -84,8 +97,9 @@ def torch_tp(style_name: str, weight_full: torch.Tensor, x: torch.Tensor, mesh_o
         style = _tp_style(style_name)
         from torch.distributed.tensor.parallel import parallelize_module
 
-        linear = nn.Linear(weight_full.shape[1], weight_full.shape[0], bias=False,
-                           device=weight_full.device, dtype=weight_full.dtype)
+        linear = nn.Linear(
+            weight_full.shape[1], weight_full.shape[0], bias=False, device=weight_full.device, dtype=weight_full.dtype
+        )
         with torch.no_grad():
             linear.weight.copy_(weight_full)
         mesh = mesh_of()
@@ -104,8 +118,10 @@ def torch_tp(style_name: str, weight_full: torch.Tensor, x: torch.Tensor, mesh_o
 # ---------------------------------------------------------------------------------------------
 # Symmetric-memory fused ops
 
-_FALLBACKS = {"fused_all_gather_matmul": "_fused_all_gather_matmul_fallback",
-              "fused_matmul_reduce_scatter": "_fused_matmul_reduce_scatter_fallback"}
+_FALLBACKS = {
+    "fused_all_gather_matmul": "_fused_all_gather_matmul_fallback",
+    "fused_matmul_reduce_scatter": "_fused_matmul_reduce_scatter_fallback",
+}
 
 
 def torch_symm_mem(op: str, x: torch.Tensor, w: torch.Tensor, group_name: str) -> Peer:
@@ -144,8 +160,9 @@ def torch_symm_mem(op: str, x: torch.Tensor, w: torch.Tensor, group_name: str) -
     op_error = op_error or f"torch.ops.symm_mem.{op} fails on another rank"
     if not hasattr(symm_mem, _FALLBACKS[op]):
         return Peer(f"torch.ops.symm_mem.{op}", None, op_error)
-    note = (f"{op_error}; timed its fallback path instead "
-            f"(symm_mem.{_FALLBACKS[op]}: functional collective, wait, matmul)")
+    note = (
+        f"{op_error}; timed its fallback path instead (symm_mem.{_FALLBACKS[op]}: functional collective, wait, matmul)"
+    )
     return Peer(f"torch.distributed._symmetric_memory.{_FALLBACKS[op]}", call_fallback, note=note)
 
 
@@ -156,9 +173,8 @@ def torch_symm_mem(op: str, x: torch.Tensor, w: torch.Tensor, group_name: str) -
 
 TORCH_ASYNC_IMPL = {
     "all_gather_linear": "per piece: dist.all_gather_into_tensor(async_op=True); own rows' GEMM, then each "
-                         "piece's GEMM after its wait",
-    "linear_reduce_scatter": "per piece: GEMM, then dist.reduce_scatter_tensor(async_op=True); "
-                             "wait all at the end",
+    "piece's GEMM after its wait",
+    "linear_reduce_scatter": "per piece: GEMM, then dist.reduce_scatter_tensor(async_op=True); wait all at the end",
     "linear_all_reduce": "per piece: GEMM, then dist.all_reduce(async_op=True); wait all at the end",
 }
 
@@ -171,14 +187,13 @@ def all_gather_linear_async(x, w, p: int, r: int, chunks: int) -> Callable[[], t
     def run() -> torch.Tensor:
         y = x.new_empty((p * n, w.shape[0]))
         pieces = [x.new_empty((p * m, k)) for _ in range(chunks)]  # piece q of every rank's shard
-        works = [dist.all_gather_into_tensor(pieces[q], x[q * m:(q + 1) * m], async_op=True)
-                 for q in range(chunks)]
-        _gemm.linear_into(x, w, None, y[r * n:(r + 1) * n])  # own rows while the pieces travel
+        works = [dist.all_gather_into_tensor(pieces[q], x[q * m : (q + 1) * m], async_op=True) for q in range(chunks)]
+        _gemm.linear_into(x, w, None, y[r * n : (r + 1) * n])  # own rows while the pieces travel
         for q, work in enumerate(works):
             work.wait()
             for b in range(p):
                 if b != r:
-                    _gemm.linear_into(pieces[q][b * m:(b + 1) * m], w, None, y[b * n + q * m:b * n + (q + 1) * m])
+                    _gemm.linear_into(pieces[q][b * m : (b + 1) * m], w, None, y[b * n + q * m : b * n + (q + 1) * m])
         return y
 
     return run
@@ -195,8 +210,8 @@ def linear_reduce_scatter_async(x, w, p: int, chunks: int) -> Callable[[], torch
         for q in range(chunks):
             partial = x.new_empty((p * m, w.shape[0]))  # piece q of every block, block-major
             for b in range(p):
-                _gemm.linear_into(x[b * n + q * m:b * n + (q + 1) * m], w, None, partial[b * m:(b + 1) * m])
-            works.append(dist.reduce_scatter_tensor(out[q * m:(q + 1) * m], partial, async_op=True))
+                _gemm.linear_into(x[b * n + q * m : b * n + (q + 1) * m], w, None, partial[b * m : (b + 1) * m])
+            works.append(dist.reduce_scatter_tensor(out[q * m : (q + 1) * m], partial, async_op=True))
         for work in works:
             work.wait()
         return out

@@ -1,10 +1,11 @@
 """What rank 0 writes: tables on stdout, the run's JSON, a PNG of the sweeps, a Chrome trace.
 
-    print(render(Table("fused ops", ["case", "t_serial ms"], [["all_gather_linear", 97.1]])))
-    paths = output_paths(out_dir, "primitives")     # .json, .png, .trace.json with one timestamp
-    write_json(paths.json, {"meta": ..., "cases": [...]})
-    plot_panels(panels, paths.png)                   # time vs chunk count, one panel per case
+print(render(Table("fused ops", ["case", "t_serial ms"], [["all_gather_linear", 97.1]])))
+paths = output_paths(out_dir, "primitives")     # .json, .png, .trace.json with one timestamp
+write_json(paths.json, {"meta": ..., "cases": [...]})
+plot_panels(panels, paths.png)                   # time vs chunk count, one panel per case
 """
+
 from __future__ import annotations
 
 import datetime
@@ -69,13 +70,17 @@ class Panel:
 
     title: str
     chunks: list[int]
-    curves: dict[str, list[float]]        # name -> seconds per chunk count
-    levels: dict[str, Optional[float]]    # name -> seconds (None: not measured)
-    best: Optional[int] = None            # chunk count to mark
+    curves: dict[str, list[float]]  # name -> seconds per chunk count
+    levels: dict[str, Optional[float]]  # name -> seconds (None: not measured)
+    best: Optional[int] = None  # chunk count to mark
 
 
-_LEVEL_STYLES = {"t_serial": ("tab:red", "-"), "t_compute": ("tab:green", "--"),
-                 "t_comm": ("tab:blue", "--"), "bound": ("black", ":")}
+_LEVEL_STYLES = {
+    "t_serial": ("tab:red", "-"),
+    "t_compute": ("tab:green", "--"),
+    "t_comm": ("tab:blue", "--"),
+    "bound": ("black", ":"),
+}
 
 
 def plot_panels(panels: Sequence[Panel], path: str, title: str) -> bool:

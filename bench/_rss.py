@@ -13,6 +13,7 @@ Freed memory that glibc keeps is still resident. To make RSS follow the tensors 
                      # mapping, unmapped at free (the threshold stops rising with freed blocks)
     settle()         # before reading VmRSS: gc.collect(), then malloc_trim(0) (free heap pages back)
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -8,6 +8,7 @@ The process's CPU time (all its threads, ended ones included) minus the calling 
 the block. On a machine where compute keeps every core busy, this is CPU time the compute could
 not have: the transfers' own cost to the cores, which no schedule hides.
 """
+
 from __future__ import annotations
 
 import time

@@ -14,6 +14,7 @@ all_reduce): the slowest rank decides how long a step of a tensor-parallel progr
 Each figure also comes with its minimum (per-rank minimum, then MAX over ranks): on a machine
 shared with other jobs the median carries their load, the minimum is the least disturbed call.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -31,7 +32,7 @@ MIN_ITERS = 5
 @dataclass(frozen=True)
 class Timing:
     median: float  # seconds: MAX over ranks of each rank's median
-    min: float     # seconds: MAX over ranks of each rank's fastest call
+    min: float  # seconds: MAX over ranks of each rank's fastest call
 
 
 @dataclass

@@ -12,6 +12,7 @@ so timed iterations run the unpatched hot path. What the hooks cannot see (the p
 of a reduce-scatter, copies) shows as gaps. Timestamps are CLOCK_MONOTONIC, shared by every
 process of the machine, so ranks line up without a clock exchange.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,13 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 COMPUTE, COMM, OP, DP, IN_FLIGHT = 0, 1, 2, 3, 4
-THREAD_NAMES = {COMPUTE: "compute", COMM: "communication", OP: "op", DP: "data-parallel sync",
-                IN_FLIGHT: "collectives in flight"}
+THREAD_NAMES = {
+    COMPUTE: "compute",
+    COMM: "communication",
+    OP: "op",
+    DP: "data-parallel sync",
+    IN_FLIGHT: "collectives in flight",
+}
 
 
 class Recorder:
@@ -48,8 +54,17 @@ class Recorder:
 
     def interval(self, name: str, tid: int, start: float, stop: float, **args: Any) -> None:
         """An event of times measured elsewhere (time.perf_counter seconds)."""
-        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": tid,
-                            "ts": start * 1e6, "dur": (stop - start) * 1e6, "args": args})
+        self.events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": tid,
+                "ts": start * 1e6,
+                "dur": (stop - start) * 1e6,
+                "args": args,
+            }
+        )
 
 
 class _LinearOnly:
@@ -105,11 +120,11 @@ def chrome_trace(events_by_rank: list[list[dict[str, Any]]], metadata: dict[str,
     origin = min((e["ts"] for e in flat), default=0.0)
     trace_events: list[dict[str, Any]] = []
     for rank, events in enumerate(events_by_rank):
-        trace_events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                             "args": {"name": f"rank {rank}"}})
+        trace_events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}}
+        )
         for tid, name in THREAD_NAMES.items():
-            trace_events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                                 "args": {"name": name}})
+            trace_events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}})
         for e in events:
             trace_events.append({**e, "ts": round(e["ts"] - origin, 3), "dur": round(e["dur"], 3)})
     return {"traceEvents": trace_events, "displayTimeUnit": "ms", "metadata": metadata}

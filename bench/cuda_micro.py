@@ -55,6 +55,7 @@ than running, which then shows). Where one call's inputs fit in L2, k input sets
                       points of that queue, against the same op on a second priority-0 stream
                       (and on an idle GPU); median and p90 over the trials.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,8 +102,8 @@ class Section:
     name: str
     tables: list[Table] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)  # section-level facts (paths, ranges, checks)
-    headline: str = ""                                   # one line for the final summary
-    error: Optional[str] = None                          # the traceback, when the section raised
+    headline: str = ""  # one line for the final summary
+    error: Optional[str] = None  # the traceback, when the section raised
     seconds: Optional[float] = None
 
     def table(self, title: str, columns: Sequence[str], notes: Sequence[str] = ()) -> Table:
@@ -118,18 +119,29 @@ class Report:
     sections: list[Section] = field(default_factory=list)
 
     def document(self) -> dict[str, Any]:
-        return {"meta": self.meta,
-                "sections": {s.name: {"error": s.error, "seconds": s.seconds, "headline": s.headline,
-                                      "info": s.info,
-                                      "tables": [{"title": t.title, "columns": t.columns, "rows": t.rows,
-                                                  "notes": t.notes} for t in s.tables]}
-                             for s in self.sections}}
+        return {
+            "meta": self.meta,
+            "sections": {
+                s.name: {
+                    "error": s.error,
+                    "seconds": s.seconds,
+                    "headline": s.headline,
+                    "info": s.info,
+                    "tables": [
+                        {"title": t.title, "columns": t.columns, "rows": t.rows, "notes": t.notes} for t in s.tables
+                    ],
+                }
+                for s in self.sections
+            },
+        }
 
     def write(self) -> None:
         """Rewrite DIR/cuda_micro.json and .md (each through a temporary file and a rename)."""
         os.makedirs(self.out_dir, exist_ok=True)
-        _write_atomic(os.path.join(self.out_dir, JSON_NAME),
-                      json.dumps(_jsonable(self.document()), indent=1, allow_nan=False) + "\n")
+        _write_atomic(
+            os.path.join(self.out_dir, JSON_NAME),
+            json.dumps(_jsonable(self.document()), indent=1, allow_nan=False) + "\n",
+        )
         _write_atomic(os.path.join(self.out_dir, MD_NAME), render_markdown_report(self))
 
 
@@ -143,7 +155,7 @@ class Ctx:
     l2_bytes: int
     report: Report
     ceilings: dict[str, float] = field(default_factory=dict)  # "h2d", "d2h": GB/s
-    deadline: float = math.inf                               # perf_counter() time
+    deadline: float = math.inf  # perf_counter() time
 
     def over_budget(self) -> bool:
         return time.perf_counter() > self.deadline
@@ -185,15 +197,19 @@ GEMM_NAMES = ("qkv", "attn_out", "gate_up", "down")
 def layer_gemms(model: Model, tp: int, tokens: int) -> list[Gemm]:
     """The four GEMMs of one transformer layer on one of tp ranks, T = tokens rows:
 
-        qkv      [T, h]      x [3h/tp, h]^T       attn_out [T, h/tp]   x [h, h/tp]^T
-        gate_up  [T, h]      x [2 ffn/tp, h]^T    down     [T, ffn/tp] x [h, ffn/tp]^T
+    qkv      [T, h]      x [3h/tp, h]^T       attn_out [T, h/tp]   x [h, h/tp]^T
+    gate_up  [T, h]      x [2 ffn/tp, h]^T    down     [T, ffn/tp] x [h, ffn/tp]^T
     """
     h, f = model.hidden, model.ffn
     for what, size in (("3 * hidden", 3 * h), ("hidden", h), ("2 * ffn", 2 * f), ("ffn", f)):
         if size % tp:
             raise ValueError(f"tp: {what} = {size} of {model.name} is not divisible by tp = {tp}")
-    return [Gemm("qkv", tokens, 3 * h // tp, h), Gemm("attn_out", tokens, h, h // tp),
-            Gemm("gate_up", tokens, 2 * f // tp, h), Gemm("down", tokens, h, f // tp)]
+    return [
+        Gemm("qkv", tokens, 3 * h // tp, h),
+        Gemm("attn_out", tokens, h, h // tp),
+        Gemm("gate_up", tokens, 2 * f // tp, h),
+        Gemm("down", tokens, h, f // tp),
+    ]
 
 
 def row_chunks(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -250,9 +266,15 @@ def summarize_by_chunks(rows: Sequence[Mapping[str, Any]], chunks: Sequence[int]
         if c == 1:
             continue
         values = [r[f"eff_c{c}"] for r in rows if isinstance(r.get(f"eff_c{c}"), (int, float))]
-        out.append({"chunks": c, "shapes": len(values),
-                    "geomean_eff": geomean(values) if values else None,
-                    "min_eff": min(values) if values else None, "max_eff": max(values) if values else None})
+        out.append(
+            {
+                "chunks": c,
+                "shapes": len(values),
+                "geomean_eff": geomean(values) if values else None,
+                "min_eff": min(values) if values else None,
+                "max_eff": max(values) if values else None,
+            }
+        )
     return out
 
 
@@ -292,11 +314,16 @@ def render_text(table: Table) -> str:
 
 def render_markdown(table: Table) -> str:
     """The table in GitHub markdown: '### title', header, |---| row, rows ('|' escaped), notes."""
+
     def cell(value: Any) -> str:
         return fmt(value).replace("|", "\\|")
 
-    lines = [f"### {table.title}", "", "| " + " | ".join(cell(c) for c in table.columns) + " |",
-             "|" + "|".join("---" for _ in table.columns) + "|"]
+    lines = [
+        f"### {table.title}",
+        "",
+        "| " + " | ".join(cell(c) for c in table.columns) + " |",
+        "|" + "|".join("---" for _ in table.columns) + "|",
+    ]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in table.columns) + " |" for row in table.rows]
     if table.notes:
         lines.append("")
@@ -344,15 +371,21 @@ def _write_atomic(path: str, text: str) -> None:
 # ---- timing -----------------------------------------------------------------------------------------
 
 
-def cuda_times(variants: Mapping[str, Callable[[int], object]], *, sets: int = 1, warmup: int = 2,
-               reps: int = 10, issue: Optional[dict[str, float]] = None) -> dict[str, float]:
+def cuda_times(
+    variants: Mapping[str, Callable[[int], object]],
+    *,
+    sets: int = 1,
+    warmup: int = 2,
+    reps: int = 10,
+    issue: Optional[dict[str, float]] = None,
+) -> dict[str, float]:
     """Median seconds per call of each variant, from CUDA events around each call.
 
-        warmup rounds of every variant, then reps rounds, round-robin (a, b, a, b, ...);
-        call k (counted over all variants) gets k % sets, the input set to read;
-        no host synchronisation between calls, one at the end
-        issue: if given, gets each variant's median host seconds to issue one call (when that
-        is close to the event time, the GPU waited for the host: the call is host-bound)
+    warmup rounds of every variant, then reps rounds, round-robin (a, b, a, b, ...);
+    call k (counted over all variants) gets k % sets, the input set to read;
+    no host synchronisation between calls, one at the end
+    issue: if given, gets each variant's median host seconds to issue one call (when that
+    is close to the event time, the GPU waited for the host: the call is host-bound)
     """
     names = list(variants)
     k = 0
@@ -432,10 +465,14 @@ def _ceilings(ctx: Ctx, section: Section) -> None:
     copy_bytes = 16 * MIB if quick else 2 * GIB
     n = 512 if quick else 8192
     pinned_bytes = 4 * MIB if quick else 256 * MIB
-    table = section.table("ceilings: one GPU's peaks (median of CUDA-event timed calls)",
-                          ["measure", "size", "t_ms", "rate", "unit"],
-                          ["d2d copy: GB/s counts the bytes read plus the bytes written (2x the size)",
-                           "matmul: torch.mm bf16, 2 n^3 flops; pinned copies: copy_(non_blocking=True)"])
+    table = section.table(
+        "ceilings: one GPU's peaks (median of CUDA-event timed calls)",
+        ["measure", "size", "t_ms", "rate", "unit"],
+        [
+            "d2d copy: GB/s counts the bytes read plus the bytes written (2x the size)",
+            "matmul: torch.mm bf16, 2 n^3 flops; pinned copies: copy_(non_blocking=True)",
+        ],
+    )
 
     # F821 on the lambdas below is a false positive: they are called before the `del` of their names
     a, b = _rand((n, n), torch.bfloat16, dev), _rand((n, n), torch.bfloat16, dev)
@@ -446,29 +483,58 @@ def _ceilings(ctx: Ctx, section: Section) -> None:
     dst = torch.empty_like(src)
     t = cuda_times({"d2d": lambda k: dst.copy_(src)}, warmup=warmup, reps=reps)["d2d"]  # noqa: F821
     ctx.ceilings["d2d"] = 2 * copy_bytes / t / 1e9
-    table.rows.append({"measure": "d2d copy", "size": size_label(copy_bytes), "t_ms": t * 1e3,
-                       "rate": ctx.ceilings["d2d"], "unit": "GB/s"})
+    table.rows.append(
+        {
+            "measure": "d2d copy",
+            "size": size_label(copy_bytes),
+            "t_ms": t * 1e3,
+            "rate": ctx.ceilings["d2d"],
+            "unit": "GB/s",
+        }
+    )
     del src, dst
 
     t = cuda_times({"mm": lambda k: torch.mm(a, b, out=c)}, warmup=warmup, reps=reps)["mm"]  # noqa: F821
-    ctx.ceilings["bf16_tflops"] = 2 * n ** 3 / t / 1e12
-    table.rows.append({"measure": "bf16 matmul", "size": f"{n}^3", "t_ms": t * 1e3,
-                       "rate": ctx.ceilings["bf16_tflops"], "unit": "TFLOP/s"})
+    ctx.ceilings["bf16_tflops"] = 2 * n**3 / t / 1e12
+    table.rows.append(
+        {
+            "measure": "bf16 matmul",
+            "size": f"{n}^3",
+            "t_ms": t * 1e3,
+            "rate": ctx.ceilings["bf16_tflops"],
+            "unit": "TFLOP/s",
+        }
+    )
     del a, b, c
 
     device_buf = torch.randint(0, 256, (pinned_bytes,), dtype=torch.uint8, device=dev)
     host_buf = torch.empty(pinned_bytes, dtype=torch.uint8, pin_memory=True)
     host_buf.copy_(device_buf)
     section.info["host_buffer_pinned"] = host_buf.is_pinned()
-    times = cuda_times({"h2d": lambda k: device_buf.copy_(host_buf, non_blocking=True),
-                        "d2h": lambda k: host_buf.copy_(device_buf, non_blocking=True)}, warmup=warmup, reps=reps)
+    times = cuda_times(
+        {
+            "h2d": lambda k: device_buf.copy_(host_buf, non_blocking=True),
+            "d2h": lambda k: host_buf.copy_(device_buf, non_blocking=True),
+        },
+        warmup=warmup,
+        reps=reps,
+    )
     for name in ("h2d", "d2h"):
         ctx.ceilings[name] = pinned_bytes / times[name] / 1e9
-        table.rows.append({"measure": f"pinned {name}", "size": size_label(pinned_bytes),
-                           "t_ms": times[name] * 1e3, "rate": ctx.ceilings[name], "unit": "GB/s"})
+        table.rows.append(
+            {
+                "measure": f"pinned {name}",
+                "size": size_label(pinned_bytes),
+                "t_ms": times[name] * 1e3,
+                "rate": ctx.ceilings[name],
+                "unit": "GB/s",
+            }
+        )
     section.info["ceilings"] = dict(ctx.ceilings)
-    section.headline = ("ceilings: d2d {d2d:.0f} GB/s, bf16 mm {bf16_tflops:.0f} TFLOP/s, pinned h2d {h2d:.1f} / "
-                        "d2h {d2h:.1f} GB/s".format(**ctx.ceilings))
+    section.headline = (
+        "ceilings: d2d {d2d:.0f} GB/s, bf16 mm {bf16_tflops:.0f} TFLOP/s, pinned h2d {h2d:.1f} / "
+        "d2h {d2h:.1f} GB/s".format(**ctx.ceilings)
+    )
 
 
 # ---- section 2: chunked_gemm ------------------------------------------------------------------------
@@ -489,8 +555,9 @@ def _matmul_into_slices(device: torch.device) -> Callable[..., torch.Tensor]:
     raise RuntimeError("neither torch.matmul nor torch.mm writes into a row slice given as out=")
 
 
-def _chunked_variant(mm: Callable[..., torch.Tensor], sets: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                     chunks: int) -> Callable[[int], None]:
+def _chunked_variant(
+    mm: Callable[..., torch.Tensor], sets: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], chunks: int
+) -> Callable[[int], None]:
     """fn(k): y = x @ w.T of input set k % len(sets), computed in `chunks` row chunks, each into
     its own rows of y."""
     rows = sets[0][0].shape[0]
@@ -519,10 +586,13 @@ def _chunked_gemm(ctx: Ctx, section: Section) -> None:
     per_gemm = section.table(
         "chunked_gemm: per GEMM, bf16, t_c1 = one unchunked GEMM; eff_cN = t_c1 / t(N row chunks)",
         ["model", "tp", "T", "gemm", "M", "N", "K", "t_c1_ms", "tflops_c1", *eff_cols, "rel_err", "host_bound"],
-        ["rel_err: max over N of ||y_N - y_1|| / ||y_1|| (chunked vs one GEMM; y filled with NaN first)",
-         f"host_bound: the chunk counts whose host time to issue the calls was >= {HOST_BOUND} x their GPU time "
-         "(the GPU waited for Python: eager launch overhead, not the GEMMs)",
-         "times: median of CUDA-event timed calls, variants round-robin; small shapes rotate input sets (L2)"])
+        [
+            "rel_err: max over N of ||y_N - y_1|| / ||y_1|| (chunked vs one GEMM; y filled with NaN first)",
+            f"host_bound: the chunk counts whose host time to issue the calls was >= {HOST_BOUND} x their GPU time "
+            "(the GPU waited for Python: eager launch overhead, not the GEMMs)",
+            "times: median of CUDA-event timed calls, variants round-robin; small shapes rotate input sets (L2)",
+        ],
+    )
     cases = [(m, tp, T, g) for m in models for tp in tps for T in token_counts for g in layer_gemms(m, tp, T)]
     done = 0
     for model, tp, T, gemm in cases:
@@ -531,8 +601,14 @@ def _chunked_gemm(ctx: Ctx, section: Section) -> None:
             break
         set_bytes = 2 * (gemm.M * gemm.K + gemm.N * gemm.K + gemm.M * gemm.N)
         n_sets = rotation_sets(set_bytes, ctx.l2_bytes)
-        sets = [(_rand((gemm.M, gemm.K), torch.bfloat16, dev), _rand((gemm.N, gemm.K), torch.bfloat16, dev),
-                 torch.empty((gemm.M, gemm.N), dtype=torch.bfloat16, device=dev)) for _ in range(n_sets)]
+        sets = [
+            (
+                _rand((gemm.M, gemm.K), torch.bfloat16, dev),
+                _rand((gemm.N, gemm.K), torch.bfloat16, dev),
+                torch.empty((gemm.M, gemm.N), dtype=torch.bfloat16, device=dev),
+            )
+            for _ in range(n_sets)
+        ]
         variants = {c: _chunked_variant(mm, sets, c) for c in chunk_counts}
         x0, w0, y0 = sets[0]
         ref = torch.mm(x0, w0.t())
@@ -546,17 +622,31 @@ def _chunked_gemm(ctx: Ctx, section: Section) -> None:
                 break
         del ref
         issue: dict[str, float] = {}
-        times = cuda_times({f"c{c}": v for c, v in variants.items()}, sets=n_sets, warmup=warmup, reps=reps,
-                           issue=issue)
+        times = cuda_times(
+            {f"c{c}": v for c, v in variants.items()}, sets=n_sets, warmup=warmup, reps=reps, issue=issue
+        )
         by_c = {c: times[f"c{c}"] for c in chunk_counts}
         eff = efficiencies(by_c)
         host_bound = [c for c in chunk_counts if issue[f"c{c}"] >= HOST_BOUND * by_c[c]]
-        per_gemm.rows.append({"model": model.name, "tp": tp, "T": T, "gemm": gemm.name, "M": gemm.M, "N": gemm.N,
-                              "K": gemm.K, "t_c1_ms": by_c[1] * 1e3, "tflops_c1": gemm.flops / by_c[1] / 1e12,
-                              **{f"eff_c{c}": eff[c] for c in chunk_counts if c > 1}, "rel_err": err,
-                              "host_bound": ",".join(map(str, host_bound)) or "-", "sets": n_sets,
-                              "t_ms": {str(c): t * 1e3 for c, t in by_c.items()},
-                              "issue_ms": {str(c): issue[f"c{c}"] * 1e3 for c in chunk_counts}})
+        per_gemm.rows.append(
+            {
+                "model": model.name,
+                "tp": tp,
+                "T": T,
+                "gemm": gemm.name,
+                "M": gemm.M,
+                "N": gemm.N,
+                "K": gemm.K,
+                "t_c1_ms": by_c[1] * 1e3,
+                "tflops_c1": gemm.flops / by_c[1] / 1e12,
+                **{f"eff_c{c}": eff[c] for c in chunk_counts if c > 1},
+                "rel_err": err,
+                "host_bound": ",".join(map(str, host_bound)) or "-",
+                "sets": n_sets,
+                "t_ms": {str(c): t * 1e3 for c, t in by_c.items()},
+                "issue_ms": {str(c): issue[f"c{c}"] * 1e3 for c in chunk_counts},
+            }
+        )
         del sets, variants, x0, w0, y0
         done += 1
         if done % 8 == 0:
@@ -564,7 +654,8 @@ def _chunked_gemm(ctx: Ctx, section: Section) -> None:
 
     layers = section.table(
         "chunked_gemm: per layer = sum of its 4 GEMMs' medians; eff_cN = t_c1 / t(N chunks)",
-        ["model", "tp", "T", "t_c1_ms", *eff_cols])
+        ["model", "tp", "T", "t_c1_ms", *eff_cols],
+    )
     for model in models:
         for tp in tps:
             for T in token_counts:
@@ -573,14 +664,24 @@ def _chunked_gemm(ctx: Ctx, section: Section) -> None:
                     continue
                 total = {c: sum(r["t_ms"][str(c)] for r in rows) for c in chunk_counts}
                 eff = efficiencies(total)
-                layers.rows.append({"model": model.name, "tp": tp, "T": T, "t_c1_ms": total[1],
-                                    **{f"eff_c{c}": eff[c] for c in chunk_counts if c > 1},
-                                    "t_ms": {str(c): t for c, t in total.items()}})
-    summary = section.table("chunked_gemm: summary over all GEMM shapes, per chunk count",
-                            ["chunks", "shapes", "geomean_eff", "min_eff", "max_eff"])
+                layers.rows.append(
+                    {
+                        "model": model.name,
+                        "tp": tp,
+                        "T": T,
+                        "t_c1_ms": total[1],
+                        **{f"eff_c{c}": eff[c] for c in chunk_counts if c > 1},
+                        "t_ms": {str(c): t for c, t in total.items()},
+                    }
+                )
+    summary = section.table(
+        "chunked_gemm: summary over all GEMM shapes, per chunk count",
+        ["chunks", "shapes", "geomean_eff", "min_eff", "max_eff"],
+    )
     summary.rows.extend(summarize_by_chunks(per_gemm.rows, chunk_counts))
     section.headline = "chunked_gemm geomean efficiency: " + ", ".join(
-        f"c={r['chunks']} {fmt(r['geomean_eff'])}" for r in summary.rows)
+        f"c={r['chunks']} {fmt(r['geomean_eff'])}" for r in summary.rows
+    )
 
 
 # ---- section 3: triton_vs_cublas --------------------------------------------------------------------
@@ -611,6 +712,7 @@ def kernel_cases(model: Model, tps: Sequence[int], tokens: int, fp16: bool) -> l
 def _best_config() -> Optional[str]:
     try:
         from oases_kernels._gemm import _gemm_kernel_tuned
+
         best = getattr(_gemm_kernel_tuned, "best_config", None)
         return None if best is None else str(best)
     except Exception:  # a private attribute: report nothing rather than fail the case
@@ -622,11 +724,11 @@ def _triton_case(case: KernelCase, device: torch.device, warmup: int, reps: int,
 
     g, dt = case.gemm, case.dtype
     x = _rand((g.M, g.K), dt, device)
-    w = _rand((g.N, g.K), dt, device, scale=g.K ** -0.5)
+    w = _rand((g.N, g.K), dt, device, scale=g.K**-0.5)
     r = min(ref_rows, g.M)
     if case.kernel == "linear_into":
         out = torch.empty((2 * g.M, g.N), dtype=dt, device=device)  # rows [M, 2M) are written
-        rows = out[g.M:]
+        rows = out[g.M :]
 
         def triton_fn(k: int) -> object:
             return oases_kernels.linear_into(x, w, out, g.M)
@@ -667,12 +769,26 @@ def _triton_case(case: KernelCase, device: torch.device, warmup: int, reps: int,
     err_torch = _rel_err(rows[:r], ref)
     times = cuda_times({"triton": triton_fn, **peers}, warmup=warmup, reps=reps)
     addmm = times.get("addmm")
-    return {"kernel": case.kernel, "dtype": str(dt).replace("torch.", ""), "tp": case.tp, "gemm": g.name,
-            "M": g.M, "N": g.N, "K": g.K, "warmup_s": warmup_s, "triton_ms": times["triton"] * 1e3,
-            "torch_ms": times["torch"] * 1e3, "ratio": times["torch"] / times["triton"],
-            "addmm_ms": addmm * 1e3 if addmm else None, "ratio_addmm": addmm / times["triton"] if addmm else None,
-            "triton_tflops": g.flops / times["triton"] / 1e12, "torch_tflops": g.flops / times["torch"] / 1e12,
-            "err_triton": err_triton, "err_torch": err_torch, "best_config": best}
+    return {
+        "kernel": case.kernel,
+        "dtype": str(dt).replace("torch.", ""),
+        "tp": case.tp,
+        "gemm": g.name,
+        "M": g.M,
+        "N": g.N,
+        "K": g.K,
+        "warmup_s": warmup_s,
+        "triton_ms": times["triton"] * 1e3,
+        "torch_ms": times["torch"] * 1e3,
+        "ratio": times["torch"] / times["triton"],
+        "addmm_ms": addmm * 1e3 if addmm else None,
+        "ratio_addmm": addmm / times["triton"] if addmm else None,
+        "triton_tflops": g.flops / times["triton"] / 1e12,
+        "torch_tflops": g.flops / times["torch"] / 1e12,
+        "err_triton": err_triton,
+        "err_torch": err_torch,
+        "best_config": best,
+    }
 
 
 def _triton_vs_cublas(ctx: Ctx, section: Section) -> None:
@@ -688,15 +804,33 @@ def _triton_vs_cublas(ctx: Ctx, section: Section) -> None:
     table = section.table(
         f"triton_vs_cublas: oases_kernels vs torch, {model.name}, T = {tokens}; ratio = t_torch / t_triton "
         "(target >= 0.9)",
-        ["kernel", "dtype", "tp", "gemm", "M", "N", "K", "warmup_s", "triton_ms", "torch_ms", "ratio",
-         "ratio_addmm", "triton_tflops", "err_triton", "err_torch"],
-        ["linear_into: out[M:2M] of a (2M, N) buffer; peer torch.matmul(x, w.t(), out=out[M:2M])",
-         "linear_accumulate: acc fp32, out in x's dtype; peer torch.add(acc, torch.mm(x, w.t()), out=out) "
-         "(two kernels and a temporary: what the fused epilogue saves); ratio_addmm = t / t_triton of "
-         "torch.addmm(acc.to(x.dtype), x, w.t(), out=out), one cuBLAS call but acc rounded to x's dtype",
-         "warmup_s: the first call, timed on the host: autotuning over the kernel's configs; the first case "
-         "of each kernel and dtype also compiles them",
-         "err_*: ||out - ref|| / ||ref|| over the first 256 rows, ref in float64 on the GPU"])
+        [
+            "kernel",
+            "dtype",
+            "tp",
+            "gemm",
+            "M",
+            "N",
+            "K",
+            "warmup_s",
+            "triton_ms",
+            "torch_ms",
+            "ratio",
+            "ratio_addmm",
+            "triton_tflops",
+            "err_triton",
+            "err_torch",
+        ],
+        [
+            "linear_into: out[M:2M] of a (2M, N) buffer; peer torch.matmul(x, w.t(), out=out[M:2M])",
+            "linear_accumulate: acc fp32, out in x's dtype; peer torch.add(acc, torch.mm(x, w.t()), out=out) "
+            "(two kernels and a temporary: what the fused epilogue saves); ratio_addmm = t / t_triton of "
+            "torch.addmm(acc.to(x.dtype), x, w.t(), out=out), one cuBLAS call but acc rounded to x's dtype",
+            "warmup_s: the first call, timed on the host: autotuning over the kernel's configs; the first case "
+            "of each kernel and dtype also compiles them",
+            "err_*: ||out - ref|| / ||ref|| over the first 256 rows, ref in float64 on the GPU",
+        ],
+    )
     for i, case in enumerate(cases):
         if ctx.over_budget():
             table.notes.append(f"stopped by the time budget after {i} of {len(cases)} cases")
@@ -707,8 +841,15 @@ def _triton_vs_cublas(ctx: Ctx, section: Section) -> None:
             err = traceback.format_exc()
             print(err, file=sys.stderr, flush=True)
             last = err.strip().splitlines()[-1]
-            table.rows.append({"kernel": case.kernel, "dtype": str(case.dtype).replace("torch.", ""), "tp": case.tp,
-                               "gemm": case.gemm.name, "error": last})
+            table.rows.append(
+                {
+                    "kernel": case.kernel,
+                    "dtype": str(case.dtype).replace("torch.", ""),
+                    "tp": case.tp,
+                    "gemm": case.gemm.name,
+                    "error": last,
+                }
+            )
             table.notes.append(f"FAILED {case.kernel} {case.gemm.name} tp {case.tp}: {last}")
             section.info.setdefault("case_errors", []).append(err)
         gc.collect()
@@ -716,8 +857,10 @@ def _triton_vs_cublas(ctx: Ctx, section: Section) -> None:
         ctx.save()
     ratios = [r["ratio"] for r in table.rows if "ratio" in r]
     if ratios:
-        section.headline = (f"triton_vs_cublas: ratio t_torch/t_triton min {min(ratios):.3f}, median "
-                            f"{statistics.median(ratios):.3f}, max {max(ratios):.3f} over {len(ratios)} cases")
+        section.headline = (
+            f"triton_vs_cublas: ratio t_torch/t_triton min {min(ratios):.3f}, median "
+            f"{statistics.median(ratios):.3f}, max {max(ratios):.3f} over {len(ratios)} cases"
+        )
     if section.info.get("case_errors"):
         raise RuntimeError(f"{len(section.info['case_errors'])} case(s) failed; tracebacks in info.case_errors")
 
@@ -745,20 +888,28 @@ def _batched_copies(ctx: Ctx, section: Section) -> None:
     combos = copy_combos(counts, sizes, max_total)
     capacity = max(n * s for n, s in combos)
     engine = offload.CopyEngine(dev)
-    slab = offload.HostSlab(capacity)                                  # the engine's pinned slab
+    slab = offload.HostSlab(capacity)  # the engine's pinned slab
     pinned = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)  # per-tensor copy_ targets
-    section.info.update({"engine_path": engine.path, "slab_pinned": slab.buffer.is_pinned(),
-                         "skipped_over_bytes": max_total,
-                         "skipped": [f"{n} x {size_label(s)}" for s in sizes for n in counts if n * s > max_total]})
+    section.info.update(
+        {
+            "engine_path": engine.path,
+            "slab_pinned": slab.buffer.is_pinned(),
+            "skipped_over_bytes": max_total,
+            "skipped": [f"{n} x {size_label(s)}" for s in sizes for n in counts if n * s > max_total],
+        }
+    )
     table = section.table(
         f"batched_copies: n fp32 tensors, one batch, host-timed (sync .. sync), GB/s = n size / t; engine path "
         f"{engine.path}",
         ["dir", "n", "size", "total", "engine_GBps", "to_GBps", "copy_GBps", "x_to", "x_copy", "of_ceiling"],
-        ["engine: CopyEngine.copy_out(ts, slab, offsets).wait() / copy_in(slab, offsets, specs) + wait()",
-         "to: [t.to('cpu' | device, non_blocking=True) for t in ts]; copy: [h.copy_(t, non_blocking=True)] into "
-         "preallocated pinned (D2H) or device (H2D) tensors",
-         "x_to, x_copy = t_peer / t_engine (> 1: the engine is faster); of_ceiling = engine GB/s / pinned "
-         "ceiling of section ceilings"])
+        [
+            "engine: CopyEngine.copy_out(ts, slab, offsets).wait() / copy_in(slab, offsets, specs) + wait()",
+            "to: [t.to('cpu' | device, non_blocking=True) for t in ts]; copy: [h.copy_(t, non_blocking=True)] into "
+            "preallocated pinned (D2H) or device (H2D) tensors",
+            "x_to, x_copy = t_peer / t_engine (> 1: the engine is faster); of_ceiling = engine GB/s / pinned "
+            "ceiling of section ceilings",
+        ],
+    )
     checked = False
     for size in sizes:
         fitting = [n for n, s in combos if s == size]
@@ -769,7 +920,7 @@ def _batched_copies(ctx: Ctx, section: Section) -> None:
             break
         numel = size // 4
         tensors = [_rand((numel,), torch.float32, dev) for _ in range(max(fitting))]
-        hosts = [pinned[i * size:(i + 1) * size].view(torch.float32) for i in range(max(fitting))]
+        hosts = [pinned[i * size : (i + 1) * size].view(torch.float32) for i in range(max(fitting))]
         for n in fitting:
             ts, hs = tensors[:n], hosts[:n]
             offsets = [i * size for i in range(n)]
@@ -783,39 +934,56 @@ def _batched_copies(ctx: Ctx, section: Section) -> None:
                 torch.cuda.synchronize()
                 to_host = ts[0].to("cpu", non_blocking=True)
                 torch.cuda.synchronize()
-                section.info["roundtrip_exact"] = (all(torch.equal(a, b) for a, b in zip(back, ts))
-                                                   and all(torch.equal(h, t.cpu()) for h, t in zip(hs, ts)))
+                section.info["roundtrip_exact"] = all(torch.equal(a, b) for a, b in zip(back, ts)) and all(
+                    torch.equal(h, t.cpu()) for h, t in zip(hs, ts)
+                )
                 section.info["to_cpu_non_blocking_is_pinned"] = to_host.is_pinned()
                 if not section.info["roundtrip_exact"]:
                     raise AssertionError("batched_copies: a copy path did not give the tensors back bit for bit")
                 checked = True
-            d2h = host_times({
-                "engine": lambda: engine.copy_out(ts, slab.buffer, offsets).wait(),
-                "to": lambda: [t.to("cpu", non_blocking=True) for t in ts],
-                "copy": lambda: [h.copy_(t, non_blocking=True) for h, t in zip(hs, ts)],
-            }, warmup=warmup, reps=reps)
+            d2h = host_times(
+                {
+                    "engine": lambda: engine.copy_out(ts, slab.buffer, offsets).wait(),
+                    "to": lambda: [t.to("cpu", non_blocking=True) for t in ts],
+                    "copy": lambda: [h.copy_(t, non_blocking=True) for h, t in zip(hs, ts)],
+                },
+                warmup=warmup,
+                reps=reps,
+            )
 
             def engine_in() -> list[torch.Tensor]:
                 outs, event = engine.copy_in(slab.buffer, offsets, specs)
                 event.wait()
                 return outs
 
-            h2d = host_times({
-                "engine": engine_in,
-                "to": lambda: [h.to(dev, non_blocking=True) for h in hs],
-                "copy": lambda: [t.copy_(h, non_blocking=True) for t, h in zip(ts, hs)],
-            }, warmup=warmup, reps=reps)
+            h2d = host_times(
+                {
+                    "engine": engine_in,
+                    "to": lambda: [h.to(dev, non_blocking=True) for h in hs],
+                    "copy": lambda: [t.copy_(h, non_blocking=True) for t, h in zip(ts, hs)],
+                },
+                warmup=warmup,
+                reps=reps,
+            )
             for direction, times in (("d2h", d2h), ("h2d", h2d)):
                 total = n * size
                 ceiling = ctx.ceilings.get(direction)
                 engine_gbps = total / times["engine"] / 1e9
-                table.rows.append({
-                    "dir": direction, "n": n, "size": size_label(size), "total": size_label(total),
-                    "engine_GBps": engine_gbps, "to_GBps": total / times["to"] / 1e9,
-                    "copy_GBps": total / times["copy"] / 1e9, "x_to": times["to"] / times["engine"],
-                    "x_copy": times["copy"] / times["engine"],
-                    "of_ceiling": engine_gbps / ceiling if ceiling else None,
-                    "t_ms": {k: v * 1e3 for k, v in times.items()}})
+                table.rows.append(
+                    {
+                        "dir": direction,
+                        "n": n,
+                        "size": size_label(size),
+                        "total": size_label(total),
+                        "engine_GBps": engine_gbps,
+                        "to_GBps": total / times["to"] / 1e9,
+                        "copy_GBps": total / times["copy"] / 1e9,
+                        "x_to": times["to"] / times["engine"],
+                        "x_copy": times["copy"] / times["engine"],
+                        "of_ceiling": engine_gbps / ceiling if ceiling else None,
+                        "t_ms": {k: v * 1e3 for k, v in times.items()},
+                    }
+                )
         del tensors, hosts
         torch.cuda.empty_cache()
         ctx.save()
@@ -823,9 +991,11 @@ def _batched_copies(ctx: Ctx, section: Section) -> None:
     engine.close()
     x_copy = [r["x_copy"] for r in table.rows]
     if x_copy:
-        section.headline = (f"batched_copies ({engine.path} path): engine vs per-tensor copy_ x{min(x_copy):.2f} .. "
-                            f"x{max(x_copy):.2f}; best of ceiling "
-                            f"{fmt(max((r['of_ceiling'] or 0.0) for r in table.rows))}")
+        section.headline = (
+            f"batched_copies ({engine.path} path): engine vs per-tensor copy_ x{min(x_copy):.2f} .. "
+            f"x{max(x_copy):.2f}; best of ceiling "
+            f"{fmt(max((r['of_ceiling'] or 0.0) for r in table.rows))}"
+        )
 
 
 # ---- section 5: stream_priority ---------------------------------------------------------------------
@@ -855,14 +1025,23 @@ def _stream_priority(ctx: Ctx, section: Section) -> None:
     c = torch.empty((n, n), dtype=torch.bfloat16, device=dev)
     t_gemm = cuda_times({"mm": lambda k: torch.mm(a, b, out=c)}, warmup=2, reps=3)["mm"]
     gemms = max(1, min(2000, round(fill_s / t_gemm)))
-    section.info.update({"gemm": f"bf16 {n}^3", "gemm_ms": t_gemm * 1e3, "gemms_per_fill": gemms,
-                         "fill_ms": gemms * t_gemm * 1e3, "trials": trials})
+    section.info.update(
+        {
+            "gemm": f"bf16 {n}^3",
+            "gemm_ms": t_gemm * 1e3,
+            "gemms_per_fill": gemms,
+            "fill_ms": gemms * t_gemm * 1e3,
+            "trials": trials,
+        }
+    )
     x, y, z = (_rand((1024,), torch.float32, dev) for _ in range(3))
     host = torch.empty(64 * KIB, dtype=torch.uint8, pin_memory=True)
     host.copy_(torch.randint(0, 256, (64 * KIB,), dtype=torch.uint8, device=dev))
     dst = torch.empty(64 * KIB, dtype=torch.uint8, device=dev)
-    ops: dict[str, Callable[[], object]] = {"add_1024": lambda: torch.add(x, y, out=z),
-                                            "h2d_64KiB": lambda: dst.copy_(host, non_blocking=True)}
+    ops: dict[str, Callable[[], object]] = {
+        "add_1024": lambda: torch.add(x, y, out=z),
+        "h2d_64KiB": lambda: dst.copy_(host, non_blocking=True),
+    }
     rng = random.Random(0)
 
     def latency(op: Callable[[], object], stream: Any, busy: bool, delay_s: float) -> tuple[float, bool]:
@@ -891,10 +1070,13 @@ def _stream_priority(ctx: Ctx, section: Section) -> None:
         f"stream_priority: small op latency (issue -> done, host clock) while a priority-0 stream runs "
         f"{gemms} x bf16 {n}^3 GEMMs (~{gemms * t_gemm * 1e3:.0f} ms)",
         ["op", "stream", "priority", "median_us", "p90_us", "vs_high", "trials", "bg_busy"],
-        ["high: torch.cuda.Stream(priority=-1); normal: a second priority-0 stream; idle: no background work",
-         "the op is issued at a random point (5%..70%) of the GEMM queue; bg_busy: share of trials in which "
-         "the GEMMs were still running when the op completed",
-         "vs_high = this median / the high-priority stream's median"])
+        [
+            "high: torch.cuda.Stream(priority=-1); normal: a second priority-0 stream; idle: no background work",
+            "the op is issued at a random point (5%..70%) of the GEMM queue; bg_busy: share of trials in which "
+            "the GEMMs were still running when the op completed",
+            "vs_high = this median / the high-priority stream's median",
+        ],
+    )
     for op_name, op in ops.items():
         if ctx.over_budget():
             table.notes.append(f"stopped by the time budget before {op_name}")
@@ -913,16 +1095,24 @@ def _stream_priority(ctx: Ctx, section: Section) -> None:
         high_median = statistics.median(samples["high"])
         for kind, values in samples.items():
             median = statistics.median(values)
-            table.rows.append({"op": op_name, "stream": kind,
-                               "priority": streams["normal" if kind == "normal" else "high"].priority,
-                               "median_us": median * 1e6, "p90_us": percentile(values, 90) * 1e6,
-                               "vs_high": median / high_median, "trials": len(values),
-                               "bg_busy": busy_counts[kind] / len(values) if kind in busy_counts else None,
-                               "samples_us": [v * 1e6 for v in values]})
+            table.rows.append(
+                {
+                    "op": op_name,
+                    "stream": kind,
+                    "priority": streams["normal" if kind == "normal" else "high"].priority,
+                    "median_us": median * 1e6,
+                    "p90_us": percentile(values, 90) * 1e6,
+                    "vs_high": median / high_median,
+                    "trials": len(values),
+                    "bg_busy": busy_counts[kind] / len(values) if kind in busy_counts else None,
+                    "samples_us": [v * 1e6 for v in values],
+                }
+            )
     ratios = {r["op"]: r["vs_high"] for r in table.rows if r["stream"] == "normal"}
     if ratios:
         section.headline = "stream_priority: normal / high median latency " + ", ".join(
-            f"{op} x{v:.1f}" for op, v in ratios.items())
+            f"{op} x{v:.1f}" for op, v in ratios.items()
+        )
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -937,27 +1127,43 @@ SECTIONS: dict[str, Callable[[Ctx, Section], None]] = {
 }
 # Soft budgets in seconds (checked between cases; a case that started runs to its end).
 # Expected on an H100/H200: ~2, ~5, ~35 (mostly compiling and autotuning), ~6 and ~5 s.
-BUDGETS: dict[str, float] = {"ceilings": 10, "chunked_gemm": 20, "triton_vs_cublas": 45,
-                             "batched_copies": 15, "stream_priority": 12}
+BUDGETS: dict[str, float] = {
+    "ceilings": 10,
+    "chunked_gemm": 20,
+    "triton_vs_cublas": 45,
+    "batched_copies": 15,
+    "stream_priority": 12,
+}
 
 
 def _meta(device: torch.device, quick: bool) -> dict[str, Any]:
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-                "quick": quick, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "triton_interpret": os.environ.get("TRITON_INTERPRET")}  # set: Triton runs on the CPU
+    versions = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "quick": quick,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET"),
+    }  # set: Triton runs on the CPU
     try:
         props = torch.cuda.get_device_properties(device)
     except Exception as err:  # reported; the sections will say what else fails
         return {"gpu": f"properties unavailable: {err}", "l2_bytes": None, **versions}
     try:
         import triton
+
         triton_version: Optional[str] = triton.__version__
     except Exception as err:  # reported, not fatal: only section triton_vs_cublas needs it
         triton_version = f"not importable: {err}"
-    return {"gpu": props.name, "capability": f"{props.major}.{props.minor}",
-            "sm_count": getattr(props, "multi_processor_count", None),
-            "memory_gib": round(props.total_memory / GIB, 1),
-            "l2_bytes": getattr(props, "L2_cache_size", None), "triton": triton_version, **versions}
+    return {
+        "gpu": props.name,
+        "capability": f"{props.major}.{props.minor}",
+        "sm_count": getattr(props, "multi_processor_count", None),
+        "memory_gib": round(props.total_memory / GIB, 1),
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "triton": triton_version,
+        **versions,
+    }
 
 
 def _start_watchdog(seconds: float) -> bool:
@@ -984,15 +1190,27 @@ def _cleanup() -> None:
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.cuda_micro", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                        help=f"where to write {JSON_NAME} and {MD_NAME} (default: bench/results)")
+    parser.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="DIR",
+        help=f"where to write {JSON_NAME} and {MD_NAME} (default: bench/results)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 1-2 iterations (a smoke test)")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
-    parser.add_argument("--watchdog", type=float, default=300.0,
-                        help="dump every stack and exit after this many seconds (default 300; 0: off)")
-    parser.add_argument("--no-plots", action="store_true",
-                        help="leave out the PNGs (python -m bench.cuda_plots makes them from the JSON later)")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)"
+    )
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        default=300.0,
+        help="dump every stack and exit after this many seconds (default 300; 0: off)",
+    )
+    parser.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="leave out the PNGs (python -m bench.cuda_plots makes them from the JSON later)",
+    )
     args = parser.parse_args(argv)
     names = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in names if s not in SECTIONS]
@@ -1006,8 +1224,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the sections; 0 when every one succeeded, 1 when some failed, 2 without a GPU."""
     args = _parse(argv)
     if not torch.cuda.is_available():
-        print("cuda_micro: no CUDA GPU (torch.cuda.is_available() is False); nothing measured",
-              file=sys.stderr, flush=True)
+        print(
+            "cuda_micro: no CUDA GPU (torch.cuda.is_available() is False); nothing measured",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_NO_GPU
     watchdog = _start_watchdog(args.watchdog)
     device = torch.device("cuda", 0)

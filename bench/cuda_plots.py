@@ -8,6 +8,7 @@
 
 A section missing from the file (or failed) is skipped. Needs matplotlib; no GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,11 @@ def plot_batched_copies(results: Mapping[str, Any], path: str) -> bool:
     ceilings = (results["sections"].get("ceilings", {}).get("info", {}) or {}).get("ceilings", {})
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11.5, 4.4), squeeze=False)
-    styles = {"engine_GBps": ("CopyEngine (one call)", "tab:red"), "to_GBps": ("per tensor .to()", "tab:blue"),
-              "copy_GBps": ("per tensor copy_ into preallocated", "tab:green")}
+    styles = {
+        "engine_GBps": ("CopyEngine (one call)", "tab:red"),
+        "to_GBps": ("per tensor .to()", "tab:blue"),
+        "copy_GBps": ("per tensor copy_ into preallocated", "tab:green"),
+    }
     markers = dict(zip(sorted({r["size"] for r in rows}, key=_bytes), "osD^v*"))  # by tensor size
     for ax, direction in zip(axes[0], ("d2h", "h2d")):
         mine = sorted((r for r in rows if r["dir"] == direction), key=lambda r: _bytes(r["total"]))
@@ -130,8 +134,11 @@ def plot_triton_vs_cublas(results: Mapping[str, Any], path: str) -> bool:
     return save_figure(fig, path)
 
 
-PLOTS = {"chunked_gemm.png": plot_chunked_gemm, "batched_copies.png": plot_batched_copies,
-         "triton_vs_cublas.png": plot_triton_vs_cublas}
+PLOTS = {
+    "chunked_gemm.png": plot_chunked_gemm,
+    "batched_copies.png": plot_batched_copies,
+    "triton_vs_cublas.png": plot_triton_vs_cublas,
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -16,6 +16,7 @@ oases.comm.new_group does for the TP groups it makes.
 Exit status: 0 every step passed; 1 a step failed (the others still ran); 2 no GPU.
 This parent process imports no torch: it drives .venv-cuda's Python.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ EXIT_NO_GPU = 2
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results")
 CUDA_VENV_PYTHON = os.path.join(REPO_ROOT, ".venv-cuda", "bin", "python")
-_NVIDIA_SMI_QUERY = ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total,compute_cap",
-                     "--format=csv,noheader,nounits"]
+_NVIDIA_SMI_QUERY = [
+    "nvidia-smi",
+    "--query-gpu=index,name,driver_version,memory.total,compute_cap",
+    "--format=csv,noheader,nounits",
+]
 # What .venv-cuda's torch reports about the GPUs and the libraries it runs with.
 _PROBE = """
 import json, torch
@@ -119,23 +123,35 @@ def summarize(suite: str, document: dict[str, Any]) -> list[list[Any]]:
 
 
 # Suites that cannot run on GPUs yet, and why (left out of the default list).
-CPU_ONLY = {"pipeline": "bench pipeline measures the emulated CPU cluster (gloo); the pipeline's CUDA path is "
-                        "checked by the test suite on NCCL (tests/test_pipeline.py)"}
+CPU_ONLY = {
+    "pipeline": "bench pipeline measures the emulated CPU cluster (gloo); the pipeline's CUDA path is "
+    "checked by the test suite on NCCL (tests/test_pipeline.py)"
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench all", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda",), default="cuda",
-                        help="the devices to check (only cuda: the CPU suites run one by one, see README)")
-    parser.add_argument("--suites", default=",".join(s for s in SUITES if s not in CPU_ONLY), type=_suite_list,
-                        help="comma-separated bench suites (default: every suite but the CPU-only ones: "
-                             + "; ".join(f"{s}: {why}" for s, why in CPU_ONLY.items()) + ")")
+    parser.add_argument(
+        "--device",
+        choices=("cuda",),
+        default="cuda",
+        help="the devices to check (only cuda: the CPU suites run one by one, see README)",
+    )
+    parser.add_argument(
+        "--suites",
+        default=",".join(s for s in SUITES if s not in CPU_ONLY),
+        type=_suite_list,
+        help="comma-separated bench suites (default: every suite but the CPU-only ones: "
+        + "; ".join(f"{s}: {why}" for s, why in CPU_ONLY.items())
+        + ")",
+    )
     parser.add_argument("--quick", action="store_true", help="pass --quick to every suite (small shapes)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help="where to write results")
     parser.add_argument("--no-build", action="store_true", help="use .venv-cuda as it is (skip make cuda-build)")
     parser.add_argument("--no-tests", action="store_true", help="skip the test suite on NCCL")
-    parser.add_argument("--python", default=CUDA_VENV_PYTHON,
-                        help="the Python with the CUDA torch (default: .venv-cuda/bin/python)")
+    parser.add_argument(
+        "--python", default=CUDA_VENV_PYTHON, help="the Python with the CUDA torch (default: .venv-cuda/bin/python)"
+    )
     return parser
 
 
@@ -148,8 +164,11 @@ def _suite_list(text: str) -> list[str]:
 
 
 def _no_gpu(reason: str) -> int:
-    print(f"bench all --device cuda: no GPU found: {reason}. Nothing was built or measured. "
-          "Run this on a machine with NVIDIA GPUs and a driver (`make gpu-check`).", file=sys.stderr)
+    print(
+        f"bench all --device cuda: no GPU found: {reason}. Nothing was built or measured. "
+        "Run this on a machine with NVIDIA GPUs and a driver (`make gpu-check`).",
+        file=sys.stderr,
+    )
     return EXIT_NO_GPU
 
 
@@ -172,8 +191,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not gpus:
         return _no_gpu(reason)
     if not args.no_build:
-        build = _step("cuda-build", ["bash", os.path.join(REPO_ROOT, ".ci", "cuda_build.sh"), "--test-deps"],
-                      dict(os.environ))
+        build = _step(
+            "cuda-build", ["bash", os.path.join(REPO_ROOT, ".ci", "cuda_build.sh"), "--test-deps"], dict(os.environ)
+        )
         if build["exit_code"] != 0:
             return 1
     probe = subprocess.run([args.python, "-c", _PROBE], capture_output=True, text=True, cwd="/")
@@ -182,9 +202,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     versions = json.loads(probe.stdout.strip().splitlines()[-1])
     if not versions["available"]:
-        return _no_gpu(f"nvidia-smi lists {len(gpus)} GPU(s), but torch {versions['torch']} sees none "
-                       "(torch.cuda.is_available() is False: driver too old for CUDA "
-                       f"{versions['cuda']}, or a CPU build of torch?)")
+        return _no_gpu(
+            f"nvidia-smi lists {len(gpus)} GPU(s), but torch {versions['torch']} sees none "
+            "(torch.cuda.is_available() is False: driver too old for CUDA "
+            f"{versions['cuda']}, or a CPU build of torch?)"
+        )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     failed = False
     for name, group in by_type(gpus).items():
@@ -196,27 +218,50 @@ def _check_type(args, name: str, group: list[Gpu], versions: dict[str, Any], sta
     """Tests and benches on the GPUs of one type; writes its results file. True if all passed."""
     out_dir = os.path.join(os.path.abspath(args.out), f"gpu-{slug(name)}-{stamp}")
     os.makedirs(out_dir, exist_ok=True)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g.index) for g in group),
-               OASES_TEST_DEVICE="cuda", TORCH_NCCL_HIGH_PRIORITY="1")
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES=",".join(str(g.index) for g in group),
+        OASES_TEST_DEVICE="cuda",
+        TORCH_NCCL_HIGH_PRIORITY="1",
+    )
     steps = []
     if not args.no_tests:
-        steps.append(_step(f"{name}: tests on NCCL", [args.python, "-m", "pytest", "-q", "tests"], env,
-                           log=os.path.join(out_dir, "tests.log")))
+        steps.append(
+            _step(
+                f"{name}: tests on NCCL",
+                [args.python, "-m", "pytest", "-q", "tests"],
+                env,
+                log=os.path.join(out_dir, "tests.log"),
+            )
+        )
     summary: list[list[Any]] = []
     suite_files = {}
     for suite in args.suites:
         command = [args.python, "-m", "bench", suite, "--nproc", str(len(group)), "--out", out_dir]
-        steps.append(_step(f"{name}: bench {suite}", command + (["--quick"] if args.quick else []), env,
-                           log=os.path.join(out_dir, f"{suite}.log")))
-        written = sorted(path for path in glob.glob(os.path.join(out_dir, f"{suite}-*.json"))
-                         if not path.endswith(".trace.json"))
+        steps.append(
+            _step(
+                f"{name}: bench {suite}",
+                command + (["--quick"] if args.quick else []),
+                env,
+                log=os.path.join(out_dir, f"{suite}.log"),
+            )
+        )
+        written = sorted(
+            path for path in glob.glob(os.path.join(out_dir, f"{suite}-*.json")) if not path.endswith(".trace.json")
+        )
         suite_files[suite] = written[-1] if written else None
         if written:
             with open(written[-1]) as f:
                 summary += summarize(suite, json.load(f))
     document = {
-        "gpu": {"name": name, "count": len(group), "indices": [g.index for g in group],
-                "driver": group[0].driver, "memory_mib": group[0].memory_mib, "capability": group[0].capability},
+        "gpu": {
+            "name": name,
+            "count": len(group),
+            "indices": [g.index for g in group],
+            "driver": group[0].driver,
+            "memory_mib": group[0].memory_mib,
+            "capability": group[0].capability,
+        },
         "versions": {"torch": versions["torch"], "cuda": versions["cuda"], "nccl": versions["nccl"]},
         "created": stamp,
         "steps": steps,
@@ -237,8 +282,13 @@ def _check_type(args, name: str, group: list[Gpu], versions: dict[str, Any], sta
 
 def _summary_markdown(document: dict[str, Any]) -> str:
     gpu, v = document["gpu"], document["versions"]
-    lines = [f"# {gpu['count']} x {gpu['name']} (driver {gpu['driver']}, CUDA {v['cuda']}, NCCL {v['nccl']}, "
-             f"torch {v['torch']})", "", "| step | exit | seconds |", "| --- | --- | --- |"]
+    lines = [
+        f"# {gpu['count']} x {gpu['name']} (driver {gpu['driver']}, CUDA {v['cuda']}, NCCL {v['nccl']}, "
+        f"torch {v['torch']})",
+        "",
+        "| step | exit | seconds |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {s['step']} | {s['exit_code']} | {s['seconds']} |" for s in document["steps"]]
     lines += ["", "| suite | case | metric | value |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['suite']} | {r['case']} | {r['metric']} | {r['value']:.2f} |" for r in document["summary"]]

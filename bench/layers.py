@@ -57,6 +57,7 @@ give our loss on the first step, checked before any timing (a wrong peer fails t
 Sub-batches run smaller GEMMs, which on a CPU can be faster by themselves (cache): compare
 t_compute across schedules, and run the suite unshaped too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,22 +98,34 @@ def _variant(name: str) -> tuple[str, bool, object]:
     recompute = next((r for suffix, r in _RECOMPUTE.items() if name.endswith(suffix)), True)
     base = name.removesuffix("-sp").removesuffix("-keep").removesuffix("-selective")
     return base, name.endswith("-sp"), recompute
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 _SHORT = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", choices=MODELS, default="gpt",
-                        help="gpt: oases.models.GPT; llama: transformers' LlamaForCausalLM through "
-                             "oases.train_step, beside torchtitan's DTensor plan (default: gpt)")
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt",
+        help="gpt: oases.models.GPT; llama: transformers' LlamaForCausalLM through "
+        "oases.train_step, beside torchtitan's DTensor plan (default: gpt)",
+    )
     parser.add_argument("--hidden", type=int, default=None, help="default 512 (--quick: 64)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4, help="llama: key/value heads (default 4)")
     parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
-    parser.add_argument("--sub-batches", type=int, default=None, choices=range(1, 9), metavar="N",
-                        help="sub-batches of merak, cross_pass and oases (default: each schedule's own, 2)")
+    parser.add_argument(
+        "--sub-batches",
+        type=int,
+        default=None,
+        choices=range(1, 9),
+        metavar="N",
+        help="sub-batches of merak, cross_pass and oases (default: each schedule's own, 2)",
+    )
 
 
 def _sub_batches(args, variant: str) -> Optional[int]:
@@ -138,12 +151,12 @@ class _Case:
 
     title: str
     config: dict[str, Any]
-    ours: dict[str, Callable[[], torch.Tensor]]   # schedule -> one training step; returns the loss
-    comms: dict[str, Communicator]                # schedule -> the Communicator its step issues on
+    ours: dict[str, Callable[[], torch.Tensor]]  # schedule -> one training step; returns the loss
+    comms: dict[str, Communicator]  # schedule -> the Communicator its step issues on
     peers: dict[str, Callable[[], torch.Tensor]]  # peer -> one training step; returns the loss
-    peer_info: dict[str, dict[str, Any]]          # peer -> impl, plan, notes (for the JSON)
-    notes: list[str]                              # for the table
-    check: Optional[Callable[[], None]] = None    # after every step ran once: further checks (raise)
+    peer_info: dict[str, dict[str, Any]]  # peer -> impl, plan, notes (for the JSON)
+    notes: list[str]  # for the table
+    check: Optional[Callable[[], None]] = None  # after every step ran once: further checks (raise)
     inputs: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # a step's inputs, for its input check
 
 
@@ -211,8 +224,12 @@ def _gpt_case(args, ctx) -> _Case:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
     targets = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g).to(ctx.device)
-    models = {name: GPT(config, ctx.group, schedule=_variant(name)[0], seed=0,
-                        sequence_parallel=_variant(name)[1]).to(ctx.device) for name in VARIANTS}
+    models = {
+        name: GPT(config, ctx.group, schedule=_variant(name)[0], seed=0, sequence_parallel=_variant(name)[1]).to(
+            ctx.device
+        )
+        for name in VARIANTS
+    }
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -227,21 +244,40 @@ def _gpt_case(args, ctx) -> _Case:
     plan = {f"blocks.*.{n}": "ColwiseParallel()" for n in ("q", "k", "v", "fc1")}
     plan.update({f"blocks.*.{n}": "RowwiseParallel()" for n in ("proj", "fc2")})
     return _Case(
-        title=(f"GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
-               f"batch {batch} x {config.seq_len}"),
-        config={"model": "gpt", "sub_batches": args.sub_batches, "hidden": config.hidden, "layers": config.layers,
-                "heads": config.heads,
-                "batch": batch, "seq_len": config.seq_len},
-        ours={name: (lambda memory=None, m=m, n=_sub_batches(args, name), keep=_variant(name)[2]:
-                     m.train_step(tokens, targets, memory=memory, sub_batches=n, recompute=keep))
-              for name, m in models.items()},
+        title=(
+            f"GPT {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
+            f"batch {batch} x {config.seq_len}"
+        ),
+        config={
+            "model": "gpt",
+            "sub_batches": args.sub_batches,
+            "hidden": config.hidden,
+            "layers": config.layers,
+            "heads": config.heads,
+            "batch": batch,
+            "seq_len": config.seq_len,
+        },
+        ours={
+            name: (
+                lambda memory=None, m=m, n=_sub_batches(args, name), keep=_variant(name)[2]: m.train_step(
+                    tokens, targets, memory=memory, sub_batches=n, recompute=keep
+                )
+            )
+            for name, m in models.items()
+        },
         comms={name: m.comm for name, m in models.items()},
         peers={"torch_tp": torch_step},
-        peer_info={"torch_tp": {"impl": "parallelize_module(_TorchGPT, init_device_mesh(cpu, (p,)), plan)",
-                                "description": "the same GPT in DTensor TP, plain autograd", "plan": plan,
-                                "notes": ["no recomputation; gradients accumulate across steps, as ours"]}},
+        peer_info={
+            "torch_tp": {
+                "impl": "parallelize_module(_TorchGPT, init_device_mesh(cpu, (p,)), plan)",
+                "description": "the same GPT in DTensor TP, plain autograd",
+                "plan": plan,
+                "notes": ["no recomputation; gradients accumulate across steps, as ours"],
+            }
+        },
         notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"],
-        inputs={"tokens": tokens, "targets": targets})
+        inputs={"tokens": tokens, "targets": targets},
+    )
 
 
 def _llama_case(args, ctx) -> _Case:
@@ -251,8 +287,14 @@ def _llama_case(args, ctx) -> _Case:
     from bench import _llama
 
     hidden, seq_len, batch = _sizes(args)
-    config = _llama.llama_config(hidden=hidden, heads=args.heads, kv_heads=args.kv_heads, layers=args.layers,
-                                 seq_len=seq_len, world_size=ctx.world_size)
+    config = _llama.llama_config(
+        hidden=hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        layers=args.layers,
+        seq_len=seq_len,
+        world_size=ctx.world_size,
+    )
     reference = _llama.build(config).to(ctx.device)  # unsharded: the weights every variant copies
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
@@ -275,9 +317,17 @@ def _llama_case(args, ctx) -> _Case:
     def ours(name: str, memory: Optional[RecomputeMemory] = None) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         schedule, sequence_parallel, recompute = _variant(name)
-        return oases.train_step(model, ids, ids, schedule=schedule, sequence_parallel=sequence_parallel,
-                                comm=comms[name], memory=memory, sub_batches=_sub_batches(args, name),
-                                recompute=recompute)
+        return oases.train_step(
+            model,
+            ids,
+            ids,
+            schedule=schedule,
+            sequence_parallel=sequence_parallel,
+            comm=comms[name],
+            memory=memory,
+            sub_batches=_sub_batches(args, name),
+            recompute=recompute,
+        )
 
     def check() -> None:
         """Every peer's gradients (of its first step) against the unsharded model's."""
@@ -288,27 +338,46 @@ def _llama_case(args, ctx) -> _Case:
 
     c = config
     notes = [f"{name}: {peer.description}" for name, peer in peers.items()]
-    notes += ["torch_tp peers: parallelize_module on init_device_mesh(cpu, (p,)) over gloo, same weights, plain "
-              "autograd (no recomputation), position_ids = arange(s) passed to the HF forward; every peer's "
-              "loss and every gradient checked before timing",
-              *([f"{_llama.HF_TP}: {n}" for n in peers[_llama.HF_TP].notes] if _llama.HF_TP in peers
-                else [f"{_llama.HF_TP} skipped: {hf_reason}"]),
-              "gloo runs a reduce-scatter as an all-reduce: sequence parallelism's reduce-scatters move "
-              "twice their ring bytes here (hence torch_tp_nosp)"]
+    notes += [
+        "torch_tp peers: parallelize_module on init_device_mesh(cpu, (p,)) over gloo, same weights, plain "
+        "autograd (no recomputation), position_ids = arange(s) passed to the HF forward; every peer's "
+        "loss and every gradient checked before timing",
+        *(
+            [f"{_llama.HF_TP}: {n}" for n in peers[_llama.HF_TP].notes]
+            if _llama.HF_TP in peers
+            else [f"{_llama.HF_TP} skipped: {hf_reason}"]
+        ),
+        "gloo runs a reduce-scatter as an all-reduce: sequence parallelism's reduce-scatters move "
+        "twice their ring bytes here (hence torch_tp_nosp)",
+    ]
     return _Case(
-        title=(f"HF LlamaForCausalLM {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-               f"{c.num_attention_heads} heads ({c.num_key_value_heads} KV), intermediate {c.intermediate_size}, "
-               f"vocab {c.vocab_size}, batch {batch} x {seq_len}"),
-        config={"model": "llama", "sub_batches": args.sub_batches, "hidden": c.hidden_size,
-                "layers": c.num_hidden_layers,
-                "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
-                "intermediate": c.intermediate_size, "vocab": c.vocab_size, "batch": batch, "seq_len": seq_len,
-                "attn_implementation": "sdpa", "tie_word_embeddings": False},
+        title=(
+            f"HF LlamaForCausalLM {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+            f"{c.num_attention_heads} heads ({c.num_key_value_heads} KV), intermediate {c.intermediate_size}, "
+            f"vocab {c.vocab_size}, batch {batch} x {seq_len}"
+        ),
+        config={
+            "model": "llama",
+            "sub_batches": args.sub_batches,
+            "hidden": c.hidden_size,
+            "layers": c.num_hidden_layers,
+            "heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads,
+            "intermediate": c.intermediate_size,
+            "vocab": c.vocab_size,
+            "batch": batch,
+            "seq_len": seq_len,
+            "attn_implementation": "sdpa",
+            "tie_word_embeddings": False,
+        },
         ours={name: (lambda memory=None, name=name: ours(name, memory)) for name in VARIANTS},
         comms=comms,
         peers={name: (lambda peer=peer: peer.step(ids)) for name, peer in peers.items()},
         peer_info={name: peer.describe() for name, peer in peers.items()},
-        notes=notes, check=check, inputs={"input_ids": ids, "labels": ids, "attention_mask": None})
+        notes=notes,
+        check=check,
+        inputs={"input_ids": ids, "labels": ids, "attention_mask": None},
+    )
 
 
 # ---- measurements -----------------------------------------------------------------------------
@@ -349,6 +418,7 @@ def _traced_waits(ctx, label: str):
         def wait(work):
             with ctx.trace.span(f"{label} wait", 1):
                 return original(work)
+
         return wait
 
     for cls, original in originals.items():
@@ -366,9 +436,11 @@ _DRY = "dry/"  # the timer's name for a step's compute-only run
 
 def _dry(step: Callable[[], object], comm: Communicator) -> Callable[[], object]:
     """`step` with `comm`'s collectives counted but not sent (Communicator.dry_run)."""
+
     def compute_only() -> object:
         with comm.dry_run():
             return step()
+
     return compute_only
 
 
@@ -385,8 +457,9 @@ def run(args, ctx) -> list[dict]:
 
     # Each step of ours also runs compute-only (its Communicator's dry run) in the same round-robin as
     # every step: a machine whose speed drifts (a shared host) moves the bound and the steps alike.
-    timed = ctx.timer.measure({**steps, **{_DRY + name: _dry(step, case.comms[name])
-                                           for name, step in case.ours.items()}})
+    timed = ctx.timer.measure(
+        {**steps, **{_DRY + name: _dry(step, case.comms[name]) for name, step in case.ours.items()}}
+    )
     compute = {name: timed[_DRY + name] for name in case.ours}
     # The TP group's input check every step of ours runs first (oases.inputs; check_inputs=True), alone.
     t_check = ctx.timer.measure({"check": lambda: agree_inputs(case.inputs, ctx.group, device=ctx.device)})["check"]
@@ -397,8 +470,11 @@ def run(args, ctx) -> list[dict]:
         comm = case.comms[name]
         comm.reset()
         busy_before = time.perf_counter()
-        with _traced_waits(ctx, name), (comm.recording() if link is not None else contextlib.nullcontext()) as log, \
-                OtherThreadsCPU() as comm_cpu:
+        with (
+            _traced_waits(ctx, name),
+            comm.recording() if link is not None else contextlib.nullcontext() as log,
+            OtherThreadsCPU() as comm_cpu,
+        ):
             step()
         step_s, waited = time.perf_counter() - busy_before, comm.waited
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
@@ -409,15 +485,28 @@ def run(args, ctx) -> list[dict]:
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]
         memory = RecomputeMemory()
         step(memory=memory)
-        records.append(_record(name, timed[name].median, compute[name].median, t_comm.median, float(busy),
-                               calls, sent, None, losses[name]))
+        records.append(
+            _record(
+                name,
+                timed[name].median,
+                compute[name].median,
+                t_comm.median,
+                float(busy),
+                calls,
+                sent,
+                None,
+                losses[name],
+            )
+        )
         records[-1]["checkpoint_mib"] = memory.peak / 2**20
         # other threads' CPU is the transfers' only with one intra-op thread and no communicator thread
         # (sequence parallelism's runs norms and finishes there): else not measured
         transfers_cpu = comm_cpu.seconds if torch.get_num_threads() == 1 and not name.endswith("-sp") else None
-        records[-1]["exposure"] = (None if link is None
-                                   else _exposure(ctx, name, log, waited, step_s, compute[name].median, link,
-                                                  transfers_cpu))
+        records[-1]["exposure"] = (
+            None
+            if link is None
+            else _exposure(ctx, name, log, waited, step_s, compute[name].median, link, transfers_cpu)
+        )
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
             step()
@@ -432,22 +521,25 @@ def run(args, ctx) -> list[dict]:
         records.append(r)
     for r in records:  # after every timing: see _peak_rise_mib
         peak = _peak_rise_mib(steps[r["schedule"]])
-        r["peak_mib"] = (None if peak is None
-                         else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64))))
+        r["peak_mib"] = (
+            None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
+        )
     by_name = {r["schedule"]: r for r in records}
     for r in records:
         r["speedup_vs_megatron"] = _metrics.speedup(by_name[BASELINE]["t_step"], r["t_step"])
         r["speedup_vs"] = {peer: _metrics.speedup(by_name[peer]["t_step"], r["t_step"]) for peer in case.peers}
         r["speedup_vs_torch_tp"] = r["speedup_vs"]["torch_tp"]
-        r["efficiency"] = (None if r["bound"] is None
-                           else _metrics.efficiency(by_name[BASELINE]["t_step"], r["t_step"], r["bound"]))
+        r["efficiency"] = (
+            None if r["bound"] is None else _metrics.efficiency(by_name[BASELINE]["t_step"], r["t_step"], r["bound"])
+        )
         r["t_input_check"] = t_check.median  # included in our t_step; the peers run none
         r["config"] = case.config
         r["title"] = case.title
         r["notes"] = case.notes + [
             f"input check (oases.inputs: all_gather of a shape + content-hash summary, on by default and "
             f"included in every t_step of ours): {1e6 * t_check.median:.0f} us per step = "
-            f"{100 * t_check.median / by_name[BASELINE]['t_step']:.2f}% of {BASELINE}'s t_step"]
+            f"{100 * t_check.median / by_name[BASELINE]['t_step']:.2f}% of {BASELINE}'s t_step"
+        ]
     return records
 
 
@@ -468,8 +560,9 @@ def _exposure_link(ctx) -> Optional[LinkFit]:
     return LinkFit.from_samples(samples)
 
 
-def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: LinkFit,
-              comm_cpu_s: Optional[float]) -> dict:
+def _exposure(
+    ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: LinkFit, comm_cpu_s: Optional[float]
+) -> dict:
     """The recorded step's waits split by cause (oases.schedule.exposure) for the rank that
     waited most. `recorded`: its waits on asynchronous all-reduces, which the causes add up to;
     `unattributed`: the rest (ring steps: sequence parallelism's gathers and scatters).
@@ -485,8 +578,9 @@ def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: floa
         if r.ended is not None:
             ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
     per_rank = attribute(logs, link)
-    figures = torch.tensor([waited, step_s, log.waited, -1.0 if comm_cpu_s is None else comm_cpu_s],
-                           dtype=torch.float64)
+    figures = torch.tensor(
+        [waited, step_s, log.waited, -1.0 if comm_cpu_s is None else comm_cpu_s], dtype=torch.float64
+    )
     gathered = [torch.zeros_like(figures) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, figures, group=ctx.group)
     rank = max(range(ctx.world_size), key=lambda r: float(gathered[r][0]))
@@ -495,23 +589,49 @@ def _exposure(ctx, name: str, log, waited: float, step_s: float, t_compute: floa
     by_phase: dict[str, float] = {}  # that rank's recorded waits per pass (forward, recompute, backward)
     for r in logs[rank]:
         by_phase[r.phase] = by_phase.get(r.phase, 0.0) + sum(w1 - w0 for w0, w1, _ in r.waits)
-    return {"rank": rank, "waited": waited_r, "step": step_r, "causes": causes, "recorded": recorded_r,
-            "by_phase": by_phase,
-            "unattributed": waited_r - recorded_r,
-            "compute_slowed": step_r - waited_r - t_compute,
-            "comm_cpu": None if comm_cpu_r < 0 else comm_cpu_r,
-            "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}}
+    return {
+        "rank": rank,
+        "waited": waited_r,
+        "step": step_r,
+        "causes": causes,
+        "recorded": recorded_r,
+        "by_phase": by_phase,
+        "unattributed": waited_r - recorded_r,
+        "compute_slowed": step_r - waited_r - t_compute,
+        "comm_cpu": None if comm_cpu_r < 0 else comm_cpu_r,
+        "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s},
+    }
 
 
-def _record(name: str, t_step: float, t_compute: Optional[float], t_comm: Optional[float],
-            busy: Optional[float], calls: int, sent: int, collectives: Optional[dict], loss: float) -> dict:
+def _record(
+    name: str,
+    t_step: float,
+    t_compute: Optional[float],
+    t_comm: Optional[float],
+    busy: Optional[float],
+    calls: int,
+    sent: int,
+    collectives: Optional[dict],
+    loss: float,
+) -> dict:
     """collectives: a peer's, {kind: {"calls", "bytes" of the full tensors}} (ours: None, counted by
     the Communicator: `calls` all-reduces, `sent` bytes sent by ring)."""
     bound = None if t_compute is None else _metrics.bound(t_compute, t_comm)
     all_reduces = calls if collectives is None else collectives.get("all_reduce", {}).get("calls", 0)
-    return {"schedule": name, "t_step": t_step, "t_compute": t_compute, "t_comm": t_comm, "bound": bound,
-            "busy": busy, "all_reduces": all_reduces, "collective_calls": calls, "sent_bytes": sent,
-            "collectives": collectives, "loss": loss, "peer": None}
+    return {
+        "schedule": name,
+        "t_step": t_step,
+        "t_compute": t_compute,
+        "t_comm": t_comm,
+        "bound": bound,
+        "busy": busy,
+        "all_reduces": all_reduces,
+        "collective_calls": calls,
+        "sent_bytes": sent,
+        "collectives": collectives,
+        "loss": loss,
+        "peer": None,
+    }
 
 
 def _collectives(r: dict) -> str:
@@ -525,20 +645,55 @@ def tables(records: list[dict]) -> list[Table]:
         return None if v is None else 1e3 * v
 
     peers = list(records[0]["speedup_vs"])
-    rows = [[r["schedule"], ms(r["t_step"]), ms(r["t_compute"]), ms(r["t_comm"]), ms(r["bound"]),
-             r["efficiency"], r["busy"], r["speedup_vs_megatron"], *(r["speedup_vs"][p] for p in peers),
-             r["peak_mib"], r["checkpoint_mib"], r["sent_bytes"] / 2**20, _collectives(r)] for r in records]
-    return [Table(
-        f"layers: {records[0]['title']}",
-        ["schedule", "t_step ms", "t_compute ms", "t_comm ms", "bound ms", "efficiency", "busy",
-         "x megatron", *(f"x {p}" for p in peers), "peak MiB", "ckpt MiB", "sent MiB", "collectives"], rows,
-        ["efficiency = (t_megatron - t_step) / (t_megatron - bound); busy = share of the step not "
-         "blocked on communication (least busy rank)",
-         "ckpt MiB = sublayer inputs kept for recomputation at most at once (oases.schedule.RecomputeMemory; "
-         "peers keep autograd's activations instead)",
-         "sent MiB = bytes each rank sends per step by ring: all-reduce (AR) 2 (p-1)/p n, all-gather (AG) "
-         "and reduce-scatter (RS) (p-1)/p n, for a full tensor of n bytes",
-         *records[0]["notes"]]), *_exposure_table(records)]
+    rows = [
+        [
+            r["schedule"],
+            ms(r["t_step"]),
+            ms(r["t_compute"]),
+            ms(r["t_comm"]),
+            ms(r["bound"]),
+            r["efficiency"],
+            r["busy"],
+            r["speedup_vs_megatron"],
+            *(r["speedup_vs"][p] for p in peers),
+            r["peak_mib"],
+            r["checkpoint_mib"],
+            r["sent_bytes"] / 2**20,
+            _collectives(r),
+        ]
+        for r in records
+    ]
+    return [
+        Table(
+            f"layers: {records[0]['title']}",
+            [
+                "schedule",
+                "t_step ms",
+                "t_compute ms",
+                "t_comm ms",
+                "bound ms",
+                "efficiency",
+                "busy",
+                "x megatron",
+                *(f"x {p}" for p in peers),
+                "peak MiB",
+                "ckpt MiB",
+                "sent MiB",
+                "collectives",
+            ],
+            rows,
+            [
+                "efficiency = (t_megatron - t_step) / (t_megatron - bound); busy = share of the step not "
+                "blocked on communication (least busy rank)",
+                "ckpt MiB = sublayer inputs kept for recomputation at most at once (oases.schedule.RecomputeMemory; "
+                "peers keep autograd's activations instead)",
+                "sent MiB = bytes each rank sends per step by ring: all-reduce (AR) 2 (p-1)/p n, all-gather (AG) "
+                "and reduce-scatter (RS) (p-1)/p n, for a full tensor of n bytes",
+                *records[0]["notes"],
+            ],
+        ),
+        *_exposure_table(records),
+    ]
 
 
 def _exposure_table(records: list[dict]) -> list[Table]:
@@ -549,27 +704,41 @@ def _exposure_table(records: list[dict]) -> list[Table]:
         if e is None:
             continue
         phases = e["by_phase"]
-        rows.append([r["schedule"], 1e3 * e["step"], 1e3 * e["waited"], *(1e3 * e["causes"][c] for c in CAUSES),
-                     1e3 * e["unattributed"], 1e3 * e["compute_slowed"],
-                     None if e.get("comm_cpu") is None else 1e3 * e["comm_cpu"],
-                     " / ".join(f"{1e3 * phases.get(p, 0.0):.0f}" for p in ("forward", "recompute", "backward"))])
+        rows.append(
+            [
+                r["schedule"],
+                1e3 * e["step"],
+                1e3 * e["waited"],
+                *(1e3 * e["causes"][c] for c in CAUSES),
+                1e3 * e["unattributed"],
+                1e3 * e["compute_slowed"],
+                None if e.get("comm_cpu") is None else 1e3 * e["comm_cpu"],
+                " / ".join(f"{1e3 * phases.get(p, 0.0):.0f}" for p in ("forward", "recompute", "backward")),
+            ]
+        )
     if not rows:
         return []
-    return [Table("layers: where the waits went (ms; one recorded step, the rank that waited most)",
-                  ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed", "comm CPU",
-                   "fwd / recomp / bwd"], rows,
-                  ["waited = dependency + issue order + latency + bandwidth + interference + host + ring steps "
-                   "(oases.schedule.exposure): dependency = no other sub-batch ran while it waited; issue order = "
-                   "a peer had not issued it yet; latency / bandwidth = the link's own time for it (a ring's "
-                   "messages / its bytes, fitted from all-reduces timed alone) not covered by compute; "
-                   "interference = slower than that link time (the cores that compute also reduce, or "
-                   "collectives sharing the link); host = waking up after it completed; ring steps = waits "
-                   "inside ring all-gathers / reduce-scatters (sequence parallelism), not split",
-                   "compute slowed = step - waited - t_compute: the compute's own slow-down while transfers run",
-                   "comm CPU = CPU time that rank's other threads (gloo's, the communicator's) used in the step: "
-                   "the transfers' own cost to the cores the compute needs (on a CPU run every core computes), "
-                   "which overlap cannot hide",
-                   "fwd / recomp / bwd = the recorded waits by the pass of their all-reduce"])]
+    return [
+        Table(
+            "layers: where the waits went (ms; one recorded step, the rank that waited most)",
+            ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed", "comm CPU", "fwd / recomp / bwd"],
+            rows,
+            [
+                "waited = dependency + issue order + latency + bandwidth + interference + host + ring steps "
+                "(oases.schedule.exposure): dependency = no other sub-batch ran while it waited; issue order = "
+                "a peer had not issued it yet; latency / bandwidth = the link's own time for it (a ring's "
+                "messages / its bytes, fitted from all-reduces timed alone) not covered by compute; "
+                "interference = slower than that link time (the cores that compute also reduce, or "
+                "collectives sharing the link); host = waking up after it completed; ring steps = waits "
+                "inside ring all-gathers / reduce-scatters (sequence parallelism), not split",
+                "compute slowed = step - waited - t_compute: the compute's own slow-down while transfers run",
+                "comm CPU = CPU time that rank's other threads (gloo's, the communicator's) used in the step: "
+                "the transfers' own cost to the cores the compute needs (on a CPU run every core computes), "
+                "which overlap cannot hide",
+                "fwd / recomp / bwd = the recorded waits by the pass of their all-reduce",
+            ],
+        )
+    ]
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
@@ -581,12 +750,23 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     names = [r["schedule"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.bar(names, [1e3 * r["t_step"] for r in records], color="tab:blue", label="t_step")
-    ax.bar(names, [1e3 * (r["t_compute"] or 0) for r in records], color="tab:green", width=0.4,
-           label="t_compute (communication not sent)")
+    ax.bar(
+        names,
+        [1e3 * (r["t_compute"] or 0) for r in records],
+        color="tab:green",
+        width=0.4,
+        label="t_compute (communication not sent)",
+    )
     for i, r in enumerate(records):
         if r["bound"] is not None:
-            ax.hlines(1e3 * r["bound"], i - 0.4, i + 0.4, colors="black", linestyles=":",
-                      label="bound max(compute, comm)" if i == 0 else None)
+            ax.hlines(
+                1e3 * r["bound"],
+                i - 0.4,
+                i + 0.4,
+                colors="black",
+                linestyles=":",
+                label="bound max(compute, comm)" if i == 0 else None,
+            )
     ax.set_ylabel("ms per training step (MAX over ranks)")
     ax.set_title(f"{records[0]['title']}\n{title}", fontsize=8)
     ax.tick_params(axis="x", labelrotation=30, labelsize=8)  # the peers' names are long

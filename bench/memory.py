@@ -28,6 +28,7 @@ planner's model of the layout (shape from the HF config, tp, dp, ZeRO, AdamW, sc
 never the tensors this run allocated; `tensors` beside it is what the rank's tensors hold
 (parameters, gradients, optimizer states, ZeRO masters), for explaining the gaps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 3; --quick: 2)")
     parser.add_argument("--schedule", default="oases", help="oases.train_step schedule (default oases)")
     parser.add_argument("--interval", type=float, default=0.002, help="VmRSS sampling period, s (default 0.002)")
-    parser.add_argument("--glibc-default", action="store_true",
-                        help="leave glibc's mmap threshold dynamic and skip malloc_trim (shows what they change)")
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's mmap threshold dynamic and skip malloc_trim (shows what they change)",
+    )
 
 
 def _config(args, tiny: bool = False) -> Any:
@@ -68,11 +72,16 @@ def _config(args, tiny: bool = False) -> Any:
     quick = args.quick or tiny
     hidden = 128 if tiny else args.hidden or (128 if quick else 2048)
     heads = max(8, hidden // 128)
-    return LlamaConfig(vocab_size=2048 if tiny else args.vocab or (2048 if quick else 32000), hidden_size=hidden,
-                       intermediate_size=11 * hidden // 4,
-                       num_hidden_layers=2 if tiny else args.layers or (2 if quick else 6),
-                       num_attention_heads=heads, num_key_value_heads=heads // 2,
-                       max_position_embeddings=max(256, _seq_len(args)), tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=2048 if tiny else args.vocab or (2048 if quick else 32000),
+        hidden_size=hidden,
+        intermediate_size=11 * hidden // 4,
+        num_hidden_layers=2 if tiny else args.layers or (2 if quick else 6),
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=max(256, _seq_len(args)),
+        tie_word_embeddings=False,
+    )
 
 
 def _seq_len(args) -> int:
@@ -154,8 +163,9 @@ class _Job:
     def load_checkpoint(self) -> None:
         import oases
 
-        oases.load_checkpoint(self.model, os.path.join(self.folder, "checkpoint"),
-                              optimizer=None if self.refused else self.opt)
+        oases.load_checkpoint(
+            self.model, os.path.join(self.folder, "checkpoint"), optimizer=None if self.refused else self.opt
+        )
 
     def save_pretrained(self) -> None:
         import oases
@@ -171,12 +181,17 @@ class _Job:
     def tensor_bytes(self) -> dict[str, int]:
         """What this rank's tensors hold: parameters, gradients, optimizer states, and ZeRO's masters
         and their gradients where they have storage of their own (fp32 masters of fp32 rows are views)."""
+
         def size(t: Any) -> int:
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
         params = list(self.model.parameters()) if self.model is not None else []
-        out = {"parameters": sum(size(p) for p in params), "gradients": sum(size(p.grad) for p in params),
-               "optimizer_states": 0, "masters": 0}
+        out = {
+            "parameters": sum(size(p) for p in params),
+            "gradients": sum(size(p.grad) for p in params),
+            "optimizer_states": 0,
+            "masters": 0,
+        }
         if self.opt is not None:
             out["optimizer_states"] = sum(size(v) for s in self.opt.state.values() for v in s.values())
         if self.zero and self.opt is not None:
@@ -197,8 +212,11 @@ def _measure(job: _Job, phases: tuple[str, ...], interval: float, trim: bool) ->
         with PeakRSS(interval) as peak:
             getattr(job, phase)()
         settle(trim)
-        out["phases"][phase] = {"resident": rss_bytes() - start, "peak": peak.peak - start,
-                                "tensors": job.tensor_bytes()}
+        out["phases"][phase] = {
+            "resident": rss_bytes() - start,
+            "peak": peak.peak - start,
+            "tensors": job.tensor_bytes(),
+        }
     out["steps"] = [{k: v - start for k, v in step.items()} for step in job.steps]
     return out
 
@@ -229,32 +247,72 @@ def _run_layout(args, ctx, config, shape, dp: int, tp: int, zero: bool, folder: 
     if ctx.rank == 0:
         for name in ("checkpoint", "export"):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-    predicted_job = MemoryJob(rows=args.batch // dp, tp=tp, dp=dp, optimizer="adamw", zero=zero,
-                              schedule=args.schedule, vocab_parallel=True, param_bytes=4)
+    predicted_job = MemoryJob(
+        rows=args.batch // dp,
+        tp=tp,
+        dp=dp,
+        optimizer="adamw",
+        zero=zero,
+        schedule=args.schedule,
+        vocab_parallel=True,
+        param_bytes=4,
+    )
     parts = rank_memory(shape, predicted_job)
     phases = []
     for p in phase_memory(shape, predicted_job):
         resident = max(r["phases"][p.phase]["resident"] for r in ranks)
         peak = max(r["phases"][p.phase]["peak"] for r in ranks)
         tensors = max(sum(r["phases"][p.phase]["tensors"].values()) for r in ranks)
-        phases.append({"phase": p.phase, "resident_bytes": resident, "peak_bytes": peak, "tensor_bytes": tensors,
-                       "predicted_bytes": p.resident_bytes, "predicted_peak_bytes": p.peak_bytes,
-                       "ratio": _ratio(resident, p.resident_bytes), "peak_ratio": _ratio(peak, p.peak_bytes),
-                       "per_rank": [{k: r["phases"][p.phase][k] for k in ("resident", "peak")} for r in ranks]})
+        phases.append(
+            {
+                "phase": p.phase,
+                "resident_bytes": resident,
+                "peak_bytes": peak,
+                "tensor_bytes": tensors,
+                "predicted_bytes": p.resident_bytes,
+                "predicted_peak_bytes": p.peak_bytes,
+                "ratio": _ratio(resident, p.resident_bytes),
+                "peak_ratio": _ratio(peak, p.peak_bytes),
+                "per_rank": [{k: r["phases"][p.phase][k] for k in ("resident", "peak")} for r in ranks],
+            }
+        )
     rss_states = max(r["phases"]["train"]["resident"] - r["phases"]["load_pretrained"]["resident"] for r in ranks)
-    return {"kind": "layout", "layout": f"TP{tp}" if dp == 1 else f"DP{dp} x TP{tp}", "dp": dp, "tp": tp,
-            "zero": zero, "optimizer": "ZeroOptimizer(AdamW)" if zero else "AdamW", "phases": phases,
-            "optimizer_state": {
-                "moment_bytes": max(r["phases"]["train"]["tensors"]["optimizer_states"] for r in ranks),
-                "master_bytes": max(r["phases"]["train"]["tensors"]["masters"] for r in ranks),
-                "rss_bytes": rss_states, "predicted_bytes": parts.optimizer_states + parts.masters},
-            "predicted_parts": {k: getattr(parts, k) for k in ("parameters", "weights", "gradients", "optimizer_states",
-                                                               "masters", "activations", "read_pretrained",
-                                                               "read_chunk", "write_full")},
-            "start_above_baseline_bytes": max(r["left_over"] for r in ranks),
-            "train_steps": [{k: max(r["steps"][i][k] for r in ranks) for k in ("train_step", "optimizer_step")}
-                            for i in range(len(ranks[0]["steps"]))],
-            "checkpoint_optimizer": ranks[0]["refused"] is None, "checkpoint_refusal": ranks[0]["refused"]}
+    return {
+        "kind": "layout",
+        "layout": f"TP{tp}" if dp == 1 else f"DP{dp} x TP{tp}",
+        "dp": dp,
+        "tp": tp,
+        "zero": zero,
+        "optimizer": "ZeroOptimizer(AdamW)" if zero else "AdamW",
+        "phases": phases,
+        "optimizer_state": {
+            "moment_bytes": max(r["phases"]["train"]["tensors"]["optimizer_states"] for r in ranks),
+            "master_bytes": max(r["phases"]["train"]["tensors"]["masters"] for r in ranks),
+            "rss_bytes": rss_states,
+            "predicted_bytes": parts.optimizer_states + parts.masters,
+        },
+        "predicted_parts": {
+            k: getattr(parts, k)
+            for k in (
+                "parameters",
+                "weights",
+                "gradients",
+                "optimizer_states",
+                "masters",
+                "activations",
+                "read_pretrained",
+                "read_chunk",
+                "write_full",
+            )
+        },
+        "start_above_baseline_bytes": max(r["left_over"] for r in ranks),
+        "train_steps": [
+            {k: max(r["steps"][i][k] for r in ranks) for k in ("train_step", "optimizer_step")}
+            for i in range(len(ranks[0]["steps"]))
+        ],
+        "checkpoint_optimizer": ranks[0]["refused"] is None,
+        "checkpoint_refusal": ranks[0]["refused"],
+    }
 
 
 def _ratio(measured: float, predicted: float) -> Optional[float]:
@@ -290,20 +348,35 @@ def _run(args, ctx) -> list[dict]:
         if ctx.rank == 0:
             full = [_write_pretrained(config, os.path.join(folder[0], "pretrained"))]
         dist.broadcast_object_list(full, src=0)
-        records = [_run_layout(args, ctx, config, shape, dp, tp, zero, folder[0], baseline)
-                   for dp, tp, zero in _layouts(ctx.world_size)]
+        records = [
+            _run_layout(args, ctx, config, shape, dp, tp, zero, folder[0], baseline)
+            for dp, tp, zero in _layouts(ctx.world_size)
+        ]
         dist.barrier()  # every rank is done with the files
     finally:
         if ctx.rank == 0:
             shutil.rmtree(folder[0], ignore_errors=True)
-    common = {"config": {"hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size,
-                         "ffn_hidden": config.intermediate_size, "heads": config.num_attention_heads,
-                         "kv_heads": config.num_key_value_heads, "batch": args.batch, "seq_len": _seq_len(args),
-                         "steps": _steps(args), "schedule": args.schedule,
-                         "dtype": "float32", "plan": "DEFAULT_PLAN + embed_tokens: vocab, lm_head: vocab_head"},
-              "shape": shape.to_dict(), "full_parameter_bytes": full[0], "baseline_bytes": max(baselines),
-              "malloc": {"mmap_threshold": 128 * 1024 if exact else "glibc default (dynamic)",
-                         "malloc_trim": trim}, "interval_s": args.interval}
+    common = {
+        "config": {
+            "hidden": config.hidden_size,
+            "layers": config.num_hidden_layers,
+            "vocab": config.vocab_size,
+            "ffn_hidden": config.intermediate_size,
+            "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads,
+            "batch": args.batch,
+            "seq_len": _seq_len(args),
+            "steps": _steps(args),
+            "schedule": args.schedule,
+            "dtype": "float32",
+            "plan": "DEFAULT_PLAN + embed_tokens: vocab, lm_head: vocab_head",
+        },
+        "shape": shape.to_dict(),
+        "full_parameter_bytes": full[0],
+        "baseline_bytes": max(baselines),
+        "malloc": {"mmap_threshold": 128 * 1024 if exact else "glibc default (dynamic)", "malloc_trim": trim},
+        "interval_s": args.interval,
+    }
     return [dict(r, **common) for r in records]
 
 
@@ -330,44 +403,88 @@ def tables(records: list[dict]) -> list[Table]:
     c = first["config"]
     out = []
     for r in layouts:
-        rows = [[p["phase"], p["resident_bytes"] / MIB, p["peak_bytes"] / MIB, p["predicted_bytes"] / MIB,
-                 p["ratio"], p["predicted_peak_bytes"] / MIB, p["peak_ratio"], p["tensor_bytes"] / MIB]
-                for p in r["phases"]]
-        notes = [f"MiB above the rank's VmRSS at the layout's start ({r['start_above_baseline_bytes'] / MIB:.0f} MiB "
-                 f"above the baseline of {r['baseline_bytes'] / MIB:.0f} MiB after imports + init_process_group), "
-                 "MAX over ranks; peak sampled every "
-                 f"{r['interval_s'] * 1e3:g} ms; malloc: mmap threshold {r['malloc']['mmap_threshold']}, "
-                 f"trim {r['malloc']['malloc_trim']}",
-                 "predicted: oases.planner.memory (build 0: init_weights=False leaves the shards' pages untouched "
-                 "until load_pretrained writes them; W after load; W + S + M after train; peak: + G + ZeRO's rows + "
-                 "max(A + buckets in flight, the optimizer step's temporaries) in train, + the largest read / chunk "
-                 "/ full tensor in load / export); tensors: bytes the rank's tensors hold after the phase"]
+        rows = [
+            [
+                p["phase"],
+                p["resident_bytes"] / MIB,
+                p["peak_bytes"] / MIB,
+                p["predicted_bytes"] / MIB,
+                p["ratio"],
+                p["predicted_peak_bytes"] / MIB,
+                p["peak_ratio"],
+                p["tensor_bytes"] / MIB,
+            ]
+            for p in r["phases"]
+        ]
+        notes = [
+            f"MiB above the rank's VmRSS at the layout's start ({r['start_above_baseline_bytes'] / MIB:.0f} MiB "
+            f"above the baseline of {r['baseline_bytes'] / MIB:.0f} MiB after imports + init_process_group), "
+            "MAX over ranks; peak sampled every "
+            f"{r['interval_s'] * 1e3:g} ms; malloc: mmap threshold {r['malloc']['mmap_threshold']}, "
+            f"trim {r['malloc']['malloc_trim']}",
+            "predicted: oases.planner.memory (build 0: init_weights=False leaves the shards' pages untouched "
+            "until load_pretrained writes them; W after load; W + S + M after train; peak: + G + ZeRO's rows + "
+            "max(A + buckets in flight, the optimizer step's temporaries) in train, + the largest read / chunk "
+            "/ full tensor in load / export); tensors: bytes the rank's tensors hold after the phase",
+        ]
         peaks = ", ".join(f"{s['train_step'] / MIB:.0f} / {s['optimizer_step'] / MIB:.0f}" for s in r["train_steps"])
         notes.append(f"train peaks per step, train_step / optimizer step: {peaks} MiB")
         if not r["checkpoint_optimizer"]:
             notes.append(f"optimizer not checkpointed: {r['checkpoint_refusal'][:160]}")
-        out.append(Table(f"memory: {r['layout']}, {r['optimizer']}; Llama h {c['hidden']}, {c['layers']} layers, "
-                         f"V {c['vocab']}, F = {r['full_parameter_bytes'] / MIB:.0f} MiB fp32; batch {c['batch']} x "
-                         f"{c['seq_len']}, {c['schedule']}, {c['steps']} steps",
-                         ["phase", "resident MiB", "peak MiB", "pred MiB", "res/pred", "pred peak MiB",
-                          "peak/pred", "tensors MiB"], rows, notes))
+        out.append(
+            Table(
+                f"memory: {r['layout']}, {r['optimizer']}; Llama h {c['hidden']}, {c['layers']} layers, "
+                f"V {c['vocab']}, F = {r['full_parameter_bytes'] / MIB:.0f} MiB fp32; batch {c['batch']} x "
+                f"{c['seq_len']}, {c['schedule']}, {c['steps']} steps",
+                [
+                    "phase",
+                    "resident MiB",
+                    "peak MiB",
+                    "pred MiB",
+                    "res/pred",
+                    "pred peak MiB",
+                    "peak/pred",
+                    "tensors MiB",
+                ],
+                rows,
+                notes,
+            )
+        )
     rows, notes = [], []
     for r in layouts:
         s = r["optimizer_state"]
-        rows.append([r["layout"], r["optimizer"], s["moment_bytes"] / MIB, s["master_bytes"] / MIB,
-                     s["rss_bytes"] / MIB, s["predicted_bytes"] / MIB])
+        rows.append(
+            [
+                r["layout"],
+                r["optimizer"],
+                s["moment_bytes"] / MIB,
+                s["master_bytes"] / MIB,
+                s["rss_bytes"] / MIB,
+                s["predicted_bytes"] / MIB,
+            ]
+        )
     for z in (r for r in layouts if r["zero"]):
         plain = next((r for r in layouts if not r["zero"] and (r["dp"], r["tp"]) == (z["dp"], z["tp"])), None)
         if plain is not None:
             zs, ps = z["optimizer_state"], plain["optimizer_state"]
-            notes.append(f"ZeRO-1 at dp {z['dp']} ({z['layout']}): AdamW moments per rank x"
-                         f"{zs['moment_bytes'] / ps['moment_bytes']:.3f} (tensors), resident after train minus after "
-                         f"load x{zs['rss_bytes'] / ps['rss_bytes']:.3f} (RSS, masters included)")
-    notes.append("moments: exp_avg + exp_avg_sq (+ step) tensors; masters: ZeroOptimizer's masters with storage "
-                 "of their own (fp32 masters of fp32 rows are views: 0); RSS: resident after train - after "
-                 "load_pretrained")
-    out.append(Table("memory: optimizer state per rank", ["layout", "optimizer", "moments MiB", "masters MiB",
-                                                          "RSS MiB", "pred MiB"], rows, notes))
+            notes.append(
+                f"ZeRO-1 at dp {z['dp']} ({z['layout']}): AdamW moments per rank x"
+                f"{zs['moment_bytes'] / ps['moment_bytes']:.3f} (tensors), resident after train minus after "
+                f"load x{zs['rss_bytes'] / ps['rss_bytes']:.3f} (RSS, masters included)"
+            )
+    notes.append(
+        "moments: exp_avg + exp_avg_sq (+ step) tensors; masters: ZeroOptimizer's masters with storage "
+        "of their own (fp32 masters of fp32 rows are views: 0); RSS: resident after train - after "
+        "load_pretrained"
+    )
+    out.append(
+        Table(
+            "memory: optimizer state per rank",
+            ["layout", "optimizer", "moments MiB", "masters MiB", "RSS MiB", "pred MiB"],
+            rows,
+            notes,
+        )
+    )
     return out
 
 
@@ -381,8 +498,10 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     fig, axes = plt.subplots(1, len(layouts), figsize=(5.2 * len(layouts), 4.4), squeeze=False, sharey=True)
     for ax, r in zip(axes[0], layouts):
         x = range(len(r["phases"]))
-        mib = {k: [p[k] / MIB for p in r["phases"]] for k in ("resident_bytes", "predicted_bytes", "peak_bytes",
-                                                               "predicted_peak_bytes")}
+        mib = {
+            k: [p[k] / MIB for p in r["phases"]]
+            for k in ("resident_bytes", "predicted_bytes", "peak_bytes", "predicted_peak_bytes")
+        }
         ax.bar([i - 0.2 for i in x], mib["resident_bytes"], 0.4, label="resident (measured)", color="tab:blue")
         ax.bar([i + 0.2 for i in x], mib["predicted_bytes"], 0.4, label="resident (predicted)", color="tab:orange")
         ax.plot([i - 0.2 for i in x], mib["peak_bytes"], "v", color="navy", label="peak (measured)")

@@ -33,6 +33,7 @@ takes memory bandwidth from compute on the same cores. The figures here measure 
 own costs (calls, allocation, threads, the GIL), not a PCIe link; the resident bytes are what a
 GPU would keep.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,25 +60,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; --quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 128 (--quick: 16)")
     parser.add_argument("--batch-size", type=int, default=2, help="saved tensors per offload copy (default 2)")
-    parser.add_argument("--parts", type=_parts, default=PARTS, metavar="PART[,PART...]",
-                        help=f"what to run, comma-separated from {', '.join(PARTS)} (default: all)")
-    parser.add_argument("--step-hidden", type=_positive, default=None,
-                        help="the step's GPT hidden size (default: --hidden's)")
-    parser.add_argument("--step-heads", type=_positive, default=8,
-                        help="the step's attention heads (default 8); must divide --step-hidden, and the ranks "
-                             "must divide it")
-    parser.add_argument("--step-layers", type=_positive, default=None,
-                        help="the step's GPT layers (default: --layers's)")
-    parser.add_argument("--step-seq-len", "--step-seq", dest="step_seq_len", type=_positive, default=None,
-                        help="the step's sequence length (default: --seq-len's)")
-    parser.add_argument("--step-batch", type=_positive, default=None,
-                        help="the step's sequences per step (default: --batch's)")
-    parser.add_argument("--step-memory-peak", action="store_true",
-                        help="CUDA: one more step per variant with the allocator's history recorded; the JSON and a "
-                             "table show the allocations live at the step's peak, by the code that made them")
-    parser.add_argument("--step-autocast", choices=("bfloat16", "float16"), default=None,
-                        help="run the step under torch.autocast in this dtype (default: none, fp32), as a GPU "
-                             "user trains")
+    parser.add_argument(
+        "--parts",
+        type=_parts,
+        default=PARTS,
+        metavar="PART[,PART...]",
+        help=f"what to run, comma-separated from {', '.join(PARTS)} (default: all)",
+    )
+    parser.add_argument(
+        "--step-hidden", type=_positive, default=None, help="the step's GPT hidden size (default: --hidden's)"
+    )
+    parser.add_argument(
+        "--step-heads",
+        type=_positive,
+        default=8,
+        help="the step's attention heads (default 8); must divide --step-hidden, and the ranks must divide it",
+    )
+    parser.add_argument(
+        "--step-layers", type=_positive, default=None, help="the step's GPT layers (default: --layers's)"
+    )
+    parser.add_argument(
+        "--step-seq-len",
+        "--step-seq",
+        dest="step_seq_len",
+        type=_positive,
+        default=None,
+        help="the step's sequence length (default: --seq-len's)",
+    )
+    parser.add_argument(
+        "--step-batch", type=_positive, default=None, help="the step's sequences per step (default: --batch's)"
+    )
+    parser.add_argument(
+        "--step-memory-peak",
+        action="store_true",
+        help="CUDA: one more step per variant with the allocator's history recorded; the JSON and a "
+        "table show the allocations live at the step's peak, by the code that made them",
+    )
+    parser.add_argument(
+        "--step-autocast",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="run the step under torch.autocast in this dtype (default: none, fp32), as a GPU user trains",
+    )
 
 
 def _positive(text: str) -> int:
@@ -104,8 +128,10 @@ def check_args(args, world_size: int) -> Optional[str]:
     if hidden % heads:
         return f"offload --step-heads {heads}: does not divide the step's hidden size {hidden}; pick a divisor"
     if heads % world_size:
-        return (f"offload --step-heads {heads}: the {world_size} ranks split the heads (tensor parallel); "
-                f"pick a multiple of {world_size}")
+        return (
+            f"offload --step-heads {heads}: the {world_size} ranks split the heads (tensor parallel); "
+            f"pick a multiple of {world_size}"
+        )
     return None
 
 
@@ -126,8 +152,11 @@ def _round_trips(ctx, kib: int) -> list[dict]:
     tensors = [torch.randn(numel, device=device) for _ in range(max(COUNTS))]  # fp32, `kib` KiB each
     offsets = [i * (-(-size // ALIGNMENT) * ALIGNMENT) for i in range(max(COUNTS))]
     slab = HostSlab(offsets[-1] + size)
-    engines = {"ours": CopyEngine(device), "ours_inline": CopyEngine(device, asynchronous=False),
-               "ours_python": CopyEngine(device, use_extension=False)}
+    engines = {
+        "ours": CopyEngine(device),
+        "ours_inline": CopyEngine(device, asynchronous=False),
+        "ours_python": CopyEngine(device, use_extension=False),
+    }
     hooks = torch.autograd.graph.save_on_cpu(pin_memory=pinned)
 
     def to_copies(ts):
@@ -144,6 +173,7 @@ def _round_trips(ctx, kib: int) -> list[dict]:
             outs, event = engine.copy_in(slab.buffer, offsets[: len(ts)], [(t.shape, t.dtype) for t in ts])
             event.wait()
             return outs
+
         return run
 
     copiers = {"to": to_copies, "save_on_cpu": saved_on_cpu, **{name: ours(e) for name, e in engines.items()}}
@@ -160,11 +190,23 @@ def _round_trips(ctx, kib: int) -> list[dict]:
 
         timed = ctx.timer.measure({name: repeated(copy) for name, copy in copiers.items()})
         moved = 2 * n * size * reps
-        records.append({"kind": "copy", "tensors": n, "tensor_bytes": size, "reps": reps,
-                        "t_round_trip": {name: t.median / reps for name, t in timed.items()},
-                        "gb_per_s": {name: moved / t.median / 1e9 for name, t in timed.items()},
-                        "calls_per_round_trip": {"to": 2 * n, "save_on_cpu": 2 * n, "ours": 2, "ours_inline": 2,
-                                                 "ours_python": 2}})
+        records.append(
+            {
+                "kind": "copy",
+                "tensors": n,
+                "tensor_bytes": size,
+                "reps": reps,
+                "t_round_trip": {name: t.median / reps for name, t in timed.items()},
+                "gb_per_s": {name: moved / t.median / 1e9 for name, t in timed.items()},
+                "calls_per_round_trip": {
+                    "to": 2 * n,
+                    "save_on_cpu": 2 * n,
+                    "ours": 2,
+                    "ours_inline": 2,
+                    "ours_python": 2,
+                },
+            }
+        )
     for engine in engines.values():
         engine.close()
     return records
@@ -192,14 +234,17 @@ def _step(args, ctx) -> dict:
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
     targets = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g).to(ctx.device)
     offloader = Offloader(batch=args.batch_size)
-    models = {"off": GPT(config, ctx.group, schedule="oases", seed=0).to(ctx.device),
-              "on": GPT(config, ctx.group, schedule="oases", seed=0, offload=offloader).to(ctx.device)}
+    models = {
+        "off": GPT(config, ctx.group, schedule="oases", seed=0).to(ctx.device),
+        "on": GPT(config, ctx.group, schedule="oases", seed=0, offload=offloader).to(ctx.device),
+    }
     autocast = getattr(torch, args.step_autocast) if args.step_autocast else None
 
     def step_of(model):
         def step(memory=None):
             with torch.autocast(ctx.device.type, autocast, enabled=autocast is not None):
                 return model.train_step(tokens, targets, memory=memory)
+
         return step
 
     steps = {name: step_of(m) for name, m in models.items()}
@@ -214,32 +259,50 @@ def _step(args, ctx) -> dict:
         before[name], peak[name] = device_peak(ctx, lambda step=step, name=name: step(memory=memories[name]))
     if ctx.is_cuda:  # the figures of the rank that needs the most (every rank holds its shard)
         names = list(steps)
-        reduced = ctx.timer.max_over_ranks(torch.tensor([float(before[n]) for n in names] +
-                                                        [float(peak[n]) for n in names], dtype=torch.float64))
+        reduced = ctx.timer.max_over_ranks(
+            torch.tensor([float(before[n]) for n in names] + [float(peak[n]) for n in names], dtype=torch.float64)
+        )
         before = {n: int(reduced[i]) for i, n in enumerate(names)}
         peak = {n: int(reduced[len(names) + i]) for i, n in enumerate(names)}
     peak_live = None
     if getattr(args, "step_memory_peak", False) and ctx.is_cuda:
         peak_live = {name: peak_allocations(step, ctx.device) for name, step in steps.items()}
     stats = offloader.stats
-    record = {"kind": "step", "schedule": "oases", "offload_batch": args.batch_size,
-              "config": {"hidden": hidden, "layers": layers, "heads": heads, "batch": batch, "seq_len": seq_len,
-                         "tp": ctx.world_size, "autocast": args.step_autocast},
-              "t_step": {name: t.median for name, t in timed.items()},
-              "t_step_min": {name: t.min for name, t in timed.items()},
-              "ratio_on_off": timed["on"].median / timed["off"].median,
-              "peak_resident_bytes": {name: m.peak for name, m in memories.items()},
-              "peak_device_bytes": peak,
-              "device_bytes_before_step": before,
-              "step_device_bytes": {n: None if peak[n] is None else peak[n] - before[n] for n in peak},
-              "peak_device_ratio_on_off": None if peak["off"] is None else peak["on"] / peak["off"],
-              # the step's own memory (peak minus what was allocated before it): what offload saves
-              "step_device_ratio_on_off": None if peak["off"] is None else
-              (peak["on"] - before["on"]) / max(1, peak["off"] - before["off"]),
-              # "checkpoints": the saves (OffloadStats.saves); the key keeps its name: the JSON files are read back
-              "checkpoints": stats.saves, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
-              "bytes_out": stats.bytes_out, "slab_bytes": offloader.slab.capacity, "loss": float(losses["off"]),
-              "copy_path": offloader.engine(ctx.device).path, "peak_live": peak_live}
+    record = {
+        "kind": "step",
+        "schedule": "oases",
+        "offload_batch": args.batch_size,
+        "config": {
+            "hidden": hidden,
+            "layers": layers,
+            "heads": heads,
+            "batch": batch,
+            "seq_len": seq_len,
+            "tp": ctx.world_size,
+            "autocast": args.step_autocast,
+        },
+        "t_step": {name: t.median for name, t in timed.items()},
+        "t_step_min": {name: t.min for name, t in timed.items()},
+        "ratio_on_off": timed["on"].median / timed["off"].median,
+        "peak_resident_bytes": {name: m.peak for name, m in memories.items()},
+        "peak_device_bytes": peak,
+        "device_bytes_before_step": before,
+        "step_device_bytes": {n: None if peak[n] is None else peak[n] - before[n] for n in peak},
+        "peak_device_ratio_on_off": None if peak["off"] is None else peak["on"] / peak["off"],
+        # the step's own memory (peak minus what was allocated before it): what offload saves
+        "step_device_ratio_on_off": None
+        if peak["off"] is None
+        else (peak["on"] - before["on"]) / max(1, peak["off"] - before["off"]),
+        # "checkpoints": the saves (OffloadStats.saves); the key keeps its name: the JSON files are read back
+        "checkpoints": stats.saves,
+        "copies_out": stats.copies_out,
+        "copies_in": stats.copies_in,
+        "bytes_out": stats.bytes_out,
+        "slab_bytes": offloader.slab.capacity,
+        "loss": float(losses["off"]),
+        "copy_path": offloader.engine(ctx.device).path,
+        "peak_live": peak_live,
+    }
     offloader.close()
     return record
 
@@ -262,9 +325,18 @@ def _aiao(args, ctx) -> dict:
     tokens = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
     targets = torch.randint(0, config.vocab_size, (batch, seq_len), generator=g)
     mesh = init_device_mesh(ctx.device.type, (1, pp, 1), mesh_dim_names=("dp", "pp", "tp"))
-    pipes = {name: Pipeline(config, mesh, schedule="aiao", segments=ns, micro_batches=m, seed=0,
-                            offload=Offloader(batch=args.batch_size) if name == "on" else False)
-             for name in ("off", "on")}
+    pipes = {
+        name: Pipeline(
+            config,
+            mesh,
+            schedule="aiao",
+            segments=ns,
+            micro_batches=m,
+            seed=0,
+            offload=Offloader(batch=args.batch_size) if name == "on" else False,
+        )
+        for name in ("off", "on")
+    }
     losses = {}
     for name, pipe in pipes.items():  # "on": its profiling step sizes the slab
         losses[name] = float(pipe.train_step(tokens, targets))
@@ -276,6 +348,7 @@ def _aiao(args, ctx) -> dict:
         def run():
             pipe.train_step(tokens, targets)
             pipe.close()
+
         return run
 
     timed = ctx.timer.measure({name: step(pipe) for name, pipe in pipes.items()})
@@ -284,13 +357,21 @@ def _aiao(args, ctx) -> dict:
     kept_off = m * ns * per_action * micro_bytes  # every action's layer inputs, until its backward
     stats = pipes["on"].offload_stats
     peak_on = ctx.timer.max_over_ranks(torch.tensor([float(stats.peak_resident_bytes)], dtype=torch.float64))
-    return {"kind": "aiao", "measured": True, "pp": pp, "micro_batches": m, "segments": ns,
-            "config": {"hidden": hidden, "layers": layers, "batch": batch, "seq_len": seq_len},
-            "t_step": {name: t.median for name, t in timed.items()},
-            "ratio_on_off": timed["on"].median / timed["off"].median,
-            "peak_resident_bytes": {"off": kept_off, "on": float(peak_on)},
-            "action_bytes": per_action * micro_bytes, "copies_out": stats.copies_out, "copies_in": stats.copies_in,
-            "loss": losses["off"]}
+    return {
+        "kind": "aiao",
+        "measured": True,
+        "pp": pp,
+        "micro_batches": m,
+        "segments": ns,
+        "config": {"hidden": hidden, "layers": layers, "batch": batch, "seq_len": seq_len},
+        "t_step": {name: t.median for name, t in timed.items()},
+        "ratio_on_off": timed["on"].median / timed["off"].median,
+        "peak_resident_bytes": {"off": kept_off, "on": float(peak_on)},
+        "action_bytes": per_action * micro_bytes,
+        "copies_out": stats.copies_out,
+        "copies_in": stats.copies_in,
+        "loss": losses["off"],
+    }
 
 
 def run(args, ctx) -> list[dict]:
@@ -327,18 +408,32 @@ def tables(records: list[dict]) -> list[Table]:
 
 def _copy_table(copies: list[dict]) -> Table:
     same_ram = copies[0]["host_and_device_memory"] == "the same RAM"
-    rows = [[r["tensors"], *(r["gb_per_s"][c] for c in COPIERS),
-             r["t_round_trip"]["to"] / r["t_round_trip"]["ours"],
-             r["t_round_trip"]["to"] / r["t_round_trip"]["ours_inline"]] for r in copies]
+    rows = [
+        [
+            r["tensors"],
+            *(r["gb_per_s"][c] for c in COPIERS),
+            r["t_round_trip"]["to"] / r["t_round_trip"]["ours"],
+            r["t_round_trip"]["to"] / r["t_round_trip"]["ours_inline"],
+        ]
+        for r in copies
+    ]
     kib = copies[0]["tensor_bytes"] >> 10
-    copy_notes = [f"GB/s = 2 x tensors x {kib} KiB / round-trip time (out and back), median, MAX over ranks",
-                  "x to = time of per-tensor .to() / ours (target >= 3 at 64 small tensors)"]
+    copy_notes = [
+        f"GB/s = 2 x tensors x {kib} KiB / round-trip time (out and back), median, MAX over ranks",
+        "x to = time of per-tensor .to() / ours (target >= 3 at 64 small tensors)",
+    ]
     if same_ram:
-        copy_notes += ["CPU: device and host are the same RAM. save_on_cpu copies nothing here (tensor.cpu() of a "
-                       "CPU tensor is the tensor itself): its figure is the hooks' overhead, not a copy",
-                       "both ranks copy at once on the shared cores and memory bus"]
-    return Table(f"offload: round trips of n tensors of {kib} KiB (GB/s)",
-                 ["tensors", *COPIERS, "x to", "x to (inline)"], rows, copy_notes)
+        copy_notes += [
+            "CPU: device and host are the same RAM. save_on_cpu copies nothing here (tensor.cpu() of a "
+            "CPU tensor is the tensor itself): its figure is the hooks' overhead, not a copy",
+            "both ranks copy at once on the shared cores and memory bus",
+        ]
+    return Table(
+        f"offload: round trips of n tensors of {kib} KiB (GB/s)",
+        ["tensors", *COPIERS, "x to", "x to (inline)"],
+        rows,
+        copy_notes,
+    )
 
 
 def _step_table(step: dict) -> Table:
@@ -350,57 +445,104 @@ def _step_table(step: dict) -> Table:
     gib = {k: None if v is None else v / 2**30 for k, v in peaks.items()}
     own = step.get("step_device_bytes") or {"off": None, "on": None}
     own_gib = {k: None if v is None else v / 2**30 for k, v in own.items()}
-    step_rows = [["off", 1e3 * off, None, mib["off"], own_gib["off"], None, gib["off"], None, None],
-                 ["on", 1e3 * on, step["ratio_on_off"], mib["on"], own_gib["on"], step.get("step_device_ratio_on_off"),
-                  gib["on"], step["copies_out"], step["copies_in"]]]
-    step_notes = [f"{step['checkpoints']} sublayer inputs per step (2 sub-batches), {step['offload_batch']} per copy; "
-                  f"slab {step['slab_bytes'] / 2**20:.2f} MiB (sized by the profiling step); copy path "
-                  f"{step['copy_path']}",
-                  "kept MiB = peak device-resident bytes of the recompute inputs (with offload: as the Offloader "
-                  "accounts them)",
-                  "target: t_step(on) <= 1.05 x t_step(off) when the copies are hidden"]
+    step_rows = [
+        ["off", 1e3 * off, None, mib["off"], own_gib["off"], None, gib["off"], None, None],
+        [
+            "on",
+            1e3 * on,
+            step["ratio_on_off"],
+            mib["on"],
+            own_gib["on"],
+            step.get("step_device_ratio_on_off"),
+            gib["on"],
+            step["copies_out"],
+            step["copies_in"],
+        ],
+    ]
+    step_notes = [
+        f"{step['checkpoints']} sublayer inputs per step (2 sub-batches), {step['offload_batch']} per copy; "
+        f"slab {step['slab_bytes'] / 2**20:.2f} MiB (sized by the profiling step); copy path "
+        f"{step['copy_path']}",
+        "kept MiB = peak device-resident bytes of the recompute inputs (with offload: as the Offloader accounts them)",
+        "target: t_step(on) <= 1.05 x t_step(off) when the copies are hidden",
+    ]
     if same_ram:
-        step_notes.append("CPU: offloading frees no memory here (same RAM); t_step(on) pays the memcpy and the copy "
-                          "thread on the cores that compute; on a GPU the copies run on the DMA engines")
+        step_notes.append(
+            "CPU: offloading frees no memory here (same RAM); t_step(on) pays the memcpy and the copy "
+            "thread on the cores that compute; on a GPU the copies run on the DMA engines"
+        )
     else:
-        step_notes.append("step GiB = the step's own device memory: torch.cuda.max_memory_allocated during one step "
-                          "(reset before each variant) minus what was allocated before it, MAX over ranks; step on / "
-                          "off = their ratio; peak GiB = the whole peak, both variants' models and gradients resident")
-    return Table(f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c.get('heads', 8)} heads, "
-                 f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}"
-                 + (f", {c['autocast']} autocast" if c.get("autocast") else ""),
-                 ["offload", "t_step ms", "on / off", "kept MiB", "step GiB", "step on / off", "peak GiB",
-                  "copies out", "copies in"], step_rows, step_notes)
+        step_notes.append(
+            "step GiB = the step's own device memory: torch.cuda.max_memory_allocated during one step "
+            "(reset before each variant) minus what was allocated before it, MAX over ranks; step on / "
+            "off = their ratio; peak GiB = the whole peak, both variants' models and gradients resident"
+        )
+    return Table(
+        f"offload: GPT oases schedule, TP {c['tp']}, hidden {c['hidden']}, {c.get('heads', 8)} heads, "
+        f"{c['layers']} layers, batch {c['batch']} x {c['seq_len']}"
+        + (f", {c['autocast']} autocast" if c.get("autocast") else ""),
+        [
+            "offload",
+            "t_step ms",
+            "on / off",
+            "kept MiB",
+            "step GiB",
+            "step on / off",
+            "peak GiB",
+            "copies out",
+            "copies in",
+        ],
+        step_rows,
+        step_notes,
+    )
 
 
 def _peak_table(peak_live: dict) -> Table:
     rows, notes = [], []
     for name, summary in peak_live.items():
-        notes.append(f"{name}: peak {summary['peak_bytes'] / 2**30:.2f} GiB above the step's start, reached by "
-                     f"{summary['set_by']}; {summary['other_bytes'] / 2**30:.2f} GiB in smaller groups")
+        notes.append(
+            f"{name}: peak {summary['peak_bytes'] / 2**30:.2f} GiB above the step's start, reached by "
+            f"{summary['set_by']}; {summary['other_bytes'] / 2**30:.2f} GiB in smaller groups"
+        )
         for g in summary["groups"]:
             rows.append([name, g["bytes"] / 2**30, g["count"], g["frame"]])
-    notes.append("the blocks live at the step's peak (torch.cuda.memory._record_memory_history, one step per "
-                 "variant), by the innermost project frames of their allocation")
-    return Table("offload: where the step's peak device memory goes", ["offload", "GiB", "blocks", "allocated at"],
-                 rows, notes)
+    notes.append(
+        "the blocks live at the step's peak (torch.cuda.memory._record_memory_history, one step per "
+        "variant), by the innermost project frames of their allocation"
+    )
+    return Table(
+        "offload: where the step's peak device memory goes", ["offload", "GiB", "blocks", "allocated at"], rows, notes
+    )
 
 
 def _aiao_table(aiao: dict) -> Table:
     a = aiao["config"]
     act = aiao["action_bytes"]
-    aiao_rows = [[name, 1e3 * aiao["t_step"][name], aiao["ratio_on_off"] if name == "on" else None,
-                  aiao["peak_resident_bytes"][name] / 2**20, aiao["peak_resident_bytes"][name] / act]
-                 for name in ("off", "on")]
-    aiao_notes = [f"kept MiB: off = every layer input of the m x ns forward actions, kept until its backward "
-                  f"(counted from the shapes); on = the Offloader's peak account; 'actions' = that / one forward "
-                  f"action's inputs ({act / 2**20:.2f} MiB). Target: on <= 2 actions' worth, off = m x ns = "
-                  f"{aiao['micro_batches'] * aiao['segments']}",
-                  f"copies per step (on): {aiao['copies_out']} out, {aiao['copies_in']} in; same loss "
-                  f"{aiao['loss']:.6f} both ways"]
-    return Table(f"offload: AIAO pipeline, PP{aiao['pp']}, m = {aiao['micro_batches']}, ns = {aiao['segments']}, "
-                 f"hidden {a['hidden']}, {a['layers']} layers, batch {a['batch']} x {a['seq_len']}",
-                 ["offload", "t_iter ms", "on / off", "kept MiB", "actions"], aiao_rows, aiao_notes)
+    aiao_rows = [
+        [
+            name,
+            1e3 * aiao["t_step"][name],
+            aiao["ratio_on_off"] if name == "on" else None,
+            aiao["peak_resident_bytes"][name] / 2**20,
+            aiao["peak_resident_bytes"][name] / act,
+        ]
+        for name in ("off", "on")
+    ]
+    aiao_notes = [
+        f"kept MiB: off = every layer input of the m x ns forward actions, kept until its backward "
+        f"(counted from the shapes); on = the Offloader's peak account; 'actions' = that / one forward "
+        f"action's inputs ({act / 2**20:.2f} MiB). Target: on <= 2 actions' worth, off = m x ns = "
+        f"{aiao['micro_batches'] * aiao['segments']}",
+        f"copies per step (on): {aiao['copies_out']} out, {aiao['copies_in']} in; same loss "
+        f"{aiao['loss']:.6f} both ways",
+    ]
+    return Table(
+        f"offload: AIAO pipeline, PP{aiao['pp']}, m = {aiao['micro_batches']}, ns = {aiao['segments']}, "
+        f"hidden {a['hidden']}, {a['layers']} layers, batch {a['batch']} x {a['seq_len']}",
+        ["offload", "t_iter ms", "on / off", "kept MiB", "actions"],
+        aiao_rows,
+        aiao_notes,
+    )
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
@@ -429,10 +571,14 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     names = ["off", "on"]
     bars = right.bar(names, [1e3 * step["t_step"][n] for n in names], color=["tab:gray", "tab:blue"])
     for bar, n in zip(bars, names):
-        right.annotate(f"kept {step['peak_resident_bytes'][n] / 2**20:.2f} MiB", (bar.get_x() + bar.get_width() / 2,
-                       bar.get_height()), ha="center", va="bottom", fontsize=8)
+        right.annotate(
+            f"kept {step['peak_resident_bytes'][n] / 2**20:.2f} MiB",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     right.set_ylabel("ms per training step (MAX over ranks)")
     right.set_title(f"GPT oases schedule, offload off / on (x{step['ratio_on_off']:.2f})", fontsize=9)
     fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
-

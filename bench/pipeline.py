@@ -62,6 +62,7 @@ Regimes (--regime):
 
                    python -m bench pipeline --nproc 4 --bandwidth 500mbit --regime balanced
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,28 +87,44 @@ BASELINE = "1f1b"
 PP = 2
 REGIMES = ("given", "balanced")
 _CALIBRATION_WARMUP = 2  # untimed steps per calibration pass
-_CALIBRATION_STEPS = 3   # timed steps (and DP syncs) per calibration pass
+_CALIBRATION_STEPS = 3  # timed steps (and DP syncs) per calibration pass
 _CALIBRATION_PASSES = 2
-_MAX_BATCH_SCALE = 32    # balanced: the batch grows at most this much over the given one
+_MAX_BATCH_SCALE = 32  # balanced: the batch grows at most this much over the given one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None, help="default 256 (--quick: 32)")
     parser.add_argument("--layers", type=int, default=None, help="default 8 (--quick: 4); divisible by 2*ns")
     parser.add_argument("--heads", type=int, default=None, help="default 8 (--quick: 4)")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="global batch rows, default 16 (--quick: 8); --regime balanced: where it starts")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch rows, default 16 (--quick: 8); --regime balanced: where it starts",
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--dp-overlap-ratio", type=float, default=1.0,
-                        help="Pipeline(dp_overlap_ratio=...) of every variant (default 1.0: all at once)")
+    parser.add_argument(
+        "--dp-overlap-ratio",
+        type=float,
+        default=1.0,
+        help="Pipeline(dp_overlap_ratio=...) of every variant (default 1.0: all at once)",
+    )
     parser.add_argument("--steps", type=int, default=1, help="train_steps per timed call (default 1)")
-    parser.add_argument("--dp-chunk-kib", type=int, default=256,
-                        help="Pipeline(dp_chunk_bytes=...): KiB per DP ring piece, the preemption granularity")
-    parser.add_argument("--regime", choices=REGIMES, default="given",
-                        help="given: the sizes as given (the defaults are DP-bound at 500mbit); balanced: the global "
-                             "batch scaled, by a measurement at the start of the run, until one stage's DP sync "
-                             "alone ~ its forward + backward (see the suite's doc)")
+    parser.add_argument(
+        "--dp-chunk-kib",
+        type=int,
+        default=256,
+        help="Pipeline(dp_chunk_bytes=...): KiB per DP ring piece, the preemption granularity",
+    )
+    parser.add_argument(
+        "--regime",
+        choices=REGIMES,
+        default="given",
+        help="given: the sizes as given (the defaults are DP-bound at 500mbit); balanced: the global "
+        "batch scaled, by a measurement at the start of the run, until one stage's DP sync "
+        "alone ~ its forward + backward (see the suite's doc)",
+    )
 
 
 @dataclass(frozen=True)
@@ -146,8 +163,13 @@ class _Probe:
 
     def __post_init__(self) -> None:
         pipe = self.pipe
-        wait, recv, track, all_reduce, run = (pipe.sync.wait, pipe.comm.recv, pipe.scheduler.track,
-                                              pipe.scheduler.all_reduce, pipe._run)
+        wait, recv, track, all_reduce, run = (
+            pipe.sync.wait,
+            pipe.comm.recv,
+            pipe.scheduler.track,
+            pipe.scheduler.all_reduce,
+            pipe._run,
+        )
 
         def timed_wait(segment: int) -> None:
             start = time.perf_counter()
@@ -176,8 +198,9 @@ class _Probe:
             start = time.perf_counter()
             out = all_reduce(flat, group, chunks=chunks, **options)
             if self.tracing:
-                self.spans.append(("dp", f"bucket {flat.numel() * flat.element_size() / 2**20:.1f} MiB",
-                                   start, time.perf_counter()))
+                self.spans.append(
+                    ("dp", f"bucket {flat.numel() * flat.element_size() / 2**20:.1f} MiB", start, time.perf_counter())
+                )
             return out
 
         def timed_run(action, step) -> None:  # pipe._run: no public per-action hook yet
@@ -203,10 +226,18 @@ class _Probe:
         """This rank's figures of the calls since reset() (call after pipe.close())."""
         s = self.pipe.scheduler
         lat = {k: (statistics.median(v) if v else 0.0) for k, v in s.pp_latency.items()}
-        return {"dp_wait": self.dp_wait, "pp_wait": self.pp_wait, "fwd": self.fwd, "bwd": self.bwd,
-                "send_latency": lat["send"], "recv_latency": lat["recv"],
-                "deferred": float(s.deferred_chunks), "forced": float(s.forced_chunks),
-                "dp_chunks": float(s.dp_chunks), "overlapped": float(s.overlapped_chunks)}
+        return {
+            "dp_wait": self.dp_wait,
+            "pp_wait": self.pp_wait,
+            "fwd": self.fwd,
+            "bwd": self.bwd,
+            "send_latency": lat["send"],
+            "recv_latency": lat["recv"],
+            "deferred": float(s.deferred_chunks),
+            "forced": float(s.forced_chunks),
+            "dp_chunks": float(s.dp_chunks),
+            "overlapped": float(s.overlapped_chunks),
+        }
 
     def timeline(self) -> list[tuple[str, str, float, float]]:
         """The traced spans and every tracked PP transfer as (row, name, start, stop)."""
@@ -216,9 +247,13 @@ class _Probe:
 
 def _sizes(args) -> dict[str, int]:
     q = args.quick
-    return {"hidden": args.hidden or (32 if q else 256), "layers": args.layers or (4 if q else 8),
-            "heads": args.heads or (4 if q else 8), "batch": args.batch or (8 if q else 16),
-            "seq_len": args.seq_len or (16 if q else 64)}
+    return {
+        "hidden": args.hidden or (32 if q else 256),
+        "layers": args.layers or (4 if q else 8),
+        "heads": args.heads or (4 if q else 8),
+        "batch": args.batch or (8 if q else 16),
+        "seq_len": args.seq_len or (16 if q else 64),
+    }
 
 
 def _optimizer(params):
@@ -228,8 +263,16 @@ def _optimizer(params):
 def _calibrate(args, ctx, config: GPTConfig, mesh, batch: int) -> dict[str, float]:
     """One stage's DP sync alone and its compute per iteration (fwd + bwd of a 1f1b pipeline at
     global batch `batch`): medians over _CALIBRATION_STEPS, MAX over ranks (the same on every rank)."""
-    pipe = Pipeline(config, mesh, schedule=BASELINE, segments=1, micro_batches=args.micro_batches, seed=0,
-                    dp_chunk_bytes=args.dp_chunk_kib << 10, optimizer=_optimizer)
+    pipe = Pipeline(
+        config,
+        mesh,
+        schedule=BASELINE,
+        segments=1,
+        micro_batches=args.micro_batches,
+        seed=0,
+        dp_chunk_bytes=args.dp_chunk_kib << 10,
+        optimizer=_optimizer,
+    )
     probe = _Probe(pipe, ctx.rank)
     g = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g) for _ in range(2))
@@ -290,22 +333,37 @@ def run(args, ctx) -> list[dict]:
         raise SystemExit(f"pipeline: needs a multiple of pp = {PP} ranks, got {ctx.world_size}")
     dp = ctx.world_size // PP
     sizes = _sizes(args)
-    config = GPTConfig(vocab_size=64, seq_len=sizes["seq_len"], hidden=sizes["hidden"], heads=sizes["heads"],
-                       layers=sizes["layers"])
+    config = GPTConfig(
+        vocab_size=64, seq_len=sizes["seq_len"], hidden=sizes["hidden"], heads=sizes["heads"], layers=sizes["layers"]
+    )
     mesh = init_device_mesh("cpu", (dp, PP, 1), mesh_dim_names=("dp", "pp", "tp"))
     calibration: list[dict[str, float]] = []
     if args.regime == "balanced":
         sizes["batch"], calibration = _balanced_batch(args, ctx, config, mesh, sizes["batch"], dp)
     g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g),
-                torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g)) for _ in range(2)]
+    batches = [
+        (
+            torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g),
+            torch.randint(0, 64, (sizes["batch"], sizes["seq_len"]), generator=g),
+        )
+        for _ in range(2)
+    ]
     variants = _variants(config.layers)
-    pipes = {v.name: Pipeline(config, mesh, schedule=v.schedule, segments=v.segments,
-                              micro_batches=args.micro_batches, preemption=v.preemption, seed=0,
-                              dp_overlap_ratio=args.dp_overlap_ratio if v.dp_overlap_ratio is None
-                              else v.dp_overlap_ratio,
-                              dp_chunk_bytes=args.dp_chunk_kib << 10,
-                              optimizer=_optimizer) for v in variants}
+    pipes = {
+        v.name: Pipeline(
+            config,
+            mesh,
+            schedule=v.schedule,
+            segments=v.segments,
+            micro_batches=args.micro_batches,
+            preemption=v.preemption,
+            seed=0,
+            dp_overlap_ratio=args.dp_overlap_ratio if v.dp_overlap_ratio is None else v.dp_overlap_ratio,
+            dp_chunk_bytes=args.dp_chunk_kib << 10,
+            optimizer=_optimizer,
+        )
+        for v in variants
+    }
 
     # Same losses (two steps: the second shows the first's update) before any timing.
     # Each pipeline is closed before the next trains: pipelines on one mesh share its groups and
@@ -317,8 +375,9 @@ def run(args, ctx) -> list[dict]:
     for name, pipe in pipes.items():
         for got, want in zip(losses[name], losses[BASELINE]):
             if abs(got - want) > 1e-5 * abs(want):
-                raise AssertionError(f"pipeline: {name} losses {losses[name]} differ from {BASELINE}'s "
-                                     f"{losses[BASELINE]}")
+                raise AssertionError(
+                    f"pipeline: {name} losses {losses[name]} differ from {BASELINE}'s {losses[BASELINE]}"
+                )
     # After the first steps: "auto" variants have chosen their segments (and made their DP sync).
     probes = {name: _Probe(pipe, ctx.rank) for name, pipe in pipes.items()}
 
@@ -335,10 +394,11 @@ def run(args, ctx) -> list[dict]:
             # other threads' CPU is communication's only where compute runs on this thread alone
             comm_cpu = other.seconds if torch.get_num_threads() == 1 else float("nan")
             per_call[name].append({**probes[name].figures(), "comm_cpu": comm_cpu})
+
         return fn
 
     timed = ctx.timer.measure({name: call(name) for name in pipes})
-    figures = {name: _median_max(ctx, calls[args.warmup:], 1.0) for name, calls in per_call.items()}
+    figures = {name: _median_max(ctx, calls[args.warmup :], 1.0) for name, calls in per_call.items()}
 
     # References: the whole DP sync of a stage alone (1f1b's buckets), one PP transfer on an idle link.
     base = pipes[BASELINE]
@@ -353,6 +413,7 @@ def run(args, ctx) -> list[dict]:
             dist.isend(act, peers[1], group=base.pp_group, tag=99).wait()
         elif stage == 1:
             dist.irecv(act, peers[0], group=base.pp_group, tag=99).wait()
+
     pp_idle = ctx.timer.measure({"pp": ping})["pp"]
 
     # One traced iteration per variant (timeline and Perfetto trace), then peak memory.
@@ -367,8 +428,17 @@ def run(args, ctx) -> list[dict]:
         probe.tracing = False
         rows = {"compute": COMPUTE, "pp": COMM, "dp": DP}
         for row, label, start, stop in probe.timeline():
-            ctx.trace.events.append({"name": f"{name}: {label}", "ph": "X", "pid": ctx.rank, "tid": rows[row],
-                                     "ts": start * 1e6, "dur": (stop - start) * 1e6, "args": {"variant": name}})
+            ctx.trace.events.append(
+                {
+                    "name": f"{name}: {label}",
+                    "ph": "X",
+                    "pid": ctx.rank,
+                    "tid": rows[row],
+                    "ts": start * 1e6,
+                    "dur": (stop - start) * 1e6,
+                    "args": {"variant": name},
+                }
+            )
         mine = probe.timeline()
         gathered: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(gathered, mine)
@@ -377,20 +447,31 @@ def run(args, ctx) -> list[dict]:
     peaks = {}
     for name, pipe in pipes.items():
         peak = _peak_rise_mib(lambda: (pipe.train_step(tokens, targets), pipe.close()))
-        peaks[name] = (None if peak is None
-                       else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64))))
+        peaks[name] = (
+            None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
+        )
     for pipe in pipes.values():
         pipe.close()
 
     link = ctx.meta["link"]
     params_stage = sum(p.numel() for p in base.stage.parameters())
-    config_record = {**sizes, "micro_batches": args.micro_batches, "steps_per_call": args.steps,
-                     "dp_overlap_ratio": args.dp_overlap_ratio, "dp_chunk_kib": args.dp_chunk_kib, "dp": dp, "pp": PP,
-                     "tp": 1, "stage_params": params_stage, "dp_sync_mib": params_stage * 4 / 2**20,
-                     "mapping": "rank = d*pp + s; PP inside a host, DP across hosts (with --hosts 2)",
-                     "hosts": int(os.environ.get("OASES_HOSTS", "1")),
-                     "intra_bandwidth": os.environ.get("OASES_INTRA_BANDWIDTH"),
-                     "regime": args.regime, "calibration": calibration}
+    config_record = {
+        **sizes,
+        "micro_batches": args.micro_batches,
+        "steps_per_call": args.steps,
+        "dp_overlap_ratio": args.dp_overlap_ratio,
+        "dp_chunk_kib": args.dp_chunk_kib,
+        "dp": dp,
+        "pp": PP,
+        "tp": 1,
+        "stage_params": params_stage,
+        "dp_sync_mib": params_stage * 4 / 2**20,
+        "mapping": "rank = d*pp + s; PP inside a host, DP across hosts (with --hosts 2)",
+        "hosts": int(os.environ.get("OASES_HOSTS", "1")),
+        "intra_bandwidth": os.environ.get("OASES_INTRA_BANDWIDTH"),
+        "regime": args.regime,
+        "calibration": calibration,
+    }
     records = []
     base_t = timed[BASELINE].median / args.steps
     base_f = figures[BASELINE]
@@ -398,25 +479,43 @@ def run(args, ctx) -> list[dict]:
     for v in variants:
         f = figures[v.name]
         t_iter = timed[v.name].median / args.steps
-        per_iter = {k: f[k] / args.steps for k in ("dp_wait", "pp_wait", "fwd", "bwd", "deferred", "forced",
-                                                   "dp_chunks", "overlapped", "comm_cpu")}
-        records.append({
-            "variant": v.name, "schedule": v.schedule, "segments": pipes[v.name].segments,
-            "dp_overlap_ratio": pipes[v.name].dp_overlap_ratio, "measured": pipes[v.name].measured,
-            "preemption": v.preemption,
-            "t_iter": t_iter, "t_iter_min": timed[v.name].min / args.steps,
-            "dp_exposed": per_iter["dp_wait"], "pp_wait": per_iter["pp_wait"],
-            "fwd": per_iter["fwd"], "bwd": per_iter["bwd"],
-            "send_latency": f["send_latency"], "recv_latency": f["recv_latency"],
-            "comm_cpu": None if math.isnan(per_iter["comm_cpu"]) else per_iter["comm_cpu"],
-            "deferred_chunks": per_iter["deferred"], "forced_chunks": per_iter["forced"],
-            "dp_chunks": per_iter["dp_chunks"], "overlapped_chunks": per_iter["overlapped"],
-            "speedup_vs_1f1b": _metrics.speedup(base_t, t_iter),
-            "losses": losses[v.name], "peak_mib": peaks[v.name],
-            "dp_alone": dp_alone.median, "pp_idle": pp_idle.median, "link": link["bandwidth"],
-            "stage_compute": stage_compute, "dp_to_compute": dp_alone.median / stage_compute,
-            "config": config_record, "timeline": timelines[v.name],
-        })
+        per_iter = {
+            k: f[k] / args.steps
+            for k in ("dp_wait", "pp_wait", "fwd", "bwd", "deferred", "forced", "dp_chunks", "overlapped", "comm_cpu")
+        }
+        records.append(
+            {
+                "variant": v.name,
+                "schedule": v.schedule,
+                "segments": pipes[v.name].segments,
+                "dp_overlap_ratio": pipes[v.name].dp_overlap_ratio,
+                "measured": pipes[v.name].measured,
+                "preemption": v.preemption,
+                "t_iter": t_iter,
+                "t_iter_min": timed[v.name].min / args.steps,
+                "dp_exposed": per_iter["dp_wait"],
+                "pp_wait": per_iter["pp_wait"],
+                "fwd": per_iter["fwd"],
+                "bwd": per_iter["bwd"],
+                "send_latency": f["send_latency"],
+                "recv_latency": f["recv_latency"],
+                "comm_cpu": None if math.isnan(per_iter["comm_cpu"]) else per_iter["comm_cpu"],
+                "deferred_chunks": per_iter["deferred"],
+                "forced_chunks": per_iter["forced"],
+                "dp_chunks": per_iter["dp_chunks"],
+                "overlapped_chunks": per_iter["overlapped"],
+                "speedup_vs_1f1b": _metrics.speedup(base_t, t_iter),
+                "losses": losses[v.name],
+                "peak_mib": peaks[v.name],
+                "dp_alone": dp_alone.median,
+                "pp_idle": pp_idle.median,
+                "link": link["bandwidth"],
+                "stage_compute": stage_compute,
+                "dp_to_compute": dp_alone.median / stage_compute,
+                "config": config_record,
+                "timeline": timelines[v.name],
+            }
+        )
     for r in records:
         r["gap"] = gap_vs_baseline(r, records[[v.name for v in variants].index(BASELINE)])
     return records
@@ -438,8 +537,11 @@ def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
     compute_slowed is what the machine adds where the transfers take CPU from the compute (ranks
     and gloo's threads sharing the cores); comm_cpu (the other threads' CPU time) is beside it."""
     ideal = base["t_iter"] - base["dp_exposed"]
-    parts = {"dp_exposed": r["dp_exposed"], "compute_slowed": (r["fwd"] + r["bwd"]) - (base["fwd"] + base["bwd"]),
-             "bubble": r["pp_wait"] - base["pp_wait"]}
+    parts = {
+        "dp_exposed": r["dp_exposed"],
+        "compute_slowed": (r["fwd"] + r["bwd"]) - (base["fwd"] + base["bwd"]),
+        "bubble": r["pp_wait"] - base["pp_wait"],
+    }
     gap = r["t_iter"] - ideal
     return {"ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values())}
 
@@ -448,43 +550,96 @@ def tables(records: list[dict]) -> list[Table]:
     def ms(v: Optional[float]) -> Optional[float]:
         return None if v is None else 1e3 * v
 
-    rows = [[r["variant"], ms(r["t_iter"]), r["speedup_vs_1f1b"], ms(r["dp_exposed"]), ms(r["pp_wait"]),
-             ms(r["fwd"]), ms(r["bwd"]), ms(r["send_latency"]), ms(r["recv_latency"]), r["deferred_chunks"],
-             r["forced_chunks"], r["dp_chunks"], r["peak_mib"], f"{r['losses'][-1]:.6f}"] for r in records]
+    rows = [
+        [
+            r["variant"],
+            ms(r["t_iter"]),
+            r["speedup_vs_1f1b"],
+            ms(r["dp_exposed"]),
+            ms(r["pp_wait"]),
+            ms(r["fwd"]),
+            ms(r["bwd"]),
+            ms(r["send_latency"]),
+            ms(r["recv_latency"]),
+            r["deferred_chunks"],
+            r["forced_chunks"],
+            r["dp_chunks"],
+            r["peak_mib"],
+            f"{r['losses'][-1]:.6f}",
+        ]
+        for r in records
+    ]
     c, r0 = records[0]["config"], records[0]
-    title = (f"pipeline: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']} x "
-             f"{c['seq_len']}, {c['micro_batches']} micro-batches; PP{c['pp']} x DP{c['dp']}, "
-             f"{c['hosts']} host(s)")
-    return [Table(title, ["variant", "t_iter ms", "x 1f1b", "dp_exposed ms", "pp_wait ms", "fwd ms", "bwd ms",
-                          "send lat ms", "recv lat ms", "deferred/it", "forced/it", "dp chunks/it", "peak MiB",
-                          "loss (2nd step)"], rows,
-                  [f"per iteration: medians over calls of {c['steps_per_call']} train_steps + close(), MAX over "
-                   "ranks; dp_exposed = main thread waiting for DP sync, pp_wait = waiting for PP receives",
-                   f"regime: {_regime_line(r0)}",
-                   f"stage DP sync {c['dp_sync_mib']:.1f} MiB: dp_alone (whole stage's sync, nothing else running) "
-                   f"= {ms(r0['dp_alone']):.1f} ms vs the stage's compute (1f1b fwd + bwd) "
-                   f"{ms(r0['stage_compute']):.1f} ms: ratio {r0['dp_to_compute']:.2f}; "
-                   f"pp_idle (one activation, idle link) = {ms(r0['pp_idle']):.2f} ms",
-                   *_preemption_lines(records),
-                   "send/recv lat: CommScheduler.pp_latency medians, posting to completion (a receive posted ahead "
-                   "includes the sender's compute)",
-                   f"mapping: {c['mapping']}"]), _gap_table(records)]
+    title = (
+        f"pipeline: GPT {c['layers']} layers, hidden {c['hidden']}, {c['heads']} heads, batch {c['batch']} x "
+        f"{c['seq_len']}, {c['micro_batches']} micro-batches; PP{c['pp']} x DP{c['dp']}, "
+        f"{c['hosts']} host(s)"
+    )
+    return [
+        Table(
+            title,
+            [
+                "variant",
+                "t_iter ms",
+                "x 1f1b",
+                "dp_exposed ms",
+                "pp_wait ms",
+                "fwd ms",
+                "bwd ms",
+                "send lat ms",
+                "recv lat ms",
+                "deferred/it",
+                "forced/it",
+                "dp chunks/it",
+                "peak MiB",
+                "loss (2nd step)",
+            ],
+            rows,
+            [
+                f"per iteration: medians over calls of {c['steps_per_call']} train_steps + close(), MAX over "
+                "ranks; dp_exposed = main thread waiting for DP sync, pp_wait = waiting for PP receives",
+                f"regime: {_regime_line(r0)}",
+                f"stage DP sync {c['dp_sync_mib']:.1f} MiB: dp_alone (whole stage's sync, nothing else running) "
+                f"= {ms(r0['dp_alone']):.1f} ms vs the stage's compute (1f1b fwd + bwd) "
+                f"{ms(r0['stage_compute']):.1f} ms: ratio {r0['dp_to_compute']:.2f}; "
+                f"pp_idle (one activation, idle link) = {ms(r0['pp_idle']):.2f} ms",
+                *_preemption_lines(records),
+                "send/recv lat: CommScheduler.pp_latency medians, posting to completion (a receive posted ahead "
+                "includes the sender's compute)",
+                f"mapping: {c['mapping']}",
+            ],
+        ),
+        _gap_table(records),
+    ]
 
 
 def _gap_table(records: list[dict]) -> Table:
     """Each variant against 1f1b with its DP sync hidden (gap_vs_baseline), ms per iteration."""
-    rows = [[r["variant"], 1e3 * r["t_iter"], 1e3 * r["gap"]["ideal"], 1e3 * r["gap"]["gap"],
-             *(1e3 * r["gap"][k] for k in GAP_PARTS), None if r["comm_cpu"] is None else 1e3 * r["comm_cpu"]]
-            for r in records if r["variant"] != BASELINE]
-    return Table(f"pipeline: where each schedule stands against {BASELINE} with its DP sync hidden (ms/iteration)",
-                 ["variant", "t_iter", "ideal", "gap", "DP exposed", "compute slowed", "bubble", "rest",
-                  "comm CPU"], rows,
-                 [f"ideal = {BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed "
-                  "+ bubble + rest (bench.pipeline.gap_vs_baseline)",
-                  f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
-                  "the transfers share the ranks' cores); bubble: PP receive waits above its; rest: the remainder",
-                  "comm CPU: CPU time of each rank's other threads (gloo's, the DP and PP schedulers') per "
-                  "iteration, MAX over ranks (n/a with intra-op threads > 1: they compute too)"])
+    rows = [
+        [
+            r["variant"],
+            1e3 * r["t_iter"],
+            1e3 * r["gap"]["ideal"],
+            1e3 * r["gap"]["gap"],
+            *(1e3 * r["gap"][k] for k in GAP_PARTS),
+            None if r["comm_cpu"] is None else 1e3 * r["comm_cpu"],
+        ]
+        for r in records
+        if r["variant"] != BASELINE
+    ]
+    return Table(
+        f"pipeline: where each schedule stands against {BASELINE} with its DP sync hidden (ms/iteration)",
+        ["variant", "t_iter", "ideal", "gap", "DP exposed", "compute slowed", "bubble", "rest", "comm CPU"],
+        rows,
+        [
+            f"ideal = {BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed "
+            "+ bubble + rest (bench.pipeline.gap_vs_baseline)",
+            f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
+            "the transfers share the ranks' cores); bubble: PP receive waits above its; rest: the remainder",
+            "comm CPU: CPU time of each rank's other threads (gloo's, the DP and PP schedulers') per "
+            "iteration, MAX over ranks (n/a with intra-op threads > 1: they compute too)",
+        ],
+    )
 
 
 def _regime_line(r: dict) -> str:
@@ -493,10 +648,15 @@ def _regime_line(r: dict) -> str:
     kind = "DP-bound" if ratio > 2 else ("compute-bound" if ratio < 0.5 else "balanced")
     if c["regime"] != "balanced":
         return f"{c['regime']} sizes; this run is {kind} (dp_alone / stage compute = {ratio:.2f})"
-    steps = "; ".join(f"batch {p['batch']}: DP sync {1e3 * p['dp_sync_s']:.0f} ms / compute "
-                      f"{1e3 * p['stage_compute_s']:.0f} ms = {p['ratio']:.2f}" for p in c["calibration"])
-    return (f"balanced: global batch {c['calibration'][0]['batch']} -> {c['batch']} from the calibration "
-            f"({steps}); during the run {kind} ({ratio:.2f})")
+    steps = "; ".join(
+        f"batch {p['batch']}: DP sync {1e3 * p['dp_sync_s']:.0f} ms / compute "
+        f"{1e3 * p['stage_compute_s']:.0f} ms = {p['ratio']:.2f}"
+        for p in c["calibration"]
+    )
+    return (
+        f"balanced: global batch {c['calibration'][0]['batch']} -> {c['batch']} from the calibration "
+        f"({steps}); during the run {kind} ({ratio:.2f})"
+    )
 
 
 def _preemption_lines(records: list[dict]) -> list[str]:
@@ -506,20 +666,31 @@ def _preemption_lines(records: list[dict]) -> list[str]:
     for name in ("aiao-ns2", "aiao-auto"):
         if name in by:
             r, b = by[name], by[BASELINE]
-            out.append(f"{name} vs {BASELINE}: {1e3 * r['t_iter']:.0f} vs {1e3 * b['t_iter']:.0f} ms/iteration "
-                       f"(x {r['speedup_vs_1f1b']:.2f}); DP exposed {1e3 * r['dp_exposed']:.0f} vs "
-                       f"{1e3 * b['dp_exposed']:.0f} ms")
+            out.append(
+                f"{name} vs {BASELINE}: {1e3 * r['t_iter']:.0f} vs {1e3 * b['t_iter']:.0f} ms/iteration "
+                f"(x {r['speedup_vs_1f1b']:.2f}); DP exposed {1e3 * r['dp_exposed']:.0f} vs "
+                f"{1e3 * b['dp_exposed']:.0f} ms"
+            )
     if "aiao-ns2" in by and "aiao-ns2-nopre" in by:
         on, off = by["aiao-ns2"], by["aiao-ns2-nopre"]
-        out.append(f"PP latency under DP (send / recv median): preemption on (aiao-ns2) "
-                   f"{1e3 * on['send_latency']:.1f} / {1e3 * on['recv_latency']:.1f} ms, off (aiao-ns2-nopre) "
-                   f"{1e3 * off['send_latency']:.1f} / {1e3 * off['recv_latency']:.1f} ms; "
-                   f"idle link {1e3 * on['pp_idle']:.2f} ms")
+        out.append(
+            f"PP latency under DP (send / recv median): preemption on (aiao-ns2) "
+            f"{1e3 * on['send_latency']:.1f} / {1e3 * on['recv_latency']:.1f} ms, off (aiao-ns2-nopre) "
+            f"{1e3 * off['send_latency']:.1f} / {1e3 * off['recv_latency']:.1f} ms; "
+            f"idle link {1e3 * on['pp_idle']:.2f} ms"
+        )
     return out
 
 
-_COLORS = {"F": "tab:blue", "B": "tab:green", "dp wait": "tab:red", "send": "tab:orange", "recv": "tab:purple",
-           "recv wait": "black", "bucket": "tab:brown"}
+_COLORS = {
+    "F": "tab:blue",
+    "B": "tab:green",
+    "dp wait": "tab:red",
+    "send": "tab:orange",
+    "recv": "tab:purple",
+    "recv wait": "black",
+    "bucket": "tab:brown",
+}
 
 
 def _color(label: str) -> str:
@@ -549,21 +720,32 @@ def plot(records: list[dict], path: str, title: str) -> bool:
                 for kind, label, start, stop in spans:
                     if kind == row:
                         height = 0.8 if row != "pp" else (0.4 if label in ("send", "recv") else 0.8)
-                        ax.broken_barh([(1e3 * start, max(1e3 * (stop - start), 0.05))], (y - 0.4, height),
-                                       facecolors=_color(label), alpha=0.6 if row == "pp" else 0.9)
+                        ax.broken_barh(
+                            [(1e3 * start, max(1e3 * (stop - start), 0.05))],
+                            (y - 0.4, height),
+                            facecolors=_color(label),
+                            alpha=0.6 if row == "pp" else 0.9,
+                        )
         ax.set_yticks(range(len(labels)))
         ax.set_yticklabels(labels, fontsize=6)
         ax.invert_yaxis()
-        ax.set_title(f"{r['variant']}: {1e3 * r['t_iter']:.0f} ms/iteration (median), traced iteration below",
-                     fontsize=8)
+        ax.set_title(
+            f"{r['variant']}: {1e3 * r['t_iter']:.0f} ms/iteration (median), traced iteration below", fontsize=8
+        )
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("ms since the traced iteration's first event (one train_step + close)")
-    legend = [Patch(color=c, label=n) for n, c in (("forward", _COLORS["F"]), ("backward", _COLORS["B"]),
-                                                     ("main waits for DP", _COLORS["dp wait"]),
-                                                     ("PP send in flight", _COLORS["send"]),
-                                                     ("PP recv posted..done", _COLORS["recv"]),
-                                                     ("main waits for PP recv", _COLORS["recv wait"]),
-                                                     ("DP bucket sync (DP thread)", _COLORS["bucket"]))]
+    legend = [
+        Patch(color=c, label=n)
+        for n, c in (
+            ("forward", _COLORS["F"]),
+            ("backward", _COLORS["B"]),
+            ("main waits for DP", _COLORS["dp wait"]),
+            ("PP send in flight", _COLORS["send"]),
+            ("PP recv posted..done", _COLORS["recv"]),
+            ("main waits for PP recv", _COLORS["recv wait"]),
+            ("DP bucket sync (DP thread)", _COLORS["bucket"]),
+        )
+    ]
     fig.legend(handles=legend, loc="upper right", fontsize=7, ncol=4)
     fig.suptitle(title, fontsize=9, x=0.3)
     fig.tight_layout(rect=(0, 0, 1, 0.97))

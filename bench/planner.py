@@ -36,6 +36,7 @@ each layer at its degree), and against that schedule at TP 2 without tp_degrees:
 
     python -m bench planner --bandwidth 250mbit --mixed --hiddens 128 --layers 4 --batch 16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,13 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
-    parser.add_argument("--mixed", action="store_true",
-                        help="time the planner's per-layer plan against the uniform plans (see above)")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also time each configuration's compute alone (communication dry-run; DP: without "
-                             "the gradient all-reduce) and its exposed communication, beside the predicted parts")
-    parser.add_argument("--memory-budget", type=float, default=None,
-                        help="with --mixed: per-rank bytes (default: halfway between uniform degree 1 and 2)")
+    parser.add_argument(
+        "--mixed", action="store_true", help="time the planner's per-layer plan against the uniform plans (see above)"
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time each configuration's compute alone (communication dry-run; DP: without "
+        "the gradient all-reduce) and its exposed communication, beside the predicted parts",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=float,
+        default=None,
+        help="with --mixed: per-rank bytes (default: halfway between uniform degree 1 and 2)",
+    )
 
 
 def _flat_all_reduce(model: torch.nn.Module) -> None:
@@ -80,7 +89,7 @@ def _flat_all_reduce(model: torch.nn.Module) -> None:
     dist.all_reduce(flat)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -94,14 +103,15 @@ def _configurations(ctx, config: GPTConfig, shape: ModelShape, alone, tokens: to
     batch = tokens.shape[0]
     half = slice(ctx.rank * batch // 2, (ctx.rank + 1) * batch // 2)
     steps, works, compute_only, models = {}, {}, {}, {}
-    tp_cases = [(f"tp2-{s}" + (f"-{n}" if n != (1 if s == "megatron" else 2) else ""), s, n, False)
-                for s, n in VARIANTS]
+    tp_cases = [
+        (f"tp2-{s}" + (f"-{n}" if n != (1 if s == "megatron" else 2) else ""), s, n, False) for s, n in VARIANTS
+    ]
     tp_cases += [(f"tp2-{s}-sp", s, n, True) for s, n in SP_VARIANTS]
     for name, schedule, n, sp in tp_cases:
         model = GPT(config, ctx.group, schedule=schedule, seed=0, sequence_parallel=sp)
         models[name] = model
-        steps[name] = (lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n))
-        compute_only[name] = (lambda m=model, n=n: _dry(m, lambda: m.train_step(tokens, targets, sub_batches=n)))
+        steps[name] = lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n)
+        compute_only[name] = lambda m=model, n=n: _dry(m, lambda: m.train_step(tokens, targets, sub_batches=n))
         works[name] = (Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n, sequence_parallel=sp), 2)
     for schedule, n in DP_VARIANTS:
         name = f"dp-{schedule}"
@@ -112,7 +122,7 @@ def _configurations(ctx, config: GPTConfig, shape: ModelShape, alone, tokens: to
             _flat_all_reduce(m)
 
         steps[name] = dp_step
-        compute_only[name] = (lambda m=model, n=n: m.train_step(tokens[half], targets[half], sub_batches=n))
+        compute_only[name] = lambda m=model, n=n: m.train_step(tokens[half], targets[half], sub_batches=n)
         works[name] = (Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n), 1)
     return steps, works, compute_only, models
 
@@ -129,8 +139,10 @@ def _breakdown(ctx, steps: dict, alone: dict, models: dict) -> dict[str, dict[st
         waited[name] = model.comm.waited / 3
     local = torch.tensor([waited.get(name, 0.0) for name in steps], dtype=torch.float64)
     local = ctx.timer.max_over_ranks(local).tolist()
-    return {name: {"measured_compute_s": alone[name].median,
-                   "measured_waited_s": local[i] if name in models else None} for i, name in enumerate(steps)}
+    return {
+        name: {"measured_compute_s": alone[name].median, "measured_waited_s": local[i] if name in models else None}
+        for i, name in enumerate(steps)
+    }
 
 
 def _spearman(x: list[float], y: list[float]) -> float:
@@ -141,8 +153,9 @@ def _spearman(x: list[float], y: list[float]) -> float:
 
 def run(args, ctx) -> list[dict]:
     if ctx.world_size != 2:
-        raise ValueError(f"--nproc: the planner suite runs on 2 ranks (TP 2 and its DP counterpart), "
-                         f"got {ctx.world_size}")
+        raise ValueError(
+            f"--nproc: the planner suite runs on 2 ranks (TP 2 and its DP counterpart), got {ctx.world_size}"
+        )
     quick = args.quick
     hiddens = [int(h) for h in (args.hiddens or ("64" if quick else "256,512")).split(",")]
     batch, seq_len = args.batch or (4 if quick else 8), args.seq_len or (16 if quick else 64)
@@ -152,8 +165,15 @@ def run(args, ctx) -> list[dict]:
     records = []
     for hidden in hiddens:
         config = GPTConfig(vocab_size=64, seq_len=seq_len, hidden=hidden, heads=args.heads, layers=args.layers)
-        shape = ModelShape(layers=config.layers, hidden=hidden, heads=config.heads, seq_len=seq_len,
-                           vocab_size=config.vocab_size, ffn_hidden=config.mlp_ratio * hidden, name=f"gpt-h{hidden}")
+        shape = ModelShape(
+            layers=config.layers,
+            hidden=hidden,
+            heads=config.heads,
+            seq_len=seq_len,
+            vocab_size=config.vocab_size,
+            ffn_hidden=config.mlp_ratio * hidden,
+            name=f"gpt-h{hidden}",
+        )
         started = time.perf_counter()
         rows = sorted({max(batch * d // 2 // n, 1) for d in (1, 2) for _, n in (*VARIANTS, *DP_VARIANTS)})
         head = _profile.measure_head(ctx, config, sorted({batch // 2, batch}))
@@ -183,20 +203,39 @@ def run(args, ctx) -> list[dict]:
         doc = _profile.profile_document(ctx, config, compute, head, collectives, [], overlap)
         profile = replace(profile_from_dict(doc, source="measured in this run"), element_bytes=4)
         profile_s = time.perf_counter() - started
-        parts = _breakdown(ctx, steps, {name: measured[f"dry/{name}"] for name in compute_only}, models) \
-            if args.breakdown else {}
+        parts = (
+            _breakdown(ctx, steps, {name: measured[f"dry/{name}"] for name in compute_only}, models)
+            if args.breakdown
+            else {}
+        )
         for name, (work, degree) in works.items():
             cost = step_cost(work, profile, [degree] * config.layers)
             t = measured[name].median
-            records.append({"config": name, "hidden": hidden, "layers": config.layers, "batch": batch,
-                            "seq_len": seq_len, "schedule": work.schedule, "sub_batches": work.n, "tp_degree": degree,
-                            "sequence_parallel": work.sequence_parallel,
-                            "predicted_s": cost.time_s, "predicted_compute_s": cost.compute_s,
-                            "predicted_comm_s": cost.comm_s, "predicted_memory_bytes": cost.memory_bytes,
-                            "measured_s": t, "measured_min_s": measured[name].min,
-                            "error": (cost.time_s - t) / t, "profile_s": profile_s,
-                            "overlap_efficiency": profile.overlap, "overlap": overlap, **parts.get(name, {}),
-                            "profile": {"compute": compute, "head": head, "collectives": collectives}})
+            records.append(
+                {
+                    "config": name,
+                    "hidden": hidden,
+                    "layers": config.layers,
+                    "batch": batch,
+                    "seq_len": seq_len,
+                    "schedule": work.schedule,
+                    "sub_batches": work.n,
+                    "tp_degree": degree,
+                    "sequence_parallel": work.sequence_parallel,
+                    "predicted_s": cost.time_s,
+                    "predicted_compute_s": cost.compute_s,
+                    "predicted_comm_s": cost.comm_s,
+                    "predicted_memory_bytes": cost.memory_bytes,
+                    "measured_s": t,
+                    "measured_min_s": measured[name].min,
+                    "error": (cost.time_s - t) / t,
+                    "profile_s": profile_s,
+                    "overlap_efficiency": profile.overlap,
+                    "overlap": overlap,
+                    **parts.get(name, {}),
+                    "profile": {"compute": compute, "head": head, "collectives": collectives},
+                }
+            )
     if args.mixed:
         return records
     predicted_all = [r["predicted_s"] for r in records]
@@ -211,8 +250,15 @@ def run(args, ctx) -> list[dict]:
     return records
 
 
-def _mixed_case(ctx, config: GPTConfig, shape: ModelShape, profile, tokens: torch.Tensor, targets: torch.Tensor,
-                budget: Optional[float]) -> list[dict]:
+def _mixed_case(
+    ctx,
+    config: GPTConfig,
+    shape: ModelShape,
+    profile,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+    budget: Optional[float],
+) -> list[dict]:
     """The planner's per-layer degrees under `budget` against the uniform plans, all measured."""
     work = Workload(shape, rows=tokens.shape[0], tp=2, schedule="oases", sub_batches=2)
     uniform = {d: plan_degrees(work, profile, math.inf, degrees=(d,)) for d in (1, 2)}
@@ -222,73 +268,138 @@ def _mixed_case(ctx, config: GPTConfig, shape: ModelShape, profile, tokens: torc
     steps = {}
     for name, degrees in plans.items():
         model = GPT(config, ctx.group, tp_degrees=list(degrees), schedule="oases", seed=0)
-        steps[name] = (lambda m=model: m.train_step(tokens, targets, sub_batches=2))
+        steps[name] = lambda m=model: m.train_step(tokens, targets, sub_batches=2)
     overlapped = GPT(config, ctx.group, schedule="oases", seed=0)
     steps["tp2-oases"] = lambda: overlapped.train_step(tokens, targets, sub_batches=2)
-    predicted = {name: plan_degrees(work, profile, math.inf, degrees=tuple(sorted(set(d))))
-                 if len(set(d)) == 1 else planned for name, d in plans.items()}
+    predicted = {
+        name: plan_degrees(work, profile, math.inf, degrees=tuple(sorted(set(d)))) if len(set(d)) == 1 else planned
+        for name, d in plans.items()
+    }
     measured = ctx.timer.measure(steps)
     fits = [name for name in ("uniform-1", "uniform-2") if predicted[name].memory_bytes <= budget]
     best = min(fits, key=lambda name: measured[name].median, default=None)
     records = []
     for name, timing in measured.items():
         p = predicted.get(name)
-        records.append({"case": "mixed", "config": name, "hidden": config.hidden, "layers": config.layers,
-                        "batch": tokens.shape[0], "seq_len": tokens.shape[1],
-                        "tp_degrees": list(plans.get(name, (2,) * config.layers)),
-                        "runtime": "train_step oases, 2 sub-batches" + ("" if p is None else ", tp_degrees"),
-                        "predicted_s": None if p is None else p.time_s,
-                        "predicted_memory_bytes": None if p is None else p.memory_bytes,
-                        "fits_budget": None if p is None else p.memory_bytes <= budget,
-                        "memory_budget_bytes": budget, "measured_s": timing.median, "measured_min_s": timing.min,
-                        "best_fitting_uniform": best,
-                        "speedup_vs_best_fitting_uniform": (None if best is None
-                                                            else measured[best].median / timing.median)})
+        records.append(
+            {
+                "case": "mixed",
+                "config": name,
+                "hidden": config.hidden,
+                "layers": config.layers,
+                "batch": tokens.shape[0],
+                "seq_len": tokens.shape[1],
+                "tp_degrees": list(plans.get(name, (2,) * config.layers)),
+                "runtime": "train_step oases, 2 sub-batches" + ("" if p is None else ", tp_degrees"),
+                "predicted_s": None if p is None else p.time_s,
+                "predicted_memory_bytes": None if p is None else p.memory_bytes,
+                "fits_budget": None if p is None else p.memory_bytes <= budget,
+                "memory_budget_bytes": budget,
+                "measured_s": timing.median,
+                "measured_min_s": timing.min,
+                "best_fitting_uniform": best,
+                "speedup_vs_best_fitting_uniform": (None if best is None else measured[best].median / timing.median),
+            }
+        )
     return records
 
 
 def _mixed_tables(records: list[dict]) -> list[Table]:
-    rows = [[r["config"], r["hidden"], str(r["tp_degrees"]), r["runtime"],
-             "-" if r["predicted_s"] is None else 1e3 * r["predicted_s"],
-             "-" if r["predicted_memory_bytes"] is None else r["predicted_memory_bytes"] / 1e6,
-             "-" if r["fits_budget"] is None else ("yes" if r["fits_budget"] else "no"), 1e3 * r["measured_s"],
-             "-" if r["speedup_vs_best_fitting_uniform"] is None else r["speedup_vs_best_fitting_uniform"]]
-            for r in records]
+    rows = [
+        [
+            r["config"],
+            r["hidden"],
+            str(r["tp_degrees"]),
+            r["runtime"],
+            "-" if r["predicted_s"] is None else 1e3 * r["predicted_s"],
+            "-" if r["predicted_memory_bytes"] is None else r["predicted_memory_bytes"] / 1e6,
+            "-" if r["fits_budget"] is None else ("yes" if r["fits_budget"] else "no"),
+            1e3 * r["measured_s"],
+            "-" if r["speedup_vs_best_fitting_uniform"] is None else r["speedup_vs_best_fitting_uniform"],
+        ]
+        for r in records
+    ]
     r0 = records[0]
-    return [Table(f"planner --mixed: per-layer plan vs uniform ({r0['layers']} layers, batch {r0['batch']} x "
-                  f"{r0['seq_len']}, memory budget {r0['memory_budget_bytes'] / 1e6:.2f} MB per rank)",
-                  ["config", "hidden", "degrees", "runtime", "predicted ms", "pred MB", "fits", "measured ms",
-                   "x vs best fitting uniform"], rows,
-                  ["predicted: oases.planner.plan_degrees (schedule oases, 2 sub-batches) from the profile measured "
-                   "in this run; every plan runs on that schedule (per-layer degrees included)",
-                   "the budget is declared, not this machine's: every plan fits in its RAM"])]
+    return [
+        Table(
+            f"planner --mixed: per-layer plan vs uniform ({r0['layers']} layers, batch {r0['batch']} x "
+            f"{r0['seq_len']}, memory budget {r0['memory_budget_bytes'] / 1e6:.2f} MB per rank)",
+            [
+                "config",
+                "hidden",
+                "degrees",
+                "runtime",
+                "predicted ms",
+                "pred MB",
+                "fits",
+                "measured ms",
+                "x vs best fitting uniform",
+            ],
+            rows,
+            [
+                "predicted: oases.planner.plan_degrees (schedule oases, 2 sub-batches) from the profile measured "
+                "in this run; every plan runs on that schedule (per-layer degrees included)",
+                "the budget is declared, not this machine's: every plan fits in its RAM",
+            ],
+        )
+    ]
 
 
 def tables(records: list[dict]) -> list[Table]:
     if records and records[0].get("case") == "mixed":
         return _mixed_tables(records)
-    rows = [[r["config"], r["hidden"], r["tp_degree"], r["sub_batches"], 1e3 * r["predicted_compute_s"],
-             1e3 * r["predicted_comm_s"], 1e3 * r["predicted_s"], 1e3 * r["measured_s"], 100 * r["error"]]
-            for r in records]
-    header = ["config", "hidden", "degree", "n", "pred comp ms", "pred comm ms", "predicted ms", "measured ms",
-              "error %"]
+    rows = [
+        [
+            r["config"],
+            r["hidden"],
+            r["tp_degree"],
+            r["sub_batches"],
+            1e3 * r["predicted_compute_s"],
+            1e3 * r["predicted_comm_s"],
+            1e3 * r["predicted_s"],
+            1e3 * r["measured_s"],
+            100 * r["error"],
+        ]
+        for r in records
+    ]
+    header = [
+        "config",
+        "hidden",
+        "degree",
+        "n",
+        "pred comp ms",
+        "pred comm ms",
+        "predicted ms",
+        "measured ms",
+        "error %",
+    ]
     r0 = records[0]
     if "measured_compute_s" in r0:  # --breakdown
         header += ["meas comp ms", "comp err %", "meas waited ms"]
         for row, r in zip(rows, records):
             waited = r["measured_waited_s"]
-            row += [1e3 * r["measured_compute_s"],
-                    100 * (r["predicted_compute_s"] - r["measured_compute_s"]) / r["measured_compute_s"],
-                    "-" if waited is None else 1e3 * waited]
+            row += [
+                1e3 * r["measured_compute_s"],
+                100 * (r["predicted_compute_s"] - r["measured_compute_s"]) / r["measured_compute_s"],
+                "-" if waited is None else 1e3 * waited,
+            ]
     spearman = "n/a" if r0["spearman"] is None else f"{r0['spearman']:.3f}"
-    return [Table(f"planner: predicted vs measured step ({r0['layers']} layers, batch {r0['batch']} x {r0['seq_len']})",
-                  header, rows,
-                  [f"Spearman {spearman} over {len(records)} configurations; |error| mean "
-                   f"{100 * r0['mean_abs_error']:.1f}%, max {100 * r0['max_abs_error']:.1f}%, "
-                   f"{r0['within_20pct']}/{len(records)} within 20%",
-                   "predicted: oases.planner.step_cost from a profile measured in this run (compute per sublayer, "
-                   "TP degree and rows; collectives fitted as latency + bytes / bandwidth; overlap efficiency "
-                   + ", ".join(f"{o:.2f}" for o in sorted({r['overlap_efficiency'] for r in records})) + ")"])]
+    return [
+        Table(
+            f"planner: predicted vs measured step ({r0['layers']} layers, batch {r0['batch']} x {r0['seq_len']})",
+            header,
+            rows,
+            [
+                f"Spearman {spearman} over {len(records)} configurations; |error| mean "
+                f"{100 * r0['mean_abs_error']:.1f}%, max {100 * r0['max_abs_error']:.1f}%, "
+                f"{r0['within_20pct']}/{len(records)} within 20%",
+                "predicted: oases.planner.step_cost from a profile measured in this run (compute per sublayer, "
+                "TP degree and rows; collectives fitted as latency + bytes / bandwidth; overlap efficiency "
+                + ", ".join(f"{o:.2f}" for o in sorted({r["overlap_efficiency"] for r in records}))
+                + ")",
+            ],
+        )
+    ]
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:

@@ -47,6 +47,7 @@ bound, t_serial, t_overlap, efficiency, efficiency_vs_serial_ring, speedup {peer
 from per-rank minima under `min`, and `traced_call` (GEMM / wait / post / other time inside
 instrumented calls of ours at the best chunk count; the last call is in the Chrome trace).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,11 @@ from oases.planner import partition
 
 FUSED = ("all_gather_linear", "linear_reduce_scatter", "linear_all_reduce")
 COLLECTIVES = ("ring_all_gather", "ring_reduce_scatter", "all_reduce")
-HIERARCHICAL = {"hierarchical_reduce_scatter": "reduce_scatter", "hierarchical_all_gather": "all_gather",
-                "hierarchical_all_reduce": "all_reduce"}
+HIERARCHICAL = {
+    "hierarchical_reduce_scatter": "reduce_scatter",
+    "hierarchical_all_gather": "all_gather",
+    "hierarchical_all_reduce": "all_reduce",
+}
 ALL_CASES = FUSED + COLLECTIVES + tuple(HIERARCHICAL)
 # (s, k, o) per case; see the module docstring for what each means. Every case sends 4 MiB per
 # rank (fp32) and does 2 * 2048 * 1024 * 1280 GEMM flops per rank. Measured on this 2-core Xeon,
@@ -89,13 +93,25 @@ LOW_PRECISION_TOLERANCE = dict(rtol=3e-2, atol=6e-2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", default=None,
-                        help="comma-separated cases (default: all; the hierarchical ones only when hosts are "
-                             "emulated, GROUP_WORLD_SIZE > 1): " + ", ".join(ALL_CASES))
-    parser.add_argument("--hier-mib", type=float, default=None,
-                        help="full tensor of the hierarchical cases, MiB (default: 4; --quick: 1/16)")
-    parser.add_argument("--shape", action="append", default=[], metavar="CASE=SxKxO",
-                        help="override a fused case's shape (its collective uses the same tensors)")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated cases (default: all; the hierarchical ones only when hosts are "
+        "emulated, GROUP_WORLD_SIZE > 1): " + ", ".join(ALL_CASES),
+    )
+    parser.add_argument(
+        "--hier-mib",
+        type=float,
+        default=None,
+        help="full tensor of the hierarchical cases, MiB (default: 4; --quick: 1/16)",
+    )
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="CASE=SxKxO",
+        help="override a fused case's shape (its collective uses the same tensors)",
+    )
     parser.add_argument("--chunks", help="comma-separated chunk counts instead of the sweep 1,2,p,2p,4p")
     parser.add_argument("--bidirectional", action="store_true", help="run the rings with bidirectional=True")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -109,9 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class FusedCase:
     name: str
     shapes: dict[str, list[int]]
-    divides: int                # chunk counts must divide this (rows per piece group)
-    sent_bytes: int             # bytes this rank sends per call
-    flops: int                  # GEMM flops per rank per call
+    divides: int  # chunk counts must divide this (rows per piece group)
+    sent_bytes: int  # bytes this rank sends per call
+    flops: int  # GEMM flops per rank per call
     ours: Callable[[int], Callable[[], torch.Tensor]]
     compute: Callable[[int], Callable[[], object]]
     comm: Callable[[int], Callable[[], object]]
@@ -124,9 +140,9 @@ class FusedCase:
 @dataclass
 class CollectiveCase:
     name: str
-    collective: str             # all_gather | reduce_scatter | all_reduce (bus bandwidth factor)
+    collective: str  # all_gather | reduce_scatter | all_reduce (bus bandwidth factor)
     shapes: dict[str, list[int]]
-    nbytes: int                 # the full tensor
+    nbytes: int  # the full tensor
     ours: Callable[[], torch.Tensor]
     torch_impl: str
     theirs: Callable[[], torch.Tensor]
@@ -176,17 +192,20 @@ def _all_gather_linear(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
     s, k, o = shape
     p, r, bi = env.p, env.r, env.bidirectional
     n = s // p
-    x_full = env.to(_randn((s, k), 1))                         # [s, k]
-    w_full = env.to(_randn((p * o, k), 2, 1 / math.sqrt(k)))   # [p o, k], rank r holds rows r*o..
-    x, w = x_full[r * n:(r + 1) * n].contiguous(), w_full[r * o:(r + 1) * o].contiguous()
+    x_full = env.to(_randn((s, k), 1))  # [s, k]
+    w_full = env.to(_randn((p * o, k), 2, 1 / math.sqrt(k)))  # [p o, k], rank r holds rows r*o..
+    x, w = x_full[r * n : (r + 1) * n].contiguous(), w_full[r * o : (r + 1) * o].contiguous()
 
     def compute(c: int) -> Callable[[], torch.Tensor]:
         pieces = [slice(b * n + q.start, b * n + q.stop) for b in range(p) for q in _row_pieces(n, c, bi)]
         return lambda: _linear_pieces(x_full, w, pieces)
 
     case = FusedCase(
-        "all_gather_linear", {"x": [n, k], "weight": [o, k], "y": [s, o]}, n,
-        (p - 1) * n * k * x.element_size(), 2 * s * k * o,
+        "all_gather_linear",
+        {"x": [n, k], "weight": [o, k], "y": [s, o]},
+        n,
+        (p - 1) * n * k * x.element_size(),
+        2 * s * k * o,
         ours=lambda c: lambda: ops.all_gather_linear(x, w, chunks=c, bidirectional=bi),
         compute=compute,
         comm=lambda c: lambda: comm.ring_all_gather(x, chunks=c, bidirectional=bi),
@@ -194,16 +213,23 @@ def _all_gather_linear(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         async_pipelined=lambda c: _peers.all_gather_linear_async(x, w, p, r, c),
     )
     case.peers = {
-        "serial": Peer("oases.ops.reference.all_gather_linear (dist.all_gather_into_tensor, then F.linear)",
-                       lambda: ops.reference.all_gather_linear(x, w)),
-        "serial_ring": Peer("oases.comm.ring_all_gather (blocking), then F.linear",
-                            lambda: F.linear(comm.ring_all_gather(x, bidirectional=bi), w)),
+        "serial": Peer(
+            "oases.ops.reference.all_gather_linear (dist.all_gather_into_tensor, then F.linear)",
+            lambda: ops.reference.all_gather_linear(x, w),
+        ),
+        "serial_ring": Peer(
+            "oases.comm.ring_all_gather (blocking), then F.linear",
+            lambda: F.linear(comm.ring_all_gather(x, bidirectional=bi), w),
+        ),
         "torch_tp": _peers.torch_tp("colwise_shard0", w_full, x, env.mesh),
         "torch_symm_mem": _peers.torch_symm_mem("fused_all_gather_matmul", x, w, env.group_name),
     }
     gathered = x_full.new_empty((s, k))
     case.collective = CollectiveCase(
-        "ring_all_gather", "all_gather", {"x": [n, k], "out": [s, k]}, s * k * x.element_size(),
+        "ring_all_gather",
+        "all_gather",
+        {"x": [n, k], "out": [s, k]},
+        s * k * x.element_size(),
         ours=lambda: comm.ring_all_gather(x, bidirectional=bi),
         torch_impl="dist.all_gather_into_tensor",
         theirs=lambda: dist.all_gather_into_tensor(gathered, x),
@@ -224,10 +250,10 @@ def _feature_sharded(env: _Env, shape: tuple[int, int, int], seed: int):
     """x [s, k] and weight [o, k]: this rank's slice of the input features of x_full, w_full."""
     s, k, o = shape
     p, r = env.p, env.r
-    x_full = env.to(_randn((s, p * k), seed))                          # [s, p k]
+    x_full = env.to(_randn((s, p * k), seed))  # [s, p k]
     w_full = env.to(_randn((o, p * k), seed + 1, 1 / math.sqrt(p * k)))  # [o, p k]
-    x = x_full[:, r * k:(r + 1) * k].contiguous()
-    w = w_full[:, r * k:(r + 1) * k].contiguous()
+    x = x_full[:, r * k : (r + 1) * k].contiguous()
+    w = w_full[:, r * k : (r + 1) * k].contiguous()
     return x, w, w_full
 
 
@@ -243,8 +269,11 @@ def _linear_reduce_scatter(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         return lambda: [F.linear(x[q], w) for q in pieces]  # as the op produces each partial
 
     case = FusedCase(
-        "linear_reduce_scatter", {"x": [s, k], "weight": [o, k], "y": [n, o]}, n,
-        (p - 1) * n * o * x.element_size(), 2 * s * k * o,
+        "linear_reduce_scatter",
+        {"x": [s, k], "weight": [o, k], "y": [n, o]},
+        n,
+        (p - 1) * n * o * x.element_size(),
+        2 * s * k * o,
         ours=lambda c: lambda: ops.linear_reduce_scatter(x, w, chunks=c, bidirectional=bi),
         compute=compute,
         comm=lambda c: lambda: comm.ring_reduce_scatter(partial, chunks=c, bidirectional=bi),
@@ -252,16 +281,23 @@ def _linear_reduce_scatter(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         async_pipelined=lambda c: _peers.linear_reduce_scatter_async(x, w, p, c),
     )
     case.peers = {
-        "serial": Peer("oases.ops.reference.linear_reduce_scatter (F.linear, then dist.reduce_scatter_tensor)",
-                       lambda: ops.reference.linear_reduce_scatter(x, w)),
-        "serial_ring": Peer("F.linear, then oases.comm.ring_reduce_scatter (blocking)",
-                            lambda: comm.ring_reduce_scatter(F.linear(x, w), bidirectional=bi)),
+        "serial": Peer(
+            "oases.ops.reference.linear_reduce_scatter (F.linear, then dist.reduce_scatter_tensor)",
+            lambda: ops.reference.linear_reduce_scatter(x, w),
+        ),
+        "serial_ring": Peer(
+            "F.linear, then oases.comm.ring_reduce_scatter (blocking)",
+            lambda: comm.ring_reduce_scatter(F.linear(x, w), bidirectional=bi),
+        ),
         "torch_tp": _peers.torch_tp("rowwise_shard0", w_full, x, env.mesh),
         "torch_symm_mem": _peers.torch_symm_mem("fused_matmul_reduce_scatter", x, w, env.group_name),
     }
     scattered = partial.new_empty((n, o))
     case.collective = CollectiveCase(
-        "ring_reduce_scatter", "reduce_scatter", {"t": [s, o], "out": [n, o]}, s * o * x.element_size(),
+        "ring_reduce_scatter",
+        "reduce_scatter",
+        {"t": [s, o], "out": [n, o]},
+        s * o * x.element_size(),
         ours=lambda: comm.ring_reduce_scatter(partial, bidirectional=bi),
         torch_impl="dist.reduce_scatter_tensor",
         theirs=lambda: dist.reduce_scatter_tensor(scattered, partial),
@@ -284,8 +320,11 @@ def _linear_all_reduce(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         return lambda: _linear_pieces(x, w, pieces)
 
     case = FusedCase(
-        "linear_all_reduce", {"x": [s, k], "weight": [o, k], "y": [s, o]}, s,
-        2 * (p - 1) * (s // p) * o * x.element_size(), 2 * s * k * o,
+        "linear_all_reduce",
+        {"x": [s, k], "weight": [o, k], "y": [s, o]},
+        s,
+        2 * (p - 1) * (s // p) * o * x.element_size(),
+        2 * s * k * o,
         ours=lambda c: lambda: ops.linear_all_reduce(x, w, chunks=c),
         compute=compute,
         # linear_all_reduce uses the backend's all-reduce, piece by piece: time the same.
@@ -294,16 +333,25 @@ def _linear_all_reduce(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         async_pipelined=lambda c: _peers.linear_all_reduce_async(x, w, c),
     )
     case.peers = {
-        "serial": Peer("oases.ops.reference.linear_all_reduce (F.linear, then dist.all_reduce)",
-                       lambda: ops.reference.linear_all_reduce(x, w)),
-        "serial_ring": Peer("F.linear, then oases.comm.all_reduce (blocking)",
-                            lambda: comm.all_reduce(F.linear(x, w), bidirectional=bi)),
+        "serial": Peer(
+            "oases.ops.reference.linear_all_reduce (F.linear, then dist.all_reduce)",
+            lambda: ops.reference.linear_all_reduce(x, w),
+        ),
+        "serial_ring": Peer(
+            "F.linear, then oases.comm.all_reduce (blocking)", lambda: comm.all_reduce(F.linear(x, w), bidirectional=bi)
+        ),
         "torch_tp": _peers.torch_tp("rowwise", w_full, x, env.mesh),
-        "torch_symm_mem": Peer("torch.distributed._symmetric_memory", None,
-                               "torch.distributed._symmetric_memory has no fused matmul + all-reduce op"),
+        "torch_symm_mem": Peer(
+            "torch.distributed._symmetric_memory",
+            None,
+            "torch.distributed._symmetric_memory has no fused matmul + all-reduce op",
+        ),
     }
     case.collective = CollectiveCase(
-        "all_reduce", "all_reduce", {"t": [s, o]}, s * o * x.element_size(),
+        "all_reduce",
+        "all_reduce",
+        {"t": [s, o]},
+        s * o * x.element_size(),
         ours=lambda: comm.all_reduce(zeros_ours, bidirectional=bi),
         torch_impl="dist.all_reduce",
         theirs=lambda: dist.all_reduce(zeros_theirs),
@@ -312,10 +360,16 @@ def _linear_all_reduce(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
     return case
 
 
-BUILDERS = {"all_gather_linear": _all_gather_linear, "linear_reduce_scatter": _linear_reduce_scatter,
-            "linear_all_reduce": _linear_all_reduce}
-COLLECTIVE_OF = {"ring_all_gather": "all_gather_linear", "ring_reduce_scatter": "linear_reduce_scatter",
-                 "all_reduce": "linear_all_reduce"}
+BUILDERS = {
+    "all_gather_linear": _all_gather_linear,
+    "linear_reduce_scatter": _linear_reduce_scatter,
+    "linear_all_reduce": _linear_all_reduce,
+}
+COLLECTIVE_OF = {
+    "ring_all_gather": "all_gather_linear",
+    "ring_reduce_scatter": "linear_reduce_scatter",
+    "all_reduce": "linear_all_reduce",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,8 +412,10 @@ def _check(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype)
     got, want = _peers.materialize(got), _peers.materialize(want)
     if got.shape != want.shape or not torch.allclose(got.float(), want.float(), **_tolerance(dtype)):
         err = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else "shape"
-        raise AssertionError(f"{what}: result differs from the serial reference "
-                             f"(shape {tuple(got.shape)} vs {tuple(want.shape)}, max abs err {err})")
+        raise AssertionError(
+            f"{what}: result differs from the serial reference "
+            f"(shape {tuple(got.shape)} vs {tuple(want.shape)}, max abs err {err})"
+        )
 
 
 def run(args, ctx) -> list[dict]:
@@ -413,18 +469,34 @@ def _run_fused(env: _Env, case: FusedCase, args) -> dict:
     timings = ctx.timer.measure(fns)
     median = _figures({name: v.median for name, v in timings.items()}, chunk_counts, case.peers)
     fastest = _figures({name: v.min for name, v in timings.items()}, chunk_counts, case.peers)
-    peers = {name: {"available": peer.fn is not None, "impl": peer.impl, "t": median["peer_t"][name],
-                    "reason": peer.reason, "note": peer.note}
-             for name, peer in case.peers.items()}
-    peers["torch_async"] = {"available": True, "impl": _peers.TORCH_ASYNC_IMPL[case.name],
-                            "t": median["peer_t"]["torch_async"], "reason": None,
-                            "note": f"at its best chunk count of the sweep: {median['torch_async_chunks']}"}
+    peers = {
+        name: {
+            "available": peer.fn is not None,
+            "impl": peer.impl,
+            "t": median["peer_t"][name],
+            "reason": peer.reason,
+            "note": peer.note,
+        }
+        for name, peer in case.peers.items()
+    }
+    peers["torch_async"] = {
+        "available": True,
+        "impl": _peers.TORCH_ASYNC_IMPL[case.name],
+        "t": median["peer_t"]["torch_async"],
+        "reason": None,
+        "note": f"at its best chunk count of the sweep: {median['torch_async_chunks']}",
+    }
     del median["peer_t"]
     return {
-        "case": case.name, "kind": "fused", "dtype": str(dtype).replace("torch.", ""),
-        "shapes": case.shapes, "bidirectional": env.bidirectional,
-        "sent_bytes_per_rank": case.sent_bytes, "gemm_flops_per_rank": case.flops,
-        "chunks_swept": chunk_counts, "default_chunks": case.default_chunks,
+        "case": case.name,
+        "kind": "fused",
+        "dtype": str(dtype).replace("torch.", ""),
+        "shapes": case.shapes,
+        "bidirectional": env.bidirectional,
+        "sent_bytes_per_rank": case.sent_bytes,
+        "gemm_flops_per_rank": case.flops,
+        "chunks_swept": chunk_counts,
+        "default_chunks": case.default_chunks,
         **median,
         "peers": peers,
         "min": fastest,
@@ -439,18 +511,30 @@ def _figures(t: dict[str, float], chunk_counts: list[int], peers: dict[str, Peer
     for c in chunk_counts:
         compute, comm_, overlap = t[f"compute/{c}"], t[f"comm/{c}"], t[f"overlap/{c}"]
         b = _metrics.bound(compute, comm_)
-        sweep.append({"chunks": c, "t_compute": compute, "t_comm": comm_, "t_overlap": overlap, "bound": b,
-                      "efficiency": _metrics.efficiency(t_serial, overlap, b),
-                      "speedup_vs_serial": _metrics.speedup(t_serial, overlap),
-                      "t_torch_async": t[f"async/{c}"]})
+        sweep.append(
+            {
+                "chunks": c,
+                "t_compute": compute,
+                "t_comm": comm_,
+                "t_overlap": overlap,
+                "bound": b,
+                "efficiency": _metrics.efficiency(t_serial, overlap, b),
+                "speedup_vs_serial": _metrics.speedup(t_serial, overlap),
+                "t_torch_async": t[f"async/{c}"],
+            }
+        )
     best = min(sweep, key=lambda row: row["t_overlap"])
     async_chunks = min(chunk_counts, key=lambda c: t[f"async/{c}"])
     t = {**t, "torch_async": t[f"async/{async_chunks}"]}
     names = [*peers, "torch_async"]
     return {
         "best_chunks": best["chunks"],
-        "t_compute": best["t_compute"], "t_comm": best["t_comm"], "t_serial": t_serial,
-        "t_overlap": best["t_overlap"], "bound": best["bound"], "efficiency": best["efficiency"],
+        "t_compute": best["t_compute"],
+        "t_comm": best["t_comm"],
+        "t_serial": t_serial,
+        "t_overlap": best["t_overlap"],
+        "bound": best["bound"],
+        "efficiency": best["efficiency"],
         "efficiency_vs_serial_ring": _metrics.efficiency(t["serial_ring"], best["t_overlap"], best["bound"]),
         "speedup": {name: _metrics.speedup(t.get(name), best["t_overlap"]) for name in names},
         "peer_t": {name: t.get(name) for name in names},
@@ -477,17 +561,26 @@ def _traced_call(env: _Env, case: FusedCase, chunks: int, calls: int) -> dict:
         with instrument(ctx.trace, f"{case.name} chunks={chunks}") as hooks:
             case.ours(chunks)()
         events = ctx.trace.events[first:]
-        parts = [sum(e["dur"] for e in events if e["name"] == name and e["tid"] != OP) / 1e6
-                 for name in ("gemm", "wait", "post")]
+        parts = [
+            sum(e["dur"] for e in events if e["name"] == name and e["tid"] != OP) / 1e6
+            for name in ("gemm", "wait", "post")
+        ]
         whole = sum(e["dur"] for e in events if e["tid"] == OP) / 1e6
         per_call.append([*parts, whole, whole - sum(parts)])
         if len(per_call) < calls:
             del ctx.trace.events[first:]
     medians = torch.tensor(per_call, dtype=torch.float64).median(dim=0).values
     totals = ctx.timer.max_over_ranks(medians.contiguous())
-    return {"chunks": chunks, "calls": calls, "gemm_s": float(totals[0]), "wait_s": float(totals[1]),
-            "post_s": float(totals[2]), "call_s": float(totals[3]), "other_s": float(totals[4]),
-            "hooks": hooks}
+    return {
+        "chunks": chunks,
+        "calls": calls,
+        "gemm_s": float(totals[0]),
+        "wait_s": float(totals[1]),
+        "post_s": float(totals[2]),
+        "call_s": float(totals[3]),
+        "other_s": float(totals[4]),
+        "hooks": hooks,
+    }
 
 
 def _run_collective(env: _Env, case: CollectiveCase) -> dict:
@@ -497,11 +590,18 @@ def _run_collective(env: _Env, case: CollectiveCase) -> dict:
     t = {name: v.median for name, v in timings.items()}
     p = env.p
     return {
-        "case": case.name, "kind": "collective", "collective": case.collective,
-        "dtype": str(env.dtype).replace("torch.", ""), "shapes": case.shapes, "bytes": case.nbytes,
-        "bidirectional": env.bidirectional, "torch_impl": case.torch_impl,
-        "t_ours": t["ours"], "t_torch": t["torch"],
-        "algbw_ours": case.nbytes / t["ours"], "algbw_torch": case.nbytes / t["torch"],
+        "case": case.name,
+        "kind": "collective",
+        "collective": case.collective,
+        "dtype": str(env.dtype).replace("torch.", ""),
+        "shapes": case.shapes,
+        "bytes": case.nbytes,
+        "bidirectional": env.bidirectional,
+        "torch_impl": case.torch_impl,
+        "t_ours": t["ours"],
+        "t_torch": t["torch"],
+        "algbw_ours": case.nbytes / t["ours"],
+        "algbw_torch": case.nbytes / t["torch"],
         "busbw_ours": _metrics.bus_bandwidth(case.collective, case.nbytes, t["ours"], p),
         "busbw_torch": _metrics.bus_bandwidth(case.collective, case.nbytes, t["torch"], p),
         "speedup_vs_torch": _metrics.speedup(t["torch"], t["ours"]),
@@ -517,8 +617,8 @@ def _run_hierarchical(env: _Env, name: str, hosts: comm.HostGroups, args) -> dic
     elem = torch.empty((), dtype=env.dtype).element_size()
     cols = 256
     rows = max(1, round(mib * 2**20 / (elem * cols * p))) * p  # full tensor [rows, cols], rows % p == 0
-    full = env.to(_randn((rows, cols), 31 + env.r))            # RS input / AR tensor: T bytes
-    shard = full[: rows // p].contiguous()                     # AG input: T / p bytes
+    full = env.to(_randn((rows, cols), 31 + env.r))  # RS input / AR tensor: T bytes
+    shard = full[: rows // p].contiguous()  # AG input: T / p bytes
     nbytes = full.numel() * elem
     if kind == "reduce_scatter":
         flat, hier = (lambda: comm.ring_reduce_scatter(full)), (lambda: comm.hierarchical_reduce_scatter(full, hosts))
@@ -539,12 +639,21 @@ def _run_hierarchical(env: _Env, name: str, hosts: comm.HostGroups, args) -> dic
     t = {form: v.median for form, v in timings.items()}
     passes = 2 if kind == "all_reduce" else 1
     return {
-        "case": name, "kind": "hierarchical", "collective": kind, "dtype": str(env.dtype).replace("torch.", ""),
-        "bytes": nbytes, "hosts": h, "ranks_per_host": k,
-        "links": {"intra_bytes_per_s": links.intra.bytes_per_s, "inter_bytes_per_s": links.inter.bytes_per_s,
-                  "latency_s": links.inter.latency_s},
+        "case": name,
+        "kind": "hierarchical",
+        "collective": kind,
+        "dtype": str(env.dtype).replace("torch.", ""),
+        "bytes": nbytes,
+        "hosts": h,
+        "ranks_per_host": k,
+        "links": {
+            "intra_bytes_per_s": links.intra.bytes_per_s,
+            "inter_bytes_per_s": links.inter.bytes_per_s,
+            "latency_s": links.inter.latency_s,
+        },
         "nic_bytes_per_host": {"flat": passes * (p - 1) / p * nbytes, "hierarchical": passes * (h - 1) / h * nbytes},
-        "t_flat": t["flat"], "t_hierarchical": t["hierarchical"],
+        "t_flat": t["flat"],
+        "t_hierarchical": t["hierarchical"],
         "speedup_hierarchical": _metrics.speedup(t["flat"], t["hierarchical"]),
         "measured_winner": "hierarchical" if t["hierarchical"] < t["flat"] else "flat",
         "predicted": {"choice": predicted.choice, **{f"{f}_s": v for f, v in predicted.seconds.items()}},
@@ -556,23 +665,45 @@ def _run_hierarchical(env: _Env, name: str, hosts: comm.HostGroups, args) -> dic
 # Reporting
 
 PEER_COLUMNS = ("serial", "serial_ring", "torch_tp", "torch_symm_mem", "torch_async")
+
+
 def _ms(seconds: Optional[float]) -> Optional[float]:
     return None if seconds is None else seconds * 1e3
 
 
 def _fused_table(title: str, fused: list[dict], figures: Callable[[dict], dict], traced: bool) -> Table:
-    columns = ["case", "chunks", "t_compute", "t_comm", "bound", "t_serial", "t_overlap", "efficiency",
-               *(f"x {p}" for p in PEER_COLUMNS)]
+    columns = [
+        "case",
+        "chunks",
+        "t_compute",
+        "t_comm",
+        "bound",
+        "t_serial",
+        "t_overlap",
+        "efficiency",
+        *(f"x {p}" for p in PEER_COLUMNS),
+    ]
     notes = ["efficiency = (t_serial - t_overlap) / (t_serial - bound); x peer = t_peer / t_overlap"]
     if traced:
         columns += ["gemm|ovl", "wait|ovl", "post|ovl", "other|ovl"]
-        notes.append("gemm|ovl, wait|ovl, post|ovl, other|ovl: where an instrumented call of ours spends its "
-                     "time (GEMMs, waits, message posts, the rest; median over calls, MAX over ranks)")
+        notes.append(
+            "gemm|ovl, wait|ovl, post|ovl, other|ovl: where an instrumented call of ours spends its "
+            "time (GEMMs, waits, message posts, the rest; median over calls, MAX over ranks)"
+        )
     rows = []
     for r in fused:
         f = figures(r)
-        row = [r["case"], f["best_chunks"], _ms(f["t_compute"]), _ms(f["t_comm"]), _ms(f["bound"]),
-               _ms(f["t_serial"]), _ms(f["t_overlap"]), f["efficiency"], *(f["speedup"][p] for p in PEER_COLUMNS)]
+        row = [
+            r["case"],
+            f["best_chunks"],
+            _ms(f["t_compute"]),
+            _ms(f["t_comm"]),
+            _ms(f["bound"]),
+            _ms(f["t_serial"]),
+            _ms(f["t_overlap"]),
+            f["efficiency"],
+            *(f["speedup"][p] for p in PEER_COLUMNS),
+        ]
         if traced:
             tc = r["traced_call"]
             row += [_ms(tc["gemm_s"]), _ms(tc["wait_s"]), _ms(tc["post_s"]), _ms(tc["other_s"])]
@@ -589,44 +720,132 @@ def tables(records: list[dict]) -> list[Table]:
     collectives = [r for r in records if r["kind"] == "collective"]
     out = []
     if fused:
-        out.append(_fused_table("fused ops at the best chunk count (ms; MAX over ranks of per-rank medians)",
-                                fused, lambda r: r, traced=True))
-        out.append(_fused_table("the same run, per-rank minimum instead of median (least disturbed call)",
-                                fused, lambda r: r["min"], traced=False))
-        out.append(Table(
-            "peers (ms)", ["case", *PEER_COLUMNS, "ours"],
-            [[r["case"], *(_ms(r["peers"][p]["t"]) for p in PEER_COLUMNS), _ms(r["t_overlap"])] for r in fused],
-            [_peer_note(r["case"], p, r["peers"][p]) for r in fused for p in PEER_COLUMNS
-             if r["peers"][p]["reason"] or r["peers"][p]["note"]]))
-        out.append(Table(
-            "chunk sweep (ms)", ["case", "chunks", "t_compute", "t_comm", "bound", "t_overlap",
-                                 "efficiency", "x serial", "torch_async"],
-            [[r["case"], row["chunks"], _ms(row["t_compute"]), _ms(row["t_comm"]), _ms(row["bound"]),
-              _ms(row["t_overlap"]), row["efficiency"], row["speedup_vs_serial"], _ms(row["t_torch_async"])]
-             for r in fused for row in r["sweep"]]))
+        out.append(
+            _fused_table(
+                "fused ops at the best chunk count (ms; MAX over ranks of per-rank medians)",
+                fused,
+                lambda r: r,
+                traced=True,
+            )
+        )
+        out.append(
+            _fused_table(
+                "the same run, per-rank minimum instead of median (least disturbed call)",
+                fused,
+                lambda r: r["min"],
+                traced=False,
+            )
+        )
+        out.append(
+            Table(
+                "peers (ms)",
+                ["case", *PEER_COLUMNS, "ours"],
+                [[r["case"], *(_ms(r["peers"][p]["t"]) for p in PEER_COLUMNS), _ms(r["t_overlap"])] for r in fused],
+                [
+                    _peer_note(r["case"], p, r["peers"][p])
+                    for r in fused
+                    for p in PEER_COLUMNS
+                    if r["peers"][p]["reason"] or r["peers"][p]["note"]
+                ],
+            )
+        )
+        out.append(
+            Table(
+                "chunk sweep (ms)",
+                [
+                    "case",
+                    "chunks",
+                    "t_compute",
+                    "t_comm",
+                    "bound",
+                    "t_overlap",
+                    "efficiency",
+                    "x serial",
+                    "torch_async",
+                ],
+                [
+                    [
+                        r["case"],
+                        row["chunks"],
+                        _ms(row["t_compute"]),
+                        _ms(row["t_comm"]),
+                        _ms(row["bound"]),
+                        _ms(row["t_overlap"]),
+                        row["efficiency"],
+                        row["speedup_vs_serial"],
+                        _ms(row["t_torch_async"]),
+                    ]
+                    for r in fused
+                    for row in r["sweep"]
+                ],
+            )
+        )
     if collectives:
-        out.append(Table(
-            "collectives (ms; bus bandwidth MB/s)",
-            ["case", "MiB", "t_ours", "t_torch", "busbw_ours", "busbw_torch", "x torch", "min ours", "min torch"],
-            [[r["case"], r["bytes"] / 2**20, _ms(r["t_ours"]), _ms(r["t_torch"]), r["busbw_ours"] / 1e6,
-              r["busbw_torch"] / 1e6, r["speedup_vs_torch"], _ms(r["min"]["t_ours"]), _ms(r["min"]["t_torch"])]
-             for r in collectives],
-            [f"{r['case']}: torch = {r['torch_impl']}" for r in collectives]))
+        out.append(
+            Table(
+                "collectives (ms; bus bandwidth MB/s)",
+                ["case", "MiB", "t_ours", "t_torch", "busbw_ours", "busbw_torch", "x torch", "min ours", "min torch"],
+                [
+                    [
+                        r["case"],
+                        r["bytes"] / 2**20,
+                        _ms(r["t_ours"]),
+                        _ms(r["t_torch"]),
+                        r["busbw_ours"] / 1e6,
+                        r["busbw_torch"] / 1e6,
+                        r["speedup_vs_torch"],
+                        _ms(r["min"]["t_ours"]),
+                        _ms(r["min"]["t_torch"]),
+                    ]
+                    for r in collectives
+                ],
+                [f"{r['case']}: torch = {r['torch_impl']}" for r in collectives],
+            )
+        )
     hierarchical = [r for r in records if r["kind"] == "hierarchical"]
     if hierarchical:
-        out.append(Table(
-            "hierarchical vs flat ring (ms; model: oases.planner.partition on the launcher's links)",
-            ["case", "hosts x k", "MiB", "t_flat", "t_hier", "x hier", "model flat", "model hier", "predicted",
-             "measured", "NIC MiB flat", "NIC MiB hier"],
-            [[r["case"], f"{r['hosts']}x{r['ranks_per_host']}", r["bytes"] / 2**20, _ms(r["t_flat"]),
-              _ms(r["t_hierarchical"]), r["speedup_hierarchical"], _ms(r["predicted"]["flat_s"]),
-              _ms(r["predicted"]["hierarchical_s"]), r["predicted"]["choice"], r["measured_winner"],
-              r["nic_bytes_per_host"]["flat"] / 2**20, r["nic_bytes_per_host"]["hierarchical"] / 2**20]
-             for r in hierarchical],
-            [f"links: inter {hierarchical[0]['links']['inter_bytes_per_s'] / 1e6:.1f} MB/s per host NIC, intra "
-             f"{hierarchical[0]['links']['intra_bytes_per_s'] / 1e6:.1f} MB/s (unshaped: the assumed "
-             f"{UNSHAPED_BYTES_PER_S / 1e6:.0f} MB/s); x hier = t_flat / t_hier; "
-             "NIC MiB: bytes through one host's NIC, each way"]))
+        out.append(
+            Table(
+                "hierarchical vs flat ring (ms; model: oases.planner.partition on the launcher's links)",
+                [
+                    "case",
+                    "hosts x k",
+                    "MiB",
+                    "t_flat",
+                    "t_hier",
+                    "x hier",
+                    "model flat",
+                    "model hier",
+                    "predicted",
+                    "measured",
+                    "NIC MiB flat",
+                    "NIC MiB hier",
+                ],
+                [
+                    [
+                        r["case"],
+                        f"{r['hosts']}x{r['ranks_per_host']}",
+                        r["bytes"] / 2**20,
+                        _ms(r["t_flat"]),
+                        _ms(r["t_hierarchical"]),
+                        r["speedup_hierarchical"],
+                        _ms(r["predicted"]["flat_s"]),
+                        _ms(r["predicted"]["hierarchical_s"]),
+                        r["predicted"]["choice"],
+                        r["measured_winner"],
+                        r["nic_bytes_per_host"]["flat"] / 2**20,
+                        r["nic_bytes_per_host"]["hierarchical"] / 2**20,
+                    ]
+                    for r in hierarchical
+                ],
+                [
+                    f"links: inter {hierarchical[0]['links']['inter_bytes_per_s'] / 1e6:.1f} MB/s per host NIC, intra "
+                    f"{hierarchical[0]['links']['intra_bytes_per_s'] / 1e6:.1f} MB/s (unshaped: the assumed "
+                    f"{UNSHAPED_BYTES_PER_S / 1e6:.0f} MB/s); x hier = t_flat / t_hier; "
+                    "NIC MiB: bytes through one host's NIC, each way"
+                ],
+            )
+        )
     return out
 
 
@@ -635,13 +854,23 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     for r in records:
         if r["kind"] != "fused":
             continue
-        panels.append(Panel(
-            title=f"{r['case']} {r['shapes']['x']}x{r['shapes']['weight']}",
-            chunks=[row["chunks"] for row in r["sweep"]],
-            curves={"t_overlap (ours)": [row["t_overlap"] for row in r["sweep"]],
-                    "torch_async": [row["t_torch_async"] for row in r["sweep"]]},
-            levels={"t_serial": r["t_serial"], "t_compute": r["t_compute"], "t_comm": r["t_comm"],
-                    "bound": r["bound"], "torch_tp": r["peers"]["torch_tp"]["t"],
-                    "serial_ring": r["peers"]["serial_ring"]["t"]},
-            best=r["best_chunks"]))
+        panels.append(
+            Panel(
+                title=f"{r['case']} {r['shapes']['x']}x{r['shapes']['weight']}",
+                chunks=[row["chunks"] for row in r["sweep"]],
+                curves={
+                    "t_overlap (ours)": [row["t_overlap"] for row in r["sweep"]],
+                    "torch_async": [row["t_torch_async"] for row in r["sweep"]],
+                },
+                levels={
+                    "t_serial": r["t_serial"],
+                    "t_compute": r["t_compute"],
+                    "t_comm": r["t_comm"],
+                    "bound": r["bound"],
+                    "torch_tp": r["peers"]["torch_tp"]["t"],
+                    "serial_ring": r["peers"]["serial_ring"]["t"],
+                },
+                best=r["best_chunks"],
+            )
+        )
     return plot_panels(panels, path, title)

@@ -39,6 +39,7 @@ transformer layer of oases.models.GPT (hidden, heads, seq_len from the options):
 Writes the profile to `--profile-out` (default bench/profiles/<device>.json, named by the CPU
 model or GPU name), beside the run's usual JSON; the profile carries the versions and the link.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,7 +69,7 @@ _LATENCY_PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
 _LATENCY = re.compile(r"(?P<number>\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+)\s*(?P<unit>s|ms|us|µs|ns)", re.IGNORECASE)
 _SUBLAYERS = {"attention": _Attention, "mlp": _MLP}
 COLD_COPIES = 4  # sublayers a compute sample rotates over (see measure_compute)
-RUN_S = 0.03     # a compute sample's call repeats its sublayer for at least this long (see compute_variants)
+RUN_S = 0.03  # a compute sample's call repeats its sublayer for at least this long (see compute_variants)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,16 +78,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--rows", default=None, help="rows per sub-batch to time, comma-separated (default 1,2,4,8)")
-    parser.add_argument("--profile-out", default=None,
-                        help="where to write the profile (default bench/profiles/<device>.json)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                        help="the sublayers' and head's parameters and activations (default float32); "
-                             "the profile's element_bytes follow it")
-    parser.add_argument("--assume-link", type=_assume_link_arg, default=None, metavar="RATE[,LATENCY]",
-                        help="one rank only (--nproc 1), required there: the link to plan with, as no collective "
-                             "can be measured on one rank, e.g. 25gbit,20us (rate in tc syntax as --bandwidth; "
-                             f"latency per message with a unit s, ms, us or ns, default {DEFAULT_LATENCY}); "
-                             "recorded in the profile as assumed, not measured")
+    parser.add_argument(
+        "--profile-out", default=None, help="where to write the profile (default bench/profiles/<device>.json)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="the sublayers' and head's parameters and activations (default float32); "
+        "the profile's element_bytes follow it",
+    )
+    parser.add_argument(
+        "--assume-link",
+        type=_assume_link_arg,
+        default=None,
+        metavar="RATE[,LATENCY]",
+        help="one rank only (--nproc 1), required there: the link to plan with, as no collective "
+        "can be measured on one rank, e.g. 25gbit,20us (rate in tc syntax as --bandwidth; "
+        f"latency per message with a unit s, ms, us or ns, default {DEFAULT_LATENCY}); "
+        "recorded in the profile as assumed, not measured",
+    )
 
 
 def parse_latency(text: str) -> float:
@@ -128,19 +139,28 @@ def check_args(args, world_size: int) -> Optional[str]:
     before any rank starts), or None: one rank measures no collective, so it needs --assume-link;
     more ranks measure them, so --assume-link would contradict the measurement."""
     if world_size == 1 and args.assume_link is None:
-        return ("profile --nproc 1: one rank cannot measure the collectives the planner needs; pass "
-                "--assume-link RATE[,LATENCY] (e.g. --assume-link 25gbit,20us: the link of the cluster to plan "
-                "for, recorded in the profile as assumed), or run 2 or more ranks")
+        return (
+            "profile --nproc 1: one rank cannot measure the collectives the planner needs; pass "
+            "--assume-link RATE[,LATENCY] (e.g. --assume-link 25gbit,20us: the link of the cluster to plan "
+            "for, recorded in the profile as assumed), or run 2 or more ranks"
+        )
     if world_size > 1 and args.assume_link is not None:
-        return (f"profile --assume-link: only for one rank (--nproc 1); with {world_size} ranks the collectives "
-                "are measured (to plan for another link, give `oases plan --link RATE` with this profile)")
+        return (
+            f"profile --assume-link: only for one rank (--nproc 1); with {world_size} ranks the collectives "
+            "are measured (to plan for another link, give `oases plan --link RATE` with this profile)"
+        )
     return None
 
 
 def _config(args) -> GPTConfig:
     hidden = args.hidden or (64 if args.quick else 512)
-    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len or (16 if args.quick else 64), hidden=hidden,
-                     heads=args.heads, layers=1)
+    return GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=args.seq_len or (16 if args.quick else 64),
+        hidden=hidden,
+        heads=args.heads,
+        layers=1,
+    )
 
 
 def _degrees(world: int, config: GPTConfig) -> list[int]:
@@ -191,8 +211,9 @@ def _repeated(fn: Callable[[], object], times: int) -> Callable[[], object]:
     return run
 
 
-def compute_variants(ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int],
-                     dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:
+def compute_variants(
+    ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int], dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], object]]:
     """The timed calls of the compute samples, {"compute/<sublayer>/<tp>/<rows>/<call>": fn}
     (for Timer.measure, alone or round-robin with other variants; see compute_samples). Each call
     runs its sublayer back to back for at least RUN_S (the same count on every rank): a
@@ -242,22 +263,35 @@ def compute_samples(config: GPTConfig, fns: Mapping[str, Any], timings: Mapping[
         prefix = name[: -len("forward")]
         record = timings[prefix + "record"].median / calls[prefix + "record"]
         forward, both = timings[name].median / calls[name], timings[prefix + "both"].median / calls[prefix + "both"]
-        out.append({"sublayer": kind, "tp": int(d), "rows": int(r), "seq_len": config.seq_len,
-                    "hidden": config.hidden, "heads": config.heads, "ffn_hidden": config.hidden * config.mlp_ratio,
-                    "forward_s": forward, "backward_s": max(both - record, 0.0), "record_s": record})
+        out.append(
+            {
+                "sublayer": kind,
+                "tp": int(d),
+                "rows": int(r),
+                "seq_len": config.seq_len,
+                "hidden": config.hidden,
+                "heads": config.heads,
+                "ffn_hidden": config.hidden * config.mlp_ratio,
+                "forward_s": forward,
+                "backward_s": max(both - record, 0.0),
+                "record_s": record,
+            }
+        )
     return out
 
 
-def measure_compute(ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int],
-                    dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
+def measure_compute(
+    ctx, config: GPTConfig, degrees: Sequence[int], rows: Sequence[int], dtype: torch.dtype = torch.float32
+) -> list[dict[str, Any]]:
     """Seconds of each sublayer's forward, recording forward and backward per TP degree and rows
     (MAX over ranks), on ctx.device in `dtype`."""
     fns = compute_variants(ctx, config, degrees, rows, dtype)
     return compute_samples(config, fns, ctx.timer.measure(fns))
 
 
-def chunk_variants(ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int],
-                   dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:
+def chunk_variants(
+    ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int], dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], object]]:
     """The MLP's first GEMM of one rank (rows x seq_len tokens, hidden -> ffn / degree) whole and
     cut into c row pieces written into their slices of one output, {"chunks/<c>": fn}, c = 1 and
     each of `counts` that divides the tokens; each fn repeated as compute_variants' are."""
@@ -273,6 +307,7 @@ def chunk_variants(ctx, config: GPTConfig, rows: int, degree: int, counts: Seque
         def run() -> None:
             for a, b in bounds:
                 torch.matmul(x[a:b], wt, out=y[a:b])
+
         return run
 
     return _each_for_run_s(ctx, {f"chunks/{c}": pieces(c) for c in (1, *counts) if tokens % c == 0})
@@ -286,14 +321,16 @@ def efficiency_from_timings(fns: Mapping[str, Any], timings: Mapping[str, Any]) 
     return {str(c): min(per_call[1] / t, 2.0) for c, t in sorted(per_call.items()) if c > 1}
 
 
-def measure_chunk_efficiency(ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int],
-                             dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def measure_chunk_efficiency(
+    ctx, config: GPTConfig, rows: int, degree: int, counts: Sequence[int], dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     fns = chunk_variants(ctx, config, rows, degree, counts, dtype)
     return efficiency_from_timings(fns, ctx.timer.measure(fns))
 
 
-def measure_head(ctx, config: GPTConfig, rows: Sequence[int],
-                 dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
+def measure_head(
+    ctx, config: GPTConfig, rows: Sequence[int], dtype: torch.dtype = torch.float32
+) -> list[dict[str, Any]]:
     """Seconds of the GPT's head (final norm, LM head, summed cross-entropy) forward and backward,
     on ctx.device in `dtype`."""
     torch.manual_seed(0)
@@ -314,8 +351,16 @@ def measure_head(ctx, config: GPTConfig, rows: Sequence[int],
             F.cross_entropy(head(norm(leaf)).flatten(0, 1), targets.flatten(), reduction="sum").backward()
 
         t = ctx.timer.measure({"forward": forward, "both": both})
-        out.append({"rows": r, "tokens": r * config.seq_len, "hidden": config.hidden, "vocab_size": config.vocab_size,
-                    "forward_s": t["forward"].median, "backward_s": max(t["both"].median - t["forward"].median, 0.0)})
+        out.append(
+            {
+                "rows": r,
+                "tokens": r * config.seq_len,
+                "hidden": config.hidden,
+                "vocab_size": config.vocab_size,
+                "forward_s": t["forward"].median,
+                "backward_s": max(t["both"].median - t["forward"].median, 0.0),
+            }
+        )
     return out
 
 
@@ -324,8 +369,11 @@ def fit_link(samples: Sequence[tuple[float, float]]) -> dict[str, float]:
     """t = latency_s + nbytes / bytes_per_s over (nbytes, seconds) samples: oases.planner's
     LinkFit.from_samples (bandwidth from the largest sizes, latency from the remainders)."""
     fit = LinkFit.from_samples(samples)
-    return {"latency_s": fit.latency_s, "bytes_per_s": fit.bytes_per_s,
-            "samples": [[float(a), float(b)] for a, b in sorted(samples)]}
+    return {
+        "latency_s": fit.latency_s,
+        "bytes_per_s": fit.bytes_per_s,
+        "samples": [[float(a), float(b)] for a, b in sorted(samples)],
+    }
 
 
 def _subgroups(world: int, size: int) -> list:
@@ -346,10 +394,12 @@ def measure_collectives(ctx, sizes: Sequence[int]) -> dict[str, dict[str, dict[s
             numel = max(nbytes // 4 // group_size * group_size, group_size)
             full = torch.zeros(numel, device=ctx.device)
             shard = torch.zeros(numel // group_size, device=ctx.device)
-            t = ctx.timer.measure({
-                "all_reduce": lambda: dist.all_reduce(full, group=mine),
-                "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=mine),
-            })
+            t = ctx.timer.measure(
+                {
+                    "all_reduce": lambda: dist.all_reduce(full, group=mine),
+                    "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=mine),
+                }
+            )
             ar.append((numel * 4, t["all_reduce"].median))
             ag.append((numel * 4, t["all_gather"].median))
         out["all_reduce"][str(group_size)] = fit_link(ar)
@@ -376,13 +426,19 @@ def assumed_collectives(link: Mapping[str, Any]) -> dict[str, dict[str, dict[str
     fit of ranks 0 -> 1 is the link itself (latency_s + nbytes / bytes_per_s), marked "assumed"
     with no samples; no all-reduce or all-gather fit, so the planner derives them for every group
     size from that link by its ring formulas (oases.planner.profile.Profile.collective_time)."""
-    fit = {"latency_s": float(link["latency_s"]), "bytes_per_s": float(link["bytes_per_s"]), "samples": [],
-           "assumed": True, "source": f"--assume-link {link['text']}"}
+    fit = {
+        "latency_s": float(link["latency_s"]),
+        "bytes_per_s": float(link["bytes_per_s"]),
+        "samples": [],
+        "assumed": True,
+        "source": f"--assume-link {link['text']}",
+    }
     return {"all_reduce": {}, "all_gather": {}, "p2p": {"2": fit}}
 
 
-def overlap_variants(ctx, config: GPTConfig, rows: int, degree: int,
-                     dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], object]]:
+def overlap_variants(
+    ctx, config: GPTConfig, rows: int, degree: int, dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], object]]:
     """The timed calls of the overlap measurement (see measure_overlap), {"overlap/compute" |
     "overlap/comm" | "overlap/both": fn}; a first timing picks the forwards per call."""
     with ctx.device:
@@ -414,12 +470,18 @@ def overlap_result(fns: Mapping[str, Any], timings: Mapping[str, Any]) -> dict[s
     """(t_c + t_a - t_both) / min(t_c, t_a) in [0, 1] from the timings of overlap_variants' calls."""
     c, a, ab = (timings[f"overlap/{k}"].median for k in ("compute", "comm", "both"))
     eta = min(max((c + a - ab) / max(min(c, a), 1e-12), 0.0), 1.0)
-    return {"compute_s": c, "comm_s": a, "both_s": ab, "forwards": fns["overlap/compute"].forwards,
-            "overlap_efficiency": float(eta)}
+    return {
+        "compute_s": c,
+        "comm_s": a,
+        "both_s": ab,
+        "forwards": fns["overlap/compute"].forwards,
+        "overlap_efficiency": float(eta),
+    }
 
 
-def measure_overlap(ctx, config: GPTConfig, rows: int, degree: int,
-                    dtype: torch.dtype = torch.float32) -> dict[str, float]:
+def measure_overlap(
+    ctx, config: GPTConfig, rows: int, degree: int, dtype: torch.dtype = torch.float32
+) -> dict[str, float]:
     """How much of an all-reduce a sublayer's compute hides on this device (the threads that
     drive the transfer share the cores with the compute): an all-reduce of a sub-batch's
     activation ([rows, seq_len, hidden]) alone, k MLP forwards on `rows` (at `degree`) alone, with
@@ -427,14 +489,16 @@ def measure_overlap(ctx, config: GPTConfig, rows: int, degree: int,
     shorter one), and both at once (the all-reduce asynchronous)
         -> overlap = (t_c + t_a - t_both) / min(t_c, t_a), in [0, 1]; the median of 3 rounds."""
     fns = overlap_variants(ctx, config, rows, degree, dtype)
-    rounds = sorted((overlap_result(fns, ctx.timer.measure(fns)) for _ in range(3)),
-                    key=lambda r: r["overlap_efficiency"])
+    rounds = sorted(
+        (overlap_result(fns, ctx.timer.measure(fns)) for _ in range(3)), key=lambda r: r["overlap_efficiency"]
+    )
     return rounds[1]
 
 
 # ---- memory --------------------------------------------------------------------------------------
-def measure_memory(config: GPTConfig, degrees: Sequence[int],
-                   dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
+def measure_memory(
+    config: GPTConfig, degrees: Sequence[int], dtype: torch.dtype = torch.float32
+) -> list[dict[str, Any]]:
     """Per TP degree: parameter bytes of one layer's shard (counted from the modules, built on the
     meta device: no memory, no initialisation) and the bytes of one row's sublayer input (what
     fine-grained recomputation keeps per sublayer), both in `dtype`."""
@@ -443,8 +507,13 @@ def measure_memory(config: GPTConfig, degrees: Sequence[int],
     for d in degrees:
         with torch.device("meta"):
             params = sum(p.numel() for cls in _SUBLAYERS.values() for p in cls(config, 0, d, None).parameters())
-        out.append({"tp": d, "layer_param_bytes": params * element,
-                    "input_bytes_per_row": config.seq_len * config.hidden * element})
+        out.append(
+            {
+                "tp": d,
+                "layer_param_bytes": params * element,
+                "input_bytes_per_row": config.seq_len * config.hidden * element,
+            }
+        )
     return out
 
 
@@ -456,11 +525,20 @@ def device_slug(device: dict[str, str]) -> str:
     return "-".join([device["type"], *re.findall(r"[a-z0-9]+", text)])[:60]
 
 
-def profile_document(ctx, config: GPTConfig, compute, head, collectives, memory,
-                     overlap: Optional[dict[str, float]] = None, *, dtype: torch.dtype = torch.float32,
-                     chunks: Optional[dict[str, float]] = None,
-                     assumed: Optional[dict[str, Any]] = None,
-                     skipped: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def profile_document(
+    ctx,
+    config: GPTConfig,
+    compute,
+    head,
+    collectives,
+    memory,
+    overlap: Optional[dict[str, float]] = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    chunks: Optional[dict[str, float]] = None,
+    assumed: Optional[dict[str, Any]] = None,
+    skipped: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
     """The planner's profile (oases.planner.profile_from_dict reads it). `assumed`: what was
     stated rather than measured ({"link": parse_assume_link's dict, ...}; None: all measured);
     `skipped`: {section: why} for sections one run could not measure."""
@@ -468,22 +546,42 @@ def profile_document(ctx, config: GPTConfig, compute, head, collectives, memory,
     for c in compute:  # achieved FLOP/s of the largest samples, for shapes the profile did not sample
         tokens = c["rows"] * c["seq_len"]
         h, f, s = c["hidden"], c["ffn_hidden"], c["seq_len"]
-        fl = (8 * tokens * h * h + 4 * tokens * s * h) / c["tp"] if c["sublayer"] == "attention" \
+        fl = (
+            (8 * tokens * h * h + 4 * tokens * s * h) / c["tp"]
+            if c["sublayer"] == "attention"
             else 4 * tokens * h * f / c["tp"]
+        )
         flops.append((fl, fl / max(c["forward_s"], 1e-9)))
-    rate = float(np.median([r for fl, r in sorted(flops)[-max(1, len(flops) // 3):]]))
-    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
-            "created": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": ctx.meta["device"], "versions": ctx.meta["versions"], "link": ctx.meta["link"],
-            "threads_per_rank": ctx.meta["threads_per_rank"], "world_size": ctx.world_size,
-            "dtype": str(dtype).removeprefix("torch."),
-            "element_bytes": torch.empty((), dtype=dtype).element_size(), "flops_per_s": rate,
-            "overlap_efficiency": 1.0 if overlap is None else overlap["overlap_efficiency"], "overlap": overlap,
-            "chunk_efficiency": chunks or {},
-            "model": {"hidden": config.hidden, "heads": config.heads, "seq_len": config.seq_len,
-                      "ffn_hidden": config.hidden * config.mlp_ratio, "vocab_size": config.vocab_size},
-            "compute": compute, "head": head, "collectives": collectives, "memory": memory,
-            "assumed": assumed or {}, "skipped": skipped or {}}
+    rate = float(np.median([r for fl, r in sorted(flops)[-max(1, len(flops) // 3) :]]))
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "created": datetime.datetime.now().isoformat(timespec="seconds"),
+        "device": ctx.meta["device"],
+        "versions": ctx.meta["versions"],
+        "link": ctx.meta["link"],
+        "threads_per_rank": ctx.meta["threads_per_rank"],
+        "world_size": ctx.world_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "element_bytes": torch.empty((), dtype=dtype).element_size(),
+        "flops_per_s": rate,
+        "overlap_efficiency": 1.0 if overlap is None else overlap["overlap_efficiency"],
+        "overlap": overlap,
+        "chunk_efficiency": chunks or {},
+        "model": {
+            "hidden": config.hidden,
+            "heads": config.heads,
+            "seq_len": config.seq_len,
+            "ffn_hidden": config.hidden * config.mlp_ratio,
+            "vocab_size": config.vocab_size,
+        },
+        "compute": compute,
+        "head": head,
+        "collectives": collectives,
+        "memory": memory,
+        "assumed": assumed or {},
+        "skipped": skipped or {},
+    }
 
 
 def run(args, ctx) -> list[dict]:
@@ -498,8 +596,9 @@ def run(args, ctx) -> list[dict]:
     compute = measure_compute(ctx, config, degrees, rows, dtype)
     head = measure_head(ctx, config, rows, dtype)
     memory = measure_memory(config, degrees, dtype)
-    chunks = measure_chunk_efficiency(ctx, config, max(rows), degrees[-1], (2, 4) if args.quick else (2, 4, 8, 16),
-                                      dtype)
+    chunks = measure_chunk_efficiency(
+        ctx, config, max(rows), degrees[-1], (2, 4) if args.quick else (2, 4, 8, 16), dtype
+    )
     assumed: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     if ctx.world_size > 1:
@@ -508,14 +607,29 @@ def run(args, ctx) -> list[dict]:
     else:  # check_args: --assume-link given
         collectives = assumed_collectives(args.assume_link)
         overlap = None
-        assumed = {"link": args.assume_link,
-                   "collectives": "p2p (2) is the assumed link; all-reduce and all-gather follow from it by the "
-                                  "planner's ring formulas",
-                   "overlap_efficiency": 1.0}
-        skipped = {"collectives": "one rank: nothing to communicate with (--assume-link states the link)",
-                   "overlap": "one rank: no all-reduce to overlap with compute (overlap_efficiency 1.0 assumed)"}
-    doc = profile_document(ctx, config, compute, head, collectives, memory, overlap, dtype=dtype,
-                           chunks=chunks, assumed=assumed, skipped=skipped)
+        assumed = {
+            "link": args.assume_link,
+            "collectives": "p2p (2) is the assumed link; all-reduce and all-gather follow from it by the "
+            "planner's ring formulas",
+            "overlap_efficiency": 1.0,
+        }
+        skipped = {
+            "collectives": "one rank: nothing to communicate with (--assume-link states the link)",
+            "overlap": "one rank: no all-reduce to overlap with compute (overlap_efficiency 1.0 assumed)",
+        }
+    doc = profile_document(
+        ctx,
+        config,
+        compute,
+        head,
+        collectives,
+        memory,
+        overlap,
+        dtype=dtype,
+        chunks=chunks,
+        assumed=assumed,
+        skipped=skipped,
+    )
     if ctx.rank == 0:
         path = args.profile_out or os.path.join(PROFILES_DIR, device_slug(ctx.meta["device"]) + ".json")
         write_json(path, doc)
@@ -523,9 +637,16 @@ def run(args, ctx) -> list[dict]:
     records = [{"kind": "compute", **c} for c in compute] + [{"kind": "head", **h} for h in head]
     for kind, fits in collectives.items():
         for group, fit in fits.items():
-            records.append({"kind": kind, "group": int(group), "latency_s": fit["latency_s"],
-                            "bytes_per_s": fit["bytes_per_s"], "samples": fit["samples"],
-                            "assumed": bool(fit.get("assumed", False))})
+            records.append(
+                {
+                    "kind": kind,
+                    "group": int(group),
+                    "latency_s": fit["latency_s"],
+                    "bytes_per_s": fit["bytes_per_s"],
+                    "samples": fit["samples"],
+                    "assumed": bool(fit.get("assumed", False)),
+                }
+            )
     records += [{"kind": "memory", **m} for m in memory]
     if overlap is not None:
         records.append({"kind": "overlap", **overlap})
@@ -534,22 +655,45 @@ def run(args, ctx) -> list[dict]:
 
 
 def tables(records: list[dict]) -> list[Table]:
-    compute = [[r["sublayer"], r["tp"], r["rows"], 1e3 * r["forward_s"], 1e3 * r["backward_s"]]
-               for r in records if r["kind"] == "compute"]
-    links = [[r["kind"] + (" (assumed)" if r.get("assumed") else ""), r["group"], 1e6 * r["latency_s"],
-              r["bytes_per_s"] / 1e6, len(r["samples"])]
-             for r in records if r["kind"] in ("all_reduce", "all_gather", "p2p")]
+    compute = [
+        [r["sublayer"], r["tp"], r["rows"], 1e3 * r["forward_s"], 1e3 * r["backward_s"]]
+        for r in records
+        if r["kind"] == "compute"
+    ]
+    links = [
+        [
+            r["kind"] + (" (assumed)" if r.get("assumed") else ""),
+            r["group"],
+            1e6 * r["latency_s"],
+            r["bytes_per_s"] / 1e6,
+            len(r["samples"]),
+        ]
+        for r in records
+        if r["kind"] in ("all_reduce", "all_gather", "p2p")
+    ]
     head = [[r["rows"], 1e3 * r["forward_s"], 1e3 * r["backward_s"]] for r in records if r["kind"] == "head"]
-    overlap = [f"overlap efficiency {r['overlap_efficiency']:.2f}: {r.get('forwards', 1)} MLP forward(s) "
-               f"{1e3 * r['compute_s']:.1f} ms, an all-reduce {1e3 * r['comm_s']:.1f} ms, "
-               f"both at once {1e3 * r['both_s']:.1f} ms"
-               for r in records if r["kind"] == "overlap"]
+    overlap = [
+        f"overlap efficiency {r['overlap_efficiency']:.2f}: {r.get('forwards', 1)} MLP forward(s) "
+        f"{1e3 * r['compute_s']:.1f} ms, an all-reduce {1e3 * r['comm_s']:.1f} ms, "
+        f"both at once {1e3 * r['both_s']:.1f} ms"
+        for r in records
+        if r["kind"] == "overlap"
+    ]
     overlap += [f"not measured: {r['section']}: {r['reason']}" for r in records if r["kind"] == "skipped"]
-    return [Table("profile: sublayer compute per TP degree (this rank's shard)",
-                  ["sublayer", "tp", "rows", "forward ms", "backward ms"], compute),
-            Table("profile: LM head", ["rows", "forward ms", "backward ms"], head),
-            Table("profile: communication, t = latency + bytes / bandwidth (bytes: the full tensor)",
-                  ["kind", "group", "latency us", "MB/s", "sizes"], links, overlap)]
+    return [
+        Table(
+            "profile: sublayer compute per TP degree (this rank's shard)",
+            ["sublayer", "tp", "rows", "forward ms", "backward ms"],
+            compute,
+        ),
+        Table("profile: LM head", ["rows", "forward ms", "backward ms"], head),
+        Table(
+            "profile: communication, t = latency + bytes / bandwidth (bytes: the full tensor)",
+            ["kind", "group", "latency us", "MB/s", "sizes"],
+            links,
+            overlap,
+        ),
+    ]
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:

@@ -9,6 +9,7 @@ from build/docs/ in a checkout reaches it; a link to anything that does not exis
 (`../README.md#a-heading`), and whether the file is tracked (a clean-clone CI build is). The
 links are right for the site as `make docs` builds it, in build/docs/ of a checkout.
 """
+
 import os
 import sys
 

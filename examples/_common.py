@@ -1,5 +1,6 @@
 """What the training examples share: a deterministic corpus, batches, a progress bar, the
 summary table, and the re-launch through oases-launch when started outside a distributed launch."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ def progress(label: str, done: int, total: int, loss: float) -> None:
         print(line, flush=True)
 
 
-def summarize(schedule: str, times: list[float], waited: Optional[list[float]], losses: list[float],
-              tokens: int) -> dict:
+def summarize(
+    schedule: str, times: list[float], waited: Optional[list[float]], losses: list[float], tokens: int
+) -> dict:
     """One schedule's figures over every rank: median step time of the slowest rank, the least
     busy rank's busy fraction (share of the step not blocked on communication), first/last loss."""
     warm = 2 if len(times) > 4 else 0  # the first steps pay one-off allocation costs
@@ -66,26 +68,38 @@ def summarize(schedule: str, times: list[float], waited: Optional[list[float]], 
         busy = torch.tensor([1.0 - sum(waited[warm:]) / sum(times[warm:])], dtype=torch.float64)
         dist.all_reduce(busy, op=dist.ReduceOp.MIN)
     step_time = float(timed.median())
-    return {"schedule": schedule, "step_s": step_time, "tokens_per_s": tokens / step_time,
-            "busy": None if busy is None else float(busy), "loss_first": losses[0], "loss_last": losses[-1]}
+    return {
+        "schedule": schedule,
+        "step_s": step_time,
+        "tokens_per_s": tokens / step_time,
+        "busy": None if busy is None else float(busy),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
 
 
 def print_table(results: list[dict]) -> bool:
     """The comparison table; the first result is the baseline of the speedup column. Returns
     whether every schedule ended on the baseline's loss (to 1e-4)."""
     base = results[0]
-    print(f"\n{'schedule':<12} {'step ms':>9} {'tokens/s':>10} {'busy':>6} {'loss first':>11} "
-          f"{'loss last':>10} {'speedup':>8}")
+    print(
+        f"\n{'schedule':<12} {'step ms':>9} {'tokens/s':>10} {'busy':>6} {'loss first':>11} "
+        f"{'loss last':>10} {'speedup':>8}"
+    )
     for r in results:
         busy = "n/a" if r["busy"] is None else f"{r['busy']:.2f}"
-        print(f"{r['schedule']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} {busy:>6} "
-              f"{r['loss_first']:>11.4f} {r['loss_last']:>10.4f} {base['step_s'] / r['step_s']:>7.2f}x")
+        print(
+            f"{r['schedule']:<12} {1e3 * r['step_s']:>9.1f} {r['tokens_per_s']:>10.0f} {busy:>6} "
+            f"{r['loss_first']:>11.4f} {r['loss_last']:>10.4f} {base['step_s'] / r['step_s']:>7.2f}x"
+        )
     print("busy: fraction of the step not blocked on communication (the least busy rank)")
     same = all(abs(r["loss_last"] - base["loss_last"]) <= 1e-4 * abs(base["loss_last"]) for r in results)
     print()
     for r in results[1:]:
-        print(f"{r['schedule']} vs {base['schedule']}: {base['step_s'] / r['step_s']:.2f}x faster per training step"
-              + (", same losses (to 1e-4)" if same else ", BUT THE LOSSES DIFFER"))
+        print(
+            f"{r['schedule']} vs {base['schedule']}: {base['step_s'] / r['step_s']:.2f}x faster per training step"
+            + (", same losses (to 1e-4)" if same else ", BUT THE LOSSES DIFFER")
+        )
     return same
 
 
@@ -104,9 +118,16 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
-def train_loop(label: str, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               optimizer: torch.optim.Optimizer, data: Iterable, waited: Callable[[], float], steps: int,
-               tokens_per_step: int, show: bool) -> dict:
+def train_loop(
+    label: str,
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    data: Iterable,
+    waited: Callable[[], float],
+    steps: int,
+    tokens_per_step: int,
+    show: bool,
+) -> dict:
     """`steps` timed training steps (step(tokens, targets) -> loss, then optimizer.step());
     `waited()` is the communicator's running time blocked on communication. -> summarize(...)."""
     losses, times, blocked = [], [], []
@@ -141,8 +162,16 @@ def compare(describe: str, labels: list[str], train: Callable[[str, bool], dict]
         raise SystemExit("the schedules' losses differ: a numerics bug")
 
 
-def launch_or_run(script: str, tp: int, bandwidth: str, argv, run: Callable[[], None], *, hosts: int = 1,
-                  intra_bandwidth: Optional[str] = None) -> int:
+def launch_or_run(
+    script: str,
+    tp: int,
+    bandwidth: str,
+    argv,
+    run: Callable[[], None],
+    *,
+    hosts: int = 1,
+    intra_bandwidth: Optional[str] = None,
+) -> int:
     """Inside a launch (RANK set): run(). Outside: re-launch `script` on `tp` ranks through
     oases-launch, on a link shaped to `bandwidth` ('none': unshaped); with `hosts` > 1 the ranks
     are packed into that many emulated servers joined by `bandwidth` (`intra_bandwidth` inside one)."""

@@ -9,6 +9,7 @@ Started outside a distributed launch, the script re-launches itself through `oas
 (same seed) on the same batches of a deterministic character-level corpus ("the quiet link
 overlaps a red kernel."), so their losses agree step by step; only the step time differs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,27 @@ def _args(argv=None) -> argparse.Namespace:
 def train(schedule: str, config: GPTConfig, data: torch.Tensor, args, show: bool) -> dict:
     model = GPT(config, schedule=schedule, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    return train_loop(schedule, model.train_step, optimizer, batches(data, args.steps, args.batch, config.seq_len),
-                      lambda: model.comm.waited, args.steps, args.batch * config.seq_len, show)
+    return train_loop(
+        schedule,
+        model.train_step,
+        optimizer,
+        batches(data, args.steps, args.batch, config.seq_len),
+        lambda: model.comm.waited,
+        args.steps,
+        args.batch * config.seq_len,
+        show,
+    )
 
 
 def run(args) -> None:
-    config = GPTConfig(vocab_size=len(VOCAB), seq_len=args.seq_len, hidden=args.hidden, heads=args.heads,
-                       layers=args.layers)
+    config = GPTConfig(
+        vocab_size=len(VOCAB), seq_len=args.seq_len, hidden=args.hidden, heads=args.heads, layers=args.layers
+    )
     data = corpus(200_000)
-    describe = (f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads; batch {args.batch} x "
-                f"{args.seq_len} tokens; TP={{tp}} on {{link}}; {args.steps} steps per schedule")
+    describe = (
+        f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads; batch {args.batch} x "
+        f"{args.seq_len} tokens; TP={{tp}} on {{link}}; {args.steps} steps per schedule"
+    )
     compare(describe, args.schedules.split(","), lambda schedule, show: train(schedule, config, data, args, show))
 
 

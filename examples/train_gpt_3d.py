@@ -11,6 +11,7 @@ TP and PP stay inside a host and the data-parallel gradient sync crosses the sha
 Each schedule trains the same model (same seed, same batches of the corpus of examples/_common)
 with `oases.pipeline.Pipeline`; their losses agree step by step, only the step time differs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,11 @@ def _args(argv=None) -> argparse.Namespace:
     p.set_defaults(tp=1, bandwidth="500mbit", layers=8, hidden=256, batch=16, steps=20)
     p.add_argument("--intra-bandwidth", default=None, help="link rate inside a host (default unshaped)")
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--segments", default="2",
-                   help="aiao's segments ns (layers divisible by 2 * ns), or 'auto' (FOLD3D's rule, measured)")
+    p.add_argument(
+        "--segments",
+        default="2",
+        help="aiao's segments ns (layers divisible by 2 * ns), or 'auto' (FOLD3D's rule, measured)",
+    )
     p.add_argument("--schedules", default="1f1b,aiao", help="comma-separated, first is the baseline")
     return p.parse_args(argv)
 
@@ -43,9 +47,15 @@ def _args(argv=None) -> argparse.Namespace:
 def train(schedule: str, config: GPTConfig, data: torch.Tensor, args, show: bool) -> dict:
     mesh = init_device_mesh("cpu", (DP, PP, args.tp), mesh_dim_names=("dp", "pp", "tp"))
     segments = args.segments if args.segments == "auto" else int(args.segments)
-    pipe = Pipeline(config, mesh, schedule=schedule, segments=1 if schedule == "1f1b" else segments,
-                    micro_batches=args.micro_batches, seed=0,
-                    optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0))
+    pipe = Pipeline(
+        config,
+        mesh,
+        schedule=schedule,
+        segments=1 if schedule == "1f1b" else segments,
+        micro_batches=args.micro_batches,
+        seed=0,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
+    )
     label = schedule if schedule == "1f1b" else f"{schedule}-ns{args.segments}"
     losses, times = [], []
     for i, (tokens, targets) in enumerate(batches(data, args.steps, args.batch, config.seq_len)):
@@ -63,19 +73,29 @@ def train(schedule: str, config: GPTConfig, data: torch.Tensor, args, show: bool
 
 
 def run(args) -> None:
-    config = GPTConfig(vocab_size=len(VOCAB), seq_len=args.seq_len, hidden=args.hidden, heads=args.heads,
-                       layers=args.layers)
+    config = GPTConfig(
+        vocab_size=len(VOCAB), seq_len=args.seq_len, hidden=args.hidden, heads=args.heads, layers=args.layers
+    )
     data = corpus(200_000)
-    describe = (f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads; batch {args.batch} x "
-                f"{args.seq_len} tokens, {args.micro_batches} micro-batches; PP{PP} x DP{DP} x TP{args.tp} "
-                f"on {{tp}} ranks, DP across {HOSTS} hosts joined by {{link}}; {args.steps} steps per schedule")
+    describe = (
+        f"GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads; batch {args.batch} x "
+        f"{args.seq_len} tokens, {args.micro_batches} micro-batches; PP{PP} x DP{DP} x TP{args.tp} "
+        f"on {{tp}} ranks, DP across {HOSTS} hosts joined by {{link}}; {args.steps} steps per schedule"
+    )
     compare(describe, args.schedules.split(","), lambda schedule, show: train(schedule, config, data, args, show))
 
 
 def main(argv=None) -> int:
     args = _args(argv)
-    return launch_or_run(__file__, PP * DP * args.tp, args.bandwidth, argv, lambda: run(args),
-                         hosts=HOSTS, intra_bandwidth=args.intra_bandwidth)
+    return launch_or_run(
+        __file__,
+        PP * DP * args.tp,
+        args.bandwidth,
+        argv,
+        lambda: run(args),
+        hosts=HOSTS,
+        intra_bandwidth=args.intra_bandwidth,
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ seed and sees the same batches of a deterministic character-level corpus, so the
 step by step; only the time differs. Started outside a distributed launch, the script
 re-launches itself through `oases-launch`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, trai
 def _args(argv=None) -> argparse.Namespace:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--schedules", default="megatron,oases,oases-sp",
-                   help="comma-separated, first is the baseline; a '-sp' suffix adds sequence parallelism")
+    p.add_argument(
+        "--schedules",
+        default="megatron,oases,oases-sp",
+        help="comma-separated, first is the baseline; a '-sp' suffix adds sequence parallelism",
+    )
     return p.parse_args(argv)
 
 
@@ -39,10 +43,17 @@ def build(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     # any vocabulary size: parallelize pads the embedding and head shards when the TP degree does not divide it
-    config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=args.hidden, intermediate_size=int(2.75 * args.hidden),
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq_len,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=args.hidden,
+        intermediate_size=int(2.75 * args.hidden),
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     # A 29-token vocabulary is cheaper replicated: a vocabulary-parallel embedding (the default, for
@@ -59,15 +70,25 @@ def train(label: str, data: torch.Tensor, args, show: bool) -> dict:
     def step(tokens: torch.Tensor, _: torch.Tensor) -> torch.Tensor:  # labels = inputs, shifted inside
         return oases.train_step(model, tokens, tokens, schedule=schedule, sequence_parallel=sp, comm=comm)
 
-    return train_loop(label, step, optimizer, batches(data, args.steps, args.batch, args.seq_len),
-                      lambda: comm.waited, args.steps, args.batch * args.seq_len, show)
+    return train_loop(
+        label,
+        step,
+        optimizer,
+        batches(data, args.steps, args.batch, args.seq_len),
+        lambda: comm.waited,
+        args.steps,
+        args.batch * args.seq_len,
+        show,
+    )
 
 
 def run(args) -> None:
     data = corpus(200_000)
-    describe = (f"Hugging Face LlamaForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
-                f"({args.kv_heads} KV); batch {args.batch} x {args.seq_len} tokens; TP={{tp}} on {{link}}; "
-                f"{args.steps} steps per schedule")
+    describe = (
+        f"Hugging Face LlamaForCausalLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
+        f"({args.kv_heads} KV); batch {args.batch} x {args.seq_len} tokens; TP={{tp}} on {{link}}; "
+        f"{args.steps} steps per schedule"
+    )
     compare(describe, args.schedules.split(","), lambda label, show: train(label, data, args, show))
 
 

@@ -5,6 +5,7 @@
     linear_into(x, weight, out, row_offset, bias):  out[row_offset : row_offset + M] = x @ weight.T (+ bias)
     linear_accumulate(x, weight, acc, out):         out = x @ weight.T + acc
 """
+
 from .chunked_linear import linear_into
 from .linear_accumulate import linear_accumulate
 

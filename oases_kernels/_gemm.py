@@ -15,6 +15,7 @@ How a launch is made depends on where Triton runs (`launch_plan`):
                               wrong; exact for fp16/bf16) and one config, INTERPRETER_TILES
                               (multi-config autotuning needs a driver to time candidates)
 """
+
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -38,8 +39,11 @@ class Tiles:
     num_stages: int = 3
 
     def config(self) -> "triton.Config":
-        return triton.Config({"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                              "GROUP_M": self.group_m}, num_warps=self.num_warps, num_stages=self.num_stages)
+        return triton.Config(
+            {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k, "GROUP_M": self.group_m},
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 INTERPRETER_TILES = Tiles()
@@ -83,12 +87,31 @@ def launch_plan(interpret: bool) -> LaunchPlan:
 
 @triton.jit
 def _gemm_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr, acc_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk,
-    stride_om, stride_on, stride_am, stride_an, stride_b,
-    HAS_BIAS: tl.constexpr, HAS_ACC: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    acc_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_am,
+    stride_an,
+    stride_b,
+    HAS_BIAS: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     # Grouped ordering: GROUP_M consecutive row tiles sweep the column tiles together, so the
     # weight tiles they share stay in L2. The last group may hold fewer than GROUP_M row tiles.
@@ -103,7 +126,7 @@ def _gemm_kernel(
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,) rows of x and out
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,) rows of weight
-    rk = tl.arange(0, BLOCK_K)                                   # (BLOCK_K,)
+    rk = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
     m_ok = rm < M
     n_ok = rn < N
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk  # (BLOCK_M, BLOCK_K)
@@ -134,7 +157,9 @@ def _gemm_kernel(
 # The autotuned launcher for GPUs. `out` is restored after each timed candidate: with acc = out
 # (an in-place accumulate) the timing runs would otherwise add the product several times.
 _gemm_kernel_tuned = triton.autotune(
-    configs=[t.config() for t in GPU_TILES], key=["M", "N", "K"], restore_value=["out_ptr"],
+    configs=[t.config() for t in GPU_TILES],
+    key=["M", "N", "K"],
+    restore_value=["out_ptr"],
 )(_gemm_kernel)
 
 
@@ -170,21 +195,41 @@ def launch_gemm(
         plan = LaunchPlan(plan.upcast, (tiles,))
     acc_strides = acc.stride() if acc is not None else (0, 0)
     args = (
-        x, weight, out,
+        x,
+        weight,
+        out,
         bias if bias is not None else out,  # placeholders are never read: HAS_* is False
         acc if acc is not None else out,
-        M, N, K,
-        *x.stride(), *weight.stride(), *out.stride(), *acc_strides,
+        M,
+        N,
+        K,
+        *x.stride(),
+        *weight.stride(),
+        *out.stride(),
+        *acc_strides,
         bias.stride(0) if bias is not None else 0,
     )
-    flags = dict(HAS_BIAS=bias is not None, HAS_ACC=acc is not None,
-                 INPUT_PRECISION=_input_precision(x.dtype), UPCAST=plan.upcast)
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        HAS_ACC=acc is not None,
+        INPUT_PRECISION=_input_precision(x.dtype),
+        UPCAST=plan.upcast,
+    )
     if len(plan.tiles) == 1:
         t = plan.tiles[0]
         grid = (triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n),)
-        _gemm_kernel[grid](*args, **flags, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                           GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
+        _gemm_kernel[grid](
+            *args,
+            **flags,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k,
+            GROUP_M=t.group_m,
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+        )
     else:
+
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
@@ -198,19 +243,21 @@ def _names(dtypes: Sequence[torch.dtype]) -> str:
 def check_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
     """Check x (M, K) and weight (N, K) and return (M, N, K)."""
     if x.dim() != 2:
-        raise ValueError(f"x: expected a 2-D (M, K) tensor, got shape {tuple(x.shape)}; "
-                         "flatten leading dimensions with x.reshape(-1, x.shape[-1])")
+        raise ValueError(
+            f"x: expected a 2-D (M, K) tensor, got shape {tuple(x.shape)}; "
+            "flatten leading dimensions with x.reshape(-1, x.shape[-1])"
+        )
     if weight.dim() != 2:
-        raise ValueError(f"weight: expected a 2-D (N, K) tensor in nn.Linear layout, "
-                         f"got shape {tuple(weight.shape)}")
+        raise ValueError(f"weight: expected a 2-D (N, K) tensor in nn.Linear layout, got shape {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight: in_features {weight.shape[1]} does not match x's last "
-                         f"dimension {x.shape[1]}; weight must be (out_features, in_features)")
+        raise ValueError(
+            f"weight: in_features {weight.shape[1]} does not match x's last "
+            f"dimension {x.shape[1]}; weight must be (out_features, in_features)"
+        )
     if x.dtype not in DTYPES:
         raise TypeError(f"x: dtype {x.dtype} is not supported; use one of {_names(DTYPES)}")
     if weight.dtype != x.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} does not match x's {x.dtype}; "
-                        "cast with weight.to(x.dtype)")
+        raise TypeError(f"weight: dtype {weight.dtype} does not match x's {x.dtype}; cast with weight.to(x.dtype)")
     check_dtype_device("weight", weight, [x.dtype], x.device)
     return x.shape[0], weight.shape[0], x.shape[1]
 
@@ -220,9 +267,7 @@ def x_or_fp32(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     return (dtype,) if dtype == torch.float32 else (dtype, torch.float32)
 
 
-def check_dtype_device(
-    name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], device: torch.device
-) -> None:
+def check_dtype_device(name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype], device: torch.device) -> None:
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: dtype {t.dtype} is not allowed here; use one of {_names(dtypes)}")
     if t.device != device:
@@ -232,5 +277,4 @@ def check_dtype_device(
 def check_writable(name: str, t: torch.Tensor) -> None:
     """Refuse expanded views: several output elements sharing one address would race."""
     if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-        raise ValueError(f"{name}: is an expanded view (a stride is 0); pass a real buffer, "
-                         "e.g. .clone() it first")
+        raise ValueError(f"{name}: is an expanded view (a stride is 0); pass a real buffer, e.g. .clone() it first")

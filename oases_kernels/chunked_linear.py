@@ -3,6 +3,7 @@
 An all-gather + GEMM overlap computes one gathered chunk at a time; writing each chunk's rows
 straight into the full output (no temporary, no copy) is what this kernel is for.
 """
+
 from typing import Optional
 
 import torch
@@ -31,18 +32,18 @@ def linear_into(
     if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0:
         raise ValueError(f"row_offset: expected an int >= 0, got {row_offset!r}")
     if out.dim() != 2 or out.shape[1] != N:
-        raise ValueError(f"out: expected shape (R, {N}) (N = weight.shape[0]), "
-                         f"got {tuple(out.shape)}")
+        raise ValueError(f"out: expected shape (R, {N}) (N = weight.shape[0]), got {tuple(out.shape)}")
     if out.shape[0] < row_offset + M:
-        raise ValueError(f"out: has {out.shape[0]} rows but row_offset + M = "
-                         f"{row_offset} + {M} = {row_offset + M}; allocate at least that many "
-                         "rows or lower row_offset")
+        raise ValueError(
+            f"out: has {out.shape[0]} rows but row_offset + M = "
+            f"{row_offset} + {M} = {row_offset + M}; allocate at least that many "
+            "rows or lower row_offset"
+        )
     check_dtype_device("out", out, DTYPES, x.device)
     check_writable("out", out)
     if bias is not None:
         if tuple(bias.shape) != (N,):
-            raise ValueError(f"bias: expected shape ({N},) (N = weight.shape[0]), "
-                             f"got {tuple(bias.shape)}")
+            raise ValueError(f"bias: expected shape ({N},) (N = weight.shape[0]), got {tuple(bias.shape)}")
         check_dtype_device("bias", bias, x_or_fp32(x.dtype), x.device)
 
     rows = out[row_offset : row_offset + M]  # (M, N) view: the kernel stores into it directly

@@ -3,6 +3,7 @@
 A GEMM + reduce-scatter overlap sums partial products as they arrive; adding the incoming
 partial inside the kernel (in fp32) saves a separate elementwise pass over the output.
 """
+
 from typing import Optional
 
 import torch
@@ -28,14 +29,12 @@ def linear_accumulate(
     """
     M, N, _ = check_operands(x, weight)
     if tuple(acc.shape) != (M, N):
-        raise ValueError(f"acc: expected shape ({M}, {N}) = (x.shape[0], weight.shape[0]), "
-                         f"got {tuple(acc.shape)}")
+        raise ValueError(f"acc: expected shape ({M}, {N}) = (x.shape[0], weight.shape[0]), got {tuple(acc.shape)}")
     check_dtype_device("acc", acc, x_or_fp32(x.dtype), x.device)
     if out is None:
         out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (M, N):
-        raise ValueError(f"out: expected shape ({M}, {N}) = (x.shape[0], weight.shape[0]), "
-                         f"got {tuple(out.shape)}")
+        raise ValueError(f"out: expected shape ({M}, {N}) = (x.shape[0], weight.shape[0]), got {tuple(out.shape)}")
     check_dtype_device("out", out, DTYPES, x.device)
     check_writable("out", out)
 

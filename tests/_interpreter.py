@@ -6,6 +6,7 @@ can be converted to Python scalars"), so every GEMM kernel fails there (the H200
 Triton 3.6.0). Triton 3.7 (the pinned version) runs it. Tests that run a kernel under the
 interpreter skip with this reason where the probe fails, and run everywhere else.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,10 @@ def interpreter_failure() -> Optional[str]:
     try:
         _count[(1,)](out, 3)
     except Exception as error:  # the interpreter wraps what it hit in its own error type
-        return (f"Triton {triton.__version__}'s interpreter cannot loop over a kernel argument with numpy "
-                f"{numpy.__version__} ({error!r}); Triton 3.7 can")
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot loop over a kernel argument with numpy "
+            f"{numpy.__version__} ({error!r}); Triton 3.7 can"
+        )
     if out.item() != 3.0:
         return f"Triton {triton.__version__}'s interpreter counted {out.item()} iterations of 3"
     return None

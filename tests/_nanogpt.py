@@ -1,5 +1,6 @@
 """A nanoGPT-style block (Karpathy's layout: attn.c_attn / c_proj, mlp.c_fc / c_proj, ln_1, ln_2),
 shared by the tests that parallelize such models (tests/test_parallelize.py, test_parallelize_degrees.py)."""
+
 import torch.nn as nn
 import torch.nn.functional as F
 

@@ -1,12 +1,13 @@
 """What a parallelized model's parameter holds of the unsharded tensor, and gradient checks by it.
 
-    expected_shard(tp, name, full, rank, p) = the ShardRule of parameter `name` (its module's
-        tp_layout()) applied to `full`, or `full` for a replicated parameter
-    check_grads(tp, want, rank, p, where, tol): every parameter of `tp` has a gradient equal to
-        expected_shard(want[name]) within `tol` (torch.testing.assert_close's rtol / atol)
-    check_export(tp, ref, path, rank, what): oases.save_pretrained(tp, path) reads back through
-        transformers' from_pretrained (on rank 0) as the unsharded `ref`'s state dict, exactly
+expected_shard(tp, name, full, rank, p) = the ShardRule of parameter `name` (its module's
+    tp_layout()) applied to `full`, or `full` for a replicated parameter
+check_grads(tp, want, rank, p, where, tol): every parameter of `tp` has a gradient equal to
+    expected_shard(want[name]) within `tol` (torch.testing.assert_close's rtol / atol)
+check_export(tp, ref, path, rank, what): oases.save_pretrained(tp, path) reads back through
+    transformers' from_pretrained (on rank 0) as the unsharded `ref`'s state dict, exactly
 """
+
 import warnings
 
 import torch
@@ -23,8 +24,12 @@ def expected_shard(tp, name, full, rank, p):
 def check_grads(tp, want, rank, p, where, tol):
     for name, param in tp.named_parameters():
         assert param.grad is not None, f"{where}: {name} got no gradient"
-        torch.testing.assert_close(param.grad, expected_shard(tp, name, want[name], rank, p), **tol,
-                                   msg=lambda m: f"{where}: grad of {name}: {m}")
+        torch.testing.assert_close(
+            param.grad,
+            expected_shard(tp, name, want[name], rank, p),
+            **tol,
+            msg=lambda m: f"{where}: grad of {name}: {m}",
+        )
 
 
 def check_export(tp, ref, path, rank, what):

@@ -16,6 +16,7 @@ cpu. On cpu the ranks run gloo, as always. On cuda each rank gets GPU `rank % de
 a process group with a backend per device ("cpu:gloo,cuda:nccl"): tests that put their tensors on
 `harness_device()` run on NCCL; tests written for CPU tensors keep running on gloo.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -53,8 +54,13 @@ def _backend(device: str) -> str:
 # What the forkserver imports once, so that no rank pays for it (importing oases takes about as
 # long as torch, transformers' model code twice that; each rank used to pay both). On CUDA only
 # torch: an import there that touched the GPU before the fork would break CUDA in every rank.
-_PRELOAD_CPU = ["pytest", "oases", "transformers.models.llama.modeling_llama",
-                "transformers.models.qwen3.modeling_qwen3", "transformers.models.gpt_neox.modeling_gpt_neox"]
+_PRELOAD_CPU = [
+    "pytest",
+    "oases",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
+]
 
 
 def _preload() -> list[str]:
@@ -76,10 +82,12 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
         device = harness_device()
         if device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-        dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)
+        )
+        dist.init_process_group(
+            _backend(device), store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
         value = fn(rank, world_size, *args)
         results.put((rank, "ok", value))
     except BaseException:  # report everything, including SystemExit from a rank
@@ -92,12 +100,14 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo, or see harness_device);
     return the results by rank."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
     results = _CONTEXT.Queue()
     procs = [
-        _CONTEXT.Process(target=_rank_main, daemon=True,
-                         args=(fn, r, world_size, store.port, timeout, args, results, list(sys.path)))
+        _CONTEXT.Process(
+            target=_rank_main, daemon=True, args=(fn, r, world_size, store.port, timeout, args, results, list(sys.path))
+        )
         for r in range(world_size)
     ]
     for p in procs:

@@ -7,6 +7,7 @@ the same rounding can then shift such an element by a few percent of lr. On torc
 image) one element in 2048 moved 2.2e-5 after AdamW at lr 1e-3. A wrong gradient moves most
 elements by about lr, so 5e-5 (5% of one step at lr 1e-3) still fails it.
 """
+
 from __future__ import annotations
 
 STATE_ATOL = {"sgd": 1e-5, "adamw": 5e-5}

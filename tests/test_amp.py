@@ -3,6 +3,7 @@ every rank skip the step and back off the scale (torch's GradScaler, on the same
 other rank step: the shards diverge); without overflow every rank steps, as one process would.
 The forward runs under fp16 autocast (CPU). In the pipeline (loss_scaler=), an overflow on the
 last stage makes both stages skip the step."""
+
 import warnings
 
 import pytest
@@ -19,9 +20,18 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _step(model, scaler, ids, poison):
@@ -42,8 +52,10 @@ def _step(model, scaler, ids, poison):
 def _scalers(rank, world):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     results = {}
-    for name, make in (("oases", lambda: oases.amp.GradScaler("cpu", init_scale=2.0**8)),
-                       ("torch", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8))):
+    for name, make in (
+        ("oases", lambda: oases.amp.GradScaler("cpu", init_scale=2.0**8)),
+        ("torch", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = oases.parallelize(_llama())
@@ -78,14 +90,14 @@ def _pipeline_scaled(rank, world):
     def make(scaler=None):
         return Pipeline(config, mesh, schedule="aiao", segments=2, micro_batches=2, seed=5, loss_scaler=scaler)
 
-    plain, scaled = make(), make(oases.amp.GradScaler("cpu", init_scale=2.0 ** 12))
+    plain, scaled = make(), make(oases.amp.GradScaler("cpu", init_scale=2.0**12))
     for tokens, targets in batches:
         assert torch.equal(plain.train_step(tokens, targets), scaled.train_step(tokens, targets))
     want, got = plain.state_dict(), scaled.state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
     plain.close(), scaled.close()
 
-    scaler = oases.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = oases.amp.GradScaler("cpu", init_scale=2.0**12)
     pipe = make(scaler)
     pipe.train_step(*batches[0])
     before = pipe.state_dict()  # step 1 applied
@@ -96,7 +108,7 @@ def _pipeline_scaled(rank, world):
     pipe.train_step(*batches[1])
     after = pipe.state_dict()  # step 2 skipped on both stages
     assert all(torch.equal(before[k], after[k]) for k in before), "a stage stepped on an overflow"
-    assert scaler.get_scale() == 2.0 ** 11, scaler.get_scale()
+    assert scaler.get_scale() == 2.0**11, scaler.get_scale()
     overflow[0] = False
     pipe.train_step(*batches[2])
     assert any(not torch.equal(before[k], v) for k, v in pipe.state_dict().items())  # steps again

@@ -9,6 +9,7 @@ unsharded model under the same autocast, via model(...) and via train_step on ev
 and without sequence parallelism; the same checks fail without autocast on the sharded side
 (the comparison can tell bf16 from fp32).
 """
+
 import warnings
 
 import pytest
@@ -52,12 +53,39 @@ def _ops(rank, world):
     rows, cols, outs = (slice(r * n, (r + 1) * n) for r, n in ((rank, 4), (rank, 16), (rank, 12)))
     y, gx, gw, gb = _single_process(x_full, w_full, bias, lin)
     cases = {  # name: (op, x, weight, bias, the loss's weights, expected y, grad x, grad weight, grad bias)
-        "all_gather_linear": (ops.all_gather_linear, x_full[rows], w_full[outs], bias[outs], lin[outs],
-                              y[..., outs], gx[rows], gw[outs], gb[outs]),
-        "linear_reduce_scatter": (ops.linear_reduce_scatter, x_full[..., cols], w_full[:, cols], bias, lin,
-                                  y[rows], gx[..., cols], gw[:, cols], lin.expand(4 * 6, 24).sum(0)),
-        "linear_all_reduce": (ops.linear_all_reduce, x_full[..., cols], w_full[:, cols], bias, lin,
-                              y, gx[..., cols], gw[:, cols], gb),
+        "all_gather_linear": (
+            ops.all_gather_linear,
+            x_full[rows],
+            w_full[outs],
+            bias[outs],
+            lin[outs],
+            y[..., outs],
+            gx[rows],
+            gw[outs],
+            gb[outs],
+        ),
+        "linear_reduce_scatter": (
+            ops.linear_reduce_scatter,
+            x_full[..., cols],
+            w_full[:, cols],
+            bias,
+            lin,
+            y[rows],
+            gx[..., cols],
+            gw[:, cols],
+            lin.expand(4 * 6, 24).sum(0),
+        ),
+        "linear_all_reduce": (
+            ops.linear_all_reduce,
+            x_full[..., cols],
+            w_full[:, cols],
+            bias,
+            lin,
+            y,
+            gx[..., cols],
+            gw[:, cols],
+            gb,
+        ),
     }
     for name, (op, x, w, b, weights, *want) in cases.items():
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
@@ -78,9 +106,18 @@ def _llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _check_grads(model, want, where, rank, world):

@@ -11,6 +11,7 @@ The memory here is the bytes of tensors a step allocates and still holds (a disp
 each new storage; a finalizer, its end), the step's own peak as torch.cuda.max_memory_allocated
 would count it on a GPU.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -31,8 +32,9 @@ class _LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor):

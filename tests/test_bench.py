@@ -12,6 +12,7 @@ JSON's schema, that every case carries every figure, that the derived figures fo
 measured ones, the PNG, and the Chrome trace. Never asserts speed (see docs/benchmarks.md: overlap
 on a CPU machine). Plus the pure helpers of bench._metrics.
 """
+
 import contextlib
 import glob
 import io
@@ -39,8 +40,7 @@ FUSED = {"all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"}
 COLLECTIVES = {"ring_all_gather", "ring_reduce_scatter", "all_reduce"}
 PEERS = {"serial", "serial_ring", "torch_tp", "torch_symm_mem", "torch_async"}
 TIME_KEYS = ("t_compute", "t_comm", "t_serial", "t_overlap", "bound")
-SWEEP_KEYS = ("chunks", "t_compute", "t_comm", "t_overlap", "bound", "efficiency", "speedup_vs_serial",
-              "t_torch_async")
+SWEEP_KEYS = ("chunks", "t_compute", "t_comm", "t_overlap", "bound", "efficiency", "speedup_vs_serial", "t_torch_async")
 
 
 def _document(suite, out):
@@ -64,13 +64,30 @@ def _device_options(nproc):
 def _run_suite(suite, out, *options):
     """Run `python -m bench SUITE --quick [OPTIONS]` (it re-launches itself on 2 ranks through
     oases-launch); return (document, stdout, out dir)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-           and not k.startswith("OASES_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") and not k.startswith("OASES_")
+    }
     done = subprocess.run(
-        [sys.executable, "-m", "bench", suite, "--quick", "--nproc", str(WORLD_SIZE), "--out", str(out),
-         *_device_options(WORLD_SIZE), *options],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            suite,
+            "--quick",
+            "--nproc",
+            str(WORLD_SIZE),
+            "--out",
+            str(out),
+            *_device_options(WORLD_SIZE),
+            *options,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert done.returncode == 0, f"bench failed ({done.returncode}):\n{done.stdout}\n{done.stderr[-4000:]}"
     return _document(suite, out), done.stdout, out
@@ -81,8 +98,13 @@ def _bench_rank(rank, world_size, argv):
     OASES_ link variables: unshaped), on the harness's process group; (exit code, its stdout)."""
     for name in [k for k in os.environ if k.startswith("OASES_")]:
         del os.environ[name]
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), OASES_BENCH_RELAUNCHED="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OASES_BENCH_RELAUNCHED="1",
+    )
     from bench.__main__ import main
 
     printed = io.StringIO()
@@ -198,7 +220,8 @@ def test_collective_cases(run):
         assert isinstance(case["bytes"], int) and case["bytes"] > 0
         assert case["algbw_ours"] == pytest.approx(case["bytes"] / case["t_ours"])
         assert case["busbw_ours"] == pytest.approx(
-            _metrics.bus_bandwidth(case["collective"], case["bytes"], case["t_ours"], WORLD_SIZE))
+            _metrics.bus_bandwidth(case["collective"], case["bytes"], case["t_ours"], WORLD_SIZE)
+        )
         assert case["speedup_vs_torch"] == pytest.approx(case["t_torch"] / case["t_ours"])
 
 
@@ -235,8 +258,8 @@ def test_png_and_trace(run):
 def test_efficiency_guard():
     assert _metrics.efficiency(100.0, 60.0, 50.0) == pytest.approx(0.8)
     assert _metrics.efficiency(100.0, 120.0, 50.0) == pytest.approx(-0.4)
-    assert _metrics.efficiency(100.0, 99.0, 95.0) is None      # serial ≈ bound: undefined
-    assert _metrics.efficiency(100.0, 90.0, 110.0) is None     # serial under the bound
+    assert _metrics.efficiency(100.0, 99.0, 95.0) is None  # serial ≈ bound: undefined
+    assert _metrics.efficiency(100.0, 90.0, 110.0) is None  # serial under the bound
     assert _metrics.bound(3.0, 4.0) == 4.0
 
 
@@ -397,9 +420,9 @@ def test_layers_suite_llama(tmp_path):
     titan = records["torch_tp"]
     plan = titan["peer"]["plan"]
     assert plan["model.embed_tokens"].startswith(
-        "RowwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=1),)")
-    assert plan["lm_head"].startswith(
-        "ColwiseParallel(input_layouts=(Shard(dim=1),), output_layouts=(Shard(dim=-1),)")
+        "RowwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=1),)"
+    )
+    assert plan["lm_head"].startswith("ColwiseParallel(input_layouts=(Shard(dim=1),), output_layouts=(Shard(dim=-1),)")
     assert "use_local_output=False" in plan["lm_head"] and "loss_parallel" in titan["peer"]["impl"]
     for norm in ("model.norm", "model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm"):
         assert plan[norm].startswith("SequenceParallel("), norm
@@ -412,8 +435,11 @@ def test_layers_suite_llama(tmp_path):
     # All-reduces: loss_parallel's three (max, sum of exponentials, target logit) and the
     # sequence-parallel norms' weight gradients (2 per layer and the final norm).
     calls = {kind: c["calls"] for kind, c in titan["collectives"].items()}
-    assert calls == {"all_gather_into_tensor": 2 * (2 * layers + 1), "reduce_scatter_tensor": 2 * (2 * layers + 1),
-                     "all_reduce": 3 + 2 * layers + 1}
+    assert calls == {
+        "all_gather_into_tensor": 2 * (2 * layers + 1),
+        "reduce_scatter_tensor": 2 * (2 * layers + 1),
+        "all_reduce": 3 + 2 * layers + 1,
+    }
     # Megatron's layout: one all-reduce per sublayer forward and one backward (q/k/v share theirs).
     nosp = records["torch_tp_nosp"]
     assert {kind: c["calls"] for kind, c in nosp["collectives"].items()} == {"all_reduce": 4 * layers}
@@ -429,7 +455,9 @@ def test_layers_suite_llama(tmp_path):
         assert hf["peer"]["plan"]["lm_head"] == "colwise_gather_output"
         assert "tp_plan" in hf["peer"]["impl"] or "maybe_distribute_model" in hf["peer"]["impl"]
         assert {kind: c["calls"] for kind, c in hf["collectives"].items()} == {
-            "all_gather_into_tensor": 1, "all_reduce": 7 * layers + 2}
+            "all_gather_into_tensor": 1,
+            "all_reduce": 7 * layers + 2,
+        }
 
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
@@ -458,8 +486,17 @@ def test_pipeline_suite(tmp_path):
         assert r["losses"] == pytest.approx(records["1f1b"]["losses"], rel=1e-5), name
         assert _is_time(r["t_iter"]) and r["t_iter_min"] <= r["t_iter"], name
         assert r["speedup_vs_1f1b"] == pytest.approx(records["1f1b"]["t_iter"] / r["t_iter"]), name
-        for key in ("dp_exposed", "pp_wait", "fwd", "bwd", "send_latency", "recv_latency", "deferred_chunks",
-                    "forced_chunks", "overlapped_chunks"):
+        for key in (
+            "dp_exposed",
+            "pp_wait",
+            "fwd",
+            "bwd",
+            "send_latency",
+            "recv_latency",
+            "deferred_chunks",
+            "forced_chunks",
+            "overlapped_chunks",
+        ):
             assert math.isfinite(r[key]) and r[key] >= 0, (name, key)
         assert r["fwd"] > 0 and r["bwd"] > 0 and r["dp_chunks"] > 0, name
         assert r["peak_mib"] is None or r["peak_mib"] >= 0, name
@@ -516,9 +553,9 @@ def test_scaled_batch():
     """The balanced regime's batch: batch x ratio in whole units of dp x micro-batches, bounded."""
     assert scaled_batch(16, 3.2, unit=8, cap=512) == 48
     assert scaled_batch(16, 1.0, unit=8, cap=512) == 16
-    assert scaled_batch(16, 0.1, unit=8, cap=512) == 8      # at least one row per micro-batch and replica
+    assert scaled_batch(16, 0.1, unit=8, cap=512) == 8  # at least one row per micro-batch and replica
     assert scaled_batch(16, 100.0, unit=8, cap=512) == 512  # at most the cap
-    assert scaled_batch(16, 100.0, unit=8, cap=20) == 24    # the cap rounded up to whole units
+    assert scaled_batch(16, 100.0, unit=8, cap=20) == 24  # the cap rounded up to whole units
 
 
 def test_offload_suite(tmp_path):
@@ -649,7 +686,7 @@ def test_device_cpu_reaches_the_ranks(tmp_path, monkeypatch):
     argv = ["offload", "--device", "cpu", "--nproc", "4", "--quick", "--out", str(tmp_path)]
     assert bench_main.main(argv) == 0
     command, env = launched[-1]
-    assert command[-len(argv):] == argv and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert command[-len(argv) :] == argv and env["CUDA_VISIBLE_DEVICES"] == ""
     assert command[command.index("--nproc") + 1] == "4"
     auto = ["offload", "--nproc", "1", "--quick", "--out", str(tmp_path)]
     if bench_main._device_refusal(bench_main._parser()[0].parse_args(auto)) is None:
@@ -675,9 +712,11 @@ def test_profile_one_rank_needs_an_assumed_link(tmp_path, monkeypatch, capfd):
     """profile --nproc 1 without --assume-link, or --assume-link on 2 ranks, or a latency without
     a unit: refused before any rank starts, with the fix in the message."""
     _no_launch_env(monkeypatch)
-    cases = [(["--nproc", "1"], "pass --assume-link RATE[,LATENCY]"),
-             (["--nproc", "2", "--assume-link", "1gbit"], "only for one rank (--nproc 1)"),
-             (["--nproc", "1", "--assume-link", "10gbit,50"], "expected a number with a unit s, ms, us or ns")]
+    cases = [
+        (["--nproc", "1"], "pass --assume-link RATE[,LATENCY]"),
+        (["--nproc", "2", "--assume-link", "1gbit"], "only for one rank (--nproc 1)"),
+        (["--nproc", "1", "--assume-link", "10gbit,50"], "expected a number with a unit s, ms, us or ns"),
+    ]
     _assert_refused("profile", cases, tmp_path, capfd)
 
 
@@ -690,8 +729,9 @@ def test_profile_one_rank_with_assumed_link_plans(tmp_path):
     from oases.planner import load_profile
 
     path = tmp_path / "p.json"
-    doc, stdout, _ = _run_suite_on_ranks("profile", tmp_path, "--device", "cpu", "--assume-link", "10gbit,50us",
-                                         "--profile-out", str(path), nproc=1)
+    doc, stdout, _ = _run_suite_on_ranks(
+        "profile", tmp_path, "--device", "cpu", "--assume-link", "10gbit,50us", "--profile-out", str(path), nproc=1
+    )
     assert doc["world_size"] == 1 and doc["device"]["type"] == "cpu" and doc["device"]["requested"] == "cpu"
     assert "p2p (assumed)" in stdout and "not measured: overlap" in stdout
     with open(path) as f:
@@ -717,8 +757,21 @@ def test_profile_one_rank_with_assumed_link_plans(tmp_path):
     plan_path = tmp_path / "plan.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = oases_main(["plan", "--model", "llama-7b", "--world", "16", "--device-memory", "80GB",
-                           "--profile", str(path), "--out", str(plan_path)])
+        code = oases_main(
+            [
+                "plan",
+                "--model",
+                "llama-7b",
+                "--world",
+                "16",
+                "--device-memory",
+                "80GB",
+                "--profile",
+                str(path),
+                "--out",
+                str(plan_path),
+            ]
+        )
     assert code == 0 and "predicted step" in printed.getvalue()
     assert "measured chunked-GEMM efficiency 2: " in printed.getvalue()
     with open(plan_path) as f:
@@ -749,15 +802,40 @@ def test_offload_step_on_one_rank(tmp_path):
     (under bf16 autocast), the same loss with offload on and off; on a CPU no device peak memory
     (None)."""
     doc, stdout, _ = _run_suite_on_ranks(
-        "offload", tmp_path, "--device", "cpu", "--parts", "step", "--step-hidden", "96", "--step-heads", "4",
-        "--step-layers", "3", "--step-seq", "24", "--step-batch", "4", "--step-autocast", "bfloat16",
-        "--step-memory-peak", nproc=1)
+        "offload",
+        tmp_path,
+        "--device",
+        "cpu",
+        "--parts",
+        "step",
+        "--step-hidden",
+        "96",
+        "--step-heads",
+        "4",
+        "--step-layers",
+        "3",
+        "--step-seq",
+        "24",
+        "--step-batch",
+        "4",
+        "--step-autocast",
+        "bfloat16",
+        "--step-memory-peak",
+        nproc=1,
+    )
     assert [r["kind"] for r in doc["cases"]] == ["step"]
     assert "offload: GPT oases schedule, TP 1, hidden 96, 4 heads, 3 layers, batch 4 x 24" in stdout
     assert "round trips" not in stdout and "AIAO" not in stdout
     step = doc["cases"][0]
-    assert step["config"] == {"hidden": 96, "layers": 3, "heads": 4, "batch": 4, "seq_len": 24, "tp": 1,
-                              "autocast": "bfloat16"}
+    assert step["config"] == {
+        "hidden": 96,
+        "layers": 3,
+        "heads": 4,
+        "batch": 4,
+        "seq_len": 24,
+        "tp": 1,
+        "autocast": "bfloat16",
+    }
     assert "bfloat16 autocast" in stdout
     assert _is_time(step["t_step"]["off"]) and _is_time(step["t_step"]["on"])
     assert step["copies_out"] == step["copies_in"] > 0
@@ -769,8 +847,9 @@ def test_offload_step_on_one_rank(tmp_path):
 
 
 def _frames(*names):
-    return [{"filename": f"/x/python_api/oases/schedule/{n}.py", "line": 10 + i, "name": n}
-            for i, n in enumerate(names)] + [{"filename": "/usr/lib/torch/nn/linear.py", "line": 1, "name": "fwd"}]
+    return [
+        {"filename": f"/x/python_api/oases/schedule/{n}.py", "line": 10 + i, "name": n} for i, n in enumerate(names)
+    ] + [{"filename": "/usr/lib/torch/nn/linear.py", "line": 1, "name": "fwd"}]
 
 
 def test_live_at_peak_replays_the_allocator_trace():
@@ -789,13 +868,19 @@ def test_live_at_peak_replays_the_allocator_trace():
     def done(addr, size):
         return {"action": "free_completed", "addr": addr, "size": size}
 
-    events = [a(1, 100, "ckpt"), a(2, 50, "work"),   # 150
-              req(99, 40), done(99, 40),             # 110: a block from before the trace
-              req(2, 50), a(3, 200, "work"),         # 260: the peak (block 2 requested, completion pending)
-              done(2, 50),                           # no change: already counted at its request
-              done(77, 100),                         # a completion alone (requested before): no change
-              req(1, 100), a(4, 90, "late"),         # 250 < 260
-              {"action": "segment_alloc", "addr": 7, "size": 1 << 30}]
+    events = [
+        a(1, 100, "ckpt"),
+        a(2, 50, "work"),  # 150
+        req(99, 40),
+        done(99, 40),  # 110: a block from before the trace
+        req(2, 50),
+        a(3, 200, "work"),  # 260: the peak (block 2 requested, completion pending)
+        done(2, 50),  # no change: already counted at its request
+        done(77, 100),  # a completion alone (requested before): no change
+        req(1, 100),
+        a(4, 90, "late"),  # 250 < 260
+        {"action": "segment_alloc", "addr": 7, "size": 1 << 30},
+    ]
     peak, at, live = live_at_peak(events)
     assert (peak, at) == (260, 5)
     assert sorted(e["addr"] for e in live) == [1, 3]
@@ -809,9 +894,11 @@ def test_offload_step_options_checked(tmp_path, monkeypatch, capfd):
     """The step's heads must divide its hidden size and split over the ranks; unknown parts are
     refused; all before any rank starts."""
     _no_launch_env(monkeypatch)
-    cases = [(["--nproc", "1", "--step-hidden", "96", "--step-heads", "5"], "does not divide the step's hidden"),
-             (["--nproc", "2", "--step-heads", "3", "--step-hidden", "96"], "pick a multiple of 2"),
-             (["--parts", "step,nope"], "unknown part(s) ['nope']")]
+    cases = [
+        (["--nproc", "1", "--step-hidden", "96", "--step-heads", "5"], "does not divide the step's hidden"),
+        (["--nproc", "2", "--step-heads", "3", "--step-hidden", "96"], "pick a multiple of 2"),
+        (["--parts", "step,nope"], "unknown part(s) ['nope']"),
+    ]
     _assert_refused("offload", cases, tmp_path, capfd)
 
 

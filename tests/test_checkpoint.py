@@ -5,6 +5,7 @@ Models: Hugging Face Llama (GQA and MHA) under the default plan, and a toy MLP w
 TP model is trained one step first, so that what a checkpoint carries differs from the seed's
 initialisation; a model loaded from it (another seed, another TP degree) must give its outputs.
 """
+
 import copy
 import importlib.util
 import os
@@ -29,10 +30,17 @@ HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 def _llama(kv_heads, seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
-                         num_hidden_layers=2, intermediate_size=128, vocab_size=128,
-                         max_position_embeddings=64, tie_word_embeddings=False,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -79,8 +87,11 @@ def _cases():
     toy = Case("toy", _toy, TOY_PLAN, max_tp=4)
     if not HAVE_TRANSFORMERS:
         return [toy]
-    return [Case("llama-gqa", lambda seed: _llama(2, seed), None, max_tp=2),  # 2 KV heads: TP <= 2
-            Case("llama-mha", lambda seed: _llama(4, seed), None, max_tp=4), toy]
+    return [
+        Case("llama-gqa", lambda seed: _llama(2, seed), None, max_tp=2),  # 2 KV heads: TP <= 2
+        Case("llama-mha", lambda seed: _llama(4, seed), None, max_tp=4),
+        toy,
+    ]
 
 
 def _parallelize(model, group, plan):
@@ -132,6 +143,7 @@ class Table(nn.Module):
 
 # --- full_state_dict at TP = world size ------------------------------------------------------------
 
+
 def _check_full_state_dict(rank, p):
     for case in _cases():
         if p > case.max_tp:
@@ -171,6 +183,7 @@ def test_full_state_dict_is_the_unsharded_models(world_size):
 
 # --- save at TP 2, load at TP 4, 2 and 1 -----------------------------------------------------------
 
+
 def _check_reshard(rank, world_size, path):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
@@ -193,8 +206,9 @@ def _check_reshard(rank, world_size, path):
                 else:
                     result = oases.load_checkpoint(model, where)
                 assert (result.missing_keys, result.unexpected_keys) == ([], [])
-                torch.testing.assert_close(case.output(model), want, **TOL,
-                                           msg=lambda m: f"{case.name} TP 2 -> {degree} ({load}): {m}")
+                torch.testing.assert_close(
+                    case.output(model), want, **TOL, msg=lambda m: f"{case.name} TP 2 -> {degree} ({load}): {m}"
+                )
                 _assert_equal_dicts(oases.full_state_dict(model), full)
 
     # A checkpoint written and read by one TP group alone, the other pair doing nothing meanwhile.
@@ -220,6 +234,7 @@ def test_save_at_tp2_load_at_tp4_and_tp1(tmp_path):
 
 # --- bad input: a ValueError on every rank, the model untouched ------------------------------------
 
+
 def _check_bad_input(rank, p, path):
     tp = _parallelize(_toy(0), None, TOY_PLAN)
     before = _snapshot(tp)
@@ -227,9 +242,12 @@ def _check_bad_input(rank, p, path):
     changed = {k: v + 1 for k, v in full.items()}  # would show any partial load
 
     bad = dict(changed, **{"ffn.w1.weight": torch.zeros(64, 17)})
-    with pytest.raises(ValueError, match=rf"ffn\.w1\.weight: state_dict has shape \(64, 17\), the model expects "
-                                         rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) "
-                                         rf"of it at TP={p}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ffn\.w1\.weight: state_dict has shape \(64, 17\), the model expects "
+        rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) "
+        rf"of it at TP={p}\)",
+    ):
         oases.load_full_state_dict(tp, bad)
     bad = dict(changed, scale=torch.zeros(15))  # a replicated buffer, last in the state dict
     with pytest.raises(ValueError, match=r"scale: state_dict has shape \(15,\), the model expects \(16,\)$"):
@@ -246,11 +264,14 @@ def _check_bad_input(rank, p, path):
     other = _parallelize(_toy(0, ffn=48), None, TOY_PLAN)  # ffn 48 instead of 32
     where = os.path.join(path, "ffn48")
     oases.save_checkpoint(other, where)
-    with pytest.raises(ValueError, match=rf"checkpoint '.*ffn48' does not fit the model; nothing was loaded:\n"
-                                         rf"  ffn\.w1\.weight: checkpoint has shape \(96, 16\), the model expects "
-                                         rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) "
-                                         rf"of it at TP={p}\)\n"
-                                         rf"  ffn\.w1\.bias: .*\n  ffn\.w2\.weight: checkpoint has shape \(16, 48\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"checkpoint '.*ffn48' does not fit the model; nothing was loaded:\n"
+        rf"  ffn\.w1\.weight: checkpoint has shape \(96, 16\), the model expects "
+        rf"\(64, 16\) \(unsharded; this rank holds \({64 // p}, 16\) "
+        rf"of it at TP={p}\)\n"
+        rf"  ffn\.w1\.bias: .*\n  ffn\.w2\.weight: checkpoint has shape \(16, 48\)",
+    ):
         oases.load_checkpoint(tp, where)  # raised before any collective: nobody waits
     _assert_state(tp, before)
 

@@ -6,6 +6,7 @@ resumable bit for bit at the same layout and within float error at another TP de
 checkpoints (the unsharded state dict at the top level) still load. Models: Hugging Face Llama
 (MHA, so TP 4 fits) and the toy MLP of test_checkpoint.
 """
+
 import json
 import os
 import shutil
@@ -77,6 +78,7 @@ def _assert_same(got, want, **tol):
 
 
 # --- resume: bit for bit at the same layout; TP 2 -> TP 4, per-layer degrees, TP 1 ----------------
+
 
 def _run_tp2(rank, pair, path):
     """Ranks 0, 1: the uninterrupted TP 2 run, checkpointed at steps 2, 4, 6 (keep=2) and 5 (`after`)."""
@@ -169,8 +171,10 @@ def _resharded(rank, world_size, solo, path):
     mixed = oases.save_checkpoint(degrees[0], os.path.join(path, "mixed"), optimizer=degrees[1])
     stored = dcp.FileSystemReader(mixed).read_metadata().state_dict_metadata
     for layer, degree in ((0, 4), (1, 2)):
-        for key in (f"model.model.layers.{layer}.mlp.up_proj.weight",
-                    f"optim.state.model.layers.{layer}.mlp.up_proj.weight.exp_avg_sq"):
+        for key in (
+            f"model.model.layers.{layer}.mlp.up_proj.weight",
+            f"optim.state.model.layers.{layer}.mlp.up_proj.weight.exp_avg_sq",
+        ):
             assert len(stored[key].chunks) == degree, key  # one chunk per shard, not per rank
 
     # TP 1 in a group of one: the whole model on the rank, read from the halves (and from `mixed`).
@@ -202,6 +206,7 @@ def test_resume_exact_at_tp2_and_resharded_at_tp4_per_layer_degrees_tp1(tmp_path
 
 # --- older checkpoints, no full model, bad input ---------------------------------------------------
 
+
 def _toy_step(model, opt, seed):
     x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(seed))
     model(x).square().mean().backward()
@@ -232,8 +237,11 @@ def _check_old_and_sharded(rank, p, path):
     assert (state.step, state.extra, state.path, state.missing_keys, state.unexpected_keys) == (None, None, old, [], [])
     for key, value in want.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
-    with pytest.raises(ValueError, match=r"optimizer: checkpoint '.*old' was written by an older "
-                                         r"oases.save_checkpoint and holds no optimizer state"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer: checkpoint '.*old' was written by an older "
+        r"oases.save_checkpoint and holds no optimizer state",
+    ):
         oases.load_checkpoint(loaded, old, optimizer=torch.optim.AdamW(loaded.parameters()))
 
     # Saving and loading with the optimizer, nobody holding the full model (gathering raises).
@@ -269,46 +277,67 @@ def _check_bad_input(rank, p, path):
     before = {k: v.clone() for k, v in target.state_dict().items()}
 
     stranger = torch.optim.AdamW([*model.parameters(), torch.nn.Parameter(torch.zeros(3))])
-    with pytest.raises(ValueError, match=r"optimizer: param_groups\[0\]\['params'\]\[6\] \(shape \(3,\)\) is not a "
-                                         r"parameter of the model .* build the optimizer from model.parameters\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer: param_groups\[0\]\['params'\]\[6\] \(shape \(3,\)\) is not a "
+        r"parameter of the model .* build the optimizer from model.parameters\(\)",
+    ):
         oases.save_checkpoint(model, os.path.join(path, "x"), optimizer=stranger)
     with pytest.raises(ValueError, match=r"is not a parameter of the model"):
         oases.load_checkpoint(target, where, optimizer=stranger)
-    with pytest.raises(TypeError, match=r"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, "
-                                        r"got dict"):
+    with pytest.raises(
+        TypeError,
+        match=r"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, "
+        r"got dict",
+    ):
         oases.load_checkpoint(target, where, optimizer={})
-    with pytest.raises(ValueError, match=r"optimizer: checkpoint '.*plain' holds no optimizer state \(saved without "
-                                         r"optimizer=\); load it with optimizer=None"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer: checkpoint '.*plain' holds no optimizer state \(saved without "
+        r"optimizer=\); load it with optimizer=None",
+    ):
         oases.load_checkpoint(target, plain, optimizer=target_opt)
     two = torch.optim.AdamW([{"params": list(target.parameters())[:2]}, {"params": list(target.parameters())[2:]}])
     with pytest.raises(ValueError, match=r"optimizer: has 2 param_groups, checkpoint '.*step-000000001' has 1"):
         oases.load_checkpoint(target, root, optimizer=two)
     fewer = torch.optim.AdamW(list(target.parameters())[1:])
-    with pytest.raises(ValueError, match=r"param_groups\[0\] does not hold the parameters .* missing "
-                                         r"\['ffn.w1.weight'\], not in the checkpoint \[\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"param_groups\[0\] does not hold the parameters .* missing "
+        r"\['ffn.w1.weight'\], not in the checkpoint \[\]",
+    ):
         oases.load_checkpoint(target, root, optimizer=fewer)
 
     # Wrong directories: none there, an empty root, a checkpoint its writer never published.
     with pytest.raises(FileNotFoundError, match=r"path: '.*nowhere' is not a directory"):
         oases.load_checkpoint(target, os.path.join(path, "nowhere"))
     os.makedirs(os.path.join(path, "empty", str(rank)))
-    with pytest.raises(FileNotFoundError, match=r"path: no checkpoint in '.*empty/\d': looked for a DCP checkpoint "
-                                                r"there \(a .metadata file\) and for complete step-NNNNNNNNN"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"path: no checkpoint in '.*empty/\d': looked for a DCP checkpoint "
+        r"there \(a .metadata file\) and for complete step-NNNNNNNNN",
+    ):
         oases.load_checkpoint(target, os.path.join(path, "empty", str(rank)))
     dist.barrier()
     if rank == 0:
         shutil.copytree(where, os.path.join(path, "died"))
         os.remove(os.path.join(path, "died", "oases_checkpoint.json"))
     dist.barrier()
-    with pytest.raises(ValueError, match=r"path: checkpoint '.*died' is incomplete \(no oases_checkpoint.json: its "
-                                         r"writer died before publishing it\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"path: checkpoint '.*died' is incomplete \(no oases_checkpoint.json: its "
+        r"writer died before publishing it\)",
+    ):
         oases.load_checkpoint(target, os.path.join(path, "died"))
 
     # Another model's checkpoint; keys on one side only.
     other = _parallelize(_toy(0, ffn=48), None, TOY_PLAN)
     wide = oases.save_checkpoint(other, os.path.join(path, "ffn48"), optimizer=torch.optim.AdamW(other.parameters()))
-    with pytest.raises(ValueError, match=r"ffn48' does not fit the model; nothing was loaded:\n  ffn\.w1\.weight: "
-                                         r"checkpoint has shape \(96, 16\), the model expects \(64, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ffn48' does not fit the model; nothing was loaded:\n  ffn\.w1\.weight: "
+        r"checkpoint has shape \(96, 16\), the model expects \(64, 16\)",
+    ):
         oases.load_checkpoint(target, wide, optimizer=target_opt)
     target.register_buffer("more", torch.ones(2))
     with pytest.raises(ValueError, match=r"nothing was loaded:\n  missing keys: more$"):

@@ -1,4 +1,5 @@
 """Ring collectives against torch.distributed's own, on real gloo ranks."""
+
 import pytest
 import torch
 import torch.distributed as dist

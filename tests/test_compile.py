@@ -6,6 +6,7 @@ logits of the parallelized model run eagerly, bit for bit; oases.train_step(comp
 the schedule on the original's sublayers: the loss and every gradient of the uncompiled call; a
 communicating op is one graph break (counted with torch._dynamo.explain).
 """
+
 import warnings
 
 import pytest
@@ -22,9 +23,18 @@ def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _compiled(rank, world):

@@ -19,6 +19,7 @@
 NCCL cannot run two ranks on one GPU, so the multi-rank paths stay on gloo (OASES_TEST_DEVICE=cpu)
 on a one-GPU machine; the one-rank process groups here use NCCL.
 """
+
 from __future__ import annotations
 
 import collections
@@ -30,8 +31,9 @@ import torch
 
 from _spawn import harness_device, run_ranks
 
-pytestmark = pytest.mark.skipif(harness_device() != "cuda",
-                                reason="needs a GPU and the harness on CUDA (OASES_TEST_DEVICE=cuda)")
+pytestmark = pytest.mark.skipif(
+    harness_device() != "cuda", reason="needs a GPU and the harness on CUDA (OASES_TEST_DEVICE=cuda)"
+)
 
 
 def _randn(shape, seed, dtype=torch.float32, device="cuda"):
@@ -80,6 +82,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 # --- 1. The extension's copies and CopyEngine ------------------------------------------------------
 
+
 def test_extension_reports_cuda():
     info = _C().build_info()
     assert info["cuda"] is True, info
@@ -104,9 +107,9 @@ def test_batched_copies_match_torch(slab_on, count, gap):
     torch.cuda.synchronize()
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
-        assert torch.equal(slab[off:off + n].cpu(), _bytes(t).cpu()), (t.dtype, t.shape, off)
+        assert torch.equal(slab[off : off + n].cpu(), _bytes(t).cpu()), (t.dtype, t.shape, off)
         if gap:  # nothing written between the tensors
-            assert torch.all(slab[off + n:off + n + gap].cpu() == 0xAB)
+            assert torch.all(slab[off + n : off + n + gap].cpu() == 0xAB)
     end = offsets[-1] + tensors[-1].numel() * tensors[-1].element_size()
     assert torch.all(slab[end:].cpu() == 0xAB)  # nor past the last one
     outs = [torch.full_like(t, 1) if t.dtype != torch.bool else torch.zeros_like(t) for t in tensors]
@@ -115,8 +118,7 @@ def test_batched_copies_match_torch(slab_on, count, gap):
     for t, o in zip(tensors, outs):
         assert torch.equal(o, t), (t.dtype, t.shape)
     # empty_batch's tensors: a run of small tensors end to end is one allocation, in one copy
-    outs, owners = C.empty_batch(offsets, [t.shape for t in tensors], [t.dtype for t in tensors],
-                                 tensors[0].device)
+    outs, owners = C.empty_batch(offsets, [t.shape for t in tensors], [t.dtype for t in tensors], tensors[0].device)
     if gap:  # no two regions end to end: every tensor its own allocation
         assert len(owners) == len(tensors)
     elif count:  # 300 small tensors end to end: runs
@@ -142,7 +144,7 @@ def test_copy_engine_round_trip_through_a_pinned_host_slab(count):
     engine.synchronize()
     for t, off in zip(tensors, offsets):
         n = t.numel() * t.element_size()
-        assert torch.equal(slab.buffer[off:off + n], _bytes(t).cpu())
+        assert torch.equal(slab.buffer[off : off + n], _bytes(t).cpu())
     outs, event = engine.copy_in(slab.buffer, offsets, [(t.shape, t.dtype) for t in tensors])
     event.wait()  # the current stream waits; the host does not
     assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
@@ -197,6 +199,7 @@ def test_copy_engine_moves_small_tensors_in_runs_and_keeps_dropped_sources_alive
 
 # --- 3. Streams ------------------------------------------------------------------------------------
 
+
 class _Transfer:
     """One end of a simulated p2p transfer: wait() makes the current stream wait for the copy."""
 
@@ -243,8 +246,10 @@ class _Wire:
     def _copy(self, send_end, recv_end):
         (src, src_ready, src_end, src_tag), (dst, dst_ready, dst_end, dst_tag) = send_end, recv_end
         if src_tag != dst_tag or src.shape != dst.shape:
-            raise RuntimeError(f"p2p paired out of order: send tag {src_tag} {tuple(src.shape)} met receive "
-                               f"tag {dst_tag} {tuple(dst.shape)} (NCCL pairs by order, not by tag)")
+            raise RuntimeError(
+                f"p2p paired out of order: send tag {src_tag} {tuple(src.shape)} met receive "
+                f"tag {dst_tag} {tuple(dst.shape)} (NCCL pairs by order, not by tag)"
+            )
         done = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(src_ready)
@@ -360,17 +365,24 @@ def _rings_on_streams(p, chunks, bidirectional, *, seed, slow, broken=None):
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation on the hot path raises
     try:
         with _simulated_ranks(wire):
-            gens = [ring_module.all_gather_rows(shards[r], gathered[r], rings[r], chunks, bidirectional,
-                                                 side=sides[r]) for r in range(p)]
+            gens = [
+                ring_module.all_gather_rows(shards[r], gathered[r], rings[r], chunks, bidirectional, side=sides[r])
+                for r in range(p)
+            ]
 
             def gemm(r, rows):
                 torch.matmul(gathered[r][rows], w.t(), out=ys[r][rows])
 
             _lockstep(gens, compute, gemm, lambda r: seen_y.__setitem__(r, ys[r].clone()), compute_sleep)
-            gens = [ring_module.reduce_scatter_rows(lambda rows, r=r: product(r, rows), outs[r], rings[r],
-                                                     chunks, bidirectional, side=sides[r]) for r in range(p)]
-            _lockstep(gens, compute, lambda r, rows: None, lambda r: seen_out.__setitem__(r, outs[r].clone()),
-                      compute_sleep)
+            gens = [
+                ring_module.reduce_scatter_rows(
+                    lambda rows, r=r: product(r, rows), outs[r], rings[r], chunks, bidirectional, side=sides[r]
+                )
+                for r in range(p)
+            ]
+            _lockstep(
+                gens, compute, lambda r, rows: None, lambda r: seen_out.__setitem__(r, outs[r].clone()), compute_sleep
+            )
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
@@ -378,8 +390,10 @@ def _rings_on_streams(p, chunks, bidirectional, *, seed, slow, broken=None):
     want_y = torch.cat(shards).double() @ w.double().t()
     want_out = sum(xs[r].double() @ ws[r].double().t() for r in range(p))
     gather = [float((seen_y[r].double() - want_y).norm() / want_y.norm()) for r in range(p)]
-    scatter = [float((seen_out[r].double() - want_out[r * n:(r + 1) * n]).norm() / want_out[r * n:(r + 1) * n].norm())
-               for r in range(p)]
+    scatter = [
+        float((seen_out[r].double() - want_out[r * n : (r + 1) * n]).norm() / want_out[r * n : (r + 1) * n].norm())
+        for r in range(p)
+    ]
     return gather, scatter
 
 
@@ -444,6 +458,7 @@ def test_record_stream_keeps_a_handed_off_tensor_from_reuse():
 
 # --- 4. Offload on CUDA ----------------------------------------------------------------------------
 
+
 def test_offloader_round_trip_is_bit_exact_on_cuda():
     from oases.offload import HostSlab, Offloader, OffloadState
 
@@ -469,9 +484,18 @@ def _llama(seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _hf_offload(rank, world):
@@ -490,8 +514,10 @@ def _hf_offload(rank, world):
         for step in range(2):  # the offloader's profiling step, then the slab it sized
             model.zero_grad()
             loss = oases.train_step(model, ids, ids, offload=offload)
-        results[offload is not False] = (loss.detach().cpu(),
-                                         {n: p.grad.detach().cpu() for n, p in model.named_parameters()})
+        results[offload is not False] = (
+            loss.detach().cpu(),
+            {n: p.grad.detach().cpu() for n, p in model.named_parameters()},
+        )
     stats = offloader.stats
     assert offloader.slab is not None, "the second step ran without the slab the first one sized"
     assert offloader.slab.pinned == torch.cuda.is_available()  # pinned on a GPU: asynchronous copies
@@ -509,6 +535,7 @@ def test_train_step_with_offload_matches_without_on_cuda():
 
 
 # --- 5. The demo model in bf16 -------------------------------------------------------------------
+
 
 def _demo_schedules(rank, world):
     from oases.models import GPT, GPTConfig

@@ -6,6 +6,7 @@ rotation, the efficiency and summary arithmetic, percentiles, the copy combinati
 cases, the text and markdown tables and the report files. On a GPU: `--quick` runs every section
 without an error and writes both files. Never asserts speed.
 """
+
 import json
 import math
 import os
@@ -26,8 +27,14 @@ SECTIONS = ("ceilings", "chunked_gemm", "triton_vs_cublas", "batched_copies", "s
 def _run(out, *options, timeout):
     # conftest sets TRITON_INTERPRET=1 for a CPU harness; the benchmark must compile for the GPU
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "bench.cuda_micro", "--out", str(out), *options],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.cuda_micro", "--out", str(out), *options],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
@@ -52,11 +59,19 @@ def test_unknown_section_is_a_usage_error(capsys):
 
 def test_layer_gemms_are_the_llama_shapes_under_tp():
     shapes = {g.name: (g.M, g.N, g.K) for g in cm.layer_gemms(cm.LLAMA_7B, 2, 4096)}
-    assert shapes == {"qkv": (4096, 6144, 4096), "attn_out": (4096, 4096, 2048),
-                      "gate_up": (4096, 11008, 4096), "down": (4096, 4096, 5504)}
+    assert shapes == {
+        "qkv": (4096, 6144, 4096),
+        "attn_out": (4096, 4096, 2048),
+        "gate_up": (4096, 11008, 4096),
+        "down": (4096, 4096, 5504),
+    }
     shapes = {g.name: (g.M, g.N, g.K) for g in cm.layer_gemms(cm.LLAMA_13B, 8, 8192)}
-    assert shapes == {"qkv": (8192, 1920, 5120), "attn_out": (8192, 5120, 640),
-                      "gate_up": (8192, 3456, 5120), "down": (8192, 5120, 1728)}
+    assert shapes == {
+        "qkv": (8192, 1920, 5120),
+        "attn_out": (8192, 5120, 640),
+        "gate_up": (8192, 3456, 5120),
+        "down": (8192, 5120, 1728),
+    }
     assert tuple(g.name for g in cm.layer_gemms(cm.TINY, 2, 256)) == cm.GEMM_NAMES
     for model in (cm.LLAMA_7B, cm.LLAMA_13B):  # every tp the section uses divides every shape
         for tp in (2, 4, 8):
@@ -85,10 +100,10 @@ def test_row_chunks_cover_the_rows_once():
 
 def test_rotation_sets_hold_more_than_three_l2():
     l2 = 50 << 20
-    assert cm.rotation_sets(400 << 20, l2) == 1     # one set is already 8x L2
-    assert cm.rotation_sets(150 << 20, l2) == 1     # exactly 3x
-    assert cm.rotation_sets(40 << 20, l2) == 4      # 4 x 40 MiB > 150 MiB
-    assert cm.rotation_sets(1 << 20, l2) == 8       # capped
+    assert cm.rotation_sets(400 << 20, l2) == 1  # one set is already 8x L2
+    assert cm.rotation_sets(150 << 20, l2) == 1  # exactly 3x
+    assert cm.rotation_sets(40 << 20, l2) == 4  # 4 x 40 MiB > 150 MiB
+    assert cm.rotation_sets(1 << 20, l2) == 8  # capped
     assert cm.rotation_sets(1 << 20, l2, max_sets=3) == 3
     assert cm.rotation_sets(0, l2) == 1
 
@@ -104,8 +119,7 @@ def test_efficiency_and_summary_arithmetic():
     rows = [{"eff_c2": 0.8, "eff_c4": 0.5}, {"eff_c2": 0.2, "eff_c4": 0.5}, {"eff_c2": None}]
     summary = cm.summarize_by_chunks(rows, (1, 2, 4, 8))
     assert [r["chunks"] for r in summary] == [2, 4, 8]
-    assert summary[0] == {"chunks": 2, "shapes": 2, "geomean_eff": pytest.approx(0.4), "min_eff": 0.2,
-                          "max_eff": 0.8}
+    assert summary[0] == {"chunks": 2, "shapes": 2, "geomean_eff": pytest.approx(0.4), "min_eff": 0.2, "max_eff": 0.8}
     assert summary[1]["geomean_eff"] == pytest.approx(0.5) and summary[1]["shapes"] == 2
     assert summary[2] == {"chunks": 8, "shapes": 0, "geomean_eff": None, "min_eff": None, "max_eff": None}
 
@@ -153,9 +167,12 @@ def test_cells_and_sizes():
 
 
 def _table():
-    return cm.Table("t: a|b", ["name", "ms", "eff"],
-                    [{"name": "qkv", "ms": 1.5, "eff": None, "hidden": 1}, {"name": "x|y", "ms": 12, "eff": 0.98765}],
-                    ["a note"])
+    return cm.Table(
+        "t: a|b",
+        ["name", "ms", "eff"],
+        [{"name": "qkv", "ms": 1.5, "eff": None, "hidden": 1}, {"name": "x|y", "ms": 12, "eff": 0.98765}],
+        ["a note"],
+    )
 
 
 def test_text_table():
@@ -198,8 +215,14 @@ def test_report_files(tmp_path):
     assert list(doc["sections"]) == ["ceilings", "chunked_gemm"]
     s = doc["sections"]["ceilings"]
     assert s["error"] is None and s["seconds"] == 1.25 and s["headline"] == "fine" and s["info"] == {"range": [0, -5]}
-    assert s["tables"] == [{"title": "ceil", "columns": ["measure", "rate"], "notes": [],
-                            "rows": [{"measure": "d2d", "rate": "inf", "extra": {"1": 2}}]}]
+    assert s["tables"] == [
+        {
+            "title": "ceil",
+            "columns": ["measure", "rate"],
+            "notes": [],
+            "rows": [{"measure": "d2d", "rate": "inf", "extra": {"1": 2}}],
+        }
+    ]
     assert doc["sections"]["chunked_gemm"]["error"].endswith("RuntimeError: boom\n")
     md = (tmp_path / "r" / cm.MD_NAME).read_text()
     assert "## ceilings (ok, 1.25 s)" in md and "## chunked_gemm (FAILED, 0.5 s)" in md
@@ -211,8 +234,11 @@ def test_report_files(tmp_path):
 
 
 def test_jsonable():
-    assert cm._jsonable({"a": (1, float("nan")), 2: torch.float16, "b": [None, True, -math.inf]}) == \
-        {"a": [1, "nan"], "2": "torch.float16", "b": [None, True, "-inf"]}
+    assert cm._jsonable({"a": (1, float("nan")), 2: torch.float16, "b": [None, True, -math.inf]}) == {
+        "a": [1, "nan"],
+        "2": "torch.float16",
+        "b": [None, True, "-inf"],
+    }
 
 
 def test_a_failing_section_is_recorded_and_the_next_one_runs(tmp_path, monkeypatch, capsys):
@@ -272,6 +298,7 @@ def test_quick_run_on_gpu(tmp_path):
 
 
 # --- bench.cuda_plots: the PNGs of a results file (no GPU) ------------------------------------------
+
 
 def test_plots_of_the_committed_h200_results(tmp_path):
     """Every plot renders from the results committed under docs/results/gpu (and a section that

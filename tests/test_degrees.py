@@ -3,6 +3,7 @@ replica-sum switch's context manager, and the one refusal of the options per-lay
 combine with. The distributed behaviour (and that parallelize plants no private attribute) is
 tested in tests/test_tp_degrees.py, test_tp_degrees_schedule.py and test_parallelize_degrees.py.
 """
+
 import dataclasses
 
 import pytest
@@ -38,13 +39,20 @@ def test_gpt_keeps_one_frozen_layer_degrees():
     assert GPT(GPTConfig(layers=2)).layer_degrees is None and GPT(GPTConfig(layers=2)).tp_degrees is None
 
 
-@pytest.mark.parametrize("option, value, match", [
-    ("sequence_parallel", True, r"^sequence_parallel=True: not supported with per-layer tp_degrees \(.*\); "
-                                r"pass sequence_parallel=False$"),
-    ("comm", object(), r"^comm: not supported with per-layer tp_degrees \(.*\); pass comm=None$"),
-    ("offload", True, r"^offload=True: .*; pass offload=False$"),
-    ("vocab_parallel", True, r"^vocab_parallel=True: .*; pass vocab_parallel=False$"),
-])
+@pytest.mark.parametrize(
+    "option, value, match",
+    [
+        (
+            "sequence_parallel",
+            True,
+            r"^sequence_parallel=True: not supported with per-layer tp_degrees \(.*\); "
+            r"pass sequence_parallel=False$",
+        ),
+        ("comm", object(), r"^comm: not supported with per-layer tp_degrees \(.*\); pass comm=None$"),
+        ("offload", True, r"^offload=True: .*; pass offload=False$"),
+        ("vocab_parallel", True, r"^vocab_parallel=True: .*; pass vocab_parallel=False$"),
+    ],
+)
 def test_refuse_with_degrees(option, value, match):
     refuse_with_degrees(option, None)
     refuse_with_degrees(option, False)

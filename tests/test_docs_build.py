@@ -1,6 +1,7 @@
 """The documentation site builds with warnings as errors (as `make docs` does): the Markdown pages
 of docs/ (quick start, a guide per capability, benchmarks, verified where, design) and the API
 reference from the docstrings; a broken link fails it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,6 @@ REPO = Path(__file__).resolve().parent.parent
 SOURCE = REPO / "docs"
 
 
-
 def _has_sphinx() -> bool:
     """Whether Sphinx itself is installed: a bare `sphinx` namespace (left by a sphinxcontrib
     package alone, as on the H200 image of 2026-11) is not Sphinx. Nothing is imported: with
@@ -25,16 +25,32 @@ def _has_sphinx() -> bool:
     return spec is not None and spec.origin not in (None, "namespace")
 
 
-pytestmark = pytest.mark.skipif(not _has_sphinx(),
-                                reason="sphinx is not installed in this interpreter "
-                                       "(pip install -r requirements-docs.txt, or run `make docs`)")
+pytestmark = pytest.mark.skipif(
+    not _has_sphinx(),
+    reason="sphinx is not installed in this interpreter (pip install -r requirements-docs.txt, or run `make docs`)",
+)
 
 
 def _build(source: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # as `make docs` runs it: the kernels are only imported
-    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-j", "1", "-b", "html",
-           "-d", str(tmp_path / "doctrees"), str(source), str(tmp_path / "html")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-E",
+        "-q",
+        "-j",
+        "1",
+        "-b",
+        "html",
+        "-d",
+        str(tmp_path / "doctrees"),
+        str(source),
+        str(tmp_path / "html"),
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -45,9 +61,21 @@ def test_site_builds_strict(tmp_path):
 
     home = (out / "index.html").read_text()
     assert "Oases documentation" in home
-    for page in ("quickstart.html", "guides/parallelize.html", "guides/train-step.html", "guides/pipeline.html",
-                 "guides/offload.html", "guides/planner.html", "guides/gpu.html", "guides/launcher.html",
-                 "guides/models.html", "benchmarks.html", "verified.html", "design.html", "api/index.html"):
+    for page in (
+        "quickstart.html",
+        "guides/parallelize.html",
+        "guides/train-step.html",
+        "guides/pipeline.html",
+        "guides/offload.html",
+        "guides/planner.html",
+        "guides/gpu.html",
+        "guides/launcher.html",
+        "guides/models.html",
+        "benchmarks.html",
+        "verified.html",
+        "design.html",
+        "api/index.html",
+    ):
         assert (out / page).is_file(), f"{page} was not built"
         assert page in home, f"the home page does not link {page}"
     # a link to a file of the checkout outside docs/ points at it there (from build/docs/)

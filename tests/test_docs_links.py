@@ -1,6 +1,7 @@
 """Every local link and image in README.md and docs/**/*.md resolves: the file or folder exists, and
 an `#anchor` into a markdown file names one of its headings (GitHub's slugs). http(s) and mailto
 links are not checked; links inside code blocks and code spans are not links."""
+
 from __future__ import annotations
 
 import glob
@@ -46,7 +47,7 @@ def _prose(path):
 
 def _slug(heading):
     """GitHub's anchor for a heading: lower case, punctuation dropped, each space a hyphen."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)   # a link in a heading: its text
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
     return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
 
 
@@ -72,8 +73,12 @@ def _broken(path):
             resolved = os.path.normpath(os.path.join(os.path.dirname(path), unquote(where))) if where else path
             if where and not os.path.exists(resolved):
                 broken.append(f"{os.path.relpath(path, ROOT)}:{number}: {target} (no such file)")
-            elif anchor and resolved.endswith(".md") and os.path.isfile(resolved) \
-                    and unquote(anchor).lower() not in _anchors(resolved):
+            elif (
+                anchor
+                and resolved.endswith(".md")
+                and os.path.isfile(resolved)
+                and unquote(anchor).lower() not in _anchors(resolved)
+            ):
                 broken.append(f"{os.path.relpath(path, ROOT)}:{number}: {target} (no such heading)")
     return broken
 
@@ -92,7 +97,11 @@ def test_local_links_resolve(page):
 
 def test_the_checker_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# Title\n\n[ok](page.md#title) ![img](missing.png) [gone](page.md#nowhere)\n"
-                    "`[code](not-a-link.md)` [web](https://example.invalid/x)\n\n```\n[fenced](nope.md)\n```\n")
-    assert [b.split(": ", 1)[1] for b in _broken(str(page))] == ["missing.png (no such file)",
-                                                                 "page.md#nowhere (no such heading)"]
+    page.write_text(
+        "# Title\n\n[ok](page.md#title) ![img](missing.png) [gone](page.md#nowhere)\n"
+        "`[code](not-a-link.md)` [web](https://example.invalid/x)\n\n```\n[fenced](nope.md)\n```\n"
+    )
+    assert [b.split(": ", 1)[1] for b in _broken(str(page))] == [
+        "missing.png (no such file)",
+        "page.md#nowhere (no such heading)",
+    ]

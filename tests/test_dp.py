@@ -8,6 +8,7 @@ at DP 2 x TP 2 returns and applies torch.nn.utils.clip_grad_norm_'s norm of the 
 Checkpoints: fp32 ZeRO resumes bit-exactly and loads at DP 4 and into a plain AdamW; bf16 ZeRO keeps
 its fp32 masters (bit-exact resume at DP 2, the masters restored at DP 1).
 """
+
 import warnings
 
 import pytest
@@ -28,17 +29,28 @@ def _llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _batch(step):
     return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
 
 
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, dict(lr=1e-3)),  # scale-invariant: a missing 1/dp would pass it
-              "sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9))}  # not scale-invariant: the mean is checked
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-3)),  # scale-invariant: a missing 1/dp would pass it
+    "sgd": (torch.optim.SGD, dict(lr=0.5, momentum=0.9)),
+}  # not scale-invariant: the mean is checked
 
 
 def _reference(kind, clip=None):
@@ -138,8 +150,9 @@ def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None):
         torch.testing.assert_close(state[key], value, **TOL, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("schedule,kind,clip", [("megatron", "sgd", None), ("oases", "adamw", None),
-                                                ("oases", "sgd", 0.5)])
+@pytest.mark.parametrize(
+    "schedule,kind,clip", [("megatron", "sgd", None), ("oases", "adamw", None), ("oases", "sgd", 0.5)]
+)
 def test_zero1_dp2_tp2_train_step(schedule, kind, clip):
     run_ranks(_zero_dp2_tp2, 4, schedule, kind, clip, timeout=180)
 
@@ -270,8 +283,9 @@ def _zero_bf16_checkpoint(rank, world_size, root):
     # per element) may go another way where a gradient is near zero; nothing else may differ.
     step_bound = 2 * (STEPS + 1 - 2) * kw["lr"]
     for key, value in masters(model, opt, alone).items():
-        torch.testing.assert_close(value, want_masters[key], rtol=0, atol=step_bound,
-                                   msg=lambda m: f"{key} at dp1: {m}")
+        torch.testing.assert_close(
+            value, want_masters[key], rtol=0, atol=step_bound, msg=lambda m: f"{key} at dp1: {m}"
+        )
 
 
 def test_zero1_bf16_checkpoint_keeps_fp32_masters(tmp_path):

@@ -5,6 +5,7 @@ probes, and `--probe-link` (outside a launch: usage and exit 2; inside oases-lau
 The command-line runs are real processes with hard timeouts; the launch is stopped with SIGTERM
 (which deletes its namespaces) if it overruns.
 """
+
 from __future__ import annotations
 
 import json
@@ -114,6 +115,7 @@ def test_probe_link_outside_a_launch_exits_2(monkeypatch, capsys):
 def test_collect_reports_a_failing_probe_and_goes_on(monkeypatch):
     """A probe that raises becomes "error: ..." in its value; a failing section gives it to every key;
     the text still renders; environment variables are read at call time."""
+
     def broken() -> dict:
         raise RuntimeError("no torch here")
 
@@ -140,8 +142,17 @@ def test_commands_time_out_instead_of_hanging():
     assert env._guarded(lambda: env._command(["/nonexistent/tool"], 1)).startswith("error: FileNotFoundError")
 
 
-@pytest.mark.parametrize("bytes_per_s, text", [(25e6, "200mbit"), (125e6, "1gbit"), (3.125e9, "25gbit"),
-                                               (24.8e6, "198mbit"), (93.75e6, "750mbit"), (1500.0, "12kbit")])
+@pytest.mark.parametrize(
+    "bytes_per_s, text",
+    [
+        (25e6, "200mbit"),
+        (125e6, "1gbit"),
+        (3.125e9, "25gbit"),
+        (24.8e6, "198mbit"),
+        (93.75e6, "750mbit"),
+        (1500.0, "12kbit"),
+    ],
+)
 def test_format_link_is_what_oases_plan_link_reads(bytes_per_s, text):
     assert env.format_link(bytes_per_s) == text
     assert parse_link(text) == pytest.approx(bytes_per_s, rel=5e-3)
@@ -172,9 +183,28 @@ def test_probe_link_on_a_shaped_launch_measures_the_set_rate():
     ok, why = env.shaping_status()
     if not ok:
         pytest.skip(f"oases-launch cannot shape links here: {why}")
-    proc = _start([sys.executable, "-m", "oases.launch", "--nproc", "2", "--bandwidth", "200mbit",
-                   "-m", "oases.env", "--probe-link", "--json", "--sizes", "64KiB,256KiB,1MiB,4MiB",
-                   "--repeats", "3", "--timeout", "60"], _clean_env())
+    proc = _start(
+        [
+            sys.executable,
+            "-m",
+            "oases.launch",
+            "--nproc",
+            "2",
+            "--bandwidth",
+            "200mbit",
+            "-m",
+            "oases.env",
+            "--probe-link",
+            "--json",
+            "--sizes",
+            "64KiB,256KiB,1MiB,4MiB",
+            "--repeats",
+            "3",
+            "--timeout",
+            "60",
+        ],
+        _clean_env(),
+    )
     code, out, err = finish_process(proc, 75)
     assert code == 0, err
     assert "cannot shape" not in err, err
@@ -197,11 +227,17 @@ def _fake_tools(folder, ip_body: str) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("ip_body, expected", [
-    ("echo 'mount --make-shared /run/netns failed: Operation not permitted' >&2; exit 1",
-     "refused: mount --make-shared /run/netns failed: Operation not permitted"),
-    ("exec /bin/sleep 30", "refused: `ip netns add oases-env-"),  # hangs: killed at the time limit
-], ids=["ip-refuses", "ip-hangs"])
+@pytest.mark.parametrize(
+    "ip_body, expected",
+    [
+        (
+            "echo 'mount --make-shared /run/netns failed: Operation not permitted' >&2; exit 1",
+            "refused: mount --make-shared /run/netns failed: Operation not permitted",
+        ),
+        ("exec /bin/sleep 30", "refused: `ip netns add oases-env-"),  # hangs: killed at the time limit
+    ],
+    ids=["ip-refuses", "ip-hangs"],
+)
 def test_link_shaping_reports_why_a_namespace_is_refused(monkeypatch, tmp_path, ip_body, expected):
     """As root with ip and tc: what `ip netns add` says (or that it timed out) becomes the reason;
     without root the launcher's own check (find_tools) gives it, and nothing is tried."""
@@ -220,6 +256,9 @@ def test_link_shaping_reports_why_a_namespace_is_refused(monkeypatch, tmp_path, 
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     shaping = env._link_shaping()
-    assert (shaping["root"], shaping["network_namespace"], shaping["tc_shaping"]) == \
-        (False, "refused: needs root", "not tried: needs root")
+    assert (shaping["root"], shaping["network_namespace"], shaping["tc_shaping"]) == (
+        False,
+        "refused: needs root",
+        "not tried: needs root",
+    )
     assert env.shaping_status() == (False, "runs unshaped (refused: needs root)")

@@ -6,6 +6,7 @@ issues late (issue order), one large all-reduce with nothing to cover it (bandwi
 ones (latency), CPU hogs on the cores the transfers use (interference). Every rank's causes add
 up to its measured waits. The link (the planner's LinkFit) is fitted to all-reduces timed alone in the same run.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,18 +40,21 @@ def test_attribution_of_each_interval():
     r0 = [_record(0, 0.0, 3.2, [(0.5, 3.5, False)])]
     r1 = [_record(0, 1.0, 3.2, [(1.5, 3.4, True)])]
     c0, c1 = attribute([r0, r1], link)
-    assert c0 == pytest.approx({"dependency": 0.0, "issue order": 0.5, "latency": 0.2, "bandwidth": 1.0,
-                                "interference": 1.0, "host": 0.3})
+    assert c0 == pytest.approx(
+        {"dependency": 0.0, "issue order": 0.5, "latency": 0.2, "bandwidth": 1.0, "interference": 1.0, "host": 0.3}
+    )
     assert c1 == pytest.approx({**dict.fromkeys(CAUSES, 0.0), "dependency": 1.9})
     # a transfer faster than the model: no interference, the rest of the wait after it is host time
     fast = attribute([[_record(0, 0.0, 0.6, [(0.0, 0.7, False)])]] * 2, link)[0]
-    assert fast == pytest.approx({**dict.fromkeys(CAUSES, 0.0), "latency": 0.6 * 0.2 / 1.2,
-                                  "bandwidth": 0.6 * 1.0 / 1.2, "host": 0.1})
+    assert fast == pytest.approx(
+        {**dict.fromkeys(CAUSES, 0.0), "latency": 0.6 * 0.2 / 1.2, "bandwidth": 0.6 * 1.0 / 1.2, "host": 0.1}
+    )
     with pytest.raises(ValueError, match="different numbers"):
         attribute([r0, []], link)
 
 
 # ---- injected causes on 2 gloo ranks ----------------------------------------------------------------
+
 
 def _spin(seconds):
     end = time.perf_counter() + seconds
@@ -149,12 +153,15 @@ def test_cpu_hogs_are_attributed_to_interference():
     assert waited > calm_waited and share >= 0.3 and share >= calm + 0.2, (share, calm, results)
 
 
-@pytest.mark.parametrize("case, cause, ranks, least, over", [
-    ("dependency", "dependency", (0, 1), 0.99, ()),
-    ("issue order", "issue order", (0,), 0.6, CAUSES),       # rank 0 waits for rank 1's late issue
-    ("bandwidth", "bandwidth", (0, 1), 0.3, ("latency",)),   # large messages: bytes, not messages
-    ("latency", "latency", (0, 1), 0.25, ("bandwidth",)),    # tiny messages: messages, not bytes
-])
+@pytest.mark.parametrize(
+    "case, cause, ranks, least, over",
+    [
+        ("dependency", "dependency", (0, 1), 0.99, ()),
+        ("issue order", "issue order", (0,), 0.6, CAUSES),  # rank 0 waits for rank 1's late issue
+        ("bandwidth", "bandwidth", (0, 1), 0.3, ("latency",)),  # large messages: bytes, not messages
+        ("latency", "latency", (0, 1), 0.25, ("bandwidth",)),  # tiny messages: messages, not bytes
+    ],
+)
 def test_injected_cause_is_attributed(case, cause, ranks, least, over):
     """`cause` takes at least `least` of the waits and 3x each cause in `over` (a loaded machine
     slows the transfers: interference may grow, the split between these does not turn)."""

@@ -1,5 +1,6 @@
 """oases._C (csrc/): batched pack/unpack between tensors and a byte slab, its argument checks,
 the lazy loader `oases._extension`, and the CUDA compile check (.ci/compile_cuda.sh)."""
+
 from __future__ import annotations
 
 import os
@@ -119,15 +120,17 @@ def test_empty_batch_shares_one_allocation_per_run_laid_out_as_the_slab(C):
     copy; a gap, a tensor over 1 MiB, an offset its element size does not divide, or an empty
     tensor ends the run. The bytes round-trip through pack and unpack either way."""
     g = torch.Generator().manual_seed(3)
-    tensors = [torch.randn(5, 3, generator=g),                      # run A: 60 bytes at 4
-               torch.randn(9, generator=g).to(torch.bfloat16),      #   18 bytes at 64
-               torch.randint(0, 256, (3,), generator=g, dtype=torch.uint8),  # 3 at 82
-               torch.randn(1, generator=g).to(torch.bfloat16),      # 2 at 85: odd offset, own
-               torch.randn(4, generator=g),                         # run B (after a gap): 16 at 96
-               torch.randn(2, 2, generator=g).double(),             #   32 at 112
-               torch.empty(0, 3),                                   # empty: own
-               torch.randn((1 << 18) + 1, generator=g),             # 1 MiB + 4: own
-               torch.randn(3, generator=g)]                         # 12 bytes after it: own (a run of one)
+    tensors = [
+        torch.randn(5, 3, generator=g),  # run A: 60 bytes at 4
+        torch.randn(9, generator=g).to(torch.bfloat16),  #   18 bytes at 64
+        torch.randint(0, 256, (3,), generator=g, dtype=torch.uint8),  # 3 at 82
+        torch.randn(1, generator=g).to(torch.bfloat16),  # 2 at 85: odd offset, own
+        torch.randn(4, generator=g),  # run B (after a gap): 16 at 96
+        torch.randn(2, 2, generator=g).double(),  #   32 at 112
+        torch.empty(0, 3),  # empty: own
+        torch.randn((1 << 18) + 1, generator=g),  # 1 MiB + 4: own
+        torch.randn(3, generator=g),
+    ]  # 12 bytes after it: own (a run of one)
     offsets = [4, 64, 82, 85, 96, 112, 144, 144, (1 << 20) + 148]
     size = offsets[-1] + 12
     slab = torch.zeros(size, dtype=torch.uint8)
@@ -137,9 +140,9 @@ def test_empty_batch_shares_one_allocation_per_run_laid_out_as_the_slab(C):
     assert [o.dtype for o in outs] == [t.dtype for t in tensors]
     assert all(o.is_contiguous() for o in outs)
     groups = [_owner_of(o) for o in outs]
-    assert groups[0] == groups[1] == groups[2]                   # run A
-    assert groups[4] == groups[5] != groups[0]                   # run B
-    assert len({groups[i] for i in (0, 3, 4, 7, 8)}) == 5         # the rest: their own
+    assert groups[0] == groups[1] == groups[2]  # run A
+    assert groups[4] == groups[5] != groups[0]  # run B
+    assert len({groups[i] for i in (0, 3, 4, 7, 8)}) == 5  # the rest: their own
     # owners: run A, the odd one, run B, the empty one, the 1 MiB one, the last one
     assert len(owners) == 6
     assert [_owner_of(o) for i, o in enumerate(owners) if i != 3] == [groups[i] for i in (0, 3, 4, 7, 8)]
@@ -260,7 +263,10 @@ def test_import_oases_without_extension():
     """`import oases` never needs oases._C; compiled() says how to build it (fresh interpreter)."""
     proc = subprocess.run(
         [sys.executable, "-c", _WITHOUT_EXTENSION],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
 
@@ -289,6 +295,7 @@ def test_compiled_raises_then_recovers(blocked_extension, monkeypatch):
 
 # --- the CUDA compile check ---
 
+
 def _nvcc_found() -> bool:
     """Where .ci/compile_cuda.sh looks: PATH, then $CUDA_HOME/bin (default /usr/local/cuda)."""
     cuda_home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
@@ -298,9 +305,7 @@ def _nvcc_found() -> bool:
 @pytest.mark.skipif(not _nvcc_found(), reason="nvcc not found")
 @pytest.mark.timeout(180)
 def test_compile_cuda_sources():
-    proc = subprocess.run(
-        ["bash", ".ci/compile_cuda.sh"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run(["bash", ".ci/compile_cuda.sh"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

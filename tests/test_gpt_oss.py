@@ -22,6 +22,7 @@ rank): logits, gradients, train_step on "oases", the round trips and the meta bu
 Locally: the experts' form is recognised only with GPT-OSS's gate (another _apply_gate is
 refused, naming it), and an intermediate size the world size does not divide is refused.
 """
+
 import copy
 import importlib.util
 import os
@@ -38,11 +39,27 @@ from _shards import check_export, check_grads, expected_shard
 from _spawn import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-CONFIG = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=96, max_position_embeddings=64,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-              sliding_window=8, attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2)
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed")
+CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    attn_implementation="eager",
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
+
 
 def _config():
     import transformers as tf
@@ -87,13 +104,17 @@ def _check_parts(tp, ref, rank, p):
     assert attention.sinks.shape == (4 // p,) and "sinks" in attention.tp_layout(), attention
     assert isinstance(block.experts, ParallelExperts) and block.experts.form == "interleaved", block
     i = 128 // p
-    shapes = {"gate_up_proj": (4, 64, 2 * i), "gate_up_proj_bias": (4, 2 * i), "down_proj": (4, i, 64),
-              "down_proj_bias": (4, 64)}
+    shapes = {
+        "gate_up_proj": (4, 64, 2 * i),
+        "gate_up_proj_bias": (4, 2 * i),
+        "down_proj": (4, i, 64),
+        "down_proj_bias": (4, 64),
+    }
     assert {n: tuple(q.shape) for n, q in block.experts.named_parameters()} == shapes
     full = ref.state_dict()
     for name, q in tp.named_parameters():
         assert torch.equal(q, expected_shard(tp, name, full[name], rank, p)), f"{name} on rank {rank}"
-    pairs = ref.model.layers[0].mlp.experts.gate_up_proj[..., 2 * i * rank: 2 * i * (rank + 1)]
+    pairs = ref.model.layers[0].mlp.experts.gate_up_proj[..., 2 * i * rank : 2 * i * (rank + 1)]
     assert torch.equal(block.experts.gate_up_proj, pairs)  # rank r: the (gate, up) pairs [r I/p, (r+1) I/p)
 
 

@@ -1,4 +1,5 @@
 """`python -m bench all --device cuda` (make gpu-check): the parts a machine without GPUs can check."""
+
 import os
 import subprocess
 import sys
@@ -13,8 +14,14 @@ from bench import SUITES, gpu_check  # noqa: E402
 
 def _bench_all(*args, path):
     env = dict(os.environ, PATH=path)
-    return subprocess.run([sys.executable, "-m", "bench", "all", *args], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "bench", "all", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_no_gpu_exits_2_with_a_clear_message(tmp_path):
@@ -54,13 +61,18 @@ def test_gpus_are_grouped_by_type():
     assert gpu_check.slug("NVIDIA A100-SXM4-40GB") == "nvidia-a100-sxm4-40gb"
 
 
-@pytest.mark.parametrize("outcome, reason", [
-    (FileNotFoundError(), "nvidia-smi is not installed"),
-    (subprocess.CompletedProcess([], 9, "", "NVIDIA-SMI has failed because it couldn't communicate"),
-     "nvidia-smi failed (exit 9): NVIDIA-SMI has failed"),
-    (subprocess.CompletedProcess([], 0, "", ""), "nvidia-smi lists no GPU"),
-    (subprocess.CompletedProcess([], 0, SMI, ""), ""),
-])
+@pytest.mark.parametrize(
+    "outcome, reason",
+    [
+        (FileNotFoundError(), "nvidia-smi is not installed"),
+        (
+            subprocess.CompletedProcess([], 9, "", "NVIDIA-SMI has failed because it couldn't communicate"),
+            "nvidia-smi failed (exit 9): NVIDIA-SMI has failed",
+        ),
+        (subprocess.CompletedProcess([], 0, "", ""), "nvidia-smi lists no GPU"),
+        (subprocess.CompletedProcess([], 0, SMI, ""), ""),
+    ],
+)
 def test_gpu_query_says_why_none_were_found(outcome, reason):
     def run(*args, **kwargs):
         if isinstance(outcome, Exception):
@@ -72,11 +84,13 @@ def test_gpu_query_says_why_none_were_found(outcome, reason):
 
 
 def test_summary_takes_every_efficiency_and_speedup():
-    document = {"cases": [
-        {"case": "all_gather_linear", "chunks": 2, "efficiency": 0.8, "speedup": {"torch": 1.3, "megatron": None}},
-        {"schedule": "oases", "efficiency": None, "speedup_vs_megatron": 1.5, "busy": 0.9},
-        {"variant": "aiao", "schedule": "1f1b", "speedup_vs_1f1b": 2, "flag": True},
-    ]}
+    document = {
+        "cases": [
+            {"case": "all_gather_linear", "chunks": 2, "efficiency": 0.8, "speedup": {"torch": 1.3, "megatron": None}},
+            {"schedule": "oases", "efficiency": None, "speedup_vs_megatron": 1.5, "busy": 0.9},
+            {"variant": "aiao", "schedule": "1f1b", "speedup_vs_1f1b": 2, "flag": True},
+        ]
+    }
     assert gpu_check.summarize("s", document) == [
         ["s", "all_gather_linear", "efficiency", 0.8],
         ["s", "all_gather_linear", "speedup[torch]", 1.3],

@@ -13,6 +13,7 @@ On CPU (gloo, Triton's interpreter):
 With OASES_TEST_DEVICE=cuda (or GPUs present), the same rank functions also run on cuda tensors
 over NCCL, and the batched copy kernel is compared with torch's copies.
 """
+
 import contextlib
 
 import pytest
@@ -48,6 +49,7 @@ def _skip_unless_gpus(world_size):
 
 # --- Kernel launch plan ---------------------------------------------------------------------------
 
+
 def test_launch_plan_interpreter_upcasts_with_one_config():
     from oases_kernels._gemm import INTERPRETER_TILES, launch_plan
 
@@ -69,8 +71,7 @@ def test_launch_plan_gpu_autotunes_in_the_input_dtype():
         assert t.block_k >= 16 and t.block_m >= 16 and t.block_n >= 16, t  # tensor-core tiles
         config = t.config()
         assert isinstance(config, triton.Config)
-        assert config.kwargs == {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k,
-                                 "GROUP_M": t.group_m}
+        assert config.kwargs == {"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": t.group_m}
         assert (config.num_warps, config.num_stages) == (t.num_warps, t.num_stages)
     assert len(_gemm_kernel_tuned.configs) == len(GPU_TILES)
     assert list(_gemm_kernel_tuned.keys) == ["M", "N", "K"]
@@ -150,8 +151,9 @@ def compiled():
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(COMPILED)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(COMPILED)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"case"')]
     return {tuple(line.pop("case")): line for line in lines}
@@ -172,6 +174,7 @@ def test_gpu_kernel_compiles_to_16_bit_tensor_core_mma(compiled, dtype, capabili
 
 
 # --- Ring ordering -------------------------------------------------------------------------------
+
 
 class _RecordingSide(_HostSide):
     """The host side (same results), recording on which side each step happens."""
@@ -206,6 +209,7 @@ def _recording_posts(side):
         def call(*args, **kwargs):
             side.log.append((kind, side.in_comm))
             return f(*args, **kwargs)
+
         return call
 
     ring_module._post, ring_module._wait = logged("post", post), logged("wait", wait)
@@ -278,6 +282,7 @@ def test_ring_waits_only_on_the_comm_side(world_size):
 
 # --- main_grad (gradient-accumulation fusion) ----------------------------------------------------
 
+
 def _check_ops_main_grad(rank, p, forced_triton):
     """Each op's main_grad += grad_w in fp32: exact (fp32) and against an fp64 oracle (bf16).
     forced_triton: the CUDA path's Triton GEMM (linear_accumulate into main_grad) on CPU tensors
@@ -295,12 +300,24 @@ def _check_ops_main_grad(rank, p, forced_triton):
         x_cat = torch.cat(xs).double()
         cases = {
             # op, its input, grad_y, the fp64 weight gradient
-            "all_gather_linear": (lambda x, **kw: ops.all_gather_linear(x, w, None, **kw), xs[rank], g_full,
-                                  g_full.double().t() @ x_cat),
-            "linear_reduce_scatter": (lambda x, **kw: ops.linear_reduce_scatter(x, w, None, **kw), x_cat.to(dtype),
-                                      g_full.chunk(p)[rank], g_full.double().t() @ x_cat),
-            "linear_all_reduce": (lambda x, **kw: ops.linear_all_reduce(x, w, None, **kw), xs[rank], g_full[:n],
-                                  g_full[:n].double().t() @ xs[rank].double()),
+            "all_gather_linear": (
+                lambda x, **kw: ops.all_gather_linear(x, w, None, **kw),
+                xs[rank],
+                g_full,
+                g_full.double().t() @ x_cat,
+            ),
+            "linear_reduce_scatter": (
+                lambda x, **kw: ops.linear_reduce_scatter(x, w, None, **kw),
+                x_cat.to(dtype),
+                g_full.chunk(p)[rank],
+                g_full.double().t() @ x_cat,
+            ),
+            "linear_all_reduce": (
+                lambda x, **kw: ops.linear_all_reduce(x, w, None, **kw),
+                xs[rank],
+                g_full[:n],
+                g_full[:n].double().t() @ xs[rank].double(),
+            ),
         }
         for name, (op, x, g, want) in cases.items():
             w.grad = None
@@ -339,10 +356,14 @@ def _check_layers_main_grad(rank, p):
         torch.manual_seed(0)
         col = ColumnParallelLinear(h, f, sequence_parallel=sequence_parallel, device=device)
         row = RowParallelLinear(f, h, sequence_parallel=sequence_parallel, device=device)
-        fused = [ColumnParallelLinear.from_linear(_unsharded(col), sequence_parallel=sequence_parallel,
-                                                  gradient_accumulation_fusion=True),
-                 RowParallelLinear.from_linear(_unsharded(row), sequence_parallel=sequence_parallel,
-                                               gradient_accumulation_fusion=True)]
+        fused = [
+            ColumnParallelLinear.from_linear(
+                _unsharded(col), sequence_parallel=sequence_parallel, gradient_accumulation_fusion=True
+            ),
+            RowParallelLinear.from_linear(
+                _unsharded(row), sequence_parallel=sequence_parallel, gradient_accumulation_fusion=True
+            ),
+        ]
         assert "gradient_accumulation_fusion=True" in repr(fused[0])
         rows = s // p if sequence_parallel else s
         for step in range(2):
@@ -389,9 +410,11 @@ def test_layers_gradient_accumulation_fusion():
 def _check_bad_main_grad(rank, p):
     w = torch.zeros(3, 4)
     x = torch.zeros(4, 4)
-    for main_grad, error, words in ((torch.zeros(3, 4, dtype=torch.bfloat16), TypeError, "main_grad: must be float32"),
-                                    (torch.zeros(4, 3), ValueError, "main_grad: must have weight's shape"),
-                                    ("grad", TypeError, "main_grad: expected a torch.Tensor")):
+    for main_grad, error, words in (
+        (torch.zeros(3, 4, dtype=torch.bfloat16), TypeError, "main_grad: must be float32"),
+        (torch.zeros(4, 3), ValueError, "main_grad: must have weight's shape"),
+        ("grad", TypeError, "main_grad: expected a torch.Tensor"),
+    ):
         for op in (ops.all_gather_linear, ops.linear_reduce_scatter, ops.linear_all_reduce):
             with pytest.raises(error, match=words):
                 op(x, w, None, main_grad=main_grad)
@@ -408,6 +431,7 @@ def test_bad_main_grad_raises_naming_the_argument():
 
 # --- The fused ops on the harness device (NCCL and the comm stream on CUDA) ----------------------
 
+
 def _check_fused_ops(rank, p):
     """Outputs against oases.ops.reference (torch's collectives), input gradients against their
     closed forms, for every op, chunked and bidirectional, on harness_device() tensors."""
@@ -423,7 +447,7 @@ def _check_fused_ops(rank, p):
         y = ops.all_gather_linear(x, w, b, bidirectional=bidirectional, **kw)
         torch.testing.assert_close(y, ops.reference.all_gather_linear(x.detach(), w, b), rtol=1e-5, atol=1e-5)
         y.backward(g)
-        torch.testing.assert_close(x.grad, p * (g @ w)[rank * n:(rank + 1) * n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, p * (g @ w)[rank * n : (rank + 1) * n], rtol=1e-5, atol=1e-5)
         # linear_reduce_scatter: grad_x = all_gather(grad_y) @ W.
         x = _randn((p * n, k), seed=20 + rank, device=device).requires_grad_()
         g_full = _randn((p * n, o), seed=4, device=device)
@@ -448,13 +472,15 @@ def test_fused_ops_on_the_harness_device(world_size):
 
 # --- CUDA only -----------------------------------------------------------------------------------
 
+
 def _check_cuda_collectives(rank, p):
     import oases.comm as oc
 
     for chunks, bidirectional in ((1, False), (2, True)):
         inputs = [_randn((8, 6), seed=r + chunks, device="cuda") for r in range(p)]
-        assert torch.equal(oc.ring_all_gather(inputs[rank], chunks=chunks, bidirectional=bidirectional),
-                           torch.cat(inputs))
+        assert torch.equal(
+            oc.ring_all_gather(inputs[rank], chunks=chunks, bidirectional=bidirectional), torch.cat(inputs)
+        )
         full = [t.repeat(p, 1) for t in inputs]
         want = sum(full).chunk(p)[rank]
         got = oc.ring_reduce_scatter(full[rank], chunks=chunks, bidirectional=bidirectional)
@@ -485,7 +511,7 @@ def test_cuda_batched_copy_matches_torch_copies():
     _C.pack(tensors, slab, offsets)
     for t, offset in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
-        assert torch.equal(slab[offset:offset + nbytes], t.reshape(-1).view(torch.uint8))
+        assert torch.equal(slab[offset : offset + nbytes], t.reshape(-1).view(torch.uint8))
     copies = [torch.empty_like(t) for t in tensors]
     _C.unpack(slab, copies, offsets)
     torch.cuda.synchronize()

@@ -1,5 +1,6 @@
 """Hierarchical (inter-/intra-host) collectives against the flat rings and torch, on real gloo
 ranks split into emulated hosts; and Centauri's collective-level choices (pure planner tests)."""
+
 import math
 import os
 
@@ -13,8 +14,8 @@ from oases.planner import all_reduce_form, flat_time, hierarchical_time, partiti
 
 from _spawn import run_ranks
 
-FAST = LinkFit(30e-6, 1.7e9)   # a host's loopback
-SLOW = LinkFit(30e-6, 25e6)    # 200 Mbit/s NICs
+FAST = LinkFit(30e-6, 1.7e9)  # a host's loopback
+SLOW = LinkFit(30e-6, 25e6)  # 200 Mbit/s NICs
 MIB = 2**20
 
 
@@ -73,8 +74,13 @@ def _check_hierarchical(rank, world_size, ranks_per_host):
 
     # Adjointness: <RS(x), y> summed over ranks = <x, AG(y)> summed over ranks.
     x, y = _inputs(p, [4 * p, 3], 50)[rank].double(), _inputs(p, [4, 3], 51)[rank].double()
-    sums = torch.tensor([(oc.hierarchical_reduce_scatter(x, hosts) * y).sum().item(),
-                         (x * oc.hierarchical_all_gather(y, hosts)).sum().item()], dtype=torch.float64)
+    sums = torch.tensor(
+        [
+            (oc.hierarchical_reduce_scatter(x, hosts) * y).sum().item(),
+            (x * oc.hierarchical_all_gather(y, hosts)).sum().item(),
+        ],
+        dtype=torch.float64,
+    )
     dist.all_reduce(sums)
     assert math.isclose(sums[0].item(), sums[1].item(), rel_tol=1e-12)
 
@@ -103,8 +109,12 @@ def _check_hierarchical(rank, world_size, ranks_per_host):
     # from_env reads the launcher's layout (LOCAL_WORLD_SIZE ranks per host).
     os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_host)
     again = oc.HostGroups.from_env()
-    assert (again.hosts, again.ranks_per_host, again.host, again.local) == (hosts.hosts, ranks_per_host,
-                                                                             hosts.host, hosts.local)
+    assert (again.hosts, again.ranks_per_host, again.host, again.local) == (
+        hosts.hosts,
+        ranks_per_host,
+        hosts.host,
+        hosts.local,
+    )
     return checked
 
 
@@ -114,19 +124,19 @@ def _check_bad_inputs(rank, world_size, ranks_per_host):
     hosts = oc.HostGroups.create(ranks_per_host)
     p = world_size
     bad = [
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(ranks_per_host * 3, 2), hosts),    # not by P
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(p * 3, 2), hosts, chunks=2),       # chunks
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(p, 2), hosts, dim=2),              # dim
-        lambda: oc.hierarchical_all_gather(torch.ones(3, 2), hosts, chunks=2),               # chunks
-        lambda: oc.hierarchical_all_gather(torch.ones(()), hosts),                           # 0-d
-        lambda: oc.hierarchical_all_reduce(torch.ones(4), hosts, chunks=0),                  # chunks
-        lambda: oc.HostGroups.create(3),                                                      # uneven hosts
-        lambda: oc.HostGroups.create(1, ranks=[0, 0]),                                        # ranks
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(ranks_per_host * 3, 2), hosts),  # not by P
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(p * 3, 2), hosts, chunks=2),  # chunks
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(p, 2), hosts, dim=2),  # dim
+        lambda: oc.hierarchical_all_gather(torch.ones(3, 2), hosts, chunks=2),  # chunks
+        lambda: oc.hierarchical_all_gather(torch.ones(()), hosts),  # 0-d
+        lambda: oc.hierarchical_all_reduce(torch.ones(4), hosts, chunks=0),  # chunks
+        lambda: oc.HostGroups.create(3),  # uneven hosts
+        lambda: oc.HostGroups.create(1, ranks=[0, 0]),  # ranks
     ]
     type_errors = [
-        lambda: oc.hierarchical_all_gather(torch.ones(4, dtype=torch.int64), hosts),         # dtype
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(p), "hosts"),                     # hosts
-        lambda: oc.planned_reduce_scatter(torch.ones(p, 2), hosts, links=None),              # links
+        lambda: oc.hierarchical_all_gather(torch.ones(4, dtype=torch.int64), hosts),  # dtype
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(p), "hosts"),  # hosts
+        lambda: oc.planned_reduce_scatter(torch.ones(p, 2), hosts, links=None),  # links
     ]
     raised = 0
     for kind, calls in ((ValueError, bad), (TypeError, type_errors)):
@@ -167,14 +177,15 @@ def test_partition_hierarchical_when_nic_is_slow(kind):
     assert choice.seconds["hierarchical"] < choice.seconds["flat"]
     # Many ranks per host: inter bytes (h-1)/h T against (P-1)/P T; the gain grows with k.
     assert partition(kind, 4 * MIB, 8, 2, FAST, SLOW).seconds["hierarchical"] < 0.7 * flat_time(
-        kind, 4 * MIB, 8, 2, FAST, SLOW)
+        kind, 4 * MIB, 8, 2, FAST, SLOW
+    )
 
 
 @pytest.mark.parametrize("kind", ["reduce_scatter", "all_gather", "all_reduce"])
 def test_partition_flat_on_one_host_or_equal_links(kind):
-    assert partition(kind, 4 * MIB, 4, 1, FAST, SLOW).choice == "flat"      # one host
-    assert partition(kind, 4 * MIB, 1, 4, FAST, SLOW).choice == "flat"      # one rank per host
-    assert partition(kind, 4 * MIB, 2, 2, SLOW, SLOW).choice == "flat"      # equal links
+    assert partition(kind, 4 * MIB, 4, 1, FAST, SLOW).choice == "flat"  # one host
+    assert partition(kind, 4 * MIB, 1, 4, FAST, SLOW).choice == "flat"  # one rank per host
+    assert partition(kind, 4 * MIB, 2, 2, SLOW, SLOW).choice == "flat"  # equal links
     assert partition(kind, 4 * MIB, 2, 2, FAST, FAST).choice == "flat"
     assert partition(kind, 0, 2, 2, FAST, SLOW).seconds == {"flat": 0.0, "hierarchical": 0.0}
 
@@ -201,25 +212,27 @@ def test_all_reduce_form_extremes():
     # Nothing to overlap but a slow native all-reduce (gloo's): the rings win alone.
     assert all_reduce_form(all_reduce_s=1.5, reduce_scatter_s=0.5, all_gather_s=0.5).choice == "rs_ag"
     # A device that hides nothing gains nothing from compute beside the rings.
-    none = all_reduce_form(all_reduce_s=1.0, reduce_scatter_s=0.5, all_gather_s=0.5, before_s=9, after_s=9,
-                           overlap=0.0)
+    none = all_reduce_form(all_reduce_s=1.0, reduce_scatter_s=0.5, all_gather_s=0.5, before_s=9, after_s=9, overlap=0.0)
     assert none.choice == "all_reduce" and none.seconds["rs_ag"] == 1.0
     half = all_reduce_form(all_reduce_s=1.0, reduce_scatter_s=0.6, all_gather_s=0.6, before_s=0.2, after_s=0.0)
     assert half.seconds["rs_ag"] == pytest.approx(1.0) and half.choice == "all_reduce"  # tie: one call
 
 
-@pytest.mark.parametrize("call,name", [
-    (lambda: partition("broadcast", 1, 2, 2, FAST, SLOW), "kind"),
-    (lambda: partition("all_gather", -1, 2, 2, FAST, SLOW), "nbytes"),
-    (lambda: partition("all_gather", float("nan"), 2, 2, FAST, SLOW), "nbytes"),
-    (lambda: partition("all_gather", 1, 0, 2, FAST, SLOW), "ranks_per_host"),
-    (lambda: partition("all_gather", 1, 2, True, FAST, SLOW), "hosts"),
-    (lambda: partition("all_gather", 1, 2, 2, None, SLOW), "intra"),
-    (lambda: partition("all_gather", 1, 2, 2, FAST, LinkFit(0.0, 0.0)), "inter.bytes_per_s"),
-    (lambda: all_reduce_form(all_reduce_s=-1, reduce_scatter_s=0, all_gather_s=0), "all_reduce_s"),
-    (lambda: all_reduce_form(all_reduce_s=1, reduce_scatter_s=0, all_gather_s=0, before_s=math.inf), "before_s"),
-    (lambda: all_reduce_form(all_reduce_s=1, reduce_scatter_s=0, all_gather_s=0, overlap=1.5), "overlap"),
-])
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda: partition("broadcast", 1, 2, 2, FAST, SLOW), "kind"),
+        (lambda: partition("all_gather", -1, 2, 2, FAST, SLOW), "nbytes"),
+        (lambda: partition("all_gather", float("nan"), 2, 2, FAST, SLOW), "nbytes"),
+        (lambda: partition("all_gather", 1, 0, 2, FAST, SLOW), "ranks_per_host"),
+        (lambda: partition("all_gather", 1, 2, True, FAST, SLOW), "hosts"),
+        (lambda: partition("all_gather", 1, 2, 2, None, SLOW), "intra"),
+        (lambda: partition("all_gather", 1, 2, 2, FAST, LinkFit(0.0, 0.0)), "inter.bytes_per_s"),
+        (lambda: all_reduce_form(all_reduce_s=-1, reduce_scatter_s=0, all_gather_s=0), "all_reduce_s"),
+        (lambda: all_reduce_form(all_reduce_s=1, reduce_scatter_s=0, all_gather_s=0, before_s=math.inf), "before_s"),
+        (lambda: all_reduce_form(all_reduce_s=1, reduce_scatter_s=0, all_gather_s=0, overlap=1.5), "overlap"),
+    ],
+)
 def test_planner_arguments_are_validated(call, name):
     with pytest.raises(ValueError, match=f"^{name}"):
         call()

@@ -9,6 +9,7 @@ runs equal inputs through; "broadcast" makes TP rank 0's batch everyone's: every
 single-process loss on rank 0's batch. Each run ends on a barrier, so a rank left in a collective
 fails it by the hard timeout.
 """
+
 import copy
 import importlib.util
 import re
@@ -26,8 +27,9 @@ from _spawn import run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 VOCAB, T = 96, 12
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed")
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
 
 
 def _tokens(b, t, seed):
@@ -57,15 +59,21 @@ def _mismatches(rank, size, b, name="input_ids", who="TP group"):
     ranks = ", ".join(map(str, range(size)))
     head = rf"{name}: the {size} ranks of the {who} \(global ranks {ranks}\) must get the same {name}, but "
     return {
-        "batch": (ids[:b - 1] if rank == 1 else ids,
-                  head + rf"its batch size differs: global rank 0 passes shape \({b}, {T}\), global rank 1 passes "
-                         rf"shape \({b - 1}, {T}\)"),
-        "sequence": (ids[:, :T - 2] if rank == 1 else ids,
-                     head + rf"its sequence length differs: global rank 0 passes shape \({b}, {T}\), global rank 1 "
-                            rf"passes shape \({b}, {T - 2}\)"),
-        "content": (_swapped(ids) if rank == 1 else ids,
-                    head + rf"its content differs \(the same shape \({b}, {T}\) and dtype int64, other values: "
-                           rf"global rank 0 vs global rank 1\)"),
+        "batch": (
+            ids[: b - 1] if rank == 1 else ids,
+            head + rf"its batch size differs: global rank 0 passes shape \({b}, {T}\), global rank 1 passes "
+            rf"shape \({b - 1}, {T}\)",
+        ),
+        "sequence": (
+            ids[:, : T - 2] if rank == 1 else ids,
+            head + rf"its sequence length differs: global rank 0 passes shape \({b}, {T}\), global rank 1 "
+            rf"passes shape \({b}, {T - 2}\)",
+        ),
+        "content": (
+            _swapped(ids) if rank == 1 else ids,
+            head + rf"its content differs \(the same shape \({b}, {T}\) and dtype int64, other values: "
+            rf"global rank 0 vs global rank 1\)",
+        ),
     }
 
 
@@ -74,9 +82,19 @@ def _llama(degrees=None):
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="eager"))
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+    )
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -95,13 +113,33 @@ def _check_llama(rank, world_size):
         _raises(pattern, oases.train_step, model, mine, mine, check_inputs=True, schedule="megatron")
     _raises(r"labels: .* its content differs", oases.train_step, model, ids, _swapped(ids) if rank else ids)
     mask = torch.ones_like(ids)
-    _raises(r"attention_mask: .* whether it is a tensor differs: global rank 0 passes a tensor, global rank 1 passes "
-            r"no tensor", oases.train_step, model, ids, ids, attention_mask=None if rank else mask)
-    _raises(r"attention_mask: in \"broadcast\" mode every rank takes global rank 0's inputs, which passes no tensor "
-            r"for attention_mask while global rank 1 does", oases.train_step, model, ids, ids,
-            attention_mask=mask if rank else None, check_inputs="broadcast")
-    _raises(r"check_inputs: expected True .*, False .* or \"broadcast\" .*, got 'yes'", oases.train_step, model, ids,
-            ids, check_inputs="yes")
+    _raises(
+        r"attention_mask: .* whether it is a tensor differs: global rank 0 passes a tensor, global rank 1 passes "
+        r"no tensor",
+        oases.train_step,
+        model,
+        ids,
+        ids,
+        attention_mask=None if rank else mask,
+    )
+    _raises(
+        r"attention_mask: in \"broadcast\" mode every rank takes global rank 0's inputs, which passes no tensor "
+        r"for attention_mask while global rank 1 does",
+        oases.train_step,
+        model,
+        ids,
+        ids,
+        attention_mask=mask if rank else None,
+        check_inputs="broadcast",
+    )
+    _raises(
+        r"check_inputs: expected True .*, False .* or \"broadcast\" .*, got 'yes'",
+        oases.train_step,
+        model,
+        ids,
+        ids,
+        check_inputs="yes",
+    )
     assert all(p.grad is None for p in model.parameters()), "a failed check ran nothing"
     # (d) equal inputs, the check off (and on): the unsharded loss
     want = reference(input_ids=ids, labels=ids).loss.detach()
@@ -160,7 +198,7 @@ def _check_gpt(rank, world_size):
     model = GPT(config, seed=0)
     ids, targets = _tokens(4, T, 0), _tokens(4, T, 1)
     for mine, pattern in _mismatches(rank, world_size, 4, name="tokens").values():
-        theirs = targets[:mine.shape[0], :mine.shape[1]]
+        theirs = targets[: mine.shape[0], : mine.shape[1]]
         _raises(pattern + r".*; give every rank of a TP group", model.train_step, mine, theirs)
     _raises(r"targets: .* its content differs", model.train_step, ids, _swapped(targets) if rank else targets)
     assert all(p.grad is None for p in model.parameters())
@@ -180,7 +218,7 @@ def _check_gpt(rank, world_size):
     # per-layer tp_degrees: the whole group
     per_layer = GPT(config, seed=0, tp_degrees=[1, 2])
     mine, pattern = _mismatches(rank, world_size, 4, name="tokens")["batch"]
-    _raises(pattern, per_layer.train_step, mine, targets[:mine.shape[0]])
+    _raises(pattern, per_layer.train_step, mine, targets[: mine.shape[0]])
     dist.barrier()
     return {k: float(v) for k, v in losses.items()}
 
@@ -203,15 +241,32 @@ def _check_pipeline(rank, world_size):
     ids, targets = _tokens(4, T, 0), _tokens(4, T, 1)
     head = r"tokens: the 4 ranks of the pipeline's mesh \(global ranks 0, 1, 2, 3\) must get the same tokens, but "
     odd = rank == 3  # the second stage's TP rank 1 alone
-    _raises(head + rf"its batch size differs: global ranks 0, 1, 2 pass shape \(4, {T}\), global rank 3 passes shape "
-                   rf"\(2, {T}\) \(targets differ as well\); give every rank of the mesh the same global batch",
-            pipe.train_step, ids[:2] if odd else ids, targets[:2] if odd else targets)
-    _raises(head + r"its sequence length differs", pipe.train_step, ids[:, :5] if rank == 2 else ids,
-            targets[:, :5] if rank == 2 else targets)
-    _raises(head + r"its content differs \(the same shape \(4, 12\) and dtype int64, other values: global ranks 0, 1, "
-                   r"3 vs global rank 2\)", pipe.train_step, _swapped(ids) if rank == 2 else ids, targets)
-    _raises(r"targets: .* its dtype differs: global ranks 0, 2, 3 pass int64, global rank 1 passes int32",
-            pipe.train_step, ids, targets.int() if rank == 1 else targets)
+    _raises(
+        head + rf"its batch size differs: global ranks 0, 1, 2 pass shape \(4, {T}\), global rank 3 passes shape "
+        rf"\(2, {T}\) \(targets differ as well\); give every rank of the mesh the same global batch",
+        pipe.train_step,
+        ids[:2] if odd else ids,
+        targets[:2] if odd else targets,
+    )
+    _raises(
+        head + r"its sequence length differs",
+        pipe.train_step,
+        ids[:, :5] if rank == 2 else ids,
+        targets[:, :5] if rank == 2 else targets,
+    )
+    _raises(
+        head + r"its content differs \(the same shape \(4, 12\) and dtype int64, other values: global ranks 0, 1, "
+        r"3 vs global rank 2\)",
+        pipe.train_step,
+        _swapped(ids) if rank == 2 else ids,
+        targets,
+    )
+    _raises(
+        r"targets: .* its dtype differs: global ranks 0, 2, 3 pass int64, global rank 1 passes int32",
+        pipe.train_step,
+        ids,
+        targets.int() if rank == 1 else targets,
+    )
     want = GPT(config, alone, seed=3)(ids, targets).detach()
     pipe.close()
     losses = {}

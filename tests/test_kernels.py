@@ -1,5 +1,6 @@
 """Triton GEMM kernels against torch (fp64 oracle), under TRITON_INTERPRET=1 (see conftest.py),
 or compiled for the GPU when the harness runs on CUDA (tensors on harness_device())."""
+
 import pytest
 import torch
 
@@ -57,12 +58,12 @@ def test_linear_into_matches_torch(dtype, with_bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_into_strided_inputs(dtype):
-    x = _rand(K, M, dtype=dtype, seed=4).t()                 # transposed view: strides (1, M)
-    w = _rand(N, 2 * K, dtype=dtype, seed=5)[:, ::2]         # every other column: strides (2K, 2)
-    wt = _rand(K, N, dtype=dtype, seed=6).t()                # transposed weight: strides (1, N)
-    bias = _rand(2 * N, dtype=torch.float32, seed=7)[::2]    # fp32 bias with stride 2
+    x = _rand(K, M, dtype=dtype, seed=4).t()  # transposed view: strides (1, M)
+    w = _rand(N, 2 * K, dtype=dtype, seed=5)[:, ::2]  # every other column: strides (2K, 2)
+    wt = _rand(K, N, dtype=dtype, seed=6).t()  # transposed weight: strides (1, N)
+    bias = _rand(2 * N, dtype=torch.float32, seed=7)[::2]  # fp32 bias with stride 2
     assert not x.is_contiguous() and not w.is_contiguous() and not wt.is_contiguous()
-    out_t = _nan(N, M, dtype=dtype).t()                     # transposed out: strides (1, M)
+    out_t = _nan(N, M, dtype=dtype).t()  # transposed out: strides (1, M)
     for weight, out in ((w, _nan(M, N, dtype=dtype)), (wt, out_t)):
         got = linear_into(x, weight, out, bias=bias)
         torch.testing.assert_close(got, _reference(x, weight, bias).to(dtype), **TOL[dtype])
@@ -72,7 +73,7 @@ def test_linear_into_strided_inputs(dtype):
 def test_linear_into_row_slice_leaves_the_rest_untouched(row_offset):
     x, w = _rand(M, K, seed=8), _rand(N, K, seed=9)
     big = _rand(100, N + 7, seed=10)
-    out = big[:, 3 : 3 + N]          # row stride N + 7: columns outside out must survive too
+    out = big[:, 3 : 3 + N]  # row stride N + 7: columns outside out must survive too
     before = big.clone()
     got = linear_into(x, w, out, row_offset=row_offset)
     assert got.data_ptr() == out[row_offset:].data_ptr() and got.shape == (M, N)
@@ -129,8 +130,7 @@ def test_linear_accumulate_fp32_acc_with_bf16_inputs():
     torch.testing.assert_close(acc, want, **TOL[torch.float32])
     got = linear_accumulate(x, w, acc)  # out defaults to x's dtype
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got, _reference(x, w, acc=acc).to(torch.bfloat16),
-                               **TOL[torch.bfloat16])
+    torch.testing.assert_close(got, _reference(x, w, acc=acc).to(torch.bfloat16), **TOL[torch.bfloat16])
 
 
 def _x(dtype=torch.float32):
@@ -138,33 +138,73 @@ def _x(dtype=torch.float32):
 
 
 BAD_CALLS = {
-    "in_features": (lambda: linear_into(_x(), torch.zeros(8, 64), torch.zeros(4, 8)),
-                    ValueError, "weight: in_features 64 does not match x's last dimension 32"),
-    "x 3-D": (lambda: linear_into(torch.zeros(2, 4, 32), torch.zeros(8, 32), torch.zeros(8, 8)),
-              ValueError, "x: expected a 2-D"),
-    "x int": (lambda: linear_into(_x(torch.int32), torch.zeros(8, 32, dtype=torch.int32),
-                                  torch.zeros(4, 8)), TypeError, "x: dtype torch.int32"),
-    "weight dtype": (lambda: linear_into(_x(), torch.zeros(8, 32, dtype=torch.float16),
-                                         torch.zeros(4, 8)), TypeError, "weight: dtype"),
-    "out too small": (lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(6, 8),
-                                          row_offset=3), ValueError, r"out: has 6 rows .* = 7"),
-    "out columns": (lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 9)),
-                    ValueError, r"out: expected shape \(R, 8\)"),
-    "out dtype": (lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 8, dtype=torch.int64)),
-                  TypeError, "out: dtype"),
-    "out expanded": (lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(1, 8).expand(4, 8)),
-                     ValueError, "out: is an expanded view"),
-    "row_offset": (lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 8), row_offset=-1),
-                   ValueError, "row_offset"),
-    "bias shape": (lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 8),
-                                       bias=torch.zeros(9)), ValueError, "bias: expected shape"),
-    "acc shape": (lambda: linear_accumulate(_x(), torch.zeros(8, 32), torch.zeros(8, 4)),
-                  ValueError, r"acc: expected shape \(4, 8\)"),
-    "acc dtype": (lambda: linear_accumulate(_x(torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16),
-                                            torch.zeros(4, 8, dtype=torch.float16)),
-                  TypeError, "acc: dtype"),
-    "acc out shape": (lambda: linear_accumulate(_x(), torch.zeros(8, 32), torch.zeros(4, 8),
-                                                out=torch.zeros(4, 9)), ValueError, "out: expected"),
+    "in_features": (
+        lambda: linear_into(_x(), torch.zeros(8, 64), torch.zeros(4, 8)),
+        ValueError,
+        "weight: in_features 64 does not match x's last dimension 32",
+    ),
+    "x 3-D": (
+        lambda: linear_into(torch.zeros(2, 4, 32), torch.zeros(8, 32), torch.zeros(8, 8)),
+        ValueError,
+        "x: expected a 2-D",
+    ),
+    "x int": (
+        lambda: linear_into(_x(torch.int32), torch.zeros(8, 32, dtype=torch.int32), torch.zeros(4, 8)),
+        TypeError,
+        "x: dtype torch.int32",
+    ),
+    "weight dtype": (
+        lambda: linear_into(_x(), torch.zeros(8, 32, dtype=torch.float16), torch.zeros(4, 8)),
+        TypeError,
+        "weight: dtype",
+    ),
+    "out too small": (
+        lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(6, 8), row_offset=3),
+        ValueError,
+        r"out: has 6 rows .* = 7",
+    ),
+    "out columns": (
+        lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 9)),
+        ValueError,
+        r"out: expected shape \(R, 8\)",
+    ),
+    "out dtype": (
+        lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 8, dtype=torch.int64)),
+        TypeError,
+        "out: dtype",
+    ),
+    "out expanded": (
+        lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(1, 8).expand(4, 8)),
+        ValueError,
+        "out: is an expanded view",
+    ),
+    "row_offset": (
+        lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 8), row_offset=-1),
+        ValueError,
+        "row_offset",
+    ),
+    "bias shape": (
+        lambda: linear_into(_x(), torch.zeros(8, 32), torch.zeros(4, 8), bias=torch.zeros(9)),
+        ValueError,
+        "bias: expected shape",
+    ),
+    "acc shape": (
+        lambda: linear_accumulate(_x(), torch.zeros(8, 32), torch.zeros(8, 4)),
+        ValueError,
+        r"acc: expected shape \(4, 8\)",
+    ),
+    "acc dtype": (
+        lambda: linear_accumulate(
+            _x(torch.bfloat16), torch.zeros(8, 32, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.float16)
+        ),
+        TypeError,
+        "acc: dtype",
+    ),
+    "acc out shape": (
+        lambda: linear_accumulate(_x(), torch.zeros(8, 32), torch.zeros(4, 8), out=torch.zeros(4, 9)),
+        ValueError,
+        "out: expected",
+    ),
 }
 
 

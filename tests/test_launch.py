@@ -6,6 +6,7 @@ Each test runs `python -m oases.launch` as a subprocess with a hard timeout belo
 limit; a launcher that overruns gets SIGTERM (it stops its ranks and deletes its namespaces),
 then SIGKILL.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,8 +87,7 @@ class Run:
 def launch(*args: str, env: dict | None = None, timeout: float = 45.0) -> Run:
     """Run oases-launch to the end (at most `timeout` s, below each test's own limit)."""
     start = time.monotonic()
-    proc = subprocess.Popen([*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen([*LAUNCH, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     code, stdout, stderr = finish_process(proc, timeout)
     return Run(code, stdout, stderr, proc.pid, time.monotonic() - start)
 
@@ -122,28 +122,31 @@ def test_parse_bandwidth_reads_tc_rates():
     assert parse_bandwidth("250mbit") == 31.25e6
     assert parse_bandwidth(" 8Gbit ") == 1e9
     assert parse_bandwidth("1.5gbit") == 187.5e6
-    assert parse_bandwidth("100mbps") == 100e6           # bps: bytes
-    assert parse_bandwidth("1gibit") == 2**30 / 8        # IEC prefix
+    assert parse_bandwidth("100mbps") == 100e6  # bps: bytes
+    assert parse_bandwidth("1gibit") == 2**30 / 8  # IEC prefix
     assert parse_bandwidth("1mibps") == 2**20
-    assert parse_bandwidth("8000") == 1000.0             # bare number: bit/s, as in tc
+    assert parse_bandwidth("8000") == 1000.0  # bare number: bit/s, as in tc
     for bad in ["", "fast", "1 gbit", "1g", "-1gbit", "0mbit", "1bit", "1gbitx"]:
         with pytest.raises(ValueError):
             parse_bandwidth(bad)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--nproc", "2"],                                     # nothing to run
-    ["--nproc", "0", "x.py"],
-    ["--bandwidth", "fast", "x.py"],
-    ["--topology", "switch", "x.py"],                     # topology without a bandwidth
-    ["--nproc", "1", "--selftest"],
-    ["--nproc", "2", "--selftest", "x.py"],
-    ["--nproc", "4", "--hosts", "2", "x.py"],                                 # hosts without a bandwidth
-    ["--nproc", "4", "--bandwidth", "1gbit", "--intra-bandwidth", "8gbit", "x.py"],  # one host
-    ["--nproc", "4", "--hosts", "2", "--bandwidth", "1gbit", "--topology", "switch", "x.py"],
-    ["--nproc", "2", "--hosts", "2", "--bandwidth", "1gbit", "--selftest"],  # no pair inside a host
-    ["--nproc", "4", "--hosts", "0", "--bandwidth", "1gbit", "x.py"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--nproc", "2"],  # nothing to run
+        ["--nproc", "0", "x.py"],
+        ["--bandwidth", "fast", "x.py"],
+        ["--topology", "switch", "x.py"],  # topology without a bandwidth
+        ["--nproc", "1", "--selftest"],
+        ["--nproc", "2", "--selftest", "x.py"],
+        ["--nproc", "4", "--hosts", "2", "x.py"],  # hosts without a bandwidth
+        ["--nproc", "4", "--bandwidth", "1gbit", "--intra-bandwidth", "8gbit", "x.py"],  # one host
+        ["--nproc", "4", "--hosts", "2", "--bandwidth", "1gbit", "--topology", "switch", "x.py"],
+        ["--nproc", "2", "--hosts", "2", "--bandwidth", "1gbit", "--selftest"],  # no pair inside a host
+        ["--nproc", "4", "--hosts", "0", "--bandwidth", "1gbit", "x.py"],
+    ],
+)
 def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit:
         main(argv)
@@ -157,8 +160,10 @@ def test_nproc_not_divisible_by_hosts_is_a_clear_error(capsys, nproc, hosts):
         main(["--nproc", str(nproc), "--hosts", str(hosts), "--bandwidth", "1gbit", "x.py"])
     assert exit.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error == (f"oases-launch: error: --nproc {nproc} ranks cannot be packed evenly into "
-                     f"--hosts {hosts}: --nproc must be divisible by --hosts")
+    assert error == (
+        f"oases-launch: error: --nproc {nproc} ranks cannot be packed evenly into "
+        f"--hosts {hosts}: --nproc must be divisible by --hosts"
+    )
 
 
 # (topology, nproc, launcher options, launcher environment, expected OMP_NUM_THREADS): the three
@@ -166,8 +171,7 @@ def test_nproc_not_divisible_by_hosts_is_a_clear_error(capsys, nproc, hosts):
 ENV_CASES = [
     pytest.param(None, 2, [], {"OMP_NUM_THREADS": "3"}, "3", id="unshaped"),
     pytest.param("shared", 2, [], {}, "1", id="shared", marks=needs_shaping),
-    pytest.param("switch", 3, ["--threads", "2"], {"OMP_NUM_THREADS": "3"}, "2", id="switch",
-                 marks=needs_shaping),
+    pytest.param("switch", 3, ["--threads", "2"], {"OMP_NUM_THREADS": "3"}, "2", id="switch", marks=needs_shaping),
 ]
 
 
@@ -176,8 +180,7 @@ def test_ranks_get_torchrun_environment(tmp_path, topology, nproc, options, extr
     shaping = ["--bandwidth", "1gbit", "--topology", topology] if topology else []
     script = write_script(tmp_path, ENV_SCRIPT)
     env = env_without("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", **extra_env)
-    run = launch("--nproc", str(nproc), *shaping, *options, script, str(tmp_path), "--lr", "3",
-                 env=env)
+    run = launch("--nproc", str(nproc), *shaping, *options, script, str(tmp_path), "--lr", "3", env=env)
     assert run.returncode == 0, run.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     ports = {rank["MASTER_PORT"] for rank in ranks}
@@ -210,8 +213,9 @@ def test_ranks_get_torchrun_environment(tmp_path, topology, nproc, options, extr
         assert namespaces_of(run.pid) == []
 
 
-@pytest.mark.parametrize("shaped", [pytest.param(True, id="shaped", marks=needs_shaping),
-                                    pytest.param(False, id="unshaped")])
+@pytest.mark.parametrize(
+    "shaped", [pytest.param(True, id="shaped", marks=needs_shaping), pytest.param(False, id="unshaped")]
+)
 def test_hosts_give_each_rank_its_host(tmp_path, shaped):
     """--hosts 2 --nproc 4: ranks 0, 1 on host 0 and 2, 3 on host 1, with torchrun's multi-node
     environment; shaped, each host is a namespace with its own address (unshaped: the layout only)."""
@@ -222,8 +226,19 @@ def test_hosts_give_each_rank_its_host(tmp_path, shaped):
         (tmp_path / "bin").mkdir()
         env["PATH"] = str(tmp_path / "bin")
     links_before = root_links() if shaped else set()
-    run = launch("--nproc", str(nproc), "--hosts", str(hosts), "--bandwidth", "1gbit", script,
-                 str(tmp_path), "--lr", "3", env=env)
+    run = launch(
+        "--nproc",
+        str(nproc),
+        "--hosts",
+        str(hosts),
+        "--bandwidth",
+        "1gbit",
+        script,
+        str(tmp_path),
+        "--lr",
+        "3",
+        env=env,
+    )
     assert run.returncode == 0, run.stderr
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     per_host = nproc // hosts
@@ -317,9 +332,23 @@ def test_shaped_link_delivers_requested_bandwidth(tmp_path, topology):
     """The launcher's contract: the rank-to-rank rate is the requested one (broad band: shared
     machine); `shared` splits it between two concurrent directions, `switch` gives it to each."""
     result_path = tmp_path / "selftest.json"
-    run = launch("--nproc", "2", "--bandwidth", "200mbit", "--topology", topology,
-                 "-m", "oases.launch._selftest", "--mib", "4", "--repeats", "3", "--json", str(result_path),
-                 timeout=70)
+    run = launch(
+        "--nproc",
+        "2",
+        "--bandwidth",
+        "200mbit",
+        "--topology",
+        topology,
+        "-m",
+        "oases.launch._selftest",
+        "--mib",
+        "4",
+        "--repeats",
+        "3",
+        "--json",
+        str(result_path),
+        timeout=70,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(result_path.read_text())
     requested = parse_bandwidth("200mbit")
@@ -342,9 +371,24 @@ def test_hosts_selftest_measures_both_link_kinds(tmp_path, bandwidth, intra_band
     directions. Broad bands: shared machine."""
     result_path = tmp_path / "selftest.json"
     intra = ["--intra-bandwidth", intra_bandwidth] if intra_bandwidth else []
-    run = launch("--nproc", "4", "--hosts", "2", "--bandwidth", bandwidth, *intra,
-                 "-m", "oases.launch._selftest", "--mib", "4", "--repeats", "3", "--json", str(result_path),
-                 timeout=70)
+    run = launch(
+        "--nproc",
+        "4",
+        "--hosts",
+        "2",
+        "--bandwidth",
+        bandwidth,
+        *intra,
+        "-m",
+        "oases.launch._selftest",
+        "--mib",
+        "4",
+        "--repeats",
+        "3",
+        "--json",
+        str(result_path),
+        timeout=70,
+    )
     assert run.returncode == 0, run.stderr
     result = json.loads(result_path.read_text())
     assert (result["topology"], result["hosts"]) == ("hosts", 2)

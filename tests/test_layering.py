@@ -6,6 +6,7 @@ the test needs nothing imported. A floor of several packages keeps them apart: n
 imports another of the same floor (except on the bottom floor of single-module leaves and the top
 floor of the public front).
 """
+
 from __future__ import annotations
 
 import ast
@@ -19,8 +20,18 @@ PACKAGE = ROOT / "oases"
 
 FLOORS: tuple[tuple[str, ...], ...] = (
     # leaves: the extension, argument checks, row and shard arithmetic, the cost rules
-    ("oases._C", "oases._checks", "oases._rows", "oases._leaves", "oases._sharding", "oases._compiled",
-     "oases._extension", "oases.amp", "oases.inputs", "oases.costs"),
+    (
+        "oases._C",
+        "oases._checks",
+        "oases._rows",
+        "oases._leaves",
+        "oases._sharding",
+        "oases._compiled",
+        "oases._extension",
+        "oases.amp",
+        "oases.inputs",
+        "oases.costs",
+    ),
     ("oases.launch",),
     ("oases.comm",),
     ("oases.offload", "oases.ops", "oases.dp"),
@@ -33,8 +44,16 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("oases.pretrained", "oases.training"),
     ("oases.pipeline",),
     # the front: oases/__init__.py, the CLI (oases env: its report and link probe in _env_*, _link_probe)
-    ("oases", "oases.__main__", "oases.cli", "oases.plan", "oases.env", "oases._env_guards", "oases._env_report",
-     "oases._link_probe"),
+    (
+        "oases",
+        "oases.__main__",
+        "oases.cli",
+        "oases.plan",
+        "oases.env",
+        "oases._env_guards",
+        "oases._env_report",
+        "oases._link_probe",
+    ),
 )
 OPEN_FLOORS = (0, len(FLOORS) - 1)  # the leaves and the front: their modules may import one another
 
@@ -92,8 +111,9 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
     for line, target in imported(source, module, is_package):
         to_level, to_entry = floor_of(target)
         if to_level > level or (to_level == level and to_entry != entry and level not in OPEN_FLOORS):
-            found.append(f"{module}:{line} imports {target} (floor {to_level} {to_entry}; "
-                         f"{module} is on floor {level} {entry})")
+            found.append(
+                f"{module}:{line} imports {target} (floor {to_level} {to_entry}; {module} is on floor {level} {entry})"
+            )
     return found
 
 
@@ -115,14 +135,17 @@ def test_every_module_is_on_a_floor():
         floor_of("oases.brand_new")
 
 
-@pytest.mark.parametrize("module, line", [
-    ("oases.comm.ring", "from oases.planner.search import plan"),
-    ("oases.comm.ring", "def f():\n    from oases.schedule import train_step"),  # lazy: still upward
-    ("oases.ops.linear_all_reduce", "from ..nn import layers"),  # relative
-    ("oases.nn.layers", "from oases import schedule"),
-    ("oases.offload.engine", "import oases.dp.zero"),  # sideways: the same floor, another package
-    ("oases.costs.chunks", "import oases"),  # the front is the top floor
-])
+@pytest.mark.parametrize(
+    "module, line",
+    [
+        ("oases.comm.ring", "from oases.planner.search import plan"),
+        ("oases.comm.ring", "def f():\n    from oases.schedule import train_step"),  # lazy: still upward
+        ("oases.ops.linear_all_reduce", "from ..nn import layers"),  # relative
+        ("oases.nn.layers", "from oases import schedule"),
+        ("oases.offload.engine", "import oases.dp.zero"),  # sideways: the same floor, another package
+        ("oases.costs.chunks", "import oases"),  # the front is the top floor
+    ],
+)
 def test_an_injected_upward_import_is_found(module, line):
     path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
     source = path.read_text() + "\n" + line + "\n"
@@ -140,9 +163,15 @@ def test_the_cost_rules_import_neither_torch_nor_oases():
     """oases.costs is the pure floor the planner and the runtime share: no torch, no other oases module."""
     for path in sorted((PACKAGE / "costs").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
             for name in names:
                 top = name.split(".")[0]
-                assert top != "torch" and (top != "oases" or name.startswith("oases.costs")), \
+                assert top != "torch" and (top != "oases" or name.startswith("oases.costs")), (
                     f"{path.name}:{node.lineno} imports {name}"
+                )

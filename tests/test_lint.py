@@ -1,4 +1,6 @@
-"""The tree passes its linter: `ruff check .` as configured in pyproject.toml (the same as `make lint`)."""
+"""The tree passes its linter and is formatted: `ruff check .` and `ruff format --check .` as configured in
+pyproject.toml (the same as `make lint`)."""
+
 from __future__ import annotations
 
 import shutil
@@ -20,9 +22,30 @@ def _ruff() -> str:
 
 
 def test_ruff_passes():
-    result = subprocess.run([_ruff(), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [_ruff(), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_tree_is_formatted():
+    result = subprocess.run(
+        [_ruff(), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, "run `ruff format .`:\n" + result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_formatter_sees_an_unformatted_file(tmp_path):
+    """The formatter's check fails on a file it would change."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = [1,2 ,3]\n")
+    result = subprocess.run(
+        [_ruff(), "format", "--check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and "bad.py" in result.stdout + result.stderr, result.stdout
 
 
 def test_ruff_sees_an_injected_error(tmp_path):
@@ -30,6 +53,10 @@ def test_ruff_sees_an_injected_error(tmp_path):
     bad = tmp_path / "python_api" / "oases" / "bad.py"
     bad.parent.mkdir(parents=True)
     bad.write_text('"""A module."""\nimport os\n')
-    result = subprocess.run([_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(bad)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [_ruff(), "check", "--no-cache", "--config", str(ROOT / "pyproject.toml"), str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1 and "F401" in result.stdout, result.stdout

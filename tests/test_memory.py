@@ -14,6 +14,7 @@ embedding and head are vocab-parallel (plan entries "vocab" / "vocab_head"), so 
 is sharded, and whose largest tensor is about 0.16 F, as in a 1.5-2 GiB Llama with a 32k
 vocabulary.
 """
+
 import gc
 import os
 import sys
@@ -37,17 +38,27 @@ SLACK = 30 * 2**20
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=16000, hidden_size=512, intermediate_size=1376, num_hidden_layers=12,
-                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=16000,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _warm_dcp(root):
     """A first, tiny dcp.save by this rank alone (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"x": torch.zeros(1)}, storage_writer=dcp.FileSystemWriter(os.path.join(root, f"warm-{os.getpid()}")),
-             no_dist=True)
+    dcp.save(
+        {"x": torch.zeros(1)},
+        storage_writer=dcp.FileSystemWriter(os.path.join(root, f"warm-{os.getpid()}")),
+        no_dist=True,
+    )
 
 
 def _phases(rank, world_size, pretrained, root, out, full_bytes):
@@ -96,11 +107,21 @@ def test_memory_per_rank_tp2(tmp_path):
     del model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = run_ranks(_phases, 2, str(tmp_path / "pretrained"), str(tmp_path / "ckpt"),
-                            str(tmp_path / "out"), full_bytes, timeout=240)
+        results = run_ranks(
+            _phases,
+            2,
+            str(tmp_path / "pretrained"),
+            str(tmp_path / "ckpt"),
+            str(tmp_path / "out"),
+            full_bytes,
+            timeout=240,
+        )
     limits = {"build + load_pretrained": 0.7, "save_checkpoint": 0.2, "load_checkpoint": 0.2, "save_pretrained": 0.2}
-    report = "\n".join(f"rank {r} {phase}: {rise / 2**20:.1f} MiB = {rise / full_bytes:.2f} F"
-                       for r, rises in enumerate(results) for phase, rise in rises.items())
+    report = "\n".join(
+        f"rank {r} {phase}: {rise / 2**20:.1f} MiB = {rise / full_bytes:.2f} F"
+        for r, rises in enumerate(results)
+        for phase, rise in rises.items()
+    )
     print(f"F = {full_bytes / 2**20:.1f} MiB\n{report}")  # pytest -s shows the figures
     for rank, rises in enumerate(results):
         for phase, limit in limits.items():

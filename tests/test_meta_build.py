@@ -6,6 +6,7 @@ crosses ranks: `oases.full_state_dict` of the sharded model must equal the refer
 exactly, its logits must match, and the CPU random state after parallelize must be the one the
 plain build leaves (so a run that draws afterwards, dropout or data, is the same too).
 """
+
 import warnings
 
 import pytest
@@ -23,16 +24,23 @@ pytest.importorskip("transformers")
 def _config(kind, tied=False):
     import transformers as tf
 
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=64)
+    common = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
     if kind.startswith("llama"):  # "llama": GQA (2 KV heads), "llama-mha": 4 KV heads (TP 4)
         kv = 4 if kind == "llama-mha" else 2
         if kind == "llama-odd":  # a vocabulary TP 2 does not divide: padded shards
             common = dict(common, vocab_size=129)
         return tf.LlamaForCausalLM, tf.LlamaConfig(num_key_value_heads=kv, tie_word_embeddings=tied, **common)
     if kind == "qwen3":
-        return tf.Qwen3ForCausalLM, tf.Qwen3Config(num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied,
-                                                   **common)
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(
+            num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied, **common
+        )
     return tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig(**common)
 
 
@@ -75,8 +83,9 @@ def _meta_build_matches(rank, world_size, kind, tied, degrees):
     return local
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("llama-odd", True), ("qwen3", False),
-                                       ("neox", False)])
+@pytest.mark.parametrize(
+    "kind,tied", [("llama", False), ("llama", True), ("llama-odd", True), ("qwen3", False), ("neox", False)]
+)
 def test_meta_build_is_the_plain_build_tp2(kind, tied):
     run_ranks(_meta_build_matches, 2, kind, tied, None, timeout=120)
 

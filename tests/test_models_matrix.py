@@ -46,6 +46,7 @@ the same checks. Item 3 (never a silent half-sharded model): a Llama whose MLP n
 projections w1 / w2 / w3 is refused with the default plan, naming the modules and the entries
 that would shard them; with those entries added it shards and matches.
 """
+
 import copy
 import importlib.util
 import os
@@ -63,39 +64,77 @@ from _shards import check_export, check_grads
 from _shards import expected_shard as _expected
 from _spawn import run_ranks
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 BF16 = torch.bfloat16
-SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=96, max_position_embeddings=64,
-             num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
-             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_implementation="eager",
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 IDS = dict(attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # decoders outside the matrix, lighter checks: {kind: (model class, config class, config beyond SMALL)}
-MORE = {"qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}), "mistral": ("MistralForCausalLM", "MistralConfig", {}),
-        "olmo": ("OlmoForCausalLM", "OlmoConfig", {}), "nemotron": ("NemotronForCausalLM", "NemotronConfig", {}),
-        "glm": ("GlmForCausalLM", "GlmConfig", dict(head_dim=16)),
-        "helium": ("HeliumForCausalLM", "HeliumConfig", dict(head_dim=16)),
-        "persimmon": ("PersimmonForCausalLM", "PersimmonConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
-        "stablelm": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.25)),
-        "granite": ("GraniteForCausalLM", "GraniteConfig", dict(embedding_multiplier=2.0, logits_scaling=4.0,
-                                                                 residual_multiplier=0.5, attention_multiplier=0.1)),
-        "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
-        "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", {}),
-        "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(sliding_window=8)),
-        "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}),
-        "qwen3moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2,
-                                                                   moe_intermediate_size=32, head_dim=16)),
-        "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
-        "ernie45": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(head_dim=16)),
-        "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=8))}
+MORE = {
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {}),
+    "mistral": ("MistralForCausalLM", "MistralConfig", {}),
+    "olmo": ("OlmoForCausalLM", "OlmoConfig", {}),
+    "nemotron": ("NemotronForCausalLM", "NemotronConfig", {}),
+    "glm": ("GlmForCausalLM", "GlmConfig", dict(head_dim=16)),
+    "helium": ("HeliumForCausalLM", "HeliumConfig", dict(head_dim=16)),
+    "persimmon": ("PersimmonForCausalLM", "PersimmonConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig", dict(partial_rotary_factor=0.25)),
+    "granite": (
+        "GraniteForCausalLM",
+        "GraniteConfig",
+        dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.1),
+    ),
+    "granitemoe": ("GraniteMoeForCausalLM", "GraniteMoeConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "exaone4": ("Exaone4ForCausalLM", "Exaone4Config", {}),
+    "cohere2": ("Cohere2ForCausalLM", "Cohere2Config", dict(sliding_window=8)),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", {}),
+    "qwen3moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    ),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
+    "ernie45": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(head_dim=16)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=8)),
+}
 # how oases.train_step splits each model's decoder layers (oases.nn._parts.LayerParts.kind)
-SPLIT = {"llama": "sequential", "llama_tied": "sequential", "qwen3": "sequential", "mixtral": "sequential",
-         "qwen2moe": "sequential", "gemma": "sequential", "gemma2": "whole", "olmo2": "whole", "cohere": "whole",
-         "phi3": "sequential", "phi": "whole", "gpt2": "sequential", "neox": "parallel", "gptj": "whole",
-         "starcoder2": "sequential", "llama_w": "sequential", "bloom": "whole", "falcon": "whole", "opt": "whole"}
+SPLIT = {
+    "llama": "sequential",
+    "llama_tied": "sequential",
+    "qwen3": "sequential",
+    "mixtral": "sequential",
+    "qwen2moe": "sequential",
+    "gemma": "sequential",
+    "gemma2": "whole",
+    "olmo2": "whole",
+    "cohere": "whole",
+    "phi3": "sequential",
+    "phi": "whole",
+    "gpt2": "sequential",
+    "neox": "parallel",
+    "gptj": "whole",
+    "starcoder2": "sequential",
+    "llama_w": "sequential",
+    "bloom": "whole",
+    "falcon": "whole",
+    "opt": "whole",
+}
 W_PLAN = {**oases.nn.DEFAULT_PLAN, "w1": "column", "w3": "column", "w2": "row"}
 
 
@@ -125,54 +164,127 @@ def _build(kind):
     if kind == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=False))
     if kind == "mixtral":
-        return tf.MixtralForCausalLM(tf.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
-                                                      tie_word_embeddings=False))
+        return tf.MixtralForCausalLM(
+            tf.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+        )
     if kind == "qwen2moe":
-        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
-                                                        moe_intermediate_size=32, shared_expert_intermediate_size=64,
-                                                        tie_word_embeddings=False))
+        return tf.Qwen2MoeForCausalLM(
+            tf.Qwen2MoeConfig(
+                **SMALL,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                tie_word_embeddings=False,
+            )
+        )
     if kind == "gemma":
         return tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16))
     if kind == "gemma2":
-        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                                                    attn_logit_softcapping=5.0, final_logit_softcapping=3.0))
+        return tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(
+                **SMALL,
+                head_dim=16,
+                sliding_window=8,
+                query_pre_attn_scalar=16,
+                attn_logit_softcapping=5.0,
+                final_logit_softcapping=3.0,
+            )
+        )
     if kind == "olmo2":
         return tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL, tie_word_embeddings=False))
     if kind == "cohere":
         return tf.CohereForCausalLM(tf.CohereConfig(**SMALL, logit_scale=0.5))
     if kind == "phi3":
-        return tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
-                                                tie_word_embeddings=False))
+        return tf.Phi3ForCausalLM(
+            tf.Phi3Config(**SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, tie_word_embeddings=False)
+        )
     if kind == "phi":
-        return tf.PhiForCausalLM(tf.PhiConfig(**SMALL, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0,
-                                              attention_dropout=0.0))
+        return tf.PhiForCausalLM(
+            tf.PhiConfig(**SMALL, partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        )
     if kind == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=97, n_positions=64,
-                                               **NO_DROPOUT, bos_token_id=1, eos_token_id=2,
-                                               attn_implementation="eager"))
+        return tf.GPT2LMHeadModel(
+            tf.GPT2Config(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                vocab_size=97,
+                n_positions=64,
+                **NO_DROPOUT,
+                bos_token_id=1,
+                eos_token_id=2,
+                attn_implementation="eager",
+            )
+        )
     if kind == "neox":
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                                                      vocab_size=96, num_attention_heads=4, rotary_pct=0.25,
-                                                      max_position_embeddings=64, attn_implementation="eager",
-                                                      tie_word_embeddings=False))
+        return tf.GPTNeoXForCausalLM(
+            tf.GPTNeoXConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                intermediate_size=128,
+                vocab_size=96,
+                num_attention_heads=4,
+                rotary_pct=0.25,
+                max_position_embeddings=64,
+                attn_implementation="eager",
+                tie_word_embeddings=False,
+            )
+        )
     if kind == "gptj":
-        return tf.GPTJForCausalLM(tf.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=96,
-                                               n_positions=64, **NO_DROPOUT, bos_token_id=1, eos_token_id=2,
-                                               attn_implementation="eager"))
+        return tf.GPTJForCausalLM(
+            tf.GPTJConfig(
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                rotary_dim=8,
+                vocab_size=96,
+                n_positions=64,
+                **NO_DROPOUT,
+                bos_token_id=1,
+                eos_token_id=2,
+                attn_implementation="eager",
+            )
+        )
     if kind == "starcoder2":
         return tf.Starcoder2ForCausalLM(tf.Starcoder2Config(**SMALL, sliding_window=8, tie_word_embeddings=False))
     if kind == "bloom":
-        return tf.BloomForCausalLM(tf.BloomConfig(hidden_size=64, n_layer=2, vocab_size=96, n_head=4,
-                                                  hidden_dropout=0.0, attention_dropout=0.0, **IDS))
+        return tf.BloomForCausalLM(
+            tf.BloomConfig(
+                hidden_size=64, n_layer=2, vocab_size=96, n_head=4, hidden_dropout=0.0, attention_dropout=0.0, **IDS
+            )
+        )
     if kind == "falcon":
-        return tf.FalconForCausalLM(tf.FalconConfig(hidden_size=64, num_hidden_layers=2, vocab_size=96,
-                                                    num_attention_heads=4, multi_query=False, alibi=True,
-                                                    hidden_dropout=0.0, attention_dropout=0.0, **IDS))
+        return tf.FalconForCausalLM(
+            tf.FalconConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                vocab_size=96,
+                num_attention_heads=4,
+                multi_query=False,
+                alibi=True,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                **IDS,
+            )
+        )
     if kind == "opt":
-        return tf.OPTForCausalLM(tf.OPTConfig(hidden_size=64, num_hidden_layers=2, ffn_dim=128, vocab_size=96,
-                                              max_position_embeddings=64, num_attention_heads=4,
-                                              word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
-                                              activation_dropout=0.0, layerdrop=0.0, **IDS))
+        return tf.OPTForCausalLM(
+            tf.OPTConfig(
+                hidden_size=64,
+                num_hidden_layers=2,
+                ffn_dim=128,
+                vocab_size=96,
+                max_position_embeddings=64,
+                num_attention_heads=4,
+                word_embed_proj_dim=64,
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                layerdrop=0.0,
+                **IDS,
+            )
+        )
     if kind in MORE:
         model, config, extra = MORE[kind]
         return getattr(tf, model)(getattr(tf, config)(**SMALL, **extra))
@@ -313,10 +425,16 @@ def _check_models(rank, p, kinds, root):
     return True
 
 
-@pytest.mark.parametrize("kinds", [("llama", "llama_tied", "qwen3", "mixtral"),
-                                   ("qwen2moe", "gemma", "gemma2", "olmo2"),
-                                   ("cohere", "phi3", "phi", "gpt2"), ("neox", "gptj", "starcoder2")],
-                         ids=lambda kinds: "-".join(kinds))
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ("llama", "llama_tied", "qwen3", "mixtral"),
+        ("qwen2moe", "gemma", "gemma2", "olmo2"),
+        ("cohere", "phi3", "phi", "gpt2"),
+        ("neox", "gptj", "starcoder2"),
+    ],
+    ids=lambda kinds: "-".join(kinds),
+)
 def test_models_match_unsharded_tp2(kinds):
     with tempfile.TemporaryDirectory() as root:
         run_ranks(_check_models, 2, kinds, root, timeout=300)
@@ -347,8 +465,11 @@ def _check_more(rank, p):
     import transformers as tf
 
     torch.manual_seed(0)
-    codegen = tf.CodeGenForCausalLM(tf.CodeGenConfig(n_embd=64, n_layer=2, vocab_size=96, n_head=4, rotary_dim=8,
-                                                     n_positions=64, **NO_DROPOUT, **IDS))
+    codegen = tf.CodeGenForCausalLM(
+        tf.CodeGenConfig(
+            n_embd=64, n_layer=2, vocab_size=96, n_head=4, rotary_dim=8, n_positions=64, **NO_DROPOUT, **IDS
+        )
+    )
     before = copy.deepcopy(codegen.state_dict())
     with pytest.raises(ValueError, match="CodeGenAttention splits its fused qkv_proj into mp_num = 4 groups"):
         oases.parallelize(codegen)
@@ -382,8 +503,9 @@ def _check_more(rank, p):
         oases.train_step(tp, ids, ids, schedule="oases")
     ref.eval(), tp.eval()  # the router then picks its top experts
     if not tf.__version__.startswith("5.0."):  # 5.0's router hands its experts [T, E] weights they index by slot
-        torch.testing.assert_close(oases.train_step(tp, ids, ids, schedule="oases"),
-                                   ref(input_ids=ids, labels=ids).loss, **TOL)
+        torch.testing.assert_close(
+            oases.train_step(tp, ids, ids, schedule="oases"), ref(input_ids=ids, labels=ids).loss, **TOL
+        )
     return True
 
 
@@ -413,6 +535,8 @@ def _check_unknown_names(rank, p, root):
 def test_unknown_projection_names_refused_then_planned():
     with tempfile.TemporaryDirectory() as root:
         run_ranks(_check_unknown_names, 2, root, timeout=240)
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_shard_rules_of_unequal_blocks_and_conv1d_layout(p):
     """ShardRule(dim, parts=...) and blockwise rules on dim 1: rank r holds the r-th slice of each

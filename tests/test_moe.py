@@ -20,6 +20,7 @@ TP degrees (an MoE layer sharded, one whole) stay exact; plans that would not be
 (a shared expert left whole, a router planned as sharded), and one without 'experts' warns,
 naming the experts and the entry that would shard them (its layers then run whole, exact).
 """
+
 import copy
 import importlib.util
 import os
@@ -36,13 +37,26 @@ from oases.schedule import SCHEDULES
 from _shards import check_export, check_grads
 from _spawn import run_ranks
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-COMMON = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, vocab_size=96, max_position_embeddings=64,
-              num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2, attn_implementation="eager",
-              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=96,
+    max_position_embeddings=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    attn_implementation="eager",
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 def _build(kind):
@@ -52,8 +66,15 @@ def _build(kind):
     if kind == "mixtral":
         return tf.MixtralForCausalLM(tf.MixtralConfig(**COMMON, num_local_experts=4))
     if kind == "qwen2_moe":
-        return tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(**COMMON, num_experts=4, moe_intermediate_size=32,
-                                                        shared_expert_intermediate_size=64, decoder_sparse_step=1))
+        return tf.Qwen2MoeForCausalLM(
+            tf.Qwen2MoeConfig(
+                **COMMON,
+                num_experts=4,
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                decoder_sparse_step=1,
+            )
+        )
     raise AssertionError(kind)
 
 

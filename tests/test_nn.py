@@ -5,6 +5,7 @@ shards it (from_linear) and checks the output, the input gradient and every para
 against the matching slices of the unsharded ones. Slices are taken here, independently of the
 layers' own `shard`.
 """
+
 import itertools
 
 import pytest
@@ -46,11 +47,17 @@ def _forward(blocks, x):
 def _check_mlp(rank, p, sequence_parallel, bias, gathered, chunks, seed):
     torch.manual_seed(seed)
     ref = [(nn.Linear(H, FFN, bias), nn.Linear(FFN, H, bias)) for _ in range(2)]
-    tp = [(ColumnParallelLinear.from_linear(l1, gather_output=gathered, sequence_parallel=sequence_parallel,
-                                            chunks=chunks),
-           RowParallelLinear.from_linear(l2, input_is_parallel=not gathered, sequence_parallel=sequence_parallel,
-                                         chunks=chunks))
-          for l1, l2 in ref]
+    tp = [
+        (
+            ColumnParallelLinear.from_linear(
+                l1, gather_output=gathered, sequence_parallel=sequence_parallel, chunks=chunks
+            ),
+            RowParallelLinear.from_linear(
+                l2, input_is_parallel=not gathered, sequence_parallel=sequence_parallel, chunks=chunks
+            ),
+        )
+        for l1, l2 in ref
+    ]
     x, g = _randn([S, B, H], seed + 1), _randn([S, B, H], seed + 2)
     x_ref = x.clone().requires_grad_()
     y_ref = _forward(ref, x_ref)
@@ -62,17 +69,20 @@ def _check_mlp(rank, p, sequence_parallel, bias, gathered, chunks, seed):
     (y_tp * local(g)).sum().backward()
 
     def where(name):
-        return (f"{name}: p={p} sequence_parallel={sequence_parallel} bias={bias} gathered={gathered} "
-                f"chunks={chunks}")
+        return f"{name}: p={p} sequence_parallel={sequence_parallel} bias={bias} gathered={gathered} chunks={chunks}"
 
     torch.testing.assert_close(y_tp, local(y_ref), **TOL, msg=lambda m: f"{where('y')}: {m}")
     torch.testing.assert_close(x_tp.grad, local(x_ref.grad), **TOL, msg=lambda m: f"{where('grad_x')}: {m}")
     for i, ((l1, l2), (c, r)) in enumerate(zip(ref, tp)):
-        pairs = [("col.weight", c.weight.grad, _rows(l1.weight.grad, rank, p)),
-                 ("row.weight", r.weight.grad, _cols(l2.weight.grad, rank, p))]
+        pairs = [
+            ("col.weight", c.weight.grad, _rows(l1.weight.grad, rank, p)),
+            ("row.weight", r.weight.grad, _cols(l2.weight.grad, rank, p)),
+        ]
         if bias:
-            pairs += [("col.bias", c.bias.grad, _rows(l1.bias.grad, rank, p)),
-                      ("row.bias", r.bias.grad, l2.bias.grad)]  # replicated: the full gradient
+            pairs += [
+                ("col.bias", c.bias.grad, _rows(l1.bias.grad, rank, p)),
+                ("row.bias", r.bias.grad, l2.bias.grad),
+            ]  # replicated: the full gradient
         else:
             assert c.bias is None and r.bias is None
         for name, got, want in pairs:
@@ -109,8 +119,11 @@ def _check_init_and_from_linear(rank, p):
     # Init: the same draws as nn.Linear(in, out), each rank keeping its shard.
     for bias in (True, False):
         torch.manual_seed(11)
-        col, row, stacked = ColumnParallelLinear(H, FFN, bias), RowParallelLinear(FFN, H, bias), \
-            ColumnParallelLinear(H, 3 * H, bias, stacked=3)
+        col, row, stacked = (
+            ColumnParallelLinear(H, FFN, bias),
+            RowParallelLinear(FFN, H, bias),
+            ColumnParallelLinear(H, 3 * H, bias, stacked=3),
+        )
         after = torch.rand(1)
         torch.manual_seed(11)
         l1, l2, l3 = nn.Linear(H, FFN, bias), nn.Linear(FFN, H, bias), nn.Linear(H, 3 * H, bias)
@@ -143,6 +156,7 @@ def _check_init_and_from_linear(rank, p):
 
 def _check_mappings(rank, p):
     """Values, and adjointness: <f(x), y> = <x, f*(y)>, a replicated side counted once, a sharded one summed."""
+
     def total(v):
         v = v.clone()
         dist.all_reduce(v)
@@ -152,7 +166,7 @@ def _check_mappings(rank, p):
     cases = [  # (mapping, x, y, x is replicated, output is replicated, expected output)
         (copy_to_tp, replicated, mine, True, False, replicated),
         (reduce_from_tp, mine, replicated, False, True, total(mine)),
-        (split_to_tp, replicated, mine[:, :4], True, False, replicated[:, 4 * rank:4 * rank + 4]),
+        (split_to_tp, replicated, mine[:, :4], True, False, replicated[:, 4 * rank : 4 * rank + 4]),
         (gather_from_tp, mine[:, :4], replicated, False, True, _gather(mine[:, :4], 1)),
     ]
     for f, x, y, x_replicated, out_replicated, expected in cases:
@@ -205,8 +219,13 @@ def _check_traffic(rank, p):
 
 
 BAD_LAYERS = [  # (layer, args(p), kwargs, error, message pattern)
-    (ColumnParallelLinear, lambda p: (H, 2 * p + 1), {}, ValueError,
-     r"out_features=\d+ is not divisible by the tensor-parallel world size"),
+    (
+        ColumnParallelLinear,
+        lambda p: (H, 2 * p + 1),
+        {},
+        ValueError,
+        r"out_features=\d+ is not divisible by the tensor-parallel world size",
+    ),
     (RowParallelLinear, lambda p: (2 * p + 1, H), {}, ValueError, r"in_features=\d+ is not divisible .* multiple of"),
     (ColumnParallelLinear, lambda p: (H, 3 * (2 * p + 1)), dict(stacked=3), ValueError, r"3 blocks of"),
     (ColumnParallelLinear, lambda p: (H, 6), dict(stacked=4), ValueError, r"stacked=4 equal blocks"),
@@ -235,7 +254,8 @@ def _check_bad_shapes(rank, p):
 def _check_layers(rank, p):
     cases = 0
     for i, (sp, bias, gathered, chunks) in enumerate(
-            itertools.product([False, True], [True, False], [False, True], [None, 1, 2])):
+        itertools.product([False, True], [True, False], [False, True], [None, 1, 2])
+    ):
         _check_mlp(rank, p, sp, bias, gathered, chunks, seed=100 + 10 * i)
         cases += 1
     _check_stacked(rank, p)
@@ -280,9 +300,12 @@ def test_layers_match_unsharded_model(world_size):
 def _check_in_place(rank, p):
     """Like nn.Linear's, a layer's output may be modified in place (HF Falcon adds to it with +=)."""
     x = _randn([S, B, H], 40).requires_grad_()
-    layers = [(ColumnParallelLinear(H, FFN), x), (ColumnParallelLinear(H, FFN, sequence_parallel=True), x[:S // p]),
-              (RowParallelLinear(H, FFN, sequence_parallel=True), x[..., :H // p]),
-              (RowParallelLinear(H, FFN), x[..., :H // p])]
+    layers = [
+        (ColumnParallelLinear(H, FFN), x),
+        (ColumnParallelLinear(H, FFN, sequence_parallel=True), x[: S // p]),
+        (RowParallelLinear(H, FFN, sequence_parallel=True), x[..., : H // p]),
+        (RowParallelLinear(H, FFN), x[..., : H // p]),
+    ]
     for layer, inp in layers:
         y = layer(inp)
         y += 1

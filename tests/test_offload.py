@@ -1,6 +1,7 @@
 """oases.offload: the host slab, the batched copy engine (extension and Python paths), the
 Offloader's states and counts, misuse errors, the saved-tensors context, and the schedules with
 offload=True on 2 real gloo ranks (bit-exact against offload=False)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +27,12 @@ from oases.offload.slab import _UNBOUNDED, _FirstFit
 
 from _spawn import run_ranks
 
-PATHS = [pytest.param(True, id="extension", marks=pytest.mark.skipif(not _extension.is_available(),
-                                                                      reason="oases._C not built")),
-         pytest.param(False, id="python")]
+PATHS = [
+    pytest.param(
+        True, id="extension", marks=pytest.mark.skipif(not _extension.is_available(), reason="oases._C not built")
+    ),
+    pytest.param(False, id="python"),
+]
 
 
 def _odd_tensors() -> list[torch.Tensor]:
@@ -36,12 +40,12 @@ def _odd_tensors() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return [
         torch.randn(4, 5, generator=g),
-        torch.randn(3, 4, generator=g).t(),                                   # dense, strides (1, 4)
+        torch.randn(3, 4, generator=g).t(),  # dense, strides (1, 4)
         torch.randint(-(2**62), 2**62, (6,), generator=g, dtype=torch.int64),
         torch.empty(0, 3),
-        torch.randn(2, 8, generator=g).to(torch.bfloat16)[:, ::2],           # gaps: copied contiguous
+        torch.randn(2, 8, generator=g).to(torch.bfloat16)[:, ::2],  # gaps: copied contiguous
         torch.tensor(3.5, dtype=torch.float64),
-        torch.randn(5, generator=g).expand(3, 5),                             # stride 0
+        torch.randn(5, generator=g).expand(3, 5),  # stride 0
         torch.randint(0, 256, (7, 3), generator=g, dtype=torch.uint8).permute(1, 0),
         torch.randn(2, 3, generator=g).to(torch.float16),
         torch.tensor([True, False, True]),
@@ -50,14 +54,18 @@ def _odd_tensors() -> list[torch.Tensor]:
 
 # ---- HostSlab ----------------------------------------------------------------------------------
 
+
 def test_host_slab_regions_and_errors():
     slab = HostSlab(4 * ALIGNMENT)
     assert slab.capacity == 4 * ALIGNMENT and slab.buffer.dtype == torch.uint8
     assert slab.pinned is torch.cuda.is_available()
     a, b = slab.allocate(1), slab.allocate(ALIGNMENT + 1)  # 1 and 2 aligned units
     assert (a, b) == (0, ALIGNMENT) and slab.in_use == 3 * ALIGNMENT
-    with pytest.raises(SlabTooSmallError, match=rf"this step needs at least {5 * ALIGNMENT} bytes: create "
-                                                rf"HostSlab\({5 * ALIGNMENT}\)") as err:
+    with pytest.raises(
+        SlabTooSmallError,
+        match=rf"this step needs at least {5 * ALIGNMENT} bytes: create "
+        rf"HostSlab\({5 * ALIGNMENT}\)",
+    ) as err:
         slab.allocate(2 * ALIGNMENT)
     assert err.value.needed == 5 * ALIGNMENT and slab.in_use == 3 * ALIGNMENT  # nothing taken
     slab.free(a)
@@ -104,6 +112,7 @@ def test_first_fit_replay_fits_its_high_water():
 
 # ---- CopyEngine ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("use_extension", PATHS)
 @pytest.mark.parametrize("asynchronous", [True, False], ids=["worker", "inline"])
 def test_copy_engine_round_trip(use_extension, asynchronous):
@@ -119,7 +128,7 @@ def test_copy_engine_round_trip(use_extension, asynchronous):
         engine.copy_out(tensors, buffer, offsets).wait()
         for t, off in zip(tensors, offsets):
             n = t.numel() * t.element_size()
-            assert torch.equal(buffer[off: off + n], t.reshape(-1).view(torch.uint8))
+            assert torch.equal(buffer[off : off + n], t.reshape(-1).view(torch.uint8))
         outs, event = engine.copy_in(buffer, offsets, [(t.shape, t.dtype) for t in tensors])
         event.wait()
         assert event.done()
@@ -153,10 +162,10 @@ def test_extension_splits_large_copies_over_threads():
     finally:
         torch.set_num_threads(threads)
     for t, o, off in zip(tensors, outs, offsets):
-        assert torch.equal(slab[off: off + t.numel()], t) and torch.equal(o, t)
+        assert torch.equal(slab[off : off + t.numel()], t) and torch.equal(o, t)
     covered = torch.zeros_like(slab, dtype=torch.bool)
     for t, off in zip(tensors, offsets):
-        covered[off: off + t.numel()] = True
+        covered[off : off + t.numel()] = True
     assert not slab[~covered].any()
 
 
@@ -177,6 +186,7 @@ def test_copies_are_named_in_a_profile(use_extension):
 
 # ---- Offloader ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("use_extension", PATHS)
 def test_offloader_states_counts_and_exact_restore(use_extension):
     tensors = _odd_tensors()
@@ -188,8 +198,11 @@ def test_offloader_states_counts_and_exact_restore(use_extension):
     assert off.stats.copies_out == 3 and cs[-1].state is OffloadState.ON_DEVICE
     assert [c.batch for c in cs] == [0, 0, 0, 1, 1, 1, 2, 2, 2, None]
     assert all(c.state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST) for c in cs[:9])
-    with pytest.raises(ValueError, match=r"prefetch: OffloadHandle\(#9, group='k', \[3\] torch.bool, on device\) "
-                                         r"was never offloaded"):
+    with pytest.raises(
+        ValueError,
+        match=r"prefetch: OffloadHandle\(#9, group='k', \[3\] torch.bool, on device\) "
+        r"was never offloaded",
+    ):
         off.prefetch([cs[0], cs[-1]])
     assert off.stats.copies_in == 0  # the check ran before any copy
     off.flush("k")
@@ -293,8 +306,11 @@ def test_old_checkpoint_names_warn_and_work():
     warns, naming the new one, and is the new object; none is in __all__."""
     import oases.offload as offload
 
-    for old, new in (("Checkpoint", "OffloadHandle"), ("CheckpointState", "OffloadState"),
-                     ("CheckpointStack", "OffloadStack")):
+    for old, new in (
+        ("Checkpoint", "OffloadHandle"),
+        ("CheckpointState", "OffloadState"),
+        ("CheckpointStack", "OffloadStack"),
+    ):
         assert old not in offload.__all__ and new in offload.__all__
         with pytest.warns(DeprecationWarning, match=f"oases.offload.{new}"):
             assert getattr(offload, old) is getattr(offload, new)
@@ -321,6 +337,7 @@ def test_old_checkpoint_names_warn_and_work():
 
 
 # ---- autograd's saved tensors ------------------------------------------------------------------
+
 
 def _mlp():
     torch.manual_seed(0)
@@ -382,16 +399,22 @@ def _tp_offload(rank, world_size):
     targets = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=g)
     sublayers = 2 * config.layers
     report = {}
-    for schedule, sp, kept in (("oases", False, sublayers), ("oases", True, sublayers),
-                               ("megatron", False, config.layers), ("cross_pass", False, config.layers)):
+    for schedule, sp, kept in (
+        ("oases", False, sublayers),
+        ("oases", True, sublayers),
+        ("megatron", False, config.layers),
+        ("cross_pass", False, config.layers),
+    ):
         name = schedule + ("-sp" if sp else "")
         plain = GPT(config, schedule=schedule, seed=3, sequence_parallel=sp)
         off = GPT(config, schedule=schedule, seed=3, sequence_parallel=sp, offload=Offloader(batch=3))
         parts = 1 if schedule == "megatron" else 2
         for step in range(2):  # the profiling step, then the preallocated slab
             memories = RecomputeMemory(), RecomputeMemory()
-            losses = [m.train_step(tokens, targets, dropout_seed=11 + step, memory=mem)
-                      for m, mem in zip((plain, off), memories)]
+            losses = [
+                m.train_step(tokens, targets, dropout_seed=11 + step, memory=mem)
+                for m, mem in zip((plain, off), memories)
+            ]
             assert torch.equal(losses[0], losses[1]), (name, step, losses)
             for (n, p), (_, q) in zip(plain.named_parameters(), off.named_parameters()):
                 assert torch.equal(p.grad, q.grad), (name, step, n)

@@ -4,6 +4,7 @@ Each rank builds the whole (unsharded) problem from a shared seed, runs it with 
 and autograd, then runs the fused op on its shards and compares its outputs and gradients with
 the matching slices of the single-process ones.
 """
+
 import itertools
 
 import pytest
@@ -59,26 +60,45 @@ def _check_case(op, rank, p, dim, chunks, dtype, contiguous, bidirectional, seed
         xs, ws, bs = _leaf(_block(x, dim, rank, p)), _leaf(_block(w, 0, rank, p)), _leaf(_block(b, 0, rank, p))
         y = ops.all_gather_linear(xs, ws, bs, dim=dim, **kw)
         (y * _block(g, -1, rank, p)).sum().backward()
-        want = [(y, _block(y_ref, -1, rank, p)), (xs.grad, _block(gx_ref, dim, rank, p)),
-                (ws.grad, _block(gw_ref, 0, rank, p)), (bs.grad, _block(gb_ref, 0, rank, p))]
+        want = [
+            (y, _block(y_ref, -1, rank, p)),
+            (xs.grad, _block(gx_ref, dim, rank, p)),
+            (ws.grad, _block(gw_ref, 0, rank, p)),
+            (bs.grad, _block(gb_ref, 0, rank, p)),
+        ]
     elif op == "linear_reduce_scatter":  # row parallel + SP: x, W sharded on in features
         xs, ws, bs = _leaf(_block(x, -1, rank, p)), _leaf(_block(w, 1, rank, p)), _leaf(b)
         y = ops.linear_reduce_scatter(xs, ws, bs, dim=dim, **kw)
         (y * _block(g, dim, rank, p)).sum().backward()
         gb = bs.grad.clone()
         dist.all_reduce(gb)  # the bias is shared: its gradient is the sum of the ranks' parts
-        want = [(y, _block(y_ref, dim, rank, p)), (xs.grad, _block(gx_ref, -1, rank, p)),
-                (ws.grad, _block(gw_ref, 1, rank, p)), (gb, gb_ref)]
+        want = [
+            (y, _block(y_ref, dim, rank, p)),
+            (xs.grad, _block(gx_ref, -1, rank, p)),
+            (ws.grad, _block(gw_ref, 1, rank, p)),
+            (gb, gb_ref),
+        ]
     else:  # row parallel: x, W sharded on in features, y replicated
         xs, ws, bs = _leaf(_block(x, -1, rank, p)), _leaf(_block(w, 1, rank, p)), _leaf(b)
         y = ops.linear_all_reduce(xs, ws, bs, chunks=chunks)
         (y * g).sum().backward()
-        want = [(y, y_ref), (xs.grad, _block(gx_ref, -1, rank, p)),
-                (ws.grad, _block(gw_ref, 1, rank, p)), (bs.grad, gb_ref)]
+        want = [
+            (y, y_ref),
+            (xs.grad, _block(gx_ref, -1, rank, p)),
+            (ws.grad, _block(gw_ref, 1, rank, p)),
+            (bs.grad, gb_ref),
+        ]
     for name, (got, ref) in zip(["y", "grad_x", "grad_w", "grad_b"], want):
         assert got.dtype == dtype, (op, name, got.dtype)
-        torch.testing.assert_close(got, ref, **tol, msg=lambda m: f"{op} {name} dim={dim} chunks={chunks} "
-                                   f"{dtype} contiguous={contiguous} bidirectional={bidirectional}: {m}")
+        torch.testing.assert_close(
+            got,
+            ref,
+            **tol,
+            msg=lambda m: (
+                f"{op} {name} dim={dim} chunks={chunks} "
+                f"{dtype} contiguous={contiguous} bidirectional={bidirectional}: {m}"
+            ),
+        )
 
 
 def _check_against_single_process(rank, p):
@@ -87,7 +107,12 @@ def _check_against_single_process(rank, p):
     # rings loop over pieces with no case of their own for any other count.
     combos = itertools.product(
         ["all_gather_linear", "linear_reduce_scatter", "linear_all_reduce"],
-        sorted({1, 2, 3, 2 * p}), [0, 1], [torch.float32, torch.bfloat16], [True, False], [False, True])
+        sorted({1, 2, 3, 2 * p}),
+        [0, 1],
+        [torch.float32, torch.bfloat16],
+        [True, False],
+        [False, True],
+    )
     for i, (op, chunks, dim, dtype, contiguous, bidirectional) in enumerate(combos):
         if dtype == torch.bfloat16 and (not contiguous or bidirectional):
             continue  # bf16 only needs to show the tolerance holds; layouts are covered in fp32
@@ -110,8 +135,9 @@ def _check_chunking_is_bitwise(rank, p):
         x = _randn([n, other, k], 100 + rank, dtype)
         w = _randn([o, k], 7, dtype)
         b = _randn([o], 8, dtype)
-        outs = [ops.all_gather_linear(x, w, b, chunks=c, bidirectional=bi)
-                for c in (1, 2, 4, 8) for bi in (False, True)]
+        outs = [
+            ops.all_gather_linear(x, w, b, chunks=c, bidirectional=bi) for c in (1, 2, 4, 8) for bi in (False, True)
+        ]
         for y in outs[1:]:
             assert torch.equal(y, outs[0]), dtype
     return True
@@ -138,8 +164,9 @@ def _check_traffic(rank, p):
         # Backward: the re-gather of x (only if W needs a gradient) and the reduce-scatter of grad_x
         # (only if x needs one), each (p-1)/p of a p*4 x 6 tensor.
         for need_x, need_w in ((True, True), (True, False), (False, True)):
-            y = ops.all_gather_linear(x.clone().requires_grad_(need_x), torch.randn(5, 6, requires_grad=need_w),
-                                      chunks=2)
+            y = ops.all_gather_linear(
+                x.clone().requires_grad_(need_x), torch.randn(5, 6, requires_grad=need_w), chunks=2
+            )
             sent.clear()
             y.backward(torch.ones_like(y))
             assert sum(sent) == (need_x + need_w) * (p - 1) * x.numel(), (need_x, need_w, sent)
@@ -186,7 +213,8 @@ def _check_partial_requires_grad(rank, p):
     """With W or x frozen, the remaining gradients still match the single-process model."""
     cases = 0
     for i, (dim, chunks, bidirectional, frozen) in enumerate(
-            itertools.product([0, 1], [1, 2], [False, True], ["weight", "x"])):
+        itertools.product([0, 1], [1, 2], [False, True], ["weight", "x"])
+    ):
         k, o, other, n = 4 * p, 4 * p, 3, 2 * chunks
         shape = [p * n, other, k] if dim == 0 else [other, p * n, k]
         x, w = _randn(shape, 400 + i, torch.float32), _randn([o, k], 500 + i, torch.float32)
@@ -223,8 +251,9 @@ def _check_subgroup(rank, p):
     w = _randn([6, 6], 60, torch.float32)
     got = ops.all_gather_linear(x.chunk(2)[member], w, group=group, chunks=2)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
-    got = ops.linear_all_reduce(x[..., :3] if member == 0 else x[..., 3:],
-                                w[:, :3] if member == 0 else w[:, 3:], group=group)
+    got = ops.linear_all_reduce(
+        x[..., :3] if member == 0 else x[..., 3:], w[:, :3] if member == 0 else w[:, 3:], group=group
+    )
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
     return True
 

@@ -1,6 +1,7 @@
 """Packaging as a user meets it: one version number, a non-editable install from a clean copy of
 the tree, and what a build says when it cannot import torch (see pyproject.toml for why torch is
 not a build requirement)."""
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,10 @@ def test_changelog_names_the_current_version():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(os.environ.get("OASES_TEST_PACKAGING") != "1",
-                    reason="builds the extension once more (1.5-5 min): `make test-packaging` (CI) runs it")
+@pytest.mark.skipif(
+    os.environ.get("OASES_TEST_PACKAGING") != "1",
+    reason="builds the extension once more (1.5-5 min): `make test-packaging` (CI) runs it",
+)
 def test_non_editable_install_from_a_clean_copy(tmp_path):
     """`pip install --no-build-isolation .` (not -e) into an empty target, then import it there.
     Uses this interpreter's torch; OASES_BUILD_CUDA=0 and CFLAGS=-g0 keep the build short (about
@@ -81,8 +84,19 @@ def test_non_editable_install_from_a_clean_copy(tmp_path):
     src = _clean_copy(tmp_path / "src")
     target = tmp_path / "target"
     env = dict(os.environ, OASES_BUILD_CUDA="0", CFLAGS="-g0", MAX_JOBS="2")
-    cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-           "--no-index", "--no-cache-dir", "--target", str(target), "."]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-build-isolation",
+        "--no-deps",
+        "--no-index",
+        "--no-cache-dir",
+        "--target",
+        str(target),
+        ".",
+    ]
     built = _run(cmd, src, env=env, timeout=570)
     assert built.returncode == 0, (built.stdout + built.stderr)[-6000:]
 
@@ -135,9 +149,7 @@ def test_setup_py_without_torch_says_what_to_do(tmp_path):
     `torch` package ahead on PYTHONPATH that raises ModuleNotFoundError."""
     shadow = tmp_path / "no_torch" / "torch"
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text(
-        'raise ModuleNotFoundError("No module named \'torch\'", name="torch")\n'
-    )
+    (shadow / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'torch\'", name="torch")\n')
     env = dict(os.environ, PYTHONPATH=str(shadow.parent))
     check = _run([sys.executable, "-c", "import torch"], tmp_path, env=env)
     assert check.returncode != 0 and "No module named 'torch'" in check.stderr
@@ -156,8 +168,17 @@ def test_plain_pip_install_says_to_disable_build_isolation(tmp_path):
     if _run([sys.executable, "-m", "pip", "--version"], REPO).returncode != 0:
         pytest.skip("pip is not available to this interpreter")
     src = _clean_copy(tmp_path / "src")
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir",
-           "--target", str(tmp_path / "target"), "."]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-cache-dir",
+        "--target",
+        str(tmp_path / "target"),
+        ".",
+    ]
     out = _run(cmd, src, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-4000:]

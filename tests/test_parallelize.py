@@ -5,6 +5,7 @@ Each rank builds the whole model from a shared seed, keeps a copy as the referen
 the other, runs both on the same batch, and compares the loss and every parameter's gradient
 with the matching slice of the reference's (slices taken here, from the module types).
 """
+
 import copy
 import importlib.util
 import warnings
@@ -52,13 +53,21 @@ def _assert_unchanged(model):
 
 # --- Hugging Face models ---------------------------------------------------------------------------
 
+
 def _llama(kv_heads, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
-                         num_hidden_layers=2, intermediate_size=128, vocab_size=128,
-                         max_position_embeddings=64, tie_word_embeddings=False,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -66,9 +75,17 @@ def _llama(kv_heads, seed=0):
 def _neox(seed=0):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    config = GPTNeoXConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,
-                           vocab_size=128, max_position_embeddings=64, hidden_dropout=0.0,
-                           attention_dropout=0.0, attn_implementation="eager")
+    config = GPTNeoXConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return GPTNeoXForCausalLM(config)
 
@@ -124,8 +141,11 @@ def _check_hf_models(rank, world_size):
         assert isinstance(attn.query_key_value, ColumnParallelLinear) and isinstance(attn.dense, RowParallelLinear)
 
     model = _llama(kv_heads=2)  # 2 KV heads over 4 ranks: replicated (tests/test_user_models.py), not per layer
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: 2 key-value heads at TP degree 4 would be "
-                                         r"replicated over 2 ranks each, which per-layer tp_degrees do not support"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.self_attn: 2 key-value heads at TP degree 4 would be "
+        r"replicated over 2 ranks each, which per-layer tp_degrees do not support",
+    ):
         oases.parallelize(model, tp_degrees=[4, 4])
     with pytest.raises(ValueError, match="sequence_parallel=True: LlamaForCausalLM is a Hugging Face"):
         oases.parallelize(model, pairs[rank // 2], sequence_parallel=True)
@@ -146,6 +166,7 @@ def test_hf_llama_and_neox_match_unsharded_at_tp2_and_tp4():
 
 
 # --- nanoGPT-style model, explicit plans -----------------------------------------------------------
+
 
 class GPT(nn.Module):
     def __init__(self, n_embd, n_head, n_layer=2, vocab=64, block_size=16):
@@ -198,8 +219,11 @@ def _check_nanogpt(rank, p):
 
     # Heads that do not split: 2p+1 heads of 2p features, whose widths all divide by p.
     model = GPT(n_embd=(2 * p + 1) * 2 * p, n_head=2 * p + 1)
-    with pytest.raises(ValueError, match=rf"h\.0\.attn: n_head={2 * p + 1} is not divisible by the "
-                                         rf"tensor-parallel world size {p}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"h\.0\.attn: n_head={2 * p + 1} is not divisible by the "
+        rf"tensor-parallel world size {p}",
+    ):
         oases.parallelize(model)
     _assert_unchanged(model)
     dist.barrier()
@@ -235,19 +259,26 @@ def _check_plans(rank, p):
                 # summing over ranks is the model's business (this one is not SP-aware past ffn).
                 dist.all_reduce(param.grad)
             want = _expected_grad(tp, name, dict(ref.named_parameters())[name].grad, rank, p)
-            torch.testing.assert_close(param.grad, want, **TOL,
-                                       msg=lambda m: f"plan sp={sequence_parallel} {name}: {m}")
+            torch.testing.assert_close(
+                param.grad, want, **TOL, msg=lambda m: f"plan sp={sequence_parallel} {name}: {m}"
+            )
 
     # Misplanned or unsplittable layers raise, naming the module, before anything changes.
     model = Toy(h, ffn)
     with pytest.raises(ValueError, match=r"plan\['ffn\.w1'\]: expected 'column', 'column:N'"):
         oases.parallelize(model, plan={"ffn.w1": "colum"})
-    with pytest.raises(ValueError, match=r"head \(nn.Linear \d+ -> 4, planned as 'column'\): out_features=4 "
-                                         r"does not split into stacked=3 equal blocks"):
+    with pytest.raises(
+        ValueError,
+        match=r"head \(nn.Linear \d+ -> 4, planned as 'column'\): out_features=4 "
+        r"does not split into stacked=3 equal blocks",
+    ):
         oases.parallelize(model, plan={"w1": "column", "w2": "row", "head": "column:3"})
     odd = Toy(h, 4 * p + 1)
-    with pytest.raises(ValueError, match=rf"ffn.w1 \(nn.Linear {h} -> {4 * p + 1}, planned as 'column'\): "
-                                         rf"out_features={4 * p + 1} is not divisible by the tensor-parallel"):
+    with pytest.raises(
+        ValueError,
+        match=rf"ffn.w1 \(nn.Linear {h} -> {4 * p + 1}, planned as 'column'\): "
+        rf"out_features={4 * p + 1} is not divisible by the tensor-parallel",
+    ):
         oases.parallelize(odd, plan={"w1": "column", "w2": "row"})
     _assert_unchanged(odd)
     _assert_unchanged(model)

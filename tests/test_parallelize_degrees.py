@@ -13,6 +13,7 @@ over d ranks). Every batch row differs (tokens, masks, position offsets), so a r
 the wrong rows fails the layer-input check. A model of this file's own also runs its layers under
 a reentrant torch.utils.checkpoint (recomputed on detached inputs).
 """
+
 import copy
 import functools
 import importlib.util
@@ -41,16 +42,31 @@ def _model(kind="llama", seed=0):
 
     if kind == "neox":
         config = transformers.GPTNeoXConfig(
-            hidden_size=64, num_attention_heads=8, num_hidden_layers=LAYERS, intermediate_size=128,
-            vocab_size=VOCAB, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
-            attn_implementation="eager")
+            hidden_size=64,
+            num_attention_heads=8,
+            num_hidden_layers=LAYERS,
+            intermediate_size=128,
+            vocab_size=VOCAB,
+            max_position_embeddings=64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            attn_implementation="eager",
+        )
         torch.manual_seed(seed)
         return transformers.GPTNeoXForCausalLM(config)
     prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[kind]
     config = getattr(transformers, f"{prefix}Config")(
-        hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=LAYERS, head_dim=8,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False,
-        attn_implementation="eager")
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=LAYERS,
+        head_dim=8,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return getattr(transformers, f"{prefix}ForCausalLM")(config)
 
@@ -63,8 +79,8 @@ def _inputs():
         g = torch.Generator().manual_seed(b)
         ids = torch.randint(0, VOCAB, (b, SEQ), generator=g)
         mask = torch.ones(b, SEQ, dtype=torch.long)
-        mask[1, SEQ - 3:] = 0
-        mask[3, SEQ - 1:] = 0
+        mask[1, SEQ - 3 :] = 0
+        mask[3, SEQ - 1 :] = 0
         labels = ids.masked_fill(mask == 0, -100)
         positions = torch.arange(SEQ).repeat(b, 1) + torch.arange(b)[:, None]  # a different offset per row
         batches.append(dict(input_ids=ids, labels=labels, attention_mask=mask, position_ids=positions))
@@ -91,8 +107,10 @@ def _layer_inputs(layers):
     def record(i, module, args, kwargs):
         seen[i].append((args[0] if args else kwargs["hidden_states"]).detach().clone())
 
-    return seen, [layer.register_forward_pre_hook(functools.partial(record, i), with_kwargs=True)
-                  for i, layer in enumerate(layers)]
+    return seen, [
+        layer.register_forward_pre_hook(functools.partial(record, i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
 
 
 def _compare(where, ref, model, layers_of, degrees, p, batches, forward):
@@ -116,8 +134,12 @@ def _compare(where, ref, model, layers_of, degrees, p, batches, forward):
             assert len(seen[l]) == len(seen_ref[l]) >= 1, (what, l, len(seen[l]), len(seen_ref[l]))
             for x, x_ref in zip(seen[l], seen_ref[l]):
                 b, replicas, j = x_ref.shape[0], p // d, rank // d  # rows [floor(j b / R), floor((j + 1) b / R))
-                torch.testing.assert_close(x, x_ref[j * b // replicas:(j + 1) * b // replicas], **TOL,
-                                           msg=lambda m: f"{what}: input of layer {l} (degree {d}): {m}")
+                torch.testing.assert_close(
+                    x,
+                    x_ref[j * b // replicas : (j + 1) * b // replicas],
+                    **TOL,
+                    msg=lambda m: f"{what}: input of layer {l} (degree {d}): {m}",
+                )
         torch.testing.assert_close(logits, logits_ref, **TOL, msg=lambda m: f"{what}: logits: {m}")
         torch.testing.assert_close(loss, loss_ref, **TOL, msg=lambda m: f"{what}: loss: {m}")
         ref_params = dict(ref.named_parameters())
@@ -162,12 +184,18 @@ def _check_plan(kind, degrees, p):
 
 # --- a nanoGPT-style model (Karpathy's layout: transformer.{wte, wpe, h, ln_f}, lm_head) -----------
 
+
 class NanoGPT(nn.Module):
     def __init__(self, n_embd=32, n_head=4):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(VOCAB, n_embd), wpe=nn.Embedding(SEQ, n_embd),
-            h=nn.ModuleList(Block(n_embd, n_head) for _ in range(LAYERS)), ln_f=nn.LayerNorm(n_embd)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, n_embd),
+                wpe=nn.Embedding(SEQ, n_embd),
+                h=nn.ModuleList(Block(n_embd, n_head) for _ in range(LAYERS)),
+                ln_f=nn.LayerNorm(n_embd),
+            )
+        )
         self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
 
     def forward(self, idx, targets):
@@ -197,6 +225,7 @@ def _check_nanogpt(degrees, p):
 
 
 # --- a model of this file's own: blocks at body.blocks, called as block(x, keep, scale=, table=) --
+
 
 class MyBlock(nn.Module):
     """A pre-norm MLP, then a masked running mean over the sequence: rows independent, tokens mixed."""
@@ -240,8 +269,9 @@ def _my_batch(batch=BATCH):
     g = torch.Generator().manual_seed(5)
     keep = torch.rand(batch, SEQ, generator=g) > 0.3
     keep[:, 0] = True
-    return dict(ids=torch.randint(0, VOCAB, (batch, SEQ), generator=g), keep=keep,
-                scale=torch.rand(batch, generator=g) + 0.5)
+    return dict(
+        ids=torch.randint(0, VOCAB, (batch, SEQ), generator=g), keep=keep, scale=torch.rand(batch, generator=g) + 0.5
+    )
 
 
 def _check_mine(degrees, p):
@@ -262,8 +292,11 @@ def _check_mine(degrees, p):
         (dict(layers="body"), TypeError, r"layers: model\.body is a ModuleDict, not an nn\.ModuleList"),
         (dict(layers=["body", "blocks"]), TypeError, r"layers: expected a dotted path \(str\)"),
         (dict(), ValueError, r"tp_degrees: Mine has no decoder layers where oases looks .* pass layers="),
-        (dict(layers="body.blocks", tp_degrees=degrees[:-1]), ValueError,
-         rf"tp_degrees: expected one degree per layer of model\.body\.blocks \({LAYERS} layers\), got {LAYERS - 1}"),
+        (
+            dict(layers="body.blocks", tp_degrees=degrees[:-1]),
+            ValueError,
+            rf"tp_degrees: expected one degree per layer of model\.body\.blocks \({LAYERS} layers\), got {LAYERS - 1}",
+        ),
         (dict(layers="body.blocks", tp_degrees=[4 * p] * LAYERS), ValueError, "power of two dividing the group"),
         (dict(layers="body.blocks", tp_degrees=None), ValueError, r"layers='body\.blocks': .* no tp_degrees"),
     ):
@@ -283,8 +316,11 @@ def _check_mine(degrees, p):
 def _bad_inputs(rank, p, model, degrees):
     """Every rank raises the same ValueError before any communication; the model is left as it was."""
     fresh = _model()
-    for bad, match in (([1] * (LAYERS - 1), "one degree per layer"), ([3] + [1] * (LAYERS - 1), "power of two"),
-                       ([2 * p] * LAYERS, "power of two dividing the group size")):
+    for bad, match in (
+        ([1] * (LAYERS - 1), "one degree per layer"),
+        ([3] + [1] * (LAYERS - 1), "power of two"),
+        ([2 * p] * LAYERS, "power of two dividing the group size"),
+    ):
         with pytest.raises(ValueError, match=match):
             oases.parallelize(fresh, tp_degrees=bad)
     with pytest.raises(ValueError, match="sequence_parallel=True: not supported with per-layer tp_degrees"):
@@ -303,7 +339,7 @@ def _bad_inputs(rank, p, model, degrees):
     most = p // min(degrees)  # every replica of every layer needs a row of the batch
     ids = torch.zeros(most + 1, SEQ, dtype=torch.long)
     with pytest.raises(ValueError, match=f"batch: .* got batch size {most - 1} \\(use at least {most} rows\\)"):
-        model(input_ids=ids[:most - 1])
+        model(input_ids=ids[: most - 1])
     with pytest.raises(ValueError, match="replicas"):  # 2 sub-batches of most / 2 rows: not one per replica
         oases.train_step(model, ids[:most], ids[:most])
 
@@ -322,12 +358,24 @@ def _ranks_main(rank, p, plans):
     return True
 
 
-@pytest.mark.parametrize("world_size, plans", [
-    (2, [("nanogpt", [1, 2, 2, 1]), ("mine", [2, 1, 2, 1]), ("neox", [1, 2, 2, 1]),
-         ("qwen2", [2, 1, 1, 2]), ("qwen3", [1, 2, 1, 2]), ("mistral", [1, 1, 2, 2]),
-         ("llama", [1, 2, 2, 1])]),
-    (4, [("neox", [2, 4, 4, 2]), ("neox", [4, 1, 2, 4]), ("llama", [2, 4, 1, 2]), ("llama", [2, 2, 2, 2])]),
-])
+@pytest.mark.parametrize(
+    "world_size, plans",
+    [
+        (
+            2,
+            [
+                ("nanogpt", [1, 2, 2, 1]),
+                ("mine", [2, 1, 2, 1]),
+                ("neox", [1, 2, 2, 1]),
+                ("qwen2", [2, 1, 1, 2]),
+                ("qwen3", [1, 2, 1, 2]),
+                ("mistral", [1, 1, 2, 2]),
+                ("llama", [1, 2, 2, 1]),
+            ],
+        ),
+        (4, [("neox", [2, 4, 4, 2]), ("neox", [4, 1, 2, 4]), ("llama", [2, 4, 1, 2]), ("llama", [2, 2, 2, 2])]),
+    ],
+)
 def test_per_layer_degrees_match_unsharded(world_size, plans):
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("transformers is not installed")

@@ -5,6 +5,7 @@ Each rank function runs many cases to pay the process start-up once. The golden 
 cheaper than shipping tensors to the ranks), trained on the same global batches with the same
 optimizer; after 3 steps every parameter of `Pipeline.state_dict()` and every loss must match.
 """
+
 import time
 
 import pytest
@@ -28,9 +29,13 @@ OPTIMIZERS = {
 
 def _batches(batch):
     g = torch.Generator().manual_seed(batch)
-    return [(torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g),
-             torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g),
+            torch.randint(0, CONFIG["vocab_size"], (batch, CONFIG["seq_len"]), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _golden(layers, optimizer, batch, alone):
@@ -49,7 +54,7 @@ def _golden(layers, optimizer, batch, alone):
 
 # (dp, pp, tp), layers, schedule, segments, micro_batches, optimizer, global batch
 CASES_2 = [
-    ((1, 2, 1), 4, "gpipe", 1, 3, "sgd", 4),      # m not divisible by pp; micro-batches of 2, 1, 1 rows
+    ((1, 2, 1), 4, "gpipe", 1, 3, "sgd", 4),  # m not divisible by pp; micro-batches of 2, 1, 1 rows
     ((1, 2, 1), 4, "1f1b", 1, 3, "adamw", 4),
     ((1, 2, 1), 4, "aiao", 2, 3, "sgd", 4),
 ]
@@ -58,15 +63,15 @@ CASES_4 = [
     ((1, 4, 1), 4, "1f1b", 1, 5, "sgd", 6),
     ((1, 4, 1), 4, "aiao", 1, 4, "sgd", 4),
     ((2, 2, 1), 4, "gpipe", 1, 2, "sgd", 6),
-    ((2, 2, 1), 4, "1f1b", 1, 3, "adamw", 6),     # each DP rank: 3 rows, 3 micro-batches
-    ((2, 2, 1), 4, "aiao", 2, 3, "sgd", 8),       # 4 rows -> micro-batches of 2, 1, 1
+    ((2, 2, 1), 4, "1f1b", 1, 3, "adamw", 6),  # each DP rank: 3 rows, 3 micro-batches
+    ((2, 2, 1), 4, "aiao", 2, 3, "sgd", 8),  # 4 rows -> micro-batches of 2, 1, 1
     ((2, 2, 1), 4, "aiao", 1, 2, "adamw", 4),
     ((1, 2, 2), 4, "gpipe", 1, 2, "adamw", 4),
     ((1, 2, 2), 4, "1f1b", 1, 3, "sgd", 4),
     ((1, 2, 2), 4, "aiao", 2, 3, "adamw", 3),
-    ((1, 2, 2), 6, "aiao", 3, 2, "sgd", 4),       # 6 layers: 3 segments of 2 stages of 1 layer
-    ((1, 2, 2), 4, "gpipe", 2, 2, "sgd", 4),      # gpipe over 2 segments: micro-batch-major
-    ((2, 1, 2), 4, "aiao", 2, 2, "adamw", 4),     # pp = 1: segments chained in memory
+    ((1, 2, 2), 6, "aiao", 3, 2, "sgd", 4),  # 6 layers: 3 segments of 2 stages of 1 layer
+    ((1, 2, 2), 4, "gpipe", 2, 2, "sgd", 4),  # gpipe over 2 segments: micro-batch-major
+    ((2, 1, 2), 4, "aiao", 2, 2, "adamw", 4),  # pp = 1: segments chained in memory
 ]
 CASES_8 = [
     ((2, 2, 2), 4, "1f1b", 1, 3, "sgd", 6),
@@ -79,8 +84,13 @@ def _assert_state(state, want_state, where, *, rtol, optimizer):
     (within tests/_tolerances.py's bound for `optimizer`)."""
     assert list(state) == list(want_state), where
     for name, value in state.items():
-        torch.testing.assert_close(value.cpu(), want_state[name], rtol=rtol, atol=state_atol(optimizer),
-                                   msg=lambda msg: f"{where}: {name}: {msg}")
+        torch.testing.assert_close(
+            value.cpu(),
+            want_state[name],
+            rtol=rtol,
+            atol=state_atol(optimizer),
+            msg=lambda msg: f"{where}: {name}: {msg}",
+        )
 
 
 def _train_cases(rank, world_size, cases):
@@ -88,18 +98,27 @@ def _train_cases(rank, world_size, cases):
     for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch, *options in cases:
         options = options[0] if options else {}
         want_losses, want_state = _golden(layers, optimizer, batch, alone)
-        where = (f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} {optimizer} B={batch} "
-                 f"{options}")
+        where = (
+            f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} {optimizer} B={batch} {options}"
+        )
         mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-        pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
-                        micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED,
-                        **{k: v for k, v in options.items() if k != "probe"})
+        pipe = Pipeline(
+            GPTConfig(**CONFIG, layers=layers),
+            mesh,
+            schedule=schedule,
+            segments=segments,
+            micro_batches=m,
+            optimizer=OPTIMIZERS[optimizer],
+            seed=SEED,
+            **{k: v for k, v in options.items() if k != "probe"},
+        )
         if options.get("dp_overlap_ratio", 1.0) in (0.0, 0.5):  # some buckets really are deferred
             assert any(now < len(b) for now, b in zip(pipe.sync.now, pipe.sync.buckets)), where
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
-            torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
-                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+            torch.testing.assert_close(
+                loss, want_losses[step], rtol=1e-5, atol=1e-5, msg=lambda msg: f"{where}: loss of step {step}: {msg}"
+            )
             if options.get("probe") == step:  # applies the pending updates mid-run: never twice
                 pipe.state_dict()
         if dp > 1 and options.get("probe") is None:  # the last step's updates wait for state_dict()
@@ -109,12 +128,18 @@ def _train_cases(rank, world_size, cases):
 
             t = pipe.measured
             assert t["forward_s"] > 0 and t["backward_s"] > 0 and t["pp_comm_s"] > 0 and t["dp_comm_s"] > 0, t
-            want = segments if segments != "auto" else choose_segments(
-                layers, pp, t["forward_s"], t["backward_s"], t["pp_comm_s"], t["dp_comm_s"], micro_batches=m)
+            want = (
+                segments
+                if segments != "auto"
+                else choose_segments(
+                    layers, pp, t["forward_s"], t["backward_s"], t["pp_comm_s"], t["dp_comm_s"], micro_batches=m
+                )
+            )
             assert pipe.segments == want and layers % (pp * want) == 0, (where, t, pipe.segments)
             if options.get("dp_overlap_ratio") == "auto":
-                assert pipe.dp_overlap_ratio == dp_overlap_ratio(t["forward_s"], t["backward_s"], t["dp_comm_s"],
-                                                                 segments=want, micro_batches=m), where
+                assert pipe.dp_overlap_ratio == dp_overlap_ratio(
+                    t["forward_s"], t["backward_s"], t["dp_comm_s"], segments=want, micro_batches=m
+                ), where
         sched = pipe.scheduler  # (the preemption invariant itself: test_pp_transfer_preempts_dp_chunks)
         if dp > 1:
             assert sched.dp_chunks > 0, where
@@ -179,9 +204,16 @@ def test_async_dp_sync_matches_single_process_pp2_dp2_tp2():
 
 # Hugging Face models through a factory (the adapters of oases.train_step), against the same model
 # made the same way in one process, with the pipeline's loss (mean token cross-entropy, targets as given).
-HF_SMALL = dict(hidden_size=32, num_hidden_layers=4, intermediate_size=64, vocab_size=CONFIG["vocab_size"],
-                max_position_embeddings=16, tie_word_embeddings=False, attn_implementation="eager",
-                num_attention_heads=4)
+HF_SMALL = dict(
+    hidden_size=32,
+    num_hidden_layers=4,
+    intermediate_size=64,
+    vocab_size=CONFIG["vocab_size"],
+    max_position_embeddings=16,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+    num_attention_heads=4,
+)
 
 
 def _hf(kind):
@@ -199,8 +231,9 @@ def _hf(kind):
     if kind == "qwen3":  # per-head q/k norms (their gradient is summed over TP)
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**HF_SMALL, num_key_value_heads=2, head_dim=8))
     if kind == "neox":  # parallel residual: one sublayer per layer
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**HF_SMALL, hidden_dropout=0.0, attention_dropout=0.0,
-                                                      use_parallel_residual=True))
+        return tf.GPTNeoXForCausalLM(
+            tf.GPTNeoXConfig(**HF_SMALL, hidden_dropout=0.0, attention_dropout=0.0, use_parallel_residual=True)
+        )
     raise AssertionError(kind)
 
 
@@ -225,12 +258,25 @@ def _train_hf_cases(rank, world_size, cases, device="cpu"):
         where = f"{kind} dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} B={batch} {options}"
         want_losses, want_state = _hf_golden(kind, optimizer, batch)  # on CPU
         mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-        pipe = Pipeline(lambda: _hf(kind).to(device), mesh, schedule=schedule, segments=segments, micro_batches=m,
-                        optimizer=OPTIMIZERS[optimizer], seed=SEED, **options)
+        pipe = Pipeline(
+            lambda: _hf(kind).to(device),
+            mesh,
+            schedule=schedule,
+            segments=segments,
+            micro_batches=m,
+            optimizer=OPTIMIZERS[optimizer],
+            seed=SEED,
+            **options,
+        )
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
-            torch.testing.assert_close(loss.cpu(), want_losses[step], rtol=1e-5, atol=1e-5,
-                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+            torch.testing.assert_close(
+                loss.cpu(),
+                want_losses[step],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda msg: f"{where}: loss of step {step}: {msg}",
+            )
         _assert_state(pipe.state_dict(), want_state, where, rtol=1e-4, optimizer=optimizer)
         pipe.close()
     return True
@@ -244,7 +290,7 @@ HF_CASES_4 = [
     ("llama", (1, 2, 2), "1f1b", 1, 3, "adamw", 4),
     ("qwen3", (2, 2, 1), "aiao", 2, 2, "sgd", 4),
     ("neox", (1, 2, 2), "gpipe", 1, 2, "sgd", 4),
-    ("llama-frozen", (2, 2, 1), "aiao", 2, 2, "adamw", 4),    # frozen: unchanged; DP sums the others
+    ("llama-frozen", (2, 2, 1), "aiao", 2, 2, "adamw", 4),  # frozen: unchanged; DP sums the others
     ("llama-frozen", (1, 2, 2), "aiao", 2, 2, "sgd", 4, dict(offload=True)),  # frozen embedding, offloaded layers
 ]
 
@@ -293,8 +339,13 @@ def _preemption(rank, world_size):
         synced.result()
         torch.testing.assert_close(flat, torch.arange(12, dtype=torch.float32) * 3)  # summed over both
         torch.testing.assert_close(message, torch.full((4,), 7.0))
-        results[preemption] = (sched.deferred_chunks, sched.overlapped_chunks, sched.forced_chunks,
-                               sched.dp_chunks, sorted(sched.pp_latency["recv"] + sched.pp_latency["send"]))
+        results[preemption] = (
+            sched.deferred_chunks,
+            sched.overlapped_chunks,
+            sched.forced_chunks,
+            sched.dp_chunks,
+            sorted(sched.pp_latency["recv"] + sched.pp_latency["send"]),
+        )
         sched.close()
     return results
 
@@ -313,8 +364,8 @@ def _bad_configurations(rank, world_size):
     config = GPTConfig(**CONFIG, layers=4)
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     bad = [
-        (dict(config=GPTConfig(**CONFIG, layers=3)), "config.layers"),            # 3 % (pp=2)
-        (dict(segments=3, schedule="aiao"), "config.layers"),                     # 4 % (2 * 3)
+        (dict(config=GPTConfig(**CONFIG, layers=3)), "config.layers"),  # 3 % (pp=2)
+        (dict(segments=3, schedule="aiao"), "config.layers"),  # 4 % (2 * 3)
         (dict(schedule="interleaved"), "schedule"),
         (dict(schedule="1f1b", segments=2), "segments"),
         (dict(schedule="1f1b", micro_batches=1), "micro_batches"),
@@ -337,8 +388,10 @@ def _bad_configurations(rank, world_size):
 
     bad += [
         (dict(config=layers_tied), "model.layers.0.input_layernorm.weight is used in more than one place"),
-        (dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, num_hidden_layers=3)))),
-         "model: 3 layers are not divisible by pp"),
+        (
+            dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, num_hidden_layers=3)))),
+            "model: 3 layers are not divisible by pp",
+        ),
     ]
     for change, match in bad:
         kwargs = dict(config=config, mesh=mesh, schedule="gpipe", segments=1, micro_batches=2) | change
@@ -346,10 +399,10 @@ def _bad_configurations(rank, world_size):
             Pipeline(kwargs.pop("config"), kwargs.pop("mesh"), **kwargs)
     pipe = Pipeline(config, mesh, schedule="1f1b", micro_batches=2)
     tokens, targets = _batches(3)[0]
-    with pytest.raises(ValueError, match="dp = 2"):          # 3 rows over 2 DP ranks
+    with pytest.raises(ValueError, match="dp = 2"):  # 3 rows over 2 DP ranks
         pipe.train_step(tokens, targets)
     tokens, targets = _batches(2)[0]
-    with pytest.raises(ValueError, match="micro_batches"):   # 1 row per DP rank, 2 micro-batches
+    with pytest.raises(ValueError, match="micro_batches"):  # 1 row per DP rank, 2 micro-batches
         pipe.train_step(tokens, targets)
     with pytest.raises(ValueError, match="targets"):
         pipe.train_step(tokens, targets[:, :-1])
@@ -373,10 +426,10 @@ def test_bad_configurations_raise_on_every_rank():
 def test_dp_chunks_bound_the_bytes_a_ring_piece_moves():
     from oases.pipeline.dp_sync import chunks_for
 
-    assert chunks_for(1000, 4, 2, 1 << 18) == 1                 # small bucket: one piece per block
-    assert chunks_for(4 << 20, 4, 2, 1 << 20) == 8              # 8 MiB block, 1 MiB pieces
-    assert chunks_for(4 << 20, 4, 2, 3 << 20) == 3              # rounded up: pieces <= 3 MiB
-    assert chunks_for(10, 2, 4, 1) == 3                          # never more pieces than the block's 3 elements
+    assert chunks_for(1000, 4, 2, 1 << 18) == 1  # small bucket: one piece per block
+    assert chunks_for(4 << 20, 4, 2, 1 << 20) == 8  # 8 MiB block, 1 MiB pieces
+    assert chunks_for(4 << 20, 4, 2, 3 << 20) == 3  # rounded up: pieces <= 3 MiB
+    assert chunks_for(10, 2, 4, 1) == 3  # never more pieces than the block's 3 elements
 
 
 def test_stage_layout_folds_segments():
@@ -404,8 +457,10 @@ def test_schedules_run_every_action_once_forward_first(schedule, segments, stage
 
 def test_one_f_one_b_is_megatrons_order():
     def names(stage):
-        return " ".join(f"{a.kind}{a.micro_batch}" for a in actions("1f1b", stage=stage, stages=2, segments=1,
-                                                                        micro_batches=3))
+        return " ".join(
+            f"{a.kind}{a.micro_batch}" for a in actions("1f1b", stage=stage, stages=2, segments=1, micro_batches=3)
+        )
+
     assert names(0) == "F0 F1 B0 F2 B1 B2"
     assert names(1) == "F0 B0 F1 B1 F2 B2"
 
@@ -432,13 +487,19 @@ def test_each_link_delivers_in_the_order_its_receiver_uses(schedule, segments, s
         used: dict = {}
         for a in actions(schedule, stage=stage, stages=stages, segments=segments, micro_batches=micro_batches):
             v = a.segment * stages + stage
-            key = (("act", v - 1, a.micro_batch) if a.kind == "F" and v > 0 else
-                   ("grad", v, a.micro_batch) if a.kind == "B" and v < last else None)
+            key = (
+                ("act", v - 1, a.micro_batch)
+                if a.kind == "F" and v > 0
+                else ("grad", v, a.micro_batch)
+                if a.kind == "B" and v < last
+                else None
+            )
             if key is not None:
                 used.setdefault(link_of(key, stages)[0], []).append(key)
         assert {name: lane.keys for name, lane in comm._lanes.items()} == used, (stage, used)
         assert sum(map(len, used.values())) == 2 * micro_batches * segments - micro_batches * (
-            (stage == 0) + (stage == stages - 1))  # every F/B waits for one, but on the chain's two ends
+            (stage == 0) + (stage == stages - 1)
+        )  # every F/B waits for one, but on the chain's two ends
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 6])
@@ -512,6 +573,7 @@ def _failed_step(rank, world_size):
 
     def broken(action, step):
         raise KeyError("on purpose")
+
     run, pipe._run = pipe._run, broken
     with pytest.raises(KeyError, match="on purpose"):
         pipe.train_step(tokens, targets)
@@ -566,8 +628,9 @@ def test_a_rank_dying_mid_iteration_ends_the_run_with_its_error(tmp_path):
     script = tmp_path / "dying.py"
     script.write_text(DYING_RANK_SCRIPT)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "oases.launch", "--nproc", "4", str(script)],
-                         capture_output=True, text=True, timeout=90)
+    run = subprocess.run(
+        [sys.executable, "-m", "oases.launch", "--nproc", "4", str(script)], capture_output=True, text=True, timeout=90
+    )
     assert run.returncode != 0
     assert "RuntimeError: rank 3 dies mid-iteration on purpose" in run.stderr
     assert "unreachable" not in run.stdout
@@ -584,9 +647,16 @@ def _offload_cases(rank, world_size, cases):
             from oases.offload import Offloader
 
             mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-            pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
-                            micro_batches=m, optimizer=OPTIMIZERS["adamw"], seed=SEED,
-                            offload=Offloader(batch=offload_batch) if offload else False)
+            pipe = Pipeline(
+                GPTConfig(**CONFIG, layers=layers),
+                mesh,
+                schedule=schedule,
+                segments=segments,
+                micro_batches=m,
+                optimizer=OPTIMIZERS["adamw"],
+                seed=SEED,
+                offload=Offloader(batch=offload_batch) if offload else False,
+            )
             losses = [pipe.train_step(tokens, targets) for tokens, targets in _batches(batch)]
             stats = pipe.offload_stats
             runs[offload] = (losses, pipe.state_dict())
@@ -607,9 +677,9 @@ def _offload_cases(rank, world_size, cases):
 
 
 OFFLOAD_4 = [
-    ((2, 2, 1), 8, "aiao", 2, 4, 8, 1),   # each F(k, i): 2 layer inputs, 2 copies each way
+    ((2, 2, 1), 8, "aiao", 2, 4, 8, 1),  # each F(k, i): 2 layer inputs, 2 copies each way
     ((2, 2, 1), 4, "1f1b", 1, 3, 6, 2),
-    ((1, 2, 2), 4, "aiao", 2, 2, 4, 2),   # TP inside a stage: recomputation all-reduces too
+    ((1, 2, 2), 4, "aiao", 2, 2, 4, 2),  # TP inside a stage: recomputation all-reduces too
 ]
 
 
@@ -663,15 +733,24 @@ def _dp_hierarchy(rank, world_size, cases):
         want_losses, want_state = _golden(layers, optimizer, batch, alone)
         where = f"dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} {options}"
         mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-        pipe = Pipeline(GPTConfig(**CONFIG, layers=layers), mesh, schedule=schedule, segments=segments,
-                        micro_batches=m, optimizer=OPTIMIZERS[optimizer], seed=SEED, **options)
+        pipe = Pipeline(
+            GPTConfig(**CONFIG, layers=layers),
+            mesh,
+            schedule=schedule,
+            segments=segments,
+            micro_batches=m,
+            optimizer=OPTIMIZERS[optimizer],
+            seed=SEED,
+            **options,
+        )
         groups = pipe.sync.hosts
         assert pipe.dp_hierarchical and (groups.hosts, groups.ranks_per_host) == (2, 2), where
         assert (groups.host, groups.local) == divmod(rank, 2), where
         for step, (tokens, targets) in enumerate(_batches(batch)):
             loss = pipe.train_step(tokens, targets)
-            torch.testing.assert_close(loss, want_losses[step], rtol=1e-5, atol=1e-5,
-                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+            torch.testing.assert_close(
+                loss, want_losses[step], rtol=1e-5, atol=1e-5, msg=lambda msg: f"{where}: loss of step {step}: {msg}"
+            )
         _assert_state(pipe.state_dict(), want_state, where, rtol=1e-5, optimizer=optimizer)
         buckets = sum(len(b) for b in pipe.sync.buckets)
         assert buckets > pipe.segments, where  # several buckets per segment
@@ -681,8 +760,10 @@ def _dp_hierarchy(rank, world_size, cases):
     # "auto": oases.planner.partition on the launcher's links, for the largest bucket (about 40 KB here).
     config = GPTConfig(**CONFIG, layers=4)
     mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    for env, hierarchical in (({"OASES_BANDWIDTH": "100mbit"}, True),        # slow NICs: two levels
-                              ({"OASES_INTRA_BANDWIDTH": "10mbit"}, False)):  # slow inside hosts: flat
+    for env, hierarchical in (
+        ({"OASES_BANDWIDTH": "100mbit"}, True),  # slow NICs: two levels
+        ({"OASES_INTRA_BANDWIDTH": "10mbit"}, False),
+    ):  # slow inside hosts: flat
         os.environ.update(env)
         pipe = Pipeline(config, mesh, schedule="gpipe", micro_batches=2, dp_hierarchy="auto")
         assert pipe.dp_hierarchical is hierarchical and (pipe.sync.hosts is not None) is hierarchical, env
@@ -703,11 +784,15 @@ def _dp_hierarchy(rank, world_size, cases):
 
     # Bad configurations: ValueError on every rank, before any communication.
     mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
-    for value, local, match in (("yes", "2", "dp_hierarchy: expected"), (1, "2", "dp_hierarchy: expected"),
-                                (0.0, "2", "dp_hierarchy: expected"),     # not False: would turn it on
-                                (True, "3", "not packed evenly"),        # hosts {0, 1, 2} and {3}
-                                ("auto", "3", "not packed evenly"),
-                                (True, None, "LOCAL_WORLD_SIZE"), (True, "two", "LOCAL_WORLD_SIZE")):
+    for value, local, match in (
+        ("yes", "2", "dp_hierarchy: expected"),
+        (1, "2", "dp_hierarchy: expected"),
+        (0.0, "2", "dp_hierarchy: expected"),  # not False: would turn it on
+        (True, "3", "not packed evenly"),  # hosts {0, 1, 2} and {3}
+        ("auto", "3", "not packed evenly"),
+        (True, None, "LOCAL_WORLD_SIZE"),
+        (True, "two", "LOCAL_WORLD_SIZE"),
+    ):
         if local is None:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:

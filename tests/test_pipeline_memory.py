@@ -14,6 +14,7 @@ AdamW moments), whose oases.save_checkpoint loads into a PP2 x TP2 pipeline (sha
 a step and its export agree);
 another model's checkpoint or weights raise ValueError on every rank.
 """
+
 import os
 
 import pytest
@@ -37,9 +38,17 @@ SEED, STEPS, SAVED_AT, BATCH, T = 3, 4, 2, 4, 8
 def _config(vocab=64):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                       tie_word_embeddings=False, attn_implementation="eager")
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
 
 
 def _factory():
@@ -55,8 +64,14 @@ class _NanoGPT(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(64, 32), wpe=nn.Embedding(T, 32),
-                                              h=nn.ModuleList(Block(32, 4) for _ in range(4)), ln_f=nn.LayerNorm(32)))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(64, 32),
+                wpe=nn.Embedding(T, 32),
+                h=nn.ModuleList(Block(32, 4) for _ in range(4)),
+                ln_f=nn.LayerNorm(32),
+            )
+        )
         self.lm_head = nn.Linear(32, 64, bias=False)
 
     def loss(self, tokens, targets):
@@ -83,8 +98,9 @@ def _batch(step):
 
 def _pipeline(dp, schedule, segments, **options):
     mesh = init_device_mesh("cpu", (dp, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
-    return Pipeline(_factory, mesh, schedule=schedule, segments=segments, micro_batches=2, optimizer=_adamw,
-                    seed=SEED, **options)
+    return Pipeline(
+        _factory, mesh, schedule=schedule, segments=segments, micro_batches=2, optimizer=_adamw, seed=SEED, **options
+    )
 
 
 def _golden_losses(pretrained):
@@ -114,8 +130,11 @@ def _check_allocation(pipe):
     for name, p in pipe.model.named_parameters():
         assert p.is_meta != any(name.startswith(m) for m in mine), (stage, name)
         held += 0 if p.is_meta else p.numel() * p.element_size()
-    embed, head, layer = 64 * 32 * 4, (64 * 32 + 32) * 4, sum(
-        p.numel() * 4 for n, p in pipe.model.named_parameters() if n.startswith("model.layers.0."))
+    embed, head, layer = (
+        64 * 32 * 4,
+        (64 * 32 + 32) * 4,
+        sum(p.numel() * 4 for n, p in pipe.model.named_parameters() if n.startswith("model.layers.0.")),
+    )
     assert held == len(layers) * layer + (embed if stage == 0 else head), (stage, held)
     assert not any(b.is_meta for b in pipe.model.buffers())  # rotary tables: every stage's ctx needs them
 
@@ -123,8 +142,13 @@ def _check_allocation(pipe):
 def _moments(pipe):
     """{param name.state: tensor} of every stage's optimizers, gathered on every rank."""
     names = {id(p): n for n, p in pipe.model.named_parameters()}
-    mine = {f"{names[id(p)]}.{k}": v.clone() for opt in pipe.optimizers for p, s in opt.state.items()
-            for k, v in s.items() if k != "step"}
+    mine = {
+        f"{names[id(p)]}.{k}": v.clone()
+        for opt in pipe.optimizers
+        for p, s in opt.state.items()
+        for k, v in s.items()
+        if k != "step"
+    }
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}
@@ -188,8 +212,15 @@ def _real_build_resumes(schedule, segments, root, losses, final):
     from transformers import LlamaForCausalLM
 
     mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
-    pipe = Pipeline(lambda: LlamaForCausalLM(_config()), mesh, schedule=schedule, segments=segments,
-                    micro_batches=2, optimizer=_adamw, seed=SEED)
+    pipe = Pipeline(
+        lambda: LlamaForCausalLM(_config()),
+        mesh,
+        schedule=schedule,
+        segments=segments,
+        micro_batches=2,
+        optimizer=_adamw,
+        seed=SEED,
+    )
     assert pipe.freed_bytes > 0
     pipe.load_checkpoint(root)
     for step in range(SAVED_AT, STEPS):
@@ -273,8 +304,11 @@ def _story(rank, world_size, dp, schedule, segments, pretrained, other, tmp):
         with pytest.raises(ValueError, match="segments='auto'"):  # which layers a stage allocates depends on it
             _pipeline(dp, "aiao", "auto")
         with pytest.raises(ValueError, match="init_weights=False: only for a factory that builds"):
-            Pipeline(lambda: LlamaForCausalLM(_config()), init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=(
-                "dp", "pp", "tp")), init_weights=False)
+            Pipeline(
+                lambda: LlamaForCausalLM(_config()),
+                init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp")),
+                init_weights=False,
+            )
         dist.barrier()
 
     built = _pipeline(dp, schedule, segments, init_weights=True)  # the single-process build's values

@@ -17,6 +17,7 @@ at PP2 (1f1b, aiao over 2 segments, gpipe), pp = 1 over two segments (one copy i
 of W) and PP4 (middle stages hold no copy); real builds, and meta builds replaying the single-process
 initialisation on each stage.
 """
+
 import os
 
 import pytest
@@ -43,9 +44,17 @@ TIED = "model.embed_tokens.weight"  # the tensor's first key; lm_head.weight is 
 def _model(meta=False):
     import transformers as tf
 
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                            tie_word_embeddings=True, attn_implementation="eager")
+    config = tf.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     if meta:
         with torch.device("meta"):
             return tf.LlamaForCausalLM(config)
@@ -54,8 +63,10 @@ def _model(meta=False):
 
 def _batches(batch):
     g = torch.Generator().manual_seed(batch)
-    return [(torch.randint(0, VOCAB, (batch, T), generator=g), torch.randint(0, VOCAB, (batch, T), generator=g))
-            for _ in range(STEPS)]
+    return [
+        (torch.randint(0, VOCAB, (batch, T), generator=g), torch.randint(0, VOCAB, (batch, T), generator=g))
+        for _ in range(STEPS)
+    ]
 
 
 def _golden(optimizer, batch):
@@ -75,8 +86,16 @@ def _golden(optimizer, batch):
 
 def _pipeline(mesh_shape, schedule, segments, m, optimizer, meta=False, **options):
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
-    return Pipeline(lambda: _model(meta), mesh, schedule=schedule, segments=segments, micro_batches=m,
-                    optimizer=OPTIMIZERS[optimizer], seed=SEED, **options)
+    return Pipeline(
+        lambda: _model(meta),
+        mesh,
+        schedule=schedule,
+        segments=segments,
+        micro_batches=m,
+        optimizer=OPTIMIZERS[optimizer],
+        seed=SEED,
+        **options,
+    )
 
 
 def _check_copies(pipe, where):
@@ -111,8 +130,9 @@ def _assert_state(state, want, where, *, exact=False, optimizer="sgd"):
         if exact:
             assert torch.equal(value, want[key]), (where, key)
         else:
-            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=state_atol(optimizer),
-                                       msg=lambda msg: f"{where}: {key}: {msg}")
+            torch.testing.assert_close(
+                value, want[key], rtol=1e-4, atol=state_atol(optimizer), msg=lambda msg: f"{where}: {key}: {msg}"
+            )
 
 
 def _resume(case, root, losses, final, where):
@@ -150,8 +170,13 @@ def _train(rank, world_size, cases, tmp):
         losses = []
         for step, (tokens, targets) in enumerate(_batches(batch)):
             losses.append(pipe.train_step(tokens, targets))
-            torch.testing.assert_close(losses[-1], want_losses[step], rtol=1e-5, atol=1e-5,
-                                       msg=lambda msg: f"{where}: loss of step {step}: {msg}")
+            torch.testing.assert_close(
+                losses[-1],
+                want_losses[step],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda msg: f"{where}: loss of step {step}: {msg}",
+            )
             if resume and step + 1 == SAVED_AT:
                 pipe.save_checkpoint(os.path.join(tmp, "ckpt"), step=SAVED_AT)
             _check_copies(pipe, where)  # (this step's update is still pending)
@@ -162,8 +187,13 @@ def _train(rank, world_size, cases, tmp):
             _export(pipe, golden, final, os.path.join(tmp, "out"), where)
         pipe.close()
         if resume:
-            _resume((mesh_shape, schedule, segments, m, optimizer, batch, options), os.path.join(tmp, "ckpt"),
-                    losses, final, where)
+            _resume(
+                (mesh_shape, schedule, segments, m, optimizer, batch, options),
+                os.path.join(tmp, "ckpt"),
+                losses,
+                final,
+                where,
+            )
         if export:
             _reload(mesh_shape, schedule, segments, m, optimizer, os.path.join(tmp, "out"), final, where)
         dist.barrier()
@@ -186,8 +216,9 @@ def _export(pipe, golden, final, out, where):
         assert TIED in keys and "lm_head.weight" not in keys, (where, sorted(keys))
         tokens = _batches(4)[0][0]
         with torch.no_grad():
-            torch.testing.assert_close(exported(input_ids=tokens).logits, golden(input_ids=tokens).logits,
-                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                exported(input_ids=tokens).logits, golden(input_ids=tokens).logits, rtol=1e-4, atol=1e-4
+            )
     dist.barrier()
 
 
@@ -210,7 +241,7 @@ CASES_2 = [
 CASES_4 = [
     ((2, 2, 1), "aiao", 2, 2, "adamw", 8, dict(dp_overlap_ratio=0.0, resume=True)),  # W's DP sync: next step
     ((1, 2, 2), "1f1b", 1, 2, "adamw", 4, dict(meta=True)),  # each stage: its vocabulary-parallel shard of W
-    ((1, 4, 1), "1f1b", 1, 4, "sgd", 4, {}),    # stages 1 and 2 hold no copy
+    ((1, 4, 1), "1f1b", 1, 4, "sgd", 4, {}),  # stages 1 and 2 hold no copy
 ]
 
 

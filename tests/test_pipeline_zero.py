@@ -10,6 +10,7 @@ small buckets so some are deferred, small pieces so the rings are chunked):
     without zero: the third step gives the single-process parameters again
     bad arguments (zero not a bool, zero with dp_hierarchy) raise on every rank
 """
+
 import warnings
 
 import pytest
@@ -34,8 +35,13 @@ def _adamw(params):
 
 def _batches():
     g = torch.Generator().manual_seed(11)
-    return [(torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["seq_len"]), generator=g),
-             torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["seq_len"]), generator=g)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["seq_len"]), generator=g),
+            torch.randint(0, CONFIG["vocab_size"], (BATCH, CONFIG["seq_len"]), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _golden():
@@ -55,8 +61,17 @@ def _golden():
 
 def _pipeline(dp, schedule, segments, zero, **options):
     mesh = init_device_mesh("cpu", (dp, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
-    return Pipeline(GPTConfig(**CONFIG), mesh, schedule=schedule, segments=segments, micro_batches=2,
-                    optimizer=_adamw, seed=SEED, zero=zero, **options)
+    return Pipeline(
+        GPTConfig(**CONFIG),
+        mesh,
+        schedule=schedule,
+        segments=segments,
+        micro_batches=2,
+        optimizer=_adamw,
+        seed=SEED,
+        zero=zero,
+        **options,
+    )
 
 
 def _assert_state(state, want, where):
@@ -67,8 +82,13 @@ def _assert_state(state, want, where):
 
 def _state_bytes(pipe):
     """Bytes of optimizer state on this rank (AdamW's exp_avg, exp_avg_sq, step)."""
-    return sum(v.numel() * v.element_size() for opt in pipe.optimizers for s in opt.state.values()
-               for v in s.values() if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size()
+        for opt in pipe.optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def _record_order(pipe, events):
@@ -87,6 +107,7 @@ def _record_order(pipe, events):
     def on_wait(k):
         wait(k)
         events.append(("gathered", k))
+
     pipe.stage.forward_segment, pipe.sync.gather, pipe.sync.wait_gather = on_forward, on_gather, on_wait
 
 
@@ -94,8 +115,7 @@ def _train(rank, world_size, root):
     want_losses, want = _golden()
     batches = _batches()
     measured = {}
-    cases = [("1f1b", 1, {}),
-             ("aiao", 2, dict(dp_overlap_ratio=0.5, dp_bucket_numel=400, dp_chunk_bytes=256))]
+    cases = [("1f1b", 1, {}), ("aiao", 2, dict(dp_overlap_ratio=0.5, dp_bucket_numel=400, dp_chunk_bytes=256))]
     for schedule, segments, options in cases:
         where = f"PP2 x DP2 zero {schedule} ns={segments} {options}"
         plain = _pipeline(2, schedule, segments, False, **options)  # pipelines on one mesh train one at a time
@@ -128,7 +148,7 @@ def _train(rank, world_size, root):
         assert abs(zero_bytes - plain_bytes / 2) <= sum(4 * s.k + 2 for s in slots), (where, zero_bytes, plain_bytes)
         measured[schedule] = (zero_bytes, plain_bytes)
         if schedule == "aiao":  # the second step applies the first's update: AG¹ runs under F⁰
-            second = events[events.index(("step", 1)):events.index(("step", 2))]
+            second = events[events.index(("step", 1)) : events.index(("step", 2))]
             first_f0, first_f1 = second.index(("F", 0)), second.index(("F", 1))
             assert second.index(("gather", 0)) < second.index(("gather", 1)) < second.index(("gathered", 0)), second
             assert second.index(("gathered", 0)) < first_f0 < second.index(("gathered", 1)) < first_f1, second
@@ -172,4 +192,3 @@ def test_zero_pipeline_pp2_dp2_matches_single_process_and_its_checkpoint_loads_a
         zero, plain = max(m[schedule][0] for m in measured), max(m[schedule][1] for m in measured)
         print(f"optimizer state per rank, {schedule}: zero {zero} B, plain {plain} B ({zero / plain:.3f})")
     assert run_ranks(_resume_dp1, 2, root, timeout=90) == [True, True]
-

@@ -1,5 +1,6 @@
 """The planner (oases.planner): cost formulas on hand-computed cases, the ILP against brute force,
 Centauri's chunk rule and backward priority, FOLD3D's numbers, `oases plan` and oases.plan.load."""
+
 from __future__ import annotations
 
 import itertools
@@ -25,11 +26,21 @@ TINY = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_h
 def _profile(a: float, rows: tuple[int, ...] = (2, 4)) -> Profile:
     """Compute fixed by samples (attention fwd 1 s / bwd 2 s, MLP 3 s / 6 s at TP 2, whatever the
     rows), an all-reduce of `a` seconds on 2 ranks, all-gathers free of latency."""
-    samples = tuple(ComputeSample(kind, 2, r, TINY.seq_len, TINY.hidden, TINY.heads, TINY.ffn_hidden, f, b)
-                    for r in rows for kind, f, b in (("attention", 1.0, 2.0), ("mlp", 3.0, 6.0)))
-    return Profile(device="test", flops_per_s=1e9, link_bytes_per_s=1e3, latency_s=0.0, element_bytes=4,
-                   compute=samples, head=((1, 0.0, 0.0),),
-                   collectives={("all_reduce", 2): LinkFit(a, 1e30)})
+    samples = tuple(
+        ComputeSample(kind, 2, r, TINY.seq_len, TINY.hidden, TINY.heads, TINY.ffn_hidden, f, b)
+        for r in rows
+        for kind, f, b in (("attention", 1.0, 2.0), ("mlp", 3.0, 6.0))
+    )
+    return Profile(
+        device="test",
+        flops_per_s=1e9,
+        link_bytes_per_s=1e3,
+        latency_s=0.0,
+        element_bytes=4,
+        compute=samples,
+        head=((1, 0.0, 0.0),),
+        collectives={("all_reduce", 2): LinkFit(a, 1e30)},
+    )
 
 
 # ---- cost model (eqs. 3, 4, 6) --------------------------------------------------------------------
@@ -87,18 +98,36 @@ def test_memory_of_a_layer_shrinks_with_its_degree_and_grows_with_its_rows():
 
 
 def test_profile_scales_unsampled_shapes_by_flops():
-    doc = {"format": "oases-profile", "version": 1, "device": {"name": "x"}, "flops_per_s": 1e9, "element_bytes": 4,
-           "compute": [{"sublayer": "mlp", "tp": 1, "rows": 2, "seq_len": 4, "hidden": 8, "heads": 4,
-                        "ffn_hidden": 32, "forward_s": 0.25, "backward_s": 0.5}],
-           "collectives": {"all_reduce": {"2": {"latency_s": 1e-3, "bytes_per_s": 1e6}}}}
+    doc = {
+        "format": "oases-profile",
+        "version": 1,
+        "device": {"name": "x"},
+        "flops_per_s": 1e9,
+        "element_bytes": 4,
+        "compute": [
+            {
+                "sublayer": "mlp",
+                "tp": 1,
+                "rows": 2,
+                "seq_len": 4,
+                "hidden": 8,
+                "heads": 4,
+                "ffn_hidden": 32,
+                "forward_s": 0.25,
+                "backward_s": 0.5,
+            }
+        ],
+        "collectives": {"all_reduce": {"2": {"latency_s": 1e-3, "bytes_per_s": 1e6}}},
+    }
     prof = profile_from_dict(doc)
     assert prof.compute_time("mlp", TINY, 8, 1, "forward") == 0.25  # sampled: 2 rows x 4 tokens
     assert prof.compute_time("mlp", TINY, 16, 1, "backward") == pytest.approx(1.0)  # twice the FLOPs
     assert prof.compute_time("mlp", TINY, 8, 2, "forward") == pytest.approx(0.125)  # half a shard's FLOPs
     assert prof.collective_time("all_reduce", 2, 1e6) == pytest.approx(1.001)
     # several rows of one shape and degree: a line through them (t = 0.1 + 0.1 s per row here)
-    doc["compute"] = [dict(doc["compute"][0], rows=r, forward_s=0.1 + 0.1 * r, backward_s=0.2 + 0.2 * r)
-                      for r in (1, 3)]
+    doc["compute"] = [
+        dict(doc["compute"][0], rows=r, forward_s=0.1 + 0.1 * r, backward_s=0.2 + 0.2 * r) for r in (1, 3)
+    ]
     line = profile_from_dict(doc)
     assert line.compute_time("mlp", TINY, 2 * 4, 1, "forward") == pytest.approx(0.3)  # 2 rows, not sampled
     assert line.compute_time("mlp", TINY, 3 * 4, 1, "backward") == pytest.approx(0.8)
@@ -107,18 +136,36 @@ def test_profile_scales_unsampled_shapes_by_flops():
 
 def test_compute_is_piecewise_linear_through_the_samples_and_recompute_records():
     # a cache step between 2 and 4 rows: a line through all samples would miss both ends
-    doc = {"format": "oases-profile", "version": 1, "device": {"name": "x"}, "flops_per_s": 1e9, "element_bytes": 4,
-           "compute": [{"sublayer": "mlp", "tp": 1, "rows": r, "seq_len": 4, "hidden": 8, "heads": 4, "ffn_hidden": 32,
-                        "forward_s": f, "backward_s": 2 * f, "record_s": 1.5 * f}
-                       for r, f in ((1, 1.0), (2, 2.0), (4, 8.0))],
-           "collectives": {}}
+    doc = {
+        "format": "oases-profile",
+        "version": 1,
+        "device": {"name": "x"},
+        "flops_per_s": 1e9,
+        "element_bytes": 4,
+        "compute": [
+            {
+                "sublayer": "mlp",
+                "tp": 1,
+                "rows": r,
+                "seq_len": 4,
+                "hidden": 8,
+                "heads": 4,
+                "ffn_hidden": 32,
+                "forward_s": f,
+                "backward_s": 2 * f,
+                "record_s": 1.5 * f,
+            }
+            for r, f in ((1, 1.0), (2, 2.0), (4, 8.0))
+        ],
+        "collectives": {},
+    }
     prof = profile_from_dict(doc)
     tokens = lambda rows: rows * TINY.seq_len  # noqa: E731
     assert prof.compute_time("mlp", TINY, tokens(4), 1, "forward") == pytest.approx(8.0)
-    assert prof.compute_time("mlp", TINY, tokens(3), 1, "forward") == pytest.approx(5.0)     # between 2 and 4 rows
-    assert prof.compute_time("mlp", TINY, tokens(8), 1, "backward") == pytest.approx(32.0)   # beyond: proportional
-    assert prof.compute_time("mlp", TINY, tokens(0.5), 1, "forward") == pytest.approx(0.5)   # below: not under t/x
-    assert prof.compute_time("mlp", TINY, tokens(2), 1, "recompute") == pytest.approx(3.0)   # the recording forward
+    assert prof.compute_time("mlp", TINY, tokens(3), 1, "forward") == pytest.approx(5.0)  # between 2 and 4 rows
+    assert prof.compute_time("mlp", TINY, tokens(8), 1, "backward") == pytest.approx(32.0)  # beyond: proportional
+    assert prof.compute_time("mlp", TINY, tokens(0.5), 1, "forward") == pytest.approx(0.5)  # below: not under t/x
+    assert prof.compute_time("mlp", TINY, tokens(2), 1, "recompute") == pytest.approx(3.0)  # the recording forward
     del doc["compute"][0]["record_s"]  # profiles without it: recomputation costs the forward
     assert profile_from_dict(doc).compute_time("mlp", TINY, tokens(1), 1, "recompute") == pytest.approx(1.0)
 
@@ -146,8 +193,10 @@ def test_pass_boundaries_expose_the_shorter_of_a_unit_and_its_all_reduce():
 
 
 def _sp_profile(all_reduce_s: float, all_gather_s: float) -> Profile:
-    return replace(_profile(all_reduce_s), collectives={("all_reduce", 2): LinkFit(all_reduce_s, 1e30),
-                                                        ("all_gather", 2): LinkFit(all_gather_s, 1e30)})
+    return replace(
+        _profile(all_reduce_s),
+        collectives={("all_reduce", 2): LinkFit(all_reduce_s, 1e30), ("all_gather", 2): LinkFit(all_gather_s, 1e30)},
+    )
 
 
 def test_sequence_parallel_replaces_each_all_reduce_by_reduce_scatter_and_all_gathers():
@@ -184,8 +233,12 @@ def test_plan_chooses_sequence_parallel_when_it_is_faster_or_alone_fits(tmp_path
     assert fast_link.form_step_s["rs_ag"] >= fast_link.form_step_s["all_reduce"]
     # memory that holds the sequence-split activations only: TP 2 with sequence parallelism
     dense = P.plan(shape, device_memory="80GB", link="100gbit", **base)
-    sp = P.plan_degrees(P.Workload(shape, rows=4, tp=2, sequence_parallel=True), P.analytical_profile(
-        flops_per_s=100e12, link="100gbit"), float("inf"), degrees=(2,))
+    sp = P.plan_degrees(
+        P.Workload(shape, rows=4, tp=2, sequence_parallel=True),
+        P.analytical_profile(flops_per_s=100e12, link="100gbit"),
+        float("inf"),
+        degrees=(2,),
+    )
     budget = (sp.memory_bytes + dense.memory_bytes) / 2
     tight = P.plan(shape, device_memory=int(budget), link="100gbit", **base)
     assert tight.sequence_parallel and tight.tp == 2 and tight.memory_bytes <= budget
@@ -377,12 +430,37 @@ def test_plan_search_is_consistent_and_quick():
 
 def test_cli_writes_a_plan_that_oases_plan_load_reads(tmp_path, capsys):
     config = tmp_path / "model.json"  # a Hugging Face config.json
-    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 1024,
-                                  "num_attention_heads": 16, "intermediate_size": 2816,
-                                  "max_position_embeddings": 1024, "vocab_size": 32000}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 8,
+                "hidden_size": 1024,
+                "num_attention_heads": 16,
+                "intermediate_size": 2816,
+                "max_position_embeddings": 1024,
+                "vocab_size": 32000,
+            }
+        )
+    )
     out = tmp_path / "plan.json"
-    code = cli_main(["plan", "--model", str(config), "--world", "4", "--device-memory", "8GB", "--link", "10gbit",
-                     "--batch", "8", "--out", str(out)])
+    code = cli_main(
+        [
+            "plan",
+            "--model",
+            str(config),
+            "--world",
+            "4",
+            "--device-memory",
+            "8GB",
+            "--link",
+            "10gbit",
+            "--batch",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0 and capsys.readouterr().out
     expected = P.plan(P.load_model(str(config)), world=4, device_memory="8GB", link="10gbit", batch=8)
     assert oases.plan.load(str(out)) == list(expected.tp_degrees)
@@ -390,13 +468,16 @@ def test_cli_writes_a_plan_that_oases_plan_load_reads(tmp_path, capsys):
     assert doc["model"]["layers"] == 8 and doc["dp"] * doc["pp"] * doc["tp"] == 4
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--model", "no-such-model"], "model"),
-    (["--device-memory", "24 parsecs"], "device_memory"),
-    (["--link", "fast"], "link"),
-    (["--world", "0"], "world"),
-    (["--device-memory", "1MB"], "device_memory"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--model", "no-such-model"], "model"),
+        (["--device-memory", "24 parsecs"], "device_memory"),
+        (["--link", "fast"], "link"),
+        (["--world", "0"], "world"),
+        (["--device-memory", "1MB"], "device_memory"),
+    ],
+)
 def test_cli_bad_input_names_the_argument(tmp_path, capsys, argv, named):
     base = {"--model": "gpt2-small", "--world": "4", "--device-memory": "16GB", "--link": "10gbit"}
     base.update(dict(zip(argv[::2], argv[1::2])))
@@ -417,10 +498,27 @@ def test_cli_closed_pipe_ends_quietly(tmp_path):
     """`oases plan ... | head`: the reader is gone before the table is printed; the plan is still
     written, the exit code is 0 and nothing is printed on stderr."""
     out = tmp_path / "plan.json"
-    code = ("import sys; from oases.cli import main; sys.exit(main(sys.argv[1:]))")
-    process = subprocess.Popen([sys.executable, "-c", code, "plan", "--model", "gpt2-small", "--world", "4",
-                                "--device-memory", "16GB", "--link", "10gbit", "--out", str(out)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code = "import sys; from oases.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "plan",
+            "--model",
+            "gpt2-small",
+            "--world",
+            "4",
+            "--device-memory",
+            "16GB",
+            "--link",
+            "10gbit",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     process.stdout.close()  # the reader leaves before the first line
     err = process.stderr.read().decode()
     assert process.wait(timeout=120) == 0, err
@@ -446,8 +544,9 @@ def test_bad_inputs_raise_naming_the_argument(tmp_path):
 
 def test_memory_phases_by_hand():
     """oases.planner.memory on a hand-computed Llama-like shape: the parts, ZeRO's 1/dp, the phases."""
-    shape = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32, kv_heads=2,
-                         gated_mlp=True)
+    shape = P.ModelShape(
+        layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32, kv_heads=2, gated_mlp=True
+    )
     layer, vocab = shape.layer_parameters(), 2 * 16 * 8
     rest = shape.embedding_parameters() - vocab  # positions (seq_len * hidden) and the final norm
     plain = P.rank_memory(shape, P.MemoryJob(rows=2, tp=2))
@@ -459,11 +558,11 @@ def test_memory_phases_by_hand():
     assert P.cost.kept_input_bytes(work, 2, 4) == kept
     assert plain.activations == pytest.approx(2 * kept + P.cost.buffer_bytes(work, 2, 4) + 2 * 1 * 4 * 16 * 4 / 2)
     # the largest tensors here are the MLP's [32, 8] (the embedding is [16, 8]):
-    assert plain.read_pretrained == 8 * 32 * 4               # down_proj's column half maps all of it
-    assert plain.read_chunk == 2 * 32 * 8 / 2 * 4             # DCP: the shard's bytes and its tensor
-    assert plain.write_full == (32 * 8 + 32 * 8 / 2) * 4      # gathered tensor + one received shard
+    assert plain.read_pretrained == 8 * 32 * 4  # down_proj's column half maps all of it
+    assert plain.read_chunk == 2 * 32 * 8 / 2 * 4  # DCP: the shard's bytes and its tensor
+    assert plain.write_full == (32 * 8 + 32 * 8 / 2) * 4  # gathered tensor + one received shard
     wide = P.rank_memory(replace(shape, vocab_size=128), P.MemoryJob(rows=2, tp=2))
-    assert wide.read_pretrained == 128 * 8 / 2 * 4            # the embedding's rows: a contiguous half
+    assert wide.read_pretrained == 128 * 8 / 2 * 4  # the embedding's rows: a contiguous half
     zero = P.rank_memory(shape, P.MemoryJob(rows=2, dp=2, zero=True))
     adamw = P.rank_memory(shape, P.MemoryJob(rows=2, dp=2))
     assert zero.optimizer_states == adamw.optimizer_states / 2 and zero.write_full == 0
@@ -481,11 +580,11 @@ def test_memory_phases_by_hand():
     peak = {p.phase: p.peak_bytes for p in phases}
     assert peak["train"] == plain.states + plain.gradients + max(plain.activations, plain.step_transient)
     small = P.MemoryJob(rows=2, dp=2, bucket_bytes=100, in_flight=3)  # [32, 8] fp32 = 1024 bytes > 100
-    assert P.rank_memory(shape, small).sync_in_flight == 1024 + 2 * 100     # the largest bucket + 2 more
+    assert P.rank_memory(shape, small).sync_in_flight == 1024 + 2 * 100  # the largest bucket + 2 more
     zero_small = P.rank_memory(shape, replace(small, zero=True))
-    assert zero_small.sync_in_flight == (1024 + 2 * 100) * 1.5              # padded blocks + received rows
+    assert zero_small.sync_in_flight == (1024 + 2 * 100) * 1.5  # padded blocks + received rows
     assert zero_small.gradient_rows == 4 * zero_small.parameters / 2
-    assert zero_small.step_transient == max(2 * 1024 / 2, 1.5 * 1024)       # the all-gather's buffers win
+    assert zero_small.step_transient == max(2 * 1024 / 2, 1.5 * 1024)  # the all-gather's buffers win
     with pytest.raises(ValueError, match="optimizer"):
         P.MemoryJob(rows=1, optimizer="lamb")
     with pytest.raises(ValueError, match="tp"):
@@ -493,9 +592,19 @@ def test_memory_phases_by_hand():
 
 
 def test_shape_from_config():
-    shape = P.shape_from_config({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64,
-                                 "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
-                                 "vocab_size": 128, "max_position_embeddings": 2048}, seq_len=16)
+    shape = P.shape_from_config(
+        {
+            "model_type": "llama",
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 176,
+            "vocab_size": 128,
+            "max_position_embeddings": 2048,
+        },
+        seq_len=16,
+    )
     assert (shape.layers, shape.hidden, shape.kv_heads, shape.ffn_hidden, shape.seq_len) == (2, 64, 2, 176, 16)
     assert shape.gated_mlp and shape.vocab_size == 128
     with pytest.raises(TypeError):
@@ -504,8 +613,18 @@ def test_shape_from_config():
 
 # ---- mixture of experts --------------------------------------------------------------------------
 # h 8, 4 heads (head_dim 2), SwiGLU experts of width 16, 4 experts, top-2, a shared MLP of width 8
-MOE = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=16, gated_mlp=True,
-                   experts=4, experts_per_token=2, shared_ffn_hidden=8)
+MOE = P.ModelShape(
+    layers=2,
+    hidden=8,
+    heads=4,
+    seq_len=4,
+    vocab_size=16,
+    ffn_hidden=16,
+    gated_mlp=True,
+    experts=4,
+    experts_per_token=2,
+    shared_ffn_hidden=8,
+)
 
 
 def test_moe_parameters_and_flops_by_hand():
@@ -539,7 +658,8 @@ def test_moe_invariants_against_dense():
     # one expert, every token through it: the dense MLP plus a router [h, 1]
     assert one.flops("mlp", 12, 2) == dense.flops("mlp", 12, 2) + 2 * 12 * 8 * 1
     assert one.parameters("mlp") == dense.parameters("mlp") + 8 and one.parameters("attention") == dense.parameters(
-        "attention")
+        "attention"
+    )
     # k = E: every expert runs on every token, as a dense MLP E times as wide (plus the router)
     all_of = replace(MOE, experts_per_token=4, shared_ffn_hidden=0)
     assert all_of.flops("mlp", 12, 2) == replace(dense, ffn_hidden=4 * 16).flops("mlp", 12, 2) + 2 * 12 * 8 * 4
@@ -547,8 +667,10 @@ def test_moe_invariants_against_dense():
     wide = replace(MOE, experts=8)
     assert wide.flops("mlp", 12, 2) - MOE.flops("mlp", 12, 2) == 2 * 12 * 8 * 4
     for tp in (1, 2):
-        grown = P.rank_memory(wide, P.MemoryJob(rows=2, tp=tp)).parameters - P.rank_memory(
-            MOE, P.MemoryJob(rows=2, tp=tp)).parameters
+        grown = (
+            P.rank_memory(wide, P.MemoryJob(rows=2, tp=tp)).parameters
+            - P.rank_memory(MOE, P.MemoryJob(rows=2, tp=tp)).parameters
+        )
         assert grown == 2 * (4 * 408 / tp + 4 * 8)  # 2 layers: 4 experts split over tp, their router rows replicated
 
 
@@ -576,8 +698,15 @@ def test_moe_rank_memory_at_tp_1_and_2_by_hand():
 
 def _moe_profile(a: float) -> Profile:
     """1 FLOP/s, no compute samples, an all-reduce of `a` seconds (latency only) on 2 ranks."""
-    return Profile(device="test", flops_per_s=1.0, link_bytes_per_s=1e3, latency_s=0.0, element_bytes=4,
-                   head=((1, 0.0, 0.0),), collectives={("all_reduce", 2): LinkFit(a, 1e30)})
+    return Profile(
+        device="test",
+        flops_per_s=1.0,
+        link_bytes_per_s=1e3,
+        latency_s=0.0,
+        element_bytes=4,
+        head=((1, 0.0, 0.0),),
+        collectives={("all_reduce", 2): LinkFit(a, 1e30)},
+    )
 
 
 def test_moe_layer_cost_adds_the_router_gradient_all_reduce():
@@ -604,16 +733,40 @@ def test_moe_mlp_is_not_timed_by_a_dense_sample_of_its_width():
 
 
 def test_moe_shapes_from_hugging_face_configs():
-    mixtral = P.shape_from_config({"model_type": "mixtral", "num_hidden_layers": 2, "hidden_size": 64,
-                                   "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 112,
-                                   "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
-                                   "vocab_size": 128, "max_position_embeddings": 256}, seq_len=16)
+    mixtral = P.shape_from_config(
+        {
+            "model_type": "mixtral",
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 112,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "hidden_act": "silu",
+            "vocab_size": 128,
+            "max_position_embeddings": 256,
+        },
+        seq_len=16,
+    )
     assert (mixtral.experts, mixtral.experts_per_token, mixtral.ffn_hidden, mixtral.shared_ffn_hidden) == (8, 2, 112, 0)
     assert mixtral.gated_mlp and mixtral.kv_heads == 2 and mixtral.seq_len == 16
-    qwen = {"model_type": "qwen2_moe", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-            "intermediate_size": 176, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 128,
-            "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
-            "hidden_act": "silu", "vocab_size": 128, "max_position_embeddings": 256}
+    qwen = {
+        "model_type": "qwen2_moe",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "intermediate_size": 176,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "vocab_size": 128,
+        "max_position_embeddings": 256,
+    }
     shape = P.shape_from_config(qwen)
     assert (shape.experts, shape.experts_per_token, shape.ffn_hidden, shape.shared_ffn_hidden) == (8, 2, 32, 128)
     qwen3 = {k: v for k, v in qwen.items() if k != "shared_expert_intermediate_size"}
@@ -622,17 +775,32 @@ def test_moe_shapes_from_hugging_face_configs():
     assert P.shape_from_config(dict(qwen, decoder_sparse_step=2)).experts == 8
     assert P.shape_from_config(dict(qwen, mlp_only_layers=[0])).experts == 8
     # no layer MoE: the dense MLP of intermediate_size
-    for dense in (dict(qwen, mlp_only_layers=[0, 1, 2, 3]), dict(qwen, decoder_sparse_step=5),
-                  dict(qwen, num_experts=0)):
+    for dense in (
+        dict(qwen, mlp_only_layers=[0, 1, 2, 3]),
+        dict(qwen, decoder_sparse_step=5),
+        dict(qwen, num_experts=0),
+    ):
         shape = P.shape_from_config(dense)
         assert (shape.experts, shape.experts_per_token, shape.shared_ffn_hidden, shape.ffn_hidden) == (0, 0, 0, 176)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         P.shape_from_config({k: v for k, v in qwen.items() if k != "num_experts_per_tok"})
     with pytest.raises(ValueError, match="decoder_sparse_step"):
         P.shape_from_config(dict(qwen, decoder_sparse_step=0))
-    ours = P.shape_from_config({"layers": 2, "hidden": 8, "heads": 4, "seq_len": 4, "vocab_size": 16,
-                                "ffn_hidden": 16, "gated_mlp": True, "experts": 4, "experts_per_token": 2,
-                                "shared_ffn_hidden": 8, "name": "custom"})
+    ours = P.shape_from_config(
+        {
+            "layers": 2,
+            "hidden": 8,
+            "heads": 4,
+            "seq_len": 4,
+            "vocab_size": 16,
+            "ffn_hidden": 16,
+            "gated_mlp": True,
+            "experts": 4,
+            "experts_per_token": 2,
+            "shared_ffn_hidden": 8,
+            "name": "custom",
+        }
+    )
     assert ours == MOE and P.shape_from_config(MOE.to_dict()) == MOE
 
 
@@ -649,13 +817,41 @@ def test_moe_bad_shapes_name_the_field():
 
 def test_cli_plans_a_mixtral_config(tmp_path):
     config = tmp_path / "mixtral.json"  # a Mixtral-like config.json, scaled down
-    config.write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 4, "hidden_size": 1024,
-                                  "num_attention_heads": 16, "num_key_value_heads": 4, "intermediate_size": 3584,
-                                  "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu",
-                                  "max_position_embeddings": 1024, "vocab_size": 32000}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "mixtral",
+                "num_hidden_layers": 4,
+                "hidden_size": 1024,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "intermediate_size": 3584,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "hidden_act": "silu",
+                "max_position_embeddings": 1024,
+                "vocab_size": 32000,
+            }
+        )
+    )
     out = tmp_path / "plan.json"
-    code = cli_main(["plan", "--model", str(config), "--world", "4", "--device-memory", "8GB", "--link", "10gbit",
-                     "--batch", "8", "--out", str(out)])
+    code = cli_main(
+        [
+            "plan",
+            "--model",
+            str(config),
+            "--world",
+            "4",
+            "--device-memory",
+            "8GB",
+            "--link",
+            "10gbit",
+            "--batch",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     doc = oases.plan.read(str(out))
     assert (doc["model"]["experts"], doc["model"]["experts_per_token"], doc["model"]["ffn_hidden"]) == (8, 2, 3584)

@@ -5,6 +5,7 @@ TP 2 and 4) untied in one file, the same in several files with an index, tied
 (tie_word_embeddings=True, no lm_head.weight in the file) and in bf16. The single-process
 `LlamaForCausalLM.from_pretrained` of each gives the logits a TP model loaded from it must give.
 """
+
 import importlib.util
 import json
 import os
@@ -32,9 +33,16 @@ SMALL = 40_000  # bytes per file: ~9 files for the tiny Llama
 def _llama(seed, tied=False, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=2,
-                  intermediate_size=128, vocab_size=128, max_position_embeddings=64,
-                  attn_implementation="eager")
+    config = dict(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**{**config, **kw}, tie_word_embeddings=tied))
 
@@ -106,6 +114,7 @@ def hf_dirs(tmp_path_factory):
 
 # --- load: transformers' directories at TP 2 and 4 --------------------------------------------------
 
+
 def _check_load(rank, p, dirs, out):
     for name, (path, tied, want) in dirs.items():
         model = _parallelize(_llama(7, tied))  # another seed: every value must come from the file
@@ -138,8 +147,10 @@ def _check_replicas(rank, p, out):
 
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
-    for name, model in (("pairs", _parallelize(_llama(3), pair)),
-                        ("degrees", _parallelize(_llama(3), tp_degrees=[2, 4]))):
+    for name, model in (
+        ("pairs", _parallelize(_llama(3), pair)),
+        ("degrees", _parallelize(_llama(3), tp_degrees=[2, 4])),
+    ):
         _train_step(model)
         full = oases.full_state_dict(model)
         where = os.path.join(out, name)
@@ -160,6 +171,7 @@ def _check_replicas(rank, p, out):
 
 
 # --- save at TP 2: transformers loads it --------------------------------------------------------------
+
 
 def _check_save(rank, p, out):
     saved = {}
@@ -214,6 +226,7 @@ def _assert_transformers_loads(tmp_path):
 
 # --- bad input: the same error on every rank, the model untouched -----------------------------------
 
+
 def _check_errors(rank, p, dirs, tmp):
     path = dirs["untied"][0]
     model = _parallelize(_llama(5))
@@ -234,17 +247,26 @@ def _check_errors(rank, p, dirs, tmp):
         oases.load_pretrained(model, broken)
 
     deeper = _parallelize(_llama(5, num_hidden_layers=3))
-    with pytest.raises(ValueError, match=r"nothing was loaded:\n  missing keys: model\.layers\.2\.self_attn\.q_proj"
-                                         r"\.weight, .*, model\.layers\.2\.post_attention_layernorm\.weight$"):
+    with pytest.raises(
+        ValueError,
+        match=r"nothing was loaded:\n  missing keys: model\.layers\.2\.self_attn\.q_proj"
+        r"\.weight, .*, model\.layers\.2\.post_attention_layernorm\.weight$",
+    ):
         oases.load_pretrained(deeper, path)
     shallower = _parallelize(_llama(5, num_hidden_layers=1))
-    with pytest.raises(ValueError, match=r"nothing was loaded:\n  unexpected keys: model\.layers\.1\.input_layernorm"
-                                         r"\.weight, .*, model\.layers\.1\.self_attn\.v_proj\.weight$"):
+    with pytest.raises(
+        ValueError,
+        match=r"nothing was loaded:\n  unexpected keys: model\.layers\.1\.input_layernorm"
+        r"\.weight, .*, model\.layers\.1\.self_attn\.v_proj\.weight$",
+    ):
         oases.load_pretrained(shallower, path)
     wider = _parallelize(_llama(5, hidden_size=128))
-    with pytest.raises(ValueError, match=rf"model\.layers\.0\.self_attn\.q_proj\.weight: safetensors has shape "
-                                         rf"\(64, 64\), the model expects \(128, 128\) \(unsharded; this rank "
-                                         rf"holds \({128 // p}, 128\) of it at TP={p}\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"model\.layers\.0\.self_attn\.q_proj\.weight: safetensors has shape "
+        rf"\(64, 64\), the model expects \(128, 128\) \(unsharded; this rank "
+        rf"holds \({128 // p}, 128\) of it at TP={p}\)",
+    ):
         oases.load_pretrained(wider, path, strict=False)  # shapes are checked regardless
     with pytest.raises(FileExistsError, match="is a file"):
         oases.save_pretrained(model, os.path.join(path, "config.json"))
@@ -266,6 +288,7 @@ def _check_errors(rank, p, dirs, tmp):
 
 
 # --- the runs: importing transformers costs each rank ~6 s, so few runs with many checks -------------
+
 
 def _tp2(rank, p, dirs, out):
     _check_load(rank, p, dirs, out)
@@ -292,6 +315,7 @@ def test_load_at_tp4_and_save_from_replicas(hf_dirs, tmp_path):
 
 
 # --- one process, no process group: a plain model ---------------------------------------------------
+
 
 def test_plain_model_without_a_process_group(hf_dirs, tmp_path):
     from transformers import LlamaForCausalLM

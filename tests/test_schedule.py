@@ -1,4 +1,5 @@
 """Every schedule trains the TP GPT exactly like the single-process model: loss, every gradient."""
+
 import pytest
 import torch
 
@@ -36,14 +37,21 @@ def _check_schedules(rank, world_size, cases):
             recompute = recompute[0] if recompute else True
             model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel, sequence_parallel=sp)
             loss = model.train_step(tokens, targets, dropout_seed=dropout_seed, recompute=recompute)
-            where = (f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} "
-                     f"vocab_parallel={vocab_parallel} sequence_parallel={sp} recompute={recompute}")
+            where = (
+                f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} "
+                f"vocab_parallel={vocab_parallel} sequence_parallel={sp} recompute={recompute}"
+            )
             if vocab_parallel:
                 assert model.wte.weight.shape[0] == config.vocab_size // world_size
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}")
             for name, p in model.named_parameters():
-                torch.testing.assert_close(p.grad, model.shard_of(name, want_grads[name]), rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"{where}: grad of {name}: {m}")
+                torch.testing.assert_close(
+                    p.grad,
+                    model.shard_of(name, want_grads[name]),
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m: f"{where}: grad of {name}: {m}",
+                )
     return True
 
 
@@ -95,10 +103,16 @@ def test_oases_moves_two_thirds_of_megatrons_bytes():
     # adjoint before the embedding, and one all-reduce of the norms' and biases' gradients.
     calls, sent = counts["oases-sp"]
     sublayers, norm_and_bias = 2 * layers, 3 * CONFIG["hidden"] * 4
-    assert calls == {"forward": 2 * 2 * sublayers + 2, "recompute": 2 * sublayers,
-                     "backward": 2 * 2 * sublayers + 2 + 1}
-    assert sent == {"forward": sublayers * activation + activation // 2, "recompute": sublayers * activation // 2,
-                    "backward": sublayers * activation + activation // 2 + sublayers * norm_and_bias}
+    assert calls == {
+        "forward": 2 * 2 * sublayers + 2,
+        "recompute": 2 * sublayers,
+        "backward": 2 * 2 * sublayers + 2 + 1,
+    }
+    assert sent == {
+        "forward": sublayers * activation + activation // 2,
+        "recompute": sublayers * activation // 2,
+        "backward": sublayers * activation + activation // 2 + sublayers * norm_and_bias,
+    }
 
 
 def test_batch_smaller_than_sub_batches_is_rejected():
@@ -124,7 +138,6 @@ def test_dropout_masks_agree_across_ranks_without_a_seed():
     run_ranks(_check_shared_dropout_seed, 2)
 
 
-
 def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want_shifted, want_logits, want_state):
     """At TP > 1, model(tokens, targets).backward() and every sub-batch count give the golden gradients;
     oases.train_step(gpt, ...) gives Hugging Face's shifted loss."""
@@ -148,8 +161,13 @@ def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want
     for where, got, m in cases:
         torch.testing.assert_close(got, want_loss, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{where}: loss {msg}")
         for name, p in m.named_parameters():
-            torch.testing.assert_close(p.grad, m.shard_of(name, want_grads[name]), rtol=1e-4, atol=1e-6,
-                                       msg=lambda msg: f"{where}: grad of {name}: {msg}")
+            torch.testing.assert_close(
+                p.grad,
+                m.shard_of(name, want_grads[name]),
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda msg: f"{where}: grad of {name}: {msg}",
+            )
     for vocab_parallel in (False, True):
         m = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel)
         shifted = oases.train_step(m, tokens, targets, schedule="cross_pass", sub_batches=2)

@@ -5,6 +5,7 @@ every parameter's gradient (its shard), the logits, the initialisation, the unsh
 and the clipped gradient norm, for mixed plans on 2 and 4 ranks, with batches the replicas divide
 and batches they do not (blocks of unequal size: 5 rows over 2 replicas are 2 + 3).
 """
+
 import io
 import json
 
@@ -62,8 +63,13 @@ def _check_plan(degrees, gold, gold_dropout, batch=BATCH):
     model = GPT(config, tp_degrees=degrees, seed=SEED)
     if batch == BATCH:  # the initialisation and the checkpoints (not the batch's business), once per plan
         for name, p in model.named_parameters():  # the full model's initialisation, sharded per layer
-            torch.testing.assert_close(p, model.shard_of(name, gold["state"][name]), rtol=0, atol=0,
-                                       msg=lambda m: f"{where}: init of {name}: {m}")
+            torch.testing.assert_close(
+                p,
+                model.shard_of(name, gold["state"][name]),
+                rtol=0,
+                atol=0,
+                msg=lambda m: f"{where}: init of {name}: {m}",
+            )
         full = oases.full_state_dict(model)
         assert full.keys() == gold["state"].keys()
         for key, value in full.items():
@@ -93,9 +99,14 @@ def _check_plan(degrees, gold, gold_dropout, batch=BATCH):
 def _bad_arguments(world_size):
     """Every rank raises the same error before any communication (the run would hang otherwise)."""
     config = GPTConfig(**CONFIG)
-    bad = [([3, 1, 1, 1], ValueError, "tp_degrees\\[0\\]"), ([1, 2], ValueError, "one degree per layer"),
-           ([2 * world_size] * 4, ValueError, "power of two dividing"), ([0, 1, 1, 1], ValueError, "tp_degrees"),
-           ("1221", TypeError, "tp_degrees"), ([1.0, 1, 1, 1], TypeError, "tp_degrees\\[0\\]")]
+    bad = [
+        ([3, 1, 1, 1], ValueError, "tp_degrees\\[0\\]"),
+        ([1, 2], ValueError, "one degree per layer"),
+        ([2 * world_size] * 4, ValueError, "power of two dividing"),
+        ([0, 1, 1, 1], ValueError, "tp_degrees"),
+        ("1221", TypeError, "tp_degrees"),
+        ([1.0, 1, 1, 1], TypeError, "tp_degrees\\[0\\]"),
+    ]
     for degrees, error, match in bad:
         with pytest.raises(error, match=match):
             GPT(config, tp_degrees=degrees)
@@ -107,9 +118,9 @@ def _bad_arguments(world_size):
     with pytest.raises(ValueError, match="sub_batches"):
         model.train_step(tokens, targets, sub_batches=9)
     with pytest.raises(ValueError, match=f"at least {world_size} rows"):  # a replica would get no row
-        model.train_step(tokens[:world_size - 1], targets[:world_size - 1], sub_batches=1)
+        model.train_step(tokens[: world_size - 1], targets[: world_size - 1], sub_batches=1)
     with pytest.raises(ValueError, match=f"got batch size {world_size - 1} \\(use at least {world_size} rows\\)"):
-        model(tokens[:world_size - 1])
+        model(tokens[: world_size - 1])
     with pytest.raises(ValueError, match="sequence_parallel"):  # the schedules run tp_degrees without SP
         oases.train_step(model, tokens, targets, sequence_parallel=True)
 
@@ -135,23 +146,51 @@ def _plan_file(tmp_path, world_size):
     model = tmp_path / "model.json"
     model.write_text(json.dumps(CONFIG))  # GPTConfig's fields
     out = tmp_path / "plan.json"
-    assert cli_main(["plan", "--model", str(model), "--world", str(world_size), "--device-memory", "1GB",
-                     "--link", "1gbit", "--batch", str(BATCH), "--tp-max", str(world_size), "--out", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "plan",
+                "--model",
+                str(model),
+                "--world",
+                str(world_size),
+                "--device-memory",
+                "1GB",
+                "--link",
+                "1gbit",
+                "--batch",
+                str(BATCH),
+                "--tp-max",
+                str(world_size),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return str(out)
 
 
 # (degrees, batch): batches of 5 and 7 rows split unevenly over 2 and 4 replicas (7 over 4: 1 + 2 + 2 + 2,
 # over 2: 3 + 4); 5 rows in 2 sub-batches (2 + 3) over 2 replicas: 1 + 1 and 1 + 2.
-@pytest.mark.parametrize("world_size, plans", [
-    (2, [([1, 2, 2, 1], 4), ([1, 2, 2, 1], 5)]),
-    (4, [([2, 4, 4, 2], 4), ([4, 1, 2, 4], 4), ([1, 2, 4, 1], 7), ([2, 4, 1, 2], 5)]),
-])
+@pytest.mark.parametrize(
+    "world_size, plans",
+    [
+        (2, [([1, 2, 2, 1], 4), ([1, 2, 2, 1], 5)]),
+        (4, [([2, 4, 4, 2], 4), ([4, 1, 2, 4], 4), ([1, 2, 4, 1], 7), ([2, 4, 1, 2], 5)]),
+    ],
+)
 def test_per_layer_degrees_match_single_process(world_size, plans, tmp_path, capsys):
     plan_path = _plan_file(tmp_path, world_size) if world_size == 2 else None
     capsys.readouterr()
     golden = io.BytesIO()  # as bytes: each tensor passed to a rank would cost a file descriptor
-    torch.save({b: (_golden(GPTConfig(**CONFIG), b), _golden(GPTConfig(**CONFIG, dropout=0.25), b, DROPOUT_SEED))
-                for b in {BATCH, *(b for _, b in plans)}}, golden)
+    torch.save(
+        {
+            b: (_golden(GPTConfig(**CONFIG), b), _golden(GPTConfig(**CONFIG, dropout=0.25), b, DROPOUT_SEED))
+            for b in {BATCH, *(b for _, b in plans)}
+        },
+        golden,
+    )
     run_ranks(_ranks_main, world_size, plans, plan_path, golden.getvalue(), timeout=90)
 
 

@@ -8,6 +8,7 @@ Then Hugging Face models after oases.parallelize(model, tp_degrees=[...]) agains
 model's own forward and loss.backward(), with left padding (per-row masks that matter). Some
 sub-batches' rows do not divide over the replicas (3 rows over 2: 1 + 2), so blocks differ in size.
 """
+
 import io
 
 import pytest
@@ -95,8 +96,9 @@ def _bad_arguments(world_size, degrees, batch):
     most = world_size // min(degrees)
     small = most * 2 - 1 if most > 1 else None  # two sub-batches whose rows do not split into the replicas
     if small is not None:
-        with pytest.raises(ValueError, match=f"gives \\[{most - 1}, {most}\\] rows \\(use a batch of at least "
-                                             f"{2 * most} rows"):
+        with pytest.raises(
+            ValueError, match=f"gives \\[{most - 1}, {most}\\] rows \\(use a batch of at least {2 * most} rows"
+        ):
             oases.train_step(model, ids[:small], labels[:small], schedule="oases")
     with pytest.raises(ValueError, match="sequence_parallel"):
         oases.train_step(model, ids, labels, sequence_parallel=True)
@@ -150,10 +152,13 @@ def _ranks_main(rank, world_size, plans, golden_bytes):
 # (degrees, batch, sub_batches for the extra oases / merak runs); the schedules' own split is 1
 # (megatron) or 2. Uneven blocks: 6 rows in 2 sub-batches of 3 over 2 replicas; 9 rows in 2 (4 + 5)
 # and 1 over 4 replicas (over 2: 4 + 5 -> 2 + 2 and 2 + 3).
-@pytest.mark.parametrize("world_size, plans", [
-    (2, [([1, 2, 2, 1], 4, 1), ([2, 1, 1, 2], 8, 4), ([1, 2, 2, 1], 6, 3)]),
-    (4, [([2, 4, 4, 2], 4, 1), ([4, 1, 2, 4], 8, 1), ([1, 2, 4, 1], 9, 1)]),
-])
+@pytest.mark.parametrize(
+    "world_size, plans",
+    [
+        (2, [([1, 2, 2, 1], 4, 1), ([2, 1, 1, 2], 8, 4), ([1, 2, 2, 1], 6, 3)]),
+        (4, [([2, 4, 4, 2], 4, 1), ([4, 1, 2, 4], 8, 1), ([1, 2, 4, 1], 9, 1)]),
+    ],
+)
 def test_tp_degrees_on_every_schedule_match_single_process(world_size, plans):
     golden = {}
     for _, batch, _ in plans:
@@ -166,8 +171,14 @@ def test_tp_degrees_on_every_schedule_match_single_process(world_size, plans):
 
 # ---- Hugging Face models after oases.parallelize(model, tp_degrees=[...]) -------------------------------
 
-HF_SMALL = dict(hidden_size=64, intermediate_size=128, vocab_size=96, max_position_embeddings=64,
-                tie_word_embeddings=False, attn_implementation="eager")
+HF_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    vocab_size=96,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+)
 
 
 def _hf_model(kind, layers, heads, kv_heads):
@@ -180,9 +191,16 @@ def _hf_model(kind, layers, heads, kv_heads):
     if kind == "qwen2":  # q/k/v with biases
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**HF_SMALL, **attn))
     if kind == "neox":  # parallel residual, dense biases (plain at degree 1)
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
-            **HF_SMALL, num_hidden_layers=layers, num_attention_heads=heads, hidden_dropout=0.0,
-            attention_dropout=0.0, use_parallel_residual=True))
+        return tf.GPTNeoXForCausalLM(
+            tf.GPTNeoXConfig(
+                **HF_SMALL,
+                num_hidden_layers=layers,
+                num_attention_heads=heads,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                use_parallel_residual=True,
+            )
+        )
     raise AssertionError(kind)
 
 
@@ -193,7 +211,7 @@ def _hf_batch(b, t, padded):
     if padded:  # left padding of different lengths: the 4-d masks differ per row, and matter (with
         mask = torch.ones(b, t, dtype=torch.long)  # right padding a causal mask would hide the pads anyway)
         for i in range(b):
-            mask[i, :1 + i % 4] = 0
+            mask[i, : 1 + i % 4] = 0
         labels[mask == 0] = -100
     return ids, labels, mask
 
@@ -231,14 +249,21 @@ def _hf_ranks_main(rank, world_size, models, cases):
             out.loss.backward()
             want = {n: q.grad for n, q in ref.named_parameters()}
             loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask)
-            where = (f"rank {rank} {kind} tp_degrees={degrees} {schedule} sub_batches={sub_batches} b={b} "
-                     f"padded={padded}")
-            torch.testing.assert_close(loss, out.loss.detach(), rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{where}: loss {m}")
+            where = (
+                f"rank {rank} {kind} tp_degrees={degrees} {schedule} sub_batches={sub_batches} b={b} padded={padded}"
+            )
+            torch.testing.assert_close(
+                loss, out.loss.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: loss {m}"
+            )
             for name, q in tp.named_parameters():
                 assert q.grad is not None, f"{where}: {name} got no gradient"
-                torch.testing.assert_close(q.grad, _hf_expected(tp, name, want[name], degrees, rank, world_size),
-                                           rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: grad of {name}: {m}")
+                torch.testing.assert_close(
+                    q.grad,
+                    _hf_expected(tp, name, want[name], degrees, rank, world_size),
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m: f"{where}: grad of {name}: {m}",
+                )
         placements = tp.oases_layer_placements
         assert tuple(at.degree for at in placements.layers) == tuple(degrees)
         oases.train_step(tp, ids, labels, schedule="oases", attention_mask=mask)
@@ -246,10 +271,13 @@ def _hf_ranks_main(rank, world_size, models, cases):
     return True
 
 
-@pytest.mark.parametrize("world_size, models", [
-    (2, [("llama", 4, 2, [1, 2, 2, 1]), ("neox", 4, 4, [2, 1, 1, 2])]),
-    (4, [("qwen2", 4, 4, [4, 1, 2, 4])]),
-])
+@pytest.mark.parametrize(
+    "world_size, models",
+    [
+        (2, [("llama", 4, 2, [1, 2, 2, 1]), ("neox", 4, 4, [2, 1, 1, 2])]),
+        (4, [("qwen2", 4, 4, [4, 1, 2, 4])]),
+    ],
+)
 def test_parallelized_hf_models_with_tp_degrees_match_unsharded(world_size, models):
     pytest.importorskip("transformers")
     batch = 8 if world_size == 4 else 4

@@ -5,6 +5,7 @@ the unsharded model's own forward and loss.backward(); all-reduce counts per lay
 Each rank builds the whole model from a shared seed, keeps a copy as the reference, parallelizes
 the other, and compares the loss and every gradient (sliced by each module's tp_layout()).
 """
+
 import contextlib
 import copy
 import importlib.util
@@ -21,12 +22,20 @@ from oases.schedule import SCHEDULES, Communicator
 from _shards import expected_shard as _expected
 from _spawn import run_ranks
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=96,
-             max_position_embeddings=64, tie_word_embeddings=False, attn_implementation="eager")
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    vocab_size=96,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+)
 
 
 def _model(kind, heads=4, kv_heads=2, seed=0):
@@ -44,9 +53,15 @@ def _model(kind, heads=4, kv_heads=2, seed=0):
     if kind == "qwen3":  # per-head q/k norms
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, **attn, head_dim=64 // heads))
     if kind in ("neox", "neox-sequential"):
-        return tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
-            **SMALL, num_attention_heads=heads, hidden_dropout=0.0, attention_dropout=0.0,
-            use_parallel_residual=kind == "neox"))
+        return tf.GPTNeoXForCausalLM(
+            tf.GPTNeoXConfig(
+                **SMALL,
+                num_attention_heads=heads,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                use_parallel_residual=kind == "neox",
+            )
+        )
     raise AssertionError(kind)
 
 
@@ -58,7 +73,7 @@ def _batch(b, t, seed, padded):
     if padded:  # right padding of different lengths; padded labels ignored
         mask = torch.ones(b, t, dtype=torch.long)
         for i in range(b):
-            mask[i, t - i:] = 0
+            mask[i, t - i :] = 0
         labels[mask == 0] = -100
         labels[0, 3] = -100  # and one ignored token inside a sequence
     return ids, labels, mask
@@ -86,15 +101,29 @@ def _check_models(rank, world_size, models, cases, plan=None):
             ref.zero_grad(set_to_none=True)
             tp.zero_grad(set_to_none=True)
             want_loss, want_grads = _reference(ref, ids, labels, mask)
-            loss = oases.train_step(tp, ids, labels, schedule=schedule, sub_batches=sub_batches, attention_mask=mask,
-                                    sequence_parallel=sp, recompute=recompute)
-            where = (f"{kind} heads={heads}/{kv_heads} p={world_size} {schedule} sub_batches={sub_batches} "
-                     f"batch={b} padded={padded} sequence_parallel={sp} recompute={recompute}")
+            loss = oases.train_step(
+                tp,
+                ids,
+                labels,
+                schedule=schedule,
+                sub_batches=sub_batches,
+                attention_mask=mask,
+                sequence_parallel=sp,
+                recompute=recompute,
+            )
+            where = (
+                f"{kind} heads={heads}/{kv_heads} p={world_size} {schedule} sub_batches={sub_batches} "
+                f"batch={b} padded={padded} sequence_parallel={sp} recompute={recompute}"
+            )
             torch.testing.assert_close(loss, want_loss, **TOL, msg=lambda m: f"{where}: loss {m}")
             for name, param in tp.named_parameters():
                 assert param.grad is not None, f"{where}: {name} got no gradient"
-                torch.testing.assert_close(param.grad, _expected(tp, name, want_grads[name], rank, world_size),
-                                           **TOL, msg=lambda m: f"{where}: grad of {name}: {m}")
+                torch.testing.assert_close(
+                    param.grad,
+                    _expected(tp, name, want_grads[name], rank, world_size),
+                    **TOL,
+                    msg=lambda m: f"{where}: grad of {name}: {m}",
+                )
     return True
 
 
@@ -124,8 +153,11 @@ def _check_without_recomputation(rank, world_size):
     overlap unchanged; every schedule, padded, 3 sub-batches; "selective" likewise; refused with
     sequence parallelism and offload, on every rank before any communication."""
     cases = [(s, None, 4, True, False, "keep") for s in SCHEDULES] + [("oases", 3, 3, False, False, "keep")]
-    cases += [("oases", None, 4, True, False, "selective"), ("megatron", None, 3, False, False, "selective"),
-              ("oases", 3, 3, False, False, "selective")]
+    cases += [
+        ("oases", None, 4, True, False, "selective"),
+        ("megatron", None, 3, False, False, "selective"),
+        ("oases", 3, 3, False, False, "selective"),
+    ]
     _check_models(rank, world_size, [("llama", 4, 2), ("neox", 4, 4), ("qwen3", 4, 2)], cases)
     tp = _model("llama")
     with warnings.catch_warnings():
@@ -166,8 +198,9 @@ def _count_ops(rank, world_size):
     import transformers as tf
 
     torch.manual_seed(0)  # attention through scaled_dot_product_attention, to see it saved
-    tp = tf.LlamaForCausalLM(tf.LlamaConfig(**{**SMALL, "attn_implementation": "sdpa"}, num_attention_heads=4,
-                                            num_key_value_heads=2))
+    tp = tf.LlamaForCausalLM(
+        tf.LlamaConfig(**{**SMALL, "attn_implementation": "sdpa"}, num_attention_heads=4, num_key_value_heads=2)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
@@ -293,8 +326,11 @@ def test_all_reduces_per_layer():
     # the stacked [ln1 x, ln2 x] gradient in one call (twice an activation).
     calls, sent = counts["neox", "megatron"]
     assert calls == {"forward": layers, "recompute": layers, "backward": layers}
-    assert sent == {"forward": layers * activation, "recompute": layers * activation,
-                    "backward": 2 * layers * activation}
+    assert sent == {
+        "forward": layers * activation,
+        "recompute": layers * activation,
+        "backward": 2 * layers * activation,
+    }
     calls, _ = counts["neox", "oases"]
     assert calls == {"forward": 2 * layers, "backward": 2 * layers}
 
@@ -329,8 +365,14 @@ def _check_bad_input(rank, world_size):
     half = _model("llama")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        oases.parallelize(half, plan={"model.layers.0.*.o_proj": "row", "model.layers.0.*.down_proj": "row",
-                                      "model.layers.0.*_proj": "column"})
+        oases.parallelize(
+            half,
+            plan={
+                "model.layers.0.*.o_proj": "row",
+                "model.layers.0.*.down_proj": "row",
+                "model.layers.0.*_proj": "column",
+            },
+        )
     with pytest.raises(ValueError, match="decoder layer 1's LlamaAttention is not fully tensor-parallel"):
         oases.train_step(half, ids, labels)
 
@@ -354,10 +396,14 @@ def test_unknown_architecture_names_what_the_adapter_needs():
     import transformers as tf
 
     # its layers: base_model.encoder.layer
-    model = tf.BertForMaskedLM(tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=64, vocab_size=64))
-    with pytest.raises(ValueError, match=r"no adapter for BertForMaskedLM \(no decoder layers.*implement "
-                                         r"oases.schedule.Stack"):
+    model = tf.BertForMaskedLM(
+        tf.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"no adapter for BertForMaskedLM \(no decoder layers.*implement "
+        r"oases.schedule.Stack",
+    ):
         oases.train_step(model, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long))
 
 
@@ -380,8 +426,12 @@ def _check_nanogpt(rank, world_size):
         loss = oases.train_step(tp, idx, idx, schedule=schedule, sequence_parallel=sp)
         torch.testing.assert_close(loss, want_loss.detach(), **TOL)
         for name, param in tp.named_parameters():
-            torch.testing.assert_close(param.grad, _expected(tp, name, want[name], rank, world_size), **TOL,
-                                       msg=lambda m: f"nanoGPT {schedule} sp={sp} {name}: {m}")
+            torch.testing.assert_close(
+                param.grad,
+                _expected(tp, name, want[name], rank, world_size),
+                **TOL,
+                msg=lambda m: f"nanoGPT {schedule} sp={sp} {name}: {m}",
+            )
     return True
 
 
@@ -414,8 +464,12 @@ def _check_loss_fn_and_own_stack(rank, world_size):
     loss = oases.train_step(tp, ids, labels, schedule="oases", sub_batches=3, loss_fn=loss_fn)
     torch.testing.assert_close(loss, want.detach(), **TOL)
     for name, param in tp.named_parameters():
-        torch.testing.assert_close(param.grad, _expected(tp, name, dict(ref.named_parameters())[name].grad, rank,
-                                                         world_size), **TOL, msg=lambda m: f"loss_fn {name}: {m}")
+        torch.testing.assert_close(
+            param.grad,
+            _expected(tp, name, dict(ref.named_parameters())[name].grad, rank, world_size),
+            **TOL,
+            msg=lambda m: f"loss_fn {name}: {m}",
+        )
 
     class OwnStack:  # a user's own stack over the same sharded modules, as the README shows
         def __init__(self, model):
@@ -443,13 +497,22 @@ def _check_loss_fn_and_own_stack(rank, world_size):
     want.backward()
     for sp in (False, True):
         tp.zero_grad(set_to_none=True)
-        loss = oases.train_step(OwnStack(tp), ids, ids, schedule="oases", sequence_parallel=sp,
-                                comm=Communicator(dist.group.WORLD, world_size))
+        loss = oases.train_step(
+            OwnStack(tp),
+            ids,
+            ids,
+            schedule="oases",
+            sequence_parallel=sp,
+            comm=Communicator(dist.group.WORLD, world_size),
+        )
         torch.testing.assert_close(loss, want.detach(), **TOL)
         for name, param in tp.named_parameters():
-            torch.testing.assert_close(param.grad, _expected(tp, name, dict(ref.named_parameters())[name].grad,
-                                                             rank, world_size), **TOL,
-                                       msg=lambda m: f"own stack sp={sp} {name}: {m}")
+            torch.testing.assert_close(
+                param.grad,
+                _expected(tp, name, dict(ref.named_parameters())[name].grad, rank, world_size),
+                **TOL,
+                msg=lambda m: f"own stack sp={sp} {name}: {m}",
+            )
     return True
 
 
@@ -478,8 +541,12 @@ def _check_frozen_embedding(rank, world_size):
         assert tp.model.embed_tokens.weight.grad is None
         for name, param in tp.named_parameters():
             if param.requires_grad:
-                torch.testing.assert_close(param.grad, _expected(tp, name, want[name], rank, world_size), **TOL,
-                                           msg=lambda m: f"frozen embedding {schedule} sp={sp} {name}: {m}")
+                torch.testing.assert_close(
+                    param.grad,
+                    _expected(tp, name, want[name], rank, world_size),
+                    **TOL,
+                    msg=lambda m: f"frozen embedding {schedule} sp={sp} {name}: {m}",
+                )
     return True
 
 

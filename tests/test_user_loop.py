@@ -1,5 +1,6 @@
 """A parallelized model in a user's own loop: loss.backward(), oases.nn.clip_grad_norm_, AdamW,
 torch.autocast(bfloat16); the same parameters as the unsharded model after the same steps."""
+
 import copy
 import importlib.util
 import warnings
@@ -12,17 +13,27 @@ from oases.models import GPT, GPTConfig
 
 from _spawn import run_ranks
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="transformers is not installed")
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
 
 
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                        num_hidden_layers=2, intermediate_size=128, vocab_size=96,
-                                        max_position_embeddings=32, tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            vocab_size=96,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _train(model, steps, step_fn, clip):
@@ -49,16 +60,23 @@ def _check_llama_loop(rank, world_size):
         plan = {**oases.nn.DEFAULT_PLAN, "embed_tokens": "vocab", "lm_head": "vocab_head"}
         oases.parallelize(tp, plan=plan)
     ref_norms = _train(ref, 3, _hf_loss_backward, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
-    for name, step_fn in (("loss.backward", _hf_loss_backward),
-                          ("train_step", lambda m, ids: oases.train_step(m, ids, ids, schedule="oases"))):
+    for name, step_fn in (
+        ("loss.backward", _hf_loss_backward),
+        ("train_step", lambda m, ids: oases.train_step(m, ids, ids, schedule="oases")),
+    ):
         model = copy.deepcopy(tp)
         norms = _train(model, 3, step_fn, lambda m: oases.nn.clip_grad_norm_(m, 0.5))
         assert norms == pytest.approx(ref_norms, rel=1e-4), (name, norms, ref_norms)
         assert norms[0] > 0.5, "the clip must bite for the test to mean anything"
         state, want = oases.full_state_dict(model), ref.state_dict()
         for key in want:
-            torch.testing.assert_close(state[key], want[key], rtol=1e-4, atol=1e-4,  # 1% of an AdamW step
-                                       msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(
+                state[key],
+                want[key],
+                rtol=1e-4,
+                atol=1e-4,  # 1% of an AdamW step
+                msg=lambda m: f"{name} {key}: {m}",
+            )
     return True
 
 

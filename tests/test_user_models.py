@@ -10,6 +10,7 @@ after parallelize, PEFT-wrapped linears.
                         unsharded model's (vocab-parallel head, eval, no_grad, input checks on)
     PEFT / LoRA         a linear wrapped with LoRA adapters is refused, naming it and the fix
 """
+
 import copy
 import importlib.util
 import os
@@ -26,13 +27,25 @@ import oases
 from _shards import check_grads
 from _spawn import run_ranks
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-SMALL = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, vocab_size=64, max_position_embeddings=64,
-             num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
-             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+SMALL = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    vocab_size=64,
+    max_position_embeddings=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_implementation="eager",
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
 
 
 def _llama(**extra):
@@ -83,8 +96,11 @@ def _check_kv_replicated(kind, rank, p, root):
     kv_rows = full_k[-32:] if kind == "phi3" else full_k  # [k | v] of the fused layer: 2 heads each
     mine = _parameter(tp, k).detach()[-16:] if kind == "phi3" else _parameter(tp, k).detach()
     head = rank // c  # the kv head rank r's query head uses
-    want = kv_rows[head * 8:(head + 1) * 8] if kind == "llama" else torch.cat(
-        [kv_rows[head * 8:(head + 1) * 8], kv_rows[16 + head * 8:16 + (head + 1) * 8]])
+    want = (
+        kv_rows[head * 8 : (head + 1) * 8]
+        if kind == "llama"
+        else torch.cat([kv_rows[head * 8 : (head + 1) * 8], kv_rows[16 + head * 8 : 16 + (head + 1) * 8]])
+    )
     assert torch.equal(mine, want), f"{kind}: rank {rank} holds kv head {head}"
 
     g = torch.Generator().manual_seed(1)
@@ -105,7 +121,7 @@ def _check_kv_replicated(kind, rank, p, root):
     want_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
     torch.testing.assert_close(total, want_total, **TOL)
 
-    for schedule in (("megatron", "oases") if kind == "llama" else ("oases",)):
+    for schedule in ("megatron", "oases") if kind == "llama" else ("oases",):
         tp.zero_grad(set_to_none=True)
         loss = oases.train_step(tp, ids, ids, schedule=schedule)
         torch.testing.assert_close(loss, want_loss, **TOL, msg=lambda m: f"{kind} {schedule}: loss {m}")
@@ -153,8 +169,15 @@ def _check_generate(ref, tp, where):
     ids = ids.masked_fill(mask == 0, 0)
     lengths = []
     hook = tp.register_forward_pre_hook(lambda m, a, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True, output_scores=True,
-              return_dict_in_generate=True, pad_token_id=0)
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        use_cache=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     with torch.no_grad():
         want = ref.generate(ids, **kw)
         got = tp.generate(ids, **kw)
@@ -180,13 +203,26 @@ def _check_refused_at_tp4(rank, p):
     assert not any(isinstance(m, oases.nn.ColumnParallelLinear) for m in olmo.modules())
     with pytest.raises(ValueError, match=r"replicated over 2 ranks each, which per-layer tp_degrees do not support"):
         oases.parallelize(_llama(), tp_degrees=[4, 2])
-    with pytest.raises(ValueError, match=r"num_key_value_heads=3 is not divisible by the tensor-parallel world size 4.*"
-                                         r"or a multiple of it"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_key_value_heads=3 is not divisible by the tensor-parallel world size 4.*"
+        r"or a multiple of it",
+    ):
         oases.parallelize(_llama(num_attention_heads=12, num_key_value_heads=3, hidden_size=48))
     fused = _llama()
     with pytest.raises(ValueError, match=r"k_proj: 2 key-value heads at TP degree 4 .* this one \(stacked=2\)"):
-        oases.parallelize(fused, plan={"q_proj": "column", "k_proj": "column:2", "v_proj": "column", "o_proj": "row",
-                                       "gate_proj": "column", "up_proj": "column", "down_proj": "row"})
+        oases.parallelize(
+            fused,
+            plan={
+                "q_proj": "column",
+                "k_proj": "column:2",
+                "v_proj": "column",
+                "o_proj": "row",
+                "gate_proj": "column",
+                "up_proj": "column",
+                "down_proj": "row",
+            },
+        )
 
 
 def _check_zero_clip_dp2_tp2(rank, p):
@@ -252,8 +288,11 @@ def _check_lora_refused(rank, p):
     attention = model.model.layers[1].self_attn
     attention.q_proj, attention.v_proj = _LoraLinear(attention.q_proj), _LoraLinear(attention.v_proj)
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=r"model: model\.layers\.1\.self_attn\.q_proj \(and 1 more\) wraps its "
-                                         r"base_layer with LoRA adapters .*merge_and_unload\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model: model\.layers\.1\.self_attn\.q_proj \(and 1 more\) wraps its "
+        r"base_layer with LoRA adapters .*merge_and_unload\(\)",
+    ):
         oases.parallelize(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not any(isinstance(m, oases.nn.ColumnParallelLinear) for m in model.modules())
@@ -271,8 +310,10 @@ def test_shard_rule_replicas(p):
     from oases._sharding import ShardRule, squares_once
 
     full = torch.randn(48, 3, generator=torch.Generator().manual_seed(0))
-    for rule, tensor in ((ShardRule(0, parts=(32, 8, 8), replicas=(1, p // 2, p // 2)), full),
-                         (ShardRule(0, replicas=(p // 2,)), full[:8])):
+    for rule, tensor in (
+        (ShardRule(0, parts=(32, 8, 8), replicas=(1, p // 2, p // 2)), full),
+        (ShardRule(0, replicas=(p // 2,)), full[:8]),
+    ):
         shards = [rule.shard(tensor, r, p) for r in range(p)]
         spans = rule.local_copies(tensor.shape[0], p)
         for r, local in enumerate(shards):
@@ -286,8 +327,11 @@ def test_shard_rule_replicas(p):
         assert torch.equal(rule.unshard(shards), tensor), rule
         total = sum(squares_once(s, tuple(x for x in spans if x[2] > 1)) for s in shards)
         torch.testing.assert_close(total, tensor.pow(2).sum(), rtol=1e-5, atol=1e-6)
-        rows = sum(squares_once(s[k:k + 3], tuple(x for x in spans if x[2] > 1), k) for s in shards
-                   for k in range(0, s.shape[0], 3))  # ZeRO: pieces of rows
+        rows = sum(
+            squares_once(s[k : k + 3], tuple(x for x in spans if x[2] > 1), k)
+            for s in shards
+            for k in range(0, s.shape[0], 3)
+        )  # ZeRO: pieces of rows
         torch.testing.assert_close(rows, tensor.pow(2).sum(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="replicas must be one positive int per block"):
         ShardRule(0, stacked=3, replicas=(2,))

@@ -12,6 +12,7 @@ Checked: logits after loading equal the single-process model's; the resumed run'
 optimizer state are bit-identical to an uninterrupted run's; the half-written checkpoint is
 skipped (the previous one loads); the export loads with from_pretrained and equals the model.
 """
+
 import os
 import signal
 import warnings
@@ -33,9 +34,16 @@ KILLED_AT = 3  # the checkpoint of step 3 is being published when every rank die
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
 
 
 def _batch(step):
@@ -68,8 +76,9 @@ def _numpy(tensors):  # tensors cross the result queue by value (a shared fd die
 
 def _snapshot(model, opt):
     names = {id(p): n for n, p in model.named_parameters()}
-    moments = {names[id(p)] + "." + k: v for p, s in opt.state.items() for k, v in s.items()
-               if isinstance(v, torch.Tensor)}
+    moments = {
+        names[id(p)] + "." + k: v for p, s in opt.state.items() for k, v in s.items() if isinstance(v, torch.Tensor)
+    }
     return _numpy(model.state_dict()), _numpy(moments)
 
 

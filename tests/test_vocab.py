@@ -7,6 +7,7 @@ gradient, with the logits gathered (the model's own loss) and never gathered (th
 shards). Expected slices come from each module's `tp_layout()`. Every case runs at p = 2 and 4;
 a 4-rank run also checks p = 2 on the subgroups {0, 1} and {2, 3}, where group rank != rank.
 """
+
 import collections
 import contextlib
 import copy
@@ -53,6 +54,7 @@ def _collectives():
         def call(*args, **kwargs):
             counts[name] += 1
             return fn(*args, **kwargs)
+
         return call
 
     for n, fn in originals.items():
@@ -74,6 +76,7 @@ def _groups(rank, world_size):
 
 
 # --- VocabParallelEmbedding ------------------------------------------------------------------------
+
 
 def _check_embedding(group, p, rank):
     V, h = 6 * p, 8
@@ -131,6 +134,7 @@ def _check_embedding(group, p, rank):
 
 # --- vocab_parallel_cross_entropy ------------------------------------------------------------------
 
+
 def _check_cross_entropy(group, p, rank):
     V = 10 * p
     labels = _randint(V, (3, 5), 20)
@@ -143,12 +147,14 @@ def _check_cross_entropy(group, p, rank):
                 what = f"p={p} {dtype} scale={scale} ignore_index={ignore_index} reduction={reduction}"
                 shard = full.chunk(p, -1)[rank].clone().requires_grad_()
                 with _collectives() as fwd:
-                    loss = vocab_parallel_cross_entropy(shard, case, group, ignore_index=ignore_index,
-                                                        reduction=reduction)
+                    loss = vocab_parallel_cross_entropy(
+                        shard, case, group, ignore_index=ignore_index, reduction=reduction
+                    )
                 assert fwd["all_reduce"] == 1 and fwd["batch_isend_irecv"] > 0, (what, fwd)  # MAX; [2, N] SUM
                 full_ref = full.clone().requires_grad_()
-                ref = F.cross_entropy(full_ref.float().flatten(0, -2), case.flatten(), ignore_index=ignore_index,
-                                      reduction=reduction)
+                ref = F.cross_entropy(
+                    full_ref.float().flatten(0, -2), case.flatten(), ignore_index=ignore_index, reduction=reduction
+                )
                 assert loss.dtype == torch.float32 and loss.shape == ref.shape, what
                 torch.testing.assert_close(loss, ref, **TOL, msg=lambda m: f"{what} loss: {m}")
                 g = _randn(ref.shape, 22)
@@ -203,10 +209,18 @@ PAD = 40  # the padding id: rank 1's at p=4, rank 0's at p=2
 def _llama(vocab_size=128, tie=False, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                         num_hidden_layers=2, intermediate_size=128, vocab_size=vocab_size,
-                         max_position_embeddings=64, tie_word_embeddings=tie, pad_token_id=PAD,
-                         attn_implementation="eager")
+    config = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=vocab_size,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        pad_token_id=PAD,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
@@ -296,8 +310,10 @@ def _check_padded_and_tied(p):
         assert isinstance(model.lm_head, oases.nn.ColumnParallelLinear), "the head is vocab-parallel by default"
         if ref.config.tie_word_embeddings:
             assert model.lm_head.weight is model.model.embed_tokens.weight, "one shard serves both ends of the tie"
-        out, out_ref = model(input_ids=ids % ref.config.vocab_size, labels=ids % ref.config.vocab_size), \
-            ref(input_ids=ids % ref.config.vocab_size, labels=ids % ref.config.vocab_size)
+        out, out_ref = (
+            model(input_ids=ids % ref.config.vocab_size, labels=ids % ref.config.vocab_size),
+            ref(input_ids=ids % ref.config.vocab_size, labels=ids % ref.config.vocab_size),
+        )
         torch.testing.assert_close(out.logits, out_ref.logits, **TOL)
         torch.testing.assert_close(out.loss, out_ref.loss, **TOL)
         full = oases.full_state_dict(model)
@@ -330,8 +346,11 @@ def _check_bad_plans(p):
     """Every bad request raises the same error on every rank and leaves the model as it was."""
     tied = _llama(tie=True)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
-    with pytest.raises(ValueError, match=r"^lm_head: its weight is tied to model.embed_tokens.weight .* Plan both "
-                                         r"ends of the tie .* or leave the tied modules replicated"):
+    with pytest.raises(
+        ValueError,
+        match=r"^lm_head: its weight is tied to model.embed_tokens.weight .* Plan both "
+        r"ends of the tie .* or leave the tied modules replicated",
+    ):
         oases.parallelize(tied, plan={**oases.nn.DEFAULT_PLAN, "lm_head": "vocab_head"})
     with pytest.raises(ValueError, match=r"^model.embed_tokens: its weight is tied to lm_head.weight"):
         oases.parallelize(tied, plan={**oases.nn.DEFAULT_PLAN, "embed_tokens": "vocab"})
@@ -339,11 +358,17 @@ def _check_bad_plans(p):
     assert tied.lm_head.weight is tied.model.embed_tokens.weight, "the tie is kept"
 
     model = _llama()
-    with pytest.raises(ValueError, match=r"plan\['lm_head'\]: 'vocab' matches lm_head, an nn.Linear; "
-                                         r"use 'vocab_head' for it"):
+    with pytest.raises(
+        ValueError,
+        match=r"plan\['lm_head'\]: 'vocab' matches lm_head, an nn.Linear; "
+        r"use 'vocab_head' for it",
+    ):
         oases.parallelize(model, plan={"lm_head": "vocab"})
-    with pytest.raises(ValueError, match=r"plan\['embed_tokens'\]: 'vocab_head' matches model.embed_tokens, an "
-                                         r"nn.Embedding; use 'vocab' for it"):
+    with pytest.raises(
+        ValueError,
+        match=r"plan\['embed_tokens'\]: 'vocab_head' matches model.embed_tokens, an "
+        r"nn.Embedding; use 'vocab' for it",
+    ):
         oases.parallelize(model, plan={"embed_tokens": "vocab_head"})
     with pytest.raises(ValueError, match=r"plan\['lm_head'\]: expected 'column', 'column:N' .* 'vocab_head'"):
         oases.parallelize(model, plan={"lm_head": "vocab-head"})
@@ -388,8 +413,10 @@ def _check_toy(rank, p):
     tp = copy.deepcopy(ref)
     with pytest.warns(UserWarning) as caught:
         oases.parallelize(tp, plan={"wte": "vocab", "head": "vocab_head", "nothing": "vocab"})
-    assert len(caught) == 1 and str(caught[0].message) == \
-        "oases.parallelize: Plan patterns matching no nn.Embedding: 'nothing'.", str(caught[0].message)
+    assert (
+        len(caught) == 1
+        and str(caught[0].message) == "oases.parallelize: Plan patterns matching no nn.Embedding: 'nothing'."
+    ), str(caught[0].message)
     assert type(tp.wpe) is nn.Embedding and type(tp.scaled) is _Scaled, "embeddings stay replicated unless planned"
     ids = _randint(V, (3, 4), 32)
     ref(ids).square().sum().backward()

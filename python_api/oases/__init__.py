@@ -14,6 +14,7 @@
     oases.dp           data parallelism in your own loop: GradientSync (DDP-style buckets), ZeroOptimizer (ZeRO-1)
     oases.pipeline     Pipeline: the GPT on a (dp, pp, tp) mesh with gpipe / 1f1b / FOLD3D's aiao schedules
 """
+
 from oases import amp, comm, dp, models, ops, pipeline, schedule
 from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from oases.nn import parallelize, summary  # also binds the subpackage oases.nn
@@ -21,6 +22,24 @@ from oases.pretrained import load_pretrained, save_pretrained
 from oases.training import train_step
 
 __version__ = "0.1.0"  # the only place the version is written: setup.py parses this line
-__all__ = ["amp", "comm", "dp", "ops", "nn", "parallelize", "summary", "schedule", "models", "pipeline", "train_step",
-           "__version__", "full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint",
-           "CheckpointState", "load_pretrained", "save_pretrained"]
+__all__ = [
+    "amp",
+    "comm",
+    "dp",
+    "ops",
+    "nn",
+    "parallelize",
+    "summary",
+    "schedule",
+    "models",
+    "pipeline",
+    "train_step",
+    "__version__",
+    "full_state_dict",
+    "load_full_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointState",
+    "load_pretrained",
+    "save_pretrained",
+]

@@ -1,4 +1,5 @@
 """`python -m oases COMMAND ...`: the `oases` command line (`oases plan`, `oases env`)."""
+
 from oases.cli import main
 
 raise SystemExit(main())

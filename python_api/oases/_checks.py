@@ -3,6 +3,7 @@
 Every check runs on local metadata only (shapes, dtypes, devices), so under SPMD every rank
 raises the same error before any communication starts and no rank is left waiting.
 """
+
 from __future__ import annotations
 
 from typing import Any, Collection, Optional
@@ -71,8 +72,7 @@ def full_divisible(what: str, size: int, world_size: int, chunks: int) -> None:
     """`size` (an unsharded length) must split into world_size * chunks equal pieces."""
     if size % world_size:
         raise ValueError(
-            f"{what}: size {size} is not divisible by the world size {world_size}; "
-            f"pad it to a multiple of {world_size}"
+            f"{what}: size {size} is not divisible by the world size {world_size}; pad it to a multiple of {world_size}"
         )
     divisible(what + " per rank", size // world_size, world_size, chunks)
 
@@ -104,4 +104,3 @@ def sharded_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optiona
             "(use linear_all_reduce for feature-sharded inputs)"
         )
     return dim
-

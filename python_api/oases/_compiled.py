@@ -6,6 +6,7 @@ oases.parallelize shards the original in place (the compiled wrapper then traces
 model on its next call), and oases.train_step runs its schedule on the original's modules (the
 schedule calls sublayers one by one, not the compiled forward).
 """
+
 from __future__ import annotations
 
 import torch.nn as nn

@@ -21,6 +21,7 @@ Life on disk (`save`), every step a collective over `ring` but the file operatio
                                                          -> agree
 A directory holding `.metadata` and no marker was never published: its writer died.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,16 +67,24 @@ class Chunked:
         for chunk in self.chunks:
             if tuple(chunk.offsets) == tuple(offset):
                 return chunk.of(self.local)
-        raise ValueError(f"no chunk of this rank starts at {tuple(offset)} (its chunks: "
-                         f"{[c.offsets for c in self.chunks]})")
+        raise ValueError(
+            f"no chunk of this rank starts at {tuple(offset)} (its chunks: {[c.offsets for c in self.chunks]})"
+        )
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         properties = TensorProperties.create_from_tensor(self.local)
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(c.offsets)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)),
-                              properties=properties, size=self.full_shape))
-                for c in self.chunks]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(c.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)),
+                    properties=properties,
+                    size=self.full_shape,
+                ),
+            )
+            for c in self.chunks
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in self.chunks]
@@ -100,8 +109,9 @@ class LoadPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None,
-                       is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False
+    ) -> None:
         chunked = {key: value for key, value in state_dict.items() if isinstance(value, Chunked)}
         super().set_up_planner(state_dict, metadata, is_coordinator)
         state_dict.update(chunked)  # DCP's meta-tensor pass maps values it does not know to None
@@ -114,6 +124,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
 
 # --- reading ----------------------------------------------------------------------------------------
+
 
 def read_metadata(path: str) -> Metadata:
     """The checkpoint's DCP metadata ({key: shape, dtype, chunks | bytes}), read locally."""
@@ -155,28 +166,35 @@ def _steps(root: str) -> list[tuple[int, str]]:
 def find(path: str) -> str:
     """The checkpoint directory `path` names: itself if it is one, else its newest complete step-*.
 
-        path/.metadata exists                  -> path
-        else the highest N with path/step-N complete (.metadata and marker); newer incomplete ones
-        are skipped with a warning
-        nothing                                -> FileNotFoundError naming what was looked for
+    path/.metadata exists                  -> path
+    else the highest N with path/step-N complete (.metadata and marker); newer incomplete ones
+    are skipped with a warning
+    nothing                                -> FileNotFoundError naming what was looked for
     """
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"path: {path!r} is not a directory; pass a checkpoint directory written by "
-                                f"oases.save_checkpoint, or the root holding its step-NNNNNNNNN checkpoints")
+        raise FileNotFoundError(
+            f"path: {path!r} is not a directory; pass a checkpoint directory written by "
+            f"oases.save_checkpoint, or the root holding its step-NNNNNNNNN checkpoints"
+        )
     if _is_checkpoint(path):
         return path
     skipped = []
     for _, where in _steps(path):
         if _complete(where):
             if skipped:
-                warnings.warn(f"load_checkpoint: skipped incomplete checkpoints (no {MARKER}: their writer "
-                              f"died before publishing them): {', '.join(skipped)}; loading {where}", UserWarning,
-                              stacklevel=3)
+                warnings.warn(
+                    f"load_checkpoint: skipped incomplete checkpoints (no {MARKER}: their writer "
+                    f"died before publishing them): {', '.join(skipped)}; loading {where}",
+                    UserWarning,
+                    stacklevel=3,
+                )
             return where
         skipped.append(where)
     incomplete = f"; incomplete ones (no {MARKER}): {', '.join(skipped)}" if skipped else ""
-    raise FileNotFoundError(f"path: no checkpoint in {path!r}: looked for a DCP checkpoint there (a .metadata "
-                            f"file) and for complete step-NNNNNNNNN subdirectories{incomplete}")
+    raise FileNotFoundError(
+        f"path: no checkpoint in {path!r}: looked for a DCP checkpoint there (a .metadata "
+        f"file) and for complete step-NNNNNNNNN subdirectories{incomplete}"
+    )
 
 
 def read_local(state: dict[str, Any], path: str) -> None:
@@ -193,6 +211,7 @@ def load(state: dict[str, Any], path: str, ring: Ring) -> None:
 
 # --- writing ----------------------------------------------------------------------------------------
 
+
 def _sibling(final: str, kind: str) -> str:
     parent, name = os.path.split(final)
     return os.path.join(parent, f".{name}.{kind}")
@@ -208,9 +227,11 @@ def check_target(final: str) -> None:
     if not os.path.isdir(final) or os.path.islink(final):
         raise ValueError(f"path: {final!r} exists and is not a directory; pass a new directory")
     if os.listdir(final) and not _is_checkpoint(final):
-        raise ValueError(f"path: {final!r} is a non-empty directory that holds no checkpoint (no .metadata), "
-                         f"which saving there would replace; pass a new or empty directory (or step= to write "
-                         f"{final}/step-NNNNNNNNN)")
+        raise ValueError(
+            f"path: {final!r} is a non-empty directory that holds no checkpoint (no .metadata), "
+            f"which saving there would replace; pass a new or empty directory (or step= to write "
+            f"{final}/step-NNNNNNNNN)"
+        )
 
 
 def _agree(error: Optional[BaseException], ring: Ring, what: str) -> None:

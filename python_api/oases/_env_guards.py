@@ -1,6 +1,7 @@
 """Guards of `oases env`'s probes (oases.env): a probe that raises becomes one line of text, a
 command runs with a time limit and is killed past it; and what the probes share (a command's first
 line of output, a distribution's installed version)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,15 @@ def _command(argv: Sequence[str], timeout: float) -> tuple[int, str, str]:
     Past `timeout` seconds its process group is killed and CommandTimeout raised; FileNotFoundError
     when the program does not exist."""
     env = {**os.environ, "LC_ALL": "C"}
-    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -1,5 +1,6 @@
 """The report of `oases env` (oases.env): its sections, each a set of guarded probes, collected
 into {section: {key: value}} and rendered as aligned "key: value" lines."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,12 +13,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 from oases._env_guards import CommandTimeout, _command, _distribution, _error_text, _first_line, _guarded
 
-COMMAND_TIMEOUT_S = 5.0        # git, ip, tc
+COMMAND_TIMEOUT_S = 5.0  # git, ip, tc
 NVIDIA_SMI_TIMEOUT_S = 10.0
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                      "GROUP_RANK")
-OTHER_VARIABLES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
-                   "NCCL_DEBUG")
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+OTHER_VARIABLES = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG")
 
 # Every section and the keys it always has (a section may add a key, e.g. extension's import_error).
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -31,10 +38,18 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "link_shaping": ("ip", "tc", "root", "network_namespace", "tc_shaping", "oases_launch_bandwidth"),
     "environment": ("torchrun", "oases", "other"),
 }
-_TITLES = {"extension": "extension (oases._C)", "gpus": "GPUs",
-           "link_shaping": "link shaping (oases-launch --bandwidth)"}
-_LABELS = {"triton_interpret": "TRITON_INTERPRET", "nvidia_smi_topo": "nvidia-smi topo -m",
-           "oases_launch_bandwidth": "oases-launch", "oases": "OASES_*", "torchrun": "torchrun"}
+_TITLES = {
+    "extension": "extension (oases._C)",
+    "gpus": "GPUs",
+    "link_shaping": "link shaping (oases-launch --bandwidth)",
+}
+_LABELS = {
+    "triton_interpret": "TRITON_INTERPRET",
+    "nvidia_smi_topo": "nvidia-smi topo -m",
+    "oases_launch_bandwidth": "oases-launch",
+    "oases": "OASES_*",
+    "torchrun": "torchrun",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,8 +77,7 @@ def _git_revision(folder: str) -> str:
     git = shutil.which("git")
     if git is None:
         return "n/a (git not found)"
-    code, out, _ = _command([git, "-C", folder, "rev-parse", "--show-toplevel", "--short", "HEAD"],
-                            COMMAND_TIMEOUT_S)
+    code, out, _ = _command([git, "-C", folder, "rev-parse", "--show-toplevel", "--short", "HEAD"], COMMAND_TIMEOUT_S)
     lines = out.split()
     if code != 0 or len(lines) != 2:
         return "n/a (not a git checkout)"
@@ -71,8 +85,7 @@ def _git_revision(folder: str) -> str:
     if not os.path.isdir(os.path.join(top, "python_api", "oases")):  # the package sits in someone else's repo
         return "n/a (not an Oases checkout)"
     with contextlib.suppress(CommandTimeout, OSError):  # best effort: a slow status only loses the mark
-        code, out, _ = _command([git, "-C", top, "status", "--porcelain", "--untracked-files=no"],
-                                COMMAND_TIMEOUT_S)
+        code, out, _ = _command([git, "-C", top, "status", "--porcelain", "--untracked-files=no"], COMMAND_TIMEOUT_S)
         if code == 0 and out.strip():
             revision += " (modified)"
     return revision
@@ -108,8 +121,13 @@ def _system() -> dict[str, Callable[[], Any]]:
         total, available = (int(fields[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
         return f"{total / 2**30:.1f} GiB ({available / 2**30:.1f} GiB available)"
 
-    return {"os": os_name, "kernel": lambda: f"{platform.system()} {platform.release()} {platform.machine()}",
-            "cpu": cpu, "cpu_cores": cores, "memory": memory}
+    return {
+        "os": os_name,
+        "kernel": lambda: f"{platform.system()} {platform.release()} {platform.machine()}",
+        "cpu": cpu,
+        "cpu_cores": cores,
+        "memory": memory,
+    }
 
 
 def _torch() -> dict[str, Callable[[], Any]]:
@@ -151,15 +169,24 @@ def _torch() -> dict[str, Callable[[], Any]]:
 
         return dist.is_available() and dist.is_gloo_available()
 
-    return {"version": version, "build": build, "cuda_available": cuda_available, "distributed": distributed,
-            "nccl": nccl, "gloo": gloo}
+    return {
+        "version": version,
+        "build": build,
+        "cuda_available": cuda_available,
+        "distributed": distributed,
+        "nccl": nccl,
+        "gloo": gloo,
+    }
 
 
 def _libraries() -> dict[str, Callable[[], Any]]:
-    return {"triton": lambda: _distribution("triton", "pytorch-triton", "pytorch-triton-rocm"),
-            "triton_interpret": lambda: os.environ.get("TRITON_INTERPRET", "not set"),
-            "transformers": lambda: _distribution("transformers"),
-            "numpy": lambda: _distribution("numpy"), "scipy": lambda: _distribution("scipy")}
+    return {
+        "triton": lambda: _distribution("triton", "pytorch-triton", "pytorch-triton-rocm"),
+        "triton_interpret": lambda: os.environ.get("TRITON_INTERPRET", "not set"),
+        "transformers": lambda: _distribution("transformers"),
+        "numpy": lambda: _distribution("numpy"),
+        "scipy": lambda: _distribution("scipy"),
+    }
 
 
 def _extension() -> dict[str, Any]:
@@ -170,21 +197,34 @@ def _extension() -> dict[str, Any]:
         compiled = _extension.compiled()
     except ImportError as err:
         cause = err.__cause__ or err
-        return {"built": False, "built_with_cuda": "n/a", "built_for_torch": "n/a", "matches_torch": "n/a",
-                "import_error": _error_text(cause).removeprefix("error: ")}
+        return {
+            "built": False,
+            "built_with_cuda": "n/a",
+            "built_for_torch": "n/a",
+            "matches_torch": "n/a",
+            "import_error": _error_text(cause).removeprefix("error: "),
+        }
     import torch
 
     info = compiled.build_info()
     built_for = str(info.get("torch"))
     running = torch.__version__.split("+")[0]
-    out: dict[str, Any] = {"built": True, "built_with_cuda": bool(info.get("cuda")), "built_for_torch": built_for,
-                           "matches_torch": running == built_for or running.startswith(built_for + ".")}
+    out: dict[str, Any] = {
+        "built": True,
+        "built_with_cuda": bool(info.get("cuda")),
+        "built_for_torch": built_for,
+        "matches_torch": running == built_for or running.startswith(built_for + "."),
+    }
     if not out["matches_torch"]:
-        out["note"] = (f"built for torch {built_for}, running {torch.__version__}: rebuild with "
-                       "`pip install --no-build-isolation -e .`")
+        out["note"] = (
+            f"built for torch {built_for}, running {torch.__version__}: rebuild with "
+            "`pip install --no-build-isolation -e .`"
+        )
     elif torch.cuda.is_available() and not out["built_with_cuda"]:
-        out["note"] = ("CUDA is available but oases._C was built without it: rebuild with "
-                       "`OASES_BUILD_CUDA=1 pip install --no-build-isolation -e .`")
+        out["note"] = (
+            "CUDA is available but oases._C was built without it: rebuild with "
+            "`OASES_BUILD_CUDA=1 pip install --no-build-isolation -e .`"
+        )
     return out
 
 
@@ -197,9 +237,15 @@ def _gpus() -> dict[str, Callable[[], Any]]:
         out = []
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
-            out.append({"index": index, "name": props.name, "memory_bytes": int(props.total_memory),
-                        "compute_capability": f"{props.major}.{props.minor}",
-                        "multiprocessors": int(props.multi_processor_count)})
+            out.append(
+                {
+                    "index": index,
+                    "name": props.name,
+                    "memory_bytes": int(props.total_memory),
+                    "compute_capability": f"{props.major}.{props.minor}",
+                    "multiprocessors": int(props.multi_processor_count),
+                }
+            )
         return out
 
     def nvidia_smi(*args: str) -> tuple[bool, str]:
@@ -225,8 +271,11 @@ def _gpus() -> dict[str, Callable[[], Any]]:
 
 def _link_shaping() -> dict[str, Any]:
     """What `oases-launch --bandwidth` needs, tried as it would use it (not lazily per key)."""
-    out: dict[str, Any] = {"ip": shutil.which("ip") or "not found", "tc": shutil.which("tc") or "not found",
-                           "root": os.geteuid() == 0}
+    out: dict[str, Any] = {
+        "ip": shutil.which("ip") or "not found",
+        "tc": shutil.which("tc") or "not found",
+        "root": os.geteuid() == 0,
+    }
     tried = _guarded(_try_namespace)
     namespace, shaping = (tried, "not tried") if isinstance(tried, str) else tried
     out["network_namespace"], out["tc_shaping"] = namespace, shaping
@@ -250,8 +299,26 @@ def _try_namespace() -> tuple[str, str]:
         code, out, err = _command([tools.ip, "netns", "add", name], COMMAND_TIMEOUT_S)
         if code != 0:
             return f"refused: {_first_line(err or out, f'ip exited {code}')}", "not tried: no namespace"
-        code, out, err = _command([tools.tc, "-n", name, "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-                                   "1mbit", "burst", "128kb", "latency", "200ms"], COMMAND_TIMEOUT_S)
+        code, out, err = _command(
+            [
+                tools.tc,
+                "-n",
+                name,
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1mbit",
+                "burst",
+                "128kb",
+                "latency",
+                "200ms",
+            ],
+            COMMAND_TIMEOUT_S,
+        )
         shaping = "works" if code == 0 else f"refused: {_first_line(err or out, f'tc exited {code}')}"
         return "works", shaping
     except CommandTimeout as err:
@@ -273,14 +340,23 @@ def _environment() -> dict[str, Callable[[], Any]]:
     def variables(names: Sequence[str]) -> dict[str, str]:
         return {name: os.environ[name] for name in names if name in os.environ}
 
-    return {"torchrun": lambda: variables(TORCHRUN_VARIABLES),
-            "oases": lambda: variables(sorted(k for k in os.environ if k.startswith("OASES_"))),
-            "other": lambda: variables(OTHER_VARIABLES)}
+    return {
+        "torchrun": lambda: variables(TORCHRUN_VARIABLES),
+        "oases": lambda: variables(sorted(k for k in os.environ if k.startswith("OASES_"))),
+        "other": lambda: variables(OTHER_VARIABLES),
+    }
 
 
 _SECTIONS: dict[str, Callable[[], Mapping[str, Any]]] = {
-    "oases": _oases, "python": _python, "system": _system, "torch": _torch, "libraries": _libraries,
-    "extension": _extension, "gpus": _gpus, "link_shaping": _link_shaping, "environment": _environment,
+    "oases": _oases,
+    "python": _python,
+    "system": _system,
+    "torch": _torch,
+    "libraries": _libraries,
+    "extension": _extension,
+    "gpus": _gpus,
+    "link_shaping": _link_shaping,
+    "environment": _environment,
 }
 
 
@@ -311,17 +387,25 @@ def _text(key: str, value: Any) -> str:
         return ", ".join(f"{k}={v}" for k, v in value.items()) or "none set"
     if isinstance(value, list):
         if key == "devices":
-            return "\n".join(f"{d['index']}: {d['name']}, {d['memory_bytes'] / 2**30:.1f} GiB, compute "
-                             f"{d['compute_capability']}, {d['multiprocessors']} SMs" for d in value) \
+            return (
+                "\n".join(
+                    f"{d['index']}: {d['name']}, {d['memory_bytes'] / 2**30:.1f} GiB, compute "
+                    f"{d['compute_capability']}, {d['multiprocessors']} SMs"
+                    for d in value
+                )
                 or "none (torch.cuda.is_available() is False)"
+            )
         return ", ".join(map(str, value)) or "none"
     return str(value)
 
 
 def render(report: Mapping[str, Mapping[str, Any]]) -> str:
     """The report as sections of aligned "key: value" lines; multi-line values continue under the value."""
-    rows = [(section, _LABELS.get(key, key.replace("_", " ")), _text(key, value))
-            for section, values in report.items() for key, value in values.items()]
+    rows = [
+        (section, _LABELS.get(key, key.replace("_", " ")), _text(key, value))
+        for section, values in report.items()
+        for key, value in values.items()
+    ]
     width = max(len(label) for _, label, _ in rows) + 1
     lines = ["oases env: paste this into a bug report"]
     current = None

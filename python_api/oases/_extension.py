@@ -3,6 +3,7 @@
 `import oases` never needs the extension; the first use of a compiled feature does, and gets a
 clear message if it was not built.
 """
+
 from __future__ import annotations
 
 import functools

@@ -13,6 +13,7 @@ ends, and recomputation would save no memory (measured: every sublayer's norm ou
 cast and its gradient held to the end of the backward). As views they are not cached; autograd
 treats them as any leaf.
 """
+
 from __future__ import annotations
 
 import torch

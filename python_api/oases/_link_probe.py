@@ -1,5 +1,6 @@
 """`oases env --probe-link` (oases.env's module doc): a ping-pong between ranks 0 and 1 and an
 all-gather on all ranks over gloo, each fitted to latency + bytes / rate, and rank 0's text."""
+
 from __future__ import annotations
 
 import datetime
@@ -16,11 +17,13 @@ class OutsideLaunch(RuntimeError):
 
 
 def _usage_outside() -> str:
-    return ("oases env --probe-link: not inside a launch (RANK and WORLD_SIZE are not set).\n"
-            "It measures the link between ranks 0 and 1 of a launch; run it on 2 or more ranks:\n"
-            "    oases-launch --nproc 2 -m oases.env --probe-link                    # this machine's loopback\n"
-            "    oases-launch --nproc 2 --bandwidth 1gbit -m oases.env --probe-link  # the emulator's shaped link\n"
-            "    torchrun --nnodes 2 --nproc-per-node 1 ... -m oases.env --probe-link  # two servers")
+    return (
+        "oases env --probe-link: not inside a launch (RANK and WORLD_SIZE are not set).\n"
+        "It measures the link between ranks 0 and 1 of a launch; run it on 2 or more ranks:\n"
+        "    oases-launch --nproc 2 -m oases.env --probe-link                    # this machine's loopback\n"
+        "    oases-launch --nproc 2 --bandwidth 1gbit -m oases.env --probe-link  # the emulator's shaped link\n"
+        "    torchrun --nnodes 2 --nproc-per-node 1 ... -m oases.env --probe-link  # two servers"
+    )
 
 
 def format_link(bytes_per_s: float) -> str:
@@ -48,17 +51,25 @@ def _fit(samples: Sequence[tuple[int, float]]) -> dict[str, Any]:
     from oases.costs.link import LinkFit
 
     fit = LinkFit.from_samples(samples)
-    return {"samples": [[int(n), float(t)] for n, t in samples], "latency_s": fit.latency_s,
-            "bytes_per_s": fit.bytes_per_s}
+    return {
+        "samples": [[int(n), float(t)] for n, t in samples],
+        "latency_s": fit.latency_s,
+        "bytes_per_s": fit.bytes_per_s,
+    }
 
 
-def summarize_probe(p2p: Sequence[tuple[int, float]], all_gather: Sequence[tuple[int, float]], world_size: int,
-                    repeats: int) -> dict[str, Any]:
+def summarize_probe(
+    p2p: Sequence[tuple[int, float]], all_gather: Sequence[tuple[int, float]], world_size: int, repeats: int
+) -> dict[str, Any]:
     """The probe's result from its samples ((bytes, seconds): p2p one message; all-gather the gathered tensor)."""
-    result: dict[str, Any] = {"world_size": world_size, "repeats": repeats,
-                              "requested": os.environ.get("OASES_BANDWIDTH"),
-                              "topology": os.environ.get("OASES_TOPOLOGY"), "p2p": _fit(p2p),
-                              "all_gather": _fit(all_gather)}
+    result: dict[str, Any] = {
+        "world_size": world_size,
+        "repeats": repeats,
+        "requested": os.environ.get("OASES_BANDWIDTH"),
+        "topology": os.environ.get("OASES_TOPOLOGY"),
+        "p2p": _fit(p2p),
+        "all_gather": _fit(all_gather),
+    }
     ag, p = result["all_gather"], world_size
     # The planner's ring all-gather: (p-1) a + (p-1)/p n / B; the link that gives the measured fit.
     ag["ring_link_bytes_per_s"] = ag["bytes_per_s"] * (p - 1) / p
@@ -80,25 +91,43 @@ def render_probe(result: Mapping[str, Any]) -> str:
     from oases.planner.profile import parse_link
 
     requested = result.get("requested")
-    shaped = (f"the launcher's link: {requested} ({parse_link(requested) / 1e6:.1f} MB/s), topology "
-              f"{result.get('topology') or '?'}") if requested else "no OASES_BANDWIDTH (unshaped or not oases-launch)"
+    shaped = (
+        (
+            f"the launcher's link: {requested} ({parse_link(requested) / 1e6:.1f} MB/s), topology "
+            f"{result.get('topology') or '?'}"
+        )
+        if requested
+        else "no OASES_BANDWIDTH (unshaped or not oases-launch)"
+    )
     lines = [f"oases env --probe-link: {result['world_size']} ranks over gloo; {shaped}"]
-    sweeps = (("p2p", "p2p, rank 0 <-> rank 1: half a ping-pong"),
-              ("all_gather", f"all-gather, {result['world_size']} ranks: size = the gathered tensor, slowest rank"))
+    sweeps = (
+        ("p2p", "p2p, rank 0 <-> rank 1: half a ping-pong"),
+        ("all_gather", f"all-gather, {result['world_size']} ranks: size = the gathered tensor, slowest rank"),
+    )
     for key, title in sweeps:
         sweep = result[key]
         lines += ["", f"{title} (median of {result['repeats']}+ rounds)", f"  {'size':>9}  {'ms':>9}  {'MB/s':>9}"]
-        lines += [f"  {_size_text(n):>9}  {1e3 * t:9.3f}  {n / t / 1e6 if t > 0 else float('inf'):9.1f}"
-                  for n, t in sweep["samples"]]
+        lines += [
+            f"  {_size_text(n):>9}  {1e3 * t:9.3f}  {n / t / 1e6 if t > 0 else float('inf'):9.1f}"
+            for n, t in sweep["samples"]
+        ]
         lines.append(f"  fit: {1e3 * sweep['latency_s']:.3f} ms + bytes / {sweep['bytes_per_s'] / 1e6:.1f} MB/s")
     ag = result["all_gather"]
-    lines.append(f"  as the planner's ring all-gather: a {format_link(ag['ring_link_bytes_per_s'])} link "
-                 f"({ag['ring_link_bytes_per_s'] / 1e6:.1f} MB/s), {1e3 * ag['ring_latency_s']:.3f} ms per step"
-                 + (" (concurrent transfers share the link)"
-                    if ag["ring_link_bytes_per_s"] < 0.75 * result["p2p"]["bytes_per_s"] else ""))
-    lines += ["", f"link: {result['link']}   latency: {1e3 * result['latency_s']:.3f} ms per message "
-                  f"({result['p2p']['bytes_per_s'] / 1e6:.1f} MB/s)",
-              f"  oases plan --model MODEL --world N --device-memory MEM --link {result['link']}"]
+    lines.append(
+        f"  as the planner's ring all-gather: a {format_link(ag['ring_link_bytes_per_s'])} link "
+        f"({ag['ring_link_bytes_per_s'] / 1e6:.1f} MB/s), {1e3 * ag['ring_latency_s']:.3f} ms per step"
+        + (
+            " (concurrent transfers share the link)"
+            if ag["ring_link_bytes_per_s"] < 0.75 * result["p2p"]["bytes_per_s"]
+            else ""
+        )
+    )
+    lines += [
+        "",
+        f"link: {result['link']}   latency: {1e3 * result['latency_s']:.3f} ms per message "
+        f"({result['p2p']['bytes_per_s'] / 1e6:.1f} MB/s)",
+        f"  oases plan --model MODEL --world N --device-memory MEM --link {result['link']}",
+    ]
     return "\n".join(lines)
 
 
@@ -119,16 +148,20 @@ def probe_link(sizes: Sequence[int], repeats: int, timeout_s: float) -> Optional
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         buffer = torch.zeros(max(sizes), dtype=torch.uint8)
-        p2p = [(n, _median_time(lambda: _ping_pong(rank, buffer[:n]), _rounds(n, repeats)) / 2) for n in sizes] \
-            if rank in (0, 1) else [(n, 0.0) for n in sizes]
+        p2p = (
+            [(n, _median_time(lambda: _ping_pong(rank, buffer[:n]), _rounds(n, repeats)) / 2) for n in sizes]
+            if rank in (0, 1)
+            else [(n, 0.0) for n in sizes]
+        )
         # all_gather_single: newer torch's name for all_gather_into_tensor (which then warns it is deprecated)
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gathered = []
         for n in sizes:
             chunk = max(n // world, 1)
             out, mine = torch.empty(chunk * world, dtype=torch.uint8), torch.zeros(chunk, dtype=torch.uint8)
-            gathered.append((chunk * world, _median_time(lambda: all_gather(out, mine), _rounds(n, repeats),
-                                                         sync=dist.barrier)))
+            gathered.append(
+                (chunk * world, _median_time(lambda: all_gather(out, mine), _rounds(n, repeats), sync=dist.barrier))
+            )
         slowest = torch.tensor([t for _, t in gathered], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         ag_samples = [(n, float(t)) for (n, _), t in zip(gathered, slowest.tolist())]

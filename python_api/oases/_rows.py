@@ -10,6 +10,7 @@ equal pieces: each padded to the largest block, gathered, the padding cut away:
 
     gathered = unpadded(all_gather(padded(x, sizes)), sizes)   # [sum(sizes), ...], blocks in order
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -53,4 +54,4 @@ def unpadded(gathered: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     most = max(sizes)
     if min(sizes) == most:
         return gathered
-    return torch.cat([gathered[k * most:k * most + n] for k, n in enumerate(sizes)])
+    return torch.cat([gathered[k * most : k * most + n] for k, n in enumerate(sizes)])

@@ -21,6 +21,7 @@ A shard is a few boxes of the full tensor (`ShardRule.chunks`): one for a plain 
 for a blockwise one. Readers and writers of files (safetensors slices, torch.distributed.checkpoint
 chunks) move those boxes, so no rank ever needs the full tensor.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,8 +32,19 @@ import torch.distributed as dist
 
 from oases import _checks
 
-__all__ = ["ShardRule", "Chunk", "vocab_rule", "whole", "rows_of", "column_shard", "row_shard", "tp_rules",
-           "sharded_parameters", "copied_rows", "squares_once"]
+__all__ = [
+    "ShardRule",
+    "Chunk",
+    "vocab_rule",
+    "whole",
+    "rows_of",
+    "column_shard",
+    "row_shard",
+    "tp_rules",
+    "sharded_parameters",
+    "copied_rows",
+    "squares_once",
+]
 
 
 @dataclass(frozen=True)
@@ -86,11 +98,17 @@ class ShardRule:
     def __post_init__(self) -> None:
         if self.replicas:
             blocks = len(self.parts) or 1
-            if self.stacked != 1 or self.size is not None or len(self.replicas) != blocks \
-                    or any(not _checks.is_int(c) or c < 1 for c in self.replicas):
-                raise ValueError(f"ShardRule: replicas must be one positive int per block ({blocks}), with stacked=1 "
-                                 f"and no padded size; got replicas={self.replicas!r}, stacked={self.stacked}, "
-                                 f"size={self.size}, parts={self.parts}")
+            if (
+                self.stacked != 1
+                or self.size is not None
+                or len(self.replicas) != blocks
+                or any(not _checks.is_int(c) or c < 1 for c in self.replicas)
+            ):
+                raise ValueError(
+                    f"ShardRule: replicas must be one positive int per block ({blocks}), with stacked=1 "
+                    f"and no padded size; got replicas={self.replicas!r}, stacked={self.stacked}, "
+                    f"size={self.size}, parts={self.parts}"
+                )
 
     def copies(self) -> list[int]:
         """How many consecutive ranks hold each block's slice (one entry per block; 1: no replica)."""
@@ -151,25 +169,28 @@ class ShardRule:
             out.narrow(self.dim, 0, held).copy_(full.narrow(self.dim, start, held))
             return out
         if self.replicas:  # block i: slice r // c_i of p / c_i
-            pieces = [b.chunk(world_size // c, dim=self.dim)[rank // c]
-                      for b, c in zip(full.split(self.blocks(full.shape[self.dim]), dim=self.dim), self.replicas)]
+            pieces = [
+                b.chunk(world_size // c, dim=self.dim)[rank // c]
+                for b, c in zip(full.split(self.blocks(full.shape[self.dim]), dim=self.dim), self.replicas)
+            ]
             return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
         if self.dim == 0 and not self.parts:
             return column_shard(full, rank, world_size, self.stacked)
         blocks = self.blocks(full.shape[self.dim])
         if len(blocks) == 1:
             return full.chunk(world_size, dim=self.dim)[rank]
-        return torch.cat([b.chunk(world_size, dim=self.dim)[rank] for b in full.split(blocks, dim=self.dim)],
-                         dim=self.dim)
+        return torch.cat(
+            [b.chunk(world_size, dim=self.dim)[rank] for b in full.split(blocks, dim=self.dim)], dim=self.dim
+        )
 
     def chunks(self, full_shape: tuple[int, ...], rank: int, world_size: int) -> list[Chunk]:
         """The boxes of the full tensor that rank `rank`'s shard holds, in the shard's order.
 
-            stacked == 1:  [full.chunk(p, dim)[rank]]
-            stacked == s:  block k of s, rank's part of it: entries k*B + rank*B/p ... (B = n/s)
-            parts:         block k (size n_k, at o_k), rank's part of it: o_k + rank*n_k/p ...
-            replicas:      block k's part (rank // c_k) of p / c_k: o_k + (rank // c_k)*n_k*c_k/p ...
-            padded:        [entries rank*ceil(size/p) ... up to size] (none for a rank of padding only)
+        stacked == 1:  [full.chunk(p, dim)[rank]]
+        stacked == s:  block k of s, rank's part of it: entries k*B + rank*B/p ... (B = n/s)
+        parts:         block k (size n_k, at o_k), rank's part of it: o_k + rank*n_k/p ...
+        replicas:      block k's part (rank // c_k) of p / c_k: o_k + (rank // c_k)*n_k*c_k/p ...
+        padded:        [entries rank*ceil(size/p) ... up to size] (none for a rank of padding only)
         """
         shape = tuple(int(n) for n in full_shape)
         if self.size is not None:
@@ -197,8 +218,9 @@ class ShardRule:
             return torch.cat(parts, dim=self.dim).narrow(self.dim, 0, self.size)
         if self.replicas:  # block i: one copy of each of its p / c_i slices (ranks 0, c_i, 2 c_i, ...)
             spans = self.local_copies(self._full_length(parts[0].shape[self.dim], len(parts)), len(parts))
-            return torch.cat([local.narrow(self.dim, start, n) for start, n, c in spans for local in parts[::c]],
-                             dim=self.dim)
+            return torch.cat(
+                [local.narrow(self.dim, start, n) for start, n, c in spans for local in parts[::c]], dim=self.dim
+            )
         full = self.blocks(parts[0].shape[self.dim] * len(parts))
         if len(full) == 1:
             return torch.cat(parts, dim=self.dim)
@@ -230,11 +252,13 @@ def rows_of(chunks: list[Chunk], start: int, stop: int) -> list[Chunk]:
         if c.dim == 0:
             lo, hi = max(start, c.local_start), min(stop, c.local_start + c.sizes[0])
             if lo < hi:
-                out.append(Chunk((c.offsets[0] + lo - c.local_start, *c.offsets[1:]), (hi - lo, *c.sizes[1:]),
-                                 0, lo - start))
+                out.append(
+                    Chunk((c.offsets[0] + lo - c.local_start, *c.offsets[1:]), (hi - lo, *c.sizes[1:]), 0, lo - start)
+                )
         elif start < stop:
-            out.append(Chunk((c.offsets[0] + start, *c.offsets[1:]), (stop - start, *c.sizes[1:]), c.dim,
-                             c.local_start))
+            out.append(
+                Chunk((c.offsets[0] + start, *c.offsets[1:]), (stop - start, *c.sizes[1:]), c.dim, c.local_start)
+            )
     return out
 
 

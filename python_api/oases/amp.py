@@ -14,6 +14,7 @@ Use it as torch.amp.GradScaler (scale / step / update; `unscale_` before clippin
 ranks that train one model together (default: the world, which covers TP, pipeline stages and
 dp replicas at once). Each call of step() (or `unscale_`) is a collective over `group`.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence

@@ -25,6 +25,7 @@ in the syntax of `oases plan --link` (e.g. 198mbit) with the latency beside it, 
 all-gather as the ring link the planner would assume for it. Outside a launch it says how to
 run it and exits 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,11 +59,24 @@ from oases._link_probe import (
     summarize_probe,
 )
 
-__all__ = ["FIELDS", "collect", "render", "shaping_status", "probe_link", "summarize_probe", "render_probe",
-           "format_link", "add_arguments", "run", "main"]
+__all__ = [
+    "FIELDS",
+    "collect",
+    "render",
+    "shaping_status",
+    "probe_link",
+    "summarize_probe",
+    "render_probe",
+    "format_link",
+    "add_arguments",
+    "run",
+    "main",
+]
 
-DESCRIPTION = ("print what a bug report needs: versions, build, GPUs, the launcher's link shaping, "
-               "the torchrun and OASES_* variables (--probe-link: measure the link inside a launch)")
+DESCRIPTION = (
+    "print what a bug report needs: versions, build, GPUs, the launcher's link shaping, "
+    "the torchrun and OASES_* variables (--probe-link: measure the link inside a launch)"
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,15 +86,25 @@ DESCRIPTION = ("print what a bug report needs: versions, build, GPUs, the launch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `oases env` (also `python -m oases.env`)."""
     parser.add_argument("--json", action="store_true", help="print the report (or the probe's result) as JSON")
-    parser.add_argument("--probe-link", action="store_true",
-                        help="inside a launch: measure ranks 0 <-> 1 and an all-gather, print the rate as "
-                             "`oases plan --link` takes it (e.g. oases-launch --nproc 2 --bandwidth 1gbit "
-                             "-m oases.env --probe-link)")
-    parser.add_argument("--sizes", default=DEFAULT_SIZES,
-                        help=f"with --probe-link: message sizes, comma-separated (default {DEFAULT_SIZES})")
+    parser.add_argument(
+        "--probe-link",
+        action="store_true",
+        help="inside a launch: measure ranks 0 <-> 1 and an all-gather, print the rate as "
+        "`oases plan --link` takes it (e.g. oases-launch --nproc 2 --bandwidth 1gbit "
+        "-m oases.env --probe-link)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"with --probe-link: message sizes, comma-separated (default {DEFAULT_SIZES})",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="with --probe-link: timed rounds per size (default 3)")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="with --probe-link: seconds before a stuck rank gives up (default 300)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="with --probe-link: seconds before a stuck rank gives up (default 300)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,8 +133,11 @@ def _run_probe(args: argparse.Namespace) -> int:
         return 2
     except Exception as err:  # noqa: BLE001  (a peer gone, a timeout: one line, not a traceback)
         rank = os.environ.get("RANK", "?")
-        print(f"oases env --probe-link: rank {rank} failed: {_error_text(err).removeprefix('error: ')}",
-              file=sys.stderr, flush=True)
+        print(
+            f"oases env --probe-link: rank {rank} failed: {_error_text(err).removeprefix('error: ')}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     if result is not None:
         _print(json.dumps(result, indent=1) if args.json else render_probe(result))

@@ -27,6 +27,7 @@ last, shorter batch on one rank is as likely as a wrong first one. `set_check_in
 switches it. Not with parallelize(..., sequence_parallel=True), whose inputs are each rank's
 slice; skipped while torch.compile traces and for meta tensors.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -36,38 +37,69 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["CheckMode", "MODES", "check_mode", "agree_inputs", "agree_step_inputs", "agree_mesh_inputs",
-           "watch_inputs", "set_check_inputs"]
+__all__ = [
+    "CheckMode",
+    "MODES",
+    "check_mode",
+    "agree_inputs",
+    "agree_step_inputs",
+    "agree_mesh_inputs",
+    "watch_inputs",
+    "set_check_inputs",
+]
 
 CheckMode = Union[bool, str]
 MODES = (True, False, "broadcast")
-_DIMS = 8                                   # shape slots of a row; more dims fold into the last
-_ROW = 4 + _DIMS                            # [is a tensor, ndim, dims..., dtype code, hash]
-_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-           torch.bfloat16, torch.float32, torch.float64)
+_DIMS = 8  # shape slots of a row; more dims fold into the last
+_ROW = 4 + _DIMS  # [is a tensor, ndim, dims..., dtype code, hash]
+_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits, by item size
 _MIX = (-0x61C8864680B583EB, -0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15)  # splitmix64's odd multipliers, signed
-_TP_FIX = ('give every rank of a TP group the same batch (shard the data by data-parallel rank, not by global '
-           'rank), or pass check_inputs="broadcast" to use TP rank 0\'s inputs on every rank; check_inputs=False '
-           'skips this check')
-_MESH_FIX = ('give every rank of the mesh the same global batch (each rank takes its data-parallel rows itself), '
-             'or pass check_inputs="broadcast" to use rank 0\'s batch on every rank; check_inputs=False skips this '
-             'check')
-_FORWARD_FIX = ('give every rank of the model\'s TP group the same inputs, or call oases.inputs.set_check_inputs('
-                'model, "broadcast") to use TP rank 0\'s inputs on every rank; set_check_inputs(model, False) '
-                'turns the check off')
+_TP_FIX = (
+    "give every rank of a TP group the same batch (shard the data by data-parallel rank, not by global "
+    'rank), or pass check_inputs="broadcast" to use TP rank 0\'s inputs on every rank; check_inputs=False '
+    "skips this check"
+)
+_MESH_FIX = (
+    "give every rank of the mesh the same global batch (each rank takes its data-parallel rows itself), "
+    'or pass check_inputs="broadcast" to use rank 0\'s batch on every rank; check_inputs=False skips this '
+    "check"
+)
+_FORWARD_FIX = (
+    "give every rank of the model's TP group the same inputs, or call oases.inputs.set_check_inputs("
+    'model, "broadcast") to use TP rank 0\'s inputs on every rank; set_check_inputs(model, False) '
+    "turns the check off"
+)
 
 
 def check_mode(mode: object, name: str = "check_inputs") -> CheckMode:
     """`mode` if it is one of MODES, else ValueError naming `name` (a local check: every rank alike)."""
     if not any(mode is m or (isinstance(m, str) and mode == m) for m in MODES):
-        raise ValueError(f'{name}: expected True (check that the TP group\'s ranks got the same inputs), False '
-                         f'(skip the check) or "broadcast" (use TP rank 0\'s inputs on every rank), got {mode!r}')
+        raise ValueError(
+            f"{name}: expected True (check that the TP group's ranks got the same inputs), False "
+            f'(skip the check) or "broadcast" (use TP rank 0\'s inputs on every rank), got {mode!r}'
+        )
     return mode  # type: ignore[return-value]
 
 
-def agree_inputs(inputs: Mapping[str, Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None, *,
-                 mode: CheckMode = True, device: Optional[torch.device] = None) -> dict[str, Optional[torch.Tensor]]:
+def agree_inputs(
+    inputs: Mapping[str, Optional[torch.Tensor]],
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    mode: CheckMode = True,
+    device: Optional[torch.device] = None,
+) -> dict[str, Optional[torch.Tensor]]:
     """The inputs the ranks of `group` (None: the world) agree on; collective over `group`.
 
         mode True:        all_gather(row(x) for x in inputs); rows differ -> ValueError   # returns inputs
@@ -101,8 +133,9 @@ def agree_step_inputs(model: object, comm: object, mode: CheckMode, **inputs: Op
 def agree_mesh_inputs(mode: CheckMode, device: torch.device, **inputs: Optional[torch.Tensor]) -> tuple:
     """A pipeline step's global batch agreed on over the whole mesh (the world: every rank, each
     stage's TP group included, gets the same batch); see agree_inputs. Returns the inputs in order."""
-    return tuple(_agree(list(inputs.items()), None, check_mode(mode), device, "ranks of the pipeline's mesh",
-                        _MESH_FIX))
+    return tuple(
+        _agree(list(inputs.items()), None, check_mode(mode), device, "ranks of the pipeline's mesh", _MESH_FIX)
+    )
 
 
 def watch_inputs(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -122,8 +155,10 @@ def set_check_inputs(model: nn.Module, mode: CheckMode) -> None:
     mode = check_mode(mode, "mode")
     hook = _forward_check(model)
     if hook is None:
-        raise ValueError(f"model: {type(model).__name__} has no input check to switch (oases.parallelize adds it; "
-                         f"not with sequence_parallel=True); call oases.inputs.watch_inputs(model, tp_group) first")
+        raise ValueError(
+            f"model: {type(model).__name__} has no input check to switch (oases.parallelize adds it; "
+            f"not with sequence_parallel=True); call oases.inputs.watch_inputs(model, tp_group) first"
+        )
     hook.mode = mode
 
 
@@ -132,7 +167,7 @@ class _ForwardCheck:
     """The forward pre-hook watch_inputs registers: agree on every tensor argument of forward."""
 
     def __init__(self, names: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
-        self.positional, self.keywords = names   # forward's parameters: positional-capable, then keyword-only
+        self.positional, self.keywords = names  # forward's parameters: positional-capable, then keyword-only
         self.group: Optional[dist.ProcessGroup] = None
         self.size = 1
         self.mode: CheckMode = True
@@ -145,8 +180,14 @@ class _ForwardCheck:
         given.update((name, kwargs.get(name)) for name in self.keywords)
         if any(isinstance(v, torch.Tensor) and v.is_meta for v in given.values()):
             return None  # a meta run (shape tracing): nothing to compare
-        agreed = _agree([(n, given[n]) for n in names], self.group, self.mode, _device_of(module),
-                        "ranks of the TP group", _FORWARD_FIX)
+        agreed = _agree(
+            [(n, given[n]) for n in names],
+            self.group,
+            self.mode,
+            _device_of(module),
+            "ranks of the TP group",
+            _FORWARD_FIX,
+        )
         if self.mode != "broadcast":
             return None
         args, kwargs = list(args), dict(kwargs)
@@ -163,8 +204,10 @@ def _argument_names(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]
     """(positional-or-keyword, keyword-only) parameter names of model.forward (not *args / **kwargs)."""
     params = inspect.signature(model.forward).parameters.values()
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return (tuple(p.name for p in params if p.kind in kinds),
-            tuple(p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY))
+    return (
+        tuple(p.name for p in params if p.kind in kinds),
+        tuple(p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY),
+    )
 
 
 def _forward_check(model: object) -> Optional[_ForwardCheck]:
@@ -183,8 +226,14 @@ def _device_of(model: object) -> Optional[torch.device]:
 
 # ---- the exchange -------------------------------------------------------------------------------
 @torch.compiler.disable  # a collective and .item(): one graph break under torch.compile
-def _agree(inputs: list[tuple[str, object]], group: Optional[dist.ProcessGroup], mode: CheckMode,
-           device: Optional[torch.device], who: str, fix: str) -> list:
+def _agree(
+    inputs: list[tuple[str, object]],
+    group: Optional[dist.ProcessGroup],
+    mode: CheckMode,
+    device: Optional[torch.device],
+    who: str,
+    fix: str,
+) -> list:
     """agree_inputs on a list of (name, value): the values agreed on, in order."""
     mode = check_mode(mode)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -194,10 +243,10 @@ def _agree(inputs: list[tuple[str, object]], group: Optional[dist.ProcessGroup],
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if device is None:
         device = tensors[0].device if tensors else torch.device("cpu")
-    mine = _rows(values, device)                                      # [n * _ROW]
+    mine = _rows(values, device)  # [n * _ROW]
     table = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(table, mine, group=group)
-    rows = [[r[i * _ROW:(i + 1) * _ROW] for i in range(len(values))] for r in torch.stack(table).tolist()]
+    rows = [[r[i * _ROW : (i + 1) * _ROW] for i in range(len(values))] for r in torch.stack(table).tolist()]
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
     if mode == "broadcast":
         return _broadcast(inputs, rows, ranks, group, device)
@@ -206,8 +255,10 @@ def _agree(inputs: list[tuple[str, object]], group: Optional[dist.ProcessGroup],
         if differ:
             others = [n for j, (n, _) in enumerate(inputs) if j > i and len({tuple(r[j]) for r in rows}) > 1]
             also = f" ({', '.join(others)} differ as well)" if others else ""
-            raise ValueError(f"{name}: the {size} {who} (global ranks {_list(ranks)}) must get the same {name}, "
-                             f"but {differ}{also}; {fix}")
+            raise ValueError(
+                f"{name}: the {size} {who} (global ranks {_list(ranks)}) must get the same {name}, "
+                f"but {differ}{also}; {fix}"
+            )
     return values
 
 
@@ -221,14 +272,14 @@ def _rows(values: Sequence[object], device: torch.device) -> torch.Tensor:
         if not isinstance(v, torch.Tensor):
             meta.append([0] * _ROW)
             continue
-        shape = list(v.shape[:_DIMS - 1]) + ([_numel(v.shape[_DIMS - 1:])] if v.dim() >= _DIMS else [])
+        shape = list(v.shape[: _DIMS - 1]) + ([_numel(v.shape[_DIMS - 1 :])] if v.dim() >= _DIMS else [])
         code = _DTYPES.index(v.dtype) if v.dtype in _DTYPES else len(_DTYPES)
         meta.append([1, v.dim(), *shape, *[-1] * (_DIMS - len(shape)), code, 0])
         if v.numel():
             if v.device not in weights:
                 weights[v.device] = _weights(most, v.device)
             hashes.append((len(meta) - 1, _hash(v, weights[v.device]).to(device)))
-    row = torch.tensor(meta, dtype=torch.int64).to(device)             # [n, _ROW]
+    row = torch.tensor(meta, dtype=torch.int64).to(device)  # [n, _ROW]
     if hashes:
         row[[i for i, _ in hashes], -1] = torch.stack([h for _, h in hashes])
     return row.reshape(-1)
@@ -245,7 +296,7 @@ def _hash(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if x.is_floating_point():
             x = x.contiguous().view(_BITS[x.element_size()])
         bits = x.to(torch.int64)
-    return (bits.reshape(-1) * weights[:bits.numel()]).sum()
+    return (bits.reshape(-1) * weights[: bits.numel()]).sum()
 
 
 def _weights(n: int, device: torch.device) -> torch.Tensor:
@@ -256,8 +307,13 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return z.bitwise_xor_(z >> 31)
 
 
-def _broadcast(inputs: list[tuple[str, object]], rows: list[list[list[int]]], ranks: list[int],
-               group: Optional[dist.ProcessGroup], device: torch.device) -> list:
+def _broadcast(
+    inputs: list[tuple[str, object]],
+    rows: list[list[list[int]]],
+    ranks: list[int],
+    group: Optional[dist.ProcessGroup],
+    device: torch.device,
+) -> list:
     """Every rank takes group rank 0's tensors: one broadcast per tensor rank 0 holds (its shape
     and dtype from the gathered rows, so every rank allocates alike)."""
     me = ranks.index(dist.get_rank())
@@ -266,22 +322,26 @@ def _broadcast(inputs: list[tuple[str, object]], rows: list[list[list[int]]], ra
         src = rows[0][i]
         extra = [ranks[r] for r, row in enumerate(rows) if row[i][0] and not src[0]]
         if extra:
-            raise ValueError(f"{name}: in \"broadcast\" mode every rank takes global rank {ranks[0]}'s inputs, which "
-                             f"passes no tensor for {name} while {_ranks_text(extra)} "
-                             f"{'do' if len(extra) > 1 else 'does'}; pass it on global rank {ranks[0]} too (or None "
-                             f"everywhere)")
+            raise ValueError(
+                f'{name}: in "broadcast" mode every rank takes global rank {ranks[0]}\'s inputs, which '
+                f"passes no tensor for {name} while {_ranks_text(extra)} "
+                f"{'do' if len(extra) > 1 else 'does'}; pass it on global rank {ranks[0]} too (or None "
+                f"everywhere)"
+            )
         if not src[0]:
             out.append(value)
             continue
         ndim, code = src[1], src[2 + _DIMS]
         if ndim > _DIMS or code >= len(_DTYPES):
-            raise ValueError(f"{name}: \"broadcast\" mode sends tensors of up to {_DIMS} dimensions and "
-                             f"dtypes {', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}; global rank "
-                             f"{ranks[0]}'s has {ndim} dimensions, {_dtype_name(code)}")
+            raise ValueError(
+                f'{name}: "broadcast" mode sends tensors of up to {_DIMS} dimensions and '
+                f"dtypes {', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}; global rank "
+                f"{ranks[0]}'s has {ndim} dimensions, {_dtype_name(code)}"
+            )
         if me == 0:
             buffer = value.to(device).contiguous()
         else:
-            buffer = torch.empty(src[2:2 + ndim], dtype=_DTYPES[code], device=device)
+            buffer = torch.empty(src[2 : 2 + ndim], dtype=_DTYPES[code], device=device)
         wire = buffer.view(torch.uint8) if buffer.dtype == torch.bool else buffer
         dist.broadcast(wire, ranks[0], group=group)
         out.append(buffer)  # rank 0: `value` itself when already contiguous on `device`
@@ -292,18 +352,23 @@ def _difference(rows: list[list[int]], ranks: list[int]) -> str:
     """'' when every row is rank 0's, else what differs, in words (the first field that does)."""
     if all(r == rows[0] for r in rows):
         return ""
-    fields = (("whether it is a tensor", slice(0, 1), _presence_text),
-              (None, slice(1, 2 + _DIMS), _shape_text),
-              ("its dtype", slice(2 + _DIMS, 3 + _DIMS), lambda r: _dtype_name(r[2 + _DIMS])))
+    fields = (
+        ("whether it is a tensor", slice(0, 1), _presence_text),
+        (None, slice(1, 2 + _DIMS), _shape_text),
+        ("its dtype", slice(2 + _DIMS, 3 + _DIMS), lambda r: _dtype_name(r[2 + _DIMS])),
+    )
     for what, field, describe in fields:
         kinds = _by_value(rows, ranks, field)
         if len(kinds) > 1:
-            held = ", ".join(f"{_ranks_text(rs)} {'pass' if len(rs) > 1 else 'passes'} {describe(row)}"
-                             for row, rs in kinds)
+            held = ", ".join(
+                f"{_ranks_text(rs)} {'pass' if len(rs) > 1 else 'passes'} {describe(row)}" for row, rs in kinds
+            )
             return f"{what or _which_dim(rows)} differs: {held}"
     groups = " vs ".join(_ranks_text(rs) for _, rs in _by_value(rows, ranks, slice(3 + _DIMS, 4 + _DIMS)))
-    return (f"its content differs (the same {_shape_text(rows[0])} and dtype {_dtype_name(rows[0][2 + _DIMS])}, "
-            f"other values: {groups})")
+    return (
+        f"its content differs (the same {_shape_text(rows[0])} and dtype {_dtype_name(rows[0][2 + _DIMS])}, "
+        f"other values: {groups})"
+    )
 
 
 def _by_value(rows: list[list[int]], ranks: list[int], field: slice) -> list[tuple[list[int], list[int]]]:
@@ -336,7 +401,7 @@ def _which_dim(rows: list[list[int]]) -> str:
 
 def _shape_text(row: list[int]) -> str:
     ndim = row[1]
-    dims = row[2:2 + min(ndim, _DIMS)]
+    dims = row[2 : 2 + min(ndim, _DIMS)]
     text = ", ".join(map(str, dims)) + ("," if ndim == 1 else "")
     return f"shape ({text})" + (f" ({ndim} dims, the last {ndim - _DIMS + 1} folded)" if ndim > _DIMS else "")
 

@@ -1,10 +1,11 @@
 """Plans written by `oases plan` (oases.planner), read back for the runtime.
 
-    degrees = oases.plan.load("plan.json")       # [2, 2, 4, 4, ..., 2]: one TP degree per layer
-    sp = oases.plan.sequence_parallel("plan.json")  # train_step(..., sequence_parallel=sp)
-    n = oases.plan.chunks("plan.json")           # parallelize(model, chunks=n)
-    doc = oases.plan.read("plan.json")           # the whole document: layout, predictions, per layer
+degrees = oases.plan.load("plan.json")       # [2, 2, 4, 4, ..., 2]: one TP degree per layer
+sp = oases.plan.sequence_parallel("plan.json")  # train_step(..., sequence_parallel=sp)
+n = oases.plan.chunks("plan.json")           # parallelize(model, chunks=n)
+doc = oases.plan.read("plan.json")           # the whole document: layout, predictions, per layer
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -24,6 +24,7 @@ the full tensor (`ShardRule.chunks`), and that is all a rank reads or sends:
 Keys are used as they are: checkpoints whose keys transformers renames on load (conversion
 mappings of some architectures) are not translated.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,23 +55,35 @@ _INDEX = "model.safetensors.index.json"
 _PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the files of a multi-file checkpoint
 
 # torch dtype -> safetensors dtype name
-_DTYPES = MappingProxyType({
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-})
+_DTYPES = MappingProxyType(
+    {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+    }
+)
 
 
 # --- reading -----------------------------------------------------------------------------------------
+
 
 def _weight_map(path: str) -> dict[str, list[str]]:
     """{file: [keys the index says it holds] or [] (every key it holds)} of the checkpoint at `path`."""
     if os.path.isfile(path):
         return {path: []}
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"path: {path!r} does not exist (expected a directory as save_pretrained "
-                                f"writes it, or a .safetensors file)")
+        raise FileNotFoundError(
+            f"path: {path!r} does not exist (expected a directory as save_pretrained writes it, or a .safetensors file)"
+        )
     index = os.path.join(path, _INDEX)
     if os.path.isfile(os.path.join(path, _SINGLE)):  # first, as transformers looks
         return {os.path.join(path, _SINGLE): []}
@@ -79,7 +92,7 @@ def _weight_map(path: str) -> dict[str, list[str]]:
     with open(index) as f:
         weight_map = json.load(f).get("weight_map")
     if not isinstance(weight_map, dict):
-        raise ValueError(f"{index}: no \"weight_map\" {{key: file}} in it")
+        raise ValueError(f'{index}: no "weight_map" {{key: file}} in it')
     files: dict[str, list[str]] = {}
     for key, name in weight_map.items():
         files.setdefault(os.path.join(path, name), []).append(key)
@@ -99,8 +112,9 @@ def _stored(path: str) -> dict[str, tuple[str, torch.Size]]:
             held = set(handle.keys())
             absent = [key for key in listed if key not in held]
             if absent:
-                raise ValueError(f"{os.path.join(path, _INDEX)} maps {', '.join(absent)} to {file}, which does "
-                                 f"not hold them")
+                raise ValueError(
+                    f"{os.path.join(path, _INDEX)} maps {', '.join(absent)} to {file}, which does not hold them"
+                )
             for key in listed or sorted(held):
                 stored[key] = (file, torch.Size(handle.get_slice(key).get_shape()))
     return stored
@@ -114,8 +128,9 @@ def _ties(model: nn.Module) -> dict[str, list[str]]:
     return {key: keys for keys in by_id.values() for key in keys}
 
 
-def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *,
-                    strict: bool = True) -> tuple[list[str], list[str]]:
+def load_pretrained(
+    model: nn.Module, path: Union[str, os.PathLike], *, strict: bool = True
+) -> tuple[list[str], list[str]]:
     """Load a Hugging Face safetensors checkpoint (unsharded) into `model` at its own TP degree.
 
     ::
@@ -182,6 +197,7 @@ def load_pretrained(model: nn.Module, path: Union[str, os.PathLike], *,
 
 # --- writing -----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Entry:
     """One tensor of the written checkpoint: its key, this rank's tensor, its shard (if any)."""
@@ -229,8 +245,11 @@ def _header(entries: list[_Entry]) -> bytes:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
-        header[e.key] = {"dtype": _DTYPES[e.local.dtype], "shape": list(e.shape),
-                         "data_offsets": [offset, offset + e.nbytes]}
+        header[e.key] = {
+            "dtype": _DTYPES[e.local.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
@@ -292,8 +311,10 @@ def _check_config(model: nn.Module) -> None:
     if config is None or callable(getattr(config, "save_pretrained", None)):
         return
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
-        raise TypeError(f"save_pretrained: model.config is a {type(config).__name__}, neither a transformers "
-                        f"config (with save_pretrained) nor a dataclass instance; cannot write config.json")
+        raise TypeError(
+            f"save_pretrained: model.config is a {type(config).__name__}, neither a transformers "
+            f"config (with save_pretrained) nor a dataclass instance; cannot write config.json"
+        )
 
 
 def _write_config(model: nn.Module, path: str, dtype: Optional[torch.dtype]) -> None:
@@ -326,8 +347,13 @@ def _prepare(model: nn.Module, path: str, entries: list[_Entry]) -> None:
     _write_config(model, path, floating)
 
 
-def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shard_size: int = 5 * 2**30,
-                    group: Optional[dist.ProcessGroup] = None) -> None:
+def save_pretrained(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    *,
+    max_shard_size: int = 5 * 2**30,
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
     """Write `model`'s unsharded weights (and config) as a Hugging Face directory, streaming.
 
     ::
@@ -365,8 +391,11 @@ def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shar
     path = _check_save(path, max_shard_size, model)
     entries = _entries(model)
     files = _split(entries, max_shard_size)
-    names = [_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-                                               for i in range(len(files))]
+    names = (
+        [_SINGLE]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     distributed = dist.is_available() and dist.is_initialized()
     writer = ring_of(group).global_ranks[0] if distributed else 0
     me = dist.get_rank() if distributed else 0
@@ -396,8 +425,10 @@ def save_pretrained(model: nn.Module, path: Union[str, os.PathLike], *, max_shar
                     _write(out, full)
                 del full
     if writing and len(files) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                 "weight_map": {e.key: name for name, held in zip(names, files) for e in held}}
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {e.key: name for name, held in zip(names, files) for e in held},
+        }
         with open(os.path.join(path, _INDEX), "w") as f:
             json.dump(index, f, indent=2)
     if distributed:

@@ -7,6 +7,7 @@
 The model is seen through `oases.schedule.Stack` (`adapt` below finds the adapter); the loss is
 the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,11 +51,16 @@ def adapt(model: object) -> Stack:
     raise ValueError(
         f"model: {type(model).__name__} is neither a Hugging Face causal LM nor an oases.schedule.Stack; "
         "implement embed(input_ids, where) -> (x, ctx), layers() -> [[sublayer, ...], ...] (each with "
-        "norm(x), core(h, ctx), finish(z, ctx)) and head(x, ctx) -> logits (see oases.schedule.protocol)")
+        "norm(x), core(h, ctx), finish(z, ctx)) and head(x, ctx) -> logits (see oases.schedule.protocol)"
+    )
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
-                       group: Optional[dist.ProcessGroup] = None, vocab_size: Optional[int] = None) -> torch.Tensor:
+def causal_lm_loss_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
+) -> torch.Tensor:
     """Hugging Face's causal-LM loss, summed: token i predicts labels[i + 1]; IGNORE_INDEX skipped.
 
         shifted = cat(labels[:, 1:], IGNORE_INDEX)     # [b, t]
@@ -64,10 +70,15 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
     """
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
     if group is not None:
-        return vocab_parallel_cross_entropy(logits.flatten(0, 1), shifted.flatten(), group,
-                                            ignore_index=IGNORE_INDEX, reduction="sum", vocab_size=vocab_size)
-    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+        return vocab_parallel_cross_entropy(
+            logits.flatten(0, 1),
+            shifted.flatten(),
+            group,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            vocab_size=vocab_size,
+        )
+    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def _tp_communicator(model: object) -> Optional[Communicator]:
@@ -83,8 +94,10 @@ def _tp_communicator(model: object) -> Optional[Communicator]:
         if hasattr(m, "tp_layout") and not any(_same_group(m.group, g) for g in groups):
             groups.append(m.group)
     if len(groups) > 1:
-        raise ValueError("model: its tensor-parallel modules use different process groups; oases.train_step "
-                         "runs one TP group (parallelize the model once, with one group)")
+        raise ValueError(
+            "model: its tensor-parallel modules use different process groups; oases.train_step "
+            "runs one TP group (parallelize the model once, with one group)"
+        )
     if not groups or not dist.is_initialized():
         return Communicator(None, 1)
     return Communicator(groups[0], dist.get_world_size(groups[0]))
@@ -181,15 +194,18 @@ def train_step(
         TypeError: `grad_sync` not a GradientSync, `offload` neither a bool nor an Offloader.
     """
     if grad_sync is not None and not isinstance(grad_sync, GradientSync):
-        raise TypeError(f"grad_sync: expected an oases.dp.GradientSync (or a ZeroOptimizer's .sync), got "
-                        f"{type(grad_sync).__name__}")
+        raise TypeError(
+            f"grad_sync: expected an oases.dp.GradientSync (or a ZeroOptimizer's .sync), got {type(grad_sync).__name__}"
+        )
     model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
     get_placements = getattr(stack, "layer_placements", None)
     if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
-        raise ValueError(f"tp_degrees: oases.train_step runs per-layer tp_degrees on oases.models.GPT, Hugging Face "
-                         f"causal LMs and stacks with layer_placements(), not yet on {type(stack).__name__}; train "
-                         f"it with loss = model(...) then loss.backward()")
+        raise ValueError(
+            f"tp_degrees: oases.train_step runs per-layer tp_degrees on oases.models.GPT, Hugging Face "
+            f"causal LMs and stacks with layer_placements(), not yet on {type(stack).__name__}; train "
+            f"it with loss = model(...) then loss.backward()"
+        )
     per_layer = getattr(model, "tp_degrees", None) is not None  # GPT or parallelize(..., tp_degrees=...)
     placements = None
     if not per_layer and get_placements is not None:  # a user's stack may have them (GPT without: None)
@@ -204,29 +220,45 @@ def train_step(
     tp = Communicator(None, 1) if per_layer else _tp_communicator(model)  # per layer: unused (the layers' own)
     if comm is None and tp is None:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
-                             "comm=oases.schedule.Communicator(tp_group, tp_group.size())")
+            raise ValueError(
+                f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
+                "comm=oases.schedule.Communicator(tp_group, tp_group.size())"
+            )
         tp = Communicator(None, 1)
     owned = comm is None and not isinstance(getattr(model, "comm", None), Communicator)  # made for this call
     if comm is None:
         comm = tp
     elif tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
-        raise ValueError(f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
-                         f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)")
-    input_ids, labels, attention_mask = agree_step_inputs(model, comm, check_inputs, input_ids=input_ids,
-                                                          labels=labels, attention_mask=attention_mask)
+        raise ValueError(
+            f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
+            f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)"
+        )
+    input_ids, labels, attention_mask = agree_step_inputs(
+        model, comm, check_inputs, input_ids=input_ids, labels=labels, attention_mask=attention_mask
+    )
     if attention_mask is not None and not getattr(stack, "takes_attention_mask", True):
-        raise ValueError(f"attention_mask: {type(stack).__name__} has no padding mask to apply it to; pass None "
-                         "(or pad with tokens whose labels are -100)")
-    parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
-                       sequence_parallel=sequence_parallel, attention_mask=attention_mask,
-                       world_size=comm.world_size, recompute=recompute,
-                       offload=offload is not False and offload is not None)  # before step_seed's broadcast
+        raise ValueError(
+            f"attention_mask: {type(stack).__name__} has no padding mask to apply it to; pass None "
+            "(or pad with tokens whose labels are -100)"
+        )
+    parts = check_step(
+        input_ids,
+        labels,
+        schedule=schedule,
+        sub_batches=sub_batches,
+        sequence_parallel=sequence_parallel,
+        attention_mask=attention_mask,
+        world_size=comm.world_size,
+        recompute=recompute,
+        offload=offload is not False and offload is not None,
+    )  # before step_seed's broadcast
     if per_layer and placements is None:
         placements = get_placements()  # an HF model's first step makes its groups: every rank alike
         if placements is None:
-            raise ValueError(f"tp_degrees: {type(stack).__name__}.layer_placements() returned None for a model with "
-                             f"per-layer tp_degrees")
+            raise ValueError(
+                f"tp_degrees: {type(stack).__name__}.layer_placements() returned None for a model with "
+                f"per-layer tp_degrees"
+            )
     check_placements(placements, input_ids.shape[0], parts, sequence_parallel=sequence_parallel)
     if loss_fn is None:
         group = getattr(stack, "logits_group", None)
@@ -241,10 +273,22 @@ def train_step(
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
     with grad_sync.deferred() if grad_sync is not None else contextlib.nullcontext():
-        loss = _run_schedule(stack, input_ids, labels, loss_sum=loss_sum, normalizer=normalizer, comm=comm,
-                             schedule=schedule, sub_batches=sub_batches, sequence_parallel=sequence_parallel,
-                             dropout_seed=seed, attention_mask=attention_mask, memory=memory, offload=offloader,
-                             recompute=recompute)
+        loss = _run_schedule(
+            stack,
+            input_ids,
+            labels,
+            loss_sum=loss_sum,
+            normalizer=normalizer,
+            comm=comm,
+            schedule=schedule,
+            sub_batches=sub_batches,
+            sequence_parallel=sequence_parallel,
+            dropout_seed=seed,
+            attention_mask=attention_mask,
+            memory=memory,
+            offload=offloader,
+            recompute=recompute,
+        )
     if grad_sync is not None:
         grad_sync.finish()  # the dp reduction of this step's gradients (started during its backwards)
     if offloader is not None and offload is True and getattr(model, "offloader", None) is not offloader:

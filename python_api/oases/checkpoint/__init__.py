@@ -21,6 +21,7 @@ is taken as it is. Every check runs on local metadata before any communication o
 bad model or checkpoint raises the same error on every rank, none is left waiting, and the model
 is left unchanged.
 """
+
 from __future__ import annotations
 
 from oases.checkpoint._disk import CheckpointState, load_checkpoint, save_checkpoint

@@ -1,5 +1,6 @@
 """On-disk checkpoints: `save_checkpoint` and `load_checkpoint` (oases.checkpoint's module doc),
 each rank writing and reading its own shards through oases._dcp."""
+
 from __future__ import annotations
 
 import io
@@ -85,14 +86,23 @@ def _run_entries(extra: Any, rank: int) -> dict[str, Any]:
     from oases import _dcp
 
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return {_dcp.FORMAT_KEY: _dcp.FORMAT_VERSION, _EXTRA: extra,
-            f"{_RNG}{rank}": {"cpu": torch.get_rng_state(), "cuda": cuda}}
+    return {
+        _dcp.FORMAT_KEY: _dcp.FORMAT_VERSION,
+        _EXTRA: extra,
+        f"{_RNG}{rank}": {"cpu": torch.get_rng_state(), "cuda": cuda},
+    }
 
 
-def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
-                    optimizer: Optional[torch.optim.Optimizer] = None, step: Optional[int] = None,
-                    extra: Any = None, keep: Optional[int] = None,
-                    group: Optional[dist.ProcessGroup] = None) -> str:
+def save_checkpoint(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    *,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    step: Optional[int] = None,
+    extra: Any = None,
+    keep: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> str:
     """Write model (and optimizer) state, step, `extra` and RNG states; return the directory published.
 
     ::
@@ -129,8 +139,10 @@ def save_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     ring = ring_of(group)
     where = _save_target(path, step, keep, extra)
     _, shards, _ = _layout(model)
-    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
-                               for key, value in model.state_dict().items()}
+    entries: dict[str, Any] = {
+        _MODEL + key: _sharded(value, shards[key]) if key in shards else value
+        for key, value in model.state_dict().items()
+    }
     if optimizer is not None:
         entries.update(_optimizer_entries(_optimizer_view(model, optimizer), shards))
     entries.update(_run_entries(extra, ring.rank))
@@ -148,8 +160,10 @@ def _open(path: Union[str, os.PathLike]) -> tuple[str, dict, Optional[dict]]:
     stored = _dcp.read_metadata(where).state_dict_metadata
     marker = _dcp.read_marker(where)
     if _dcp.FORMAT_KEY in stored and marker is None:
-        raise ValueError(f"path: checkpoint {where!r} is incomplete (no {_dcp.MARKER}: its writer died before "
-                         f"publishing it); load an earlier one, or the root directory to pick the newest complete one")
+        raise ValueError(
+            f"path: checkpoint {where!r} is incomplete (no {_dcp.MARKER}: its writer died before "
+            f"publishing it); load an earlier one, or the root directory to pick the newest complete one"
+        )
     return where, stored, marker
 
 
@@ -157,8 +171,10 @@ def _rng_key(what: str, stored: dict, marker: dict, size: int, rank: int) -> Opt
     """This rank's RNG entry if the checkpoint was saved by a group of `size` ranks, else None (a warning)."""
     if marker.get("world_size") == size and f"{_RNG}{rank}" in stored:
         return f"{_RNG}{rank}"
-    warnings.warn(f"load_checkpoint: {what} was saved by {marker.get('world_size')} ranks, this group has {size}: "
-                  f"RNG states not restored")
+    warnings.warn(
+        f"load_checkpoint: {what} was saved by {marker.get('world_size')} ranks, this group has {size}: "
+        f"RNG states not restored"
+    )
     return None
 
 
@@ -169,13 +185,20 @@ def _set_rng(what: str, saved: dict) -> None:
     if torch.cuda.is_available() and len(saved["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(saved["cuda"])
     else:
-        warnings.warn(f"load_checkpoint: {what} holds the RNG states of {len(saved['cuda'])} GPUs, this rank sees "
-                      f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored")
+        warnings.warn(
+            f"load_checkpoint: {what} holds the RNG states of {len(saved['cuda'])} GPUs, this rank sees "
+            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored"
+        )
 
 
-def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
-                    optimizer: Optional[torch.optim.Optimizer] = None, strict: bool = True,
-                    group: Optional[dist.ProcessGroup] = None) -> CheckpointState:
+def load_checkpoint(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    *,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    strict: bool = True,
+    group: Optional[dist.ProcessGroup] = None,
+) -> CheckpointState:
     """Load a `save_checkpoint` directory (or the newest complete step-* under a root) at any TP degree.
 
         where = path if path holds a checkpoint else newest complete path/step-*
@@ -212,7 +235,7 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
     where, stored, marker = _open(path)
     what = f"checkpoint {where!r}"
     ours = _dcp.FORMAT_KEY in stored  # else one of older Oases: the model's keys at the top level, nothing else
-    held = {key[len(_MODEL):]: meta for key, meta in stored.items() if key.startswith(_MODEL)} if ours else stored
+    held = {key[len(_MODEL) :]: meta for key, meta in stored.items() if key.startswith(_MODEL)} if ours else stored
     non_tensors = [key for key in expected if key in held and not isinstance(held[key], TensorStorageMetadata)]
     if non_tensors:
         raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
@@ -226,8 +249,10 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
             small[rng] = None
     if optimizer is not None:
         if not ours:
-            raise ValueError(f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
-                             f"optimizer state; load it with optimizer=None")
+            raise ValueError(
+                f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
+                f"optimizer state; load it with optimizer=None"
+            )
         slots, reads = _optimizer_reads(what, view, stored, shards)
         small.update({key: None for key, value in reads.items() if value is None})
         small[_GROUPS] = None
@@ -238,8 +263,11 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
 
     local = model.state_dict()  # detached views of the model's own tensors: reads land in them
     prefix = _MODEL if ours else ""
-    entries: dict[str, Any] = {prefix + key: _sharded(local[key], shards[key]) if key in shards else local[key]
-                               for key in expected if key in held}
+    entries: dict[str, Any] = {
+        prefix + key: _sharded(local[key], shards[key]) if key in shards else local[key]
+        for key in expected
+        if key in held
+    }
     if optimizer is not None:
         entries.update({key: value for key, value in reads.items() if value is not None})
     _dcp.load(entries, where, ring)  # the one collective
@@ -248,6 +276,10 @@ def load_checkpoint(model: nn.Module, path: Union[str, os.PathLike], *,
         _restore_optimizer(view, slots, values, small[_GROUPS])  # ZeroOptimizer: and its fp32 masters
     if rng is not None:
         _set_rng(what, small[rng])
-    return CheckpointState(step=marker["step"] if ours else None, extra=small.get(_EXTRA), path=where,
-                           missing_keys=[key for key in expected if key not in held],
-                           unexpected_keys=[key for key in held if key not in expected])
+    return CheckpointState(
+        step=marker["step"] if ours else None,
+        extra=small.get(_EXTRA),
+        path=where,
+        missing_keys=[key for key in expected if key not in held],
+        unexpected_keys=[key for key in held if key not in expected],
+    )

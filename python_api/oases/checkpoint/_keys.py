@@ -1,5 +1,6 @@
 """The keys of an on-disk checkpoint (torch.distributed.checkpoint entries): the model's, the
 optimizer's and the run's."""
+
 from __future__ import annotations
 
 _MODEL = "model."  # model.<state-dict key>: the unsharded model's tensor

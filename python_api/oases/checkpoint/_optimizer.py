@@ -1,5 +1,6 @@
 """Optimizer state in checkpoints: an optimizer (torch.optim, or a ZeroOptimizer's inner one over
 its rows) as checkpoints see it, its state as entries keyed by parameter name, and read back."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,19 +37,23 @@ def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
     """The checkpoint view of a torch.optim optimizer over the model's parameters, or of an
     oases.dp.ZeroOptimizer (its inner optimizer over this dp rank's rows); local checks only."""
     names: dict[int, str] = {id(p): name for name, p in model.named_parameters()}
-    zero = callable(getattr(optimizer, "master_of", None)) and isinstance(getattr(optimizer, "inner", None),
-                                                                           torch.optim.Optimizer)
+    zero = callable(getattr(optimizer, "master_of", None)) and isinstance(
+        getattr(optimizer, "inner", None), torch.optim.Optimizer
+    )
     if not zero and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer: expected a torch.optim.Optimizer or an oases.dp.ZeroOptimizer, got {type(optimizer).__name__}"
+        )
     inner = optimizer.inner if zero else optimizer
     stand_for = {}  # id(inner parameter) -> (model parameter, rows, master with storage of its own)
     if zero:
         for p in optimizer.params:
             master, start, stop = optimizer.master_of(p)
             if p.dim() == 0:
-                raise ValueError(f"optimizer: {names.get(id(p), 'a parameter')} is 0-d; ZeroOptimizer checkpoints "
-                                 f"need parameters with at least one dimension")
+                raise ValueError(
+                    f"optimizer: {names.get(id(p), 'a parameter')} is 0-d; ZeroOptimizer checkpoints "
+                    f"need parameters with at least one dimension"
+                )
             stand_for[id(master)] = (p, (start, stop), master if master.dtype != p.dtype else None)
     groups, params, rows, masters, strangers = [], [], [], [], []
     for g, group in enumerate(inner.param_groups):
@@ -63,14 +68,17 @@ def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
             masters.append(master)
         groups.append(mine)
     if strangers:
-        raise ValueError(f"optimizer: {', '.join(strangers)} is not a parameter of the model (optimizer state is "
-                         f"stored by model.named_parameters() name); build the optimizer from model.parameters()")
+        raise ValueError(
+            f"optimizer: {', '.join(strangers)} is not a parameter of the model (optimizer state is "
+            f"stored by model.named_parameters() name); build the optimizer from model.parameters()"
+        )
     resync = getattr(optimizer, "sync_masters", None) if zero else None
     return _OptimizerView(inner, groups, params, rows, masters, resync)
 
 
-def _state_chunks(view: _OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, _Shard],
-                  name: str) -> Optional[tuple[list, torch.Size, tuple[int, ...]]]:
+def _state_chunks(
+    view: _OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, _Shard], name: str
+) -> Optional[tuple[list, torch.Size, tuple[int, ...]]]:
     """How a state tensor of parameter `index` stored with global `shape` lies on this rank:
     (its boxes, the global shape, the local shape), or None when it is not shaped like the
     parameter (a scalar step: replicated). ZeRO: the boxes of its rows."""
@@ -92,8 +100,9 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
 
     names = view.flat_names()  # [optimizer index]
     saved = view.inner.state_dict()  # {"state": {index: {name: value}}, "param_groups": [{..., "params": [index]}]}
-    entries: dict[str, Any] = {_GROUPS: [dict(group, params=[names[i] for i in group["params"]])
-                                         for group in saved["param_groups"]]}
+    entries: dict[str, Any] = {
+        _GROUPS: [dict(group, params=[names[i] for i in group["params"]]) for group in saved["param_groups"]]
+    }
     for index, state in saved["state"].items():
         p, piece = view.params[index], view.rows[index]
         for name, value in state.items():
@@ -113,8 +122,9 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
     return entries
 
 
-def _optimizer_reads(what: str, view: _OptimizerView, stored: dict,
-                     shards: dict[str, _Shard]) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
+def _optimizer_reads(
+    what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]
+) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
     """({checkpoint key: (optimizer index, state name | None for ZeRO's fp32 master)}, {key: buffer to
     read into | None for pickled}); local checks only. A master is read straight into the optimizer's."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -122,22 +132,23 @@ def _optimizer_reads(what: str, view: _OptimizerView, stored: dict,
     from oases._dcp import Chunked
 
     if _GROUPS not in stored:
-        raise ValueError(f"optimizer: {what} holds no optimizer state (saved without optimizer=); "
-                         f"load it with optimizer=None")
+        raise ValueError(
+            f"optimizer: {what} holds no optimizer state (saved without optimizer=); load it with optimizer=None"
+        )
     index = {name: i for i, name in enumerate(view.flat_names())}
     params = [p for group in view.inner.param_groups for p in group["params"]]
     where, reads = {}, {}
     for key, meta in stored.items():
-        if key.startswith(_MASTER) and key[len(_MASTER):] in index and isinstance(meta, TensorStorageMetadata):
-            i = index[key[len(_MASTER):]]
-            placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(_MASTER):])
+        if key.startswith(_MASTER) and key[len(_MASTER) :] in index and isinstance(meta, TensorStorageMetadata):
+            i = index[key[len(_MASTER) :]]
+            placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(_MASTER) :])
             if view.masters and view.masters[i] is not None and placed is not None:
                 where[key] = (i, None)
                 reads[key] = Chunked(view.masters[i].detach(), tuple(placed[0]), placed[1])
             continue
         if not key.startswith(_STATE):
             continue
-        name, state = key[len(_STATE):].rsplit(".", 1)
+        name, state = key[len(_STATE) :].rsplit(".", 1)
         if name not in index:
             continue  # a parameter the optimizer lacks: the param_groups check names it
         i = index[name]
@@ -168,12 +179,15 @@ def _check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:
         lacking = [n for n in theirs["params"] if n not in mine]
         surplus = [n for n in mine if n not in theirs["params"]]
         if lacking or surplus:
-            raise ValueError(f"optimizer: param_groups[{g}] does not hold the parameters {what} has there: "
-                             f"missing {lacking}, not in the checkpoint {surplus}; build it as it was")
+            raise ValueError(
+                f"optimizer: param_groups[{g}] does not hold the parameters {what} has there: "
+                f"missing {lacking}, not in the checkpoint {surplus}; build it as it was"
+            )
 
 
-def _restore_optimizer(view: _OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any],
-                       saved_groups: list[dict]) -> None:
+def _restore_optimizer(
+    view: _OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any], saved_groups: list[dict]
+) -> None:
     """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices; ZeRO: the
     fp32 masters the checkpoint lacks are refilled from the (loaded) parameters."""
     from oases._dcp import Chunked

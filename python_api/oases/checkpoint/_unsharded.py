@@ -1,6 +1,7 @@
 """The unsharded model's state dict from its TP shards and back: the sharded entries a model's
 `tp_layout()` modules list, the checks against the unsharded model, `full_state_dict` and
 `load_full_state_dict` (oases.checkpoint's module doc)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,19 +42,25 @@ def _shards(model: nn.Module) -> dict[str, _Shard]:
             continue
         where = prefix or type(model).__name__
         if not hasattr(module, "group"):
-            raise TypeError(f"{where}: {type(module).__name__} has tp_layout() but no `group` attribute "
-                            f"(its process group, None for the world)")
+            raise TypeError(
+                f"{where}: {type(module).__name__} has tp_layout() but no `group` attribute "
+                f"(its process group, None for the world)"
+            )
         ring = ring_of(module.group)
         for name, rule in layout().items():
             local = module
             for part in name.split("."):  # a dotted name reaches into a child ("qkv.weight")
                 local = getattr(local, part, None)
             if not isinstance(rule, ShardRule) or not isinstance(local, torch.Tensor):
-                raise TypeError(f"{where}: tp_layout() must map tensor attribute names to ShardRule, "
-                                f"got {name!r}: {rule!r} (attribute: {type(local).__name__})")
+                raise TypeError(
+                    f"{where}: tp_layout() must map tensor attribute names to ShardRule, "
+                    f"got {name!r}: {rule!r} (attribute: {type(local).__name__})"
+                )
             if not 0 <= rule.dim < local.dim():
-                raise ValueError(f"{where}.{name}: ShardRule dim={rule.dim} is out of range for a "
-                                 f"{local.dim()}-d shard of shape {tuple(local.shape)}")
+                raise ValueError(
+                    f"{where}.{name}: ShardRule dim={rule.dim} is out of range for a "
+                    f"{local.dim()}-d shard of shape {tuple(local.shape)}"
+                )
             key = f"{prefix}.{name}" if prefix else name
             found[key] = _Shard(local, rule, module.group, ring.rank, ring.size)
     return found
@@ -70,8 +77,13 @@ def _layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, _Shard
     return local, shards, expected
 
 
-def _check(what: str, expected: Mapping[str, torch.Size], given: Mapping[str, torch.Size],
-           shards: dict[str, _Shard], strict: bool) -> None:
+def _check(
+    what: str,
+    expected: Mapping[str, torch.Size],
+    given: Mapping[str, torch.Size],
+    shards: dict[str, _Shard],
+    strict: bool,
+) -> None:
     """Raise one ValueError listing every missing/unexpected key (if strict) and shape mismatch."""
     problems = []
     if strict:
@@ -133,8 +145,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
-def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
-                         strict: bool = True) -> tuple[list[str], list[str]]:
+def load_full_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> tuple[list[str], list[str]]:
     """Load an unsharded state dict into `model` at its TP degree; return load_state_dict's result.
 
     ::

@@ -28,6 +28,7 @@ implement it:
 `side_for(t)` picks the side from a tensor's device. A test can drive the rings with any object
 that has these methods (e.g. one that records the order of calls on CPU tensors).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Where this rank sits in a process group's ring."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ transfer is scheduled ahead of the GEMMs it overlaps. Groups made elsewhere (the
 sets. On gloo (CPU) the option does not exist and a plain group is made; a backend per device
 ("cpu:gloo,cuda:nccl") gets the option for its NCCL part.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -29,8 +30,9 @@ def _nccl_high_priority_options():
     return options
 
 
-def new_group(ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] = None,
-              high_priority: bool = True) -> dist.ProcessGroup:
+def new_group(
+    ranks: Optional[Sequence[int]] = None, *, backend: Optional[str] = None, high_priority: bool = True
+) -> dist.ProcessGroup:
     """`torch.distributed.new_group(ranks, backend)`, with high-priority streams on NCCL.
 
     ::

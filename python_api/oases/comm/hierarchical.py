@@ -38,6 +38,7 @@ in the inter ring's order. Floating-point sums may then differ in the last bits 
 when every partial sum is exact, e.g. integer-valued floats); the gathers only copy, so
 all-gather is bit-for-bit the flat one.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,10 +64,22 @@ from oases.costs.collectives import partition
 from oases.costs.link import DEFAULT_LATENCY_S, LinkFit
 from oases.costs.rate import parse_bandwidth
 
-__all__ = ["HostGroups", "HostLinks", "hierarchical_all_gather", "hierarchical_reduce_scatter",
-           "hierarchical_all_reduce", "planned_all_gather", "planned_reduce_scatter", "planned_all_reduce",
-           "planned_form", "ranks_per_host_from_env", "UNSHAPED_BYTES_PER_S", "hierarchical_reduce_scatter_steps",
-           "hierarchical_all_gather_steps", "packed_ranks_per_host"]
+__all__ = [
+    "HostGroups",
+    "HostLinks",
+    "hierarchical_all_gather",
+    "hierarchical_reduce_scatter",
+    "hierarchical_all_reduce",
+    "planned_all_gather",
+    "planned_reduce_scatter",
+    "planned_all_reduce",
+    "planned_form",
+    "ranks_per_host_from_env",
+    "UNSHAPED_BYTES_PER_S",
+    "hierarchical_reduce_scatter_steps",
+    "hierarchical_all_gather_steps",
+    "packed_ranks_per_host",
+]
 
 # The rate assumed for an unshaped link (a host's loopback, or hosts nobody shaped): about what
 # `oases-launch --selftest` measures on this project's 2-core machine, both ways at once (1.7 GB/s).
@@ -78,13 +91,13 @@ class HostGroups:
     """A process group split into `hosts` hosts of `ranks_per_host` ranks, and this rank's two
     sub-groups. Build it with `create` or `from_env` (collective over the world)."""
 
-    group: Optional[dist.ProcessGroup]   # all P = hosts * ranks_per_host ranks (None: the world)
-    intra: dist.ProcessGroup             # this rank's host: its k ranks, by local index
-    inter: dist.ProcessGroup             # the h ranks with this rank's local index, by host
+    group: Optional[dist.ProcessGroup]  # all P = hosts * ranks_per_host ranks (None: the world)
+    intra: dist.ProcessGroup  # this rank's host: its k ranks, by local index
+    inter: dist.ProcessGroup  # the h ranks with this rank's local index, by host
     ranks_per_host: int
     hosts: int
-    host: int                            # this rank's host, 0..hosts-1
-    local: int                           # this rank's index within its host, 0..ranks_per_host-1
+    host: int  # this rank's host, 0..hosts-1
+    local: int  # this rank's index within its host, 0..ranks_per_host-1
 
     @property
     def size(self) -> int:
@@ -92,8 +105,9 @@ class HostGroups:
         return self.hosts * self.ranks_per_host
 
     @classmethod
-    def create(cls, ranks_per_host: int, ranks: Optional[Sequence[int]] = None, *,
-               high_priority: bool = True) -> Optional["HostGroups"]:
+    def create(
+        cls, ranks_per_host: int, ranks: Optional[Sequence[int]] = None, *, high_priority: bool = True
+    ) -> Optional["HostGroups"]:
         """Split `ranks` (global ranks, default the whole world; sorted) into hosts of
         `ranks_per_host` consecutive ranks. Collective: every rank of the world calls it with the
         same arguments (it makes h + k groups, one more for a subset, with dist.new_group, in the
@@ -112,7 +126,7 @@ class HostGroups:
             raise ValueError(f"ranks_per_host: {len(members)} ranks do not split into hosts of {ranks_per_host}")
         k, h = ranks_per_host, len(members) // ranks_per_host
         group = None if len(members) == world else new_group(members, high_priority=high_priority)
-        intra_groups = [new_group(members[H * k:(H + 1) * k], high_priority=high_priority) for H in range(h)]
+        intra_groups = [new_group(members[H * k : (H + 1) * k], high_priority=high_priority) for H in range(h)]
         inter_groups = [new_group(members[l::k], high_priority=high_priority) for l in range(k)]
         me = dist.get_rank()
         if me not in members:
@@ -141,6 +155,7 @@ class HostLinks:
     def from_env(cls, latency_s: float = DEFAULT_LATENCY_S) -> "HostLinks":
         """The links oases-launch shaped: OASES_BANDWIDTH between hosts, OASES_INTRA_BANDWIDTH
         inside one; an unset (unshaped) link runs at UNSHAPED_BYTES_PER_S."""
+
         def rate(name: str) -> float:
             text = os.environ.get(name)
             if not text:
@@ -161,8 +176,9 @@ def _check_member(hosts: HostGroups) -> None:
         raise ValueError(f"hosts: its group has {ring.size} ranks, not hosts * ranks_per_host = {hosts.size}")
 
 
-def hierarchical_reduce_scatter(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
-                                bidirectional: bool = False) -> torch.Tensor:
+def hierarchical_reduce_scatter(
+    t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1, bidirectional: bool = False
+) -> torch.Tensor:
     """ring_reduce_scatter(t, hosts.group, dim=dim) in two levels (see the module docstring).
     Dual: hierarchical_all_gather.
 
@@ -176,8 +192,9 @@ def hierarchical_reduce_scatter(t: torch.Tensor, hosts: HostGroups, *, dim: int 
         return _drain(hierarchical_reduce_scatter_steps(t, hosts, dim=dim, chunks=chunks, bidirectional=bidirectional))
 
 
-def hierarchical_all_gather(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
-                            bidirectional: bool = False) -> torch.Tensor:
+def hierarchical_all_gather(
+    t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1, bidirectional: bool = False
+) -> torch.Tensor:
     """ring_all_gather(t, hosts.group, dim=dim) in two levels, bit-for-bit the same result.
     Dual: hierarchical_reduce_scatter.
 
@@ -190,15 +207,16 @@ def hierarchical_all_gather(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0,
         return _drain(hierarchical_all_gather_steps(t, hosts, dim=dim, chunks=chunks, bidirectional=bidirectional))
 
 
-def hierarchical_all_reduce(t: torch.Tensor, hosts: HostGroups, *, chunks: int = 1,
-                            bidirectional: bool = False) -> torch.Tensor:
+def hierarchical_all_reduce(
+    t: torch.Tensor, hosts: HostGroups, *, chunks: int = 1, bidirectional: bool = False
+) -> torch.Tensor:
     """oases.comm.all_reduce(t, hosts.group) as hierarchical RS + AG: sums `t` over ranks in
     place and returns it (any shape: padded to a multiple of P * chunks internally)."""
     _check_member(hosts)
     _checks.floating("t", t)
     _checks.chunks_arg(chunks)
     quantum = hosts.size * chunks
-    flat = t.new_zeros(-(-t.numel() // quantum) * quantum)                # [P n]
+    flat = t.new_zeros(-(-t.numel() // quantum) * quantum)  # [P n]
     flat[: t.numel()].copy_(t.reshape(-1))
     with torch.profiler.record_function("oases::hierarchical_all_reduce"):
         own = hierarchical_reduce_scatter(flat, hosts, chunks=chunks, bidirectional=bidirectional)
@@ -214,8 +232,9 @@ def _choice(kind: str, t: torch.Tensor, hosts: HostGroups, links: HostLinks, ful
     return partition(kind, nbytes, hosts.ranks_per_host, hosts.hosts, links.intra, links.inter).choice
 
 
-def planned_reduce_scatter(t: torch.Tensor, hosts: HostGroups, links: HostLinks, *, dim: int = 0,
-                           chunks: int = 1) -> torch.Tensor:
+def planned_reduce_scatter(
+    t: torch.Tensor, hosts: HostGroups, links: HostLinks, *, dim: int = 0, chunks: int = 1
+) -> torch.Tensor:
     """Reduce-scatter by the form oases.costs.collectives.partition picks for this size and these links:
     ring_reduce_scatter on hosts.group ("flat") or hierarchical_reduce_scatter. Every rank picks
     the same form (same shape, same links). The trace shows `oases::planned[...]`."""
@@ -228,8 +247,9 @@ def planned_reduce_scatter(t: torch.Tensor, hosts: HostGroups, links: HostLinks,
         return ring_reduce_scatter(t, hosts.group, dim=dim, chunks=chunks)
 
 
-def planned_all_gather(t: torch.Tensor, hosts: HostGroups, links: HostLinks, *, dim: int = 0,
-                       chunks: int = 1) -> torch.Tensor:
+def planned_all_gather(
+    t: torch.Tensor, hosts: HostGroups, links: HostLinks, *, dim: int = 0, chunks: int = 1
+) -> torch.Tensor:
     """All-gather by the planned form (see planned_reduce_scatter); the result is the same either way."""
     _check_member(hosts)
     _checks.floating("t", t)
@@ -258,9 +278,10 @@ def planned_form(kind: str, t: torch.Tensor, hosts: HostGroups, links: HostLinks
 
 # --- step generators (for callers that interleave other work, e.g. a gated DP thread) ----------
 
-def hierarchical_reduce_scatter_steps(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
-                                      bidirectional: bool = False,
-                                      tag: int = 0) -> Generator[None, None, torch.Tensor]:
+
+def hierarchical_reduce_scatter_steps(
+    t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1, bidirectional: bool = False, tag: int = 0
+) -> Generator[None, None, torch.Tensor]:
     """hierarchical_reduce_scatter, one ring step at a time, as oases.comm.reduce_scatter_steps:
     yields after each ring step of the intra ring, then of the inter ring, and returns the result
     (`out = yield from hierarchical_reduce_scatter_steps(t, hosts)`), bit-for-bit that of
@@ -274,20 +295,21 @@ def hierarchical_reduce_scatter_steps(t: torch.Tensor, hosts: HostGroups, *, dim
 
     def steps() -> Generator[None, None, torch.Tensor]:
         h, k = hosts.hosts, hosts.ranks_per_host
-        rows = _to_rows(t, dim)                                                  # [P n, ...]
+        rows = _to_rows(t, dim)  # [P n, ...]
         n, rest = rows.shape[0] // hosts.size, rows.shape[1:]
         x = rows.view(h, k, n, *rest).transpose(0, 1).reshape(k * h * n, *rest)  # [k h n, ...]
-        for group in (hosts.intra, hosts.inter):                              # [k h n] -> [h n] -> [n]
+        for group in (hosts.intra, hosts.inter):  # [k h n] -> [h n] -> [n]
             with torch.profiler.record_function("oases::ring_reduce_scatter"):
                 x = yield from reduce_scatter_steps(x, group, chunks=chunks, bidirectional=bidirectional, tag=tag)
         out = x
         return out.movedim(0, dim).contiguous()
+
     return steps()
 
 
-def hierarchical_all_gather_steps(t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1,
-                                  bidirectional: bool = False,
-                                  tag: int = 0) -> Generator[None, None, torch.Tensor]:
+def hierarchical_all_gather_steps(
+    t: torch.Tensor, hosts: HostGroups, *, dim: int = 0, chunks: int = 1, bidirectional: bool = False, tag: int = 0
+) -> Generator[None, None, torch.Tensor]:
     """hierarchical_all_gather, one ring step at a time (inter ring, then intra ring), as
     oases.comm.all_gather_steps; returns the result, bit-for-bit the flat ring's. Dual:
     hierarchical_reduce_scatter_steps."""
@@ -299,14 +321,15 @@ def hierarchical_all_gather_steps(t: torch.Tensor, hosts: HostGroups, *, dim: in
 
     def steps() -> Generator[None, None, torch.Tensor]:
         h, k = hosts.hosts, hosts.ranks_per_host
-        shard = _to_rows(t, dim)                                                 # [n, ...]
+        shard = _to_rows(t, dim)  # [n, ...]
         n, rest = shard.shape[0], shard.shape[1:]
         x = shard
-        for group in (hosts.inter, hosts.intra):                              # [n] -> [h n] -> [k h n]
+        for group in (hosts.inter, hosts.intra):  # [n] -> [h n] -> [k h n]
             with torch.profiler.record_function("oases::ring_all_gather"):
                 x = yield from all_gather_steps(x, group, chunks=chunks, bidirectional=bidirectional, tag=tag)
         out = x.view(k, h, n, *rest).transpose(0, 1).reshape(h * k * n, *rest)  # [P n, ...]
         return out.movedim(0, dim).contiguous()
+
     return steps()
 
 
@@ -319,8 +342,10 @@ def ranks_per_host_from_env() -> int:
     except ValueError:
         k = 0
     if k < 1:
-        raise ValueError(f"LOCAL_WORLD_SIZE: expected the ranks per host, an int >= 1 (set by oases-launch --hosts H "
-                         f"or torchrun; or call HostGroups.create(ranks_per_host)), got {text!r}")
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE: expected the ranks per host, an int >= 1 (set by oases-launch --hosts H "
+            f"or torchrun; or call HostGroups.create(ranks_per_host)), got {text!r}"
+        )
     return k
 
 
@@ -337,6 +362,8 @@ def packed_ranks_per_host(ranks: Sequence[int], ranks_per_host: int) -> int:
     counts = set(per_host.values())
     if len(counts) != 1:
         layout = ", ".join(f"host {host}: {count}" for host, count in sorted(per_host.items()))
-        raise ValueError(f"ranks {sorted(int(r) for r in ranks)} are not packed evenly into hosts of "
-                         f"{ranks_per_host} ranks ({layout}): every host must hold the same number of them")
+        raise ValueError(
+            f"ranks {sorted(int(r) for r in ranks)} are not packed evenly into hosts of "
+            f"{ranks_per_host} ranks ({layout}): every host must hold the same number of them"
+        )
     return counts.pop()

@@ -23,6 +23,7 @@ the host never waits.
       produce: |P1.0|P1.1|P0.0      |P0.1      |
       comm   :      |send P1.0|send P1.1|       (recv 0.0, 0.1 from rank 1 on the same batches)
 """
+
 from __future__ import annotations
 
 from typing import Callable, Generator, Iterator, Optional
@@ -34,8 +35,15 @@ from oases import _checks
 from oases.comm._streams import _Side, side_for
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["ring_all_gather", "ring_reduce_scatter", "all_reduce", "all_gather_steps", "reduce_scatter_steps",
-           "all_gather_rows", "reduce_scatter_rows"]
+__all__ = [
+    "ring_all_gather",
+    "ring_reduce_scatter",
+    "all_reduce",
+    "all_gather_steps",
+    "reduce_scatter_steps",
+    "all_gather_rows",
+    "reduce_scatter_rows",
+]
 
 # A lane is a direction round the ring: +1 sends to the next rank, -1 to the previous one.
 _Lane = tuple[int, int, int]  # (direction, first row within a piece, rows)
@@ -67,7 +75,12 @@ def _wait(works: list[dist.Work]) -> None:
 
 
 def all_gather_rows(
-    shard: torch.Tensor, out: torch.Tensor, ring: Ring, chunks: int, bidirectional: bool, tag: int = 0,
+    shard: torch.Tensor,
+    out: torch.Tensor,
+    ring: Ring,
+    chunks: int,
+    bidirectional: bool,
+    tag: int = 0,
     side: Optional[_Side] = None,
 ) -> Iterator[slice]:
     """Gather `shard` ([n, ...], contiguous) from every rank into `out` ([p*n, ...], contiguous).
@@ -99,8 +112,13 @@ def all_gather_rows(
         return (r - lane[0] * (step + 1)) % p
 
     def post(step: int, k: int, lane: _Lane) -> list[dist.Work]:
-        return _post(ring, lane[0], out[rows(block_sent(step, lane), k, lane)],
-                     out[rows(block_received(step, lane), k, lane)], tag)
+        return _post(
+            ring,
+            lane[0],
+            out[rows(block_sent(step, lane), k, lane)],
+            out[rows(block_received(step, lane), k, lane)],
+            tag,
+        )
 
     side.handoff(out)  # the comm side sends this rank's rows: after the copy above
     with side.comm():

@@ -17,14 +17,24 @@ Llama GEMMs at n = 2, 4, 8, 16 ran at 0.98, 0.93, 0.83, 0.68 of one). With the m
 efficiency e(n) (a profile's "chunk_efficiency", `python -m bench profile`) the compute is
 comp / e(n) in every term; e(1) = 1, and counts between measured ones are interpolated in log2 n.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Iterable, Mapping, Optional
 
-__all__ = ["overlapped_time", "chunk_count", "chunk_efficiency", "backward_priority", "op_chunks", "MAX_CHUNKS",
-           "OP_MAX_CHUNKS",
-           "OP_FLOPS_PER_S", "OP_BYTES_PER_S", "OP_IN_COST_S"]
+__all__ = [
+    "overlapped_time",
+    "chunk_count",
+    "chunk_efficiency",
+    "backward_priority",
+    "op_chunks",
+    "MAX_CHUNKS",
+    "OP_MAX_CHUNKS",
+    "OP_FLOPS_PER_S",
+    "OP_BYTES_PER_S",
+    "OP_IN_COST_S",
+]
 
 MAX_CHUNKS = 16
 OP_MAX_CHUNKS = 8  # the most pieces the fused ops pick for themselves (op_chunks), and plans suggest
@@ -75,8 +85,7 @@ def check_efficiency(efficiency: Optional[Mapping[int, float]], what: str = "eff
     return out
 
 
-def overlapped_time(comp_cost: float, comm_cost: float, in_cost: float, chunks: int,
-                    efficiency: float = 1.0) -> float:
+def overlapped_time(comp_cost: float, comm_cost: float, in_cost: float, chunks: int, efficiency: float = 1.0) -> float:
     """Modelled seconds of an op cut into `chunks` pipelined pieces whose GEMMs run at `efficiency`
     of one GEMM (see the module docstring)."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -87,8 +96,15 @@ def overlapped_time(comp_cost: float, comm_cost: float, in_cost: float, chunks: 
     return max(comp, comm_cost) + min(comp, comm_cost) / chunks + chunks * in_cost
 
 
-def chunk_count(comp_cost: float, comm_cost: float, in_cost: float, *, max_chunks: int = MAX_CHUNKS,
-                allowed: Optional[Iterable[int]] = None, efficiency: Optional[Mapping[int, float]] = None) -> int:
+def chunk_count(
+    comp_cost: float,
+    comm_cost: float,
+    in_cost: float,
+    *,
+    max_chunks: int = MAX_CHUNKS,
+    allowed: Optional[Iterable[int]] = None,
+    efficiency: Optional[Mapping[int, float]] = None,
+) -> int:
     """Centauri Algorithm 1: the chunk count for an op of `comp_cost` compute and `comm_cost`
     communication seconds, `in_cost` seconds of overhead per chunk.
 
@@ -107,7 +123,7 @@ def chunk_count(comp_cost: float, comm_cost: float, in_cost: float, *, max_chunk
     if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
         raise ValueError(f"max_chunks: expected a positive int, got {max_chunks!r}")
     if allowed is None:
-        steps = [2 ** i for i in range(int(math.log2(max_chunks)) + 1)]
+        steps = [2**i for i in range(int(math.log2(max_chunks)) + 1)]
     else:
         steps = sorted({1, *(int(c) for c in allowed if 1 <= int(c) <= max_chunks)})
 
@@ -139,13 +155,20 @@ def backward_priority(dgrad_comp: float, wgrad_comp: float, dgrad_comm: float, n
     return "activation_first" if activation_first <= weight_first else "weight_first"
 
 
-def op_chunks(rows: int, row_elems: int, out_features: int, *, comm_bytes: float,
-              divides: Optional[int] = None, max_chunks: int = OP_MAX_CHUNKS) -> int:
+def op_chunks(
+    rows: int,
+    row_elems: int,
+    out_features: int,
+    *,
+    comm_bytes: float,
+    divides: Optional[int] = None,
+    max_chunks: int = OP_MAX_CHUNKS,
+) -> int:
     """Chunk count for a fused GEMM + collective called with chunks=None, from the default rates:
 
-        comp = 2 * rows * row_elems * out_features / OP_FLOPS_PER_S
-        comm = comm_bytes / OP_BYTES_PER_S;  in_cost = OP_IN_COST_S
-        chunk_count(comp, comm, in_cost) among the counts dividing `divides` (any count when None)."""
+    comp = 2 * rows * row_elems * out_features / OP_FLOPS_PER_S
+    comm = comm_bytes / OP_BYTES_PER_S;  in_cost = OP_IN_COST_S
+    chunk_count(comp, comm, in_cost) among the counts dividing `divides` (any count when None)."""
     comp = 2.0 * rows * row_elems * out_features / OP_FLOPS_PER_S
     comm = max(0.0, float(comm_bytes)) / OP_BYTES_PER_S
     allowed = None if divides is None else [c for c in range(1, max_chunks + 1) if divides % c == 0]

@@ -30,14 +30,22 @@ of 2 ranks, ~1/2 for many ranks per host) and pays (k-1)/k T more on the intra-h
 when the NIC is the slow link. With h = 1 or k = 1 both forms are the same rings (equal times; the
 choice is "flat"). The model is for unidirectional rings (`bidirectional=False`).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
-__all__ = ["LinkLike", "CollectiveChoice", "COLLECTIVE_KINDS", "flat_time", "hierarchical_time", "partition",
-           "all_reduce_form"]
+__all__ = [
+    "LinkLike",
+    "CollectiveChoice",
+    "COLLECTIVE_KINDS",
+    "flat_time",
+    "hierarchical_time",
+    "partition",
+    "all_reduce_form",
+]
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
@@ -74,15 +82,22 @@ def _count(name: str, value: Any) -> int:
 def _link(name: str, link: Any) -> tuple[float, float]:
     if not hasattr(link, "latency_s") or not hasattr(link, "bytes_per_s"):
         raise ValueError(f"{name}: expected a link with latency_s and bytes_per_s (a LinkFit), got {link!r}")
-    return (_number(f"{name}.latency_s", link.latency_s),
-            _number(f"{name}.bytes_per_s", link.bytes_per_s, positive=True))
+    return (
+        _number(f"{name}.latency_s", link.latency_s),
+        _number(f"{name}.bytes_per_s", link.bytes_per_s, positive=True),
+    )
 
 
 def _arguments(kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: Any, inter: Any):
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"kind: {kind!r} is not one of {COLLECTIVE_KINDS}")
-    return (_number("nbytes", nbytes), _count("ranks_per_host", ranks_per_host), _count("hosts", hosts),
-            _link("intra", intra), _link("inter", inter))
+    return (
+        _number("nbytes", nbytes),
+        _count("ranks_per_host", ranks_per_host),
+        _count("hosts", hosts),
+        _link("intra", intra),
+        _link("inter", inter),
+    )
 
 
 def _passes(kind: str) -> int:
@@ -104,21 +119,23 @@ def flat_time(kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: 
     return _passes(kind) * (p - 1) * step
 
 
-def hierarchical_time(kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: LinkLike,
-                      inter: LinkLike) -> float:
+def hierarchical_time(
+    kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: LinkLike, inter: LinkLike
+) -> float:
     """Modelled seconds of the two-level form: intra-host rings, then inter-host rings of the
     ranks with the same local index (all-gather: the reverse order); see the module docstring."""
     t, k, h, (a_in, b_in), (a_out, b_out) = _arguments(kind, nbytes, ranks_per_host, hosts, intra, inter)
     if h * k == 1 or t == 0:
         return 0.0
     m = t / (h * k)
-    inside = (k - 1) * (a_in + t / b_in)            # k flows of T/k share the host's link
-    across = (h - 1) * (a_out + k * m / b_out)      # k rings share the NIC, m bytes each per step
+    inside = (k - 1) * (a_in + t / b_in)  # k flows of T/k share the host's link
+    across = (h - 1) * (a_out + k * m / b_out)  # k rings share the NIC, m bytes each per step
     return _passes(kind) * (inside + across)
 
 
-def partition(kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: LinkLike,
-              inter: LinkLike) -> CollectiveChoice:
+def partition(
+    kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: LinkLike, inter: LinkLike
+) -> CollectiveChoice:
     """Centauri's partition choice for one collective: "flat" or "hierarchical", whichever the
     model says is faster (ties: "flat", the single ring).
 
@@ -135,8 +152,15 @@ def partition(kind: str, nbytes: float, ranks_per_host: int, hosts: int, intra: 
     return CollectiveChoice(choice, {"flat": flat, "hierarchical": hier})
 
 
-def all_reduce_form(*, all_reduce_s: float, reduce_scatter_s: float, all_gather_s: float, before_s: float = 0.0,
-                    after_s: float = 0.0, overlap: float = 1.0) -> CollectiveChoice:
+def all_reduce_form(
+    *,
+    all_reduce_s: float,
+    reduce_scatter_s: float,
+    all_gather_s: float,
+    before_s: float = 0.0,
+    after_s: float = 0.0,
+    overlap: float = 1.0,
+) -> CollectiveChoice:
     """Primitive substitution: keep a blocking all-reduce, or run it as a reduce-scatter that
     overlaps the compute before it and an all-gather that overlaps the compute after it.
     Returns the form whose *exposed* communication is smaller (ties: "all_reduce", one call).

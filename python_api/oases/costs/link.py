@@ -1,8 +1,9 @@
 """A link's cost: t(nbytes) = latency_s + nbytes / bytes_per_s, measured or assumed.
 
-    fit = LinkFit.from_samples([(nbytes, seconds), ...])    # all-reduces (or p2p) timed alone
-    fit.time(2**20)                                         # seconds for a 1 MiB message
+fit = LinkFit.from_samples([(nbytes, seconds), ...])    # all-reduces (or p2p) timed alone
+fit.time(2**20)                                         # seconds for a 1 MiB message
 """
+
 from __future__ import annotations
 
 import statistics

@@ -1,12 +1,12 @@
 """Link rates in tc's syntax ("250mbit", "1gbit", "8gbit") as bytes per second."""
+
 from __future__ import annotations
 
 import re
 
 # tc(8) "RATES": SI prefixes are powers of 1000, IEC prefixes (ki, mi, gi, ti) powers of 1024;
 # "bit" counts bits, "bps" counts bytes; a bare number is bits per second.
-_PREFIXES = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
-             "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
+_PREFIXES = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _UNITS = {"bit": 1 / 8, "bps": 1.0}
 _RATE = re.compile(r"(?P<number>\d+(?:\.\d*)?|\.\d+)(?P<prefix>[kmgt]i?)?(?P<unit>bit|bps)?", re.IGNORECASE)
 

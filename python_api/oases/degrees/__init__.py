@@ -12,6 +12,7 @@ schedules read it (oases.schedule.placed).
     rows         RowsDown / RowsUp (the resharding autograd functions), reshard_rows
     hooks        decoder layers run at their degrees by hooks; the replica-gradient sums (ReplicaSums)
 """
+
 from oases.degrees.checks import check_tp_degrees, check_world_group, refuse_with_degrees
 from oases.degrees.decoder import KNOWN_LAYERS, find_decoder_layers, find_layer_degrees
 from oases.degrees.hooks import ReplicaSums, hook_decoder_layers, hook_replica_sums, kwargs_rows, sum_over_replicas
@@ -19,7 +20,24 @@ from oases.degrees.placements import Placement, RowGroup, RowGroups, make_placem
 from oases.degrees.plan import LayerDegrees
 from oases.degrees.rows import RowsDown, RowsUp, reshard_rows
 
-__all__ = ["KNOWN_LAYERS", "LayerDegrees", "Placement", "ReplicaSums", "RowGroup", "RowGroups", "RowsDown", "RowsUp",
-           "check_tp_degrees", "check_world_group", "find_decoder_layers", "find_layer_degrees", "refuse_with_degrees",
-           "hook_decoder_layers", "hook_replica_sums", "kwargs_rows", "make_placements",
-           "reshard_rows", "sum_over_replicas"]
+__all__ = [
+    "KNOWN_LAYERS",
+    "LayerDegrees",
+    "Placement",
+    "ReplicaSums",
+    "RowGroup",
+    "RowGroups",
+    "RowsDown",
+    "RowsUp",
+    "check_tp_degrees",
+    "check_world_group",
+    "find_decoder_layers",
+    "find_layer_degrees",
+    "refuse_with_degrees",
+    "hook_decoder_layers",
+    "hook_replica_sums",
+    "kwargs_rows",
+    "make_placements",
+    "reshard_rows",
+    "sum_over_replicas",
+]

@@ -5,6 +5,7 @@ over its p / d replicas (`sum_over_replicas`, a gradient hook: hook_replica_sums
 oases.models.GPT and oases.parallelize use): the loss is normalised over the whole batch, so the sum
 is the full gradient whatever the blocks' sizes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,9 @@ def _sum_while_on(sums: ReplicaSums, grad: torch.Tensor, group: dist.ProcessGrou
     return sum_over_replicas(grad, group) if sums.on else None
 
 
-def hook_replica_sums(layers: Sequence[torch.nn.Module], degrees: Sequence[int], placements: dict[int, Placement],
-                      sums: ReplicaSums) -> list:
+def hook_replica_sums(
+    layers: Sequence[torch.nn.Module], degrees: Sequence[int], placements: dict[int, Placement], sums: ReplicaSums
+) -> list:
     """Each parameter gradient of a layer of degree d < p summed over its p / d replicas (over its
     Placement's replica_group) by a hook, while `sums.on`; returns the hooks' handles.
 
@@ -129,9 +131,15 @@ def _batch_of(x: torch.Tensor, degree: int, p: int, placements: dict[int, Placem
     return int(rows)
 
 
-def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, ...], p: int,
-                        placements: dict[int, Placement], row_groups: RowGroups, *, where: str = "layers"
-                        ) -> list:
+def hook_decoder_layers(
+    layers: Sequence[torch.nn.Module],
+    degrees: tuple[int, ...],
+    p: int,
+    placements: dict[int, Placement],
+    row_groups: RowGroups,
+    *,
+    where: str = "layers",
+) -> list:
     """Run decoder layer l on this rank's replica rows at degree d_l, by hooks; return their handles.
 
         pre-hook of layer l:   x = reshard_rows(x, d_{l-1} -> d_l)         # [~B d_l / p, t, h]
@@ -148,21 +156,28 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
     requires grad (its gradient would be this replica's share only); at layer 0, ValueError if
     the batch B has fewer rows than p / min(degrees) replicas (each needs one; B need not divide).
     `where` names the layers in the messages."""
+
     def before(layer_index: int, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         prev, d = (degrees[layer_index - 1] if layer_index else p), degrees[layer_index]
         x = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
-            raise TypeError(f"{where}[{layer_index}]: per-layer tp_degrees need the hidden states [b, t, h] as the "
-                            f"layer's first positional argument (or keyword hidden_states), got "
-                            f"{type(x).__name__}; name an nn.ModuleList of layers called as layer(x, ...)")
-        others = {**{f"argument {i + 1}": a for i, a in enumerate(args[1:])},
-                  **{f"keyword {k}": v for k, v in kwargs.items() if k != "hidden_states"}}
+            raise TypeError(
+                f"{where}[{layer_index}]: per-layer tp_degrees need the hidden states [b, t, h] as the "
+                f"layer's first positional argument (or keyword hidden_states), got "
+                f"{type(x).__name__}; name an nn.ModuleList of layers called as layer(x, ...)"
+            )
+        others = {
+            **{f"argument {i + 1}": a for i, a in enumerate(args[1:])},
+            **{f"keyword {k}": v for k, v in kwargs.items() if k != "hidden_states"},
+        }
         needy = [k for k, v in others.items() if _needs_grad(v)] if torch.is_grad_enabled() else []
         if needy:
-            raise ValueError(f"{where}[{layer_index}]: {needy[0]} requires grad; per-layer tp_degrees route only the "
-                             f"hidden states' gradient between replicas, so the gradient of any other input of a "
-                             f"layer would be partial. Compute it without grad (torch.no_grad(), .detach()), or make "
-                             f"its parameters the layer's own")
+            raise ValueError(
+                f"{where}[{layer_index}]: {needy[0]} requires grad; per-layer tp_degrees route only the "
+                f"hidden states' gradient between replicas, so the gradient of any other input of a "
+                f"layer would be partial. Compute it without grad (torch.no_grad(), .detach()), or make "
+                f"its parameters the layer's own"
+            )
         batch = _batch_of(x, prev, p, placements)
         if layer_index == 0:
             check_batch_rows("batch", batch, degrees, p)
@@ -185,8 +200,13 @@ def hook_decoder_layers(layers: Sequence[torch.nn.Module], degrees: tuple[int, .
         y = reshard_rows(y, degrees[-1], p, row_groups, batch)
         return (y, *out[1:]) if isinstance(out, tuple) else y
 
-    handles = [layer.register_forward_pre_hook(functools.partial(before, i), with_kwargs=True)
-               for i, layer in enumerate(layers)]
-    handles += [layer.register_forward_hook(functools.partial(after, i), with_kwargs=True)
-                for i, layer in enumerate(layers) if degrees[i] < p]  # at degree p: every row, nothing to do
+    handles = [
+        layer.register_forward_pre_hook(functools.partial(before, i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
+    handles += [
+        layer.register_forward_hook(functools.partial(after, i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+        if degrees[i] < p
+    ]  # at degree p: every row, nothing to do
     return handles

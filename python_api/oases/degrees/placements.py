@@ -6,6 +6,7 @@ oases._rows.block_rows: sizes differ by at most one when p / d does not divide B
 (block j at degree hi is blocks j hi/lo .. (j + 1) hi/lo - 1 at degree lo < hi), so each move of
 rows between two degrees stays inside one replica of the higher degree (a RowGroup).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,10 +25,10 @@ class Placement:
     """Where this rank runs a block of TP degree `degree` (of a group of p ranks)."""
 
     degree: int
-    tp_group: Optional[dist.ProcessGroup]       # the replica's `degree` consecutive ranks
+    tp_group: Optional[dist.ProcessGroup]  # the replica's `degree` consecutive ranks
     replica_group: Optional[dist.ProcessGroup]  # the p / degree ranks at this TP position; None at degree p
-    replica: int                                # this rank's replica: rank // degree
-    replicas: int                               # p // degree
+    replica: int  # this rank's replica: rank // degree
+    replicas: int  # p // degree
 
     def rows(self, batch: int) -> slice:
         """This replica's rows of a batch of `batch` rows (oases._rows.block_rows)."""
@@ -55,8 +56,9 @@ class RowGroup:
 RowGroups = dict[tuple[int, int], RowGroup]
 
 
-def make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees: tuple[int, ...]
-                    ) -> tuple[dict[int, Placement], RowGroups]:
+def make_placements(
+    group: Optional[dist.ProcessGroup], p: int, me: int, degrees: tuple[int, ...]
+) -> tuple[dict[int, Placement], RowGroups]:
     """({degree: this rank's Placement}, {(lo, hi): this rank's RowGroup between degrees lo < hi}).
 
     Collective on every rank of the world (group == the world), in the same order everywhere:
@@ -86,8 +88,9 @@ def make_placements(group: Optional[dist.ProcessGroup], p: int, me: int, degrees
     placements = {}
     for d in set(degrees):
         j = me // d
-        placements[d] = Placement(d, own(range(j * d, (j + 1) * d)),
-                                  None if d == p else own(range(me % d, p, d)), j, p // d)
+        placements[d] = Placement(
+            d, own(range(j * d, (j + 1) * d)), None if d == p else own(range(me % d, p, d)), j, p // d
+        )
     rows = {}
     for lo, hi in edges:
         base = (me // hi) * hi + me % lo

@@ -12,6 +12,7 @@ tp_degrees=...) sets `model.layer_degrees` (and `model.tp_degrees`, its degrees)
 shards. The schedules read it (oases.schedule.placed.layer_placements) through the model's
 `layer_placements()`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,8 +49,9 @@ class LayerDegrees:
     replica_sums: ReplicaSums = field(default_factory=ReplicaSums, repr=False)
 
     @classmethod
-    def make(cls, group: Optional[dist.ProcessGroup], p: int, rank: int, degrees: Sequence[int], *,
-             where: str = "layers") -> "LayerDegrees":
+    def make(
+        cls, group: Optional[dist.ProcessGroup], p: int, rank: int, degrees: Sequence[int], *, where: str = "layers"
+    ) -> "LayerDegrees":
         """The degrees' placements and row groups for this rank (`rank` of `group`'s `p`): collective
         on every rank of the world, in the same order (oases.degrees.make_placements). `degrees`
         must have been checked (check_tp_degrees)."""

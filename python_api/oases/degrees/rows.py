@@ -8,6 +8,7 @@
 
 Blocks of unequal size are all-gathered padded to the largest (oases._rows.padded / unpadded).
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -8,6 +8,7 @@
     opt = oases.dp.ZeroOptimizer(model, mesh["dp"].get_group(), torch.optim.AdamW, lr=1e-4)
     loss = oases.train_step(model, ids, ids, grad_sync=opt.sync); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 """
+
 from oases.dp.grad_sync import AllReduceMean, GradientSync, Reducer
 from oases.dp.zero import ShardedOptimizer, ZeroOptimizer, row_range
 

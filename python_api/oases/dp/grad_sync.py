@@ -24,6 +24,7 @@ uses it, as its schedules run several backwards per step) the caller calls `fini
 Reduction. `GradientSync` all-reduces (SUM, then divides by the dp size); oases.dp.ZeroOptimizer
 passes a reducer that reduce-scatters instead (each rank keeps its rows: ZeRO-1).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -71,7 +72,7 @@ class AllReduceMean:
         flat.div_(self.size)
         offset = 0
         for p in params:
-            piece = flat[offset:offset + p.numel()].view_as(p)
+            piece = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             if p.grad is None:
                 p.grad = piece.clone()
@@ -104,8 +105,11 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     """Reverse registration order (the backward's usual order), split at `bucket_bytes` and at dtype changes."""
     buckets, current, size = [], [], 0
     for p in reversed(params):
-        if current and (size + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0].dtype
-                        or p.device != current[0].device):
+        if current and (
+            size + p.numel() * p.element_size() > bucket_bytes
+            or p.dtype != current[0].dtype
+            or p.device != current[0].device
+        ):
             buckets.append(_Bucket(current))
             current, size = [], 0
         current.append(p)
@@ -137,9 +141,15 @@ class GradientSync:
             flat copy of its gradients); the oldest completes before one more starts.
     """
 
-    def __init__(self, model: Union[nn.Module, Iterable[nn.Parameter]], group: Optional[dist.ProcessGroup] = None,
-                 *, bucket_bytes: int = 25 * 2**20, reducer: Optional[Reducer] = None,
-                 max_in_flight: int = 2) -> None:
+    def __init__(
+        self,
+        model: Union[nn.Module, Iterable[nn.Parameter]],
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        reducer: Optional[Reducer] = None,
+        max_in_flight: int = 2,
+    ) -> None:
         for name, value in (("bucket_bytes", bucket_bytes), ("max_in_flight", max_in_flight)):
             if not _checks.is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
@@ -169,7 +179,8 @@ class GradientSync:
             raise RuntimeError(
                 f"oases.dp: a gradient of a parameter ({tuple(p.shape)}) arrived after its bucket's reduction "
                 f"started: this step accumulates it more often than the step GradientSync learned from; call "
-                f"relearn() after changing the step's structure (schedule, sub_batches)")
+                f"relearn() after changing the step's structure (schedule, sub_batches)"
+            )
         count = self._counts.get(id(p), 0) + 1
         self._counts[id(p)] = count
         if self._expected is not None and count == self._expected.get(id(p), 0):

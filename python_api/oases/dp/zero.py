@@ -25,6 +25,7 @@ end of step() (blocking). 0-d parameters count as one row.
 `ShardedOptimizer` is the part without communication (this rank's rows, their masters, the inner
 optimizer, and the row-block layouts the collectives move); oases.pipeline's ZeRO sync uses it too.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ class _Slot:
 
     def mine(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's rows of `t` (shaped like the parameter), a view [stop - start, *shape[1:]]."""
-        return (t.reshape(1) if t.dim() == 0 else t)[self.start:self.stop]
+        return (t.reshape(1) if t.dim() == 0 else t)[self.start : self.stop]
 
     def owns_storage(self) -> bool:
         """Whether the master is a tensor of its own (an fp32 copy), not a view of the parameter."""
@@ -104,8 +105,12 @@ class ShardedOptimizer:
         make_inner: builds the inner optimizer from the masters (a torch.optim.Optimizer).
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], group: Optional[dist.ProcessGroup],
-                 make_inner: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        group: Optional[dist.ProcessGroup],
+        make_inner: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    ) -> None:
         ring = ring_of(group)
         self.group, self.size, self.rank = group, ring.size, ring.rank
         self.params = list(params)
@@ -145,7 +150,7 @@ class ShardedOptimizer:
         """Copy the parameters' rows into the fp32 masters of 16-bit parameters (after the parameters
         were loaded; fp32 parameters' masters are views of their rows already). `params`: only
         these parameters' masters (default: every one)."""
-        for s in (self.slots.values() if params is None else [self.slots[id(p)] for p in params]):
+        for s in self.slots.values() if params is None else [self.slots[id(p)] for p in params]:
             rows = s.mine(s.param.detach())
             if s.owns_storage() or s.master.data_ptr() != rows.data_ptr():
                 s.master.copy_(rows)
@@ -164,8 +169,15 @@ class ShardedOptimizer:
         used = sum(self.slots[id(p)].block for p in params) + extra
         return -(-used // align) * align
 
-    def pack_grads(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor], *, extra: int = 0,
-                   align: int = 1, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def pack_grads(
+        self,
+        params: Sequence[nn.Parameter],
+        grads: Sequence[torch.Tensor],
+        *,
+        extra: int = 0,
+        align: int = 1,
+        dtype: Optional[torch.dtype] = None,
+    ) -> torch.Tensor:
         """[size, S]: block j holds rows_j of each gradient (zero-padded to ceil(n/size) rows), then
         `extra` zero columns for the caller, then zeros up to S (a multiple of `align`)."""
         dtype = dtype or grads[0].dtype
@@ -176,18 +188,24 @@ class ShardedOptimizer:
             rows = _rows_view(g)  # [n, k]
             if s.n < self.size * s.per:
                 rows = torch.cat([rows, rows.new_zeros(self.size * s.per - s.n, s.k)])  # [size * per, k]
-            out[:, offset:offset + s.block] = rows.view(self.size, s.block)  # block j: rows [j*per, (j+1)*per)
+            out[:, offset : offset + s.block] = rows.view(self.size, s.block)  # block j: rows [j*per, (j+1)*per)
             offset += s.block
         return out
 
-    def unpack_grads(self, params: Sequence[nn.Parameter], own: torch.Tensor, *, divisor: int = 1,
-                     present: Optional[Sequence[bool]] = None) -> None:
+    def unpack_grads(
+        self,
+        params: Sequence[nn.Parameter],
+        own: torch.Tensor,
+        *,
+        divisor: int = 1,
+        present: Optional[Sequence[bool]] = None,
+    ) -> None:
         """master.grad = this rank's rows of each parameter in `own` [S] (pack_grads' block of this
         rank, reduced) / divisor; None where `present` says no rank had a gradient."""
         offset = 0
         for i, p in enumerate(params):
             s = self.slots[id(p)]
-            mine = own[offset:offset + s.block].view(s.per, s.k)[:s.stop - s.start]
+            mine = own[offset : offset + s.block].view(s.per, s.k)[: s.stop - s.start]
             offset += s.block
             if present is not None and not present[i]:
                 s.master.grad = None
@@ -203,7 +221,7 @@ class ShardedOptimizer:
         offset = 0
         for p in params:
             s = self.slots[id(p)]
-            out[offset:offset + (s.stop - s.start) * s.k] = s.master.detach().reshape(-1)
+            out[offset : offset + (s.stop - s.start) * s.k] = s.master.detach().reshape(-1)
             offset += s.block
         return out
 
@@ -213,15 +231,16 @@ class ShardedOptimizer:
         offset = 0
         for p in params:
             s = self.slots[id(p)]
-            rows = gathered[:, offset:offset + s.block].reshape(self.size * s.per, s.k)[:s.n]
+            rows = gathered[:, offset : offset + s.block].reshape(self.size * s.per, s.k)[: s.n]
             offset += s.block
             _rows_view(p.detach()).copy_(rows)
 
     # --- clipping ---------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def clip_master_grads_(self, max_norm: float, norm_type: float, tp_groups: dict[int, object],
-                           copied: Optional[dict[int, tuple]] = None) -> torch.Tensor:
+    def clip_master_grads_(
+        self, max_norm: float, norm_type: float, tp_groups: dict[int, object], copied: Optional[dict[int, tuple]] = None
+    ) -> torch.Tensor:
         """Clip the masters' gradients by the norm of the whole gradient they are rows of (see
         `ZeroOptimizer.clip_grad_norm_`); `tp_groups`: {id(param): its TP group} for TP shards;
         `copied`: oases._sharding.copied_rows (rows several TP ranks hold alike, counted once)."""
@@ -290,9 +309,15 @@ class ZeroOptimizer(ShardedOptimizer):
         **kwargs: the optimizer's hyper-parameters (lr, betas, weight_decay, ...).
     """
 
-    def __init__(self, model: nn.Module, group: Optional[dist.ProcessGroup] = None,
-                 optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW, *,
-                 bucket_bytes: int = 25 * 2**20, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        group: Optional[dist.ProcessGroup] = None,
+        optimizer_class: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):

@@ -50,6 +50,7 @@ get OASES_TOPOLOGY=hosts, OASES_HOSTS=H and, if given, OASES_INTRA_BANDWIDTH. `-
 measures a pair inside host 0 and a pair across hosts (needs 2 or more ranks per host). Without
 root or iproute2 the layout (the environment) stays and the links are unshaped, as above.
 """
+
 from oases.costs.rate import parse_bandwidth
 from oases.launch._cli import main
 

@@ -1,4 +1,5 @@
 """`python -m oases.launch ...`: see oases.launch."""
+
 from oases.launch import main
 
 raise SystemExit(main())

@@ -1,4 +1,5 @@
 """`oases-launch`: parse the command line, place the ranks (shaped or not), run them."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,12 @@ class _Job:
     """One launch, as the command line asked for it."""
 
     nproc: int
-    target: tuple[str, ...]    # ("train.py", *args) or ("-m", "bench", *args), after `python`
-    threads: str               # OMP_NUM_THREADS of every rank
-    bandwidth: Optional[str]   # tc rate text; None: unshaped
+    target: tuple[str, ...]  # ("train.py", *args) or ("-m", "bench", *args), after `python`
+    threads: str  # OMP_NUM_THREADS of every rank
+    bandwidth: Optional[str]  # tc rate text; None: unshaped
     topology: Topology
-    hosts: int                        # emulated servers; ranks packed into them, nproc // hosts each
-    intra_bandwidth: Optional[str]    # with hosts > 1: tc rate inside a host; None: unshaped
+    hosts: int  # emulated servers; ranks packed into them, nproc // hosts each
+    intra_bandwidth: Optional[str]  # with hosts > 1: tc rate inside a host; None: unshaped
 
     @property
     def ranks_per_host(self) -> int:
@@ -61,8 +62,7 @@ def _launch(job: _Job) -> int:
                 placements, shaping = _shape(namespaces, job, job.bandwidth)
             except ShapingUnavailable as why:
                 cleanup.close()  # whatever was built
-                print(f"oases-launch: cannot shape the network ({why}); running unshaped",
-                      file=sys.stderr, flush=True)
+                print(f"oases-launch: cannot shape the network ({why}); running unshaped", file=sys.stderr, flush=True)
         return run_ranks(_rank_processes(job, placements, shaping))
 
 
@@ -84,8 +84,7 @@ def _bits(bandwidth: str) -> int:
     return round(parse_bandwidth(bandwidth) * 8)
 
 
-def _rank_processes(job: _Job, placements: Sequence[Placement],
-                    extra_env: dict[str, str]) -> list[RankProcess]:
+def _rank_processes(job: _Job, placements: Sequence[Placement], extra_env: dict[str, str]) -> list[RankProcess]:
     """torchrun's environment for each rank, inside its placement: one node's, or with --hosts
     that of `job.hosts` nodes of `ranks_per_host` ranks each (GROUP_RANK: the rank's host)."""
     port = _free_port()
@@ -94,9 +93,12 @@ def _rank_processes(job: _Job, placements: Sequence[Placement],
     for rank, placement in enumerate(placements):
         env = dict(os.environ)
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank % per_host),
-            WORLD_SIZE=str(job.nproc), LOCAL_WORLD_SIZE=str(per_host),
-            MASTER_ADDR=placements[0].address, MASTER_PORT=str(port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank % per_host),
+            WORLD_SIZE=str(job.nproc),
+            LOCAL_WORLD_SIZE=str(per_host),
+            MASTER_ADDR=placements[0].address,
+            MASTER_PORT=str(port),
             OMP_NUM_THREADS=job.threads,
         )
         if job.hosts > 1:
@@ -125,8 +127,7 @@ def _parse_args(argv: Optional[Sequence[str]]) -> _Job:
         if options.nproc < 2:
             parser.error("--selftest measures rank 0 -> rank 1: needs --nproc 2 or more")
         if options.hosts > 1 and options.nproc // options.hosts < 2:
-            parser.error("--selftest with --hosts measures a pair inside a host too: "
-                         "needs 2 or more ranks per host")
+            parser.error("--selftest with --hosts measures a pair inside a host too: needs 2 or more ranks per host")
         target: tuple[str, ...] = ("-m", SELFTEST_MODULE)
     elif options.script is None:
         parser.error("give the SCRIPT to run (or -m MODULE, or --selftest)")
@@ -135,56 +136,98 @@ def _parse_args(argv: Optional[Sequence[str]]) -> _Job:
     if options.topology is not None and options.bandwidth is None:
         parser.error("--topology shapes links: give --bandwidth too")
     if options.intra_bandwidth is not None and options.hosts == 1:
-        parser.error("--intra-bandwidth shapes the links inside each of several hosts: give --hosts 2 "
-                     "or more (on one host, --bandwidth shapes the links between its ranks)")
+        parser.error(
+            "--intra-bandwidth shapes the links inside each of several hosts: give --hosts 2 "
+            "or more (on one host, --bandwidth shapes the links between its ranks)"
+        )
     threads = str(options.threads) if options.threads else os.environ.get("OMP_NUM_THREADS", "1")
-    return _Job(options.nproc, target, threads, options.bandwidth, options.topology or DEFAULT_TOPOLOGY,
-                options.hosts, options.intra_bandwidth)
+    return _Job(
+        options.nproc,
+        target,
+        threads,
+        options.bandwidth,
+        options.topology or DEFAULT_TOPOLOGY,
+        options.hosts,
+        options.intra_bandwidth,
+    )
 
 
 def _check_hosts(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
     """--hosts H > 1: ranks pack evenly into H hosts, joined by links of --bandwidth."""
     if options.nproc % options.hosts != 0:
-        parser.error(f"--nproc {options.nproc} ranks cannot be packed evenly into --hosts "
-                     f"{options.hosts}: --nproc must be divisible by --hosts")
+        parser.error(
+            f"--nproc {options.nproc} ranks cannot be packed evenly into --hosts "
+            f"{options.hosts}: --nproc must be divisible by --hosts"
+        )
     if options.bandwidth is None:
         parser.error("--hosts emulates servers joined by shaped NICs: give --bandwidth too")
     if options.topology is not None:
-        parser.error("--topology shapes the links of one host: with --hosts, a host's ranks share "
-                     "its loopback (--intra-bandwidth) and hosts talk through NICs (--bandwidth)")
+        parser.error(
+            "--topology shapes the links of one host: with --hosts, a host's ranks share "
+            "its loopback (--intra-bandwidth) and hosts talk through NICs (--bandwidth)"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="oases-launch",
         description="Start NPROC ranks of SCRIPT with torchrun's environment, optionally over "
-                    "rate-limited links emulating a commodity server's interconnect, or (--hosts) "
-                    "several servers joined by NICs.",
+        "rate-limited links emulating a commodity server's interconnect, or (--hosts) "
+        "several servers joined by NICs.",
     )
-    parser.add_argument("--nproc", "--nproc-per-node", type=_positive_int, default=1,
-                        help="number of ranks, on all hosts together (default: 1)")
-    parser.add_argument("--bandwidth", type=_bandwidth, metavar="RATE",
-                        help="shape the links between ranks (with --hosts: between hosts) to RATE, "
-                             "in tc syntax (250mbit, 1gbit, 8gbit)")
-    parser.add_argument("--hosts", type=_positive_int, default=1, metavar="H",
-                        help="emulate H servers: ranks 0..NPROC/H-1 on host 0, the next NPROC/H on "
-                             "host 1, ... (NPROC divisible by H; needs --bandwidth); each host's NIC "
-                             "sends and receives at RATE, its ranks talk among themselves over its "
-                             "loopback (default: 1, the ranks on one server)")
-    parser.add_argument("--intra-bandwidth", type=_bandwidth, metavar="RATE",
-                        help="with --hosts: shape the links inside each host to RATE (default: unshaped)")
-    parser.add_argument("--topology", choices=TOPOLOGIES,
-                        help=f"with --bandwidth: shared = one link for all ranks (one PCIe host "
-                             f"bridge), switch = a link per rank into a switch (a NIC per GPU); "
-                             f"default {DEFAULT_TOPOLOGY}")
-    parser.add_argument("--threads", type=_positive_int, metavar="K",
-                        help="OMP_NUM_THREADS per rank (default: the environment's, else 1)")
-    parser.add_argument("--selftest", action="store_true",
-                        help=f"measure the rank 0 <-> rank 1 bandwidth (with --hosts also rank 0 <-> "
-                             f"the first rank of host 1) instead of running a script "
-                             f"(= -m {SELFTEST_MODULE})")
-    parser.add_argument("-m", "--module", action="store_true",
-                        help="SCRIPT is a module name, run as `python -m SCRIPT`")
+    parser.add_argument(
+        "--nproc",
+        "--nproc-per-node",
+        type=_positive_int,
+        default=1,
+        help="number of ranks, on all hosts together (default: 1)",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=_bandwidth,
+        metavar="RATE",
+        help="shape the links between ranks (with --hosts: between hosts) to RATE, "
+        "in tc syntax (250mbit, 1gbit, 8gbit)",
+    )
+    parser.add_argument(
+        "--hosts",
+        type=_positive_int,
+        default=1,
+        metavar="H",
+        help="emulate H servers: ranks 0..NPROC/H-1 on host 0, the next NPROC/H on "
+        "host 1, ... (NPROC divisible by H; needs --bandwidth); each host's NIC "
+        "sends and receives at RATE, its ranks talk among themselves over its "
+        "loopback (default: 1, the ranks on one server)",
+    )
+    parser.add_argument(
+        "--intra-bandwidth",
+        type=_bandwidth,
+        metavar="RATE",
+        help="with --hosts: shape the links inside each host to RATE (default: unshaped)",
+    )
+    parser.add_argument(
+        "--topology",
+        choices=TOPOLOGIES,
+        help=f"with --bandwidth: shared = one link for all ranks (one PCIe host "
+        f"bridge), switch = a link per rank into a switch (a NIC per GPU); "
+        f"default {DEFAULT_TOPOLOGY}",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive_int,
+        metavar="K",
+        help="OMP_NUM_THREADS per rank (default: the environment's, else 1)",
+    )
+    parser.add_argument(
+        "--selftest",
+        action="store_true",
+        help=f"measure the rank 0 <-> rank 1 bandwidth (with --hosts also rank 0 <-> "
+        f"the first rank of host 1) instead of running a script "
+        f"(= -m {SELFTEST_MODULE})",
+    )
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
+    )
     parser.add_argument("script", nargs="?", help="the script (or, with -m, module) every rank runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for SCRIPT")
     return parser

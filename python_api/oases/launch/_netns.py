@@ -44,6 +44,7 @@ netns exec` mounts /etc/netns/NAME/hosts over it) also names its peers' addresse
 rank0, rank1, ...; `hosts`: host0, host1, ...), for reverse lookups that DNS, unreachable from a
 namespace, cannot answer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -95,7 +96,7 @@ class Placement:
     """Where a rank runs: the command prefix that enters its namespace and its address."""
 
     prefix: tuple[str, ...] = ()  # e.g. ("/usr/sbin/ip", "netns", "exec", "oases-123")
-    address: str = "127.0.0.1"    # reachable from every other rank
+    address: str = "127.0.0.1"  # reachable from every other rank
     env: Mapping[str, str] = field(default_factory=dict)  # GLOO_SOCKET_IFNAME: the rank's device
 
 
@@ -120,7 +121,7 @@ class Namespaces:
         self._prefix = prefix
         self._names: list[str] = []  # in creation order; recorded before `ip netns add` runs
         self._etc_dirs: list[str] = []  # /etc/netns/NAME: files `ip netns exec` mounts over /etc
-        self._made_netns_etc = False    # whether /etc/netns itself is ours to remove
+        self._made_netns_etc = False  # whether /etc/netns itself is ours to remove
 
     def __enter__(self) -> "Namespaces":
         return self
@@ -136,8 +137,7 @@ class Namespaces:
             return self._switch(nproc, rate_bits)
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
 
-    def build_hosts(self, hosts: int, rate_bits: int,
-                    intra_rate_bits: Optional[int] = None) -> list[Placement]:
+    def build_hosts(self, hosts: int, rate_bits: int, intra_rate_bits: Optional[int] = None) -> list[Placement]:
         """Create `hosts` emulated servers: a namespace each, whose NIC sends and receives at
         `rate_bits` bit/s; traffic inside a host goes over its loopback, shaped to
         `intra_rate_bits` if given, else unshaped. Returns one placement per host."""
@@ -153,8 +153,9 @@ class Namespaces:
             self._plug(bridge, f"port{host}", name, _HOST_NIC, address, rate_bits)
             if intra_rate_bits is not None:
                 self._shape(name, "lo", intra_rate_bits)
-            placements.append(Placement(prefix=self._exec(name), address=address,
-                                        env={"GLOO_SOCKET_IFNAME": _HOST_NIC}))
+            placements.append(
+                Placement(prefix=self._exec(name), address=address, env={"GLOO_SOCKET_IFNAME": _HOST_NIC})
+            )
         return placements
 
     def close(self) -> None:
@@ -162,8 +163,12 @@ class Namespaces:
         with signals_deferred():
             while self._names:
                 name = self._names.pop()
-                subprocess.run([self._tools.ip, "netns", "del", name], check=False,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    [self._tools.ip, "netns", "del", name],
+                    check=False,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             while self._etc_dirs:
                 shutil.rmtree(self._etc_dirs.pop(), ignore_errors=True)
             if self._made_netns_etc:
@@ -192,8 +197,7 @@ class Namespaces:
             self._write_hosts(name, names)
             nic = f"nic{rank}"
             self._plug(bridge, f"port{rank}", name, nic, address, rate_bits)
-            placements.append(Placement(prefix=self._exec(name), address=address,
-                                        env={"GLOO_SOCKET_IFNAME": nic}))
+            placements.append(Placement(prefix=self._exec(name), address=address, env={"GLOO_SOCKET_IFNAME": nic}))
         return placements
 
     def _add_bridge(self) -> str:
@@ -244,8 +248,23 @@ class Namespaces:
             pass
 
     def _shape(self, namespace: str, device: str, rate_bits: int) -> None:
-        self._run(self._tools.tc, "-n", namespace, "qdisc", "add", "dev", device, "root", "tbf",
-                  "rate", f"{rate_bits}bit", "burst", _BURST, "latency", _LATENCY)
+        self._run(
+            self._tools.tc,
+            "-n",
+            namespace,
+            "qdisc",
+            "add",
+            "dev",
+            device,
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_bits}bit",
+            "burst",
+            _BURST,
+            "latency",
+            _LATENCY,
+        )
 
     def _exec(self, namespace: str) -> tuple[str, ...]:
         return (self._tools.ip, "netns", "exec", namespace)

@@ -7,6 +7,7 @@ started, and a terminal's Ctrl-C reaches the launcher only: the launcher decides
     rank 1    ───────────────── exit 3 ┐
     launcher  wait for the first exit ─┴─> "rank 1 exited with code 3", stop the others, return 3
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,11 @@ def _wait_for_first_failure(procs: Sequence[subprocess.Popen]) -> int:
         for rank in exits:
             returncode = procs[rank].wait()
             if returncode != 0:
-                print(f"oases-launch: rank {rank} {_describe(returncode)}; stopping the other ranks",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"oases-launch: rank {rank} {_describe(returncode)}; stopping the other ranks",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return exit_status(returncode)
     return 0
 

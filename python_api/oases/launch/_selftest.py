@@ -19,6 +19,7 @@ OASES_INTRA_BANDWIDTH, else unshaped) and across hosts (rank 0 <-> rank LOCAL_WO
 first of host 1; requested: OASES_BANDWIDTH). The JSON then holds one record per pair,
 "intra_host" and "inter_host", each with the keys a one-host result has at its top level.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,10 +60,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         links = _links(world_size, local_world_size)
         measured = {}
         for link in links:  # one pair at a time; the other ranks skip it
-            one_way = _seconds(rank, link, options.repeats,
-                               functools.partial(_one_way, rank, link, payload, flag))
-            both_ways = _seconds(rank, link, options.repeats,
-                                 functools.partial(_both_ways, rank, link, payload, inbox, flag))
+            one_way = _seconds(rank, link, options.repeats, functools.partial(_one_way, rank, link, payload, flag))
+            both_ways = _seconds(
+                rank, link, options.repeats, functools.partial(_both_ways, rank, link, payload, inbox, flag)
+            )
             measured[link] = (one_way, both_ways)
         if rank == 0:
             _report(payload.numel(), measured, world_size // local_world_size, options.json)
@@ -76,9 +77,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 class _Link:
     """A pair of ranks to measure, and what was asked of the link between them."""
 
-    kind: Optional[str]        # "intra_host" / "inter_host"; None: the ranks are on one host
-    ranks: tuple[int, int]     # (first, second); rank 0 is always first
-    requested: Optional[str]   # tc rate; None: unshaped
+    kind: Optional[str]  # "intra_host" / "inter_host"; None: the ranks are on one host
+    ranks: tuple[int, int]  # (first, second); rank 0 is always first
+    requested: Optional[str]  # tc rate; None: unshaped
 
 
 def _links(world_size: int, local_world_size: int) -> list[_Link]:
@@ -106,8 +107,7 @@ def _one_way(rank: int, link: _Link, payload: torch.Tensor, flag: torch.Tensor) 
         dist.send(flag, dst=first, tag=_ANSWER_TAG)
 
 
-def _both_ways(rank: int, link: _Link, payload: torch.Tensor, inbox: torch.Tensor,
-               flag: torch.Tensor) -> None:
+def _both_ways(rank: int, link: _Link, payload: torch.Tensor, inbox: torch.Tensor, flag: torch.Tensor) -> None:
     # Gloo writes a payload from the sending thread only if the receive is already posted on the
     # other side; otherwise its single I/O thread writes it, taking turns with what it reads, and
     # each direction gets half the link. So: post the receive, say "ready", then send.
@@ -144,8 +144,9 @@ def _seconds(rank: int, link: _Link, repeats: int, round_trip: Callable[[], None
     return times
 
 
-def _report(nbytes: int, measured: dict[_Link, tuple[list[float], list[float]]], hosts: int,
-            path: Optional[str]) -> None:
+def _report(
+    nbytes: int, measured: dict[_Link, tuple[list[float], list[float]]], hosts: int, path: Optional[str]
+) -> None:
     topology = os.environ.get("OASES_TOPOLOGY")
     records = {link: _record(link, nbytes, *times) for link, times in measured.items()}
     repeats = len(next(iter(measured.values()))[0])
@@ -155,16 +156,26 @@ def _report(nbytes: int, measured: dict[_Link, tuple[list[float], list[float]]],
         result: dict[str, Any] = {"topology": topology, "payload_bytes": nbytes, **record}
         del result["ranks"]
         print(f"{_requested(record)}, achieved {record['one_way_bytes_per_s'] / 1e6:.1f} MB/s", flush=True)
-        print(f"both ways at once: {record['both_ways_bytes_per_s'] / 1e6:.1f} MB/s each way "
-              f"(topology {topology or 'none'}; {footer})", flush=True)
+        print(
+            f"both ways at once: {record['both_ways_bytes_per_s'] / 1e6:.1f} MB/s each way "
+            f"(topology {topology or 'none'}; {footer})",
+            flush=True,
+        )
     else:
-        result = {"topology": topology, "hosts": hosts, "payload_bytes": nbytes,
-                  **{link.kind: record for link, record in records.items()}}
+        result = {
+            "topology": topology,
+            "hosts": hosts,
+            "payload_bytes": nbytes,
+            **{link.kind: record for link, record in records.items()},
+        }
         for link, record in records.items():
             first, second = link.ranks
-            print(f"{link.kind.replace('_', '-')}, rank {first} <-> rank {second}: {_requested(record)}, "
-                  f"achieved {record['one_way_bytes_per_s'] / 1e6:.1f} MB/s; both ways at once "
-                  f"{record['both_ways_bytes_per_s'] / 1e6:.1f} MB/s each way", flush=True)
+            print(
+                f"{link.kind.replace('_', '-')}, rank {first} <-> rank {second}: {_requested(record)}, "
+                f"achieved {record['one_way_bytes_per_s'] / 1e6:.1f} MB/s; both ways at once "
+                f"{record['both_ways_bytes_per_s'] / 1e6:.1f} MB/s each way",
+                flush=True,
+            )
         print(f"(topology {topology or 'none'}, {hosts} hosts; {footer})", flush=True)
     if path:
         with open(path, "w") as out:

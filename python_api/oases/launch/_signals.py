@@ -1,13 +1,14 @@
 """SIGINT/SIGTERM as an exception in the launcher, and clean-up that they cannot cut short.
 
-    with signals_raise():          # Ctrl-C or `kill` -> Interrupted(signum) in the main thread
-        try:
-            ...                    # start ranks, wait
-        finally:
-            with signals_deferred():
-                ...                # stop ranks, delete namespaces: runs to the end; a signal
-                                   # that arrives meanwhile is raised when the block exits
+with signals_raise():          # Ctrl-C or `kill` -> Interrupted(signum) in the main thread
+    try:
+        ...                    # start ranks, wait
+    finally:
+        with signals_deferred():
+            ...                # stop ranks, delete namespaces: runs to the end; a signal
+                               # that arrives meanwhile is raised when the block exits
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -9,6 +9,7 @@
 
 Shared by the adapters of Hugging Face and nanoGPT-style models.
 """
+
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -33,8 +34,9 @@ def _row_biases(module: nn.Module) -> list[torch.Tensor]:
 class Branch:
     """One sublayer: x + finish(reduce(core(norm(x)))), over a decoder layer's own modules."""
 
-    def __init__(self, index: int, norms: tuple[nn.Module, ...], branches: tuple[nn.Module, ...],
-                 attention: Optional[nn.Module]) -> None:
+    def __init__(
+        self, index: int, norms: tuple[nn.Module, ...], branches: tuple[nn.Module, ...], attention: Optional[nn.Module]
+    ) -> None:
         self.index = index  # the decoder layer's
         self.norms, self.branches, self.attention = norms, branches, attention
         self.biases = [b for m in branches for b in _row_biases(m)]
@@ -85,21 +87,27 @@ def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
     for layer in layers:
         for sub in layer:
             for module in sub.branches:
-                blocks = {n for n, m in module.named_modules()  # MoE blocks: their nn.Linear children replicated
-                          if any(isinstance(c, ParallelExperts) for c in m.children())}
-                plain = [n for n, m in module.named_modules()
-                         if type(m) is nn.Linear and n.rpartition(".")[0] not in blocks]
+                blocks = {
+                    n
+                    for n, m in module.named_modules()  # MoE blocks: their nn.Linear children replicated
+                    if any(isinstance(c, ParallelExperts) for c in m.children())
+                }
+                plain = [
+                    n for n, m in module.named_modules() if type(m) is nn.Linear and n.rpartition(".")[0] not in blocks
+                ]
                 if plain or not any(isinstance(m, (RowParallelLinear, ParallelExperts)) for m in module.modules()):
                     raise ValueError(
                         f"oases.train_step: decoder layer {sub.index}'s {type(module).__name__} is not fully "
                         f"tensor-parallel (plain nn.Linear: {', '.join(plain) or 'none'}; it needs a row-parallel "
-                        "output projection); shard every decoder layer with oases.parallelize(model, group)")
+                        "output projection); shard every decoder layer with oases.parallelize(model, group)"
+                    )
 
 
 # Modules that draw random numbers in training whatever their settings: PhiMoE's router samples its
 # experts (Gumbel noise); a recomputed sublayer would route its tokens to other experts.
 _SAMPLES_IN_TRAINING: Mapping[str, str] = MappingProxyType(
-    {"PhimoeTopKRouter": "samples its experts with Gumbel noise in training"})
+    {"PhimoeTopKRouter": "samples its experts with Gumbel noise in training"}
+)
 
 
 def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
@@ -111,16 +119,18 @@ def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
         for name, m in layer.named_modules():
             jitter = {a: v for a, v in vars(m).items() if "jitter" in a and isinstance(v, float) and v > 0}
             why = _SAMPLES_IN_TRAINING.get(type(m).__name__) or (
-                f"draws random noise in training ({', '.join(f'{a}={v}' for a, v in jitter.items())})" if jitter
-                else "")
+                f"draws random noise in training ({', '.join(f'{a}={v}' for a, v in jitter.items())})" if jitter else ""
+            )
             if why:
                 raise ValueError(
                     f"oases.train_step: decoder layer {i}'s {name or 'layer'} ({type(m).__name__}) {why}; the "
                     "schedules recompute sublayers and would draw other numbers. Set the config's jitter noise to "
-                    "0 or call model.eval() (the router then picks its top experts)")
+                    "0 or call model.eval() (the router then picks its top experts)"
+                )
             p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0.0)
             if isinstance(p, float) and p > 0:
                 raise ValueError(
                     f"oases.train_step: decoder layer {i} has dropout {p} ({name or 'the layer'}); the schedules "
                     "recompute sublayers and would draw other masks. Set the config's dropout to 0 or call "
-                    "model.eval()")
+                    "model.eval()"
+                )

@@ -20,6 +20,7 @@ of the input gradient (the others' are the same value: summing them would count 
 The layer's own all-reduces make this slower than a split layer: nothing overlaps them.
 Sequence parallelism is not supported (no sequence_parallel_parameters: the schedule refuses).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -39,8 +40,9 @@ class WholeLayer:
     """One decoder layer as one sublayer (module doc); `group` is the TP group its all-reduce is on
     (`alone`: none, a layer of TP degree 1 whose schedule communicator has one rank)."""
 
-    def __init__(self, index: int, layer: nn.Module, group: Optional[dist.ProcessGroup], *,
-                 alone: bool = False) -> None:
+    def __init__(
+        self, index: int, layer: nn.Module, group: Optional[dist.ProcessGroup], *, alone: bool = False
+    ) -> None:
         self.index, self.layer = index, layer
         self.lead = alone or not dist.is_initialized() or ring_of(group).rank == 0
 

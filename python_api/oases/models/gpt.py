@@ -28,6 +28,7 @@ all-reduce over the ranks at the same TP position, by a hook as autograd produce
 under oases.train_step's schedules the hooks stand down and the schedule sums each block's
 gradients once, per step, as the block's backward ends: see `layer_placements`).
 """
+
 from __future__ import annotations
 
 import math
@@ -187,10 +188,18 @@ class GPT(nn.Module):
     `oases.pipeline`.
     """
 
-    def __init__(self, config: GPTConfig, group: Optional[dist.ProcessGroup] = None, *,
-                 schedule: str = "oases", seed: int = 0, vocab_parallel: bool = False,
-                 sequence_parallel: bool = False, offload: Union[bool, Offloader] = False,
-                 tp_degrees: Optional[Sequence[int]] = None) -> None:
+    def __init__(
+        self,
+        config: GPTConfig,
+        group: Optional[dist.ProcessGroup] = None,
+        *,
+        schedule: str = "oases",
+        seed: int = 0,
+        vocab_parallel: bool = False,
+        sequence_parallel: bool = False,
+        offload: Union[bool, Offloader] = False,
+        tp_degrees: Optional[Sequence[int]] = None,
+    ) -> None:
         """Build this rank's shards of the model (the class docstring describes each argument).
 
         Args:
@@ -224,8 +233,11 @@ class GPT(nn.Module):
         degrees = None  # None: every layer at degree self.tp
         if tp_degrees is not None:  # every check before the subgroups are made
             degrees = check_tp_degrees(tp_degrees, config.layers, self.tp)
-            for name, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel),
-                                ("offload", offload)):
+            for name, value in (
+                ("vocab_parallel", vocab_parallel),
+                ("sequence_parallel", sequence_parallel),
+                ("offload", offload),
+            ):
                 refuse_with_degrees(name, value, fix=f"pass {name}=False (or tp_degrees=None)")
             check_world_group(self.tp)
         self.offloader = Offloader() if offload is True else (offload or None)
@@ -242,8 +254,10 @@ class GPT(nn.Module):
         if degrees is not None:  # collective: every rank of the world makes every subgroup
             self.layer_degrees = LayerDegrees.make(self.group, self.tp, self.tp_rank, degrees, where="blocks")
             where = [(at.degree, at.tp_group) for at in map(self.layer_degrees.placement, range(config.layers))]
-        self.blocks = nn.ModuleList(nn.ModuleList([_Attention(config, 2 * i, d, g), _MLP(config, 2 * i + 1, d, g)])
-                                    for i, (d, g) in enumerate(where))
+        self.blocks = nn.ModuleList(
+            nn.ModuleList([_Attention(config, 2 * i, d, g), _MLP(config, 2 * i + 1, d, g)])
+            for i, (d, g) in enumerate(where)
+        )
         if self.layer_degrees is not None:
             self.layer_degrees.hook_replica_sums(self.blocks)  # suspended while a schedule sums them itself
         self._layer_placements: Optional[LayerPlacements] = None  # made on first use (Communicators)
@@ -327,9 +341,17 @@ class GPT(nn.Module):
 
     # --- training -----------------------------------------------------------------------------------
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, dropout_seed: Optional[int] = None,
-                   sub_batches: Optional[int] = None, memory: Optional[RecomputeMemory] = None,
-                   check_inputs: CheckMode = True, recompute: Recompute = True) -> torch.Tensor:
+    def train_step(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        dropout_seed: Optional[int] = None,
+        sub_batches: Optional[int] = None,
+        memory: Optional[RecomputeMemory] = None,
+        check_inputs: CheckMode = True,
+        recompute: Recompute = True,
+    ) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
         ::
@@ -369,15 +391,34 @@ class GPT(nn.Module):
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self.embed_tokens(tokens[:0])  # shape checks before any communication
-        check_step(tokens, targets, schedule=self.schedule, sub_batches=sub_batches,
-                   sequence_parallel=self.sequence_parallel, attention_mask=None, world_size=self.tp,
-                   recompute=recompute, offload=self.offloader is not None)
+        check_step(
+            tokens,
+            targets,
+            schedule=self.schedule,
+            sub_batches=sub_batches,
+            sequence_parallel=self.sequence_parallel,
+            attention_mask=None,
+            world_size=self.tp,
+            recompute=recompute,
+            offload=self.offloader is not None,
+        )
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         seed = seed if self.training and self.config.dropout > 0 else None
-        return train_step(self, tokens, targets, loss_sum=self._loss_sum, normalizer=targets.numel(),
-                          comm=self.comm, schedule=self.schedule, sub_batches=sub_batches,
-                          sequence_parallel=self.sequence_parallel, dropout_seed=seed, memory=memory,
-                          offload=self.offloader, recompute=recompute)
+        return train_step(
+            self,
+            tokens,
+            targets,
+            loss_sum=self._loss_sum,
+            normalizer=targets.numel(),
+            comm=self.comm,
+            schedule=self.schedule,
+            sub_batches=sub_batches,
+            sequence_parallel=self.sequence_parallel,
+            dropout_seed=seed,
+            memory=memory,
+            offload=self.offloader,
+            recompute=recompute,
+        )
 
     def step_seed(self) -> Optional[int]:
         """The dropout seed of a training step (None without dropout): drawn from the default
@@ -390,8 +431,9 @@ class GPT(nn.Module):
             dist.broadcast(seed, dist.get_global_rank(self.group, 0), group=self.group)
         return int(seed)
 
-    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
-                dropout_seed: Optional[int] = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None, *, dropout_seed: Optional[int] = None
+    ) -> torch.Tensor:
         """Logits [b, t, vocab] (or the mean loss with `targets`); differentiable at any TP size.
 
         ::
@@ -422,9 +464,9 @@ class GPT(nn.Module):
     def _per_layer_blocks(self, x: torch.Tensor, where: SubBatch) -> torch.Tensor:
         """The blocks at their own degrees: x [B, t, h] (degree p) -> [B, t, h] (degree p).
 
-            for block l at degree d:  x = reshard_rows(x, -> d)     # [~B d / p, t, h], this replica's rows
-                                      x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))  # on its TP group
-            x = reshard_rows(x, -> p)"""
+        for block l at degree d:  x = reshard_rows(x, -> d)     # [~B d / p, t, h], this replica's rows
+                                  x = x + finish(reduce_from_tp(core(copy_to_tp(norm(x)))))  # on its TP group
+        x = reshard_rows(x, -> p)"""
         plan = self.layer_degrees
         plan.check_rows("tokens", x.shape[0])  # before any communication
         batch, degree = x.shape[0], self.tp

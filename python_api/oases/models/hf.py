@@ -36,6 +36,7 @@ While a schedule runs, parallelize's replica-sum hooks stand down and the schedu
 layer's gradients over its replicas itself (asynchronously, as the layer's backward ends for
 every sub-batch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -78,8 +79,9 @@ class _Recorder(nn.Module):
         self.calls = calls
         self.__dict__["_layer"] = layer  # not a submodule: read for attributes the base model asks of its layer
         signature = inspect.signature(layer.forward)
-        self.names = [n for n, p in signature.parameters.items()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # after hidden_states
+        self.names = [
+            n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ][1:]  # after hidden_states
         returns = signature.return_annotation
         returns = returns if isinstance(returns, str) else getattr(returns, "__name__", repr(returns))
         self.tuple = returns.replace("typing.", "").lower().startswith("tuple")
@@ -94,9 +96,11 @@ class _Recorder(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if len(args) > len(self.names):
-            raise TypeError(f"oases: a decoder layer got {len(args)} positional arguments besides its hidden "
-                            f"states, its forward names {len(self.names)}; this model's forward is not one the "
-                            f"Hugging Face adapter knows")
+            raise TypeError(
+                f"oases: a decoder layer got {len(args)} positional arguments besides its hidden "
+                f"states, its forward names {len(self.names)}; this model's forward is not one the "
+                f"Hugging Face adapter knows"
+            )
         kwargs = {**dict(zip(self.names, args)), **kwargs}
         self.calls.append((hidden_states, kwargs))
         return (hidden_states, None) if self.tuple else hidden_states
@@ -139,28 +143,41 @@ class HFStack:
         degrees = self.layer_degrees.degrees if self.layer_degrees is not None else getattr(model, "tp_degrees", None)
         self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
         if self.degrees is not None and len(self.degrees) != len(decoder):
-            raise ValueError(f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
-                             f"parallelize the model with one degree per decoder layer")
+            raise ValueError(
+                f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
+                f"parallelize the model with one degree per decoder layer"
+            )
         whole = [i for i, parts in enumerate(self.parts) if parts.kind == "whole"]
         if self.degrees is not None and whole:  # its own row hooks would move rows the schedule moved
-            raise ValueError(f"tp_degrees: oases.train_step runs decoder layers {whole} of {type(model).__name__} "
-                             f"whole, and not yet at per-layer degrees; train it with loss = model(...) then "
-                             f"loss.backward(), or parallelize without tp_degrees")
-        tp_group = next((m.group for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
-                        None)
-        self._layers = [self._sublayers(i, layer, parts, tp_group,
-                                        alone=self.degrees is not None and self.degrees[i] == 1)
-                        for i, (layer, parts) in enumerate(zip(self.decoder, self.parts))]
-        check_sharded([layer for i, layer in enumerate(self._layers)
-                       if (self.degrees is None or self.degrees[i] > 1) and self.parts[i].kind != "whole"],
-                      nn.ModuleList([m for m, parts in zip(decoder, self.parts) if parts.kind != "whole"]))
+            raise ValueError(
+                f"tp_degrees: oases.train_step runs decoder layers {whole} of {type(model).__name__} "
+                f"whole, and not yet at per-layer degrees; train it with loss = model(...) then "
+                f"loss.backward(), or parallelize without tp_degrees"
+            )
+        tp_group = next(
+            (m.group for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), None
+        )
+        self._layers = [
+            self._sublayers(i, layer, parts, tp_group, alone=self.degrees is not None and self.degrees[i] == 1)
+            for i, (layer, parts) in enumerate(zip(self.decoder, self.parts))
+        ]
+        check_sharded(
+            [
+                layer
+                for i, layer in enumerate(self._layers)
+                if (self.degrees is None or self.degrees[i] > 1) and self.parts[i].kind != "whole"
+            ],
+            nn.ModuleList([m for m, parts in zip(decoder, self.parts) if parts.kind != "whole"]),
+        )
 
     @staticmethod
-    def _sublayers(i: int, layer: nn.Module, parts: LayerParts, tp_group: Optional[dist.ProcessGroup],
-                   alone: bool) -> tuple:
+    def _sublayers(
+        i: int, layer: nn.Module, parts: LayerParts, tp_group: Optional[dist.ProcessGroup], alone: bool
+    ) -> tuple:
         if parts.kind == "whole":  # its own TP layers' group, else the model's (a layer left unsharded)
-            group = next((m.group for m in layer.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))),
-                         tp_group)
+            group = next(
+                (m.group for m in layer.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), tp_group
+            )
             return (WholeLayer(i, layer, group, alone=alone),)  # alone: degree 1, on this rank only
         attn, mlp = layer.get_submodule(parts.attention), layer.get_submodule(parts.mlp)
         ln1, ln2 = (layer.get_submodule(n) for n in parts.norms)
@@ -173,10 +190,12 @@ class HFStack:
         model's load-balancing loss (output_router_logits) is not part of the step's loss."""
         check_no_dropout(self.model, self.decoder)
         if getattr(getattr(self.model, "config", None), "output_router_logits", False) is True:
-            raise ValueError("oases.train_step: the model's config has output_router_logits=True, and the step's loss "
-                             "is the language-model loss alone (no load-balancing loss); set "
-                             "model.config.output_router_logits = False, or train with loss = model(...).loss and "
-                             "loss.backward() (exact with sharded experts)")
+            raise ValueError(
+                "oases.train_step: the model's config has output_router_logits=True, and the step's loss "
+                "is the language-model loss alone (no load-balancing loss); set "
+                "model.config.output_router_logits = False, or train with loss = model(...).loss and "
+                "loss.backward() (exact with sharded experts)"
+            )
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, _Context]:
         """input_ids [b, t] -> (x [b, t, h], the first decoder layer's input; a _Context of `where` and
@@ -222,9 +241,11 @@ class HFStack:
         kept = getattr(self.model, "oases_layer_placements", None)
         if not isinstance(kept, LayerPlacements) or tuple(at.degree for at in kept.layers) != self.degrees:
             if self.layer_degrees is None:
-                raise ValueError("tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "
-                                 "keeps with them (model.layer_degrees); parallelize it with "
-                                 "oases.parallelize(model, tp_degrees=...)")
+                raise ValueError(
+                    "tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "
+                    "keeps with them (model.layer_degrees); parallelize it with "
+                    "oases.parallelize(model, tp_degrees=...)"
+                )
             kept = layer_placements(self.layer_degrees, self.decoder)
             self.model.oases_layer_placements = kept
         return kept
@@ -261,8 +282,11 @@ def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:
     seen: dict[tuple, LayerParts] = {}
     found = []
     for layer in decoder:
-        key = (type(layer), tuple((n, type(m)) for n, m in layer.named_children()),
-               getattr(layer, "use_parallel_residual", None))
+        key = (
+            type(layer),
+            tuple((n, type(m)) for n, m in layer.named_children()),
+            getattr(layer, "use_parallel_residual", None),
+        )
         if key not in seen:
             seen[key] = layer_parts(layer)
         found.append(seen[key])
@@ -325,8 +349,7 @@ class _GivesHidden(nn.Module):
 
 
 @contextlib.contextmanager
-def _standing_in_for_top(model: nn.Module, names: tuple[str, str], h: torch.Tensor,
-                         head: nn.Module) -> Iterator[None]:
+def _standing_in_for_top(model: nn.Module, names: tuple[str, str], h: torch.Tensor, head: nn.Module) -> Iterator[None]:
     """model.<base> returns h and model.<head> is `head` for the block (both restored after)."""
     kept = [getattr(model, n) for n in names]
     setattr(model, names[0], _GivesHidden(h))
@@ -339,9 +362,11 @@ def _standing_in_for_top(model: nn.Module, names: tuple[str, str], h: torch.Tens
 
 
 def _unknown(model: nn.Module, what: str) -> str:
-    return (f"oases: no adapter for {type(model).__name__} ({what}). The Hugging Face adapter needs a causal LM "
-            "with model.base_model holding its decoder layers (an nn.ModuleList), one final norm, and "
-            "get_output_embeddings(); oases.models.GPT and nanoGPT-style models have their own. For another "
-            "model, implement oases.schedule.Stack: embed(input_ids, where) -> (x, ctx), layers() -> "
-            "[[sublayer with norm(x), core(h, ctx) (this rank's partial sum), finish(z, ctx)], ...], "
-            "head(x, ctx) -> logits; and pass it to oases.train_step")
+    return (
+        f"oases: no adapter for {type(model).__name__} ({what}). The Hugging Face adapter needs a causal LM "
+        "with model.base_model holding its decoder layers (an nn.ModuleList), one final norm, and "
+        "get_output_embeddings(); oases.models.GPT and nanoGPT-style models have their own. For another "
+        "model, implement oases.schedule.Stack: embed(input_ids, where) -> (x, ctx), layers() -> "
+        "[[sublayer with norm(x), core(h, ctx) (this rank's partial sum), finish(z, ctx)], ...], "
+        "head(x, ctx) -> logits; and pass it to oases.train_step"
+    )

@@ -10,6 +10,7 @@ After `oases.parallelize(model)` (c_attn "column:3", c_fc "column", c_proj "row"
 two sublayers whose cores are the block's own attn and mlp under no_tp_communication; `attn`
 must view its heads with -1 (see oases.parallelize). The embedding is wte(ids) + wpe(arange(t)).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -30,8 +31,13 @@ def _container(model: nn.Module) -> Optional[nn.Module]:
     if not isinstance(container, nn.Module):
         return None
     parts = [getattr(container, n, None) for n in ("wte", "h", "ln_f")]
-    if not (isinstance(parts[0], nn.Module) and isinstance(parts[1], nn.ModuleList) and len(parts[1])
-            and isinstance(parts[2], nn.Module) and isinstance(getattr(model, "lm_head", None), nn.Module)):
+    if not (
+        isinstance(parts[0], nn.Module)
+        and isinstance(parts[1], nn.ModuleList)
+        and len(parts[1])
+        and isinstance(parts[2], nn.Module)
+        and isinstance(getattr(model, "lm_head", None), nn.Module)
+    ):
         return None
     if not all(all(isinstance(getattr(b, n, None), nn.Module) for n in _BLOCK_PARTS) for b in parts[1]):
         return None
@@ -51,13 +57,17 @@ class NanoGPTStack:
     def __init__(self, model: nn.Module) -> None:
         container = _container(model)
         if container is None:
-            raise ValueError(f"{type(model).__name__}: not a nanoGPT-style model (wte, h of blocks with "
-                             f"{', '.join(_BLOCK_PARTS)}, ln_f, lm_head)")
+            raise ValueError(
+                f"{type(model).__name__}: not a nanoGPT-style model (wte, h of blocks with "
+                f"{', '.join(_BLOCK_PARTS)}, ln_f, lm_head)"
+            )
         self.model, self.container = model, container
         self.lm_head = model.lm_head
         self.logits_group = None
-        self._layers = [(Branch(i, (b.ln_1,), (b.attn,), None), Branch(i, (b.ln_2,), (b.mlp,), None))
-                        for i, b in enumerate(container.h)]
+        self._layers = [
+            (Branch(i, (b.ln_1,), (b.attn,), None), Branch(i, (b.ln_2,), (b.mlp,), None))
+            for i, b in enumerate(container.h)
+        ]
         check_sharded(self._layers, container.h)
 
     def check_trainable(self) -> None:

@@ -16,6 +16,7 @@
 
 The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn._mappings`.
 """
+
 from oases._sharding import ShardRule
 from oases.nn._coverage import Summary, summary
 from oases.nn.clip import clip_grad_norm_
@@ -25,6 +26,18 @@ from oases.nn.norm import ShardedRMSNorm
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelExperts", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "parallelize", "DEFAULT_PLAN", "no_tp_communication", "clip_grad_norm_",
-           "ShardRule", "ShardedRMSNorm", "summary", "Summary"]
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelExperts",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "parallelize",
+    "DEFAULT_PLAN",
+    "no_tp_communication",
+    "clip_grad_norm_",
+    "ShardRule",
+    "ShardedRMSNorm",
+    "summary",
+    "Summary",
+]

@@ -14,6 +14,7 @@ it must get the slopes of those heads only:
 A forward pre-hook on the attention module does the cut at each call (the tensor is the model's,
 built per batch), by keyword or by its position in the module's forward.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -33,14 +34,16 @@ def _cut(bias: object, heads: int, r: int, p: int, mask: bool = False) -> object
         return bias
     local = heads // p
     if bias.dim() == 4 and bias.shape[1] == heads:
-        return bias[:, r * local:(r + 1) * local]
+        return bias[:, r * local : (r + 1) * local]
     if mask:
         return bias
     if bias.shape[0] % heads:
-        raise ValueError(f"oases: an attention bias of shape {tuple(bias.shape)} does not hold {heads} heads' "
-                         f"rows ([b * heads, ...] or [b, heads, q, k]); oases cannot give this rank its heads' rows")
+        raise ValueError(
+            f"oases: an attention bias of shape {tuple(bias.shape)} does not hold {heads} heads' "
+            f"rows ([b * heads, ...] or [b, heads, q, k]); oases cannot give this rank its heads' rows"
+        )
     b = bias.shape[0] // heads
-    return bias.reshape(b, heads, *bias.shape[1:])[:, r * local:(r + 1) * local].reshape(b * local, *bias.shape[1:])
+    return bias.reshape(b, heads, *bias.shape[1:])[:, r * local : (r + 1) * local].reshape(b * local, *bias.shape[1:])
 
 
 def takes_head_biases(module: nn.Module) -> bool:

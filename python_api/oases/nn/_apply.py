@@ -3,6 +3,7 @@ groups (collectives over the world, on every rank in the same order), the module
 styles' shards, the attention modules made per-rank, the MoE regions, the per-layer degrees' hooks
 and the warning about what stayed whole.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -18,8 +19,15 @@ from oases.nn import _coverage as _summary
 from oases.nn._styles import ResolvedPlan, matches
 from oases.nn.layers import _SharedEntry, is_conv1d
 
-__all__ = ["Groups", "make_groups", "shard_modules", "localize_heads", "make_moe_regions", "hook_degrees",
-           "warn_unplaced"]
+__all__ = [
+    "Groups",
+    "make_groups",
+    "shard_modules",
+    "localize_heads",
+    "make_moe_regions",
+    "hook_degrees",
+    "warn_unplaced",
+]
 
 
 @dataclass
@@ -47,16 +55,23 @@ def make_groups(group: Optional[dist.ProcessGroup], rank: int, p: int, plan: Res
     return Groups(by_degree, entries, replica_groups, degrees)
 
 
-def shard_modules(model: nn.Module, plan: ResolvedPlan, groups: Groups, p: int, *, sequence_parallel: bool,
-                  chunks: Optional[int]) -> None:
+def shard_modules(
+    model: nn.Module, plan: ResolvedPlan, groups: Groups, p: int, *, sequence_parallel: bool, chunks: Optional[int]
+) -> None:
     """Every placed module replaced by its style's shard (projections, embeddings, then experts; a
     decoder layer of degree 1 left whole), then each tied embedding and head given one shard."""
     for name, module, style in plan.sharded():  # nothing is changed before every check has passed
         d = plan.degree(name)
         if d == 1 < p:
             continue  # a decoder layer of degree 1 stays unsharded (its replica's rows, on this rank alone)
-        layer = style.shard(module, groups.by_degree[d], entry=groups.entries[d], replica_groups=groups.replica_groups,
-                            sequence_parallel=sequence_parallel, chunks=chunks)
+        layer = style.shard(
+            module,
+            groups.by_degree[d],
+            entry=groups.entries[d],
+            replica_groups=groups.replica_groups,
+            sequence_parallel=sequence_parallel,
+            chunks=chunks,
+        )
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, layer)
     for embedding, head in plan.tied:  # one shard serves both ends of the tie (same rows, same rule)
@@ -104,18 +119,28 @@ def warn_unplaced(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
     """One warning (at parallelize's caller) naming the projections left whole, the plan patterns
     that matched nothing and the decoder layers oases.train_step runs whole; none when there are none."""
     unplaced = [name for name in plan.linears if name not in plan.placed and name not in plan.routers]
-    unused = [pattern for pattern, s in plan.styles.items() if plan.explicit and s.kind != "vocab"
-              and not any(matches(n, pattern) for n in (plan.experts if s.kind == "experts" else plan.linears))]
-    unused_vocab = [pattern for pattern, s in plan.styles.items()
-                    if s.kind == "vocab" and not any(matches(n, pattern) for n in plan.embeddings)]
+    unused = [
+        pattern
+        for pattern, s in plan.styles.items()
+        if plan.explicit
+        and s.kind != "vocab"
+        and not any(matches(n, pattern) for n in (plan.experts if s.kind == "experts" else plan.linears))
+    ]
+    unused_vocab = [
+        pattern
+        for pattern, s in plan.styles.items()
+        if s.kind == "vocab" and not any(matches(n, pattern) for n in plan.embeddings)
+    ]
     whole = _summary.whole_layers(model) if p > 1 else ""
     if not (unplaced or unused or unused_vocab or whole):
         return
     message = "oases.parallelize:" + whole
     if unplaced:
         kind = "nn.Linear / Conv1D" if any(is_conv1d(plan.linears[n]) for n in unplaced) else "nn.Linear"
-        message += (f" left {len(unplaced)} {kind} module(s) unsharded (replicated on every rank; "
-                    f"no plan pattern matches them): {', '.join(unplaced)}." + _summary.report(model, unplaced))
+        message += (
+            f" left {len(unplaced)} {kind} module(s) unsharded (replicated on every rank; "
+            f"no plan pattern matches them): {', '.join(unplaced)}." + _summary.report(model, unplaced)
+        )
     if unused:
         message += f" Plan patterns matching no nn.Linear: {', '.join(map(repr, unused))}."
     if unused_vocab:

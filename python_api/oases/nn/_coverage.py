@@ -16,6 +16,7 @@ with its plan before changing anything: decoder layers whose shardable parameter
 mostly replicated (less than half sharded) raise a ValueError with the default plan (a warning
 with an explicit one) that names the modules and the plan entries that would shard them.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -77,9 +78,11 @@ class Summary:
         rows = [f"{'module':<48} {'style':<22} {'local':>10} {'full':>10}"]
         rows += [f"{p.name:<48} {p.style:<22} {p.local:>10} {p.full:>10}" for p in self.parts]
         coverage = "n/a" if self.layer_coverage is None else f"{self.layer_coverage:.1%}"
-        rows.append(f"tp={self.world_size}: {self.local} of {self.full} parameters on this rank ({self.share:.1%}); "
-                    f"decoder layers sharded: {coverage}"
-                    + (f"; left whole: {', '.join(self.left_whole)}" if self.left_whole else ""))
+        rows.append(
+            f"tp={self.world_size}: {self.local} of {self.full} parameters on this rank ({self.share:.1%}); "
+            f"decoder layers sharded: {coverage}"
+            + (f"; left whole: {', '.join(self.left_whole)}" if self.left_whole else "")
+        )
         return "\n".join(rows)
 
 
@@ -88,11 +91,19 @@ def _style(module: nn.Module) -> str:
     if kind == "ColumnParallelLinear":
         if module.pad_vocab or module.gather_output:
             return "vocab_head"
-        return (f"column:({', '.join(map(str, module.parts))})" if module.parts
-                else f"column:{module.stacked}" if module.stacked > 1 else "column")
-    return {"RowParallelLinear": "row", "VocabParallelEmbedding": "vocab", "ShardedRMSNorm": "sharded_norm",
-            "ParallelExperts": "experts"}.get(
-        kind, "sharded" if hasattr(module, "tp_layout") else "replicated")
+        return (
+            f"column:({', '.join(map(str, module.parts))})"
+            if module.parts
+            else f"column:{module.stacked}"
+            if module.stacked > 1
+            else "column"
+        )
+    return {
+        "RowParallelLinear": "row",
+        "VocabParallelEmbedding": "vocab",
+        "ShardedRMSNorm": "sharded_norm",
+        "ParallelExperts": "experts",
+    }.get(kind, "sharded" if hasattr(module, "tp_layout") else "replicated")
 
 
 def _own_parameters(module: nn.Module) -> list:
@@ -160,8 +171,11 @@ def whole_layers(model: nn.Module) -> str:
             parts = layer_parts(layer)
             if parts.kind == "whole":
                 said[kind] = parts.reason
-    return "".join(f" oases.train_step runs each {kind} whole, as one sublayer with its own all-reduces "
-                   f"(exact, without the schedules' overlap): {reason}." for kind, reason in said.items())
+    return "".join(
+        f" oases.train_step runs each {kind} whole, as one sublayer with its own all-reduces "
+        f"(exact, without the schedules' overlap): {reason}."
+        for kind, reason in said.items()
+    )
 
 
 def _shardable(layer_prefix: str, layer: nn.Module) -> dict[str, tuple[nn.Module, int]]:
@@ -210,8 +224,9 @@ def _suggestion(layer: nn.Module, part: str, child: str) -> str:
     return f"{child!r}: {'row' if child == last else 'column'!r}"
 
 
-def check_coverage(model: nn.Module, planned: set[str], explicit: bool,
-                   skip_layers: frozenset[int] = frozenset()) -> None:
+def check_coverage(
+    model: nn.Module, planned: set[str], explicit: bool, skip_layers: frozenset[int] = frozenset()
+) -> None:
     """Before parallelize changes anything: ValueError (default plan) or a warning (explicit plan)
     when the decoder layers' shardable parameters would stay mostly replicated; `planned` are
     the qualified names of the projections the plan shards, `skip_layers` layers left whole on purpose."""
@@ -230,17 +245,23 @@ def check_coverage(model: nn.Module, planned: set[str], explicit: bool,
             if name in planned:
                 sharded += count
                 continue
-            local = name[len(f"{prefix}.{i}."):]
+            local = name[len(f"{prefix}.{i}.") :]
             part = next((p for p in parts if local.startswith(p + ".") and local.count(".") == p.count(".") + 1), None)
             whole[name] = _suggestion(layer, part, local.rpartition(".")[2]) if part else ""
     if not total or sharded * 2 >= total:
         return
     entries = sorted({s for s in whole.values() if s})
-    message = (f"oases.parallelize: the plan shards {sharded / total:.0%} of the decoder layers' projection "
-               f"parameters of {type(model).__name__}; left whole (replicated on every rank): "
-               f"{', '.join(list(whole)[:12])}{' ...' if len(whole) > 12 else ''}. "
-               + (f"Plan entries that would shard them: {{{', '.join(entries)}}} (merge with "
-                  f"{{**oases.nn.DEFAULT_PLAN, ...}})" if entries else "Name them in plan= ('column' / 'row')"))
+    message = (
+        f"oases.parallelize: the plan shards {sharded / total:.0%} of the decoder layers' projection "
+        f"parameters of {type(model).__name__}; left whole (replicated on every rank): "
+        f"{', '.join(list(whole)[:12])}{' ...' if len(whole) > 12 else ''}. "
+        + (
+            f"Plan entries that would shard them: {{{', '.join(entries)}}} (merge with "
+            f"{{**oases.nn.DEFAULT_PLAN, ...}})"
+            if entries
+            else "Name them in plan= ('column' / 'row')"
+        )
+    )
     if explicit:
         warnings.warn(message, UserWarning, stacklevel=4)  # check_coverage <- check_plan <- parallelize <- caller
         return

@@ -1,6 +1,7 @@
 """Gradient-accumulation fusion of the parallel linears (oases.nn.layers; its contract: the layers
 guide, docs/guides/parallelize.md): the weight's gradient added, in fp32, into `weight.main_grad`
 instead of being returned to autograd."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,8 +44,9 @@ def _main_grad(layer: nn.Module) -> Optional[torch.Tensor]:
     return weight.main_grad
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-            main_grad: Optional[torch.Tensor]) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], main_grad: Optional[torch.Tensor]
+) -> torch.Tensor:
     if main_grad is None:
         return nn.functional.linear(x, weight, bias)
     return _LinearMainGrad.apply(x, weight, bias, main_grad)

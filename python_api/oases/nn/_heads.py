@@ -24,6 +24,7 @@ never touches the shared config:
 `qkv_parts` gives the block sizes of a fused [q | k | v] projection from the module's head counts,
 for the plan style "column:qkv" (GQA: the blocks differ, so equal thirds would be wrong).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,15 +40,38 @@ from oases.nn import _mappings
 from oases.nn._parts import HEAD_PROJECTIONS, is_norm
 from oases.nn.norm import ShardedRMSNorm
 
-__all__ = ["PER_RANK_ATTRIBUTES", "count", "heads", "check_heads", "check_widths", "localize_heads", "qkv_parts",
-           "full_width_norms", "check_norm_form", "shard_norms", "head_parameters", "shard_head_parameters",
-           "sum_head_shared_grads", "head_dim"]
+__all__ = [
+    "PER_RANK_ATTRIBUTES",
+    "count",
+    "heads",
+    "check_heads",
+    "check_widths",
+    "localize_heads",
+    "qkv_parts",
+    "full_width_norms",
+    "check_norm_form",
+    "shard_norms",
+    "head_parameters",
+    "shard_head_parameters",
+    "sum_head_shared_grads",
+    "head_dim",
+]
 
 # Integer attributes of an attention module that count its heads or the features made of them.
 PER_RANK_ATTRIBUTES = (
-    "num_heads", "num_attention_heads", "n_head", "n_heads",
-    "num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads",
-    "hidden_size", "embed_dim", "n_embd", "split_size", "all_head_size",
+    "num_heads",
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_key_value_heads",
+    "num_kv_heads",
+    "n_kv_head",
+    "n_kv_heads",
+    "hidden_size",
+    "embed_dim",
+    "n_embd",
+    "split_size",
+    "all_head_size",
 )
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
@@ -86,8 +110,11 @@ def check_heads(name: str, module: nn.Module, p: int) -> None:
         found = count(module, names)
         if found is not None and found[1] % p and not (names is _KV_HEAD_COUNTS and _replicated(found[1], p)):
             attr, value = found
-            more = " or a multiple of it (each key-value head then held by several ranks)" \
-                if names is _KV_HEAD_COUNTS else ""
+            more = (
+                " or a multiple of it (each key-value head then held by several ranks)"
+                if names is _KV_HEAD_COUNTS
+                else ""
+            )
             raise ValueError(
                 f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
                 f"each rank must hold whole heads, so use a world size that divides {value}{more}"
@@ -103,10 +130,12 @@ def check_heads(name: str, module: nn.Module, p: int) -> None:
             )
     taken = [attr for attr in ("tp_layout", "group") if hasattr(module, attr)]
     if head_parameters(module) and taken:
-        raise ValueError(f"{where}: {type(module).__name__} has per-head parameters "
-                         f"({', '.join(head_parameters(module))}) that oases shards by heads, and already an "
-                         f"attribute {taken[0]!r}, which oases would set to say how; rename that attribute, or "
-                         f"leave the attention unsharded (remove its projections from the plan)")
+        raise ValueError(
+            f"{where}: {type(module).__name__} has per-head parameters "
+            f"({', '.join(head_parameters(module))}) that oases shards by heads, and already an "
+            f"attribute {taken[0]!r}, which oases would set to say how; rename that attribute, or "
+            f"leave the attention unsharded (remove its projections from the plan)"
+        )
 
 
 def check_widths(name: str, attention: nn.Module, widths: dict[str, int]) -> None:
@@ -120,9 +149,11 @@ def check_widths(name: str, attention: nn.Module, widths: dict[str, int]) -> Non
     expected = {"q_proj": q * d, "k_proj": (kv or q) * d, "v_proj": (kv or q) * d}
     for child, want in expected.items():
         if child in widths and widths[child] != want:
-            raise ValueError(f"{name}.{child}: out_features={widths[child]}, but its attention module has "
-                             f"{q if child == 'q_proj' else kv or q} heads of head_dim={d} ({want} features); "
-                             f"oases would shard heads that the module does not count. Check the model's config")
+            raise ValueError(
+                f"{name}.{child}: out_features={widths[child]}, but its attention module has "
+                f"{q if child == 'q_proj' else kv or q} heads of head_dim={d} ({want} features); "
+                f"oases would shard heads that the module does not count. Check the model's config"
+            )
 
 
 def qkv_parts(name: str, attention: nn.Module, out_features: int) -> tuple[int, int, int]:
@@ -130,15 +161,20 @@ def qkv_parts(name: str, attention: nn.Module, out_features: int) -> tuple[int, 
     attention module's head counts: (heads * d, kv_heads * d, kv_heads * d), d = out / (heads + 2 kv_heads)."""
     q, kv = heads(attention)
     if q is None:
-        raise ValueError(f"{name}: planned as 'column:qkv', but its attention module has no head count "
-                         f"(num_heads / num_attention_heads, on it or its config); give the block sizes instead, "
-                         f"'column:<q>,<k>,<v>'")
+        raise ValueError(
+            f"{name}: planned as 'column:qkv', but its attention module has no head count "
+            f"(num_heads / num_attention_heads, on it or its config); give the block sizes instead, "
+            f"'column:<q>,<k>,<v>'"
+        )
     kv = q if kv is None else kv
     d, rest = divmod(out_features, q + 2 * kv)
     if rest or (head_dim(attention) not in (None, d)):
-        raise ValueError(f"{name}: out_features={out_features} is not (heads + 2 * kv_heads) * head_dim with "
-                         f"heads={q}, kv_heads={kv}" + (f", head_dim={head_dim(attention)}" if head_dim(attention)
-                                                        else "") + "; give the block sizes, 'column:<q>,<k>,<v>'")
+        raise ValueError(
+            f"{name}: out_features={out_features} is not (heads + 2 * kv_heads) * head_dim with "
+            f"heads={q}, kv_heads={kv}"
+            + (f", head_dim={head_dim(attention)}" if head_dim(attention) else "")
+            + "; give the block sizes, 'column:<q>,<k>,<v>'"
+        )
     return q * d, kv * d, kv * d
 
 
@@ -157,8 +193,10 @@ class _RankConfig:
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in self._own:
-            raise AttributeError(f"{name}: this attention module's per-rank head count; set it on the shared config "
-                                 f"before oases.parallelize")
+            raise AttributeError(
+                f"{name}: this attention module's per-rank head count; set it on the shared config "
+                f"before oases.parallelize"
+            )
         setattr(self._config, name, value)
 
     def __repr__(self) -> str:
@@ -172,8 +210,12 @@ def _per_rank(attr: str, value: int, p: int) -> int:
 def localize_heads(module: nn.Module, p: int) -> None:
     """Make the module's head counts (and widths made of heads), and its config's, this rank's."""
     q, kv = heads(module)
-    if (q is not None and kv is not None and _replicated(kv, p)
-            and isinstance(vars(module).get("num_key_value_groups"), int)):
+    if (
+        q is not None
+        and kv is not None
+        and _replicated(kv, p)
+        and isinstance(vars(module).get("num_key_value_groups"), int)
+    ):
         module.num_key_value_groups = q // p  # this rank's query heads all use its one kv head
     for attr in PER_RANK_ATTRIBUTES:
         value = vars(module).get(attr)
@@ -224,9 +266,11 @@ def check_norm_form(name: str, norm: nn.Module) -> tuple[float, bool]:
     when its weight is real (a private generator: no global random state is used); else ValueError."""
     eps = _eps(norm)
     if eps is None or "rms" not in type(norm).__name__.lower():
-        raise ValueError(f"{name}: a {type(norm).__name__} over the whole projected width of a sharded head "
-                         f"projection; oases shards only RMS norms (weight * x / rms(x), with variance_epsilon or "
-                         f"eps) there. Leave the attention unsharded (remove its projections from the plan)")
+        raise ValueError(
+            f"{name}: a {type(norm).__name__} over the whole projected width of a sharded head "
+            f"projection; oases shards only RMS norms (weight * x / rms(x), with variance_epsilon or "
+            f"eps) there. Leave the attention unsharded (remove its projections from the plan)"
+        )
     weight = norm.weight
     if weight.is_meta:
         return eps, "gemma" in type(norm).__name__.lower()  # no values to check: Gemma's norms scale by 1 + w
@@ -240,17 +284,21 @@ def check_norm_form(name: str, norm: nn.Module) -> tuple[float, bool]:
             scale = weight.float() + (1.0 if unit_offset else 0.0)
             if torch.allclose(got, scale * h, **tol):
                 return eps, unit_offset
-    raise ValueError(f"{name}: its output is neither weight * x / rms(x) nor (1 + weight) * x / rms(x), which "
-                     f"ShardedRMSNorm computes over the sharded width; leave the attention unsharded (remove "
-                     f"its projections from the plan)")
+    raise ValueError(
+        f"{name}: its output is neither weight * x / rms(x) nor (1 + weight) * x / rms(x), which "
+        f"ShardedRMSNorm computes over the sharded width; leave the attention unsharded (remove "
+        f"its projections from the plan)"
+    )
 
 
-def shard_norms(attention: nn.Module, norms: dict[str, tuple[float, bool]],
-                group: Optional[dist.ProcessGroup]) -> None:
+def shard_norms(attention: nn.Module, norms: dict[str, tuple[float, bool]], group: Optional[dist.ProcessGroup]) -> None:
     """Replace each named norm child by its ShardedRMSNorm over `group` (values copied)."""
     for child, (eps, unit_offset) in norms.items():
-        setattr(attention, child, ShardedRMSNorm.from_norm(getattr(attention, child), group, eps=eps,
-                                                           unit_offset=unit_offset))
+        setattr(
+            attention,
+            child,
+            ShardedRMSNorm.from_norm(getattr(attention, child), group, eps=eps, unit_offset=unit_offset),
+        )
 
 
 def head_parameters(attention: nn.Module) -> tuple[str, ...]:

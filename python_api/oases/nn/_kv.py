@@ -19,6 +19,7 @@ Refused (ValueError, before anything changes): a fused head projection other tha
 a norm over the replicated projection's whole width (OLMo-2's k_norm: its sum of squares would
 count each copy), and per-layer tp_degrees.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -48,8 +49,9 @@ def copies(attention: nn.Module, p: int) -> int:
     return p // kv
 
 
-def plan_replicas(model: nn.Module, columns: dict[str, tuple[int, tuple[int, ...]]],
-                  degree: Callable[[str], int], per_layer: bool) -> dict[str, tuple[int, ...]]:
+def plan_replicas(
+    model: nn.Module, columns: dict[str, tuple[int, tuple[int, ...]]], degree: Callable[[str], int], per_layer: bool
+) -> dict[str, tuple[int, ...]]:
     """{column head projection: its replicas} for the attention modules whose kv heads are fewer
     than their TP degree. `columns`: {name: (stacked, parts)} of the column-planned projections.
 
@@ -72,16 +74,20 @@ def plan_replicas(model: nn.Module, columns: dict[str, tuple[int, tuple[int, ...
         where = parent or type(model).__name__
         q, kv = _heads.heads(attention)
         if per_layer:
-            raise ValueError(f"{where}: {kv} key-value heads at TP degree {degree(names[0])} would be replicated "
-                             f"over {c} ranks each, which per-layer tp_degrees do not support; use degrees <= {kv} "
-                             f"for its layers, or tp_degrees=None")
+            raise ValueError(
+                f"{where}: {kv} key-value heads at TP degree {degree(names[0])} would be replicated "
+                f"over {c} ranks each, which per-layer tp_degrees do not support; use degrees <= {kv} "
+                f"for its layers, or tp_degrees=None"
+            )
         widths = {}
         for name in names:
             leaf = name.rpartition(".")[2]
             stacked, parts = columns[name]
             if is_conv1d(attention.get_submodule(leaf)):
-                raise ValueError(f"{name}: a Conv1D head projection, whose {kv} key-value heads oases does not "
-                                 f"replicate (TP degree {degree(name)} > kv_heads); use a TP degree that divides {kv}")
+                raise ValueError(
+                    f"{name}: a Conv1D head projection, whose {kv} key-value heads oases does not "
+                    f"replicate (TP degree {degree(name)} > kv_heads); use a TP degree that divides {kv}"
+                )
             if leaf in KV_PROJECTIONS and stacked == 1 and not parts:
                 found[name] = (c,)
                 widths[leaf] = attention.get_submodule(leaf).out_features
@@ -92,13 +98,16 @@ def plan_replicas(model: nn.Module, columns: dict[str, tuple[int, tuple[int, ...
                     f"{name}: {kv} key-value heads at TP degree {degree(name)} are replicated over {c} ranks each "
                     f"(p > kv_heads), and oases replicates them in k/v projections or a fused [q | k | v] "
                     f"planned 'column:qkv'; this one ({'stacked=%d' % stacked if stacked > 1 else parts or 'plain'}) "
-                    f"mixes heads it cannot tell apart. Use a TP degree that divides {kv}")
+                    f"mixes heads it cannot tell apart. Use a TP degree that divides {kv}"
+                )
         norms = _heads.full_width_norms(attention, widths)
         if norms:
             child = next(iter(norms))
-            raise ValueError(f"{where}.{child}: a norm over the whole width of {norms[child]}, whose {kv} key-value "
-                             f"heads are replicated over {c} ranks each at TP degree {degree(names[0])}; its sum "
-                             f"of squares would count every copy. Use a TP degree that divides {kv}")
+            raise ValueError(
+                f"{where}.{child}: a norm over the whole width of {norms[child]}, whose {kv} key-value "
+                f"heads are replicated over {c} ranks each at TP degree {degree(names[0])}; its sum "
+                f"of squares would count every copy. Use a TP degree that divides {kv}"
+            )
     return found
 
 
@@ -120,7 +129,7 @@ def replica_groups(group: Optional[dist.ProcessGroup], counts: set[int]) -> dict
     for c in sorted(counts):
         for ranks in layouts:
             for start in range(0, len(ranks), c):
-                members = list(ranks[start:start + c])
+                members = list(ranks[start : start + c])
                 subgroup = _comm.new_group(members, high_priority=False)
                 if me in members:
                     made[c] = subgroup

@@ -20,6 +20,7 @@ backward of each is the adjoint of its forward, so each mapping's backward is it
 The collectives are oases' ring collectives (`oases.comm`), so they run on gloo and NCCL alike.
 The layers in `oases.nn.layers` use them where no fused op already does the communication.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,8 +31,16 @@ import torch.distributed as dist
 from oases import comm
 from oases.comm._topology import Ring, ring_of
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "split_to_tp", "gather_from_tp", "sum_over_tp", "lead_only", "grad_on_lead",
-           "copy_to_replicas"]
+__all__ = [
+    "copy_to_tp",
+    "reduce_from_tp",
+    "split_to_tp",
+    "gather_from_tp",
+    "sum_over_tp",
+    "lead_only",
+    "grad_on_lead",
+    "copy_to_replicas",
+]
 
 
 def _all_reduced(t: torch.Tensor, ring: Ring) -> torch.Tensor:
@@ -153,8 +162,9 @@ class _CopyToReplicas(torch.autograd.Function):
 
 
 @torch.compiler.disable  # a communicating op is one graph break under torch.compile, not several
-def copy_to_replicas(x: torch.Tensor, spans: tuple[tuple[int, int], ...],
-                     group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def copy_to_replicas(
+    x: torch.Tensor, spans: tuple[tuple[int, int], ...], group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
     """fwd: identity; bwd: the gradient's rows [start, start + n) of each span (dim 0) all-reduced
     over `group`, the other rows as they are. For a weight whose rows in `spans` every rank of
     `group` holds alike (a key-value head shared by their query heads): each rank's gradient of

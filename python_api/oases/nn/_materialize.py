@@ -25,6 +25,7 @@ tensor neither pass writes (a plain nn.Parameter(torch.randn(...)) of a custom m
 computed in a constructor outside Hugging Face's init) cannot be recovered from a meta build:
 `replay_init` raises a ValueError naming it, before anything is allocated beyond the replay.
 """
+
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -40,9 +41,11 @@ from oases.comm._topology import ring_of
 __all__ = ["materialize", "replay_init", "empty_init", "is_on_meta"]
 
 # Constructors that draw without a reset_parameters method, by class name: {name: draw(module)}.
-_CONSTRUCTOR_DRAWS: Mapping[str, Callable[[nn.Module], None]] = MappingProxyType({
-    "Conv1D": lambda m: nn.init.normal_(m.weight, std=0.02),  # transformers.pytorch_utils.Conv1D
-})
+_CONSTRUCTOR_DRAWS: Mapping[str, Callable[[nn.Module], None]] = MappingProxyType(
+    {
+        "Conv1D": lambda m: nn.init.normal_(m.weight, std=0.02),  # transformers.pytorch_utils.Conv1D
+    }
+)
 
 ShardOf = Callable[[str, torch.Tensor], torch.Tensor]  # (qualified name, full tensor) -> this rank's part
 
@@ -53,8 +56,9 @@ def is_on_meta(model: nn.Module) -> bool:
 
 
 def _is_pretrained(module: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-               for c in type(module).__mro__)
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(module).__mro__
+    )
 
 
 def _post_order(module: nn.Module, init: Callable[[nn.Module], None]) -> Iterator[tuple[nn.Module, Callable]]:
@@ -75,7 +79,8 @@ class _MetaWrites(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func._schema.is_mutable and any(
-                isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())):
+            isinstance(a, torch.Tensor) and a.is_meta for a in (*args, *kwargs.values())
+        ):
             self.ops.add(func.__name__)
         return func(*args, **kwargs)
 
@@ -100,13 +105,19 @@ def _written(t: torch.Tensor) -> torch.Tensor:
 class _Replay:
     """The values built so far: {id(meta tensor): this rank's part on `device`}."""
 
-    def __init__(self, model: nn.Module, shard_of: ShardOf, device: torch.device,
-                 allocate: Callable[[str], bool] = lambda name: True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        shard_of: ShardOf,
+        device: torch.device,
+        allocate: Callable[[str], bool] = lambda name: True,
+    ) -> None:
         self.shard_of, self.device, self.allocate = shard_of, device, allocate
         self.values: dict[int, torch.Tensor] = {}
         self.canonical: dict[int, str] = {}  # id(tensor) -> the name whose writes count
-        for name, t in (list(model.named_parameters(remove_duplicate=False))
-                        + list(model.named_buffers(remove_duplicate=False))):
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)
+        ):
             self.canonical.setdefault(id(t), name)
         self.names: dict[int, str] = {id(m): n for n, m in model.named_modules()}
         self.partial: set[str] = set()  # names some of whose entries no init has written yet
@@ -135,7 +146,8 @@ class _Replay:
                 f"model: built on the meta device, and the initialisation of {prefix or type(module).__name__} "
                 f"({type(module).__name__}) also writes tensors outside that module ({', '.join(sorted(stray.ops))} on "
                 f"meta tensors), which oases cannot replay module by module; pass init_weights=False and load the "
-                f"values (oases.load_pretrained / oases.load_checkpoint), or build the model on a real device")
+                f"values (oases.load_pretrained / oases.load_checkpoint), or build the model on a real device"
+            )
         for meta, full, (_, n) in zip(originals, stand_ins, slots):
             name = f"{prefix}.{n}" if prefix else n
             if self.canonical.get(id(meta)) != name or not self.allocate(name):
@@ -191,12 +203,17 @@ def _build_pretrained(model: nn.Module, replay: "_Replay", initialized: set[int]
 
 def _draws_at_construction(module: nn.Module) -> bool:
     return type(module).__name__ in _CONSTRUCTOR_DRAWS or any(
-        callable(getattr(module, name, None)) for name in ("reset_parameters", "_reset_parameters"))
+        callable(getattr(module, name, None)) for name in ("reset_parameters", "_reset_parameters")
+    )
 
 
-def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
-               allocate: Callable[[str], bool] = lambda name: True,
-               padded: Callable[[str], bool] = lambda name: False) -> dict[int, torch.Tensor]:
+def empty_init(
+    model: nn.Module,
+    shard_of: ShardOf,
+    device: torch.device,
+    allocate: Callable[[str], bool] = lambda name: True,
+    padded: Callable[[str], bool] = lambda name: False,
+) -> dict[int, torch.Tensor]:
     """{id(meta tensor): an uninitialised tensor of this rank's part's shape on `device`}, for
     models whose values will be loaded: no random draws, no full-size parameter. Non-persistent
     buffers are not in any checkpoint, so they are computed as the model's init computes them
@@ -214,7 +231,8 @@ def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
     if missing:
         raise ValueError(
             f"model: built on the meta device, with non-persistent buffers that no checkpoint holds and oases "
-            f"cannot compute ({', '.join(missing)}); pass init_weights=True, or build the model on a real device")
+            f"cannot compute ({', '.join(missing)}); pass init_weights=True, or build the model on a real device"
+        )
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_meta and id(t) not in values and allocate(name):
             make = torch.zeros if padded(name) else torch.empty  # padding rows stay zeros: no load writes them
@@ -222,8 +240,9 @@ def empty_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
     return values
 
 
-def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
-                allocate: Callable[[str], bool] = lambda name: True) -> dict[int, torch.Tensor]:
+def replay_init(
+    model: nn.Module, shard_of: ShardOf, device: torch.device, allocate: Callable[[str], bool] = lambda name: True
+) -> dict[int, torch.Tensor]:
     """{id(meta tensor): this rank's part of its initial value, on `device`} for every meta
     parameter and buffer of `model` (left unchanged: still on meta); see the module docstring.
 
@@ -238,20 +257,29 @@ def replay_init(model: nn.Module, shard_of: ShardOf, device: torch.device,
         _build_pretrained(model, replay, initialized)
     else:
         _construct(model, model, replay, initialized)
-    missing = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
-               if t.is_meta and id(t) not in replay.values and allocate(name)] + sorted(replay.partial)
+    missing = [
+        name
+        for name, t in list(model.named_parameters()) + list(model.named_buffers())
+        if t.is_meta and id(t) not in replay.values and allocate(name)
+    ] + sorted(replay.partial)
     if missing:
         raise ValueError(
             f"model: built on the meta device, and no initialisation oases can replay sets {', '.join(missing)} "
             f"(neither a reset_parameters() of their module nor, for a Hugging Face model, its _init_weights, "
             f"writes all of them); "
             f"pass init_weights=False and load their values (oases.load_pretrained / oases.load_checkpoint), "
-            f"or build the model on a real device")
+            f"or build the model on a real device"
+        )
     return replay.values
 
 
-def materialize(model: nn.Module, original: nn.Module, device: torch.device, init_weights: bool,
-                allocate: Callable[[str], bool] = lambda name: True) -> None:
+def materialize(
+    model: nn.Module,
+    original: nn.Module,
+    device: torch.device,
+    init_weights: bool,
+    allocate: Callable[[str], bool] = lambda name: True,
+) -> None:
     """Replace every meta tensor of `model` (sharded in place from `original`, an untouched copy
     of the meta build: the same qualified names) by this rank's part on `device`: the replayed
     initial values (init_weights) or uninitialised memory. Ties (one tensor under several names)
@@ -268,8 +296,9 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, ini
     if init_weights:
         values = replay_init(original, shard_of, device, allocate)
     else:
-        values = empty_init(original, shard_of, device, allocate,
-                            padded=lambda name: name in rules and rules[name][0].size is not None)
+        values = empty_init(
+            original, shard_of, device, allocate, padded=lambda name: name in rules and rules[name][0].size is not None
+        )
     source = dict(original.named_parameters(remove_duplicate=False))
     source.update(original.named_buffers(remove_duplicate=False))
     made: dict[int, torch.Tensor] = {}  # id(model's meta tensor) -> its replacement (ties kept)
@@ -285,6 +314,7 @@ def materialize(model: nn.Module, original: nn.Module, device: torch.device, ini
                     value = values[id(source[name])]
                     if tuple(value.shape) != tuple(t.shape):  # the layout and the rules disagree: a bug
                         raise RuntimeError(f"{name}: built {tuple(value.shape)} for a {tuple(t.shape)} tensor")
-                    made[id(t)] = (nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter)
-                                   else value)
+                    made[id(t)] = (
+                        nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
+                    )
                 store[leaf] = made[id(t)]

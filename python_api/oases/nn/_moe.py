@@ -35,6 +35,7 @@ would not be exact: experts in neither form ParallelExperts computes or whose in
 does not divide, a router or gate planned as sharded, a projection inside the block left out of the plan,
 a row-parallel bias inside the block (the shared gate would scale it), router jitter noise.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,8 +58,9 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if name and is_fused_experts(m)}
 
 
-def check_blocks(model: nn.Module, experts: dict[str, nn.Module], kinds: dict[str, str],
-                 degree: Callable[[str], int], p: int) -> frozenset[str]:
+def check_blocks(
+    model: nn.Module, experts: dict[str, nn.Module], kinds: dict[str, str], degree: Callable[[str], int], p: int
+) -> frozenset[str]:
     """Local checks (module doc) for the blocks of the planned `experts` ({name: module}) at their
     TP degrees (of p); `kinds`: {projection name: "column" | "row" | ...} as planned. Returns the
     names of the blocks' nn.Linear children that stay replicated by design (routers, shared gates)."""
@@ -71,14 +73,17 @@ def check_blocks(model: nn.Module, experts: dict[str, nn.Module], kinds: dict[st
             raise ValueError(f"{where}: the experts are the model itself; shard the model holding the MoE block")
         block = model.get_submodule(block_name)
         if d == 1 < p:  # a decoder layer of degree 1 stays unsharded
-            replicated.update(f"{block_name}.{n}" for n, m in block.named_children()
-                              if isinstance(m, nn.Linear) or is_conv1d(m))
+            replicated.update(
+                f"{block_name}.{n}" for n, m in block.named_children() if isinstance(m, nn.Linear) or is_conv1d(m)
+            )
             continue
         check_experts(where, module, d)
         jitter = getattr(block, "jitter_noise", 0.0)
         if isinstance(jitter, (int, float)) and jitter > 0:
-            raise ValueError(f"{block_name}: router jitter noise {jitter} multiplies the block's input in place by "
-                             f"fresh random draws; set the config's router_jitter_noise to 0 to shard its experts")
+            raise ValueError(
+                f"{block_name}: router jitter noise {jitter} multiplies the block's input in place by "
+                f"fresh random draws; set the config's router_jitter_noise to 0 to shard its experts"
+            )
         for sub_name, sub in block.named_modules():
             if not sub_name or not (isinstance(sub, nn.Linear) or is_conv1d(sub)):
                 continue
@@ -86,19 +91,25 @@ def check_blocks(model: nn.Module, experts: dict[str, nn.Module], kinds: dict[st
             kind = kinds.get(qualified)
             if "." not in sub_name:  # a router or a gate: its output picks or weighs experts
                 if kind is not None:
-                    raise ValueError(f"{qualified}: a router or gate of the MoE block {block_name} stays replicated "
-                                     f"(its output picks or weighs the experts, on every rank alike); remove it "
-                                     f"from the plan (it is planned as {kind!r})")
+                    raise ValueError(
+                        f"{qualified}: a router or gate of the MoE block {block_name} stays replicated "
+                        f"(its output picks or weighs the experts, on every rank alike); remove it "
+                        f"from the plan (it is planned as {kind!r})"
+                    )
                 replicated.add(qualified)
             elif kind not in ("column", "row"):
                 leaf = sub_name.rpartition(".")[2]
-                raise ValueError(f"{qualified}: the experts of the MoE block {block_name} are sharded, so its "
-                                 f"other projections (a shared expert) must be too: plan {leaf!r} as 'column' or "
-                                 f"'row' (planned: {kind!r}), or leave the experts replicated")
+                raise ValueError(
+                    f"{qualified}: the experts of the MoE block {block_name} are sharded, so its "
+                    f"other projections (a shared expert) must be too: plan {leaf!r} as 'column' or "
+                    f"'row' (planned: {kind!r}), or leave the experts replicated"
+                )
             elif kind == "row" and getattr(sub, "bias", None) is not None:
-                raise ValueError(f"{qualified}: a row-parallel projection with a bias inside the MoE block "
-                                 f"{block_name} (a gate may scale its output, and the bias must be added once); "
-                                 f"oases shards MoE blocks whose row-parallel projections have no bias")
+                raise ValueError(
+                    f"{qualified}: a row-parallel projection with a bias inside the MoE block "
+                    f"{block_name} (a gate may scale its output, and the bias must be added once); "
+                    f"oases shards MoE blocks whose row-parallel projections have no bias"
+                )
     return frozenset(replicated)
 
 
@@ -110,8 +121,10 @@ def _enter(experts: ParallelExperts, block: nn.Module, args: tuple, kwargs: dict
         return (copy_to_tp(args[0], experts.group), *args[1:]), kwargs
     if "hidden_states" in kwargs:
         return args, {**kwargs, "hidden_states": copy_to_tp(kwargs["hidden_states"], experts.group)}
-    raise TypeError(f"{type(block).__name__}: an MoE block with sharded experts takes its hidden states as its "
-                    f"first argument or as hidden_states=")
+    raise TypeError(
+        f"{type(block).__name__}: an MoE block with sharded experts takes its hidden states as its "
+        f"first argument or as hidden_states="
+    )
 
 
 def _leave(experts: ParallelExperts, block: nn.Module, args: tuple, output: object):
@@ -123,8 +136,10 @@ def _leave(experts: ParallelExperts, block: nn.Module, args: tuple, output: obje
     is reduced."""
     is_tuple = isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor)
     if not is_tuple and not isinstance(output, torch.Tensor):
-        raise TypeError(f"{type(block).__name__}: an MoE block with sharded experts must return its hidden states "
-                        f"(a tensor, or a tuple starting with it), got {type(output).__name__}")
+        raise TypeError(
+            f"{type(block).__name__}: an MoE block with sharded experts must return its hidden states "
+            f"(a tensor, or a tuple starting with it), got {type(output).__name__}"
+        )
     if not experts._communicate:
         return None
     if is_tuple:

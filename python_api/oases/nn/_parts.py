@@ -25,6 +25,7 @@ children (Python's evaluation order: a call's arguments before the call), dropou
                   residual, a forward whose source is unavailable, an MoE block whose experts are
                   not sharded): the schedules run the layer whole, as one sublayer (oases.models.hf)
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,14 +40,40 @@ import torch.nn as nn
 from oases.nn.experts import is_experts, is_fused_experts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
-__all__ = ["HEAD_PROJECTIONS", "LayerParts", "StackParts", "inner_base", "is_norm", "is_projection", "projections",
-           "attention_of", "mlp_of", "layer_parts", "find_stack", "decoder_layers_of"]
+__all__ = [
+    "HEAD_PROJECTIONS",
+    "LayerParts",
+    "StackParts",
+    "inner_base",
+    "is_norm",
+    "is_projection",
+    "projections",
+    "attention_of",
+    "mlp_of",
+    "layer_parts",
+    "find_stack",
+    "decoder_layers_of",
+]
 
 # Child names that make their parent an attention module when column-sharded.
-HEAD_PROJECTIONS = frozenset({
-    "q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn",
-    "wq", "wk", "wv", "wqkv", "Wqkv", "query", "key", "value",
-})
+HEAD_PROJECTIONS = frozenset(
+    {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "qkv_proj",
+        "query_key_value",
+        "c_attn",
+        "wq",
+        "wk",
+        "wv",
+        "wqkv",
+        "Wqkv",
+        "query",
+        "key",
+        "value",
+    }
+)
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -110,8 +137,12 @@ def _calls(forward) -> Optional[list[str]]:
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):  # arguments (and the callee) before the call itself
             visit(child)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+        ):
             order.append(node.func.attr)
 
     visit(tree)
@@ -135,12 +166,20 @@ def layer_parts(layer: nn.Module) -> LayerParts:
     children = dict(layer.named_children())
     norms = tuple(n for n, m in children.items() if is_norm(m))
     if attention is None or mlp is None:
-        missing = "an attention module (q/k/v or fused qkv, and an output projection)" if attention is None \
+        missing = (
+            "an attention module (q/k/v or fused qkv, and an output projection)"
+            if attention is None
             else "an MLP (two or more projections besides the attention's)"
+        )
         return LayerParts("whole", attention, mlp, norms, f"no {missing} among its children")
     if any(is_fused_experts(c) for c in children[mlp].children()):  # a split sublayer's core must be a partial sum
-        return LayerParts("whole", attention, mlp, norms, f"the routed experts of its {mlp} are not sharded "
-                                                          f"(the plan entry 'experts': 'experts' shards them)")
+        return LayerParts(
+            "whole",
+            attention,
+            mlp,
+            norms,
+            f"the routed experts of its {mlp} are not sharded (the plan entry 'experts': 'experts' shards them)",
+        )
     calls = _calls(type(layer).forward)
     if calls is None:
         return LayerParts("whole", attention, mlp, norms, "the source of its forward is unavailable")
@@ -151,9 +190,14 @@ def layer_parts(layer: nn.Module) -> LayerParts:
             order.append(name)
     shape = [("norm" if n in norms else n) for n in order]
     if shape != ["norm", attention, "norm", mlp] or set(held) - set(order):
-        return LayerParts("whole", attention, mlp, norms,
-                          f"its forward calls {', '.join(order)}; the schedules split a layer that calls a norm, "
-                          f"{attention}, a norm, {mlp} (pre-norm residual branches)")
+        return LayerParts(
+            "whole",
+            attention,
+            mlp,
+            norms,
+            f"its forward calls {', '.join(order)}; the schedules split a layer that calls a norm, "
+            f"{attention}, a norm, {mlp} (pre-norm residual branches)",
+        )
     if _scaled_residual(type(layer).forward):
         return LayerParts("whole", attention, mlp, norms, "its forward scales the residual")
     inner = [n for n in (attention, mlp) if "residual" in inspect.signature(children[n].forward).parameters]
@@ -206,7 +250,7 @@ def find_stack(model: nn.Module) -> tuple[Optional[StackParts], str]:
     children = list(base.named_children())
     norms = [m for n, m in children if is_norm(m)]
     if len(norms) > 1:  # BLOOM's embedding norm comes before the layers: the final norm is after them
-        after = [m for n, m in children[[n for n, _ in children].index(name) + 1:] if is_norm(m)]
+        after = [m for n, m in children[[n for n, _ in children].index(name) + 1 :] if is_norm(m)]
         norms = after if len(after) == 1 else norms
     if len(norms) != 1:
         return None, f"{len(norms)} norm children of model.base_model (one final norm expected)"

@@ -3,6 +3,7 @@ plan resolved against the model (check_plan). Every one is local (no communicati
 every rank, and runs before anything is replaced, so a bad input raises a ValueError / TypeError
 naming the fix and leaves the model as it was, on every rank alike.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,8 @@ __all__ = ["check_model", "check_arguments", "check_degree_plan", "check_plan"]
 # Attention modules whose forward fixes how the fused projection's features map to heads, whatever
 # the module's head counts say (the exceptions to sharding by parts).
 _UNSHARDABLE_ATTENTION: Mapping[str, str] = MappingProxyType(
-    {"CodeGenAttention": "splits its fused qkv_proj into mp_num = 4 groups fixed in its forward"})
+    {"CodeGenAttention": "splits its fused qkv_proj into mp_num = 4 groups fixed in its forward"}
+)
 
 
 def check_model(model: object, device: object, init_weights: object, allocate: object) -> Optional[torch.device]:
@@ -48,8 +50,10 @@ def _target_device(model: nn.Module, device: object, init_weights: object) -> Op
     on_meta = is_on_meta(model)
     if device is None:
         if on_meta:
-            raise ValueError("model: has tensors on the meta device; pass device='cpu' (or 'cuda', ...) so that "
-                             "parallelize allocates this rank's shards there")
+            raise ValueError(
+                "model: has tensors on the meta device; pass device='cpu' (or 'cuda', ...) so that "
+                "parallelize allocates this rank's shards there"
+            )
         return None
     try:
         target = torch.device(device)
@@ -58,25 +62,37 @@ def _target_device(model: nn.Module, device: object, init_weights: object) -> Op
     if target.type == "meta":
         raise ValueError("device: 'meta' allocates nothing; pass the device this rank's shards live on")
     if not on_meta:
-        raise ValueError("device: is for models built on the meta device (`with torch.device('meta'): "
-                         "model = Cls(config)`); this one has real tensors: drop device= (or move the model "
-                         "with model.to(device) first)")
+        raise ValueError(
+            "device: is for models built on the meta device (`with torch.device('meta'): "
+            "model = Cls(config)`); this one has real tensors: drop device= (or move the model "
+            "with model.to(device) first)"
+        )
     return target
 
 
-def check_arguments(model: nn.Module, chunks: Optional[int], tp_degrees: object, layers: Optional[str],
-                    sequence_parallel: bool, vocab_parallel: object) -> None:
+def check_arguments(
+    model: nn.Module,
+    chunks: Optional[int],
+    tp_degrees: object,
+    layers: Optional[str],
+    sequence_parallel: bool,
+    vocab_parallel: object,
+) -> None:
     """The model is not a single layer nor wrapped with adapters, and the options go together."""
     if isinstance(model, nn.Linear):
-        raise TypeError("model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
-                        "RowParallelLinear.from_linear for a single layer")
+        raise TypeError(
+            "model: is itself an nn.Linear; use ColumnParallelLinear.from_linear or "
+            "RowParallelLinear.from_linear for a single layer"
+        )
     if isinstance(model, nn.Embedding):
         raise TypeError("model: is itself an nn.Embedding; use VocabParallelEmbedding.from_embedding")
     if chunks is not None:
         _checks.chunks_arg(chunks)
     if layers is not None and tp_degrees is None:
-        raise ValueError(f"layers={layers!r}: names the decoder layers of a per-layer plan, and no tp_degrees "
-                         f"was given; pass tp_degrees=[one degree per layer] too, or drop layers")
+        raise ValueError(
+            f"layers={layers!r}: names the decoder layers of a per-layer plan, and no tp_degrees "
+            f"was given; pass tp_degrees=[one degree per layer] too, or drop layers"
+        )
     if tp_degrees is not None:
         refuse_with_degrees("sequence_parallel", sequence_parallel)
     _check_no_adapters(model)
@@ -95,16 +111,21 @@ def check_arguments(model: nn.Module, chunks: Optional[int], tp_degrees: object,
 def _check_no_adapters(model: nn.Module) -> None:
     """A module wrapping a `base_layer` with adapters beside it (PEFT's LoRA: lora_A / lora_B) is
     refused: oases shards the base layer's weight, not its adapters (ValueError naming the modules)."""
-    wrapped = [name for name, m in model.named_modules()
-               if isinstance(getattr(m, "base_layer", None), nn.Module)
-               and any(n != "base_layer" for n, _ in m.named_children())]
+    wrapped = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "base_layer", None), nn.Module)
+        and any(n != "base_layer" for n, _ in m.named_children())
+    ]
     if wrapped:
         lora = all(hasattr(model.get_submodule(n), "lora_A") for n in wrapped)
         raise ValueError(
-            f"model: {wrapped[0]}" + (f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else "")
+            f"model: {wrapped[0]}"
+            + (f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else "")
             + f" wraps its base_layer with {'LoRA adapters (lora_A / lora_B)' if lora else 'adapters'}, as PEFT "
             f"does; oases.parallelize shards plain projections, not adapters. Merge them into the weights before "
-            f"parallelize (model = model.merge_and_unload()), or train without them")
+            f"parallelize (model = model.merge_and_unload()), or train without them"
+        )
 
 
 def _transformers_module(model: nn.Module) -> Optional[str]:
@@ -115,17 +136,20 @@ def _transformers_module(model: nn.Module) -> Optional[str]:
     return None
 
 
-def check_degree_plan(model: nn.Module, tp_degrees: object, layers: Optional[str], styles: dict[str, Style],
-                      p: int) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
+def check_degree_plan(
+    model: nn.Module, tp_degrees: object, layers: Optional[str], styles: dict[str, Style], p: int
+) -> tuple[str, nn.ModuleList, tuple[int, ...]]:
     """(decoder layers' name, the layers, the degrees) of a per-layer plan, or ValueError / TypeError
     (local checks, the same on every rank, before any subgroup is made): oases.degrees.find_layer_degrees,
     and no vocabulary-parallel style in the plan."""
     prefix, found, degrees = find_layer_degrees(model, tp_degrees, layers, p)
     for pattern, style in styles.items():
         if style.kind in ("vocab", "vocab_head"):
-            raise ValueError(f"plan[{pattern!r}]: {style.kind!r} is not supported with per-layer tp_degrees (the "
-                             f"embedding and the LM head run replicated on every rank); remove it or pass "
-                             f"tp_degrees=None")
+            raise ValueError(
+                f"plan[{pattern!r}]: {style.kind!r} is not supported with per-layer tp_degrees (the "
+                f"embedding and the LM head run replicated on every rank); remove it or pass "
+                f"tp_degrees=None"
+            )
     return prefix, found, degrees
 
 
@@ -142,23 +166,34 @@ def check_plan(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
         _check_layers({name: style}, plan.linears, plan.degree(name))
     for name in plan.placed_embeddings:
         embedding = plan.embeddings[name]
-        check_embedding(f"{name} (nn.Embedding {embedding.num_embeddings} x {embedding.embedding_dim}, "
-                        f"planned as 'vocab')", embedding, p)
+        check_embedding(
+            f"{name} (nn.Embedding {embedding.num_embeddings} x {embedding.embedding_dim}, planned as 'vocab')",
+            embedding,
+            p,
+        )
     vocab_heads = [n for n, s in plan.placed.items() if s.kind == "vocab_head"]
     plan.tied = _check_ties(model, vocab_heads + list(plan.placed_embeddings))
     plan.attention = _attention_modules(model, plan.placed)
     plan.norms = {name: _check_attention(name, module, plan) for name, module in plan.attention.items()}
-    plan.routers = _moe.check_blocks(model, {n: plan.experts[n] for n in plan.placed_experts},
-                                     {n: s.kind for n, s in plan.placed.items()}, plan.degree, p)
+    plan.routers = _moe.check_blocks(
+        model,
+        {n: plan.experts[n] for n in plan.placed_experts},
+        {n: s.kind for n, s in plan.placed.items()},
+        plan.degree,
+        p,
+    )
     if p > 1:
         skip = frozenset(i for i, d in enumerate(plan.degrees or ()) if d == 1)
-        _summary.check_coverage(model, {n for n, s in plan.placed.items() if s.kind in ("column", "row")}
-                                | set(plan.placed_experts), plan.explicit, skip)
+        _summary.check_coverage(
+            model,
+            {n for n, s in plan.placed.items() if s.kind in ("column", "row")} | set(plan.placed_experts),
+            plan.explicit,
+            skip,
+        )
     _check_parts(model, plan.placed, plan.linears)
 
 
-def _check_kinds(styles: dict[str, Style], linears: dict[str, nn.Linear],
-                 embeddings: dict[str, nn.Embedding]) -> None:
+def _check_kinds(styles: dict[str, Style], linears: dict[str, nn.Linear], embeddings: dict[str, nn.Embedding]) -> None:
     """A vocabulary entry that would place no module of its kind but names one of the other kind is a slip."""
     for pattern, style in styles.items():
         if style.kind not in ("vocab", "vocab_head"):
@@ -212,8 +247,9 @@ def _check_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
             a, b = name, planned[others[0]]
             embedding = a if isinstance(model.get_submodule(a), nn.Embedding) else b
             head = b if embedding == a else a
-            if (isinstance(model.get_submodule(embedding), nn.Embedding)
-                    and isinstance(model.get_submodule(head), nn.Linear)):
+            if isinstance(model.get_submodule(embedding), nn.Embedding) and isinstance(
+                model.get_submodule(head), nn.Linear
+            ):
                 if (embedding, head) not in pairs:
                     pairs.append((embedding, head))
                 continue
@@ -253,16 +289,23 @@ def _check_attention(name: str, module: nn.Module, plan: ResolvedPlan) -> dict[s
     """The attention module `name`'s heads split at its TP degree, its widths agreeing with its head
     counts; returns its norms over a sharded projection's whole width ({child: (eps, unit_offset)})."""
     if type(module).__name__ in _UNSHARDABLE_ATTENTION:
-        raise ValueError(f"{name}: {type(module).__name__} {_UNSHARDABLE_ATTENTION[type(module).__name__]}, so its "
-                         f"heads cannot be split across ranks; leave its projections out of the plan (plan= "
-                         f"without them) or use TP degree 1 for this model")
+        raise ValueError(
+            f"{name}: {type(module).__name__} {_UNSHARDABLE_ATTENTION[type(module).__name__]}, so its "
+            f"heads cannot be split across ranks; leave its projections out of the plan (plan= "
+            f"without them) or use TP degree 1 for this model"
+        )
     if plan.degrees is not None and _alibi.takes_head_biases(module):
-        raise ValueError(f"{name}: tp_degrees with an attention that takes per-head biases from the base model "
-                         f"(ALiBi: {type(module).__name__}) is not supported yet (its rows are not cut to a "
-                         f"replica's); parallelize without tp_degrees")
+        raise ValueError(
+            f"{name}: tp_degrees with an attention that takes per-head biases from the base model "
+            f"(ALiBi: {type(module).__name__}) is not supported yet (its rows are not cut to a "
+            f"replica's); parallelize without tp_degrees"
+        )
     _heads.check_heads(name, module, plan.degree(name))
-    widths = {child: features(sub)[1] for child, sub in module.named_children()
-              if plan.placed.get(f"{name}.{child}" if name else child, Style("row")).kind == "column"}
+    widths = {
+        child: features(sub)[1]
+        for child, sub in module.named_children()
+        if plan.placed.get(f"{name}.{child}" if name else child, Style("row")).kind == "column"
+    }
     _heads.check_widths(name, module, widths)
     found = _heads.full_width_norms(module, widths)
     return {child: _heads.check_norm_form(f"{name}.{child}", module.get_submodule(child)) for child in found}
@@ -281,9 +324,13 @@ def _check_parts(model: nn.Module, placed: dict[str, Style], linears: dict[str, 
         left = [n.rpartition(".")[2] for n, k in kinds.items() if k is None]
         where = parent or type(model).__name__
         if "row" not in kinds.values():
-            raise ValueError(f"{where}: its projections are planned as column-parallel with no row-parallel one to "
-                             f"reduce their sharded outputs; plan its output projection as 'row'")
+            raise ValueError(
+                f"{where}: its projections are planned as column-parallel with no row-parallel one to "
+                f"reduce their sharded outputs; plan its output projection as 'row'"
+            )
         if left:
-            raise ValueError(f"{where}: {', '.join(left)} would stay whole while the other projections of the same "
-                             f"module are sharded (its input or output would be a shard); plan "
-                             f"{', '.join(repr(n) for n in left)} as 'column' or 'row'")
+            raise ValueError(
+                f"{where}: {', '.join(left)} would stay whole while the other projections of the same "
+                f"module are sharded (its input or output would be a shard); plan "
+                f"{', '.join(repr(n) for n in left)} as 'column' or 'row'"
+            )

@@ -1,4 +1,5 @@
 """The shared entry of a TP region (oases.nn.layers' column layers, set by `parallelize`)."""
+
 from __future__ import annotations
 
 import weakref

@@ -9,6 +9,7 @@ Style.shard(module, group, ...) is the module's replacement: ColumnParallelLinea
 (from_linear, or from_conv1d for a Hugging Face Conv1D), the LM head's gathering column layer,
 VocabParallelEmbedding or ParallelExperts (see oases.nn.parallelize).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -35,9 +36,16 @@ class Style:
     qkv: bool = False  # "column:qkv": parts from the attention module's head counts
     replicas: tuple[int, ...] = ()  # key-value heads at p > kv_heads: ranks per copy, per block (oases.nn._kv)
 
-    def shard(self, module: nn.Module, group: Optional[dist.ProcessGroup], *, entry: _SharedEntry,
-              replica_groups: dict[int, dist.ProcessGroup], sequence_parallel: bool,
-              chunks: Optional[int]) -> nn.Module:
+    def shard(
+        self,
+        module: nn.Module,
+        group: Optional[dist.ProcessGroup],
+        *,
+        entry: _SharedEntry,
+        replica_groups: dict[int, dist.ProcessGroup],
+        sequence_parallel: bool,
+        chunks: Optional[int],
+    ) -> nn.Module:
         """This rank's shard of `module` (checked before) over `group`, its replacement. A column layer
         enters its region through `entry` (its group's, shared by q, k, v) and sums a replicated kv
         head's gradient over its group in `replica_groups` ({c: this rank's group of c ranks})."""
@@ -45,26 +53,39 @@ class Style:
             return VocabParallelEmbedding.from_embedding(module, group)
         if self.kind == "experts":
             return ParallelExperts.from_experts(module, group)
-        column, row = ((ColumnParallelLinear.from_conv1d, RowParallelLinear.from_conv1d) if is_conv1d(module)
-                       else (ColumnParallelLinear.from_linear, RowParallelLinear.from_linear))
+        column, row = (
+            (ColumnParallelLinear.from_conv1d, RowParallelLinear.from_conv1d)
+            if is_conv1d(module)
+            else (ColumnParallelLinear.from_linear, RowParallelLinear.from_linear)
+        )
         if self.kind == "vocab_head":  # the full logits, for the model's own forward and loss
-            return column(module, group, gather_output=True, pad_vocab=True,
-                          sequence_parallel=sequence_parallel, chunks=chunks)
+            return column(
+                module, group, gather_output=True, pad_vocab=True, sequence_parallel=sequence_parallel, chunks=chunks
+            )
         if self.kind != "column":
             return row(module, group, sequence_parallel=sequence_parallel, chunks=chunks)
-        layer = column(module, group, stacked=self.stacked, parts=self.parts, replicas=self.replicas,
-                       replica_group=replica_groups.get(max(self.replicas, default=1)),
-                       sequence_parallel=sequence_parallel, chunks=chunks)
+        layer = column(
+            module,
+            group,
+            stacked=self.stacked,
+            parts=self.parts,
+            replicas=self.replicas,
+            replica_group=replica_groups.get(max(self.replicas, default=1)),
+            sequence_parallel=sequence_parallel,
+            chunks=chunks,
+        )
         layer.use_entry(entry)
         return layer
 
 
 def parse_style(pattern: str, value: object) -> Style:
     """The Style of the plan entry {pattern: value}, or a ValueError listing the forms."""
-    bad = ValueError(f"plan[{pattern!r}]: expected 'column', 'column:N' (N equal stacked blocks), 'column:qkv' "
-                     f"(a fused [q | k | v], blocks from the head counts), 'column:a,b,...' (blocks of these "
-                     f"sizes), 'row', 'vocab_head' (an LM head nn.Linear), 'vocab' (an nn.Embedding) or 'experts' "
-                     f"(fused routed experts), got {value!r}")
+    bad = ValueError(
+        f"plan[{pattern!r}]: expected 'column', 'column:N' (N equal stacked blocks), 'column:qkv' "
+        f"(a fused [q | k | v], blocks from the head counts), 'column:a,b,...' (blocks of these "
+        f"sizes), 'row', 'vocab_head' (an LM head nn.Linear), 'vocab' (an nn.Embedding) or 'experts' "
+        f"(fused routed experts), got {value!r}"
+    )
     if not isinstance(value, str):
         raise bad
     if value in ("vocab", "vocab_head", "experts"):
@@ -159,7 +180,11 @@ def vocab_entries(model: nn.Module) -> dict[str, Style]:
         if type(module) is wanted and id(module) in names:  # exactly: subclasses may change forward
             found[names[id(module)]] = Style(kind)
     (embedding, _), (head, _) = pairs
-    if (head is not None and embedding is not None and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
-            and len(found) == 1):  # tied to an embedding that stays whole (Gemma's scaled one): the head too
+    if (
+        head is not None
+        and embedding is not None
+        and getattr(head, "weight", None) is getattr(embedding, "weight", 0)
+        and len(found) == 1
+    ):  # tied to an embedding that stays whole (Gemma's scaled one): the head too
         found.clear()
     return found

@@ -9,6 +9,7 @@ heads at p > kv_heads, once: weighted 1 / copies), so every rank gets the unshar
     total = max( max_replicated |g|, all_reduce_max(max_sharded |g|) )                    # norm_type inf
     every g *= min(1, max_norm / (total + 1e-6))
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     groups = sharded_parameters(model)
     copied = copied_rows(model)
-    grads = [(p.grad, groups.get(id(p), _REPLICATED), copied.get(id(p), ())) for p in _unique(model.parameters())
-             if p.grad is not None]
+    grads = [
+        (p.grad, groups.get(id(p), _REPLICATED), copied.get(id(p), ()))
+        for p in _unique(model.parameters())
+        if p.grad is not None
+    ]
     inf = norm_type == math.inf
     combine = torch.maximum if inf else torch.add
     device = grads[0][0].device if grads else torch.device("cpu")  # NCCL reduces device tensors

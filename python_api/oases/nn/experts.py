@@ -46,6 +46,7 @@ enters its input and reduces its output once, with the shared expert's partial s
 (oases.nn._moe). The parameters keep Hugging Face's names, so checkpoints and
 oases.save_pretrained exports hold the unsharded tensors of either form.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,10 +66,20 @@ __all__ = ["ParallelExperts", "ClampedSwiGLU", "is_fused_experts", "is_experts",
 
 # The flags transformers' use_experts_implementation sets, for the two forms ParallelExperts computes.
 _LAYOUTS = {
-    "concatenated": {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
-                     "has_post_expert_norm": False},
-    "interleaved": {"is_concatenated": False, "is_transposed": True, "has_bias": True, "has_gate": True,
-                    "has_post_expert_norm": False},
+    "concatenated": {
+        "is_concatenated": True,
+        "is_transposed": False,
+        "has_bias": False,
+        "has_gate": True,
+        "has_post_expert_norm": False,
+    },
+    "interleaved": {
+        "is_concatenated": False,
+        "is_transposed": True,
+        "has_bias": True,
+        "has_gate": True,
+        "has_post_expert_norm": False,
+    },
 }
 _INTERLEAVED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -77,10 +88,10 @@ _INTERLEAVED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bia
 class ClampedSwiGLU:
     """GPT-OSS's expert gate over interleaved gate / up pairs (elementwise in the pairs):
 
-        __call__(gate_up [..., 2m]) -> [..., m]
-            g, u = gate_up[..., ::2], gate_up[..., 1::2]
-            c    = clamp(g, max=limit)
-            out  = (clamp(u, -limit, limit) + 1) * c * sigmoid(alpha * c)
+    __call__(gate_up [..., 2m]) -> [..., m]
+        g, u = gate_up[..., ::2], gate_up[..., 1::2]
+        c    = clamp(g, max=limit)
+        out  = (clamp(u, -limit, limit) + 1) * c * sigmoid(alpha * c)
     """
 
     alpha: float
@@ -99,7 +110,7 @@ def _real(value: object) -> bool:
 
 
 def _form(module: nn.Module) -> Optional[str]:
-    """"concatenated" or "interleaved" (module doc) for Hugging Face's fused experts, unsharded,
+    """ "concatenated" or "interleaved" (module doc) for Hugging Face's fused experts, unsharded,
     by their own parameters' names and shapes (I > 0); None for anything else:
 
         concatenated  exactly gate_up_proj [E, 2I, H], down_proj [E, H, I], and an act_fn
@@ -120,9 +131,11 @@ def _form(module: nn.Module) -> Optional[str]:
         return "concatenated" if ok else None
     if set(own) == set(_INTERLEAVED):
         # transformers 5.0 sets no is_concatenated (its gate checks the interleaving: check_experts)
-        if getattr(module, "is_concatenated", False) is not False \
-                or getattr(module, "is_transposed", None) is not True \
-                or not (_real(getattr(module, "alpha", None)) and _real(getattr(module, "limit", None))):
+        if (
+            getattr(module, "is_concatenated", False) is not False
+            or getattr(module, "is_transposed", None) is not True
+            or not (_real(getattr(module, "alpha", None)) and _real(getattr(module, "limit", None)))
+        ):
             return None
         gate_up = own["gate_up_proj"]
         if gate_up.dim() != 3 or gate_up.shape[2] % 2 or gate_up.shape[2] == 0:
@@ -159,10 +172,12 @@ def check_experts(owner: str, experts: nn.Module, world_size: int) -> None:
     computes (module doc) and its intermediate size splits into `world_size` whole shards."""
     form = _form(experts)
     if form is None:
-        raise ValueError(f"{owner}: {type(experts).__name__} is not fused routed experts (own parameters exactly "
-                         f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] with an act_fn, or GPT-OSS's "
-                         f"gate_up_proj [E, H, 2I], gate_up_proj_bias, down_proj [E, I, H], down_proj_bias); "
-                         f"remove it from the plan")
+        raise ValueError(
+            f"{owner}: {type(experts).__name__} is not fused routed experts (own parameters exactly "
+            f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] with an act_fn, or GPT-OSS's "
+            f"gate_up_proj [E, H, 2I], gate_up_proj_bias, down_proj [E, I, H], down_proj_bias); "
+            f"remove it from the plan"
+        )
     layout = _LAYOUTS[form]
     odd = {k: getattr(experts, k) for k, v in layout.items() if getattr(experts, k, v) != v}
     gate = getattr(type(experts), "_apply_gate", None)
@@ -176,14 +191,18 @@ def check_experts(owner: str, experts: nn.Module, world_size: int) -> None:
             odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
         computes = f"{swiglu} of the interleaved pairs"
     if odd:
-        raise ValueError(f"{owner}: {type(experts).__name__} has a layout oases does not shard "
-                         f"({', '.join(f'{k}={v!r}' for k, v in odd.items())}; for its parameters it shards "
-                         f"{layout} with {computes}); leave it replicated: remove its 'experts' plan entry")
+        raise ValueError(
+            f"{owner}: {type(experts).__name__} has a layout oases does not shard "
+            f"({', '.join(f'{k}={v!r}' for k, v in odd.items())}; for its parameters it shards "
+            f"{layout} with {computes}); leave it replicated: remove its 'experts' plan entry"
+        )
     intermediate = experts.down_proj.shape[2 if form == "concatenated" else 1]
     if intermediate % world_size:
-        raise ValueError(f"{owner}: the experts' intermediate size {intermediate} is not divisible by the "
-                         f"tensor-parallel world size {world_size}; choose a world size dividing it (or leave the "
-                         f"experts replicated: remove the 'experts' plan entry)")
+        raise ValueError(
+            f"{owner}: the experts' intermediate size {intermediate} is not divisible by the "
+            f"tensor-parallel world size {world_size}; choose a world size dividing it (or leave the "
+            f"experts replicated: remove the 'experts' plan entry)"
+        )
 
 
 class ParallelExperts(nn.Module):
@@ -205,28 +224,43 @@ class ParallelExperts(nn.Module):
     no_tp_communication): whether that block enters its input and reduces its output itself.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 act_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, *,
-                 swiglu: Optional[ClampedSwiGLU] = None, group: Optional[dist.ProcessGroup] = None,
-                 std: float = 0.02, device: Optional[torch.device | str] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        act_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        *,
+        swiglu: Optional[ClampedSwiGLU] = None,
+        group: Optional[dist.ProcessGroup] = None,
+        std: float = 0.02,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__()
-        for name, value in (("num_experts", num_experts), ("hidden_size", hidden_size),
-                            ("intermediate_size", intermediate_size)):
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+        ):
             if not _checks.is_int(value) or value < 1:
                 raise ValueError(f"ParallelExperts: {name} must be a positive int, got {value!r}")
         if (act_fn is None) == (swiglu is None):
-            raise TypeError("ParallelExperts: give exactly one of act_fn (the concatenated form's activation) and "
-                            f"swiglu (a ClampedSwiGLU: GPT-OSS's interleaved form); got act_fn={act_fn!r}, "
-                            f"swiglu={swiglu!r}")
+            raise TypeError(
+                "ParallelExperts: give exactly one of act_fn (the concatenated form's activation) and "
+                f"swiglu (a ClampedSwiGLU: GPT-OSS's interleaved form); got act_fn={act_fn!r}, "
+                f"swiglu={swiglu!r}"
+            )
         if act_fn is not None and not callable(act_fn):
             raise TypeError(f"ParallelExperts: act_fn must be callable (the experts' activation), got {act_fn!r}")
         if swiglu is not None and not isinstance(swiglu, ClampedSwiGLU):
             raise TypeError(f"ParallelExperts: swiglu must be a ClampedSwiGLU(alpha, limit), got {swiglu!r}")
         ring = ring_of(group)
         if intermediate_size % ring.size:
-            raise ValueError(f"ParallelExperts: intermediate_size={intermediate_size} is not divisible by the "
-                             f"tensor-parallel world size {ring.size}; choose sizes that split into whole shards")
+            raise ValueError(
+                f"ParallelExperts: intermediate_size={intermediate_size} is not divisible by the "
+                f"tensor-parallel world size {ring.size}; choose sizes that split into whole shards"
+            )
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.act_fn, self.swiglu = act_fn, swiglu
         self.form = "concatenated" if swiglu is None else "interleaved"
@@ -289,8 +323,9 @@ class ParallelExperts(nn.Module):
         bias = lead_only(self.down_proj_bias[e], self.rank == 0)  # [H]: in one rank's partial sum
         return self.swiglu(gate_up) @ self.down_proj[e] + bias
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: each token's routed experts'
         outputs times their weights, summed; this rank's partial sum over its I/p features."""
         out = torch.zeros_like(hidden_states)  # [T, H]: this rank's partial sum
@@ -306,6 +341,8 @@ class ParallelExperts(nn.Module):
     def extra_repr(self) -> str:
         """The sizes, the swiglu if any, and this rank's TP shard (intermediate features per expert)."""
         form = "" if self.swiglu is None else f", {self.swiglu}"
-        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-                f"intermediate_size={self.intermediate_size}{form}, tp={self.world_size} (rank {self.rank}: "
-                f"intermediate {self.intermediate_size // self.world_size} per expert)")
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}{form}, tp={self.world_size} (rank {self.rank}: "
+            f"intermediate {self.intermediate_size // self.world_size} per expert)"
+        )

@@ -12,6 +12,7 @@ Megatron's pair (p ranks in `group`, r this rank; W [out, in], b [out] the unsha
 Each mode's communication: each class's pseudo-code; the contracts: docs/guides/parallelize.md,
 "The parallel layers in detail" (communication, gradients, fusion, Conv1D, init, blocks, replicas).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -100,14 +101,21 @@ class ColumnParallelLinear(nn.Module):
         _check_transposed(type(self).__name__, transposed, gradient_accumulation_fusion)
         ring = ring_of(group)
         if pad_vocab and (stacked != 1 or parts or transposed):
-            raise ValueError(f"{type(self).__name__}: pad_vocab (an LM head) takes stacked=1, no parts and "
-                             f"transposed=False, got stacked={stacked}, parts={parts}, transposed={transposed}")
+            raise ValueError(
+                f"{type(self).__name__}: pad_vocab (an LM head) takes stacked=1, no parts and "
+                f"transposed=False, got stacked={stacked}, parts={parts}, transposed={transposed}"
+            )
         replicas = tuple(replicas) if isinstance(replicas, (tuple, list)) else replicas
         if not pad_vocab:
             check_shardable(type(self).__name__, "out_features", out_features, ring.size, stacked, parts, replicas)
         if any(c > 1 for c in replicas):
-            _check_replicas(type(self).__name__, replicas, replica_group, ring,
-                            pad_vocab or transposed or gather_output or gradient_accumulation_fusion)
+            _check_replicas(
+                type(self).__name__,
+                replicas,
+                replica_group,
+                ring,
+                pad_vocab or transposed or gather_output or gradient_accumulation_fusion,
+            )
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.in_features, self.out_features = in_features, out_features
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
@@ -116,13 +124,17 @@ class ColumnParallelLinear(nn.Module):
         self.pad_vocab, self.transposed = pad_vocab, transposed
         self.replicas = replicas if any(c > 1 for c in replicas) else ()
         self.replica_group = replica_group if self.replicas else None
-        self._rule = (vocab_rule(out_features, ring.size) if pad_vocab
-                      else ShardRule(1 if transposed else 0, stacked, parts=self.parts, replicas=self.replicas))
+        self._rule = (
+            vocab_rule(out_features, ring.size)
+            if pad_vocab
+            else ShardRule(1 if transposed else 0, stacked, parts=self.parts, replicas=self.replicas)
+        )
         spans = self._rule.local_copies(out_features, ring.size)  # (start, rows, copies) per block
         # rows of this rank's weight that other ranks hold alike: their gradient is summed over them
         self._copied = tuple((first, n) for first, n, c in spans if c > 1)
-        start, stop = (self._rule.held(out_features, ring.rank, ring.size) if pad_vocab
-                       else (0, sum(n for _, n, _ in spans)))
+        start, stop = (
+            self._rule.held(out_features, ring.rank, ring.size) if pad_vocab else (0, sum(n for _, n, _ in spans))
+        )
         self._held = stop - start  # real rows on this rank (rows past them: a padded vocabulary's)
         self._entry: Optional[_SharedEntry] = None  # use_entry (parallelize): see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
@@ -205,8 +217,7 @@ class ColumnParallelLinear(nn.Module):
             weight = copy_to_replicas(weight, self._copied, self.replica_group)
             bias = None if bias is None else copy_to_replicas(bias, self._copied, self.replica_group)
         if self.sequence_parallel:
-            y = ops.all_gather_linear(x, weight, bias, self.group, dim=0, chunks=self.chunks,
-                                      main_grad=main_grad)
+            y = ops.all_gather_linear(x, weight, bias, self.group, dim=0, chunks=self.chunks, main_grad=main_grad)
         else:
             if not self._communicate:
                 pass  # the caller all-reduces the input's gradient (no_tp_communication)
@@ -230,9 +241,11 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         """The sizes, this rank's shard and the options that are set."""
-        s = (f"in_features={self.in_features}, out_features={self.out_features}, "
-             f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: out_features "
-             f"{self.weight.shape[0]})")
+        s = (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: out_features "
+            f"{self.weight.shape[0]})"
+        )
         if self.stacked > 1:
             s += f", stacked={self.stacked}"
         if self.parts:
@@ -241,8 +254,7 @@ class ColumnParallelLinear(nn.Module):
             s += f", replicas={self.replicas}"
         if self.transposed:
             s += ", transposed=True (Conv1D layout)"
-        s += (f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, "
-              f"chunks={self.chunks}")
+        s += f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
         return s + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else "")
 
 
@@ -368,19 +380,21 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             # Each rank's grad_bias covers its s/p rows only: copy_to_tp sums it over the ranks.
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
-            return ops.linear_reduce_scatter(x, weight, bias, self.group, dim=0, chunks=self.chunks,
-                                             main_grad=main_grad)
-        return ops.linear_all_reduce(x, weight, self.bias, self.group, chunks=self.chunks,
-                                     main_grad=main_grad)
+            return ops.linear_reduce_scatter(
+                x, weight, bias, self.group, dim=0, chunks=self.chunks, main_grad=main_grad
+            )
+        return ops.linear_all_reduce(x, weight, self.bias, self.group, chunks=self.chunks, main_grad=main_grad)
 
     def extra_repr(self) -> str:
         """The sizes, this rank's shard and the options."""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
-                f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
-                + (", transposed=True (Conv1D layout)" if self.transposed else "")
-                + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else ""))
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, tp={self.world_size} (rank {self.rank}: in_features "
+            f"{self.weight.shape[1]}), input_is_parallel={self.input_is_parallel}, "
+            f"sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
+            + (", transposed=True (Conv1D layout)" if self.transposed else "")
+            + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else "")
+        )
 
 
 @contextlib.contextmanager
@@ -402,11 +416,16 @@ def no_tp_communication(module: nn.Module) -> Iterator[list[nn.Module]]:
     """
     layers = [m for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelExperts))]
     for m in layers:
-        if (getattr(m, "sequence_parallel", False) or getattr(m, "gather_output", False)
-                or not getattr(m, "input_is_parallel", True)):
-            raise ValueError(f"no_tp_communication: {m!r} communicates by its configuration (sequence_parallel, "
-                             "gather_output or input_is_parallel=False); only plain column/row layers can be "
-                             "run without communication")
+        if (
+            getattr(m, "sequence_parallel", False)
+            or getattr(m, "gather_output", False)
+            or not getattr(m, "input_is_parallel", True)
+        ):
+            raise ValueError(
+                f"no_tp_communication: {m!r} communicates by its configuration (sequence_parallel, "
+                "gather_output or input_is_parallel=False); only plain column/row layers can be "
+                "run without communication"
+            )
     previous = [m._communicate for m in layers]
     try:
         for m in layers:
@@ -424,8 +443,16 @@ def _from_conv1d(cls, conv: nn.Module, group: Optional[dist.ProcessGroup], kw: d
     if kw.get("transposed") is False:
         raise ValueError("transposed: a Conv1D keeps its [in, out] layout; do not pass transposed=False")
     kw = {**kw, "transposed": True}
-    layer = torch.nn.utils.skip_init(cls, conv.nx, conv.nf, conv.bias is not None, group=group,
-                                     device=conv.weight.device, dtype=conv.weight.dtype, **kw)
+    layer = torch.nn.utils.skip_init(
+        cls,
+        conv.nx,
+        conv.nf,
+        conv.bias is not None,
+        group=group,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+        **kw,
+    )
     return _copy_shard(layer, conv)
 
 
@@ -434,8 +461,15 @@ def _from_linear(cls, linear: nn.Linear, group: Optional[dist.ProcessGroup], kw:
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
     layer = torch.nn.utils.skip_init(
-        cls, linear.in_features, linear.out_features, linear.bias is not None, group=group,
-        device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        cls,
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        group=group,
+        device=linear.weight.device,
+        dtype=linear.weight.dtype,
+        **kw,
+    )
     return _copy_shard(layer, linear)
 
 

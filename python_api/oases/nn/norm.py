@@ -18,6 +18,7 @@ norm's. The all-reduces run inside the norm whatever the mode (also under
 `no_tp_communication`: the schedules' reductions do not cover it). `unit_offset=True` is Gemma's
 form, scale = 1 + w.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -36,21 +37,33 @@ __all__ = ["ShardedRMSNorm"]
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over `features` features of which this rank holds features/p (see the module doc).
 
-        y_r = scale * x_r / sqrt(mean over all `features` of x^2 + eps)    # the mean over the group
+    y_r = scale * x_r / sqrt(mean over all `features` of x^2 + eps)    # the mean over the group
     """
 
-    def __init__(self, features: int, eps: float, *, group: Optional[dist.ProcessGroup] = None,
-                 unit_offset: bool = False, device: Optional[torch.device | str] = None,
-                 dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        features: int,
+        eps: float,
+        *,
+        group: Optional[dist.ProcessGroup] = None,
+        unit_offset: bool = False,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
         super().__init__()
         ring = ring_of(group)
         if features % ring.size:
-            raise ValueError(f"{type(self).__name__}: features={features} is not divisible by the tensor-parallel "
-                             f"world size {ring.size}")
+            raise ValueError(
+                f"{type(self).__name__}: features={features} is not divisible by the tensor-parallel "
+                f"world size {ring.size}"
+            )
         self.features, self.eps, self.unit_offset = features, eps, unit_offset
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
-        full = torch.zeros(features, device=device, dtype=dtype) if unit_offset else \
-            torch.ones(features, device=device, dtype=dtype)
+        full = (
+            torch.zeros(features, device=device, dtype=dtype)
+            if unit_offset
+            else torch.ones(features, device=device, dtype=dtype)
+        )
         self.weight = nn.Parameter(self.shard(full).clone())  # [features/p]
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
@@ -62,12 +75,14 @@ class ShardedRMSNorm(nn.Module):
         return {"weight": ShardRule(0)}
 
     @classmethod
-    def from_norm(cls, norm: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
-                  eps: float, unit_offset: bool = False) -> "ShardedRMSNorm":
+    def from_norm(
+        cls, norm: nn.Module, group: Optional[dist.ProcessGroup] = None, *, eps: float, unit_offset: bool = False
+    ) -> "ShardedRMSNorm":
         """This rank's shard of an RMS norm with a [features] `weight` (values and requires_grad copied)."""
         weight = norm.weight
-        layer = torch.nn.utils.skip_init(cls, weight.shape[0], eps, group=group, unit_offset=unit_offset,
-                                         device=weight.device, dtype=weight.dtype)
+        layer = torch.nn.utils.skip_init(
+            cls, weight.shape[0], eps, group=group, unit_offset=unit_offset, device=weight.device, dtype=weight.dtype
+        )
         with torch.no_grad():
             layer.weight.copy_(layer.shard(weight))
         layer.weight.requires_grad_(weight.requires_grad)
@@ -83,5 +98,7 @@ class ShardedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         """The sizes, this rank's shard and unit_offset if set."""
-        return (f"features={self.features}, eps={self.eps}, tp={self.world_size} (rank {self.rank}: "
-                f"{self.weight.shape[0]})" + (", unit_offset=True" if self.unit_offset else ""))
+        return (
+            f"features={self.features}, eps={self.eps}, tp={self.world_size} (rank {self.rank}: "
+            f"{self.weight.shape[0]})" + (", unit_offset=True" if self.unit_offset else "")
+        )

@@ -157,6 +157,7 @@ raises on every rank before any communication: a `layers` path that does not nam
 two dividing p (ValueError), and, at the first forward, a batch of fewer rows than p / min(tp_degrees)
 replicas (ValueError).
 """
+
 from __future__ import annotations
 
 import copy
@@ -182,24 +183,41 @@ from oases.nn.layers import is_conv1d
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "KNOWN_LAYERS", "PER_RANK_ATTRIBUTES"]
 
-DEFAULT_PLAN: Mapping[str, str] = MappingProxyType({
-    # LLaMA, Mistral, Qwen2/3, Gemma, OLMo-2 (Hugging Face naming)
-    "q_proj": "column", "k_proj": "column", "v_proj": "column", "o_proj": "row",
-    "gate_proj": "column", "up_proj": "column", "down_proj": "row",
-    # Phi-3: fused [q | k | v] (blocks of the attention's head counts: GQA's differ) and [gate | up]
-    "qkv_proj": "column:qkv", "gate_up_proj": "column:2",
-    # GPT-NeoX, Falcon: query_key_value is laid out head by head, so whole-block shards keep
-    # whole heads; "dense" alone is too common a name (BERT's MLP has one), so only attention's
-    "query_key_value": "column", "*attention.dense": "row",
-    "dense_h_to_4h": "column", "dense_4h_to_h": "row",
-    # Phi, OPT, GPT-J, BLOOM-style names: attention's output (out_proj, Phi's self_attn.dense) and a
-    # two-linear MLP (fc1 / fc2, fc_in / fc_out)
-    "*self_attn.dense": "row", "out_proj": "row", "fc1": "column", "fc2": "row", "fc_in": "column", "fc_out": "row",
-    # nanoGPT, GPT-2 (Conv1D): c_attn's outputs are [q | k | v], each third sharded on its own
-    "c_attn": "column:3", "c_fc": "column", "c_proj": "row",
-    # Mixtral, Qwen2/3-MoE: routed experts fused in 3-D tensors, each expert sharded on its intermediate dim
-    "experts": "experts",
-})
+DEFAULT_PLAN: Mapping[str, str] = MappingProxyType(
+    {
+        # LLaMA, Mistral, Qwen2/3, Gemma, OLMo-2 (Hugging Face naming)
+        "q_proj": "column",
+        "k_proj": "column",
+        "v_proj": "column",
+        "o_proj": "row",
+        "gate_proj": "column",
+        "up_proj": "column",
+        "down_proj": "row",
+        # Phi-3: fused [q | k | v] (blocks of the attention's head counts: GQA's differ) and [gate | up]
+        "qkv_proj": "column:qkv",
+        "gate_up_proj": "column:2",
+        # GPT-NeoX, Falcon: query_key_value is laid out head by head, so whole-block shards keep
+        # whole heads; "dense" alone is too common a name (BERT's MLP has one), so only attention's
+        "query_key_value": "column",
+        "*attention.dense": "row",
+        "dense_h_to_4h": "column",
+        "dense_4h_to_h": "row",
+        # Phi, OPT, GPT-J, BLOOM-style names: attention's output (out_proj, Phi's self_attn.dense) and a
+        # two-linear MLP (fc1 / fc2, fc_in / fc_out)
+        "*self_attn.dense": "row",
+        "out_proj": "row",
+        "fc1": "column",
+        "fc2": "row",
+        "fc_in": "column",
+        "fc_out": "row",
+        # nanoGPT, GPT-2 (Conv1D): c_attn's outputs are [q | k | v], each third sharded on its own
+        "c_attn": "column:3",
+        "c_fc": "column",
+        "c_proj": "row",
+        # Mixtral, Qwen2/3-MoE: routed experts fused in 3-D tensors, each expert sharded on its intermediate dim
+        "experts": "experts",
+    }
+)
 
 
 def parallelize(
@@ -333,16 +351,24 @@ def _resolve_styles(model: nn.Module, plan: Optional[Mapping[str, str]], vocab: 
     default = plan is None
     plan = DEFAULT_PLAN if default else plan
     if not isinstance(plan, Mapping):
-        raise TypeError(f"plan: expected a mapping of module-name patterns to 'column' or 'row', "
-                        f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}")
+        raise TypeError(
+            f"plan: expected a mapping of module-name patterns to 'column' or 'row', "
+            f"got {type(plan).__name__}, e.g. {{'*.q_proj': 'column', '*.o_proj': 'row'}}"
+        )
     styles = {pattern: parse_style(pattern, value) for pattern, value in plan.items()}
     if default and vocab:
         styles.update(vocab_entries(model))
     return styles
 
 
-def _match_modules(model: nn.Module, styles: dict[str, Style], explicit: bool, tp_degrees: Optional[Sequence[int]],
-                   layers: Optional[str], p: int) -> ResolvedPlan:
+def _match_modules(
+    model: nn.Module,
+    styles: dict[str, Style],
+    explicit: bool,
+    tp_degrees: Optional[Sequence[int]],
+    layers: Optional[str],
+    p: int,
+) -> ResolvedPlan:
     """The plan resolved against `model`: its projections, embeddings and experts, the style of each
     one a pattern places (the first matching, in plan order), and each module's TP degree."""
     prefix, decoder_layers, degrees = None, None, None
@@ -351,17 +377,28 @@ def _match_modules(model: nn.Module, styles: dict[str, Style], explicit: bool, t
     linears = {name: m for name, m in model.named_modules() if name and (isinstance(m, nn.Linear) or is_conv1d(m))}
     embeddings = {name: m for name, m in model.named_modules() if name and isinstance(m, nn.Embedding)}
     experts = find_experts(model)
-    return ResolvedPlan(styles, explicit, linears, embeddings, experts,
-                placed=place(linears, {k: s for k, s in styles.items() if s.kind not in ("vocab", "experts")}),
-                placed_embeddings=place(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"}),
-                placed_experts=place(experts, {k: s for k, s in styles.items() if s.kind == "experts"}),
-                degree=_degree_of(prefix, degrees, p), prefix=prefix, decoder_layers=decoder_layers, degrees=degrees)
+    return ResolvedPlan(
+        styles,
+        explicit,
+        linears,
+        embeddings,
+        experts,
+        placed=place(linears, {k: s for k, s in styles.items() if s.kind not in ("vocab", "experts")}),
+        placed_embeddings=place(embeddings, {k: s for k, s in styles.items() if s.kind == "vocab"}),
+        placed_experts=place(experts, {k: s for k, s in styles.items() if s.kind == "experts"}),
+        degree=_degree_of(prefix, degrees, p),
+        prefix=prefix,
+        decoder_layers=decoder_layers,
+        degrees=degrees,
+    )
 
 
 def _degree_of(prefix: Optional[str], degrees: Optional[tuple[int, ...]], p: int) -> Callable[[str], int]:
     """name -> the TP degree of the module: its decoder layer's, else p (embedding, head, no plan)."""
+
     def degree(name: str) -> int:
         if prefix is None or not name.startswith(prefix + "."):
             return p
-        return degrees[int(name[len(prefix) + 1:].split(".")[0])]
+        return degrees[int(name[len(prefix) + 1 :].split(".")[0])]
+
     return degree

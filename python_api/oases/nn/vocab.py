@@ -45,6 +45,7 @@ Numerics: the embedding adds zeros to one rank's rows, so its output is bitwise 
 lookup; the loss is computed in fp32 (for fp16/bf16 logits, like the `logits.float()` that
 Hugging Face's loss does first) and matches F.cross_entropy to rounding.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -80,8 +81,11 @@ def check_embedding(owner: str, embedding: nn.Module, world_size: int) -> None:
             f"{owner}: {type(embedding).__name__} overrides nn.Embedding.forward, which a "
             f"VocabParallelEmbedding would drop; leave it replicated (remove it from the plan)"
         )
-    options = {"max_norm": embedding.max_norm, "scale_grad_by_freq": embedding.scale_grad_by_freq,
-               "sparse": embedding.sparse}
+    options = {
+        "max_norm": embedding.max_norm,
+        "scale_grad_by_freq": embedding.scale_grad_by_freq,
+        "sparse": embedding.sparse,
+    }
     unsupported = [f"{k}={v!r}" for k, v in options.items() if v not in (None, False)]
     if unsupported:
         raise ValueError(
@@ -139,13 +143,20 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": self._rule}
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding,
-                       group: Optional[dist.ProcessGroup] = None) -> "VocabParallelEmbedding":
+    def from_embedding(
+        cls, embedding: nn.Embedding, group: Optional[dist.ProcessGroup] = None
+    ) -> "VocabParallelEmbedding":
         """This rank's shard of `embedding` (values and requires_grad copied)."""
         check_embedding(f"{cls.__name__}.from_embedding", embedding, ring_of(group).size)
         layer = torch.nn.utils.skip_init(
-            cls, embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, group=group,
-            device=embedding.weight.device, dtype=embedding.weight.dtype)
+            cls,
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            embedding.padding_idx,
+            group=group,
+            device=embedding.weight.device,
+            dtype=embedding.weight.dtype,
+        )
         with torch.no_grad():
             layer.weight.copy_(layer.shard(embedding.weight))
         layer.weight.requires_grad_(embedding.weight.requires_grad)
@@ -164,8 +175,10 @@ class VocabParallelEmbedding(nn.Module):
             raise TypeError(f"ids: expected an int64 or int32 tensor of token ids, got {got}")
         compiling = torch.compiler.is_compiling()  # a host sync there would break the graph
         if ids.numel() and not compiling and bool(((ids < 0) | (ids >= self.num_embeddings)).any()):
-            raise IndexError(f"ids: every id must be in [0, num_embeddings={self.num_embeddings}), got ids in "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
+            raise IndexError(
+                f"ids: every id must be in [0, num_embeddings={self.num_embeddings}), got ids in "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
         local = ids - self.vocab_start_index  # [...]
         elsewhere = (local < 0) | (local >= self.vocab_end_index - self.vocab_start_index)  # ids other ranks own
         y = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self._local_padding_idx())  # [..., h]
@@ -174,8 +187,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         """The sizes, the ids this rank owns and padding_idx if set."""
-        s = (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.world_size} (rank {self.rank}: ids "
-             f"[{self.vocab_start_index}, {self.vocab_end_index}))")
+        s = (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.world_size} (rank {self.rank}: ids "
+            f"[{self.vocab_start_index}, {self.vocab_end_index}))"
+        )
         return s if self.padding_idx is None else s + f", padding_idx={self.padding_idx}"
 
 
@@ -215,8 +230,12 @@ def _check_cross_entropy_args(logits: torch.Tensor, labels: torch.Tensor, reduct
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         got = logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise TypeError(f"logits_shard: expected a floating-point tensor, got {got}")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex() \
-            or labels.dtype == torch.bool:
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.is_floating_point()
+        or labels.is_complex()
+        or labels.dtype == torch.bool
+    ):
         got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise TypeError(f"labels: expected an integer tensor of class indices, got {got}")
     if logits.dim() == 0 or logits.shape[-1] == 0 or logits.shape[:-1] != labels.shape:

@@ -18,6 +18,7 @@ Old names, deprecated (they warn and return the new object): `Checkpoint` (now `
 `CheckpointState` (`OffloadState`), `CheckpointStack` (`OffloadStack`); `OffloadStats.checkpoints`
 is `OffloadStats.saves`. "Checkpoint" is a training state saved to files (`oases.checkpoint`).
 """
+
 import warnings
 from types import MappingProxyType
 
@@ -27,11 +28,23 @@ from oases.offload.lifo import OffloadStack
 from oases.offload.offloader import Offloader, OffloadHandle, OffloadState, OffloadStats
 from oases.offload.slab import ALIGNMENT, HostSlab, SlabTooSmallError
 
-__all__ = ["HostSlab", "SlabTooSmallError", "ALIGNMENT", "CopyEngine", "CopyEvent", "Offloader", "OffloadHandle",
-           "OffloadState", "OffloadStats", "OffloadStack", "offload_saved_tensors"]
+__all__ = [
+    "HostSlab",
+    "SlabTooSmallError",
+    "ALIGNMENT",
+    "CopyEngine",
+    "CopyEvent",
+    "Offloader",
+    "OffloadHandle",
+    "OffloadState",
+    "OffloadStats",
+    "OffloadStack",
+    "offload_saved_tensors",
+]
 
 _DEPRECATED = MappingProxyType(
-    {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"})
+    {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"}
+)
 
 
 def __getattr__(name: str) -> object:

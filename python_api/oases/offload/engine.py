@@ -34,6 +34,7 @@ reference; `use_extension=False` forces it, True requires the extension. Each ba
 in a `torch.profiler.record_function("oases.offload.copy_<out|in>:<extension|python>")` range
 while a profiler runs (none otherwise: opening one costs microseconds, a small copy's own time).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +70,9 @@ class CopyEvent:
     """One batched copy's completion. `wait()`: make the caller wait for it (CUDA: the current
     stream waits, the host does not); `done()`: whether it completed (never blocks)."""
 
-    def __init__(self, *, future: Optional[Future] = None, cuda_event=None,
-                 tensors: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(
+        self, *, future: Optional[Future] = None, cuda_event=None, tensors: Sequence[torch.Tensor] = ()
+    ) -> None:
         self._future, self._cuda_event, self._tensors = future, cuda_event, list(tensors)
 
     def done(self) -> bool:
@@ -99,8 +101,13 @@ class CopyEngine:
     `close()` ends the CPU worker thread (after its queued copies); a later copy starts another.
     """
 
-    def __init__(self, device: Union[str, torch.device, None] = None, *, use_extension: Optional[bool] = None,
-                 asynchronous: bool = True) -> None:
+    def __init__(
+        self,
+        device: Union[str, torch.device, None] = None,
+        *,
+        use_extension: Optional[bool] = None,
+        asynchronous: bool = True,
+    ) -> None:
         self.device = torch.device("cpu" if device is None else device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device: {self.device} is neither a CPU nor a CUDA device")
@@ -111,8 +118,10 @@ class CopyEngine:
         elif use_extension:
             _extension.compiled()  # ImportError saying how to build it
             if not _should_use_extension(self.device):
-                raise ValueError(f"use_extension: oases._C was built without CUDA, so it cannot copy from "
-                                 f"{self.device}; pass None or False")
+                raise ValueError(
+                    f"use_extension: oases._C was built without CUDA, so it cannot copy from "
+                    f"{self.device}; pass None or False"
+                )
         self.use_extension = bool(use_extension)
         self.asynchronous = asynchronous
         self.calls: Counter = Counter()
@@ -137,8 +146,9 @@ class CopyEngine:
             return self._cuda_copy_out(tensors, buffer, offsets)
         return self._run(self._copy_out_now, tensors, buffer, offsets)
 
-    def copy_in(self, buffer: torch.Tensor, offsets: Sequence[int],
-                specs: Sequence[Spec]) -> tuple[list[torch.Tensor], CopyEvent]:
+    def copy_in(
+        self, buffer: torch.Tensor, offsets: Sequence[int], specs: Sequence[Spec]
+    ) -> tuple[list[torch.Tensor], CopyEvent]:
         """Start outs[i] = tensor of specs[i] = (shape, dtype) from buffer[offsets[i] : ...], new
         contiguous tensors on `device`; read them only after event.wait()."""
         offsets = [int(o) for o in offsets]
@@ -187,8 +197,10 @@ class CopyEngine:
             if not t.is_contiguous():
                 raise ValueError(f"{what}[{i}]: must be contiguous (pass t.contiguous())")
             if off < 0 or t.numel() * t.element_size() > buffer.numel() - off:
-                raise ValueError(f"offsets[{i}]={off}: {t.numel() * t.element_size()} bytes do not fit a buffer "
-                                 f"of {buffer.numel()} bytes")
+                raise ValueError(
+                    f"offsets[{i}]={off}: {t.numel() * t.element_size()} bytes do not fit a buffer "
+                    f"of {buffer.numel()} bytes"
+                )
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _empty(self, offsets: list[int], specs: Sequence[Spec]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -197,8 +209,9 @@ class CopyEngine:
         so they come in with one copy; owners: the distinct allocations."""
         if self.use_extension:
             try:
-                return _extension.compiled().empty_batch(offsets, [tuple(shape) for shape, _ in specs],
-                                                         [dtype for _, dtype in specs], self.device)
+                return _extension.compiled().empty_batch(
+                    offsets, [tuple(shape) for shape, _ in specs], [dtype for _, dtype in specs], self.device
+                )
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as err:  # c10::Error: the message names the argument
@@ -223,8 +236,9 @@ class CopyEngine:
         with self._lock:
             if self._worker is None:
                 threads = torch.get_num_threads()  # the copies' intra-op threads: the caller's
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="oases-offload",
-                                                  initializer=torch.set_num_threads, initargs=(threads,))
+                self._worker = ThreadPoolExecutor(
+                    1, thread_name_prefix="oases-offload", initializer=torch.set_num_threads, initargs=(threads,)
+                )
             return CopyEvent(future=self._worker.submit(fn, *args))
 
     def _copy_out_now(self, tensors: list[torch.Tensor], buffer: torch.Tensor, offsets: list[int]) -> None:
@@ -235,7 +249,7 @@ class CopyEngine:
             for t, off in zip(tensors, offsets):
                 nbytes = t.numel() * t.element_size()
                 if nbytes:
-                    buffer[off: off + nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
+                    buffer[off : off + nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
 
     def _copy_in_now(self, buffer: torch.Tensor, outs: list[torch.Tensor], offsets: list[int]) -> None:
         with _profiled(f"oases.offload.copy_in:{self.path}"):
@@ -245,7 +259,7 @@ class CopyEngine:
             for t, off in zip(outs, offsets):
                 nbytes = t.numel() * t.element_size()
                 if nbytes:
-                    t.copy_(buffer[off: off + nbytes].view(t.dtype).view(t.shape), non_blocking=True)
+                    t.copy_(buffer[off : off + nbytes].view(t.dtype).view(t.shape), non_blocking=True)
 
     def _copy_stream(self):
         if self._stream is None:  # priority 0 is CUDA's lowest: compute and communication go first

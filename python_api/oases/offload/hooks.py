@@ -10,6 +10,7 @@ Parameters (and views of them) and tensors under `min_bytes` stay where they are
 them as it would. A tensor unpacked twice (retain_graph=True) is kept on the device after its
 first unpack, as long as the graph holds it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,9 +47,9 @@ def _is_parameter(t: torch.Tensor) -> bool:
 def offload_saved_tensors(offloader: Offloader, *, min_bytes: int = 0, ahead: int = 1) -> Iterator[None]:
     """Inside: tensors autograd saves for backward go through `offloader` (module docstring).
 
-        pack(t):   t if parameter or nbytes(t) < min_bytes else offloader.save(t, group=<this context>)
-        exit:      offloader.flush(<this context>)
-        unpack(p): prefetch p's batch and the `ahead` batches saved before it; offloader.get(p)
+    pack(t):   t if parameter or nbytes(t) < min_bytes else offloader.save(t, group=<this context>)
+    exit:      offloader.flush(<this context>)
+    unpack(p): prefetch p's batch and the `ahead` batches saved before it; offloader.get(p)
     """
     if not isinstance(offloader, Offloader):
         raise TypeError(f"offloader: expected an oases.offload.Offloader, got {type(offloader).__name__}")

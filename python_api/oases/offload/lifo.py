@@ -16,6 +16,7 @@ of their use.
 Copies per step = ceil(pushes / batch) out, as many in. A popped tensor is released from the
 offloader at once: the caller holds the only reference.
 """
+
 from __future__ import annotations
 
 from typing import Hashable, Optional

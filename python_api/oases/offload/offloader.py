@@ -24,6 +24,7 @@ overtake. Device-resident bytes (`stats.resident_bytes`, `peak_resident_bytes`) 
 saved tensor from save until its copy out is issued, and again from its copy in until release:
 the device memory the offloader holds references to.
 """
+
 from __future__ import annotations
 
 import enum
@@ -75,16 +76,33 @@ class OffloadStats:
     @property
     def checkpoints(self) -> int:
         """Deprecated name of `saves` ("checkpoint" is a training state saved to files)."""
-        warnings.warn("OffloadStats.checkpoints is deprecated: use OffloadStats.saves", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "OffloadStats.checkpoints is deprecated: use OffloadStats.saves", DeprecationWarning, stacklevel=2
+        )
         return self.saves
 
 
 class _Record:
     """A saved tensor's mutable state, apart from its handle so that a finalizer can see it."""
 
-    __slots__ = ("state", "tensor", "order", "nbytes", "shape", "dtype", "device", "buffer", "offset",
-                 "profile_offset", "event", "batch", "peers", "offloaded", "resident", "region")
+    __slots__ = (
+        "state",
+        "tensor",
+        "order",
+        "nbytes",
+        "shape",
+        "dtype",
+        "device",
+        "buffer",
+        "offset",
+        "profile_offset",
+        "event",
+        "batch",
+        "peers",
+        "offloaded",
+        "resident",
+        "region",
+    )
 
     def __init__(self, tensor: torch.Tensor, order: Optional[list[int]]) -> None:
         self.state = OffloadState.ON_DEVICE
@@ -106,8 +124,9 @@ class _Record:
 class OffloadHandle:
     """A handle on one saved tensor; `state` says where its bytes are (never blocks)."""
 
-    def __init__(self, owner: "Offloader", record: _Record, group: Hashable, index: int,
-                 shape: tuple[int, ...]) -> None:
+    def __init__(
+        self, owner: "Offloader", record: _Record, group: Hashable, index: int, shape: tuple[int, ...]
+    ) -> None:
         self._owner, self._record, self.group, self.index = owner, record, group, index
         self.nbytes, self.shape, self.dtype = record.nbytes, shape, record.dtype
         # A handle that dies holding memory (an autograd graph never run backward) hands its record
@@ -128,8 +147,9 @@ class OffloadHandle:
         return self._record.batch
 
     def __repr__(self) -> str:
-        return (f"OffloadHandle(#{self.index}, group={self.group!r}, {list(self.shape)} {self.dtype}, "
-                f"{self.state.value})")
+        return (
+            f"OffloadHandle(#{self.index}, group={self.group!r}, {list(self.shape)} {self.dtype}, {self.state.value})"
+        )
 
 
 def _dense_order(t: torch.Tensor) -> Optional[list[int]]:
@@ -180,8 +200,12 @@ class Offloader:
             self._reap()
             self._pending.clear()
             s = self.stats
-            self.stats = OffloadStats(resident_bytes=s.resident_bytes, peak_resident_bytes=s.resident_bytes,
-                                      host_bytes=s.host_bytes, host_high_water=s.host_bytes)
+            self.stats = OffloadStats(
+                resident_bytes=s.resident_bytes,
+                peak_resident_bytes=s.resident_bytes,
+                host_bytes=s.host_bytes,
+                host_high_water=s.host_bytes,
+            )
 
     def end_step(self) -> OffloadStats:
         """End a step: return its stats; without a slab yet, allocate one of the size this step's
@@ -202,8 +226,10 @@ class Offloader:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided or tensor.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"tensor: only dense (strided) CPU or CUDA tensors are offloaded, got layout "
-                             f"{tensor.layout} on {tensor.device}")
+            raise ValueError(
+                f"tensor: only dense (strided) CPU or CUDA tensors are offloaded, got layout "
+                f"{tensor.layout} on {tensor.device}"
+            )
         t = tensor.detach().resolve_conj().resolve_neg()
         order = _dense_order(t)
         if order is None:  # overlapping or gapped (expanded, sliced): offload a contiguous copy
@@ -229,7 +255,7 @@ class Offloader:
             for g in groups:
                 pending = self._pending.pop(g, [])
                 for i in range(0, len(pending), self.batch):
-                    self._offload(pending[i: i + self.batch])
+                    self._offload(pending[i : i + self.batch])
 
     def _offload(self, handles: list[OffloadHandle]) -> None:
         records = [c._record for c in handles]
@@ -273,8 +299,12 @@ class Offloader:
 
     # ---- bringing back ------------------------------------------------------------------------------
 
-    def prefetch(self, handles: Optional[Iterable[OffloadHandle]] = None, *,
-                 checkpoints: Optional[Iterable[OffloadHandle]] = None) -> None:
+    def prefetch(
+        self,
+        handles: Optional[Iterable[OffloadHandle]] = None,
+        *,
+        checkpoints: Optional[Iterable[OffloadHandle]] = None,
+    ) -> None:
         """Start copying `handles` back to the device, in the order given, `batch` per copy call
         (a batch whose members share a host buffer). Ones already in (or coming in) are skipped;
         one never offloaded, or released, raises ValueError (before any copy starts).
@@ -282,8 +312,9 @@ class Offloader:
         if checkpoints is not None:
             if handles is not None:
                 raise TypeError("prefetch: got both handles and checkpoints (its deprecated name)")
-            warnings.warn("Offloader.prefetch(checkpoints=...) is deprecated: use handles=", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                "Offloader.prefetch(checkpoints=...) is deprecated: use handles=", DeprecationWarning, stacklevel=2
+            )
             handles = checkpoints
         if handles is None:
             raise TypeError("prefetch: missing the handles to bring back")
@@ -297,8 +328,10 @@ class Offloader:
                 if state is OffloadState.RELEASED:
                     raise ValueError(f"prefetch: {c} was released; nothing is left to bring back")
                 if not c._record.offloaded:
-                    raise ValueError(f"prefetch: {c} was never offloaded (still on the device); prefetch brings "
-                                     "back what save()/flush() moved out")
+                    raise ValueError(
+                        f"prefetch: {c} was never offloaded (still on the device); prefetch brings "
+                        "back what save()/flush() moved out"
+                    )
                 if state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST) and id(c) not in seen:
                     wanted.append(c)
                     seen.add(id(c))
@@ -334,8 +367,16 @@ class Offloader:
                 raise ValueError(f"get: {c} was released; its memory may already hold other data")
             if state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST):  # with its batch
                 peers = [p() for p in c._record.peers]
-                self.prefetch([c] + [p for p in peers if p is not None and p is not c and p.state in
-                                     (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST)])
+                self.prefetch(
+                    [c]
+                    + [
+                        p
+                        for p in peers
+                        if p is not None
+                        and p is not c
+                        and p.state in (OffloadState.IN_FLIGHT_OUT, OffloadState.ON_HOST)
+                    ]
+                )
             r = c._record
             if r.state is OffloadState.IN_FLIGHT_IN:
                 r.event.wait()
@@ -369,15 +410,18 @@ class Offloader:
         engine = self._engines.get(device)
         if engine is None:
             if not self._owned:
-                raise ValueError(f"engine: the Offloader's engine copies for {next(iter(self._engines))}, "
-                                 f"not for a tensor on {device}")
+                raise ValueError(
+                    f"engine: the Offloader's engine copies for {next(iter(self._engines))}, "
+                    f"not for a tensor on {device}"
+                )
             engine = self._engines[device] = CopyEngine(device)
         return engine
 
     def _check_mine(self, c: object, what: str) -> None:
         if not isinstance(c, OffloadHandle) or c._owner is not self:
-            raise TypeError(f"{what}: expected an OffloadHandle that this Offloader's save() returned, got "
-                            f"{type(c).__name__}")
+            raise TypeError(
+                f"{what}: expected an OffloadHandle that this Offloader's save() returned, got {type(c).__name__}"
+            )
 
     def _add_resident(self, nbytes: int) -> None:
         s = self.stats

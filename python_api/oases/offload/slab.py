@@ -11,6 +11,7 @@ every later step exactly: that is how `Offloader()` sizes its slab (FOLD3D: "det
 profiling the total activation size in an iteration"). A step that needs more raises
 SlabTooSmallError saying how many bytes to ask for, before any byte of its batch moves.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,9 +45,9 @@ def _round_up(n: int, multiple: int) -> int:
 class _FirstFit:
     """First-fit placement of aligned regions in [0, capacity); frees coalesce with neighbours.
 
-        allocate(n) -> offset or None (no free run of round_up(n, ALIGNMENT) bytes)
-        free(offset)               KeyError when no region starts there
-        high_water                 the largest end of a region ever placed
+    allocate(n) -> offset or None (no free run of round_up(n, ALIGNMENT) bytes)
+    free(offset)               KeyError when no region starts there
+    high_water                 the largest end of a region ever placed
     """
 
     def __init__(self, capacity: int) -> None:
@@ -114,8 +115,10 @@ class HostSlab:
             raise ValueError(f"nbytes: must be >= 0, got {nbytes}")
         cuda = torch.cuda.is_available()
         if pin_memory and not cuda:
-            raise ValueError("pin_memory: True needs CUDA, and torch.cuda.is_available() is False here; pass "
-                             "None (pins exactly when CUDA is available) or False")
+            raise ValueError(
+                "pin_memory: True needs CUDA, and torch.cuda.is_available() is False here; pass "
+                "None (pins exactly when CUDA is available) or False"
+            )
         self.pinned = cuda if pin_memory is None else bool(pin_memory)
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)  # [nbytes]
         self._regions = _FirstFit(nbytes)
@@ -148,7 +151,8 @@ class HostSlab:
                 f"HostSlab: no room for a tensor of {nbytes} bytes: {self.in_use} of {self.capacity} bytes in "
                 f"use (largest free run {self._regions.largest_free()}); this step needs at least {needed} bytes: "
                 f"create HostSlab({needed}) or larger, or let Offloader() size its slab from a profiling step",
-                needed)
+                needed,
+            )
 
     def free(self, offset: int) -> None:
         """Make the region at `offset` free again; ValueError when none starts there."""
@@ -159,5 +163,4 @@ class HostSlab:
                 raise ValueError(f"offset: no allocated region starts at {offset} (freed twice?)") from None
 
     def __repr__(self) -> str:
-        return (f"HostSlab({self.capacity}, pinned={self.pinned}, in_use={self.in_use}, "
-                f"high_water={self.high_water})")
+        return f"HostSlab({self.capacity}, pinned={self.pinned}, in_use={self.in_use}, high_water={self.high_water})"

@@ -8,6 +8,7 @@
 
 `oases.ops.reference` holds the plain (blocking collective, then GEMM) versions.
 """
+
 from oases.ops import reference
 from oases.ops.all_gather_linear import all_gather_linear
 from oases.ops.linear_all_reduce import linear_all_reduce

@@ -7,6 +7,7 @@ The casts are ordinary differentiable copies, so weight's gradient comes back in
 dtype (fp32 parameters keep fp32 gradients) and the GEMMs and the communication run in `dtype`.
 Outside autocast (or for a device type it is off for) the operands pass through unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,9 @@ import torch
 __all__ = ["autocast_operands"]
 
 
-def autocast_operands(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], contextlib.AbstractContextManager]:
+def autocast_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], contextlib.AbstractContextManager]:
     """(x, weight, bias) cast to the autocast dtype of x's device type where autocast is on, and
     the context to run the op in (autocast off, so its GEMMs do not cast again)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not torch.is_autocast_enabled(x.device.type):

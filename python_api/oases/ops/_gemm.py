@@ -21,6 +21,7 @@ cuBLAS does not do in one call; every other GEMM is cuBLAS (torch.mm / torch.add
 The reduce-scatter's accumulate of a received partial is not fused into a GEMM: that GEMM would
 have to wait for the transfer (see oases.comm.ring); it is an elementwise add on the comm side.
 """
+
 from __future__ import annotations
 
 import functools
@@ -106,8 +107,10 @@ def check_main_grad(main_grad: Optional[torch.Tensor], weight: torch.Tensor) -> 
     if main_grad.dtype != torch.float32:
         raise TypeError(f"main_grad: must be float32 (the fp32 gradient accumulator), got {main_grad.dtype}")
     if main_grad.shape != weight.shape or main_grad.device != weight.device:
-        raise ValueError(f"main_grad: must have weight's shape {tuple(weight.shape)} on {weight.device}, "
-                         f"got {tuple(main_grad.shape)} on {main_grad.device}")
+        raise ValueError(
+            f"main_grad: must have weight's shape {tuple(weight.shape)} on {weight.device}, "
+            f"got {tuple(main_grad.shape)} on {main_grad.device}"
+        )
 
 
 def accumulate_main_grad(main_grad: torch.Tensor, grad_y: torch.Tensor, x: torch.Tensor) -> None:

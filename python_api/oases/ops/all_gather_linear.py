@@ -22,6 +22,7 @@ Oases' comm stream (oases.comm.ring): the compute stream waits only for the piec
                          |---- send P1, receive P0' ----|
       grad_x0 = P0 + P0'
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,8 +43,9 @@ __all__ = ["all_gather_linear"]
 
 class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool,
-                main_grad: Optional[torch.Tensor]):
+    def forward(
+        ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool, main_grad: Optional[torch.Tensor]
+    ):
         shard = x.movedim(dim, 0).contiguous()  # [n, ..., k]
         n = shard.shape[0]
         gathered = shard.new_empty((ring.size * n, *shard.shape[1:]))  # [p n, ..., k]
@@ -86,7 +88,11 @@ class _AllGatherLinear(torch.autograd.Function):
             n = grad_y.shape[0] // ring.size
             grad_rows = grad_y.new_empty((n, *grad_y.shape[1:-1], weight.shape[1]))  # [n, ..., k]
             scattered = reduce_scatter_rows(
-                lambda rows: torch.matmul(grad_y[rows], weight), grad_rows, ring, chunks, bidirectional,
+                lambda rows: torch.matmul(grad_y[rows], weight),
+                grad_rows,
+                ring,
+                chunks,
+                bidirectional,
             )
             for _ in scattered:  # this piece's partial sum is on the wire: one weight-gradient GEMM
                 for rows in itertools.islice(arrived, 1):
@@ -132,8 +138,13 @@ def all_gather_linear(
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
     if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.costs.chunks.op_chunks)
-        chunks = op_chunks(ring.size * x.shape[dim] * row_elems, x.shape[-1], weight.shape[0], divides=x.shape[dim],
-                           comm_bytes=(ring.size - 1) * x.numel() * x.element_size())
+        chunks = op_chunks(
+            ring.size * x.shape[dim] * row_elems,
+            x.shape[-1],
+            weight.shape[0],
+            divides=x.shape[dim],
+            comm_bytes=(ring.size - 1) * x.numel() * x.element_size(),
+        )
     _checks.chunks_arg(chunks)
     _checks.divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
     _gemm.check_main_grad(main_grad, weight)

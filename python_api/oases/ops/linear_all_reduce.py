@@ -18,6 +18,7 @@ only when the thread comes back to it, so its dependent all-gather step lags a G
 (bench primitives, 2 ranks, 1 Gbit/s, 4 chunks: 108 ms for the driven ring, 89 ms for the
 backend's asynchronous all-reduce of the same pieces, 122 ms serial).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -100,8 +101,14 @@ def linear_all_reduce(
     ring = ring_of(group)
     rows = x.numel() // max(x.shape[-1], 1)
     if chunks is None:  # Centauri's Algorithm 1 on default rates (oases.costs.chunks.op_chunks)
-        chunks = op_chunks(rows, x.shape[-1], weight.shape[0], divides=None, max_chunks=max(1, min(8, rows)),
-                           comm_bytes=2 * (ring.size - 1) / ring.size * rows * weight.shape[0] * x.element_size())
+        chunks = op_chunks(
+            rows,
+            x.shape[-1],
+            weight.shape[0],
+            divides=None,
+            max_chunks=max(1, min(8, rows)),
+            comm_bytes=2 * (ring.size - 1) / ring.size * rows * weight.shape[0] * x.element_size(),
+        )
     _checks.chunks_arg(chunks)
     _gemm.check_main_grad(main_grad, weight)
     with precision, torch.profiler.record_function("oases::linear_all_reduce"):

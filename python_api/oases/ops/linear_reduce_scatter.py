@@ -13,6 +13,7 @@ before the partial sum it extends is waited for; the wait and the add run on Oas
       comm:                  |-- send P1, receive P0' --|
       y0 = P0 + P0' + b
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -33,8 +34,9 @@ __all__ = ["linear_reduce_scatter"]
 
 class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool,
-                main_grad: Optional[torch.Tensor]):
+    def forward(
+        ctx, x, weight, bias, ring: Ring, dim: int, chunks: int, bidirectional: bool, main_grad: Optional[torch.Tensor]
+    ):
         rows = x.movedim(dim, 0).contiguous()  # [p n, ..., k]
         n = rows.shape[0] // ring.size
         y = rows.new_empty((n, *rows.shape[1:-1], weight.shape[0]))  # [n, ..., o]
@@ -103,9 +105,13 @@ def linear_reduce_scatter(
     ring = ring_of(group)
     row_elems = x.numel() // max(x.shape[dim] * x.shape[-1], 1)
     if chunks is None and x.shape[dim] % ring.size == 0:  # Centauri's Algorithm 1 (oases.costs.chunks)
-        chunks = op_chunks(x.shape[dim] * row_elems, x.shape[-1], weight.shape[0], divides=x.shape[dim] // ring.size,
-                           comm_bytes=(ring.size - 1) / ring.size * x.numel() // x.shape[-1] * weight.shape[0]
-                           * x.element_size())
+        chunks = op_chunks(
+            x.shape[dim] * row_elems,
+            x.shape[-1],
+            weight.shape[0],
+            divides=x.shape[dim] // ring.size,
+            comm_bytes=(ring.size - 1) / ring.size * x.numel() // x.shape[-1] * weight.shape[0] * x.element_size(),
+        )
     chunks = 1 if chunks is None else chunks
     _checks.chunks_arg(chunks)
     _checks.full_divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)

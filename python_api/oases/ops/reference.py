@@ -5,6 +5,7 @@ baseline in benchmarks); `chunks` and `bidirectional` are accepted and ignored. 
 the collective sense: torch's collectives are not differentiable, so use these for values, and
 the single-process model for gradients.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,16 +25,30 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      group: Optional[dist.ProcessGroup] = None, *, dim: int = 0, chunks=None,
-                      bidirectional: bool = False) -> torch.Tensor:
+def all_gather_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks=None,
+    bidirectional: bool = False,
+) -> torch.Tensor:
     """y = F.linear(all_gather(x, dim), weight, bias) with torch's blocking all-gather."""
     return F.linear(_all_gather(x, group, dim), weight, bias)
 
 
-def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                          group: Optional[dist.ProcessGroup] = None, *, dim: int = 0, chunks=None,
-                          bidirectional: bool = False) -> torch.Tensor:
+def linear_reduce_scatter(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    dim: int = 0,
+    chunks=None,
+    bidirectional: bool = False,
+) -> torch.Tensor:
     """y = reduce_scatter(F.linear(x, weight), dim) + bias with torch's blocking reduce-scatter."""
     p = dist.get_world_size(group)
     partial = F.linear(x, weight).movedim(dim, 0).contiguous()
@@ -43,8 +58,14 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     return out if bias is None else out + bias
 
 
-def linear_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                      group: Optional[dist.ProcessGroup] = None, *, chunks=None) -> torch.Tensor:
+def linear_all_reduce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    chunks=None,
+) -> torch.Tensor:
     """y = all_reduce(F.linear(x, weight)) + bias with torch's blocking all-reduce."""
     y = F.linear(x, weight)
     dist.all_reduce(y, group=group)

@@ -14,6 +14,7 @@
     oases.pipeline.zero_sync    the same as ZeRO-1 (zero=True): reduce-scatter of rows, all-gather after the step
     oases.pipeline.comm_scheduler  one rank's comm scheduler: PP transfers preempt chunked DP sync
 """
+
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.pipeline import Pipeline
@@ -21,5 +22,14 @@ from oases.pipeline.schedules import SCHEDULES, Action, actions
 from oases.pipeline.stages import Stage, StageLayout
 from oases.pipeline.zero_sync import ZeroSegmentSync
 
-__all__ = ["Pipeline", "CommScheduler", "SegmentSync", "ZeroSegmentSync", "SCHEDULES", "Action", "actions", "Stage",
-           "StageLayout"]
+__all__ = [
+    "Pipeline",
+    "CommScheduler",
+    "SegmentSync",
+    "ZeroSegmentSync",
+    "SCHEDULES",
+    "Action",
+    "actions",
+    "Stage",
+    "StageLayout",
+]

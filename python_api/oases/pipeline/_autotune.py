@@ -6,6 +6,7 @@ batch, and FOLD3D's rules (oases.planner.fold3d: choose_segments, dp_overlap_rat
     dp_comm_s  = this stage's gradient sync over dp (a ring all-reduce of one bucket, scaled)
     pp_comm_s  = one activation between neighbouring stages (a ring exchange over pp)
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -22,23 +23,46 @@ from oases.schedule import SubBatch
 __all__ = ["measure", "choose"]
 
 
-def measure(stage: Stage, sync: SegmentSync, comm: StageComm, tokens: torch.Tensor, shape: torch.Size,
-            dtype: torch.dtype, layers_per_stage: int) -> dict[str, float]:
+def measure(
+    stage: Stage,
+    sync: SegmentSync,
+    comm: StageComm,
+    tokens: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    layers_per_stage: int,
+) -> dict[str, float]:
     """The times of the module doc, on micro-batch `tokens` (activations [shape] of `dtype`); the
     same on every rank (a MAX all-reduce over the world)."""
     _, ctx = stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))
     forward, backward = stage.time_layer(shape, dtype, ctx)
     numel = sum(p.numel() for p in stage.parameters())
-    times = torch.tensor([forward * layers_per_stage, backward * layers_per_stage,
-                          sync.time_sync(numel), comm.time_transfer(shape, dtype)],
-                         dtype=torch.float64, device=comm.device)
+    times = torch.tensor(
+        [
+            forward * layers_per_stage,
+            backward * layers_per_stage,
+            sync.time_sync(numel),
+            comm.time_transfer(shape, dtype),
+        ],
+        dtype=torch.float64,
+        device=comm.device,
+    )
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # every rank decides the same
     f, b, dp_s, pp_s = times.tolist()
     return dict(forward_s=f, backward_s=b, dp_comm_s=dp_s, pp_comm_s=pp_s)
 
 
-def choose(measured: dict[str, float], *, layers: int, pp: int, micro_batches: int, segments: int, ratio: float,
-           auto: dict[str, bool], shared_at: Callable[[int], Optional[str]]) -> tuple[int, float]:
+def choose(
+    measured: dict[str, float],
+    *,
+    layers: int,
+    pp: int,
+    micro_batches: int,
+    segments: int,
+    ratio: float,
+    auto: dict[str, bool],
+    shared_at: Callable[[int], Optional[str]],
+) -> tuple[int, float]:
     """(segments, dp_overlap_ratio): those `auto` marks chosen by FOLD3D's rules from `measured`, the
     others kept; the segment count kept when it would split a weight tied between layers (`shared_at`)."""
     f, b = measured["forward_s"], measured["backward_s"]

@@ -21,6 +21,7 @@ structure (`HFStack`: head = final norm + output embeddings, embedding = input e
 for any other model found by the Stage's one-token probe run on a meta copy (every parameter
 made trainable there, so frozen ones are placed where they are used).
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,9 +41,18 @@ from oases.training import adapt
 __all__ = ["build", "meta_roles"]
 
 
-def build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGroup, tp: int, seed: int, *,
-          device: torch.device, init_weights: bool, pp: int, segments: int | str,
-          stage: int) -> tuple[nn.Module, object, Optional[Roles]]:
+def build(
+    config: GPTConfig | Callable[[], nn.Module],
+    tp_group: dist.ProcessGroup,
+    tp: int,
+    seed: int,
+    *,
+    device: torch.device,
+    init_weights: bool,
+    pp: int,
+    segments: int | str,
+    stage: int,
+) -> tuple[nn.Module, object, Optional[Roles]]:
     """(model, its Stack view, its Roles when built on meta else None); see the module doc.
     Local: no communication, so every error is raised on every rank alike."""
     if isinstance(config, GPTConfig):
@@ -54,19 +64,26 @@ def build(config: GPTConfig | Callable[[], nn.Module], tp_group: dist.ProcessGro
         torch.manual_seed(seed)
         model = config()
         if not isinstance(model, nn.Module):
-            raise ValueError(f"config: the factory returned {type(model).__name__}, expected an nn.Module "
-                             "(a Hugging Face causal LM, a nanoGPT-style model or an oases.schedule.Stack module)")
+            raise ValueError(
+                f"config: the factory returned {type(model).__name__}, expected an nn.Module "
+                "(a Hugging Face causal LM, a nanoGPT-style model or an oases.schedule.Stack module)"
+            )
         if getattr(model, "tp_degrees", None) is not None:
-            raise ValueError("config: the factory's model has per-layer tp_degrees; the pipeline runs every layer "
-                             "of a stage on the mesh's tp group (build the model without tp_degrees)")
+            raise ValueError(
+                "config: the factory's model has per-layer tp_degrees; the pipeline runs every layer "
+                "of a stage on the mesh's tp group (build the model without tp_degrees)"
+            )
         sharded = any(hasattr(m, "tp_layout") for m in model.modules())
         roles = None
         if is_on_meta(model):  # the replay draws from this seed's random state, as factory() on the CPU would
-            roles = _allocate_stage(model, adapt(model), tp_group, tp, device, init_weights, sharded,
-                                    pp, segments, stage)
+            roles = _allocate_stage(
+                model, adapt(model), tp_group, tp, device, init_weights, sharded, pp, segments, stage
+            )
         elif not init_weights:
-            raise ValueError("init_weights=False: only for a factory that builds the model on the meta device "
-                             "(`with torch.device('meta'): return Cls(config)`); this one has real tensors")
+            raise ValueError(
+                "init_weights=False: only for a factory that builds the model on the meta device "
+                "(`with torch.device('meta'): return Cls(config)`); this one has real tensors"
+            )
         elif tp > 1 and not sharded:
             parallelize(model, tp_group)
     stack = adapt(model)
@@ -83,8 +100,13 @@ def meta_roles(model: nn.Module, stack: object) -> Roles:
         head = {id(p) for m in (stack.final_norm, stack.lm_head) for p in m.parameters()}
         embed = {id(p) for p in embedding.parameters()}
         named = [(n, id(p)) for n, p in model.named_parameters(remove_duplicate=False)]
-        return Roles(frozenset(n for n, i in named if i in head), frozenset(n for n, i in named if i in embed),
-                     embedding.embedding_dim, embedding.weight.dtype, stack.lm_head.weight.shape[0])
+        return Roles(
+            frozenset(n for n, i in named if i in head),
+            frozenset(n for n, i in named if i in embed),
+            embedding.embedding_dim,
+            embedding.weight.dtype,
+            stack.lm_head.weight.shape[0],
+        )
     probe = copy.deepcopy(model)  # meta: costs nothing; every parameter trainable, so all are found
     for p in probe.parameters():
         p.requires_grad_(True)
@@ -94,27 +116,45 @@ def meta_roles(model: nn.Module, stack: object) -> Roles:
     try:
         return probe_roles(probe, probe_stack, rest, torch.device("meta"))
     except Exception as err:  # noqa: BLE001 -- re-raised with what to do
-        raise ValueError(f"model: built on the meta device, and the pipeline cannot tell its embedding's parameters "
-                         f"from its head's without running them ({type(err).__name__}: {err}); build it on a real "
-                         f"device, or make it an oases.schedule.Stack whose embed and head run on meta") from err
+        raise ValueError(
+            f"model: built on the meta device, and the pipeline cannot tell its embedding's parameters "
+            f"from its head's without running them ({type(err).__name__}: {err}); build it on a real "
+            f"device, or make it an oases.schedule.Stack whose embed and head run on meta"
+        ) from err
 
 
-def _allocate_stage(model: nn.Module, stack: object, tp_group: dist.ProcessGroup, tp: int, device: torch.device,
-                    init_weights: bool, sharded: bool, pp: int, segments: int | str, stage: int) -> Roles:
+def _allocate_stage(
+    model: nn.Module,
+    stack: object,
+    tp_group: dist.ProcessGroup,
+    tp: int,
+    device: torch.device,
+    init_weights: bool,
+    sharded: bool,
+    pp: int,
+    segments: int | str,
+    stage: int,
+) -> Roles:
     """Allocate (and with init_weights, initialise) only what stage `stage` places; return the Roles."""
     if segments == "auto":
-        raise ValueError("segments='auto': a model built on meta allocates only its stage's layers, which depend "
-                         "on the segment count; pass segments=N")
+        raise ValueError(
+            "segments='auto': a model built on meta allocates only its stage's layers, which depend "
+            "on the segment count; pass segments=N"
+        )
     if sharded:
-        raise ValueError("config: the factory's model is built on meta and already sharded; return the unsharded "
-                         "model, the pipeline shards it over the mesh's tp group")
+        raise ValueError(
+            "config: the factory's model is built on meta and already sharded; return the unsharded "
+            "model, the pipeline shards it over the mesh's tp group"
+        )
     layers = len(stack.layers())
     check_layers("model", layers, pp, segments)
     roles = meta_roles(model, stack)
     placed = Stage(model, stack, StageLayout(layers, pp, segments, stage), tp_group, roles=roles)  # refuses ties
     if _owned_modules(model, placed.owned_keys) is None:
-        raise ValueError("model: built on meta, and some parameter of this stage sits on a module that also holds "
-                         "another stage's; the pipeline allocates whole modules (build it on a real device)")
+        raise ValueError(
+            "model: built on meta, and some parameter of this stage sits on a module that also holds "
+            "another stage's; the pipeline allocates whole modules (build it on a real device)"
+        )
     keep = placed.owned_keys | {n for n, _ in model.named_buffers(remove_duplicate=False)}
     if tp > 1:
         parallelize(model, tp_group, device=device, init_weights=init_weights, allocate=keep.__contains__)

@@ -1,6 +1,7 @@
 """A Pipeline's argument checks: every check that needs no model (`check_arguments`, local, so every rank
 raises the same error before any communication), those of the built model's device and the mesh's
 backend, and those of a train_step's batch."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,22 +35,34 @@ class Checked:
     dp_links: Optional[HostLinks]
 
 
-def check_arguments(config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str, segments: int | str,
-                    micro_batches: int, dp_overlap_ratio: float | str, dp_bucket_numel: int, dp_chunk_bytes: int,
-                    init_weights: bool, zero: bool, loss_scaler: Optional[GradScaler], dp_hierarchy: bool | str,
-                    offload: bool | Offloader) -> Checked:
+def check_arguments(
+    config: GPTConfig | Callable[[], nn.Module],
+    mesh,
+    *,
+    schedule: str,
+    segments: int | str,
+    micro_batches: int,
+    dp_overlap_ratio: float | str,
+    dp_bucket_numel: int,
+    dp_chunk_bytes: int,
+    init_weights: bool,
+    zero: bool,
+    loss_scaler: Optional[GradScaler],
+    dp_hierarchy: bool | str,
+    offload: bool | Offloader,
+) -> Checked:
     """Every argument check of Pipeline(...) that needs no model, in the constructor's order (local
     only: every rank raises the same error)."""
-    sizes = _check_config(config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel,
-                          dp_chunk_bytes)
+    sizes = _check_config(
+        config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel, dp_chunk_bytes
+    )
     if not isinstance(init_weights, bool):
         raise TypeError(f"init_weights: expected a bool, got {init_weights!r}")
     if not isinstance(zero, bool):
         raise TypeError(f"zero: expected a bool, got {zero!r}")
     _check_loss_scaler(loss_scaler, zero)
     if zero and dp_hierarchy is not False:
-        raise ValueError(f"zero: the ZeRO sync runs flat rings over dp; pass dp_hierarchy=False "
-                         f"(got {dp_hierarchy!r})")
+        raise ValueError(f"zero: the ZeRO sync runs flat rings over dp; pass dp_hierarchy=False (got {dp_hierarchy!r})")
     dp_packing = check_dp_hierarchy(dp_hierarchy, mesh)  # before any communication, like every check
     dp_links = HostLinks.from_env() if dp_hierarchy == "auto" and dp_packing is not None else None
     if not isinstance(offload, (bool, Offloader)):
@@ -59,33 +72,52 @@ def check_arguments(config: GPTConfig | Callable[[], nn.Module], mesh, *, schedu
 
 def _check_loss_scaler(loss_scaler: Optional[GradScaler], zero: bool) -> None:
     if loss_scaler is not None and not isinstance(loss_scaler, GradScaler):
-        raise TypeError(f"loss_scaler: expected an oases.amp.GradScaler (its inf/NaN verdict spans every rank, "
-                        f"so every stage and replica skips the same steps), got {type(loss_scaler).__name__}")
-    if loss_scaler is not None and loss_scaler.group is not None and \
-            dist.get_world_size(loss_scaler.group) != dist.get_world_size():
-        raise ValueError("loss_scaler: its group must span every rank of the pipeline (stages and replicas take "
-                         "one verdict); make it with group=None (the world)")
+        raise TypeError(
+            f"loss_scaler: expected an oases.amp.GradScaler (its inf/NaN verdict spans every rank, "
+            f"so every stage and replica skips the same steps), got {type(loss_scaler).__name__}"
+        )
+    if (
+        loss_scaler is not None
+        and loss_scaler.group is not None
+        and dist.get_world_size(loss_scaler.group) != dist.get_world_size()
+    ):
+        raise ValueError(
+            "loss_scaler: its group must span every rank of the pipeline (stages and replicas take "
+            "one verdict); make it with group=None (the world)"
+        )
     if loss_scaler is not None and zero:
-        raise ValueError("loss_scaler: not with zero=True (the sharded optimizer's masters are not unscaled); "
-                         "pass zero=False")
+        raise ValueError(
+            "loss_scaler: not with zero=True (the sharded optimizer's masters are not unscaled); pass zero=False"
+        )
 
 
-def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: str, segments: int,
-                  micro_batches: int, dp_overlap_ratio: float, dp_bucket_numel: int,
-                  dp_chunk_bytes: int) -> dict[str, int]:
+def _check_config(
+    config: GPTConfig | Callable[[], nn.Module],
+    mesh,
+    schedule: str,
+    segments: int,
+    micro_batches: int,
+    dp_overlap_ratio: float,
+    dp_bucket_numel: int,
+    dp_chunk_bytes: int,
+) -> dict[str, int]:
     """The checks of the numbers, the model description, the mesh and the schedule (local only, so
     every rank raises the same error). Returns the mesh sizes {"dp": .., "pp": .., "tp": ..}."""
-    if dp_overlap_ratio != "auto" and (isinstance(dp_overlap_ratio, bool)
-                                       or not isinstance(dp_overlap_ratio, (int, float))
-                                       or not 0.0 <= dp_overlap_ratio <= 1.0):
+    if dp_overlap_ratio != "auto" and (
+        isinstance(dp_overlap_ratio, bool)
+        or not isinstance(dp_overlap_ratio, (int, float))
+        or not 0.0 <= dp_overlap_ratio <= 1.0
+    ):
         raise ValueError(f"dp_overlap_ratio: expected a number in [0, 1] or 'auto', got {dp_overlap_ratio!r}")
     if not _checks.is_int(dp_bucket_numel) or dp_bucket_numel < 1:
         raise ValueError(f"dp_bucket_numel: expected an int >= 1, got {dp_bucket_numel!r}")
     if not _checks.is_int(dp_chunk_bytes) or dp_chunk_bytes < 1:
         raise ValueError(f"dp_chunk_bytes: expected an int >= 1 (bytes per DP ring piece), got {dp_chunk_bytes!r}")
     if not isinstance(config, GPTConfig) and not callable(config):
-        raise ValueError(f"config: expected an oases.models.GPTConfig or a model factory (a callable returning "
-                         f"the model), got {type(config).__name__}")
+        raise ValueError(
+            f"config: expected an oases.models.GPTConfig or a model factory (a callable returning "
+            f"the model), got {type(config).__name__}"
+        )
     if isinstance(config, GPTConfig) and config.dropout != 0.0:
         raise ValueError(f"config.dropout: the pipeline does not apply dropout yet, got {config.dropout}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
@@ -96,8 +128,10 @@ def _check_config(config: GPTConfig | Callable[[], nn.Module], mesh, schedule: s
         raise ValueError("mesh: torch.distributed is not initialized")
     world = dist.get_world_size()
     if mesh.size() != world:
-        raise ValueError(f"mesh: dp * pp * tp = {sizes['dp']} * {sizes['pp']} * {sizes['tp']} = {mesh.size()}, "
-                         f"but the world size is {world}")
+        raise ValueError(
+            f"mesh: dp * pp * tp = {sizes['dp']} * {sizes['pp']} * {sizes['tp']} = {mesh.size()}, "
+            f"but the world size is {world}"
+        )
     _checks.one_of("schedule", schedule, SCHEDULES)
     if segments != "auto" and (not _checks.is_int(segments) or segments < 1):
         raise ValueError(f"segments: expected an int >= 1 or 'auto', got {segments!r}")
@@ -126,9 +160,11 @@ def model_device(model: nn.Module) -> torch.device:
     """The one device the built model's parameters are on (meta ones, other stages' in a meta build, aside)."""
     devices = {p.device for p in model.parameters() if not p.is_meta}  # meta: other stages' (meta build)
     if len(devices) != 1:
-        raise ValueError(f"config: the model's parameters are on {len(devices)} devices "
-                         f"({sorted(map(str, devices))}); "
-                         "a stage runs on one device: move the model there in the factory")
+        raise ValueError(
+            f"config: the model's parameters are on {len(devices)} devices "
+            f"({sorted(map(str, devices))}); "
+            "a stage runs on one device: move the model there in the factory"
+        )
     return devices.pop()
 
 
@@ -140,30 +176,38 @@ def check_backend(group: dist.ProcessGroup, device: torch.device) -> None:
     backend = per_device.get(device.type, config if not per_device else None)
     want = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
     if backend != want:
-        raise ValueError(f"mesh: the model's parameters are on {device.type} but the mesh's groups use {config!r}; "
-                         f"{device.type} tensors need {want!r} (init the process group with {want!r} or "
-                         "'cpu:gloo,cuda:nccl', and the mesh on the model's device type)")
+        raise ValueError(
+            f"mesh: the model's parameters are on {device.type} but the mesh's groups use {config!r}; "
+            f"{device.type} tensors need {want!r} (init the process group with {want!r} or "
+            "'cpu:gloo,cuda:nccl', and the mesh on the model's device type)"
+        )
 
 
-def check_batch(tokens: torch.Tensor, targets: torch.Tensor, *, seq_len: Optional[int], vocab: int, dp: int,
-                micro_batches: int) -> None:
+def check_batch(
+    tokens: torch.Tensor, targets: torch.Tensor, *, seq_len: Optional[int], vocab: int, dp: int, micro_batches: int
+) -> None:
     """train_step's checks of its global batch (the same on every rank, so every rank raises alike)."""
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
-        raise ValueError(f"tokens: expected an int64 tensor [batch, t], got "
-                         f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+        raise ValueError(
+            f"tokens: expected an int64 tensor [batch, t], got "
+            f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}"
+        )
     if not isinstance(targets, torch.Tensor) or targets.shape != tokens.shape:
-        raise ValueError(f"targets: expected the tokens' shape {tuple(tokens.shape)}, "
-                         f"got {tuple(getattr(targets, 'shape', ()))}")
+        raise ValueError(
+            f"targets: expected the tokens' shape {tuple(tokens.shape)}, got {tuple(getattr(targets, 'shape', ()))}"
+        )
     if targets.dtype != torch.int64:
         raise ValueError(f"targets: expected int64 class indices, got {targets.dtype}")
     if tokens.shape[1] == 0 or (seq_len is not None and tokens.shape[1] > seq_len):
         raise ValueError(f"tokens: {tokens.shape[1]} positions; expected 1 to config.seq_len = {seq_len}")
     for name, t in (("tokens", tokens), ("targets", targets)):  # they would raise mid-step on one stage
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-            raise ValueError(f"{name}: values must lie in [0, vocab_size = {vocab}), got "
-                             f"[{int(t.min())}, {int(t.max())}]")
+            raise ValueError(
+                f"{name}: values must lie in [0, vocab_size = {vocab}), got [{int(t.min())}, {int(t.max())}]"
+            )
     if tokens.shape[0] % dp:
         raise ValueError(f"tokens: {tokens.shape[0]} rows are not divisible by dp = {dp}")
     if tokens.shape[0] // dp < micro_batches:
-        raise ValueError(f"micro_batches: {micro_batches} micro-batches, but each DP rank has only "
-                         f"{tokens.shape[0] // dp} rows")
+        raise ValueError(
+            f"micro_batches: {micro_batches} micro-batches, but each DP rank has only {tokens.shape[0] // dp} rows"
+        )

@@ -1,6 +1,7 @@
 """How a Pipeline's stage runs one train_step's actions: the step's micro-batches, each action's receive
 posted one ahead, F(k, i) and B(k, i) themselves, and where each segment's first forward and last backward
 sit in the actions (see the oases.pipeline.pipeline module doc)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,10 +43,12 @@ def action_marks(actions: list[Action], segments: int) -> tuple[dict, dict[int, 
     segment}) of a stage's actions."""
     backward = [(a.segment, a.micro_batch) for a in actions if a.kind == "B"]
     next_backward = dict(zip(backward, backward[1:]))  # offload: what to prefetch during B(k, i)
-    first_forward = {k: min(j for j, a in enumerate(actions) if a.kind == "F" and a.segment == k)
-                     for k in range(segments)}
-    last_backward = {max(j for j, a in enumerate(actions) if a.kind == "B" and a.segment == k): k
-                     for k in range(segments)}
+    first_forward = {
+        k: min(j for j, a in enumerate(actions) if a.kind == "F" and a.segment == k) for k in range(segments)
+    }
+    last_backward = {
+        max(j for j, a in enumerate(actions) if a.kind == "B" and a.segment == k): k for k in range(segments)
+    }
     return next_backward, first_forward, last_backward
 
 
@@ -57,8 +60,14 @@ def split(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor) -> Step:
     mine = [t[block].to(pipe.comm.device) for t in (tokens, targets)]  # on the model's device
     micro = [tuple(t[p] for t in mine) for p in parts]
     shapes = [torch.Size((p.stop - p.start, tokens.shape[1], pipe.stage.hidden)) for p in parts]  # [b_i, t, h]
-    return Step(micro, {}, shapes, pipe.stage.dtype, targets.numel(),  # normalizer: the global batch's tokens
-                loss=torch.zeros((), dtype=torch.float32, device=pipe.comm.device))
+    return Step(
+        micro,
+        {},
+        shapes,
+        pipe.stage.dtype,
+        targets.numel(),  # normalizer: the global batch's tokens
+        loss=torch.zeros((), dtype=torch.float32, device=pipe.comm.device),
+    )
 
 
 def post_lazy(pipe: Pipeline, segment: int, step: Step) -> None:

@@ -1,5 +1,6 @@
 """dp_hierarchy: a Pipeline's DP sync in two-level rings (oases.comm.hierarchical: intra-host, then inter-host):
 its checks, every dp group's host groups, and the "auto" choice between that and the flat ring."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,8 +25,9 @@ def check_dp_hierarchy(dp_hierarchy: bool | str, mesh) -> Optional[int]:
     """dp_hierarchy's checks (local: every rank raises the same error). Returns how many of each
     dp group's ranks a host holds (hosts of LOCAL_WORLD_SIZE consecutive ranks, as oases-launch
     --hosts packs them), or None when the DP sync stays flat (False, or dp = 1)."""
-    if not (dp_hierarchy is False or dp_hierarchy is True
-            or (isinstance(dp_hierarchy, str) and dp_hierarchy == "auto")):
+    if not (
+        dp_hierarchy is False or dp_hierarchy is True or (isinstance(dp_hierarchy, str) and dp_hierarchy == "auto")
+    ):
         raise ValueError(f"dp_hierarchy: expected False, True or 'auto', got {dp_hierarchy!r}")
     lines = _dp_lines(mesh)
     if dp_hierarchy is False or len(lines[0]) == 1:
@@ -57,13 +59,17 @@ def dp_host_groups(mesh, ranks_per_host: int) -> HostGroups:
     return mine
 
 
-def hierarchy_is_faster(segment_params: list[list[nn.Parameter]], bucket_numel: int, hosts: HostGroups,
-                        links: HostLinks) -> bool:
+def hierarchy_is_faster(
+    segment_params: list[list[nn.Parameter]], bucket_numel: int, hosts: HostGroups, links: HostLinks
+) -> bool:
     """dp_hierarchy="auto": oases.planner.partition's choice for the all-reduce of this stage's
     largest DP bucket (its gradients and presence flags, as SegmentSync sends it). The same on
     every rank of a dp group (same stage, same buckets, same links)."""
-    sizes = [sum(p.numel() for p in bucket) + len(bucket)
-             for params in segment_params for bucket in buckets_of(params, bucket_numel)]
+    sizes = [
+        sum(p.numel() for p in bucket) + len(bucket)
+        for params in segment_params
+        for bucket in buckets_of(params, bucket_numel)
+    ]
     if not sizes:
         return False
     element = next(p for params in segment_params for p in params).element_size()

@@ -1,5 +1,6 @@
 """Where a pipeline stage's layers sit: the folding of L layers into ns segments of p stages (FOLD3D §3.2
 step 1; the picture is in oases.pipeline.stages), and the placement checks built on it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,9 @@ class StageLayout:
 
     def __post_init__(self) -> None:
         if self.layers % (self.stages * self.segments):
-            raise ValueError(f"config.layers: {self.layers} is not divisible by pp * segments = "
-                             f"{self.stages} * {self.segments}")
+            raise ValueError(
+                f"config.layers: {self.layers} is not divisible by pp * segments = {self.stages} * {self.segments}"
+            )
 
     @property
     def chunk(self) -> int:
@@ -59,9 +61,14 @@ def placement_of_layer(index: int, layers: int, stages: int, segments: int) -> t
     return index // per_segment, (index % per_segment) // (per_segment // stages)
 
 
-def shared_across_placements(model: nn.Module, layer_params: list[list[nn.Parameter]],
-                             embed_params: list[nn.Parameter], head_params: list[nn.Parameter],
-                             stages: int, segments: int) -> Optional[str]:
+def shared_across_placements(
+    model: nn.Module,
+    layer_params: list[list[nn.Parameter]],
+    embed_params: list[nn.Parameter],
+    head_params: list[nn.Parameter],
+    stages: int,
+    segments: int,
+) -> Optional[str]:
     """The name of a parameter used at two (segment, stage) placements, or None; one that only the
     embedding and the head use (tied input/output embeddings) is allowed.
 

@@ -1,5 +1,6 @@
 """The autograd functions of a stage with offload: a layer whose input is kept in an Offloader (recomputed in
 backward), and a received stage input that enters the graph without being kept."""
+
 from __future__ import annotations
 
 from typing import Hashable
@@ -19,8 +20,9 @@ class OffloadedLayer(torch.autograd.Function):
     `anchor`: a tensor that requires grad, so the output does even when x does not."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, layer, offloader: Offloader, group: Hashable,
-                handles: list) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, anchor: torch.Tensor, layer, offloader: Offloader, group: Hashable, handles: list
+    ) -> torch.Tensor:
         ctx.layer, ctx.offloader, ctx.needs_x = layer, offloader, x.requires_grad
         ctx.rng = torch.get_rng_state()
         ctx.saved = offloader.save(x.detach(), group=group)

@@ -1,5 +1,6 @@
 """Which of a model's parameters outside its layers are the embedding's and which the head's (a Stage's Roles),
 found by differentiating stack.embed and stack.head once."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +19,9 @@ __all__ = ["Roles", "probe_roles"]
 class Roles:
     """What a stage knows of a model's embedding and head, by parameter name (every name of a tied one).
 
-        head:   the parameters stack.head uses (final norm, LM head)
-        embed:  the parameters stack.embed uses (the others outside the layers go with it too)
-        hidden, dtype: of the activations; vocab_size: of the logits (all of it when vocab-parallel)
+    head:   the parameters stack.head uses (final norm, LM head)
+    embed:  the parameters stack.embed uses (the others outside the layers go with it too)
+    hidden, dtype: of the activations; vocab_size: of the logits (all of it when vocab-parallel)
     """
 
     head: frozenset[str]
@@ -30,8 +31,9 @@ class Roles:
     vocab_size: int
 
 
-def probe_roles(model: nn.Module, stack: Stack, rest: list[nn.Parameter],
-                device: Optional[torch.device] = None) -> Roles:
+def probe_roles(
+    model: nn.Module, stack: Stack, rest: list[nn.Parameter], device: Optional[torch.device] = None
+) -> Roles:
     """Roles found by running one token through stack.embed and stack.head and differentiating each
     once (on every rank of the stage alike: a vocab-parallel embedding or head communicates over
     TP there); `rest`: the parameters outside the layers (only their trainable ones are found)."""

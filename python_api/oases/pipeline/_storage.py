@@ -28,6 +28,7 @@ parameters), and `load_checkpoint` here one that oases.save_checkpoint or a Pipe
 and tp wrote. Every check of a load runs on local metadata, the same on every rank, before any
 collective; pending updates are applied before saving or loading.
 """
+
 from __future__ import annotations
 
 import json
@@ -110,6 +111,7 @@ def _stage_keys(pipe: "Pipeline") -> set[str]:
 
 # --- Hugging Face safetensors ---------------------------------------------------------------------
 
+
 def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tuple[list[str], list[str]]:
     """Fill what this rank holds from a Hugging Face checkpoint (oases.load_pretrained's format).
 
@@ -178,8 +180,11 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
             seen.add(id(tensor))
             entries.append(_Entry(key, local.get(key, tensor).detach(), shards.get(key), pipe.stage.shapes[key]))
     files = _split(entries, max_shard_size)
-    names = [_SINGLE] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-                                               for i in range(len(files))]
+    names = (
+        [_SINGLE]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
     grid = mesh_grid(pipe.mesh)  # [dp, pp, tp] global ranks
     stage_of = pipe.stage.stage_of()  # buffers: stage 0's (every stage holds them)
     writer, me = int(grid[0, 0, 0]), dist.get_rank()
@@ -206,14 +211,17 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
                     _write(out, full)
                 del full
     if me == writer and len(files) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                 "weight_map": {e.key: name for name, held_entries in zip(names, files) for e in held_entries}}
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {e.key: name for name, held_entries in zip(names, files) for e in held_entries},
+        }
         with open(os.path.join(path, _INDEX), "w") as f:
             json.dump(index, f, indent=2)
     dist.barrier()
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
+
 
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -233,18 +241,24 @@ def _merged_groups(pipe: "Pipeline", mine: list[list[dict]]) -> list[dict]:
     first = optimizers[0]
     for groups in optimizers:
         same = len(groups) == len(first) and all(
-            g.keys() == f.keys() and all(_same(g[k], f[k]) for k in g if k != "params") for g, f in zip(groups, first))
+            g.keys() == f.keys() and all(_same(g[k], f[k]) for k in g if k != "params") for g, f in zip(groups, first)
+        )
         if not same:
-            raise ValueError("save_checkpoint: the segment optimizers' param_groups differ (in number or in "
-                             "hyper-parameters); a checkpoint stores one optimizer's groups, so every segment's "
-                             "optimizer must have the same groups")
+            raise ValueError(
+                "save_checkpoint: the segment optimizers' param_groups differ (in number or in "
+                "hyper-parameters); a checkpoint stores one optimizer's groups, so every segment's "
+                "optimizer must have the same groups"
+            )
     order = {name: i for i, (name, _) in enumerate(pipe.model.named_parameters())}
-    return [dict(group, params=sorted({n for groups in optimizers for n in groups[g]["params"]}, key=order.__getitem__))
-            for g, group in enumerate(first)]
+    return [
+        dict(group, params=sorted({n for groups in optimizers for n in groups[g]["params"]}, key=order.__getitem__))
+        for g, group in enumerate(first)
+    ]
 
 
-def save_checkpoint(pipe: "Pipeline", path: Path, *, step: Optional[int] = None, extra: Any = None,
-                    keep: Optional[int] = None) -> str:
+def save_checkpoint(
+    pipe: "Pipeline", path: Path, *, step: Optional[int] = None, extra: Any = None, keep: Optional[int] = None
+) -> str:
     """oases.save_checkpoint of the pipeline (see the module doc for the entries); returns the
     directory published (path, or path/step-{step:09d}). A collective over the mesh; argument
     errors are raised on every rank before any communication."""
@@ -255,14 +269,18 @@ def save_checkpoint(pipe: "Pipeline", path: Path, *, step: Optional[int] = None,
     held = _held(pipe)
     shards, keys = _shards(held), _stage_keys(pipe)
     copies = pipe.stage.tied_keys if pipe.layout.stage > 0 else frozenset()  # the first stage writes a tied one
-    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
-                               for key, value in held.state_dict().items() if key in keys and key not in copies}
+    entries: dict[str, Any] = {
+        _MODEL + key: _sharded(value, shards[key]) if key in shards else value
+        for key, value in held.state_dict().items()
+        if key in keys and key not in copies
+    }
     groups = []
     for optimizer in pipe.optimizers:
         own = _optimizer_entries(_optimizer_view(pipe.model, optimizer), shards)
         groups.append(own.pop(_GROUPS))
-        entries.update((key, value) for key, value in own.items()
-                       if not any(key.startswith(f"{_STATE}{name}.") for name in copies))
+        entries.update(
+            (key, value) for key, value in own.items() if not any(key.startswith(f"{_STATE}{name}.") for name in copies)
+        )
     entries[_GROUPS] = _merged_groups(pipe, groups)
     entries.update(_run_entries(extra, ring.rank))
     marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": True}
@@ -274,13 +292,17 @@ def _group_problem(views: list, saved: list[dict]) -> Optional[str]:
     """Why the segment optimizers do not fit the checkpoint's param_groups, or None."""
     for k, view in enumerate(views):
         if len(view.names) != len(saved):
-            return (f"optimizer of segment {k}: has {len(view.names)} param_groups, the checkpoint has {len(saved)}; "
-                    f"build it as the saved one was")
+            return (
+                f"optimizer of segment {k}: has {len(view.names)} param_groups, the checkpoint has {len(saved)}; "
+                f"build it as the saved one was"
+            )
         for g, (names, group) in enumerate(zip(view.names, saved)):
             lacking = [n for n in names if n not in set(group["params"])]
             if lacking:
-                return (f"optimizer of segment {k}: param_groups[{g}] holds {lacking}, which the checkpoint's "
-                        f"param_groups[{g}] does not; build the optimizers as the saved ones were")
+                return (
+                    f"optimizer of segment {k}: param_groups[{g}] holds {lacking}, which the checkpoint's "
+                    f"param_groups[{g}] does not; build the optimizers as the saved ones were"
+                )
     return None
 
 
@@ -299,21 +321,26 @@ def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
 
     ring = ring_of(None)
     if pipe._auto["segments"]:
-        raise ValueError("load_checkpoint: segments='auto' is chosen at the first train_step, which rebuilds the "
-                         "optimizers; pass segments=N to resume")
+        raise ValueError(
+            "load_checkpoint: segments='auto' is chosen at the first train_step, which rebuilds the "
+            "optimizers; pass segments=N to resume"
+        )
     where, stored, marker = _open(path)
     what = f"checkpoint {where!r}"
     if _dcp.FORMAT_KEY not in stored:
-        raise ValueError(f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
-                         f"model with oases.load_checkpoint")
-    held_meta = {key[len(_MODEL):]: meta for key, meta in stored.items() if key.startswith(_MODEL)}
+        raise ValueError(
+            f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
+            f"model with oases.load_checkpoint"
+        )
+    held_meta = {key[len(_MODEL) :]: meta for key, meta in stored.items() if key.startswith(_MODEL)}
     non_tensors = [key for key in held_meta if not isinstance(held_meta[key], TensorStorageMetadata)]
     if non_tensors:
         raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
     _check(what, pipe.stage.shapes, {key: meta.size for key, meta in held_meta.items()}, {}, True)
     if _GROUPS not in stored:
-        raise ValueError(f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's "
-                         f"optimizers need it")
+        raise ValueError(
+            f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's optimizers need it"
+        )
     small: dict[str, Any] = {_EXTRA: None, _GROUPS: None}
     rng = _rng_key(what, stored, marker, ring.size, ring.rank)
     if rng is not None:
@@ -330,8 +357,11 @@ def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
     held = _held(pipe)
     shards, keys = _shards(held), _stage_keys(pipe)
     local = held.state_dict()  # detached views of the model's own tensors: reads land in them
-    entries: dict[str, Any] = {_MODEL + key: _sharded(value, shards[key]) if key in shards else value
-                               for key, value in local.items() if key in keys}
+    entries: dict[str, Any] = {
+        _MODEL + key: _sharded(value, shards[key]) if key in shards else value
+        for key, value in local.items()
+        if key in keys
+    }
     reads = [_optimizer_reads(what, view, stored, shards) for view in views]
     pickled = {key: None for _, own in reads for key, value in own.items() if value is None}
     if pickled:

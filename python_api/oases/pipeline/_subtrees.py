@@ -1,5 +1,6 @@
 """Subtrees of a model's modules: the ones a stage owns whole (their state-dict keys are the model's), and
 stand-ins for the modules whose parameters a rank does not hold."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """A Pipeline's per-segment optimizers and DP syncs, and when each segment's update is applied: before
 the segment's next forward, after its DP sync (and a tied copy's) is over; with a loss scaler, one
 unscale and one inf/NaN verdict for every pending segment (see the oases.pipeline.pipeline module doc)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
 __all__ = ["make_optimizers", "sync_parameters", "make_sync", "apply_update", "sum_tied"]
 
 
-def make_optimizers(segment_params: list[list[nn.Parameter]], make: Callable, *, zero: bool,
-                    dp_group: dist.ProcessGroup) -> list[torch.optim.Optimizer]:
+def make_optimizers(
+    segment_params: list[list[nn.Parameter]], make: Callable, *, zero: bool, dp_group: dist.ProcessGroup
+) -> list[torch.optim.Optimizer]:
     """One optimizer per segment: make(its parameters), or with zero a ShardedOptimizer of this dp rank's rows."""
     if zero:  # ZeRO-1: each segment's optimizer steps this dp rank's rows (oases.dp.ShardedOptimizer)
         return [ShardedOptimizer(params, dp_group, make) for params in segment_params]
@@ -37,16 +39,39 @@ def sync_parameters(segment_params: list[list[nn.Parameter]], tied: list[nn.Para
     return sync_params + ([tied] if tied else [])
 
 
-def make_sync(sync_params: list[list[nn.Parameter]], dp_group: dist.ProcessGroup, scheduler: CommScheduler,
-              optimizers: list[torch.optim.Optimizer], *, zero: bool, overlap_ratio: float, bucket_numel: int,
-              chunk_bytes: int, hosts: Optional[HostGroups]) -> SegmentSync:
+def make_sync(
+    sync_params: list[list[nn.Parameter]],
+    dp_group: dist.ProcessGroup,
+    scheduler: CommScheduler,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    zero: bool,
+    overlap_ratio: float,
+    bucket_numel: int,
+    chunk_bytes: int,
+    hosts: Optional[HostGroups],
+) -> SegmentSync:
     """The per-segment DP sync: with zero a reduce-scatter into the optimizers' rows, all-gathered after
     their steps (ZeroSegmentSync), else a sum of whole gradients (SegmentSync; two-level rings on `hosts`)."""
     if zero:  # reduce-scatter into the optimizers' rows, all-gather after their steps
-        return ZeroSegmentSync(sync_params, dp_group, scheduler, optimizers, overlap_ratio=overlap_ratio,
-                               bucket_numel=bucket_numel, chunk_bytes=chunk_bytes)
-    return SegmentSync(sync_params, dp_group, scheduler, overlap_ratio=overlap_ratio, bucket_numel=bucket_numel,
-                       chunk_bytes=chunk_bytes, hosts=hosts)
+        return ZeroSegmentSync(
+            sync_params,
+            dp_group,
+            scheduler,
+            optimizers,
+            overlap_ratio=overlap_ratio,
+            bucket_numel=bucket_numel,
+            chunk_bytes=chunk_bytes,
+        )
+    return SegmentSync(
+        sync_params,
+        dp_group,
+        scheduler,
+        overlap_ratio=overlap_ratio,
+        bucket_numel=bucket_numel,
+        chunk_bytes=chunk_bytes,
+        hosts=hosts,
+    )
 
 
 def apply_update(pipe: Pipeline, segment: int) -> None:
@@ -54,8 +79,10 @@ def apply_update(pipe: Pipeline, segment: int) -> None:
     k+1's step, whose all-gather runs under segment k's forwards (oases.pipeline.zero_sync);
     and segment k's all-gather is waited for."""
     if pipe._failed is not None:  # ranks may hold different pending steps: their collectives would not match
-        raise RuntimeError("pipeline: an earlier step failed mid-way (see the cause); its pending updates are "
-                           "not applied; build a new Pipeline") from pipe._failed
+        raise RuntimeError(
+            "pipeline: an earlier step failed mid-way (see the cause); its pending updates are "
+            "not applied; build a new Pipeline"
+        ) from pipe._failed
     if segment in pipe._update_pending:
         _step(pipe, segment)
     if pipe.zero:

@@ -50,6 +50,7 @@ host block, as ProcessGroupNCCL's wait does), and its reaper polls `is_completed
 in flight until the GPU has finished it. That path is written to this contract but has not run:
 it needs several ranks on NCCL, which no machine here had (docs/verified.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -230,8 +231,9 @@ class CommScheduler:
             except StopIteration as done:
                 return done.value
 
-    def all_reduce(self, flat: torch.Tensor, group: dist.ProcessGroup, *, chunks: int,
-                   hosts: Optional[HostGroups] = None) -> torch.Tensor:
+    def all_reduce(
+        self, flat: torch.Tensor, group: dist.ProcessGroup, *, chunks: int, hosts: Optional[HostGroups] = None
+    ) -> torch.Tensor:
         """Sum the 1-D `flat` over `group` in place by ring reduce-scatter + all-gather, gated per
         chunk; for the DP thread (tags DP_TAG, DP_TAG + 1).
 
@@ -248,7 +250,7 @@ class CommScheduler:
             raise ValueError(f"hosts: splits {hosts.size} ranks, but the group has {p}")
         quantum = p * chunks
         padded = flat.new_zeros(-(-flat.numel() // quantum) * quantum)  # [p * n]
-        padded[:flat.numel()].copy_(flat)
+        padded[: flat.numel()].copy_(flat)
         if hosts is None:
             own = self._gated(reduce_scatter_steps(padded, group, chunks=chunks, tag=DP_TAG))  # [n]
             full = self._gated(all_gather_steps(own, group, chunks=chunks, tag=DP_TAG))  # [p * n]
@@ -258,7 +260,7 @@ class CommScheduler:
                 full = self._gated(hierarchical_all_gather_steps(own, hosts, chunks=chunks, tag=DP_TAG))
             with self._cond:
                 self.hierarchical_syncs += 1
-        flat.copy_(full[:flat.numel()])
+        flat.copy_(full[: flat.numel()])
         return flat
 
     def reduce_scatter(self, flat: torch.Tensor, group: dist.ProcessGroup, *, chunks: int) -> torch.Tensor:

@@ -35,6 +35,7 @@ thread's stream (its gradients are computed), and `wait(k)` makes the caller's s
 the event recorded after the bucket's gradients were written back. Written to that contract,
 not run here (no GPU).
 """
+
 from __future__ import annotations
 
 import math
@@ -80,9 +81,17 @@ def buckets_of(params: list[nn.Parameter], bucket_numel: int) -> list[list[nn.Pa
 class SegmentSync:
     """The DP sync of one stage's segments: buckets, what is launched, what is pending."""
 
-    def __init__(self, segment_params: list[list[nn.Parameter]], group: dist.ProcessGroup,
-                 scheduler: CommScheduler, *, overlap_ratio: float, bucket_numel: int,
-                 chunk_bytes: int = CHUNK_BYTES, hosts: Optional[HostGroups] = None) -> None:
+    def __init__(
+        self,
+        segment_params: list[list[nn.Parameter]],
+        group: dist.ProcessGroup,
+        scheduler: CommScheduler,
+        *,
+        overlap_ratio: float,
+        bucket_numel: int,
+        chunk_bytes: int = CHUNK_BYTES,
+        hosts: Optional[HostGroups] = None,
+    ) -> None:
         self.group, self.scheduler, self.hosts = group, scheduler, hosts  # hosts: two-level rings
         self.dp, self.bucket_numel, self.chunk_bytes = dist.get_world_size(group), bucket_numel, chunk_bytes
         self.buckets = [buckets_of(params, bucket_numel) for params in segment_params]
@@ -97,8 +106,8 @@ class SegmentSync:
         if self.dp == 1:
             return
         buckets = self.buckets[segment]
-        self._pending[segment] = [self._submit(b) for b in buckets[:self.now[segment]]]
-        self._deferred[segment] = buckets[self.now[segment]:]
+        self._pending[segment] = [self._submit(b) for b in buckets[: self.now[segment]]]
+        self._deferred[segment] = buckets[self.now[segment] :]
 
     def launch_deferred(self) -> None:
         """Start every deferred bucket, lowest segment first (the order their forwards need them)."""
@@ -135,6 +144,7 @@ class SegmentSync:
             self.scheduler.all_reduce(flat, self.group, chunks=chunks, hosts=self.hosts)
             if flat.is_cuda:  # the ring's work is only enqueued
                 torch.cuda.synchronize(flat.device)
+
         self.scheduler.submit(ring).result()
         start = time.perf_counter()
         self.scheduler.submit(ring).result()
@@ -145,8 +155,10 @@ class SegmentSync:
         that the compute stream uses (CUDA: recorded on that stream)."""
         run = run or (lambda: self._sync_bucket(bucket))
         if self._stream is None:
+
             def on_cpu() -> None:
                 run()
+
             return self.scheduler.submit(on_cpu)  # its result: None (CUDA: the event to wait for)
         compute = torch.cuda.current_stream(self._stream.device)
         ready = torch.cuda.Event()
@@ -160,6 +172,7 @@ class SegmentSync:
                 done = torch.cuda.Event()
                 done.record()
                 return done
+
         return self.scheduler.submit(on_stream)
 
     def _sync_bucket(self, bucket: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -167,19 +180,25 @@ class SegmentSync:
         Returns the gradients written."""
         # One flag per parameter rides along: a parameter no DP rank has a gradient for keeps
         # grad None (as in single-process training, where optimizers then skip it).
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p in bucket]
+        parts = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for p in bucket
+        ]
         flags = torch.tensor([float(p.grad is not None) for p in bucket], dtype=parts[0].dtype, device=parts[0].device)
         flat = torch.cat([*parts, flags])  # [numel + len(bucket)]
-        self.scheduler.all_reduce(flat, self.group, hosts=self.hosts,
-                                  chunks=chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes))
+        self.scheduler.all_reduce(
+            flat,
+            self.group,
+            hosts=self.hosts,
+            chunks=chunks_for(flat.numel(), flat.element_size(), self.dp, self.chunk_bytes),
+        )
         offset = 0
-        for p, has in zip(bucket, flat[-len(bucket):].tolist()):
+        for p, has in zip(bucket, flat[-len(bucket) :].tolist()):
             if has == 0:
                 p.grad = None
             elif p.grad is None:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+                p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
             else:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
             offset += p.numel()
         return [p.grad for p in bucket if p.grad is not None]

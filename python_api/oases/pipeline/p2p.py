@@ -58,6 +58,7 @@ in a device buffer that a copy stream moves to the slab as soon as it arrived an
 reached (never waiting for lazy receives posted after it). They are not tracked by the scheduler: nothing waits
 on them meanwhile, so they do not hold back the DP sync.
 """
+
 from __future__ import annotations
 
 import time
@@ -158,8 +159,8 @@ def link_of(key: Key, stages: int) -> tuple[str, int, int]:
 def sent_by(schedule: str, stage: int, stages: int, segments: int, micro_batches: int) -> list[Key]:
     """The messages stage `stage` sends in one step, in the order it sends them:
 
-        for F(k, i) in its actions:  ("act", k*p + s, i)       unless the last virtual stage
-        for B(k, i) in its actions:  ("grad", k*p + s - 1, i)  unless virtual stage 0
+    for F(k, i) in its actions:  ("act", k*p + s, i)       unless the last virtual stage
+    for B(k, i) in its actions:  ("grad", k*p + s - 1, i)  unless virtual stage 0
     """
     last = stages * segments - 1
     sent: list[Key] = []
@@ -185,8 +186,14 @@ class _Lane:
 class StageComm:
     """Async sends and receives of one rank's pipeline stage over its links; owns its handles."""
 
-    def __init__(self, links: Optional[Links], stage: int, stages: int, scheduler: CommScheduler,
-                 device: torch.device = torch.device("cpu")) -> None:
+    def __init__(
+        self,
+        links: Optional[Links],
+        stage: int,
+        stages: int,
+        scheduler: CommScheduler,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
         if (links is None) != (stages == 1):
             raise ValueError("links: expected links exactly when there is more than one stage")
         self.links, self.stage, self.stages, self.scheduler = links, stage, stages, scheduler
@@ -221,16 +228,20 @@ class StageComm:
     def _lane_for(self, key: Key) -> _Lane:
         lane = self._lanes.get(link_of(key, self.stages)[0])
         if lane is None or key not in lane.keys:
-            raise RuntimeError(f"receive of {key}: no neighbour sends it to stage {self.stage} in this step "
-                               "(was StageComm.expect called with the step's schedule?)")
+            raise RuntimeError(
+                f"receive of {key}: no neighbour sends it to stage {self.stage} in this step "
+                "(was StageComm.expect called with the step's schedule?)"
+            )
         return lane
 
     def _take_turn(self, key: Key) -> None:
         """Check that `key` is its link's next receive (send order) and count it posted."""
         lane = self._lane_for(key)
         if lane.next() != key:
-            raise RuntimeError(f"receive of {key} posted out of send order: its link's next message is "
-                               f"{lane.next()} (receives of a link are matched in order, as NCCL does)")
+            raise RuntimeError(
+                f"receive of {key} posted out of send order: its link's next message is "
+                f"{lane.next()} (receives of a link are matched in order, as NCCL does)"
+            )
         lane.posted += 1
 
     def _peer(self, key: Key, *, sending: bool) -> tuple[dist.ProcessGroup, int]:
@@ -310,7 +321,7 @@ class StageComm:
         nbytes = shape.numel() * dtype.itemsize
         offset = self.slab.allocate(nbytes)
         self._regions.append(offset)
-        return self.slab.buffer[offset:offset + nbytes].view(dtype).view(shape)
+        return self.slab.buffer[offset : offset + nbytes].view(dtype).view(shape)
 
     def _load_lazy(self, key: Key) -> torch.Tensor:
         arrived, host = self._lazy.pop(key)  # gloo: the receive's work; CUDA: the event after its copy out
@@ -347,8 +358,10 @@ class StageComm:
         ahead, behind = self.links.ranks[(s + 1) % p], self.links.ranks[(s - 1) % p]
         for _ in range(2):
             start = time.perf_counter()
-            works = [dist.isend(out, ahead, group=self.links.groups[ahead_link], tag=_TAG),
-                     dist.irecv(into, behind, group=self.links.groups[behind_link], tag=_TAG)]
+            works = [
+                dist.isend(out, ahead, group=self.links.groups[ahead_link], tag=_TAG),
+                dist.irecv(into, behind, group=self.links.groups[behind_link], tag=_TAG),
+            ]
             for work in works:
                 work.wait()
             if self.device.type == "cuda":
@@ -362,8 +375,9 @@ class StageComm:
             work.wait()
         self._sends.clear()
         if self._pending or self._local or self._lazy:
-            raise RuntimeError("pipeline step ended with unreceived messages: "
-                               f"{sorted(self._pending or self._local or self._lazy)}")
+            raise RuntimeError(
+                f"pipeline step ended with unreceived messages: {sorted(self._pending or self._local or self._lazy)}"
+            )
         missed = {name: lane.next() for name, lane in self._lanes.items() if lane.next() is not None}
         if missed:
             raise RuntimeError(f"pipeline step ended with messages never received, per link: {missed}")

@@ -64,6 +64,7 @@ The parts of a Pipeline: its argument checks in oases.pipeline._config (dp_hiera
 the segments / dp_overlap_ratio "auto" choice in _autotune, one step's actions in _execute, the
 per-segment optimizers, syncs and updates in _updates, the model's build in _build, storage in _storage.
 """
+
 from __future__ import annotations
 
 import os
@@ -123,14 +124,26 @@ class Pipeline:
     (docs/guides/pipeline.md, section "The Pipeline class: arguments and contracts").
     """
 
-    def __init__(self, config: GPTConfig | Callable[[], nn.Module], mesh, *, schedule: str = "1f1b",
-                 segments: int | str = 1, micro_batches: int = 4,
-                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
-                 seed: int = 0, dp_overlap_ratio: float | str = 1.0, preemption: bool = True,
-                 dp_bucket_numel: int = _BUCKET_NUMEL, dp_chunk_bytes: int = CHUNK_BYTES,
-                 offload: bool | Offloader = False, dp_hierarchy: bool | str = False,
-                 init_weights: bool = True, zero: bool = False,
-                 loss_scaler: Optional[GradScaler] = None) -> None:
+    def __init__(
+        self,
+        config: GPTConfig | Callable[[], nn.Module],
+        mesh,
+        *,
+        schedule: str = "1f1b",
+        segments: int | str = 1,
+        micro_batches: int = 4,
+        optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = _sgd,
+        seed: int = 0,
+        dp_overlap_ratio: float | str = 1.0,
+        preemption: bool = True,
+        dp_bucket_numel: int = _BUCKET_NUMEL,
+        dp_chunk_bytes: int = CHUNK_BYTES,
+        offload: bool | Offloader = False,
+        dp_hierarchy: bool | str = False,
+        init_weights: bool = True,
+        zero: bool = False,
+        loss_scaler: Optional[GradScaler] = None,
+    ) -> None:
         """Build this rank's part of the pipeline (each argument's contract: the pipeline guide).
 
         Args:
@@ -159,10 +172,21 @@ class Pipeline:
             TypeError: init_weights or zero not a bool, offload neither a bool nor an Offloader, or
                 loss_scaler not a GradScaler.
         """
-        checked = check_arguments(config, mesh, schedule=schedule, segments=segments, micro_batches=micro_batches,
-                                  dp_overlap_ratio=dp_overlap_ratio, dp_bucket_numel=dp_bucket_numel,
-                                  dp_chunk_bytes=dp_chunk_bytes, init_weights=init_weights, zero=zero,
-                                  loss_scaler=loss_scaler, dp_hierarchy=dp_hierarchy, offload=offload)
+        checked = check_arguments(
+            config,
+            mesh,
+            schedule=schedule,
+            segments=segments,
+            micro_batches=micro_batches,
+            dp_overlap_ratio=dp_overlap_ratio,
+            dp_bucket_numel=dp_bucket_numel,
+            dp_chunk_bytes=dp_chunk_bytes,
+            init_weights=init_weights,
+            zero=zero,
+            loss_scaler=loss_scaler,
+            dp_hierarchy=dp_hierarchy,
+            offload=offload,
+        )
         self.loss_scaler = loss_scaler
         self._unscaled = False  # this step's pending gradients unscaled (and the verdict taken)
         self.zero = zero
@@ -173,16 +197,26 @@ class Pipeline:
         self.dp_rank = dist.get_rank(self.dp_group)
         self.mesh = mesh
         self.model, self._stack, self._roles = build(
-            config, self.tp_group, checked.sizes["tp"], seed, device=mesh_device(mesh), init_weights=init_weights,
-            pp=self.pp, segments=segments, stage=dist.get_rank(self.pp_group))
+            config,
+            self.tp_group,
+            checked.sizes["tp"],
+            seed,
+            device=mesh_device(mesh),
+            init_weights=init_weights,
+            pp=self.pp,
+            segments=segments,
+            stage=dist.get_rank(self.pp_group),
+        )
         device = model_device(self.model)
         _check_backend(self.pp_group, device)
         if loss_scaler is not None:  # its scale lives on this device on every stage, not only where the loss is
             loss_scaler.scale(torch.zeros((), device=device))
         self._layers = len(self._stack.layers())
         self._make_optimizer, self._bucket_numel, self._chunk_bytes = optimizer, dp_bucket_numel, dp_chunk_bytes
-        self._auto = {"segments": segments == "auto" and schedule == "aiao",  # the rule models aiao's overlap
-                      "dp_overlap_ratio": dp_overlap_ratio == "auto"}
+        self._auto = {
+            "segments": segments == "auto" and schedule == "aiao",  # the rule models aiao's overlap
+            "dp_overlap_ratio": dp_overlap_ratio == "auto",
+        }
         self.measured: Optional[dict[str, float]] = None  # the times "auto" was chosen from
         self.offloader: Optional[Offloader] = Offloader() if offload is True else (offload or None)
         self.offload_stats: Optional[OffloadStats] = None  # the last train_step's (with offload)
@@ -192,8 +226,7 @@ class Pipeline:
         self.comm = StageComm(make_links(mesh, device), dist.get_rank(self.pp_group), self.pp, self.scheduler, device)
         self.dp_hierarchy = dp_hierarchy
         self._dp_hosts = None if checked.dp_packing is None else dp_host_groups(mesh, checked.dp_packing)  # collective
-        self._configure(1 if segments == "auto" else segments,
-                        1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
+        self._configure(1 if segments == "auto" else segments, 1.0 if dp_overlap_ratio == "auto" else dp_overlap_ratio)
         # Tied embedding / head over pp > 1: this rank's group with the other copy (None on middle
         # stages); collective over the world, once (stage.tied is the same on every rank).
         self._tied_group = pair_group(mesh) if self.pp > 1 and self.stage.tied else None
@@ -215,18 +248,28 @@ class Pipeline:
         self._tied_home = self.stage.tied_segment() if self.pp > 1 else None
         self._tied = self.stage.tied if self._tied_home is not None else []
         sync_params = sync_parameters(segment_params, self._tied)
-        self.actions: list[Action] = actions(self.schedule, stage=stage, stages=self.pp, segments=segments,
-                                             micro_batches=self.micro_batches)
+        self.actions: list[Action] = actions(
+            self.schedule, stage=stage, stages=self.pp, segments=segments, micro_batches=self.micro_batches
+        )
         self.comm.expect(self.schedule, segments, self.micro_batches)  # each link's arrivals, in send order
         # Offload: what to prefetch during B(k, i); where each segment's first forward and last backward sit.
         self._next_backward, self._first_forward, self._last_backward = action_marks(self.actions, segments)
         # Two-level DP rings: always with dp_hierarchy=True; with "auto" where the planner says so.
         self.dp_hierarchical = self._dp_hosts is not None and (
-            self._dp_links is None or hierarchy_is_faster(sync_params, self._bucket_numel, self._dp_hosts,
-                                                         self._dp_links))
-        self.sync = make_sync(sync_params, self.dp_group, self.scheduler, self.optimizers, zero=self.zero,
-                              overlap_ratio=dp_overlap_ratio, bucket_numel=self._bucket_numel,
-                              chunk_bytes=self._chunk_bytes, hosts=self._dp_hosts if self.dp_hierarchical else None)
+            self._dp_links is None
+            or hierarchy_is_faster(sync_params, self._bucket_numel, self._dp_hosts, self._dp_links)
+        )
+        self.sync = make_sync(
+            sync_params,
+            self.dp_group,
+            self.scheduler,
+            self.optimizers,
+            zero=self.zero,
+            overlap_ratio=dp_overlap_ratio,
+            bucket_numel=self._bucket_numel,
+            chunk_bytes=self._chunk_bytes,
+            hosts=self._dp_hosts if self.dp_hierarchical else None,
+        )
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
 
     # --- one step -------------------------------------------------------------------------------
@@ -237,8 +280,9 @@ class Pipeline:
         warnings.warn("Pipeline.plan is deprecated: use Pipeline.actions", DeprecationWarning, stacklevel=2)
         return self.actions
 
-    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, *,
-                   check_inputs: CheckMode = True) -> torch.Tensor:
+    def train_step(
+        self, tokens: torch.Tensor, targets: torch.Tensor, *, check_inputs: CheckMode = True
+    ) -> torch.Tensor:
         """One optimizer step on the global batch (tokens, targets [B, t], the same on every rank);
         returns the mean token loss of the whole batch, the same on every rank (see the module doc).
         `check_inputs` (oases.inputs): True checks first that every rank of the mesh got the same
@@ -259,11 +303,19 @@ class Pipeline:
             RuntimeError: an earlier step failed mid-way (build a new Pipeline).
         """
         if self._failed is not None:
-            raise RuntimeError("train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
-                               "on the pipeline's links, which match in order; build a new Pipeline") from self._failed
+            raise RuntimeError(
+                "train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
+                "on the pipeline's links, which match in order; build a new Pipeline"
+            ) from self._failed
         tokens, targets = agree_mesh_inputs(check_inputs, self.comm.device, tokens=tokens, targets=targets)
-        check_batch(tokens, targets, seq_len=self.config.seq_len if isinstance(self.config, GPTConfig) else None,
-                    vocab=self.stage.vocab_size, dp=self.dp, micro_batches=self.micro_batches)
+        check_batch(
+            tokens,
+            targets,
+            seq_len=self.config.seq_len if isinstance(self.config, GPTConfig) else None,
+            vocab=self.stage.vocab_size,
+            dp=self.dp,
+            micro_batches=self.micro_batches,
+        )
         step = self._split(tokens, targets)
         if any(self._auto.values()):
             self._choose(step)
@@ -297,11 +349,19 @@ class Pipeline:
         """segments / dp_overlap_ratio "auto": measure (see the class doc), choose, reconfigure
         (oases.pipeline._autotune)."""
         # the largest micro-batch (split_rows puts the larger ones last), as before the split was shared
-        self.measured = measure(self.stage, self.sync, self.comm, step.micro[-1][0], step.shapes[-1], step.dtype,
-                                self._layers // self.pp)
-        segments, ratio = choose(self.measured, layers=self._layers, pp=self.pp, micro_batches=self.micro_batches,
-                                 segments=self.segments, ratio=self.dp_overlap_ratio, auto=self._auto,
-                                 shared_at=self.stage.shared_at)
+        self.measured = measure(
+            self.stage, self.sync, self.comm, step.micro[-1][0], step.shapes[-1], step.dtype, self._layers // self.pp
+        )
+        segments, ratio = choose(
+            self.measured,
+            layers=self._layers,
+            pp=self.pp,
+            micro_batches=self.micro_batches,
+            segments=self.segments,
+            ratio=self.dp_overlap_ratio,
+            auto=self._auto,
+            shared_at=self.stage.shared_at,
+        )
         self._auto = {key: False for key in self._auto}
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)
@@ -337,11 +397,15 @@ class Pipeline:
         After a train_step, its own sync of the segment is pending: RuntimeError. With zero=True
         the gradients are reduce-scattered into the optimizers' rows, not summed in place: RuntimeError."""
         if self.zero:
-            raise RuntimeError("sync_segment: with zero=True gradients are reduce-scattered into each dp rank's "
-                               "optimizer rows (train_step does it); there is no in-place sum")
+            raise RuntimeError(
+                "sync_segment: with zero=True gradients are reduce-scattered into each dp rank's "
+                "optimizer rows (train_step does it); there is no in-place sum"
+            )
         if segment in self._update_pending:
-            raise RuntimeError(f"sync_segment({segment}): the last train_step already syncs this segment's "
-                               "gradients; call state_dict() or close() to finish it first")
+            raise RuntimeError(
+                f"sync_segment({segment}): the last train_step already syncs this segment's "
+                "gradients; call state_dict() or close() to finish it first"
+            )
         self.sync.launch(segment)
         self.sync.wait(segment)
         if segment == self._tied_home:
@@ -396,8 +460,9 @@ class Pipeline:
         tensors to it one at a time. A collective over the mesh; applies pending updates first."""
         _storage.save_pretrained(self, path, max_shard_size=max_shard_size)
 
-    def save_checkpoint(self, path: str | os.PathLike, *, step: Optional[int] = None, extra: object = None,
-                        keep: Optional[int] = None) -> str:
+    def save_checkpoint(
+        self, path: str | os.PathLike, *, step: Optional[int] = None, extra: object = None, keep: Optional[int] = None
+    ) -> str:
         """oases.save_checkpoint of the whole pipeline (every segment's optimizer too), each rank
         writing only what it holds, into path (path/step-{step:09d} with step; keep=N: the N newest
         stay); extra: anything picklable. Returns the directory published. A collective over the mesh."""

@@ -30,6 +30,7 @@ from the last segment down, every micro-batch's backward), segments as superscri
 A segment's backward of all micro-batches ends before the next (lower) segment's begins, so its
 gradients are final there: the per-segment data-parallel sync starts (oases.pipeline.dp_sync).
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -70,16 +71,18 @@ def _aiao(stage: int, stages: int, segments: int, m: int) -> list[Action]:
 
 
 SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
-    "gpipe": _gpipe, "1f1b": _one_f_one_b, "aiao": _aiao,
+    "gpipe": _gpipe,
+    "1f1b": _one_f_one_b,
+    "aiao": _aiao,
 }
 
 
 def actions(schedule: str, *, stage: int, stages: int, segments: int, micro_batches: int) -> list[Action]:
     """The actions stage `stage` runs in one step, in order; each F(k, i) and B(k, i) exactly once.
 
-        gpipe: [F(k, i) for i, k] + [B(k, i) for i, k reversed]
-        1f1b:  F(0, 0..w-1), (F(0, w+j), B(0, j)) for j < m-w, B(0, m-w..m-1)   (w = min(p-s-1, m))
-        aiao:  [F(k, i) for k, i] + [B(k, i) for k descending, i]
+    gpipe: [F(k, i) for i, k] + [B(k, i) for i, k reversed]
+    1f1b:  F(0, 0..w-1), (F(0, w+j), B(0, j)) for j < m-w, B(0, m-w..m-1)   (w = min(p-s-1, m))
+    aiao:  [F(k, i) for k, i] + [B(k, i) for k descending, i]
     """
     _checks.one_of("schedule", schedule, SCHEDULES)
     if schedule == "1f1b" and segments != 1:

@@ -19,6 +19,7 @@ Its parts: the folding (StageLayout) in oases.pipeline._layout, which parameters
 and the head's (Roles) in _roles, the module subtrees a stage owns or stands in for in _subtrees,
 the autograd functions of offload in _offloaded.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,8 +81,14 @@ class Stage:
     between a layer and the embedding or head) is refused (ValueError).
     """
 
-    def __init__(self, model: nn.Module, stack: Stack, layout: StageLayout,
-                 tp_group: Optional[dist.ProcessGroup], roles: Optional[Roles] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        stack: Stack,
+        layout: StageLayout,
+        tp_group: Optional[dist.ProcessGroup],
+        roles: Optional[Roles] = None,
+    ) -> None:
         self.model, self.stack, self.layout = model, stack, layout
         self._anchor = torch.empty(0, requires_grad=True)  # see OffloadedLayer
         distributed = dist.is_available() and dist.is_initialized()
@@ -91,8 +98,9 @@ class Stage:
         self._layers = list(stack.layers())
         if len(self._layers) != layout.layers:
             raise ValueError(f"model: {len(self._layers)} layers, but the layout was made for {layout.layers}")
-        layer_params = [_unique(p for sub in layer for p in _parameters_of(sub, i))
-                        for i, layer in enumerate(self._layers)]
+        layer_params = [
+            _unique(p for sub in layer for p in _parameters_of(sub, i)) for i, layer in enumerate(self._layers)
+        ]
         in_layers = {id(p) for params in layer_params for p in params}
         rest = _unique(p for p in model.parameters() if id(p) not in in_layers)
         if roles is None:  # one token through embed and head: activation size and dtype, vocabulary, who uses what
@@ -108,24 +116,30 @@ class Stage:
         self._layer_params = layer_params
         shared = self.shared_at(layout.segments)
         if shared:
-            raise ValueError(f"model: parameter {shared} is used in more than one place of the pipeline (a "
-                             f"(segment, stage) pair: pp = {layout.stages}, segments = {layout.segments}) other "
-                             "than by the embedding and the head (tied input/output embeddings, supported); "
-                             "its gradient would need a sum across them. Untie it, or use pp = segments = 1")
+            raise ValueError(
+                f"model: parameter {shared} is used in more than one place of the pipeline (a "
+                f"(segment, stage) pair: pp = {layout.stages}, segments = {layout.segments}) other "
+                "than by the embedding and the head (tied input/output embeddings, supported); "
+                "its gradient would need a sum across them. Untie it, or use pp = segments = 1"
+            )
         owned = {id(p) for k in range(layout.segments) for p in self._placed(k)}
         self._owned_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
         self.key_order = list(model.state_dict())  # the model's state-dict order, for Pipeline.state_dict()
         self.shapes = _layout(model)[2]  # {key: unsharded shape} of the whole model (before release_unowned)
         # Modules outside the layers whose parameters this rank does not hold (a meta build's other stages'):
         # stood in for while embed computes the ctx.
-        self._absent = outermost(name for name, m in model.named_modules() if any(
-            p.is_meta and id(p) not in in_layers for p in m.parameters(recurse=False)))
+        self._absent = outermost(
+            name
+            for name, m in model.named_modules()
+            if any(p.is_meta and id(p) not in in_layers for p in m.parameters(recurse=False))
+        )
 
     def shared_at(self, segments: int) -> Optional[str]:
         """A parameter that `segments` segments would place at two (segment, stage) pairs, or None
         (a tied embedding and head excepted: see the class doc)."""
-        return shared_across_placements(self.model, self._layer_params, self._embed_uses, self._head_params,
-                                        self.layout.stages, segments)
+        return shared_across_placements(
+            self.model, self._layer_params, self._embed_uses, self._head_params, self.layout.stages, segments
+        )
 
     @property
     def tied(self) -> list[nn.Parameter]:
@@ -143,8 +157,9 @@ class Stage:
         """The segment of this stage that trains `tied` (None: this stage does not place it, or
         there is none): 0 on the first stage, ns - 1 on the last (pp > 1), 0 with pp = 1."""
         ids = {id(p) for p in self.tied}
-        return next((k for k in range(self.layout.segments)
-                     if any(id(p) in ids for p in self.segment_parameters(k))), None)
+        return next(
+            (k for k in range(self.layout.segments) if any(id(p) in ids for p in self.segment_parameters(k))), None
+        )
 
     @property
     def owned_keys(self) -> frozenset[str]:
@@ -210,8 +225,9 @@ class Stage:
                 x = x + s.finish(s.core(h, ctx), ctx)
         return x
 
-    def time_layer(self, shape: torch.Size, dtype: torch.dtype, ctx: object, *,
-                   repeats: int = 2) -> tuple[float, float]:
+    def time_layer(
+        self, shape: torch.Size, dtype: torch.dtype, ctx: object, *, repeats: int = 2
+    ) -> tuple[float, float]:
         """Seconds of one layer's forward and backward (with its recomputation) on x [shape], as
         forward_segment runs it (the last of `repeats` runs; gradients returned, not accumulated).
         A collective over the TP group when tp > 1."""
@@ -232,8 +248,9 @@ class Stage:
             end = time.perf_counter()
         return middle - start, end - middle
 
-    def forward_segment(self, segment: int, x: torch.Tensor, ctx: object, *,
-                        offload: Optional[tuple[Offloader, Hashable, list]] = None) -> torch.Tensor:
+    def forward_segment(
+        self, segment: int, x: torch.Tensor, ctx: object, *, offload: Optional[tuple[Offloader, Hashable, list]] = None
+    ) -> torch.Tensor:
         """Segment `segment`'s layers of this stage on x [b, t, h] (the embedding's output on virtual stage 0).
 
         offload = (offloader, group, handles): each layer's input is saved in the offloader under
@@ -252,8 +269,9 @@ class Stage:
         from the vocabulary slices when the head is vocab-parallel (logits never gathered)."""
         logits = self.stack.head(x, ctx)  # [b, t, vocab] or [b, t, vocab/p]
         if self.logits_group is not None:
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.logits_group,
-                                                reduction="sum")
+            return vocab_parallel_cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), self.logits_group, reduction="sum"
+            )
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -300,5 +318,7 @@ def _unique(params) -> list[nn.Parameter]:
 def _parameters_of(sublayer: object, index: int) -> list[nn.Parameter]:
     if isinstance(sublayer, nn.Module) or callable(getattr(sublayer, "parameters", None)):
         return list(sublayer.parameters())
-    raise ValueError(f"model: a sublayer of layer {index} ({type(sublayer).__name__}) is not an nn.Module and has "
-                     "no parameters() method; the pipeline needs each sublayer's parameters to place them")
+    raise ValueError(
+        f"model: a sublayer of layer {index} ({type(sublayer).__name__}) is not an nn.Module and has "
+        "no parameters() method; the pipeline needs each sublayer's parameters to place them"
+    )

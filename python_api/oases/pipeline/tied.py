@@ -17,6 +17,7 @@ As Megatron's embedding group, but the pair sum comes before the DP sync (the DP
 full gradient of each copy, whatever it then does with it) and W has a DP bucket of its own (both
 copies are summed over dp in the same order). With pp = 1 there is one copy: nothing to do here.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -53,17 +54,19 @@ def sum_copies(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     keeps grad None, as the DP sync does). Both copies get the same bits (a + b == b + a)."""
     if not params:
         return
-    parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-             for p in params]
+    parts = [
+        p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+        for p in params
+    ]
     flags = torch.tensor([float(p.grad is not None) for p in params], dtype=parts[0].dtype, device=parts[0].device)
     flat = torch.cat([*parts, flags])  # [numel + len(params)]
     dist.all_reduce(flat, group=group)
     offset = 0
-    for p, has in zip(params, flat[-len(params):].tolist()):
+    for p, has in zip(params, flat[-len(params) :].tolist()):
         if has == 0:
             p.grad = None
         elif p.grad is None:
-            p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
         else:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
         offset += p.numel()

@@ -30,6 +30,7 @@ With dp = 1 nothing moves: the masters' gradients are the parameters' (16-bit ma
 after the step). The main thread never touches a bucket's parameters or masters between a launch or
 gather and its wait (the segment's backward is over; its forward comes after wait_gather).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import Future
@@ -50,16 +51,35 @@ class ZeroSegmentSync(SegmentSync):
     all-gather after each segment's step (see the module doc). `segment_params` may list a
     parameter of segment k's optimizer under another sync index (oases.pipeline.tied's copies)."""
 
-    def __init__(self, segment_params: list[list[nn.Parameter]], group: dist.ProcessGroup,
-                 scheduler: CommScheduler, rows: list[ShardedOptimizer], *, overlap_ratio: float,
-                 bucket_numel: int, chunk_bytes: int) -> None:
-        super().__init__(segment_params, group, scheduler, overlap_ratio=overlap_ratio, bucket_numel=bucket_numel,
-                         chunk_bytes=chunk_bytes)
+    def __init__(
+        self,
+        segment_params: list[list[nn.Parameter]],
+        group: dist.ProcessGroup,
+        scheduler: CommScheduler,
+        rows: list[ShardedOptimizer],
+        *,
+        overlap_ratio: float,
+        bucket_numel: int,
+        chunk_bytes: int,
+    ) -> None:
+        super().__init__(
+            segment_params,
+            group,
+            scheduler,
+            overlap_ratio=overlap_ratio,
+            bucket_numel=bucket_numel,
+            chunk_bytes=chunk_bytes,
+        )
         self.rows = rows
         self._owner = {id(p): r for r in rows for p in r.params}
         self.gather_buckets = [  # per segment: its parameters in buckets of one dtype
-            [b for dtype in dict.fromkeys(p.dtype for p in r.params)
-             for b in buckets_of([p for p in r.params if p.dtype == dtype], bucket_numel)] for r in rows]
+            [
+                b
+                for dtype in dict.fromkeys(p.dtype for p in r.params)
+                for b in buckets_of([p for p in r.params if p.dtype == dtype], bucket_numel)
+            ]
+            for r in rows
+        ]
         self._gathers: dict[int, list[Future]] = {}  # segment -> its all-gathers in flight
 
     def launch(self, segment: int) -> None:
@@ -83,10 +103,14 @@ class ZeroSegmentSync(SegmentSync):
             chunks = chunks_for(self.dp * used, torch.empty((), dtype=dtype).element_size(), self.dp, self.chunk_bytes)
             blocks = rows.pack_grads(params, grads, extra=len(params), align=chunks, dtype=dtype)  # [dp, S]
             flags = used - len(params)
-            blocks[:, flags:used] = torch.tensor([float(p.grad is not None) for p in params], dtype=dtype,
-                                                device=blocks.device)
-            own = (blocks[0] if self.dp == 1
-                   else self.scheduler.reduce_scatter(blocks.reshape(-1), self.group, chunks=chunks))  # [S]
+            blocks[:, flags:used] = torch.tensor(
+                [float(p.grad is not None) for p in params], dtype=dtype, device=blocks.device
+            )
+            own = (
+                blocks[0]
+                if self.dp == 1
+                else self.scheduler.reduce_scatter(blocks.reshape(-1), self.group, chunks=chunks)
+            )  # [S]
             rows.unpack_grads(params, own, present=(own[flags:used] > 0).tolist())
             made += [rows.master_of(p)[0].grad for p in params if rows.master_of(p)[0].grad is not None]
         return made
@@ -97,8 +121,10 @@ class ZeroSegmentSync(SegmentSync):
             for bucket in self.gather_buckets[segment]:
                 self._gather_bucket(self.rows[segment], bucket)
             return
-        self._gathers[segment] = [self._submit(b, lambda b=b: self._gather_bucket(self.rows[segment], b))
-                                  for b in self.gather_buckets[segment]]
+        self._gathers[segment] = [
+            self._submit(b, lambda b=b: self._gather_bucket(self.rows[segment], b))
+            for b in self.gather_buckets[segment]
+        ]
 
     def wait_gather(self, segment: int) -> None:
         """Block until segment `segment`'s parameters hold every rank's stepped rows."""

@@ -16,6 +16,7 @@ runtime reads too; they are re-exported here.
 
 Pure functions of costs: nothing here talks to a process group.
 """
+
 from oases.costs.chunks import backward_priority, chunk_count, overlapped_time
 from oases.costs.collectives import CollectiveChoice, all_reduce_form, flat_time, hierarchical_time, partition
 from oases.planner.cost import LayerCost, StepCost, Workload, edge_cost, fixed_memory, layer_cost, step_cost, tp_degrees
@@ -26,9 +27,44 @@ from oases.planner.model import PRESETS, ModelShape, load_model, shape_from_conf
 from oases.planner.profile import Profile, analytical_profile, load_profile, parse_bytes, parse_link
 from oases.planner.search import DegreePlan, Plan, plan, plan_degrees
 
-__all__ = ["ModelShape", "PRESETS", "load_model", "shape_from_config", "PHASES", "MemoryJob", "PhaseMemory",
-           "RankMemory", "phase_memory", "rank_memory", "Profile", "analytical_profile", "load_profile", "parse_bytes",
-           "parse_link", "Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory",
-           "step_cost", "tp_degrees", "Solution", "solve_chain", "DegreePlan", "Plan", "plan", "plan_degrees",
-           "chunk_count", "overlapped_time", "backward_priority", "choose_segments", "dp_overlap_ratio",
-           "CollectiveChoice", "partition", "all_reduce_form", "flat_time", "hierarchical_time"]
+__all__ = [
+    "ModelShape",
+    "PRESETS",
+    "load_model",
+    "shape_from_config",
+    "PHASES",
+    "MemoryJob",
+    "PhaseMemory",
+    "RankMemory",
+    "phase_memory",
+    "rank_memory",
+    "Profile",
+    "analytical_profile",
+    "load_profile",
+    "parse_bytes",
+    "parse_link",
+    "Workload",
+    "LayerCost",
+    "StepCost",
+    "layer_cost",
+    "edge_cost",
+    "fixed_memory",
+    "step_cost",
+    "tp_degrees",
+    "Solution",
+    "solve_chain",
+    "DegreePlan",
+    "Plan",
+    "plan",
+    "plan_degrees",
+    "chunk_count",
+    "overlapped_time",
+    "backward_priority",
+    "choose_segments",
+    "dp_overlap_ratio",
+    "CollectiveChoice",
+    "partition",
+    "all_reduce_form",
+    "flat_time",
+    "hierarchical_time",
+]

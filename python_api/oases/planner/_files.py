@@ -1,4 +1,5 @@
 """Reading the planner's JSON inputs with errors that name the argument they came from."""
+
 from __future__ import annotations
 
 import json

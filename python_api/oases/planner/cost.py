@@ -61,6 +61,7 @@ weighted by the (replicated) router, before the MLP's row-parallel reduction. He
                     before the combine, whole on every rank; the router's probabilities); the MLP's
                     2 f / d becomes 2 (k f + f_shared) / d
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -73,9 +74,21 @@ from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
 from oases.schedule import SCHEDULES  # the runtime's own table: one source of truth
 
-__all__ = ["Workload", "LayerCost", "StepCost", "layer_cost", "edge_cost", "fixed_memory", "step_cost",
-           "tp_degrees", "sequence_parallel_ok", "sequence_parallel_form", "kept_input_bytes", "buffer_bytes",
-           "logits_bytes"]
+__all__ = [
+    "Workload",
+    "LayerCost",
+    "StepCost",
+    "layer_cost",
+    "edge_cost",
+    "fixed_memory",
+    "step_cost",
+    "tp_degrees",
+    "sequence_parallel_ok",
+    "sequence_parallel_form",
+    "kept_input_bytes",
+    "buffer_bytes",
+    "logits_bytes",
+]
 
 DEFAULT_STATE_BYTES = 16.0  # per parameter: weights + gradients + Adam's two moments (fp32, or bf16 + fp32 master)
 
@@ -92,8 +105,13 @@ def tp_degrees(shape: ModelShape, tp: int) -> tuple[int, ...]:
     heads (and KV heads) and the MLP widths (an MoE: each expert's and the shared MLP's)."""
     out, d = [], 1
     while d <= tp:
-        if (tp % d == 0 and shape.heads % d == 0 and shape.kv_heads % d == 0 and shape.ffn_hidden % d == 0
-                and shape.shared_ffn_hidden % d == 0):
+        if (
+            tp % d == 0
+            and shape.heads % d == 0
+            and shape.kv_heads % d == 0
+            and shape.ffn_hidden % d == 0
+            and shape.shared_ffn_hidden % d == 0
+        ):
             out.append(d)
         d *= 2
     return tuple(out)
@@ -144,8 +162,8 @@ class LayerCost:
     compute_s: float
     comm_s: float
     states_bytes: float  # the layer's shard of weights, gradients and optimizer states
-    saved_bytes: float   # inputs kept for recomputation, per step (micro-batch)
-    chunks: int = 1      # pieces per fused GEMM + collective (Centauri's Algorithm 1; 1 at degree 1)
+    saved_bytes: float  # inputs kept for recomputation, per step (micro-batch)
+    chunks: int = 1  # pieces per fused GEMM + collective (Centauri's Algorithm 1; 1 at degree 1)
 
     @property
     def memory_bytes(self) -> float:
@@ -159,7 +177,7 @@ class LayerCost:
 
     @property
     def dominated_by(self) -> str:
-        """"comm" when communication takes longer than compute, else "compute"."""
+        """ "comm" when communication takes longer than compute, else "compute"."""
         return "comm" if self.comm_s > self.compute_s else "compute"
 
 
@@ -177,8 +195,10 @@ def _unit(work: Workload, profile: Profile, sublayer: str, degree: int) -> tuple
 def _sp_collectives(work: Workload, profile: Profile, degree: int) -> tuple[float, float]:
     """(reduce-scatter, all-gather) seconds of one sub-batch's activation [r, s, h] at `degree`."""
     nbytes = work.rows_at(degree) / work.n * work.shape.seq_len * work.shape.hidden * profile.element_bytes
-    return (profile.collective_time("reduce_scatter", degree, nbytes),
-            profile.collective_time("all_gather", degree, nbytes))
+    return (
+        profile.collective_time("reduce_scatter", degree, nbytes),
+        profile.collective_time("all_gather", degree, nbytes),
+    )
 
 
 def sequence_parallel_ok(work: Workload, degree: int) -> bool:
@@ -187,13 +207,14 @@ def sequence_parallel_ok(work: Workload, degree: int) -> bool:
     return degree == work.tp > 1 and work.shape.seq_len % degree == 0
 
 
-def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = False,
-               last: bool = False) -> LayerCost:
+def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = False, last: bool = False) -> LayerCost:
     """Node cost (eq. 3) and memory (eq. 6) of one layer at TP degree `degree`; the LM head's
     forward + backward is counted in the `last` layer (it runs on that layer's rows)."""
     if degree not in tp_degrees(work.shape, work.tp):
-        raise ValueError(f"degree: {degree} is not one of {tp_degrees(work.shape, work.tp)} (powers of two "
-                         f"dividing the TP group {work.tp}, the heads and the MLP widths)")
+        raise ValueError(
+            f"degree: {degree} is not one of {tp_degrees(work.shape, work.tp)} (powers of two "
+            f"dividing the TP group {work.tp}, the heads and the MLP widths)"
+        )
     _, fine, barriers = _traits(work.schedule)
     n, shape, e = work.n, work.shape, profile.element_bytes
     time = compute = comm = 0.0
@@ -206,8 +227,10 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
 
     sp = work.sequence_parallel
     if sp and not sequence_parallel_ok(work, degree):
-        raise ValueError(f"sequence_parallel: needs every layer at the TP group's degree {work.tp} > 1 and seq_len "
-                         f"{shape.seq_len} divisible by it; got degree {degree}")
+        raise ValueError(
+            f"sequence_parallel: needs every layer at the TP group's degree {work.tp} > 1 and seq_len "
+            f"{shape.seq_len} divisible by it; got degree {degree}"
+        )
     rs, ag = _sp_collectives(work, profile, degree) if sp else (0.0, 0.0)
     stall = 0.0  # what a pass boundary leaves exposed: min(one unit's compute, its all-reduce)
     widest = (0.0, 0.0)  # (compute, collective) of the forward unit with the longest collective
@@ -217,10 +240,10 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         a_fwd, a_bwd = (rs + ag, rs + (2 if fine else 1) * ag) if sp else (a, a)
         stall = max(stall, min(c_f, a_fwd))
         widest = max(widest, (c_f, a_fwd), key=lambda pair: pair[1])
-        passes(c_f, a_fwd)                               # forward
-        passes(c_b + (c_r if fine else 0.0), a_bwd)      # backward (fine-grained: recompute inside)
+        passes(c_f, a_fwd)  # forward
+        passes(c_b + (c_r if fine else 0.0), a_bwd)  # backward (fine-grained: recompute inside)
         if not fine:
-            passes(c_r, a_fwd)                           # recomputation of the layer, with its all-reduces
+            passes(c_r, a_fwd)  # recomputation of the layer, with its all-reduces
     if barriers and n >= 2:
         time += 2 * stall
     if n >= 2:
@@ -247,8 +270,18 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
     # (counts the ops accept: at most OP_MAX_CHUNKS, dividing a sub-batch's rows on this rank)
     tokens = round(work.rows_at(degree) / n * shape.seq_len / (degree if sp else 1))
     allowed = [c for c in range(1, OP_MAX_CHUNKS + 1) if tokens % c == 0]
-    chunks = 1 if degree == 1 else chunk_count(widest[0], widest[1], profile.latency_s, max_chunks=OP_MAX_CHUNKS,
-                                                allowed=allowed, efficiency=profile.chunk_efficiency)
+    chunks = (
+        1
+        if degree == 1
+        else chunk_count(
+            widest[0],
+            widest[1],
+            profile.latency_s,
+            max_chunks=OP_MAX_CHUNKS,
+            allowed=allowed,
+            efficiency=profile.chunk_efficiency,
+        )
+    )
     return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e), chunks)
 
 
@@ -260,8 +293,9 @@ def kept_input_bytes(work: Workload, degree: int, element_bytes: float) -> float
     _, fine, _ = _traits(work.schedule)
     keep = 2 if fine else 1
     s = work.shape
-    return keep * work.rows_at(degree) * s.seq_len * s.hidden * element_bytes / (
-        degree if work.sequence_parallel else 1)
+    return (
+        keep * work.rows_at(degree) * s.seq_len * s.hidden * element_bytes / (degree if work.sequence_parallel else 1)
+    )
 
 
 def edge_cost(work: Workload, profile: Profile, a: int, b: int) -> float:
@@ -276,9 +310,9 @@ def edge_cost(work: Workload, profile: Profile, a: int, b: int) -> float:
 def buffer_bytes(work: Workload, degree: int, element_bytes: float) -> float:
     """Activations of one layer of one sub-batch while autograd holds them (recomputation):
 
-        rows_at(degree) / n * s * per_token * element_bytes
-        per_token = 2 h + (4 h + 2 f + 2 heads s) / degree                             dense
-                  = 2 h + 2 k h + E + (4 h + 2 (k f + f_shared) + 2 heads s) / degree   MoE (module docstring)"""
+    rows_at(degree) / n * s * per_token * element_bytes
+    per_token = 2 h + (4 h + 2 f + 2 heads s) / degree                             dense
+              = 2 h + 2 k h + E + (4 h + 2 (k f + f_shared) + 2 heads s) / degree   MoE (module docstring)"""
     s = work.shape
     mlp, routed = 2 * s.ffn_hidden, 0
     if s.experts:
@@ -339,8 +373,9 @@ def step_cost(work: Workload, profile: Profile, degrees: Sequence[int]) -> StepC
     degrees = tuple(degrees)
     if len(degrees) != work.shape.layers:
         raise ValueError(f"degrees: expected {work.shape.layers} (one per layer), got {len(degrees)}")
-    layers = tuple(layer_cost(work, profile, d, first=i == 0, last=i == len(degrees) - 1)
-                   for i, d in enumerate(degrees))
+    layers = tuple(
+        layer_cost(work, profile, d, first=i == 0, last=i == len(degrees) - 1) for i, d in enumerate(degrees)
+    )
     edges = tuple(edge_cost(work, profile, a, b) for a, b in zip(degrees, degrees[1:]))
     time = sum(c.time_s for c in layers) + sum(edges)
     memory = sum(c.memory_bytes for c in layers) + fixed_memory(work, profile)

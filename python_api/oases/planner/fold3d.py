@@ -17,6 +17,7 @@ longer fit under the computation (eq. 4). dp_overlap_ratio (eq. 5) launches the 
 sync at once when it fits under the next segment's backward (m B / ns), else splits it between
 that backward and the next iteration's forward in proportion to the two windows.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,15 +39,25 @@ def _count(name: str, value: int) -> int:
     return value
 
 
-def exposed_comm(segments: int, forward_s: float, backward_s: float, pp_comm_s: float, dp_comm_s: float, *,
-                 micro_batches: int) -> float:
+def exposed_comm(
+    segments: int, forward_s: float, backward_s: float, pp_comm_s: float, dp_comm_s: float, *, micro_batches: int
+) -> float:
     """Seconds of PP + DP communication left exposed per iteration with `segments` (eq. 3)."""
     m = micro_batches
     return dp_comm_s / segments + max(0.0, 2 * m * segments * pp_comm_s - m * (forward_s + backward_s))
 
 
-def choose_segments(layers: int, pp: int, forward_s: float, backward_s: float, pp_comm_s: float,
-                    dp_comm_s: float, *, micro_batches: int, max_segments: int = 8) -> int:
+def choose_segments(
+    layers: int,
+    pp: int,
+    forward_s: float,
+    backward_s: float,
+    pp_comm_s: float,
+    dp_comm_s: float,
+    *,
+    micro_batches: int,
+    max_segments: int = 8,
+) -> int:
     """FOLD3D's segment count for `layers` on `pp` stages (see the module docstring)::
 
         ns = 1
@@ -71,13 +82,14 @@ def choose_segments(layers: int, pp: int, forward_s: float, backward_s: float, p
     return ns
 
 
-def dp_overlap_ratio(forward_s: float, backward_s: float, dp_comm_s: float, *, segments: int,
-                     micro_batches: int) -> float:
+def dp_overlap_ratio(
+    forward_s: float, backward_s: float, dp_comm_s: float, *, segments: int, micro_batches: int
+) -> float:
     """FOLD3D eq. 5: the share r in [0, 1] of a segment's DP sync to launch at once.
 
-        sync = dp_comm_s / ns;  under_backward = m backward_s / ns;  under_forward = m forward_s / ns
-        r = 1                                                 if sync <= under_backward
-        r = under_backward / (under_backward + under_forward) otherwise"""
+    sync = dp_comm_s / ns;  under_backward = m backward_s / ns;  under_forward = m forward_s / ns
+    r = 1                                                 if sync <= under_backward
+    r = under_backward / (under_backward + under_forward) otherwise"""
     f, b, dp_s = _seconds("forward_s", forward_s), _seconds("backward_s", backward_s), _seconds("dp_comm_s", dp_comm_s)
     ns, m = _count("segments", segments), _count("micro_batches", micro_batches)
     sync, under_b, under_f = dp_s / ns, m * b / ns, m * f / ns

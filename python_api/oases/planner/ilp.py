@@ -18,6 +18,7 @@ Two exact shortcuts give the same optimum faster (`method="auto"`, the default):
     (every order of the same degrees), so branch and bound takes 0.2-1 s per memory-bound solve
     of 24 layers x 4 degrees where the Pareto programme takes milliseconds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,8 +75,14 @@ def _chain_dp(node: np.ndarray, edge: np.ndarray) -> tuple[list[int], float]:
 METHODS = ("auto", "milp", "pareto")
 
 
-def solve_chain(node_cost: Sequence[Sequence[float]], edge_cost: Union[Sequence, np.ndarray],
-                memory: Sequence[Sequence[float]], budget: float, *, method: str = "auto") -> Solution:
+def solve_chain(
+    node_cost: Sequence[Sequence[float]],
+    edge_cost: Union[Sequence, np.ndarray],
+    memory: Sequence[Sequence[float]],
+    budget: float,
+    *,
+    method: str = "auto",
+) -> Solution:
     """Strategy index per layer minimising eq. 5 under sum(memory) <= budget (eq. 6).
 
     node_cost[l][i], memory[l][i]: layer l with strategy i; edge_cost[i][j] (every edge alike) or
@@ -87,8 +94,10 @@ def solve_chain(node_cost: Sequence[Sequence[float]], edge_cost: Union[Sequence,
     node, edge, mem = _as_arrays(node_cost, edge_cost, memory)
     layers, k = node.shape
     if mem.min(axis=1).sum() > budget:
-        raise ValueError(f"budget: even the smallest strategy per layer needs {mem.min(axis=1).sum():.4g} bytes, "
-                         f"over the {budget:.4g} available (more memory, more ranks, or a smaller batch)")
+        raise ValueError(
+            f"budget: even the smallest strategy per layer needs {mem.min(axis=1).sum():.4g} bytes, "
+            f"over the {budget:.4g} available (more memory, more ranks, or a smaller batch)"
+        )
     choice, objective = _chain_dp(node, edge)
     used = float(mem[np.arange(layers), choice].sum())
     if used <= budget and method != "milp":
@@ -105,13 +114,17 @@ def _pareto(node: np.ndarray, edge: np.ndarray, mem: np.ndarray, budget: float) 
     limit = int(np.floor(budget))
     tail = np.concatenate([np.cumsum(units.min(axis=1)[::-1])[::-1][1:], [0]])  # least memory of later layers
     # an entry: (memory, time, strategy, parent entry or None)
-    fronts = [[(int(units[0, i]), float(node[0, i]), i, None)] if units[0, i] + tail[0] <= limit else []
-              for i in range(k)]
+    fronts = [
+        [(int(units[0, i]), float(node[0, i]), i, None)] if units[0, i] + tail[0] <= limit else [] for i in range(k)
+    ]
     for l in range(1, layers):
         new = []
         for j in range(k):
-            candidates = [(e[0] + int(units[l, j]), e[1] + float(edge[l - 1, i, j]) + float(node[l, j]), j, e)
-                          for i in range(k) for e in fronts[i]]
+            candidates = [
+                (e[0] + int(units[l, j]), e[1] + float(edge[l - 1, i, j]) + float(node[l, j]), j, e)
+                for i in range(k)
+                for e in fronts[i]
+            ]
             candidates = [c for c in candidates if c[0] + tail[l] <= limit]
             candidates.sort(key=lambda c: (c[0], c[1]))
             front, best_time = [], float("inf")
@@ -147,20 +160,20 @@ def _milp(node: np.ndarray, edge: np.ndarray, mem: np.ndarray, budget: float) ->
         return r
 
     for l in range(layers):  # one-hot
-        row()[l * k:(l + 1) * k] = 1.0
+        row()[l * k : (l + 1) * k] = 1.0
         lo.append(1.0)
         hi.append(1.0)
     for l in range(layers - 1):  # y[l] has x[l] and x[l+1] as marginals
         base = nx + l * k * k
         for i in range(k):
             r = row()
-            r[base + i * k: base + (i + 1) * k] = 1.0
+            r[base + i * k : base + (i + 1) * k] = 1.0
             r[l * k + i] = -1.0
             lo.append(0.0)
             hi.append(0.0)
         for j in range(k):
             r = row()
-            r[base + j: base + k * k: k] = 1.0
+            r[base + j : base + k * k : k] = 1.0
             r[(l + 1) * k + j] = -1.0
             lo.append(0.0)
             hi.append(0.0)
@@ -168,12 +181,14 @@ def _milp(node: np.ndarray, edge: np.ndarray, mem: np.ndarray, budget: float) ->
     lo.append(-np.inf)
     hi.append(float(budget))
     integrality = np.concatenate([np.ones(nx), np.zeros(ny)])
-    result = milp(c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality,
-                  bounds=Bounds(0.0, 1.0))
+    result = milp(
+        c, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality, bounds=Bounds(0.0, 1.0)
+    )
     if result.x is None:
         raise ValueError(f"budget: no per-layer choice fits in {budget:.4g} bytes ({result.message})")
     x = result.x[:nx].reshape(layers, k)
     choice = tuple(int(i) for i in np.argmax(x, axis=1))
-    objective = float(node[np.arange(layers), choice].sum()
-                      + sum(edge[l, choice[l], choice[l + 1]] for l in range(layers - 1)))
+    objective = float(
+        node[np.arange(layers), choice].sum() + sum(edge[l, choice[l], choice[l + 1]] for l in range(layers - 1))
+    )
     return Solution(choice, objective, float(mem[np.arange(layers), choice].sum()), "milp")

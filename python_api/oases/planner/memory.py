@@ -54,6 +54,7 @@ A row-sharded tensor (column-parallel weights, vocab-parallel embedding and head
 a contiguous slice of the file; a column-sharded one (row-parallel weights: dim 1 split) touches
 every page of the tensor. Pure: numbers in, bytes out; nothing here allocates or measures.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -121,11 +122,11 @@ class RankMemory:
     masters: float
     activations: float
     read_pretrained: float  # transient of load_pretrained: the largest tensor's mapped file pages
-    read_chunk: float       # transient of load_checkpoint: the largest shard's bytes and its tensor
-    write_full: float       # transient of save_pretrained on the writer: a gathered tensor + a received shard
-    gradient_rows: float    # ZeRO's fp32 gradient rows (R), from their bucket's reduce-scatter to zero_grad
-    sync_in_flight: float   # transient of the dp gradient sync in the backward (flat bucket copies)
-    step_transient: float   # transient of the optimizer step (its temporaries; ZeRO's all-gather buffers)
+    read_chunk: float  # transient of load_checkpoint: the largest shard's bytes and its tensor
+    write_full: float  # transient of save_pretrained on the writer: a gathered tensor + a received shard
+    gradient_rows: float  # ZeRO's fp32 gradient rows (R), from their bucket's reduce-scatter to zero_grad
+    sync_in_flight: float  # transient of the dp gradient sync in the backward (flat bucket copies)
+    step_transient: float  # transient of the optimizer step (its temporaries; ZeRO's all-gather buffers)
 
     @property
     def states(self) -> float:
@@ -147,33 +148,48 @@ def _tensors(shape: ModelShape, vocab_parallel: bool) -> list[tuple[int, str]]:
     split "rows" (dim 0, contiguous in the file), "columns" (dim 1) or "none" (replicated)."""
     h, kv = shape.hidden, shape.kv_heads * shape.head_dim
     vocab = "rows" if vocab_parallel else "none"
-    tensors = [(h * h, "rows"), (kv * h, "rows"), (h * h, "columns"),             # q (k, v), o
-               (shape.ffn_hidden * h, "rows"), (h * shape.ffn_hidden, "columns"),   # gate / up (fc), down (proj)
-               (shape.vocab_size * h, vocab)]                                       # embedding, head
+    tensors = [
+        (h * h, "rows"),
+        (kv * h, "rows"),
+        (h * h, "columns"),  # q (k, v), o
+        (shape.ffn_hidden * h, "rows"),
+        (h * shape.ffn_hidden, "columns"),  # gate / up (fc), down (proj)
+        (shape.vocab_size * h, vocab),
+    ]  # embedding, head
     if shape.experts:  # each expert's tensors are the MLP's above (one file tensor per expert)
-        tensors.append((shape.experts * h, "none"))                                # router
+        tensors.append((shape.experts * h, "none"))  # router
     if shape.shared_ffn_hidden:
         f = shape.shared_ffn_hidden
-        tensors += [(f * h, "rows"), (h * f, "columns")]                          # the shared MLP
+        tensors += [(f * h, "rows"), (h * f, "columns")]  # the shared MLP
     return tensors
 
 
 def rank_memory(shape: ModelShape, job: MemoryJob) -> RankMemory:
     """The parts of one rank's memory for `job` on a model of `shape` (see the module docstring)."""
     if job.tp not in tp_degrees(shape, job.tp):
-        raise ValueError(f"tp: {job.tp} does not divide the heads ({shape.heads}), KV heads ({shape.kv_heads}) "
-                         f"and MLP widths ({shape.ffn_hidden}, shared {shape.shared_ffn_hidden}) of the model")
+        raise ValueError(
+            f"tp: {job.tp} does not divide the heads ({shape.heads}), KV heads ({shape.kv_heads}) "
+            f"and MLP widths ({shape.ffn_hidden}, shared {shape.shared_ffn_hidden}) of the model"
+        )
     tp, dp, pb = job.tp, job.dp, job.param_bytes
     vocab = 2 * shape.vocab_size * shape.hidden
     router = shape.router_parameters()
-    parameters = (shape.layers * (shape.layer_parameters() - router) / tp + shape.layers * router
-                  + vocab / (tp if job.vocab_parallel else 1) + shape.embedding_parameters() - vocab)
+    parameters = (
+        shape.layers * (shape.layer_parameters() - router) / tp
+        + shape.layers * router
+        + vocab / (tp if job.vocab_parallel else 1)
+        + shape.embedding_parameters()
+        - vocab
+    )
     state_bytes = 4 if job.zero else pb
     states = OPTIMIZER_MOMENTS[job.optimizer] * parameters * state_bytes / (dp if job.zero else 1)
     masters = 4 * parameters / dp if job.zero and pb < 4 else 0.0
     work = Workload(shape, job.rows, tp, schedule=job.schedule)
-    activations = (shape.layers * kept_input_bytes(work, tp, pb) + buffer_bytes(work, tp, pb)
-                   + logits_bytes(work, job.vocab_parallel))
+    activations = (
+        shape.layers * kept_input_bytes(work, tp, pb)
+        + buffer_bytes(work, tp, pb)
+        + logits_bytes(work, job.vocab_parallel)
+    )
     split = tp > 1
     tensors = _tensors(shape, job.vocab_parallel)
     local = [n / tp if split and how != "none" else n for n, how in tensors]
@@ -188,8 +204,9 @@ def rank_memory(shape: ModelShape, job: MemoryJob) -> RankMemory:
     sync = (bucket + (job.in_flight - 1) * job.bucket_bytes) * relayed if dp > 1 else 0.0
     stepped = max(local) * 4 / dp if job.zero else largest
     step = max(_STEP_TEMPORARIES[job.optimizer] * stepped, (1 + 1 / dp) * bucket if job.zero else 0.0)
-    return RankMemory(parameters, parameters * pb, parameters * pb, states, masters, activations, read, chunk, full,
-                      rows, sync, step)
+    return RankMemory(
+        parameters, parameters * pb, parameters * pb, states, masters, activations, read, chunk, full, rows, sync, step
+    )
 
 
 def phase_memory(shape: ModelShape, job: MemoryJob) -> tuple[PhaseMemory, ...]:
@@ -198,9 +215,11 @@ def phase_memory(shape: ModelShape, job: MemoryJob) -> tuple[PhaseMemory, ...]:
     w, kept = m.weights, m.states
     built = w if job.init_weights else 0.0
     training = kept + m.gradients + m.gradient_rows + max(m.activations + m.sync_in_flight, m.step_transient)
-    return (PhaseMemory("build", built, built),
-            PhaseMemory("load_pretrained", w, w + m.read_pretrained),
-            PhaseMemory("train", kept, training),
-            PhaseMemory("save_checkpoint", kept, kept),
-            PhaseMemory("load_checkpoint", kept, kept + m.read_chunk),
-            PhaseMemory("save_pretrained", kept, kept + m.write_full))
+    return (
+        PhaseMemory("build", built, built),
+        PhaseMemory("load_pretrained", w, w + m.read_pretrained),
+        PhaseMemory("train", kept, training),
+        PhaseMemory("save_checkpoint", kept, kept),
+        PhaseMemory("load_checkpoint", kept, kept + m.read_chunk),
+        PhaseMemory("save_pretrained", kept, kept + m.write_full),
+    )

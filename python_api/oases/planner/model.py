@@ -27,6 +27,7 @@ and scatters are element-wise work, left to the profile. Left out: Qwen2-MoE's s
 shared expert (h parameters per layer). A dense MLP (experts = 0) is one mlp(ffn_hidden) + 2 h
 parameters and 2 t h ffn_hidden mats / tp FLOPs: an MoE with E = k = 1 is it plus a router.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,12 +76,15 @@ class ModelShape:
             if not _checks.is_int(value) or value < 0:
                 raise ValueError(f"{field_name}: expected an int >= 0, got {value!r}")
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
-            raise ValueError(f"experts_per_token: expected 1..experts={self.experts} (top-k routing), "
-                             f"got {self.experts_per_token}")
+            raise ValueError(
+                f"experts_per_token: expected 1..experts={self.experts} (top-k routing), got {self.experts_per_token}"
+            )
         if not self.experts and (self.experts_per_token or self.shared_ffn_hidden):
-            raise ValueError("experts: experts_per_token / shared_ffn_hidden describe a mixture of experts; set "
-                             f"experts > 0 (got experts=0, experts_per_token={self.experts_per_token}, "
-                             f"shared_ffn_hidden={self.shared_ffn_hidden})")
+            raise ValueError(
+                "experts: experts_per_token / shared_ffn_hidden describe a mixture of experts; set "
+                f"experts > 0 (got experts=0, experts_per_token={self.experts_per_token}, "
+                f"shared_ffn_hidden={self.shared_ffn_hidden})"
+            )
         if self.hidden % self.heads:
             raise ValueError(f"hidden: {self.hidden} is not divisible by heads={self.heads}")
         if self.ffn_hidden == 0:
@@ -166,25 +170,62 @@ class ModelShape:
         return asdict(self)
 
 
-PRESETS: Mapping[str, ModelShape] = MappingProxyType({
-    "gpt2-small": ModelShape(12, 768, 12, 1024, 50304, name="gpt2-small"),
-    "gpt2-xl": ModelShape(48, 1600, 25, 1024, 50304, name="gpt2-xl"),
-    "gpt3-1.3b": ModelShape(24, 2048, 16, 2048, 50304, name="gpt3-1.3b"),
-    "gpt3-2.7b": ModelShape(32, 2560, 32, 2048, 50304, name="gpt3-2.7b"),
-    "llama-7b": ModelShape(32, 4096, 32, 2048, 32000, ffn_hidden=11008, gated_mlp=True, name="llama-7b"),
-    "llama-13b": ModelShape(40, 5120, 40, 2048, 32000, ffn_hidden=13824, gated_mlp=True, name="llama-13b"),
-    "mixtral-8x7b": ModelShape(32, 4096, 32, 4096, 32000, ffn_hidden=14336, kv_heads=8, gated_mlp=True, experts=8,
-                               experts_per_token=2, name="mixtral-8x7b"),
-})
+PRESETS: Mapping[str, ModelShape] = MappingProxyType(
+    {
+        "gpt2-small": ModelShape(12, 768, 12, 1024, 50304, name="gpt2-small"),
+        "gpt2-xl": ModelShape(48, 1600, 25, 1024, 50304, name="gpt2-xl"),
+        "gpt3-1.3b": ModelShape(24, 2048, 16, 2048, 50304, name="gpt3-1.3b"),
+        "gpt3-2.7b": ModelShape(32, 2560, 32, 2048, 50304, name="gpt3-2.7b"),
+        "llama-7b": ModelShape(32, 4096, 32, 2048, 32000, ffn_hidden=11008, gated_mlp=True, name="llama-7b"),
+        "llama-13b": ModelShape(40, 5120, 40, 2048, 32000, ffn_hidden=13824, gated_mlp=True, name="llama-13b"),
+        "mixtral-8x7b": ModelShape(
+            32,
+            4096,
+            32,
+            4096,
+            32000,
+            ffn_hidden=14336,
+            kv_heads=8,
+            gated_mlp=True,
+            experts=8,
+            experts_per_token=2,
+            name="mixtral-8x7b",
+        ),
+    }
+)
 
-_HF_KEYS = {"num_hidden_layers": "layers", "hidden_size": "hidden", "num_attention_heads": "heads",
-            "max_position_embeddings": "seq_len", "intermediate_size": "ffn_hidden",
-            "num_key_value_heads": "kv_heads", "n_layer": "layers", "n_embd": "hidden", "n_head": "heads",
-            "n_positions": "seq_len", "n_inner": "ffn_hidden", "block_size": "seq_len",
-            "num_local_experts": "experts", "num_experts": "experts", "num_experts_per_tok": "experts_per_token",
-            "shared_expert_intermediate_size": "shared_ffn_hidden"}
-_OUR_KEYS = ("layers", "hidden", "heads", "seq_len", "vocab_size", "ffn_hidden", "kv_heads", "gated_mlp", "experts",
-             "experts_per_token", "shared_ffn_hidden", "name")
+_HF_KEYS = {
+    "num_hidden_layers": "layers",
+    "hidden_size": "hidden",
+    "num_attention_heads": "heads",
+    "max_position_embeddings": "seq_len",
+    "intermediate_size": "ffn_hidden",
+    "num_key_value_heads": "kv_heads",
+    "n_layer": "layers",
+    "n_embd": "hidden",
+    "n_head": "heads",
+    "n_positions": "seq_len",
+    "n_inner": "ffn_hidden",
+    "block_size": "seq_len",
+    "num_local_experts": "experts",
+    "num_experts": "experts",
+    "num_experts_per_tok": "experts_per_token",
+    "shared_expert_intermediate_size": "shared_ffn_hidden",
+}
+_OUR_KEYS = (
+    "layers",
+    "hidden",
+    "heads",
+    "seq_len",
+    "vocab_size",
+    "ffn_hidden",
+    "kv_heads",
+    "gated_mlp",
+    "experts",
+    "experts_per_token",
+    "shared_ffn_hidden",
+    "name",
+)
 
 
 def load_model(spec: str, *, seq_len: Optional[int] = None) -> ModelShape:
@@ -242,9 +283,11 @@ def _from_config(config: Mapping[str, Any], default_name: str) -> ModelShape:
     fields.setdefault("name", config.get("model_type", default_name))
     missing = [k for k in ("layers", "hidden", "heads", "seq_len", "vocab_size") if k not in fields]
     if missing:
-        raise ValueError(f"model: the config lacks {missing} (ModelShape fields or Hugging Face's "
-                         "num_hidden_layers / hidden_size / num_attention_heads / max_position_embeddings / "
-                         "vocab_size)")
+        raise ValueError(
+            f"model: the config lacks {missing} (ModelShape fields or Hugging Face's "
+            "num_hidden_layers / hidden_size / num_attention_heads / max_position_embeddings / "
+            "vocab_size)"
+        )
     return ModelShape(**fields)
 
 

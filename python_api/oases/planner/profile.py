@@ -22,6 +22,7 @@ router and experts the dense samples did not time), and without samples it is
 FLOPs / flops_per_s. A sample's three figures are the forward (no autograd), the backward, and
 the forward recording autograd's graph that recomputation runs before each backward.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,16 +37,35 @@ from oases.costs.rate import parse_bandwidth
 from oases.planner._files import read_json
 from oases.planner.model import SUBLAYERS, ModelShape
 
-__all__ = ["LinkFit", "ComputeSample", "Profile", "analytical_profile", "load_profile", "parse_bytes",
-           "parse_link", "PROFILE_FORMAT", "PROFILE_VERSION", "COLLECTIVES"]
+__all__ = [
+    "LinkFit",
+    "ComputeSample",
+    "Profile",
+    "analytical_profile",
+    "load_profile",
+    "parse_bytes",
+    "parse_link",
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "COLLECTIVES",
+]
 
 PROFILE_FORMAT = "oases-profile"
 PROFILE_VERSION = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 DIRECTIONS = ("forward", "backward", "recompute")
 
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: Union[str, int, float], *, what: str = "device_memory") -> int:
@@ -110,9 +130,15 @@ class ComputeSample:
     def matches(self, shape: ModelShape, tokens: int, tp: int) -> bool:
         """Whether this sample timed `shape`'s sublayer on `tokens` at `tp` (samples are of dense
         MLPs: never an MoE's MLP, which compute_time scales from them by FLOPs)."""
-        return (self.tp == tp and self.rows * self.seq_len == tokens and self.seq_len == shape.seq_len
-                and self.hidden == shape.hidden and self.heads == shape.heads and self.ffn_hidden == shape.ffn_hidden
-                and not (self.sublayer == "mlp" and shape.experts))
+        return (
+            self.tp == tp
+            and self.rows * self.seq_len == tokens
+            and self.seq_len == shape.seq_len
+            and self.hidden == shape.hidden
+            and self.heads == shape.heads
+            and self.ffn_hidden == shape.ffn_hidden
+            and not (self.sublayer == "mlp" and shape.experts)
+        )
 
     def shape(self) -> ModelShape:
         """A one-layer ModelShape of the sample's sizes (vocab_size 1)."""
@@ -200,11 +226,18 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """The summary a plan records (not the full profile)."""
-        return {"device": self.device, "source": self.source, "flops_per_s": self.flops_per_s,
-                "link_bytes_per_s": self.link_bytes_per_s, "latency_s": self.latency_s,
-                "element_bytes": self.element_bytes, "overlap": self.overlap, "compute_samples": len(self.compute),
-                "chunk_efficiency": {str(n): e for n, e in sorted(self.chunk_efficiency.items())},
-                "collective_fits": {f"{k}@{g}": [f.latency_s, f.bytes_per_s] for (k, g), f in self.collectives.items()}}
+        return {
+            "device": self.device,
+            "source": self.source,
+            "flops_per_s": self.flops_per_s,
+            "link_bytes_per_s": self.link_bytes_per_s,
+            "latency_s": self.latency_s,
+            "element_bytes": self.element_bytes,
+            "overlap": self.overlap,
+            "compute_samples": len(self.compute),
+            "chunk_efficiency": {str(n): e for n, e in sorted(self.chunk_efficiency.items())},
+            "collective_fits": {f"{k}@{g}": [f.latency_s, f.bytes_per_s] for (k, g), f in self.collectives.items()},
+        }
 
 
 def _through(xs: list[float], ys: list[float], x: float) -> float:
@@ -219,15 +252,26 @@ def _through(xs: list[float], ys: list[float], x: float) -> float:
     return max(line, ys[0] * x / xs[0]) if x < xs[0] else line
 
 
-def analytical_profile(*, flops_per_s: float, link: Union[str, float], latency_s: float = DEFAULT_LATENCY_S,
-                       element_bytes: int = 2, device: str = "analytical") -> Profile:
+def analytical_profile(
+    *,
+    flops_per_s: float,
+    link: Union[str, float],
+    latency_s: float = DEFAULT_LATENCY_S,
+    element_bytes: int = 2,
+    device: str = "analytical",
+) -> Profile:
     """A profile from rates alone: compute = FLOPs / flops_per_s, collectives by the ring formulas."""
     if not flops_per_s > 0:
         raise ValueError(f"flops_per_s: must be positive, got {flops_per_s!r}")
     if element_bytes not in (1, 2, 4, 8):
         raise ValueError(f"element_bytes: expected 1, 2, 4 or 8, got {element_bytes!r}")
-    return Profile(device=device, flops_per_s=float(flops_per_s), link_bytes_per_s=parse_link(link),
-                   latency_s=float(latency_s), element_bytes=element_bytes)
+    return Profile(
+        device=device,
+        flops_per_s=float(flops_per_s),
+        link_bytes_per_s=parse_link(link),
+        latency_s=float(latency_s),
+        element_bytes=element_bytes,
+    )
 
 
 def load_profile(path: str, *, link: Optional[Union[str, float]] = None) -> Profile:
@@ -236,23 +280,34 @@ def load_profile(path: str, *, link: Optional[Union[str, float]] = None) -> Prof
     return profile_from_dict(read_json(path, "profile"), link=link, source=path)
 
 
-def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float]] = None,
-                      source: str = "dict") -> Profile:
+def profile_from_dict(
+    doc: Mapping[str, Any], *, link: Optional[Union[str, float]] = None, source: str = "dict"
+) -> Profile:
     """The Profile of a profile document (see bench/profile.py for its layout)."""
     if not isinstance(doc, Mapping) or doc.get("format") != PROFILE_FORMAT:
-        raise ValueError(f"profile: {source} is not an oases profile (expected \"format\": \"{PROFILE_FORMAT}\"; "
-                         "write one with `python -m bench profile`)")
+        raise ValueError(
+            f'profile: {source} is not an oases profile (expected "format": "{PROFILE_FORMAT}"; '
+            "write one with `python -m bench profile`)"
+        )
     if doc.get("version") != PROFILE_VERSION:
-        raise ValueError(f"profile: {source} has version {doc.get('version')!r}; this planner reads {PROFILE_VERSION} "
-                         "(profile again with `python -m bench profile`)")
+        raise ValueError(
+            f"profile: {source} has version {doc.get('version')!r}; this planner reads {PROFILE_VERSION} "
+            "(profile again with `python -m bench profile`)"
+        )
     try:
         optional = {"record_s"}  # profiles written before it was measured lack it
-        compute = tuple(ComputeSample(**{k: c[k] for k in ComputeSample.__dataclass_fields__
-                                         if k in c or k not in optional}) for c in doc["compute"])
-        head = tuple((h["tokens"] * h["hidden"] * h["vocab_size"], h["forward_s"], h["backward_s"])
-                     for h in doc.get("head", []))
-        collectives = {(kind, int(group)): LinkFit(fit["latency_s"], fit["bytes_per_s"])
-                       for kind, fits in doc["collectives"].items() for group, fit in fits.items()}
+        compute = tuple(
+            ComputeSample(**{k: c[k] for k in ComputeSample.__dataclass_fields__ if k in c or k not in optional})
+            for c in doc["compute"]
+        )
+        head = tuple(
+            (h["tokens"] * h["hidden"] * h["vocab_size"], h["forward_s"], h["backward_s"]) for h in doc.get("head", [])
+        )
+        collectives = {
+            (kind, int(group)): LinkFit(fit["latency_s"], fit["bytes_per_s"])
+            for kind, fits in doc["collectives"].items()
+            for group, fit in fits.items()
+        }
         flops_per_s = float(doc["flops_per_s"])
         element_bytes = int(doc.get("element_bytes", 4))
         overlap = min(max(float(doc.get("overlap_efficiency", 1.0)), 0.0), 1.0)
@@ -265,7 +320,16 @@ def profile_from_dict(doc: Mapping[str, Any], *, link: Optional[Union[str, float
     if link is not None:  # another network: ring formulas from the new rate, the measured latency
         bytes_per_s = parse_link(link)
         collectives = {}
-    return Profile(device=str(doc.get("device", {}).get("name", "unknown")), flops_per_s=flops_per_s,
-                   link_bytes_per_s=bytes_per_s, latency_s=latency_s, element_bytes=element_bytes,
-                   compute=compute, head=head, collectives=collectives, source=source, overlap=overlap,
-                   chunk_efficiency=efficiency)
+    return Profile(
+        device=str(doc.get("device", {}).get("name", "unknown")),
+        flops_per_s=flops_per_s,
+        link_bytes_per_s=bytes_per_s,
+        latency_s=latency_s,
+        element_bytes=element_bytes,
+        compute=compute,
+        head=head,
+        collectives=collectives,
+        source=source,
+        overlap=overlap,
+        chunk_efficiency=efficiency,
+    )

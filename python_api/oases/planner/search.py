@@ -23,6 +23,7 @@ run it); `Plan.sequence_parallel` says which won.
 The plan with the least predicted step time wins; `uniform_step_s` is the best plan of the same
 layout with one degree everywhere, so a reader sees what the per-layer choice bought.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,10 +60,10 @@ class DegreePlan:
 
     degrees: tuple[int, ...]
     time_s: float
-    memory_bytes: float          # per rank, fixed memory included
+    memory_bytes: float  # per rank, fixed memory included
     layers: tuple[LayerCost, ...]
     edges_s: tuple[float, ...]
-    method: str                  # "dp" (memory not binding) or "milp"
+    method: str  # "dp" (memory not binding) or "milp"
 
     @property
     def compute_s(self) -> float:
@@ -70,8 +71,14 @@ class DegreePlan:
         return sum(c.compute_s for c in self.layers)
 
 
-def plan_degrees(work: Workload, profile: Profile, memory_budget: float, *, in_flight: int = 1,
-                 degrees: Optional[Sequence[int]] = None) -> DegreePlan:
+def plan_degrees(
+    work: Workload,
+    profile: Profile,
+    memory_budget: float,
+    *,
+    in_flight: int = 1,
+    degrees: Optional[Sequence[int]] = None,
+) -> DegreePlan:
     """One degree per layer of `work.shape` minimising the step time (eq. 5) with per-rank memory
     (eq. 6, saved inputs counted `in_flight` times: micro-batches a pipeline stage holds) within
     `memory_budget` bytes. `degrees`: the candidates (default: every power of two up to work.tp)."""
@@ -90,8 +97,10 @@ def plan_degrees(work: Workload, profile: Profile, memory_budget: float, *, in_f
     try:
         solution = solve_chain(node, edge, memory, memory_budget - fixed)
     except ValueError as err:
-        raise ValueError(f"memory_budget: {memory_budget:.4g} bytes per rank minus {fixed:.4g} fixed leaves too "
-                         f"little for the layers ({str(err).removeprefix('budget: ')})") from None
+        raise ValueError(
+            f"memory_budget: {memory_budget:.4g} bytes per rank minus {fixed:.4g} fixed leaves too "
+            f"little for the layers ({str(err).removeprefix('budget: ')})"
+        ) from None
     chosen = tuple(options[i] for i in solution.choice)
     costs = tuple(per_layer[l][i] for l, i in enumerate(solution.choice))
     edges = tuple(edge[a][b] for a, b in zip(solution.choice, solution.choice[1:]))
@@ -114,14 +123,14 @@ class Plan:
     micro_batches: int
     segments: int
     dp_overlap_ratio: float
-    tp_degrees: tuple[int, ...]        # one per layer of the whole model
+    tp_degrees: tuple[int, ...]  # one per layer of the whole model
     step_s: float
     memory_bytes: float
     compute_s: float
     exposed_comm_s: float
     dominated_by: str
-    uniform_step_s: float              # best single-degree plan of the same layout (inf: none fits)
-    layers: tuple[dict[str, Any], ...] = ()   # per layer of one stage: degree, time, compute, comm, memory
+    uniform_step_s: float  # best single-degree plan of the same layout (inf: none fits)
+    layers: tuple[dict[str, Any], ...] = ()  # per layer of one stage: degree, time, compute, comm, memory
     profile: dict[str, Any] = field(default_factory=dict)
     planner_s: float = 0.0
     candidates: int = 0
@@ -169,9 +178,18 @@ def _count(name: str, value: int) -> int:
     return value
 
 
-def plan(model: ModelShape, *, world: int, device_memory: Union[int, str], batch: int,
-         link: Union[str, float, None] = None, profile: Optional[Profile] = None, tp_max: int = 8,
-         flops_per_s: float = 100e12, variants: Sequence[tuple[str, int]] = DEFAULT_VARIANTS) -> Plan:
+def plan(
+    model: ModelShape,
+    *,
+    world: int,
+    device_memory: Union[int, str],
+    batch: int,
+    link: Union[str, float, None] = None,
+    profile: Optional[Profile] = None,
+    tp_max: int = 8,
+    flops_per_s: float = 100e12,
+    variants: Sequence[tuple[str, int]] = DEFAULT_VARIANTS,
+) -> Plan:
     """The fastest predicted layout for `world` ranks of `device_memory` bytes training `model`
     on `batch` sequences per step (see the module docstring). `profile` gives the device's and
     links' costs; without one, `link` (bytes/s or "25gbit") and `flops_per_s` make an analytical
@@ -195,7 +213,7 @@ def plan(model: ModelShape, *, world: int, device_memory: Union[int, str], batch
             if batch % dp:
                 continue
             rows = batch // dp
-            for m in ([1] if pp == 1 else [pp, 2 * pp, 4 * pp]):
+            for m in [1] if pp == 1 else [pp, 2 * pp, 4 * pp]:
                 if rows % m:
                     continue
                 for schedule, n in variants:
@@ -206,8 +224,10 @@ def plan(model: ModelShape, *, world: int, device_memory: Union[int, str], batch
                     if candidate is not None and (best is None or candidate.step_s < best.step_s):
                         best = candidate
     if best is None:
-        raise ValueError(f"device_memory: no layout of {world} ranks fits {model.name} with batch {batch} in "
-                         f"{budget / 1e9:.3g} GB per rank (more memory or ranks, or a smaller batch)")
+        raise ValueError(
+            f"device_memory: no layout of {world} ranks fits {model.name} with batch {batch} in "
+            f"{budget / 1e9:.3g} GB per rank (more memory or ranks, or a smaller batch)"
+        )
     return replace(best, planner_s=time.perf_counter() - started, candidates=count)
 
 
@@ -222,15 +242,27 @@ def _forms(work: Workload, profile: Profile, budget: int, in_flight: int, pp: in
         pass
     if pp == 1 and sequence_parallel_ok(work, work.tp):
         try:
-            out["rs_ag"] = plan_degrees(replace(work, sequence_parallel=True), profile, budget, in_flight=in_flight,
-                                        degrees=(work.tp,))
+            out["rs_ag"] = plan_degrees(
+                replace(work, sequence_parallel=True), profile, budget, in_flight=in_flight, degrees=(work.tp,)
+            )
         except ValueError:
             pass
     return out
 
 
-def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batch: int, dp: int, pp: int, tp: int,
-              m: int, schedule: str, n: int) -> Optional[Plan]:
+def _evaluate(
+    model: ModelShape,
+    profile: Profile,
+    budget: int,
+    world: int,
+    batch: int,
+    dp: int,
+    pp: int,
+    tp: int,
+    m: int,
+    schedule: str,
+    n: int,
+) -> Optional[Plan]:
     stage = replace(model, layers=model.layers // pp)
     work = Workload(stage, rows=batch // dp // m, tp=tp, schedule=schedule, sub_batches=n)
     in_flight = min(pp, m)
@@ -261,19 +293,50 @@ def _evaluate(model: ModelShape, profile: Profile, budget: int, world: int, batc
     pipeline = (m + pp - 1) * t_mb + 2 * (pp - 1) * ns * pp_comm
     step = pipeline + exposed_dp
     uniform_step = (m + pp - 1) * uniform + 2 * (pp - 1) * ns * pp_comm + exposed_dp
-    form_step = {f: None if p is None else (m + pp - 1) * p.time_s + 2 * (pp - 1) * ns * pp_comm + exposed_dp
-                 for f, p in forms.items()}
+    form_step = {
+        f: None if p is None else (m + pp - 1) * p.time_s + 2 * (pp - 1) * ns * pp_comm + exposed_dp
+        for f, p in forms.items()
+    }
     compute = m * chosen.compute_s
     exposed = max(0.0, step - compute)
-    layers = tuple({"layer": i, "degree": c.degree, "time_s": c.time_s, "compute_s": c.compute_s,
-                    "comm_s": c.comm_s, "memory_bytes": c.states_bytes + in_flight * c.saved_bytes,
-                    "dominated_by": c.dominated_by, "chunks": c.chunks} for i, c in enumerate(chosen.layers))
+    layers = tuple(
+        {
+            "layer": i,
+            "degree": c.degree,
+            "time_s": c.time_s,
+            "compute_s": c.compute_s,
+            "comm_s": c.comm_s,
+            "memory_bytes": c.states_bytes + in_flight * c.saved_bytes,
+            "dominated_by": c.dominated_by,
+            "chunks": c.chunks,
+        }
+        for i, c in enumerate(chosen.layers)
+    )
     counts = [c.chunks for c in chosen.layers if c.degree > 1] or [1]
     chunks = max(set(counts), key=lambda k: (counts.count(k), -k))  # ties: fewer pieces
-    return Plan(model=model, world=world, batch=batch, device_memory=budget, dp=dp, pp=pp, tp=tp,
-                schedule=schedule, sub_batches=n, micro_batches=m, segments=ns, dp_overlap_ratio=ratio,
-                tp_degrees=chosen.degrees * pp, step_s=step, memory_bytes=chosen.memory_bytes,
-                compute_s=compute, exposed_comm_s=exposed,
-                dominated_by="exposed comm" if exposed > compute else "compute",
-                uniform_step_s=uniform_step, layers=layers, profile=profile.to_dict(),
-                sequence_parallel=form == "rs_ag", form_step_s=form_step, chunks=chunks)
+    return Plan(
+        model=model,
+        world=world,
+        batch=batch,
+        device_memory=budget,
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        schedule=schedule,
+        sub_batches=n,
+        micro_batches=m,
+        segments=ns,
+        dp_overlap_ratio=ratio,
+        tp_degrees=chosen.degrees * pp,
+        step_s=step,
+        memory_bytes=chosen.memory_bytes,
+        compute_s=compute,
+        exposed_comm_s=exposed,
+        dominated_by="exposed comm" if exposed > compute else "compute",
+        uniform_step_s=uniform_step,
+        layers=layers,
+        profile=profile.to_dict(),
+        sequence_parallel=form == "rs_ag",
+        form_step_s=form_step,
+        chunks=chunks,
+    )

@@ -14,6 +14,7 @@ or builds that for a parallelized model and calls `train_step` here.
 `CheckpointMemory`, the old name of `RecomputeMemory`, warns and returns it (a checkpoint is a
 training state saved to files: oases.checkpoint).
 """
+
 import warnings
 
 from oases.schedule.protocol import Stack, SubBatch, Sublayer
@@ -29,14 +30,31 @@ from oases.schedule.table import (
     split_rows,
 )
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "RecomputeMemory", "Recompute", "train_step", "check_step",
-           "split_rows", "Stack", "Sublayer", "SubBatch", "Communicator", "interleave", "BARRIER"]
+__all__ = [
+    "SCHEDULES",
+    "Schedule",
+    "MAX_SUB_BATCHES",
+    "RecomputeMemory",
+    "Recompute",
+    "train_step",
+    "check_step",
+    "split_rows",
+    "Stack",
+    "Sublayer",
+    "SubBatch",
+    "Communicator",
+    "interleave",
+    "BARRIER",
+]
 
 
 def __getattr__(name: str) -> object:
     """The old name (PEP 562): warn, and return RecomputeMemory."""
     if name != "CheckpointMemory":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn("oases.schedule.CheckpointMemory is deprecated: use oases.schedule.RecomputeMemory",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "oases.schedule.CheckpointMemory is deprecated: use oases.schedule.RecomputeMemory",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return RecomputeMemory

@@ -34,6 +34,7 @@ link emulator runs them). For a wait [w0, w1) on collective i of rank r:
 By construction the causes add up to the wait. CUDA waits order streams without blocking the
 host: record on CPU (gloo) only.
 """
+
 from __future__ import annotations
 
 import threading
@@ -113,8 +114,10 @@ def attribute(logs: Sequence[Sequence[CollectiveRecord]], link: Link) -> list[di
     rank's causes add up to its waits."""
     counts = {len(records) for records in logs}
     if len(counts) != 1:
-        raise ValueError(f"logs: the ranks recorded different numbers of all-reduces {sorted(counts)}; record "
-                         "the same step on every rank")
+        raise ValueError(
+            f"logs: the ranks recorded different numbers of all-reduces {sorted(counts)}; record "
+            "the same step on every rank"
+        )
     out = []
     for records in logs:
         causes = dict.fromkeys(CAUSES, 0.0)

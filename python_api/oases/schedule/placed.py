@@ -15,6 +15,7 @@ the last sub-batch's backward of it ends (asynchronous, waited for at the end).
                                              layer's parameters)
     rows_out = RowMove(d_{L-1} -> p);  while_scheduled: degrees.replica_sums_suspended (the hooks stand down)
 """
+
 from __future__ import annotations
 
 from typing import Any, Generator, Optional, Sequence
@@ -31,16 +32,22 @@ from oases.schedule.table import split_rows
 __all__ = ["PlacedStep", "check_placements", "layer_placements", "move_rows", "move_rows_adjoint"]
 
 
-def layer_placements(degrees: LayerDegrees, layers: Sequence[nn.Module], *,
-                     comm_at_p: Optional[Communicator] = None) -> LayerPlacements:
+def layer_placements(
+    degrees: LayerDegrees, layers: Sequence[nn.Module], *, comm_at_p: Optional[Communicator] = None
+) -> LayerPlacements:
     """The placements of `layers` at `degrees` (one Communicator per degree, per replica group and
     per pair of neighbouring degrees, made here, once; `comm_at_p`: the one to reuse at degree p,
     e.g. the model's own). A schedule enters `while_scheduled()`: the replica-sum hooks stand down."""
     p = degrees.p
-    comms = {d: comm_at_p if d == p and comm_at_p is not None else Communicator(at.tp_group if d > 1 else None, d)
-             for d, at in degrees.placements.items()}
-    replica_comms = {d: Communicator(at.replica_group, at.replicas) for d, at in degrees.placements.items()
-                     if at.replica_group is not None}
+    comms = {
+        d: comm_at_p if d == p and comm_at_p is not None else Communicator(at.tp_group if d > 1 else None, d)
+        for d, at in degrees.placements.items()
+    }
+    replica_comms = {
+        d: Communicator(at.replica_group, at.replicas)
+        for d, at in degrees.placements.items()
+        if at.replica_group is not None
+    }
     ups: dict[tuple[int, int], RowMove] = {}  # one Communicator per pair of neighbouring degrees
 
     def move(a: int, b: int) -> Optional[RowMove]:  # rows of degree a -> those of degree b
@@ -56,10 +63,14 @@ def layer_placements(degrees: LayerDegrees, layers: Sequence[nn.Module], *,
     placed, previous = [], p
     for d, layer in zip(degrees.degrees, layers):
         at = degrees.placements[d]
-        placed.append(LayerPlacement(d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms.get(d),
-                                     tuple(layer.parameters())))
+        placed.append(
+            LayerPlacement(
+                d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms.get(d), tuple(layer.parameters())
+            )
+        )
         previous = d
     return LayerPlacements(tuple(placed), move(previous, p), degrees.replica_sums_suspended)
+
 
 # ---- per-layer TP degrees: rows moved at layer boundaries, gradients summed over replicas -------------
 #
@@ -91,8 +102,8 @@ def move_rows_adjoint(move: RowMove, grad: torch.Tensor, batch: int) -> Generato
 def _own_part(move: RowMove, x: torch.Tensor, batch: int) -> torch.Tensor:
     """This rank's part of x [sum of the parts' rows, ...]; not a view (x itself may go)."""
     sizes = move.sizes(batch)
-    start = sum(sizes[:move.index])
-    return x[start:start + sizes[move.index]].clone()
+    start = sum(sizes[: move.index])
+    return x[start : start + sizes[move.index]].clone()
 
 
 def _gather_parts(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generator:
@@ -160,8 +171,7 @@ class PlacedStep:
         # Every replica sends every parameter (zeros where it has no gradient) and one flag per
         # parameter, so the sums line up whichever replicas' rows reached a parameter.
         parts = [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
-        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=parts[0].dtype,
-                             device=parts[0].device)
+        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=parts[0].dtype, device=parts[0].device)
         flat = torch.cat([*parts, flags])  # [sum of numels + len(params)]
         work = self.placements.layers[index].replica_comm.all_reduce(flat, "backward")
         self._pending.append((work, flat, params))
@@ -171,9 +181,9 @@ class PlacedStep:
         for work, flat, params in self._pending:
             work.wait()
             offset = 0
-            for p, has in zip(params, flat[-len(params):].tolist()):
+            for p, has in zip(params, flat[-len(params) :].tolist()):
                 if has:  # some replica had a gradient: the sum, as one process would have it
-                    p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+                    p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
                 offset += p.numel()
         self._pending.clear()
         self.restore()
@@ -189,8 +199,7 @@ class PlacedStep:
                     p.grad = before if p.grad is None else before.add_(p.grad)
 
 
-def check_placements(placements: Optional[LayerPlacements], batch: int, parts: int, *,
-                     sequence_parallel: bool) -> None:
+def check_placements(placements: Optional[LayerPlacements], batch: int, parts: int, *, sequence_parallel: bool) -> None:
     """ValueError unless every sub-batch has a row for each replica of every layer (before any
     communication, the same on every rank); the rows need not divide evenly."""
     if placements is None:
@@ -199,6 +208,8 @@ def check_placements(placements: Optional[LayerPlacements], batch: int, parts: i
     most = placements.most_replicas
     sizes = [r.stop - r.start for r in split_rows(batch, parts)]
     if min(sizes) < most:
-        raise ValueError(f"input_ids: per-layer tp_degrees run up to {most} replicas, each on its own block of "
-                         f"every sub-batch's rows; batch size {batch} in {parts} sub-batches gives {sizes} rows "
-                         f"(use a batch of at least {most * parts} rows, or fewer sub_batches)")
+        raise ValueError(
+            f"input_ids: per-layer tp_degrees run up to {most} replicas, each on its own block of "
+            f"every sub-batch's rows; batch size {batch} in {parts} sub-batches gives {sizes} rows "
+            f"(use a batch of at least {most * parts} rows, or fewer sub_batches)"
+        )

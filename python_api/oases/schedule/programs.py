@@ -12,6 +12,7 @@ The column-parallel input's gradient (the "copy" dual) is the all-reduce of the 
 Per-layer TP degrees (oases.schedule.placed) run the same program with each layer on its own
 Communicator and its replica's rows, the rows moved at the layer boundaries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
 
 if TYPE_CHECKING:
     from oases.schedule.placed import PlacedStep
+
 
 @dataclass
 class _Recorded:
@@ -77,8 +79,14 @@ def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Co
         return x + sub.finish(part, ctx)
 
 
-def layer_backward(layer, grad: torch.Tensor, sched: Schedule, saved: _RecomputeInputs, passes: "LayerPasses",
-                   kept: Optional[list[_Recorded]] = None) -> Generator:
+def layer_backward(
+    layer,
+    grad: torch.Tensor,
+    sched: Schedule,
+    saved: _RecomputeInputs,
+    passes: "LayerPasses",
+    kept: Optional[list[_Recorded]] = None,
+) -> Generator:
     """The gradient of one layer's input given its output's, `grad`; accumulates parameter grads.
     The one backward loop of every program: `passes` says how a sublayer's graph is recorded, rerun
     and differentiated with its communication (plain all-reduces, or sequence parallelism's)::
@@ -139,9 +147,18 @@ class _Plain:
         return (yield from _backward(sub, rec, grad, self.ctx, self.comm))
 
 
-def _program(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-             sched: Schedule, comm: Communicator, saved: _RecomputeInputs,
-             placed: Optional["PlacedStep"] = None) -> Generator:
+def _program(
+    stack: Stack,
+    input_ids,
+    labels,
+    where: SubBatch,
+    loss_sum: LossSum,
+    normalizer: float,
+    sched: Schedule,
+    comm: Communicator,
+    saved: _RecomputeInputs,
+    placed: Optional["PlacedStep"] = None,
+) -> Generator:
     """One sub-batch's forward, loss and backward, yielding at each communication. `placed`:
     per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows
     moved at the layer boundaries; see oases.schedule.protocol)."""

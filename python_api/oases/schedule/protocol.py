@@ -68,6 +68,7 @@ loss is computed from the slices (oases.nn.vocab_parallel_cross_entropy), never 
 `oases.parallelize` has sharded (Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-NeoX) and accepts
 any object that implements `Stack` (a user's own model: see docs/guides/models.md).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,8 +110,9 @@ class SubBatch:
         """The same sub-batch narrowed to its `rows` (relative to it): rows and padding mask."""
         start = self.rows.start or 0
         mask = None if self.attention_mask is None else self.attention_mask[rows]
-        return SubBatch(slice(start + rows.start, start + rows.stop), self.batch, self.seed, mask,
-                        self.positions, self.seq_len)
+        return SubBatch(
+            slice(start + rows.start, start + rows.stop), self.batch, self.seed, mask, self.positions, self.seq_len
+        )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ A program that yields `BARRIER` is held until every unfinished program has yield
 pass boundary (the "merak" schedule keeps them; "cross_pass" and "oases" do not). A single program
 is resumed at once: its communication is blocking ("megatron").
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -215,8 +216,9 @@ class _Task:
 class _Work:
     """A communication's handle; `wait()` blocks until it is done and books the time blocked."""
 
-    def __init__(self, work: Optional[dist.Work], owner: Communicator,
-                 record: Optional[CollectiveRecord] = None) -> None:
+    def __init__(
+        self, work: Optional[dist.Work], owner: Communicator, record: Optional[CollectiveRecord] = None
+    ) -> None:
         self._work, self._owner, self._record = work, owner, record
 
     def wait(self) -> None:

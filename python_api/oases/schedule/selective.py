@@ -16,6 +16,7 @@ twice); the memory of the element-wise intermediates goes. It is torch.utils.che
 selective policy (non-reentrant; the RNG state is restored for the rerun); the recomputed ops are
 deterministic, so gradients equal those of the kept graph bit for bit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,10 +41,20 @@ def _ops(*names: str) -> frozenset:
 # a view autograd does not know as one (its own version counter), so the model's in-place change
 # of it (`scores /= c`) would change the saved product unseen. Saved too (no memory: it is the
 # product's storage), its change is seen and refused (see selective()).
-SAVED_OPS = _ops("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_grouped_mm", "_scaled_grouped_mm",
-                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                 "_unsafe_view")
+SAVED_OPS = _ops(
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_mm",
+    "_grouped_mm",
+    "_scaled_grouped_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_unsafe_view",
+)
 # the same for operators libraries register (by qualified name: they exist once the library loaded)
 SAVED_OP_NAMES = frozenset({"transformers::grouped_mm_fallback"})
 
@@ -55,8 +66,9 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 
 def selective(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """fn(*args), recorded so that its backward keeps only the outputs of SAVED_OPS (see above)."""
-    return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+    return checkpoint(
+        fn, *args, use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy)
+    )
 
 
 @contextlib.contextmanager
@@ -68,6 +80,8 @@ def explained() -> Iterator[None]:
     except RuntimeError as e:
         if "selective activation checkpoint has been mutated" not in str(e):
             raise
-        raise ValueError("recompute='selective': the model's forward changes the output of a matrix product or "
-                         "of attention in place (such as `scores /= scale` after a matmul); a selective graph saves "
-                         "those outputs, so it cannot rerun the rest from them. Use recompute=True or False") from e
+        raise ValueError(
+            "recompute='selective': the model's forward changes the output of a matrix product or "
+            "of attention in place (such as `scores /= scale` after a matmul); a selective graph saves "
+            "those outputs, so it cannot rerun the rest from them. Use recompute=True or False"
+        ) from e

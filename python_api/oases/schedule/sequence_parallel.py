@@ -1,4 +1,5 @@
 """Sequence-parallel programs: x is this rank's [b, t/p, h] slice of the sequence (dim 1)."""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,9 @@ def _record_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str)
     return _Recorded(x_r, h_r, h_leaf, part)
 
 
-def _forward_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str,
-                part: Optional[torch.Tensor] = None) -> Generator:
+def _forward_sp(
+    sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str, part: Optional[torch.Tensor] = None
+) -> Generator:
     """x_r + finish(reduce_scatter(core(all_gather(norm(x_r))))); `part` given: core's output already."""
     if part is None:
         with torch.no_grad():
@@ -80,8 +82,18 @@ class _SequenceParallel:
         return (yield from _backward_sp(sub, rec, grad, self.tokens, self.comm))
 
 
-def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                sched: Schedule, comm: Communicator, saved: _RecomputeInputs, rank: int) -> Generator:
+def _program_sp(
+    stack: Stack,
+    input_ids,
+    labels,
+    where: SubBatch,
+    loss_sum: LossSum,
+    normalizer: float,
+    sched: Schedule,
+    comm: Communicator,
+    saved: _RecomputeInputs,
+    rank: int,
+) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
     embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
@@ -109,8 +121,18 @@ def _program_sp(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: Loss
     return loss.detach()
 
 
-def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum: LossSum, normalizer: float,
-                     sched: Schedule, comm: Communicator, saved: _RecomputeInputs, rank: int) -> Generator:
+def _program_sp_fine(
+    stack: Stack,
+    input_ids,
+    labels,
+    where: SubBatch,
+    loss_sum: LossSum,
+    normalizer: float,
+    sched: Schedule,
+    comm: Communicator,
+    saved: _RecomputeInputs,
+    rank: int,
+) -> Generator:
     """Sequence parallel with fine-grained recomputation ("oases"): the program's thread runs the
     cores; everything between two cores -- scatter, finish, norm, gather, and in backward their
     adjoints -- is one task on the communicator's thread, so it overlaps the other sub-batch's core.
@@ -152,8 +174,11 @@ def _program_sp_fine(stack: Stack, input_ids, labels, where: SubBatch, loss_sum:
         part.backward(grad_part)
         grad_h = h_leaf.grad if h_leaf.grad is not None else torch.zeros_like(h_leaf)
         earlier = subs[i - 1] if i > 0 else None
-        task = comm.submit(functools.partial(_between_backward, (grad_h, x_leaf, h_r), earlier, grad,
-                                             saved.pop() if i > 0 else None, tokens, comm))
+        task = comm.submit(
+            functools.partial(
+                _between_backward, (grad_h, x_leaf, h_r), earlier, grad, saved.pop() if i > 0 else None, tokens, comm
+            )
+        )
         yield
     grad_full = task.wait()
     if embedded.requires_grad:
@@ -209,8 +234,10 @@ def _sequence_parallel_parameters(stack: Stack) -> list[torch.Tensor]:
         for sub in layer:
             get = getattr(sub, "sequence_parallel_parameters", None)
             if get is None:
-                raise ValueError(f"sequence_parallel: {type(sub).__name__} has no sequence_parallel_parameters() "
-                                 "(the parameters its norm and finish use; see oases.schedule.protocol)")
+                raise ValueError(
+                    f"sequence_parallel: {type(sub).__name__} has no sequence_parallel_parameters() "
+                    "(the parameters its norm and finish use; see oases.schedule.protocol)"
+                )
             for p in get():
                 if p.requires_grad:
                     found[id(p)] = p
@@ -229,6 +256,6 @@ def _sum_over_group(params: list[torch.Tensor], before: list[Optional[torch.Tens
         if p.grad is None:
             continue
         count = p.grad.numel()
-        summed = flat[offset: offset + count].view_as(p.grad)
+        summed = flat[offset : offset + count].view_as(p.grad)
         p.grad.copy_(summed if b is None else b + summed)
         offset += count

@@ -1,4 +1,5 @@
 """`train_step`: a step's sub-batch programs built and interleaved (oases.schedule.runtime)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,12 +35,24 @@ from oases.schedule.table import (
 
 __all__ = ["train_step"]
 
-def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, loss_sum: LossSum,
-               normalizer: float, comm: Communicator, schedule: str = "oases",
-               sub_batches: Optional[int] = None, sequence_parallel: bool = False,
-               dropout_seed: Optional[int] = None, attention_mask: Optional[torch.Tensor] = None,
-               memory: Optional[RecomputeMemory] = None, offload: Optional[Offloader] = None,
-               recompute: Recompute = True) -> torch.Tensor:
+
+def train_step(
+    stack: Stack,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    loss_sum: LossSum,
+    normalizer: float,
+    comm: Communicator,
+    schedule: str = "oases",
+    sub_batches: Optional[int] = None,
+    sequence_parallel: bool = False,
+    dropout_seed: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    memory: Optional[RecomputeMemory] = None,
+    offload: Optional[Offloader] = None,
+    recompute: Recompute = True,
+) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
     ::
@@ -71,13 +84,22 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     (oases.schedule.selective): no GEMM twice, less memory than False, the same gradients.
     Checks run before any communication, so a bad argument raises on every rank alike.
     """
-    parts = check_step(input_ids, labels, schedule=schedule, sub_batches=sub_batches,
-                       sequence_parallel=sequence_parallel, attention_mask=attention_mask,
-                       world_size=comm.world_size, recompute=recompute, offload=offload is not None)
+    parts = check_step(
+        input_ids,
+        labels,
+        schedule=schedule,
+        sub_batches=sub_batches,
+        sequence_parallel=sequence_parallel,
+        attention_mask=attention_mask,
+        world_size=comm.world_size,
+        recompute=recompute,
+        offload=offload is not None,
+    )
     sched, batch = SCHEDULES[schedule], input_ids.shape[0]
     if recompute is not True:  # per sublayer, from the kept graphs
-        sched = dataclasses.replace(sched, fine_grained_recompute=True, recompute=False,
-                                    selective=recompute == RECOMPUTE_SELECTIVE)
+        sched = dataclasses.replace(
+            sched, fine_grained_recompute=True, recompute=False, selective=recompute == RECOMPUTE_SELECTIVE
+        )
     get_placements = getattr(stack, "layer_placements", None)
     placements = get_placements() if get_placements is not None else None
     check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
@@ -86,8 +108,20 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
         raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
     if placements is not None:
         refuse_with_degrees("offload", offload, fix="pass offload=None")
-        return _train_step_placed(stack, placements, input_ids, labels, loss_sum, normalizer, sched, parts,
-                                  comm, dropout_seed, attention_mask, memory)
+        return _train_step_placed(
+            stack,
+            placements,
+            input_ids,
+            labels,
+            loss_sum,
+            normalizer,
+            sched,
+            parts,
+            comm,
+            dropout_seed,
+            attention_mask,
+            memory,
+        )
     program, extra = _program, ()
     if sequence_parallel:
         params = _sequence_parallel_parameters(stack)
@@ -96,10 +130,18 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
         threaded = sched.fine_grained_recompute and comm.has_thread
         program, extra = (_program_sp_fine if threaded else _program_sp), (rank,)
     programs = [
-        program(stack, input_ids[r], labels[r],
-                SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                loss_sum, normalizer, sched, comm,
-                _RecomputeInputs(memory) if offload is None else _OffloadedRecomputeInputs(offload, k), *extra)
+        program(
+            stack,
+            input_ids[r],
+            labels[r],
+            SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+            loss_sum,
+            normalizer,
+            sched,
+            comm,
+            _RecomputeInputs(memory) if offload is None else _OffloadedRecomputeInputs(offload, k),
+            *extra,
+        )
         for k, r in enumerate(split_rows(batch, parts))
     ]
     if offload is not None:
@@ -112,10 +154,20 @@ def train_step(stack: Stack, input_ids: torch.Tensor, labels: torch.Tensor, *, l
     return loss
 
 
-def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, labels, loss_sum: LossSum,
-                       normalizer: float, sched: Schedule, parts: int, comm: Communicator,
-                       dropout_seed: Optional[int], attention_mask: Optional[torch.Tensor],
-                       memory: RecomputeMemory) -> torch.Tensor:
+def _train_step_placed(
+    stack: Stack,
+    placements: LayerPlacements,
+    input_ids,
+    labels,
+    loss_sum: LossSum,
+    normalizer: float,
+    sched: Schedule,
+    parts: int,
+    comm: Communicator,
+    dropout_seed: Optional[int],
+    attention_mask: Optional[torch.Tensor],
+    memory: RecomputeMemory,
+) -> torch.Tensor:
     """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
     layer on its own communicator; the replicas' gradient sums started as layers finish."""
     batch = input_ids.shape[0]
@@ -124,9 +176,18 @@ def _train_step_placed(stack: Stack, placements: LayerPlacements, input_ids, lab
         placed.begin()
         try:
             programs = [
-                _program(stack, input_ids[r], labels[r],
-                         SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
-                         loss_sum, normalizer, sched, comm, _RecomputeInputs(memory), placed)
+                _program(
+                    stack,
+                    input_ids[r],
+                    labels[r],
+                    SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                    loss_sum,
+                    normalizer,
+                    sched,
+                    comm,
+                    _RecomputeInputs(memory),
+                    placed,
+                )
                 for r in split_rows(batch, parts)
             ]
             loss = sum(interleave(programs)) / normalizer

@@ -15,6 +15,7 @@ Llama or GPT):
 programs that run them: oases.schedule.programs (and .sequence_parallel); the step that
 interleaves them: oases.schedule.step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,16 @@ from oases import _checks
 from oases._rows import split_rows
 from oases.offload import OffloadStack
 
-__all__ = ["SCHEDULES", "Schedule", "MAX_SUB_BATCHES", "Recompute", "RecomputeMemory", "LossSum", "split_rows",
-           "check_step"]
+__all__ = [
+    "SCHEDULES",
+    "Schedule",
+    "MAX_SUB_BATCHES",
+    "Recompute",
+    "RecomputeMemory",
+    "LossSum",
+    "split_rows",
+    "check_step",
+]
 
 MAX_SUB_BATCHES = 8
 
@@ -51,12 +60,15 @@ class Schedule:
     selective: bool = False  # with recompute False: the kept graphs save only GEMM and attention outputs
 
 
-SCHEDULES: Mapping[str, Schedule] = MappingProxyType({
-    "megatron": Schedule(sub_batches=1, fine_grained_recompute=False, pass_barriers=False),
-    "merak": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=True),
-    "cross_pass": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=False),
-    "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
-})
+SCHEDULES: Mapping[str, Schedule] = MappingProxyType(
+    {
+        "megatron": Schedule(sub_batches=1, fine_grained_recompute=False, pass_barriers=False),
+        "merak": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=True),
+        "cross_pass": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=False),
+        "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
+    }
+)
+
 
 @dataclass
 class RecomputeMemory:
@@ -98,36 +110,56 @@ class _OffloadedRecomputeInputs(OffloadStack):
 LossSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def check_step(input_ids: torch.Tensor, labels: torch.Tensor, *, schedule: str, sub_batches: Optional[int],
-               sequence_parallel: bool, attention_mask: Optional[torch.Tensor], world_size: int,
-               recompute: Recompute = True, offload: bool = False) -> int:
+def check_step(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    schedule: str,
+    sub_batches: Optional[int],
+    sequence_parallel: bool,
+    attention_mask: Optional[torch.Tensor],
+    world_size: int,
+    recompute: Recompute = True,
+    offload: bool = False,
+) -> int:
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
     if not isinstance(recompute, bool) and recompute != RECOMPUTE_SELECTIVE:
         raise TypeError(f"recompute: expected True, False or {RECOMPUTE_SELECTIVE!r}, got {recompute!r}")
     if recompute is not True and sequence_parallel:
-        raise ValueError(f"recompute={recompute!r}: not with sequence_parallel (its sublayers are recomputed "
-                         "from their sequence slices); pass recompute=True")
+        raise ValueError(
+            f"recompute={recompute!r}: not with sequence_parallel (its sublayers are recomputed "
+            "from their sequence slices); pass recompute=True"
+        )
     if recompute is not True and offload:
-        raise ValueError(f"recompute={recompute!r}: not with offload (it moves the inputs kept for "
-                         "recomputation); pass recompute=True")
+        raise ValueError(
+            f"recompute={recompute!r}: not with offload (it moves the inputs kept for "
+            "recomputation); pass recompute=True"
+        )
     _checks.one_of("schedule", schedule, SCHEDULES)
     parts = SCHEDULES[schedule].sub_batches if sub_batches is None else sub_batches
     if not _checks.is_int(parts) or not 1 <= parts <= MAX_SUB_BATCHES:
-        raise ValueError(f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
-                         f"own), got {sub_batches!r}")
+        raise ValueError(
+            f"sub_batches: expected an int in 1..{MAX_SUB_BATCHES} (or None for the schedule's "
+            f"own), got {sub_batches!r}"
+        )
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [batch, seq], got shape {tuple(input_ids.shape)}")
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids' {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' "
-                         f"{tuple(input_ids.shape)}")
+        raise ValueError(
+            f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' {tuple(input_ids.shape)}"
+        )
     batch = input_ids.shape[0]
     if batch < parts:
-        raise ValueError(f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
-                         f"batch size {batch} (use at least {parts}, or fewer sub_batches)")
+        raise ValueError(
+            f"input_ids: schedule {schedule!r} splits the batch into {parts} sub-batches; got "
+            f"batch size {batch} (use at least {parts}, or fewer sub_batches)"
+        )
     if sequence_parallel and input_ids.shape[1] % world_size:
-        raise ValueError(f"input_ids: sequence_parallel splits the sequence over {world_size} ranks; got "
-                         f"length {input_ids.shape[1]} (pad it to a multiple of {world_size})")
+        raise ValueError(
+            f"input_ids: sequence_parallel splits the sequence over {world_size} ranks; got "
+            f"length {input_ids.shape[1]} (pad it to a multiple of {world_size})"
+        )
     return parts
