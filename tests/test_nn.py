@@ -271,7 +271,7 @@ def _check_layers(rank, p):
 def _check_shared_entry(rank, p):
     """Column layers sharing one input entry (as parallelize builds them) stay correct when the
     input changes grad mode, and run under inference mode."""
-    from oases.nn.layers import _SharedEntry
+    from oases.nn._shared_entry import _SharedEntry
 
     torch.manual_seed(5)
     q, k = ColumnParallelLinear(H, FFN), ColumnParallelLinear(H, FFN)

@@ -16,8 +16,9 @@ import torch.nn as nn
 from oases.degrees import LayerDegrees
 from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
+from oases.nn._layer_args import is_conv1d
+from oases.nn._shared_entry import _SharedEntry
 from oases.nn._styles import ResolvedPlan, matches
-from oases.nn.layers import _SharedEntry, is_conv1d
 
 __all__ = [
     "Groups",

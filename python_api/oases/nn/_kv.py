@@ -30,8 +30,8 @@ import torch.nn as nn
 from oases import comm as _comm
 from oases.comm._topology import ring_of
 from oases.nn import _heads
+from oases.nn._layer_args import is_conv1d
 from oases.nn._parts import HEAD_PROJECTIONS
-from oases.nn.layers import is_conv1d
 
 __all__ = ["KV_PROJECTIONS", "copies", "plan_replicas", "replica_groups"]
 

@@ -46,9 +46,10 @@ import torch.nn as nn
 
 from oases.comm._topology import ring_of
 from oases.nn import _mappings
+from oases.nn._layer_args import is_conv1d
 from oases.nn._mappings import copy_to_tp, grad_on_lead, reduce_from_tp
 from oases.nn.experts import ParallelExperts, check_experts, is_fused_experts
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["find_experts", "check_blocks", "make_region"]
 

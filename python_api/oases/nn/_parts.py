@@ -37,8 +37,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from oases.nn._layer_args import is_conv1d
 from oases.nn.experts import is_experts, is_fused_experts
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, is_conv1d
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "HEAD_PROJECTIONS",

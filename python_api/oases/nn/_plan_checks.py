@@ -17,10 +17,10 @@ from oases import _checks
 from oases.degrees import find_layer_degrees, refuse_with_degrees
 from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
+from oases.nn._layer_args import check_shardable, is_conv1d
 from oases.nn._materialize import is_on_meta
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn._styles import ResolvedPlan, Style, features, matches
-from oases.nn.layers import check_shardable, is_conv1d
 from oases.nn.vocab import check_embedding, check_vocab
 
 __all__ = ["check_model", "check_arguments", "check_degree_plan", "check_plan"]

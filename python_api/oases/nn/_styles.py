@@ -19,8 +19,10 @@ from typing import Callable, Iterator, Optional
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases.nn._layer_args import is_conv1d
+from oases.nn._shared_entry import _SharedEntry
 from oases.nn.experts import ParallelExperts
-from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, _SharedEntry, is_conv1d
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding
 
 __all__ = ["Style", "parse_style", "ResolvedPlan", "matches", "features", "place", "vocab_entries"]

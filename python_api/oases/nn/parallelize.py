@@ -174,12 +174,12 @@ from oases.degrees import KNOWN_LAYERS
 from oases.inputs import watch_inputs
 from oases.nn._apply import hook_degrees, localize_heads, make_groups, make_moe_regions, shard_modules, warn_unplaced
 from oases.nn._heads import PER_RANK_ATTRIBUTES
+from oases.nn._layer_args import is_conv1d
 from oases.nn._materialize import materialize
 from oases.nn._moe import find_experts
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn._plan_checks import check_arguments, check_degree_plan, check_model, check_plan
 from oases.nn._styles import ResolvedPlan, Style, parse_style, place, vocab_entries
-from oases.nn.layers import is_conv1d
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "KNOWN_LAYERS", "PER_RANK_ATTRIBUTES"]
 
