@@ -23,9 +23,10 @@ import warnings
 from types import MappingProxyType
 
 from oases.offload.engine import CopyEngine, CopyEvent
+from oases.offload.handle import OffloadHandle, OffloadState
 from oases.offload.hooks import offload_saved_tensors
 from oases.offload.lifo import OffloadStack
-from oases.offload.offloader import Offloader, OffloadHandle, OffloadState, OffloadStats
+from oases.offload.offloader import Offloader, OffloadStats
 from oases.offload.slab import ALIGNMENT, HostSlab, SlabTooSmallError
 
 __all__ = [

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from oases import _checks
-from oases.offload.offloader import Offloader, OffloadHandle, OffloadState
+from oases.offload.handle import OffloadHandle, OffloadState
+from oases.offload.offloader import Offloader
 
 __all__ = ["offload_saved_tensors"]
 

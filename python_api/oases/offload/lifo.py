@@ -24,7 +24,8 @@ from typing import Hashable, Optional
 import torch
 
 from oases import _checks
-from oases.offload.offloader import Offloader, OffloadHandle, OffloadState
+from oases.offload.handle import OffloadHandle, OffloadState
+from oases.offload.offloader import Offloader
 
 __all__ = ["OffloadStack"]
 
