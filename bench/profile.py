@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from bench._report import Table, save_figure, write_json
 from oases.models import GPTConfig
-from oases.models.gpt import _MLP, _Attention  # the GPT's own sublayers: the planner models exactly these
+from oases.models._gpt_sublayers import _MLP, _Attention  # the GPT's own sublayers: the planner models exactly these
 from oases.planner.profile import PROFILE_FORMAT, PROFILE_VERSION, LinkFit
 from oases.schedule import SubBatch
 
