@@ -9,7 +9,7 @@ batch, and FOLD3D's rules (oases.planner.fold3d: choose_segments, dp_overlap_rat
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,31 @@ from oases.pipeline.stages import Stage
 from oases.planner.fold3d import choose_segments, dp_overlap_ratio
 from oases.schedule import SubBatch
 
-__all__ = ["measure", "choose"]
+if TYPE_CHECKING:
+    from oases.pipeline._execute import Step
+    from oases.pipeline.pipeline import Pipeline
+
+__all__ = ["retune", "measure", "choose"]
+
+
+def retune(pipe: Pipeline, step: Step) -> tuple[dict[str, float], tuple[int, float]]:
+    """(the times measured on the step's largest micro-batch, (segments, dp_overlap_ratio) chosen from
+    them for the "auto" arguments): what a Pipeline's first train_step reconfigures by."""
+    # the largest micro-batch (split_rows puts the larger ones last), as before the split was shared
+    measured = measure(
+        pipe.stage, pipe.sync, pipe.comm, step.micro[-1][0], step.shapes[-1], step.dtype, pipe._layers // pipe.pp
+    )
+    chosen = choose(
+        measured,
+        layers=pipe._layers,
+        pp=pipe.pp,
+        micro_batches=pipe.micro_batches,
+        segments=pipe.segments,
+        ratio=pipe.dp_overlap_ratio,
+        auto=pipe._auto,
+        shared_at=pipe.stage.shared_at,
+    )
+    return measured, chosen
 
 
 def measure(

@@ -1,11 +1,11 @@
 """A Pipeline's argument checks: every check that needs no model (`check_arguments`, local, so every rank
 raises the same error before any communication), those of the built model's device and the mesh's
-backend, and those of a train_step's batch."""
+backend, and those of a train_step's batch; and the default optimizer (`_sgd`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,11 @@ from oases.pipeline.schedules import SCHEDULES
 __all__ = ["MESH_DIMS", "Checked", "check_arguments", "mesh_device", "model_device", "check_backend", "check_batch"]
 
 MESH_DIMS = ("dp", "pp", "tp")
+
+
+def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Pipeline's default optimizer (its `optimizer` argument): one segment's SGD with lr=0.1."""
+    return torch.optim.SGD(params, lr=0.1)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from oases.schedule import SubBatch
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
 
-__all__ = ["Step", "split", "run", "post_recv", "post_lazy", "action_marks"]
+__all__ = ["Step", "split", "run_actions", "run", "post_recv", "post_lazy", "action_marks"]
 
 
 @dataclass
@@ -101,6 +101,25 @@ def _embed(pipe: Pipeline, step: Step, i: int) -> Optional[torch.Tensor]:
     tokens = step.micro[i][0]
     x, step.ctx[i] = pipe.stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))
     return x if pipe.layout.is_first(0) else None
+
+
+def run_actions(pipe: Pipeline, step: Step) -> None:
+    """Every action of the step in order (pipe._run each, profiled by kind): the receive each one
+    waits for posted one action ahead, segment k's pending update applied (and stage 0's lazy
+    receives posted) before its first forward, its DP sync launched after its last backward; then
+    every send waited for."""
+    post_recv(pipe, 0, step)  # receives are posted in the order they are waited for
+    for j, action in enumerate(pipe.actions):
+        if pipe._first_forward[action.segment] == j:
+            pipe._apply_update(action.segment)
+            post_lazy(pipe, action.segment, step)
+        post_recv(pipe, j + 1, step)  # PPComm: the next action's input is on its way meanwhile
+        with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
+            pipe._run(action, step)
+        if j in pipe._last_backward:  # DPComm: this segment's gradients are final
+            pipe.sync.launch(pipe._last_backward[j])
+            pipe._update_pending.add(pipe._last_backward[j])
+    pipe.comm.wait_sends()
 
 
 def run(pipe: Pipeline, action: Action, step: Step) -> None:

@@ -119,6 +119,7 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
         check the WHOLE model's keys (if strict) and unsharded shapes against it   # every rank alike
         apply pending updates (a collective over dp, only if one is pending)
         oases.load_pretrained(_held(pipe), path, strict=False)   # this rank's boxes of its tensors
+        zero: each optimizer's fp32 masters of 16-bit parameters start from the loaded values
 
     Returns the whole model's (missing_keys, unexpected_keys). Raises FileNotFoundError /
     ValueError before anything is read, on every rank alike."""
@@ -135,6 +136,9 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
     _check(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
     _apply_pending(pipe)
     _load_pretrained(_held(pipe), path, strict=False)
+    if pipe.zero:
+        for optimizer in pipe.optimizers:
+            optimizer.sync_masters()
     return _IncompatibleKeys([k for k in expected if k not in given], [k for k in stored if k not in expected])
 
 

@@ -20,7 +20,7 @@ from oases.pipeline.zero_sync import ZeroSegmentSync
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
 
-__all__ = ["make_optimizers", "sync_parameters", "make_sync", "apply_update", "sum_tied"]
+__all__ = ["make_optimizers", "sync_parameters", "make_sync", "apply_update", "sum_tied", "sync_segment"]
 
 
 def make_optimizers(
@@ -130,3 +130,24 @@ def sum_tied(pipe: Pipeline) -> None:
     if pipe._tied and pipe._tied_group is not None:
         sum_copies(pipe._tied, pipe._tied_group)
         pipe.sync.launch(pipe.segments)
+
+
+def sync_segment(pipe: Pipeline, segment: int) -> None:
+    """Pipeline.sync_segment: sum segment `segment`'s gradients over dp now, blocking (a tied
+    copy's summed with the other copy's first); RuntimeError with zero=True or while the last
+    train_step's own sync of the segment is pending."""
+    if pipe.zero:
+        raise RuntimeError(
+            "sync_segment: with zero=True gradients are reduce-scattered into each dp rank's "
+            "optimizer rows (train_step does it); there is no in-place sum"
+        )
+    if segment in pipe._update_pending:
+        raise RuntimeError(
+            f"sync_segment({segment}): the last train_step already syncs this segment's "
+            "gradients; call state_dict() or close() to finish it first"
+        )
+    pipe.sync.launch(segment)
+    pipe.sync.wait(segment)
+    if segment == pipe._tied_home:
+        sum_tied(pipe)
+        pipe.sync.wait(pipe.segments)

@@ -81,14 +81,14 @@ from oases.inputs import CheckMode, agree_mesh_inputs
 from oases.models.gpt import GPTConfig
 from oases.offload import Offloader, OffloadStats
 from oases.pipeline import _execute, _storage
-from oases.pipeline._autotune import choose, measure
+from oases.pipeline._autotune import retune
 from oases.pipeline._build import build
-from oases.pipeline._config import MESH_DIMS, check_arguments, check_batch, mesh_device, model_device
+from oases.pipeline._config import MESH_DIMS, _sgd, check_arguments, check_batch, mesh_device, model_device
 from oases.pipeline._config import check_backend as _check_backend
 from oases.pipeline._execute import Step, action_marks
 from oases.pipeline._hierarchy import dp_host_groups, hierarchy_is_faster
 from oases.pipeline._layout import check_layers
-from oases.pipeline._updates import apply_update, make_optimizers, make_sync, sum_tied, sync_parameters
+from oases.pipeline._updates import apply_update, make_optimizers, make_sync, sum_tied, sync_parameters, sync_segment
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import CHUNK_BYTES
 from oases.pipeline.p2p import StageComm, make_links
@@ -99,10 +99,6 @@ from oases.pipeline.tied import pair_group
 __all__ = ["Pipeline"]
 
 _BUCKET_NUMEL = 1 << 22  # elements per flat gradient bucket of the DP sync (16 MiB in fp32)
-
-
-def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
 
 
 class Pipeline:
@@ -325,18 +321,7 @@ class Pipeline:
         if self.offloader is not None:
             self.offloader.begin_step()
         try:
-            _execute.post_recv(self, 0, step)  # receives are posted in the order they are waited for
-            for j, action in enumerate(self.actions):
-                if self._first_forward[action.segment] == j:
-                    self._apply_update(action.segment)
-                    _execute.post_lazy(self, action.segment, step)
-                _execute.post_recv(self, j + 1, step)  # PPComm: the next action's input is on its way meanwhile
-                with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
-                    self._run(action, step)
-                if j in self._last_backward:  # DPComm: this segment's gradients are final
-                    self.sync.launch(self._last_backward[j])
-                    self._update_pending.add(self._last_backward[j])
-            self.comm.wait_sends()
+            _execute.run_actions(self, step)  # each receive posted one ahead; each segment's DP sync launched
             sum_tied(self)
         except BaseException as error:  # receives may still be posted: the links' order is lost
             self._failed = error
@@ -348,20 +333,7 @@ class Pipeline:
     def _choose(self, step: Step) -> None:
         """segments / dp_overlap_ratio "auto": measure (see the class doc), choose, reconfigure
         (oases.pipeline._autotune)."""
-        # the largest micro-batch (split_rows puts the larger ones last), as before the split was shared
-        self.measured = measure(
-            self.stage, self.sync, self.comm, step.micro[-1][0], step.shapes[-1], step.dtype, self._layers // self.pp
-        )
-        segments, ratio = choose(
-            self.measured,
-            layers=self._layers,
-            pp=self.pp,
-            micro_batches=self.micro_batches,
-            segments=self.segments,
-            ratio=self.dp_overlap_ratio,
-            auto=self._auto,
-            shared_at=self.stage.shared_at,
-        )
+        self.measured, (segments, ratio) = retune(self, step)
         self._auto = {key: False for key in self._auto}
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)
@@ -396,21 +368,7 @@ class Pipeline:
         every rank).
         After a train_step, its own sync of the segment is pending: RuntimeError. With zero=True
         the gradients are reduce-scattered into the optimizers' rows, not summed in place: RuntimeError."""
-        if self.zero:
-            raise RuntimeError(
-                "sync_segment: with zero=True gradients are reduce-scattered into each dp rank's "
-                "optimizer rows (train_step does it); there is no in-place sum"
-            )
-        if segment in self._update_pending:
-            raise RuntimeError(
-                f"sync_segment({segment}): the last train_step already syncs this segment's "
-                "gradients; call state_dict() or close() to finish it first"
-            )
-        self.sync.launch(segment)
-        self.sync.wait(segment)
-        if segment == self._tied_home:
-            sum_tied(self)
-            self.sync.wait(self.segments)
+        sync_segment(self, segment)
 
     def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Sum of the last stage's micro-batch losses over dp, broadcast over pp to every stage."""
@@ -449,11 +407,7 @@ class Pipeline:
         """Fill the tensors this rank holds from a Hugging Face safetensors directory (each rank reads
         only its boxes), checked against the whole model on every rank first; returns the whole
         model's (missing_keys, unexpected_keys). No communication unless an update is pending."""
-        result = _storage.load_pretrained(self, path, strict=strict)
-        if self.zero:  # fp32 masters of 16-bit parameters start from the loaded values
-            for optimizer in self.optimizers:
-                optimizer.sync_masters()
-        return result
+        return _storage.load_pretrained(self, path, strict=strict)
 
     def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30) -> None:
         """Write the unsharded model as a Hugging Face directory: rank 0 writes, each stage sends its
