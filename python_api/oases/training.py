@@ -31,6 +31,7 @@ from oases.offload import Offloader
 from oases.schedule import Communicator, Recompute, RecomputeMemory, Stack, check_step
 from oases.schedule import train_step as _run_schedule
 from oases.schedule.placed import check_placements
+from oases.schedule.protocol import LayerPlacements
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -199,40 +200,14 @@ def train_step(
         )
     model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
-    get_placements = getattr(stack, "layer_placements", None)
-    if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
-        raise ValueError(
-            f"tp_degrees: oases.train_step runs per-layer tp_degrees on oases.models.GPT, Hugging Face "
-            f"causal LMs and stacks with layer_placements(), not yet on {type(stack).__name__}; train "
-            f"it with loss = model(...) then loss.backward()"
-        )
-    per_layer = getattr(model, "tp_degrees", None) is not None  # GPT or parallelize(..., tp_degrees=...)
-    placements = None
-    if not per_layer and get_placements is not None:  # a user's stack may have them (GPT without: None)
-        placements = get_placements()
-        per_layer = placements is not None
+    per_layer, placements = _per_layer(model, stack)
     if per_layer:  # local checks first: an HF model's placements are made (collectively) after check_step
         refuse_with_degrees("sequence_parallel", sequence_parallel)
         refuse_with_degrees("comm", comm)
         refuse_with_degrees("offload", offload)
     if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable()
-    tp = Communicator(None, 1) if per_layer else _tp_communicator(model)  # per layer: unused (the layers' own)
-    if comm is None and tp is None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(
-                f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
-                "comm=oases.schedule.Communicator(tp_group, tp_group.size())"
-            )
-        tp = Communicator(None, 1)
-    owned = comm is None and not isinstance(getattr(model, "comm", None), Communicator)  # made for this call
-    if comm is None:
-        comm = tp
-    elif tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
-        raise ValueError(
-            f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
-            f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)"
-        )
+    comm, owned = _step_communicator(model, comm, per_layer)
     input_ids, labels, attention_mask = agree_step_inputs(
         model, comm, check_inputs, input_ids=input_ids, labels=labels, attention_mask=attention_mask
     )
@@ -253,22 +228,14 @@ def train_step(
         offload=offload is not False and offload is not None,
     )  # before step_seed's broadcast
     if per_layer and placements is None:
-        placements = get_placements()  # an HF model's first step makes its groups: every rank alike
+        placements = stack.layer_placements()  # an HF model's first step makes its groups: every rank alike
         if placements is None:
             raise ValueError(
                 f"tp_degrees: {type(stack).__name__}.layer_placements() returned None for a model with "
                 f"per-layer tp_degrees"
             )
     check_placements(placements, input_ids.shape[0], parts, sequence_parallel=sequence_parallel)
-    if loss_fn is None:
-        group = getattr(stack, "logits_group", None)
-        vocab_size = getattr(stack, "vocab_size", None)  # V of a padded vocabulary-parallel head
-        normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-        def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return causal_lm_loss_sum(logits, labels, group, vocab_size)
-    else:
-        loss_sum, normalizer = loss_fn, int((labels != IGNORE_INDEX).sum())
+    loss_sum, normalizer = _loss(stack, labels, loss_fn)
     offloader = _offloader(model, offload)
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
@@ -296,6 +263,67 @@ def train_step(
     if owned:
         comm.close()  # its thread, if it started one (not after a failure: a ring may never finish)
     return loss
+
+
+def _per_layer(model: object, stack: Stack) -> tuple[bool, Optional[LayerPlacements]]:
+    """(whether the model has per-layer TP degrees, its placements where they exist already): GPT's
+    and parallelize(..., tp_degrees=...)'s are per layer (a Hugging Face model makes its placements,
+    collectively, at its first step), a user's stack is where layer_placements() returns some.
+    ValueError for tp_degrees on a stack without layer_placements()."""
+    get_placements = getattr(stack, "layer_placements", None)
+    if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
+        raise ValueError(
+            f"tp_degrees: oases.train_step runs per-layer tp_degrees on oases.models.GPT, Hugging Face "
+            f"causal LMs and stacks with layer_placements(), not yet on {type(stack).__name__}; train "
+            f"it with loss = model(...) then loss.backward()"
+        )
+    if getattr(model, "tp_degrees", None) is not None:  # GPT or parallelize(..., tp_degrees=...)
+        return True, None
+    placements = None
+    if get_placements is not None:  # a user's stack may have them (GPT without: None)
+        placements = get_placements()
+    return placements is not None, placements
+
+
+def _step_communicator(model: object, comm: Optional[Communicator], per_layer: bool) -> tuple[Communicator, bool]:
+    """(the Communicator the step runs on, whether it was made for this call): `comm`, checked to be
+    on the model's TP group, else the model's own or a new one on that group (per layer: one of size
+    1, unused: the layers' own). ValueError for a `comm` on another group, or none given for a model
+    that is not an nn.Module on more than one rank."""
+    tp = Communicator(None, 1) if per_layer else _tp_communicator(model)  # per layer: unused (the layers' own)
+    if comm is None and tp is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(
+                f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
+                "comm=oases.schedule.Communicator(tp_group, tp_group.size())"
+            )
+        tp = Communicator(None, 1)
+    owned = comm is None and not isinstance(getattr(model, "comm", None), Communicator)  # made for this call
+    if comm is None:
+        return tp, owned
+    if tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
+        raise ValueError(
+            f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
+            f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)"
+        )
+    return comm, owned
+
+
+def _loss(
+    stack: Stack, labels: torch.Tensor, loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int]:
+    """(loss_sum, normalizer) of a step: the causal-LM loss summed (over the stack's vocabulary-parallel
+    logits group, if any) and the labels[:, 1:] != -100 count, or `loss_fn` and the labels != -100 count."""
+    if loss_fn is not None:
+        return loss_fn, int((labels != IGNORE_INDEX).sum())
+    group = getattr(stack, "logits_group", None)
+    vocab_size = getattr(stack, "vocab_size", None)  # V of a padded vocabulary-parallel head
+    normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss_sum(logits, labels, group, vocab_size)
+
+    return loss_sum, normalizer
 
 
 def _offloader(model: object, offload: Union[bool, Offloader]) -> Optional[Offloader]:
