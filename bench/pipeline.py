@@ -387,18 +387,21 @@ def run(args, ctx) -> list[dict]:
     def call(name: str) -> Callable[[], None]:
         def fn() -> None:
             probes[name].reset()
+            start = time.perf_counter()
             with OtherThreadsCPU() as other:
                 for _ in range(args.steps):
                     pipes[name].train_step(tokens, targets)
                 pipes[name].close()
+            wall = time.perf_counter() - start
             # other threads' CPU is communication's only where compute runs on this thread alone
             comm_cpu = other.seconds if torch.get_num_threads() == 1 else float("nan")
-            per_call[name].append({**probes[name].figures(), "comm_cpu": comm_cpu})
+            per_call[name].append({**probes[name].figures(), "comm_cpu": comm_cpu, "wall": wall})
 
         return fn
 
     timed = ctx.timer.measure({name: call(name) for name in pipes})
     figures = {name: _median_max(ctx, calls[args.warmup :], 1.0) for name, calls in per_call.items()}
+    by_rank = {name: _medians_by_rank(ctx, calls[args.warmup :], args.steps) for name, calls in per_call.items()}
 
     # References: the whole DP sync of a stage alone (1f1b's buckets), one PP transfer on an idle link.
     base = pipes[BASELINE]
@@ -516,16 +519,32 @@ def run(args, ctx) -> list[dict]:
                 "timeline": timelines[v.name],
             }
         )
-    for r in records:
-        r["gap"] = gap_vs_baseline(r, records[[v.name for v in variants].index(BASELINE)])
+    for r in records:  # one rank's figures each (a sum of MAXes over ranks is no rank's iteration)
+        ranks = by_rank[r["variant"]]
+        critical = max(range(len(ranks)), key=lambda i: ranks[i]["t_iter"])  # the rank that finished last
+        r["by_rank"] = ranks
+        r["gap"] = {"rank": critical, **gap_vs_baseline(ranks[critical], by_rank[BASELINE][critical])}
     return records
+
+
+def _medians_by_rank(ctx, per_call: list[dict[str, float]], steps: int) -> list[dict[str, float]]:
+    """Every rank's medians over its calls, per iteration: t_iter (the call's wall time), dp_exposed,
+    pp_wait, fwd, bwd (an all_gather: every rank gets every rank's)."""
+    keys = {"t_iter": "wall", "dp_exposed": "dp_wait", "pp_wait": "pp_wait", "fwd": "fwd", "bwd": "bwd"}
+    local = torch.tensor(
+        [statistics.median(c[k] for c in per_call) / steps for k in keys.values()], dtype=torch.float64
+    )
+    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, local)
+    return [dict(zip(keys, t.tolist())) for t in gathered]
 
 
 GAP_PARTS = ("dp_exposed", "compute_slowed", "bubble", "rest")
 
 
 def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
-    """Where a variant's iteration stands against the 1f1b pipeline with its DP sync hidden::
+    """Where a variant's iteration stands against the 1f1b pipeline with its DP sync hidden, from
+    one rank's figures (run() takes the rank that finished last)::
 
         ideal          = base.t_iter - base.dp_exposed     # 1f1b's compute and bubbles, no DP wait
         gap            = r.t_iter - ideal
@@ -543,7 +562,7 @@ def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
         "bubble": r["pp_wait"] - base["pp_wait"],
     }
     gap = r["t_iter"] - ideal
-    return {"ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values())}
+    return {"t_iter": r["t_iter"], "ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values())}
 
 
 def tables(records: list[dict]) -> list[Table]:
@@ -618,7 +637,8 @@ def _gap_table(records: list[dict]) -> Table:
     rows = [
         [
             r["variant"],
-            1e3 * r["t_iter"],
+            r["gap"]["rank"],
+            1e3 * r["gap"]["t_iter"],
             1e3 * r["gap"]["ideal"],
             1e3 * r["gap"]["gap"],
             *(1e3 * r["gap"][k] for k in GAP_PARTS),
@@ -629,11 +649,12 @@ def _gap_table(records: list[dict]) -> Table:
     ]
     return Table(
         f"pipeline: where each schedule stands against {BASELINE} with its DP sync hidden (ms/iteration)",
-        ["variant", "t_iter", "ideal", "gap", "DP exposed", "compute slowed", "bubble", "rest", "comm CPU"],
+        ["variant", "rank", "t_iter", "ideal", "gap", "DP exposed", "compute slowed", "bubble", "rest", "comm CPU"],
         rows,
         [
-            f"ideal = {BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed "
-            "+ bubble + rest (bench.pipeline.gap_vs_baseline)",
+            f"one rank's medians (the rank that finished last; {BASELINE}'s on the same rank): ideal = "
+            f"{BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed + bubble + "
+            "rest (bench.pipeline.gap_vs_baseline)",
             f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
             "the transfers share the ranks' cores); bubble: PP receive waits above its; rest: the remainder",
             "comm CPU: CPU time of each rank's other threads (gloo's, the DP and PP schedulers') per "

@@ -513,14 +513,21 @@ def test_pipeline_suite(tmp_path):
         assert r["stage_compute"] == pytest.approx(base["fwd"] + base["bwd"]), name
         assert r["dp_to_compute"] == pytest.approx(r["dp_alone"] / r["stage_compute"]), name
         # against 1f1b with its DP sync hidden: the parts add up to the gap, each from the record's figures
-        gap = r["gap"]
-        assert gap["ideal"] == pytest.approx(base["t_iter"] - base["dp_exposed"]), name
-        assert gap["gap"] == pytest.approx(r["t_iter"] - gap["ideal"]), name
-        assert gap["dp_exposed"] == r["dp_exposed"] and gap["bubble"] == pytest.approx(r["pp_wait"] - base["pp_wait"])
-        assert gap["compute_slowed"] == pytest.approx(r["fwd"] + r["bwd"] - base["fwd"] - base["bwd"]), name
+        # from one rank's figures: the rank that finished last, and 1f1b's on that rank
+        gap, ranks = r["gap"], r["by_rank"]
+        assert len(ranks) == 4 and gap["rank"] == max(range(4), key=lambda i: ranks[i]["t_iter"]), name
+        mine, theirs = ranks[gap["rank"]], base["by_rank"][gap["rank"]]
+        assert mine["t_iter"] <= r["t_iter"] * 1.0001 and gap["t_iter"] == mine["t_iter"], name  # MAX over ranks
+        assert gap["ideal"] == pytest.approx(theirs["t_iter"] - theirs["dp_exposed"]), name
+        assert gap["dp_exposed"] == mine["dp_exposed"], name
+        assert gap["bubble"] == pytest.approx(mine["pp_wait"] - theirs["pp_wait"]), name
+        assert gap["compute_slowed"] == pytest.approx(mine["fwd"] + mine["bwd"] - theirs["fwd"] - theirs["bwd"]), name
         assert sum(gap[k] for k in ("dp_exposed", "compute_slowed", "bubble", "rest")) == pytest.approx(gap["gap"])
+        # what no part names (the optimizer, the step's own Python) is a small share of one rank's iteration
+        assert abs(gap["rest"]) < 0.5 * mine["t_iter"], (name, gap)
         assert math.isfinite(r["comm_cpu"]) and r["comm_cpu"] > 0, name  # gloo's threads did the DP sync
-    assert base["gap"]["gap"] == pytest.approx(base["dp_exposed"]) and base["gap"]["compute_slowed"] == 0
+    assert base["gap"]["gap"] == pytest.approx(base["by_rank"][base["gap"]["rank"]]["dp_exposed"])
+    assert base["gap"]["compute_slowed"] == 0 and base["gap"]["bubble"] == 0
     assert "with its DP sync hidden" in stdout
     with open(doc["files"]["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -23,6 +23,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     (
         "oases._C",
         "oases._checks",
+        "oases._deprecated",
         "oases._rows",
         "oases._leaves",
         "oases._sharding",

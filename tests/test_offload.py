@@ -318,6 +318,15 @@ def test_old_checkpoint_names_warn_and_work():
         from oases.offload import CheckpointStack
     with pytest.raises(AttributeError, match="Checkpoints"):
         offload.Checkpoints  # only the listed names are aliases
+    from oases.offload import lifo, offloader
+
+    for module, old, new in (
+        (offloader, "Checkpoint", "OffloadHandle"),
+        (offloader, "CheckpointState", "OffloadState"),
+        (lifo, "CheckpointStack", "OffloadStack"),
+    ):  # the modules that held them answer too
+        with pytest.warns(DeprecationWarning, match=f"{module.__name__}.{new}"):
+            assert getattr(module, old) is getattr(offload, new)
     off = Offloader(batch=2, engine=CopyEngine("cpu", asynchronous=False))
     off.begin_step()
     stack = CheckpointStack(off, group=0)

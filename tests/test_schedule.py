@@ -200,3 +200,7 @@ def test_checkpoint_memory_is_the_old_name_of_recompute_memory():
     assert CheckpointMemory is RecomputeMemory
     with pytest.raises(AttributeError, match="Checkpoints"):
         schedule.Checkpoints
+    from oases.schedule import table
+
+    with pytest.warns(DeprecationWarning, match="oases.schedule.table.RecomputeMemory"):
+        assert table.CheckpointMemory is RecomputeMemory  # the module that held it answers too

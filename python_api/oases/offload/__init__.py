@@ -19,9 +19,7 @@ Old names, deprecated (they warn and return the new object): `Checkpoint` (now `
 is `OffloadStats.saves`. "Checkpoint" is a training state saved to files (`oases.checkpoint`).
 """
 
-import warnings
-from types import MappingProxyType
-
+from oases._deprecated import renamed
 from oases.offload.engine import CopyEngine, CopyEvent
 from oases.offload.handle import OffloadHandle, OffloadState
 from oases.offload.hooks import offload_saved_tensors
@@ -43,15 +41,9 @@ __all__ = [
     "offload_saved_tensors",
 ]
 
-_DEPRECATED = MappingProxyType(
-    {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"}
+# the old names (a checkpoint is a training state saved to files): they warn
+__getattr__ = renamed(
+    __name__,
+    {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"},
+    globals(),
 )
-
-
-def __getattr__(name: str) -> object:
-    """The old names (PEP 562): warn, and return the object under its new name."""
-    new = _DEPRECATED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"oases.offload.{name} is deprecated: use oases.offload.{new}", DeprecationWarning, stacklevel=2)
-    return globals()[new]

@@ -24,6 +24,7 @@ from typing import Hashable, Optional
 import torch
 
 from oases import _checks
+from oases._deprecated import renamed
 from oases.offload.handle import OffloadHandle, OffloadState
 from oases.offload.offloader import Offloader
 
@@ -87,3 +88,6 @@ class OffloadStack:
                 wanted.append(c)
         if wanted:
             self.offloader.prefetch(wanted)
+
+
+__getattr__ = renamed(__name__, {"CheckpointStack": "OffloadStack"}, globals())  # the old names warn

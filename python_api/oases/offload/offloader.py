@@ -37,6 +37,7 @@ from typing import Hashable, Iterable, Optional
 import torch
 
 from oases import _checks
+from oases._deprecated import renamed
 from oases.offload.engine import CopyEngine
 from oases.offload.handle import OffloadHandle, OffloadState, _Record
 from oases.offload.slab import _UNBOUNDED, ALIGNMENT, HostSlab, _FirstFit, _round_up
@@ -380,3 +381,8 @@ class Offloader:
         if self._owned:
             for engine in self._engines.values():
                 engine.close()
+
+
+__getattr__ = renamed(
+    __name__, {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState"}, globals()
+)  # the old names warn

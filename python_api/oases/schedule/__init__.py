@@ -15,8 +15,7 @@ or builds that for a parallelized model and calls `train_step` here.
 training state saved to files: oases.checkpoint).
 """
 
-import warnings
-
+from oases._deprecated import renamed
 from oases.schedule.protocol import Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 from oases.schedule.step import train_step
@@ -48,13 +47,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    """The old name (PEP 562): warn, and return RecomputeMemory."""
-    if name != "CheckpointMemory":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        "oases.schedule.CheckpointMemory is deprecated: use oases.schedule.RecomputeMemory",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return RecomputeMemory
+__getattr__ = renamed(__name__, {"CheckpointMemory": "RecomputeMemory"}, globals())  # the old name warns

@@ -25,6 +25,7 @@ from typing import Callable, Literal, Mapping, Optional, Union
 import torch
 
 from oases import _checks
+from oases._deprecated import renamed
 from oases._rows import split_rows
 from oases.offload import OffloadStack
 
@@ -163,3 +164,6 @@ def check_step(
             f"length {input_ids.shape[1]} (pad it to a multiple of {world_size})"
         )
     return parts
+
+
+__getattr__ = renamed(__name__, {"CheckpointMemory": "RecomputeMemory"}, globals())  # the old names warn
