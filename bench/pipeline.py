@@ -530,7 +530,14 @@ def run(args, ctx) -> list[dict]:
 def _medians_by_rank(ctx, per_call: list[dict[str, float]], steps: int) -> list[dict[str, float]]:
     """Every rank's medians over its calls, per iteration: t_iter (the call's wall time), dp_exposed,
     pp_wait, fwd, bwd (an all_gather: every rank gets every rank's)."""
-    keys = {"t_iter": "wall", "dp_exposed": "dp_wait", "pp_wait": "pp_wait", "fwd": "fwd", "bwd": "bwd"}
+    keys = {
+        "t_iter": "wall",
+        "dp_exposed": "dp_wait",
+        "pp_wait": "pp_wait",
+        "fwd": "fwd",
+        "bwd": "bwd",
+        "comm_cpu": "comm_cpu",
+    }
     local = torch.tensor(
         [statistics.median(c[k] for c in per_call) / steps for k in keys.values()], dtype=torch.float64
     )
@@ -642,7 +649,9 @@ def _gap_table(records: list[dict]) -> Table:
             1e3 * r["gap"]["ideal"],
             1e3 * r["gap"]["gap"],
             *(1e3 * r["gap"][k] for k in GAP_PARTS),
-            None if r["comm_cpu"] is None else 1e3 * r["comm_cpu"],
+            None
+            if math.isnan(r["by_rank"][r["gap"]["rank"]]["comm_cpu"])
+            else 1e3 * r["by_rank"][r["gap"]["rank"]]["comm_cpu"],
         ]
         for r in records
         if r["variant"] != BASELINE
@@ -657,8 +666,8 @@ def _gap_table(records: list[dict]) -> Table:
             "rest (bench.pipeline.gap_vs_baseline)",
             f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
             "the transfers share the ranks' cores); bubble: PP receive waits above its; rest: the remainder",
-            "comm CPU: CPU time of each rank's other threads (gloo's, the DP and PP schedulers') per "
-            "iteration, MAX over ranks (n/a with intra-op threads > 1: they compute too)",
+            "comm CPU: CPU time of that rank's other threads (gloo's, the DP and PP schedulers') per iteration "
+            "(n/a with intra-op threads > 1: they compute too); every figure is that rank's median of its own",
         ],
     )
 

@@ -325,7 +325,7 @@ def test_old_checkpoint_names_warn_and_work():
         (offloader, "CheckpointState", "OffloadState"),
         (lifo, "CheckpointStack", "OffloadStack"),
     ):  # the modules that held them answer too
-        with pytest.warns(DeprecationWarning, match=f"{module.__name__}.{new}"):
+        with pytest.warns(DeprecationWarning, match=f"{module.__name__}.{old} is deprecated: use oases.offload.{new}"):
             assert getattr(module, old) is getattr(offload, new)
     off = Offloader(batch=2, engine=CopyEngine("cpu", asynchronous=False))
     off.begin_step()

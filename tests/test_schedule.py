@@ -202,5 +202,7 @@ def test_checkpoint_memory_is_the_old_name_of_recompute_memory():
         schedule.Checkpoints
     from oases.schedule import table
 
-    with pytest.warns(DeprecationWarning, match="oases.schedule.table.RecomputeMemory"):
+    with pytest.warns(
+        DeprecationWarning, match="table.CheckpointMemory is deprecated: use oases.schedule.RecomputeMemory"
+    ):
         assert table.CheckpointMemory is RecomputeMemory  # the module that held it answers too

@@ -19,7 +19,7 @@ Old names, deprecated (they warn and return the new object): `Checkpoint` (now `
 is `OffloadStats.saves`. "Checkpoint" is a training state saved to files (`oases.checkpoint`).
 """
 
-from oases._deprecated import renamed
+from oases._deprecated import renamed as _renamed
 from oases.offload.engine import CopyEngine, CopyEvent
 from oases.offload.handle import OffloadHandle, OffloadState
 from oases.offload.hooks import offload_saved_tensors
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # the old names (a checkpoint is a training state saved to files): they warn
-__getattr__ = renamed(
+__getattr__ = _renamed(
     __name__,
     {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState", "CheckpointStack": "OffloadStack"},
     globals(),

@@ -24,7 +24,7 @@ from typing import Hashable, Optional
 import torch
 
 from oases import _checks
-from oases._deprecated import renamed
+from oases._deprecated import renamed as _renamed
 from oases.offload.handle import OffloadHandle, OffloadState
 from oases.offload.offloader import Offloader
 
@@ -90,4 +90,6 @@ class OffloadStack:
             self.offloader.prefetch(wanted)
 
 
-__getattr__ = renamed(__name__, {"CheckpointStack": "OffloadStack"}, globals())  # the old names warn
+__getattr__ = _renamed(
+    __name__, {"CheckpointStack": "OffloadStack"}, globals(), public="oases.offload"
+)  # the old names warn

@@ -37,7 +37,7 @@ from typing import Hashable, Iterable, Optional
 import torch
 
 from oases import _checks
-from oases._deprecated import renamed
+from oases._deprecated import renamed as _renamed
 from oases.offload.engine import CopyEngine
 from oases.offload.handle import OffloadHandle, OffloadState, _Record
 from oases.offload.slab import _UNBOUNDED, ALIGNMENT, HostSlab, _FirstFit, _round_up
@@ -383,6 +383,6 @@ class Offloader:
                 engine.close()
 
 
-__getattr__ = renamed(
-    __name__, {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState"}, globals()
+__getattr__ = _renamed(
+    __name__, {"Checkpoint": "OffloadHandle", "CheckpointState": "OffloadState"}, globals(), public="oases.offload"
 )  # the old names warn

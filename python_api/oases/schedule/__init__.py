@@ -15,7 +15,7 @@ or builds that for a parallelized model and calls `train_step` here.
 training state saved to files: oases.checkpoint).
 """
 
-from oases._deprecated import renamed
+from oases._deprecated import renamed as _renamed
 from oases.schedule.protocol import Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 from oases.schedule.step import train_step
@@ -47,4 +47,4 @@ __all__ = [
 ]
 
 
-__getattr__ = renamed(__name__, {"CheckpointMemory": "RecomputeMemory"}, globals())  # the old name warns
+__getattr__ = _renamed(__name__, {"CheckpointMemory": "RecomputeMemory"}, globals())  # the old name warns

@@ -25,7 +25,7 @@ from typing import Callable, Literal, Mapping, Optional, Union
 import torch
 
 from oases import _checks
-from oases._deprecated import renamed
+from oases._deprecated import renamed as _renamed
 from oases._rows import split_rows
 from oases.offload import OffloadStack
 
@@ -166,4 +166,6 @@ def check_step(
     return parts
 
 
-__getattr__ = renamed(__name__, {"CheckpointMemory": "RecomputeMemory"}, globals())  # the old names warn
+__getattr__ = _renamed(
+    __name__, {"CheckpointMemory": "RecomputeMemory"}, globals(), public="oases.schedule"
+)  # the old names warn
