@@ -560,8 +560,9 @@ def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
         bubble         = r.pp_wait - base.pp_wait          # waits for PP receives, more or fewer
         rest           = gap - the three above             # optimizer, hooks, the medians' mismatch
 
-    compute_slowed is what the machine adds where the transfers take CPU from the compute (ranks
-    and gloo's threads sharing the cores); comm_cpu (the other threads' CPU time) is beside it."""
+    compute_slowed includes what the machine adds where the transfers take CPU from the compute
+    (ranks and gloo's threads sharing the cores) and the timing's noise (schedules that overlap no
+    more than 1f1b read tens of ms either way); comm_cpu (the other threads' CPU time) is beside it."""
     ideal = base["t_iter"] - base["dp_exposed"]
     parts = {
         "dp_exposed": r["dp_exposed"],
