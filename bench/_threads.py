@@ -1,8 +1,12 @@
-"""CPU time of this process's threads other than the caller's: what communication costs the cores.
+"""What the cores gave a step: the other threads' CPU time, and the calling thread's time on a CPU
+and waiting for one.
 
     with OtherThreadsCPU() as other:
         step()
     other.seconds   # user + system CPU seconds the other threads (gloo's, a communicator's) used
+
+    on_cpu, queued = thread_schedstat()   # the calling thread's seconds so far (Linux), or None
+    thread_queued()                       # the second alone (NaN without schedstat)
 
 The process's CPU time (all its threads, ended ones included) minus the calling thread's own, over
 the block. On a machine where compute keeps every core busy, this is CPU time the compute could
@@ -11,8 +15,11 @@ not have: the transfers' own cost to the cores, which no schedule hides.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
 
 
 class OtherThreadsCPU:
@@ -28,3 +35,23 @@ class OtherThreadsCPU:
     def __exit__(self, *exc) -> None:
         process, own = time.process_time() - self._process, time.thread_time() - self._own
         self.seconds = max(process - own, 0.0)
+
+
+def thread_schedstat() -> Optional[tuple[float, float]]:
+    """(seconds on a CPU, seconds runnable but waiting for a CPU) of the calling thread since it
+    started, from Linux's /proc/thread-self/schedstat (run time, run-queue wait, time slices; in
+    ns); None where the kernel gives no schedstat. A thread is at each moment on a CPU, queued for
+    one, or blocked (sleeping, e.g. in a wait): the queued time is what sharing the cores with other
+    threads and processes cost it, measured by the scheduler itself."""
+    try:
+        with open(_SCHEDSTAT) as f:
+            on_cpu, queued = f.read().split()[:2]
+        return int(on_cpu) * 1e-9, int(queued) * 1e-9
+    except (OSError, ValueError):
+        return None
+
+
+def thread_queued() -> float:
+    """The calling thread's run-queue wait so far in seconds (thread_schedstat; NaN without it)."""
+    sched = thread_schedstat()
+    return math.nan if sched is None else sched[1]

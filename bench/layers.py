@@ -64,6 +64,7 @@ import argparse
 import contextlib
 import copy
 import ctypes
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ import torch.nn.functional as F
 from bench import _metrics
 from bench._peers import CollectiveLog, agree
 from bench._report import Table, save_figure
-from bench._threads import OtherThreadsCPU
+from bench._threads import OtherThreadsCPU, thread_queued
 from bench._trace import IN_FLIGHT
 from oases.costs.link import LinkFit
 from oases.inputs import agree_inputs
@@ -468,15 +469,16 @@ def run(args, ctx) -> list[dict]:
     link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
     for name, step in case.ours.items():
         comm = case.comms[name]
+        queued_alone = _queued_in(_dry(step, comm))  # compute alone: the other ranks' compute only
         comm.reset()
-        busy_before = time.perf_counter()
+        busy_before, queued = time.perf_counter(), thread_queued()
         with (
             _traced_waits(ctx, name),
             comm.recording() if link is not None else contextlib.nullcontext() as log,
             OtherThreadsCPU() as comm_cpu,
         ):
             step()
-        step_s, waited = time.perf_counter() - busy_before, comm.waited
+        step_s, waited, queued = time.perf_counter() - busy_before, comm.waited, thread_queued() - queued
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
         # MIN over ranks of the busy share (host time: on CUDA, waits do not block the host)
         busy = -ctx.timer.max_over_ranks(torch.tensor([waited / step_s - 1.0], dtype=torch.float64))
@@ -505,7 +507,9 @@ def run(args, ctx) -> list[dict]:
         records[-1]["exposure"] = (
             None
             if link is None
-            else _exposure(ctx, name, log, waited, step_s, compute[name].median, link, transfers_cpu)
+            else _exposure(
+                ctx, name, log, waited, step_s, compute[name].median, link, transfers_cpu, queued - queued_alone
+            )
         )
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
@@ -560,8 +564,23 @@ def _exposure_link(ctx) -> Optional[LinkFit]:
     return LinkFit.from_samples(samples)
 
 
+def _queued_in(fn: Callable[[], object]) -> float:
+    """The calling thread's run-queue wait during fn() (NaN without schedstat)."""
+    before = thread_queued()
+    fn()
+    return thread_queued() - before
+
+
 def _exposure(
-    ctx, name: str, log, waited: float, step_s: float, t_compute: float, link: LinkFit, comm_cpu_s: Optional[float]
+    ctx,
+    name: str,
+    log,
+    waited: float,
+    step_s: float,
+    t_compute: float,
+    link: LinkFit,
+    comm_cpu_s: Optional[float],
+    queued_s: float,
 ) -> dict:
     """The recorded step's waits split by cause (oases.schedule.exposure) for the rank that
     waited most. `recorded`: its waits on asynchronous all-reduces, which the causes add up to;
@@ -571,20 +590,23 @@ def _exposure(
     when small). `comm_cpu`: the CPU seconds that rank's other threads (gloo's, the communicator's)
     used during the step (bench._threads; None where those threads also compute: intra-op threads
     > 1, or sequence parallelism's communicator thread): the transfers' own cost to the cores
-    the compute runs on, one measured part of what slows it. The in-flight interval of every
-    all-reduce goes to the trace (tid IN_FLIGHT)."""
+    the compute runs on, one measured part of what slows it. `queued`: the main thread's time ready
+    to run but waiting for a core (Linux schedstat) in the step, minus the same in one step of
+    compute alone (`queued_s`; None without schedstat): the other part, the cores the transfers
+    (gloo's threads, the kernel's network work) took from the compute, as the scheduler counted it.
+    The in-flight interval of every all-reduce goes to the trace (tid IN_FLIGHT)."""
     logs = gather_logs(log, ctx.group)
     for r in log.records:
         if r.ended is not None:
             ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
     per_rank = attribute(logs, link)
     figures = torch.tensor(
-        [waited, step_s, log.waited, -1.0 if comm_cpu_s is None else comm_cpu_s], dtype=torch.float64
+        [waited, step_s, log.waited, -1.0 if comm_cpu_s is None else comm_cpu_s, queued_s], dtype=torch.float64
     )
     gathered = [torch.zeros_like(figures) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, figures, group=ctx.group)
     rank = max(range(ctx.world_size), key=lambda r: float(gathered[r][0]))
-    waited_r, step_r, recorded_r, comm_cpu_r = (float(v) for v in gathered[rank])
+    waited_r, step_r, recorded_r, comm_cpu_r, queued_r = (float(v) for v in gathered[rank])
     causes = per_rank[rank]
     by_phase: dict[str, float] = {}  # that rank's recorded waits per pass (forward, recompute, backward)
     for r in logs[rank]:
@@ -599,6 +621,7 @@ def _exposure(
         "unattributed": waited_r - recorded_r,
         "compute_slowed": step_r - waited_r - t_compute,
         "comm_cpu": None if comm_cpu_r < 0 else comm_cpu_r,
+        "queued": None if math.isnan(queued_r) else queued_r,
         "link": {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s},
     }
 
@@ -713,6 +736,7 @@ def _exposure_table(records: list[dict]) -> list[Table]:
                 1e3 * e["unattributed"],
                 1e3 * e["compute_slowed"],
                 None if e.get("comm_cpu") is None else 1e3 * e["comm_cpu"],
+                None if e.get("queued") is None else 1e3 * e["queued"],
                 " / ".join(f"{1e3 * phases.get(p, 0.0):.0f}" for p in ("forward", "recompute", "backward")),
             ]
         )
@@ -721,7 +745,17 @@ def _exposure_table(records: list[dict]) -> list[Table]:
     return [
         Table(
             "layers: where the waits went (ms; one recorded step, the rank that waited most)",
-            ["schedule", "step", "waited", *CAUSES, "ring steps", "compute slowed", "comm CPU", "fwd / recomp / bwd"],
+            [
+                "schedule",
+                "step",
+                "waited",
+                *CAUSES,
+                "ring steps",
+                "compute slowed",
+                "comm CPU",
+                "queued",
+                "fwd / recomp / bwd",
+            ],
             rows,
             [
                 "waited = dependency + issue order + latency + bandwidth + interference + host + ring steps "
@@ -735,6 +769,9 @@ def _exposure_table(records: list[dict]) -> list[Table]:
                 "comm CPU = CPU time that rank's other threads (gloo's, the communicator's) used in the step: "
                 "the transfers' own cost to the cores the compute needs (on a CPU run every core computes), "
                 "which overlap cannot hide",
+                "queued = the time that rank's main thread was ready to run but waited for a core (Linux "
+                "schedstat), minus the same in a step of compute alone: the cores the transfers (gloo's threads, "
+                "the kernel's network work) took from the compute, as the scheduler counted it",
                 "fwd / recomp / bwd = the recorded waits by the pass of their all-reduce",
             ],
         )

@@ -78,7 +78,7 @@ import torch.distributed as dist
 
 from bench import _metrics
 from bench._report import Table
-from bench._threads import OtherThreadsCPU
+from bench._threads import OtherThreadsCPU, thread_queued
 from bench._trace import COMM, COMPUTE, DP, OP
 from oases.models import GPTConfig
 from oases.pipeline import Pipeline
@@ -145,6 +145,13 @@ def _variants(layers: int) -> list[_Variant]:
     return out
 
 
+# Timed parts of the main thread's time outside actions and waits ("host"), wall seconds:
+# the optimizers' steps, the wait for the step's PP sends, launching DP buckets, the step's loss
+# summed over the mesh at its end (blocking collectives: the ranks meet there), ending the
+# scheduler's threads in close(); the rest of host is the input check and Python between them.
+HOST_PARTS = ("optimizer", "send_wait", "dp_launch", "loss_sum", "threads_close")
+
+
 @dataclass
 class _Probe:
     """Observes one Pipeline through its public objects: what the main thread waits for, the
@@ -156,10 +163,13 @@ class _Probe:
     pp_wait: float = 0.0
     fwd: float = 0.0
     bwd: float = 0.0
+    host: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PARTS, 0.0))  # wall, see HOST_PARTS
+    queued_compute: float = 0.0  # the main thread's run-queue wait inside fwd and bwd (thread_schedstat)
     tracing: bool = False
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)  # (row, name, start, stop)
     transfers: list[Any] = field(default_factory=list)
     _recv_end: float = 0.0
+    _recv_end_queued: float = 0.0
 
     def __post_init__(self) -> None:
         pipe = self.pipe
@@ -183,6 +193,7 @@ class _Probe:
             start = time.perf_counter()
             out = recv(*args, **kwargs)
             stop = self._recv_end = time.perf_counter()
+            self._recv_end_queued = thread_queued()
             self.pp_wait += stop - start
             if self.tracing:
                 self.spans.append(("pp", f"recv wait {args[0][0]}", start, stop))
@@ -204,10 +215,12 @@ class _Probe:
             return out
 
         def timed_run(action, step) -> None:  # pipe._run: no public per-action hook yet
-            start = time.perf_counter()
+            start, queued = time.perf_counter(), thread_queued()
             run(action, step)
             stop = time.perf_counter()
-            begin = max(start, self._recv_end)  # compute starts once the input has arrived
+            received = self._recv_end > start
+            begin = self._recv_end if received else start  # compute starts once the input has arrived
+            self.queued_compute += thread_queued() - (self._recv_end_queued if received else queued)
             if action.kind == "F":
                 self.fwd += stop - begin
             else:
@@ -215,11 +228,29 @@ class _Probe:
             if self.tracing:
                 self.spans.append(("compute", repr(action), begin, stop))
 
+        def timed(fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+            def timed_fn(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.host[part] += time.perf_counter() - start
+
+            return timed_fn
+
         pipe.sync.wait, pipe.comm.recv, pipe.scheduler.track = timed_wait, timed_recv, traced_track
         pipe.scheduler.all_reduce, pipe._run = traced_all_reduce, timed_run
+        for opt in pipe.optimizers:  # the segments' optimizers (built once "auto" has chosen)
+            opt.step = timed(opt.step, "optimizer")
+        pipe.comm.wait_sends = timed(pipe.comm.wait_sends, "send_wait")
+        pipe.sync.launch = timed(pipe.sync.launch, "dp_launch")
+        pipe.sync.launch_deferred = timed(pipe.sync.launch_deferred, "dp_launch")
+        pipe.scheduler.close = timed(pipe.scheduler.close, "threads_close")
+        pipe._global_loss = timed(pipe._global_loss, "loss_sum")  # no public hook: an attribute, as _run
 
     def reset(self) -> None:
-        self.dp_wait = self.pp_wait = self.fwd = self.bwd = 0.0
+        self.dp_wait = self.pp_wait = self.fwd = self.bwd = self.queued_compute = 0.0
+        self.host = dict.fromkeys(HOST_PARTS, 0.0)
         self.pipe.scheduler.reset_counters()
 
     def figures(self) -> dict[str, float]:
@@ -231,6 +262,8 @@ class _Probe:
             "pp_wait": self.pp_wait,
             "fwd": self.fwd,
             "bwd": self.bwd,
+            **self.host,
+            "queued_compute": self.queued_compute,
             "send_latency": lat["send"],
             "recv_latency": lat["recv"],
             "deferred": float(s.deferred_chunks),
@@ -387,21 +420,23 @@ def run(args, ctx) -> list[dict]:
     def call(name: str) -> Callable[[], None]:
         def fn() -> None:
             probes[name].reset()
-            start = time.perf_counter()
+            queued, start = thread_queued(), time.perf_counter()
             with OtherThreadsCPU() as other:
                 for _ in range(args.steps):
                     pipes[name].train_step(tokens, targets)
                 pipes[name].close()
-            wall = time.perf_counter() - start
+            wall, queued = time.perf_counter() - start, thread_queued() - queued
             # other threads' CPU is communication's only where compute runs on this thread alone
             comm_cpu = other.seconds if torch.get_num_threads() == 1 else float("nan")
-            per_call[name].append({**probes[name].figures(), "comm_cpu": comm_cpu, "wall": wall})
+            f = probes[name].figures()
+            host = wall - f["dp_wait"] - f["pp_wait"] - f["fwd"] - f["bwd"]  # outside every timed region
+            per_call[name].append({**f, "comm_cpu": comm_cpu, "wall": wall, "host": host, "queued": queued})
 
         return fn
 
     timed = ctx.timer.measure({name: call(name) for name in pipes})
     figures = {name: _median_max(ctx, calls[args.warmup :], 1.0) for name, calls in per_call.items()}
-    by_rank = {name: _medians_by_rank(ctx, calls[args.warmup :], args.steps) for name, calls in per_call.items()}
+    by_rank = {name: _median_call_by_rank(ctx, calls[args.warmup :], args.steps) for name, calls in per_call.items()}
 
     # References: the whole DP sync of a stage alone (1f1b's buckets), one PP transfer on an idle link.
     base = pipes[BASELINE]
@@ -527,50 +562,74 @@ def run(args, ctx) -> list[dict]:
     return records
 
 
-def _medians_by_rank(ctx, per_call: list[dict[str, float]], steps: int) -> list[dict[str, float]]:
-    """Every rank's medians over its calls, per iteration: t_iter (the call's wall time), dp_exposed,
-    pp_wait, fwd, bwd (an all_gather: every rank gets every rank's)."""
+def _median_call_by_rank(ctx, per_call: list[dict[str, float]], steps: int) -> list[dict[str, float]]:
+    """Every rank's median call (the call of median wall time, the lower one of an even count),
+    all its figures per iteration: t_iter (its wall time), dp_exposed, pp_wait, fwd, bwd, host
+    (the call's time outside them) and its HOST_PARTS, queued (the main thread's run-queue wait in
+    the call), queued_compute (its part inside fwd + bwd), comm_cpu; one call's figures, so that
+    per rank t_iter = dp_exposed + pp_wait + fwd + bwd + host exactly (an all_gather: every rank
+    gets every rank's)."""
     keys = {
         "t_iter": "wall",
         "dp_exposed": "dp_wait",
         "pp_wait": "pp_wait",
         "fwd": "fwd",
         "bwd": "bwd",
+        "host": "host",
+        **{k: k for k in HOST_PARTS},
+        "queued": "queued",
+        "queued_compute": "queued_compute",
         "comm_cpu": "comm_cpu",
     }
-    local = torch.tensor(
-        [statistics.median(c[k] for c in per_call) / steps for k in keys.values()], dtype=torch.float64
-    )
+    ordered = sorted(per_call, key=lambda c: c["wall"])
+    median = ordered[(len(ordered) - 1) // 2]
+    local = torch.tensor([median[k] / steps for k in keys.values()], dtype=torch.float64)
     gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, local)
     return [dict(zip(keys, t.tolist())) for t in gathered]
 
 
-GAP_PARTS = ("dp_exposed", "compute_slowed", "bubble", "rest")
+GAP_PARTS = ("dp_exposed", "compute_slowed", "bubble", "loss_sum", "host_timed", "rest")
 
 
 def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
     """Where a variant's iteration stands against the 1f1b pipeline with its DP sync hidden, from
-    one rank's figures (run() takes the rank that finished last)::
+    one rank's median call (run() takes the rank that finished last)::
 
         ideal          = base.t_iter - base.dp_exposed     # 1f1b's compute and bubbles, no DP wait
         gap            = r.t_iter - ideal
         dp_exposed     = r.dp_exposed                      # the DP sync the schedule did not hide
         compute_slowed = (r.fwd + r.bwd) - (base.fwd + base.bwd)   # its compute, longer beside DP
         bubble         = r.pp_wait - base.pp_wait          # waits for PP receives, more or fewer
-        rest           = gap - the three above             # optimizer, hooks, the medians' mismatch
+        loss_sum       = r.loss_sum - base.loss_sum        # the step's end: the loss summed over the
+                                                           #   mesh, where a rank waits for the others
+        host_timed     = the same difference of optimizer + send_wait + dp_launch + threads_close
+        rest           = gap - the five above              # the untimed host time: the input check,
+                                                           #   Python between the timed regions
+        queued         = r.queued - base.queued            # of all of the above: the main thread
+        queued_compute = r.queued_compute - base.queued_compute  # runnable, waiting for a core
+        (and each HOST_PARTS' difference alone)
 
-    compute_slowed includes what the machine adds where the transfers take CPU from the compute
-    (ranks and gloo's threads sharing the cores) and the timing's noise (schedules that overlap no
-    more than 1f1b read tens of ms either way); comm_cpu (the other threads' CPU time) is beside it."""
+    Per call, t_iter = dp_exposed + pp_wait + fwd + bwd + host exactly, and host = HOST_PARTS +
+    the untimed rest: every part but the rest is timed. `queued` is the machine's part, measured
+    by the kernel (Linux schedstat): time this rank's main thread was ready to run but every core
+    was taken (ranks and gloo's threads sharing the cores); it lies inside compute_slowed
+    (queued_compute) and the other parts. The rest of compute_slowed is the same compute running
+    slower on its core (caches and memory shared with the transfers) and the timing's noise (a
+    call against another: schedules that overlap no more than 1f1b read tens of ms either way);
+    comm_cpu (the other threads' CPU) is beside it."""
     ideal = base["t_iter"] - base["dp_exposed"]
+    timed = ("optimizer", "send_wait", "dp_launch", "threads_close")
     parts = {
         "dp_exposed": r["dp_exposed"],
         "compute_slowed": (r["fwd"] + r["bwd"]) - (base["fwd"] + base["bwd"]),
         "bubble": r["pp_wait"] - base["pp_wait"],
+        "loss_sum": r["loss_sum"] - base["loss_sum"],
+        "host_timed": sum(r[k] - base[k] for k in timed),
     }
     gap = r["t_iter"] - ideal
-    return {"t_iter": r["t_iter"], "ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values())}
+    within = {k: r[k] - base[k] for k in ("queued", "queued_compute", *timed)}
+    return {"t_iter": r["t_iter"], "ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values()), **within}
 
 
 def tables(records: list[dict]) -> list[Table]:
@@ -642,6 +701,10 @@ def tables(records: list[dict]) -> list[Table]:
 
 def _gap_table(records: list[dict]) -> Table:
     """Each variant against 1f1b with its DP sync hidden (gap_vs_baseline), ms per iteration."""
+
+    def ms(v: float) -> Optional[float]:
+        return None if math.isnan(v) else 1e3 * v
+
     rows = [
         [
             r["variant"],
@@ -650,23 +713,43 @@ def _gap_table(records: list[dict]) -> Table:
             1e3 * r["gap"]["ideal"],
             1e3 * r["gap"]["gap"],
             *(1e3 * r["gap"][k] for k in GAP_PARTS),
-            None
-            if math.isnan(r["by_rank"][r["gap"]["rank"]]["comm_cpu"])
-            else 1e3 * r["by_rank"][r["gap"]["rank"]]["comm_cpu"],
+            ms(r["gap"]["queued"]),
+            ms(r["gap"]["queued_compute"]),
+            ms(r["by_rank"][r["gap"]["rank"]]["comm_cpu"]),
         ]
         for r in records
         if r["variant"] != BASELINE
     ]
     return Table(
         f"pipeline: where each schedule stands against {BASELINE} with its DP sync hidden (ms/iteration)",
-        ["variant", "rank", "t_iter", "ideal", "gap", "DP exposed", "compute slowed", "bubble", "rest", "comm CPU"],
+        [
+            "variant",
+            "rank",
+            "t_iter",
+            "ideal",
+            "gap",
+            "DP exposed",
+            "compute slowed",
+            "bubble",
+            "loss sum",
+            "host timed",
+            "rest",
+            "queued",
+            "in compute",
+            "comm CPU",
+        ],
         rows,
         [
-            f"one rank's medians (the rank that finished last; {BASELINE}'s on the same rank): ideal = "
+            f"one rank's median call (the rank that finished last; {BASELINE}'s on the same rank): ideal = "
             f"{BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed + bubble + "
-            "rest (bench.pipeline.gap_vs_baseline)",
+            "loss sum + host timed + rest (bench.pipeline.gap_vs_baseline), each against its",
             f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
-            "the transfers share the ranks' cores); bubble: PP receive waits above its; rest: the remainder",
+            "the transfers share the ranks' cores); bubble: PP receive waits; loss sum: the step's end, where "
+            "the loss is summed over the mesh and a rank waits for the others; host timed: optimizer, the wait "
+            "for PP sends, DP launches, close()'s thread ends; rest: the untimed time (input check, Python)",
+            f"queued: the machine's part: the main thread's time ready to run but waiting for a core (Linux "
+            f"schedstat) above {BASELINE}'s, inside the columns before it; in compute: its part inside "
+            "compute slowed (the rest of that is the compute running slower on its core, and noise)",
             "comm CPU: CPU time of that rank's other threads (gloo's, the DP and PP schedulers') per iteration "
             "(n/a with intra-op threads > 1: they compute too); every figure is that rank's median of its own",
         ],

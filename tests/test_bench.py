@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
 
 from bench import _metrics  # noqa: E402
-from bench.pipeline import scaled_batch  # noqa: E402
+from bench.pipeline import GAP_PARTS, HOST_PARTS, scaled_batch  # noqa: E402
 from oases.schedule.exposure import CAUSES  # noqa: E402
 
 WORLD_SIZE = 2
@@ -292,6 +292,8 @@ def test_suite_options_checked_before_ranks_start(tmp_path, monkeypatch, capfd):
 
 def test_layers_suite(tmp_path):
     """The quick layers suite: every schedule and the PyTorch TP peer, with consistent figures."""
+    from bench._threads import thread_schedstat
+
     doc, stdout, _ = _run_suite_on_ranks("layers", tmp_path)
     assert doc["suite"] == "layers" and stdout.count("layers: GPT") == 1
     records = {r["schedule"]: r for r in doc["cases"]}
@@ -318,6 +320,11 @@ def test_layers_suite(tmp_path):
             assert e["comm_cpu"] is None, (name, e)
         else:
             assert e["comm_cpu"] is not None and 0 <= e["comm_cpu"] <= 2 * e["step"], (name, e)
+        # the main thread's wait for a core beside the transfers, over a step of compute alone (schedstat)
+        if thread_schedstat() is None:
+            assert e["queued"] is None, (name, e)
+        else:
+            assert e["queued"] is not None and abs(e["queued"]) < e["step"], (name, e)
 
 
 def test_other_threads_cpu_counts_other_threads_only():
@@ -340,6 +347,42 @@ def test_other_threads_cpu_counts_other_threads_only():
     # (other threads of this process, e.g. a harness's, may use some CPU in both blocks alike)
     assert alone.seconds is not None and other.seconds is not None, (alone.seconds, other.seconds)
     assert other.seconds - alone.seconds >= 0.2 and alone.seconds < 0.2, (alone.seconds, other.seconds)
+
+
+def test_thread_schedstat_counts_time_queued_for_a_cpu():
+    """bench._threads.thread_schedstat: the calling thread's run-queue wait grows while a process on
+    the same CPU competes for it, not while it sleeps; its on-CPU time grows while it spins."""
+    import subprocess
+    import sys
+
+    from bench._threads import thread_schedstat
+
+    if thread_schedstat() is None:
+        pytest.skip("no /proc/thread-self/schedstat on this kernel")
+
+    def spin(seconds):  # `seconds` of wall time on this thread
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    on0, queued0 = thread_schedstat()
+    time.sleep(0.2)  # blocked: neither on a CPU nor queued
+    on1, queued1 = thread_schedstat()
+    assert on1 - on0 < 0.05 and queued1 - queued0 < 0.05, (on1 - on0, queued1 - queued0)
+    os.sched_setaffinity(0, {cpu})  # this thread and a spinning process share one CPU
+    rival = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)  # the rival is running
+        on1, queued1 = thread_schedstat()
+        spin(0.6)
+        on2, queued2 = thread_schedstat()
+    finally:
+        rival.kill()
+        rival.wait()
+        os.sched_setaffinity(0, before)
+    assert queued2 - queued1 > 0.15 and on2 - on1 > 0.15, (on2 - on1, queued2 - queued1)
 
 
 def _check_layers_records(records, peers):
@@ -472,6 +515,11 @@ def test_layers_suite_llama(tmp_path):
 def test_pipeline_suite(tmp_path):
     """The quick pipeline suite on 4 ranks (PP2 x DP2, unshaped): every schedule, same losses,
     consistent figures, a timeline per variant and the trace's compute / PP / DP rows."""
+    from bench._threads import thread_schedstat
+
+    def parts_of(r):
+        return sum(r[k] for k in ("dp_exposed", "pp_wait", "fwd", "bwd", "host"))
+
     doc, stdout, _ = _run_suite_on_ranks("pipeline", tmp_path, nproc=4)
     assert doc["suite"] == "pipeline" and doc["world_size"] == 4 and stdout.count("pipeline: GPT") == 1
     records = {r["variant"]: r for r in doc["cases"]}
@@ -522,8 +570,23 @@ def test_pipeline_suite(tmp_path):
         assert gap["dp_exposed"] == mine["dp_exposed"], name
         assert gap["bubble"] == pytest.approx(mine["pp_wait"] - theirs["pp_wait"]), name
         assert gap["compute_slowed"] == pytest.approx(mine["fwd"] + mine["bwd"] - theirs["fwd"] - theirs["bwd"]), name
-        assert sum(gap[k] for k in ("dp_exposed", "compute_slowed", "bubble", "rest")) == pytest.approx(gap["gap"])
-        assert abs(gap["rest"]) < mine["t_iter"], (name, gap)  # a sanity bound: rest is timing, and noisy
+        assert gap["loss_sum"] == pytest.approx(mine["loss_sum"] - theirs["loss_sum"]), name
+        timed = ("optimizer", "send_wait", "dp_launch", "threads_close")
+        assert gap["host_timed"] == pytest.approx(sum(mine[k] - theirs[k] for k in timed)), name
+        assert sum(gap[k] for k in GAP_PARTS) == pytest.approx(gap["gap"]), name
+        # one call's figures: the parts add up to its wall time, host holds the timed host parts
+        for fig in (mine, theirs):
+            assert parts_of(fig) == pytest.approx(fig["t_iter"]), (name, fig)
+            assert sum(fig[k] for k in HOST_PARTS) <= fig["host"] + 1e-6, (name, fig)
+        untimed = (mine["host"] - sum(mine[k] for k in HOST_PARTS)) - (
+            theirs["host"] - sum(theirs[k] for k in HOST_PARTS)
+        )
+        assert gap["rest"] == pytest.approx(untimed, abs=1e-9), (name, gap)  # rest: only the untimed host time
+        for k in ("queued", "queued_compute", *timed):
+            assert gap[k] == pytest.approx(mine[k] - theirs[k]), (name, k)
+        assert mine["optimizer"] > 0 and 0 < mine["host"] < mine["t_iter"], (name, mine)
+        if thread_schedstat() is not None:  # the kernel's count of the main thread's time queued for a core
+            assert 0 <= mine["queued_compute"] and 0 <= mine["queued"] < mine["t_iter"], (name, mine)
         assert mine["comm_cpu"] > 0, name  # that rank's gloo threads ran its DP sync
         assert math.isfinite(r["comm_cpu"]) and r["comm_cpu"] > 0, name  # gloo's threads did the DP sync
     assert base["gap"]["gap"] == pytest.approx(base["by_rank"][base["gap"]["rank"]]["dp_exposed"])
