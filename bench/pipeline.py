@@ -145,11 +145,12 @@ def _variants(layers: int) -> list[_Variant]:
     return out
 
 
-# Timed parts of the main thread's time outside actions and waits ("host"), wall seconds:
-# the optimizers' steps, the wait for the step's PP sends, launching DP buckets, the step's loss
-# summed over the mesh at its end (blocking collectives: the ranks meet there), ending the
-# scheduler's threads in close(); the rest of host is the input check and Python between them.
-HOST_PARTS = ("optimizer", "send_wait", "dp_launch", "loss_sum", "threads_close")
+# Timed parts of the main thread's time outside actions and waits ("host"), wall seconds: the
+# batch's check over the mesh at a step's start and the loss summed over it at its end (blocking
+# collectives: the ranks meet there), the optimizers' steps, the wait for the step's PP sends,
+# launching DP buckets, ending the scheduler's threads in close(); the rest of host is Python
+# between them.
+HOST_PARTS = ("input_check", "optimizer", "send_wait", "dp_launch", "loss_sum", "threads_close")
 
 
 @dataclass
@@ -246,7 +247,8 @@ class _Probe:
         pipe.sync.launch = timed(pipe.sync.launch, "dp_launch")
         pipe.sync.launch_deferred = timed(pipe.sync.launch_deferred, "dp_launch")
         pipe.scheduler.close = timed(pipe.scheduler.close, "threads_close")
-        pipe._global_loss = timed(pipe._global_loss, "loss_sum")  # no public hook: an attribute, as _run
+        pipe._global_loss = timed(pipe._global_loss, "loss_sum")  # no public hooks: attributes, as _run
+        pipe._agree_inputs = timed(pipe._agree_inputs, "input_check")
 
     def reset(self) -> None:
         self.dp_wait = self.pp_wait = self.fwd = self.bwd = self.queued_compute = 0.0
@@ -589,7 +591,9 @@ def _median_call_by_rank(ctx, per_call: list[dict[str, float]], steps: int) -> l
     return [dict(zip(keys, t.tolist())) for t in gathered]
 
 
-GAP_PARTS = ("dp_exposed", "compute_slowed", "bubble", "loss_sum", "host_timed", "rest")
+GAP_PARTS = ("dp_exposed", "compute_slowed", "bubble", "meeting", "host_timed", "rest")
+_MEETING = ("input_check", "loss_sum")  # HOST_PARTS where the ranks meet (blocking collectives over the mesh)
+_TIMED = ("optimizer", "send_wait", "dp_launch", "threads_close")  # the other HOST_PARTS
 
 
 def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
@@ -601,11 +605,13 @@ def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
         dp_exposed     = r.dp_exposed                      # the DP sync the schedule did not hide
         compute_slowed = (r.fwd + r.bwd) - (base.fwd + base.bwd)   # its compute, longer beside DP
         bubble         = r.pp_wait - base.pp_wait          # waits for PP receives, more or fewer
-        loss_sum       = r.loss_sum - base.loss_sum        # the step's end: the loss summed over the
-                                                           #   mesh, where a rank waits for the others
-        host_timed     = the same difference of optimizer + send_wait + dp_launch + threads_close
-        rest           = gap - the five above              # the untimed host time: the input check,
-                                                           #   Python between the timed regions
+        meeting        = the same difference of input_check + loss_sum   # the batch's check at a
+                                                           #   step's start, the loss's sum at its end:
+                                                           #   collectives where a rank waits for the
+                                                           #   others (and what is queued on the links)
+        host_timed     = the same of optimizer + send_wait + dp_launch + threads_close
+        rest           = gap - the five above              # the untimed host time: Python between
+                                                           #   the timed regions
         queued         = r.queued - base.queued            # of all of the above: the main thread
         queued_compute = r.queued_compute - base.queued_compute  # runnable, waiting for a core
         (and each HOST_PARTS' difference alone)
@@ -619,16 +625,15 @@ def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
     call against another: schedules that overlap no more than 1f1b read tens of ms either way);
     comm_cpu (the other threads' CPU) is beside it."""
     ideal = base["t_iter"] - base["dp_exposed"]
-    timed = ("optimizer", "send_wait", "dp_launch", "threads_close")
     parts = {
         "dp_exposed": r["dp_exposed"],
         "compute_slowed": (r["fwd"] + r["bwd"]) - (base["fwd"] + base["bwd"]),
         "bubble": r["pp_wait"] - base["pp_wait"],
-        "loss_sum": r["loss_sum"] - base["loss_sum"],
-        "host_timed": sum(r[k] - base[k] for k in timed),
+        "meeting": sum(r[k] - base[k] for k in _MEETING),
+        "host_timed": sum(r[k] - base[k] for k in _TIMED),
     }
     gap = r["t_iter"] - ideal
-    within = {k: r[k] - base[k] for k in ("queued", "queued_compute", *timed)}
+    within = {k: r[k] - base[k] for k in ("queued", "queued_compute", *HOST_PARTS)}
     return {"t_iter": r["t_iter"], "ideal": ideal, "gap": gap, **parts, "rest": gap - sum(parts.values()), **within}
 
 
@@ -731,7 +736,7 @@ def _gap_table(records: list[dict]) -> Table:
             "DP exposed",
             "compute slowed",
             "bubble",
-            "loss sum",
+            "meeting",
             "host timed",
             "rest",
             "queued",
@@ -742,11 +747,12 @@ def _gap_table(records: list[dict]) -> Table:
         [
             f"one rank's median call (the rank that finished last; {BASELINE}'s on the same rank): ideal = "
             f"{BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed + bubble + "
-            "loss sum + host timed + rest (bench.pipeline.gap_vs_baseline), each against its",
+            "meeting + host timed + rest (bench.pipeline.gap_vs_baseline), each against its",
             f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
-            "the transfers share the ranks' cores); bubble: PP receive waits; loss sum: the step's end, where "
-            "the loss is summed over the mesh and a rank waits for the others; host timed: optimizer, the wait "
-            "for PP sends, DP launches, close()'s thread ends; rest: the untimed time (input check, Python)",
+            "the transfers share the ranks' cores); bubble: PP receive waits; meeting: the batch's check at a "
+            "step's start and the loss's sum at its end, collectives where a rank waits for the others (and "
+            "for what is queued before them on the links); host timed: optimizer, the wait for PP sends, DP "
+            "launches, close()'s thread ends; rest: the untimed time (Python between them)",
             f"queued: the machine's part: the main thread's time ready to run but waiting for a core (Linux "
             f"schedstat) above {BASELINE}'s, inside the columns before it; in compute: its part inside "
             "compute slowed (the rest of that is the compute running slower on its core, and noise)",

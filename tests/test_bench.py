@@ -570,8 +570,10 @@ def test_pipeline_suite(tmp_path):
         assert gap["dp_exposed"] == mine["dp_exposed"], name
         assert gap["bubble"] == pytest.approx(mine["pp_wait"] - theirs["pp_wait"]), name
         assert gap["compute_slowed"] == pytest.approx(mine["fwd"] + mine["bwd"] - theirs["fwd"] - theirs["bwd"]), name
-        assert gap["loss_sum"] == pytest.approx(mine["loss_sum"] - theirs["loss_sum"]), name
+        meeting = ("input_check", "loss_sum")
+        assert gap["meeting"] == pytest.approx(sum(mine[k] - theirs[k] for k in meeting)), name
         timed = ("optimizer", "send_wait", "dp_launch", "threads_close")
+        assert set(meeting + timed) == set(HOST_PARTS)
         assert gap["host_timed"] == pytest.approx(sum(mine[k] - theirs[k] for k in timed)), name
         assert sum(gap[k] for k in GAP_PARTS) == pytest.approx(gap["gap"]), name
         # one call's figures: the parts add up to its wall time, host holds the timed host parts
@@ -582,9 +584,9 @@ def test_pipeline_suite(tmp_path):
             theirs["host"] - sum(theirs[k] for k in HOST_PARTS)
         )
         assert gap["rest"] == pytest.approx(untimed, abs=1e-9), (name, gap)  # rest: only the untimed host time
-        for k in ("queued", "queued_compute", *timed):
+        for k in ("queued", "queued_compute", *HOST_PARTS):
             assert gap[k] == pytest.approx(mine[k] - theirs[k]), (name, k)
-        assert mine["optimizer"] > 0 and 0 < mine["host"] < mine["t_iter"], (name, mine)
+        assert mine["optimizer"] > 0 and mine["input_check"] > 0 and 0 < mine["host"] < mine["t_iter"], (name, mine)
         if thread_schedstat() is not None:  # the kernel's count of the main thread's time queued for a core
             assert 0 <= mine["queued_compute"] and 0 <= mine["queued"] < mine["t_iter"], (name, mine)
         assert mine["comm_cpu"] > 0, name  # that rank's gloo threads ran its DP sync

@@ -360,6 +360,53 @@ def test_pp_transfer_preempts_dp_chunks():
     assert deferred == 0 and overlapped >= 1 and forced == 0  # its first chunk went beside the receive
 
 
+def _loss_sum_order(rank, world_size):
+    """PP2 x DP2: on the last stage, the loss's all-reduce over dp is issued before any DP sync is
+    launched (else it queues behind their chunks on the same links); every rank returns it."""
+    import oases.pipeline._execute as execute
+
+    events = []
+
+    class _Recording:  # torch.distributed as _execute sees it, its all_reduce recorded
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_reduce(self, *args, **kwargs):
+            events.append("loss_sum")
+            return dist.all_reduce(*args, **kwargs)
+
+    execute.dist = _Recording()
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    got = {}
+    try:
+        for schedule, segments in (("1f1b", 1), ("aiao", 2)):
+            pipe = Pipeline(GPTConfig(**CONFIG, layers=4), mesh, schedule=schedule, segments=segments, seed=SEED)
+            launch = pipe.sync.launch
+            pipe.sync.launch = lambda segment: (events.append("launch"), launch(segment))[1]
+            tokens, targets = _batches(8)[0]
+            events.clear()
+            loss = pipe.train_step(tokens, targets)
+            pipe.close()
+            got[schedule] = (list(events), float(loss))
+    finally:
+        execute.dist = dist
+    return got
+
+
+def test_loss_sum_goes_before_the_dp_syncs():
+    results = run_ranks(_loss_sum_order, 4, timeout=60)
+    for schedule in ("1f1b", "aiao"):
+        losses = {results[r][schedule][1] for r in range(4)}
+        assert len(losses) == 1, (schedule, losses)  # the same loss on every rank
+        for rank in range(4):
+            events = results[rank][schedule][0]
+            assert "launch" in events, (schedule, rank, events)
+            if rank % 2 == 1:  # the last stage (rank = d * pp + s): its loss sum first, once
+                assert events.count("loss_sum") == 1 and events[0] == "loss_sum", (schedule, rank, events)
+            else:
+                assert "loss_sum" not in events, (schedule, rank, events)
+
+
 def _bad_configurations(rank, world_size):
     config = GPTConfig(**CONFIG, layers=4)
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.distributed as dist
 
 from oases._leaves import grad_leaf
 from oases._rows import split_rows
@@ -36,6 +37,7 @@ class Step:
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # offload: (k, i) -> input's gradient
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> output / loss
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
+    loss_sum: Optional[dist.Work] = None  # the loss's sum over dp, started once it is final (see run_actions)
 
 
 def action_marks(actions: list[Action], segments: int) -> tuple[dict, dict[int, int], dict[int, int]]:
@@ -107,7 +109,11 @@ def run_actions(pipe: Pipeline, step: Step) -> None:
     """Every action of the step in order (pipe._run each, profiled by kind): the receive each one
     waits for posted one action ahead, segment k's pending update applied (and stage 0's lazy
     receives posted) before its first forward, its DP sync launched after its last backward; then
-    every send waited for."""
+    every send waited for. On the last stage, the loss's sum over dp starts right after its last
+    forward, before any DP sync is launched: on the same links, it would wait behind their chunks."""
+    last_loss = max(
+        (j for j, a in enumerate(pipe.actions) if a.kind == "F" and pipe.layout.is_last(a.segment)), default=None
+    )
     post_recv(pipe, 0, step)  # receives are posted in the order they are waited for
     for j, action in enumerate(pipe.actions):
         if pipe._first_forward[action.segment] == j:
@@ -116,6 +122,8 @@ def run_actions(pipe: Pipeline, step: Step) -> None:
         post_recv(pipe, j + 1, step)  # PPComm: the next action's input is on its way meanwhile
         with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
             pipe._run(action, step)
+        if j == last_loss and pipe.dp > 1:  # the loss is final: its sum over dp goes ahead of the DP syncs
+            step.loss_sum = dist.all_reduce(step.loss, group=pipe.dp_group, async_op=True)
         if j in pipe._last_backward:  # DPComm: this segment's gradients are final
             pipe.sync.launch(pipe._last_backward[j])
             pipe._update_pending.add(pipe._last_backward[j])

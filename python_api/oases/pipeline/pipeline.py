@@ -303,7 +303,7 @@ class Pipeline:
                 "train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
                 "on the pipeline's links, which match in order; build a new Pipeline"
             ) from self._failed
-        tokens, targets = agree_mesh_inputs(check_inputs, self.comm.device, tokens=tokens, targets=targets)
+        tokens, targets = self._agree_inputs(check_inputs, tokens, targets)
         check_batch(
             tokens,
             targets,
@@ -328,7 +328,14 @@ class Pipeline:
             raise
         if self.offloader is not None:
             self.offload_stats = self.offloader.end_step()  # the first step also sizes its HostSlab
-        return self._global_loss(step.loss)
+        return self._global_loss(step.loss, step.loss_sum)
+
+    def _agree_inputs(
+        self, check_inputs: CheckMode, tokens: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """oases.inputs' check of the batch over the mesh (a collective): an attribute, so that a
+        benchmark may time it."""
+        return agree_mesh_inputs(check_inputs, self.comm.device, tokens=tokens, targets=targets)
 
     def _choose(self, step: Step) -> None:
         """segments / dp_overlap_ratio "auto": measure (see the class doc), choose, reconfigure
@@ -370,10 +377,11 @@ class Pipeline:
         the gradients are reduce-scattered into the optimizers' rows, not summed in place: RuntimeError."""
         sync_segment(self, segment)
 
-    def _global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Sum of the last stage's micro-batch losses over dp, broadcast over pp to every stage."""
-        if self.dp > 1:
-            dist.all_reduce(loss, group=self.dp_group)
+    def _global_loss(self, loss: torch.Tensor, summed: Optional[dist.Work]) -> torch.Tensor:
+        """Sum of the last stage's micro-batch losses over dp (`summed`: that all-reduce, started by
+        run_actions on the last stage; None elsewhere), broadcast over pp to every stage."""
+        if summed is not None:
+            summed.wait()
         if self.pp > 1:
             dist.broadcast(loss, dist.get_global_rank(self.pp_group, self.pp - 1), group=self.pp_group)
         return loss
