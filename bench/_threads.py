@@ -40,15 +40,16 @@ class OtherThreadsCPU:
 def thread_schedstat() -> Optional[tuple[float, float]]:
     """(seconds on a CPU, seconds runnable but waiting for a CPU) of the calling thread since it
     started, from Linux's /proc/thread-self/schedstat (run time, run-queue wait, time slices; in
-    ns); None where the kernel gives no schedstat. A thread is at each moment on a CPU, queued for
+    ns); None where the kernel gives none (or only zeros). A thread is at each moment on a CPU, queued for
     one, or blocked (sleeping, e.g. in a wait): the queued time is what sharing the cores with other
     threads and processes cost it, measured by the scheduler itself."""
     try:
         with open(_SCHEDSTAT) as f:
-            on_cpu, queued = f.read().split()[:2]
-        return int(on_cpu) * 1e-9, int(queued) * 1e-9
+            on_cpu, queued = (int(v) for v in f.read().split()[:2])
     except (OSError, ValueError):
         return None
+    # a kernel without schedstats (and without delay accounting) shows "0 0 0": nothing measured
+    return None if on_cpu == 0 else (on_cpu * 1e-9, queued * 1e-9)
 
 
 def thread_queued() -> float:

@@ -469,7 +469,6 @@ def run(args, ctx) -> list[dict]:
     link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
     for name, step in case.ours.items():
         comm = case.comms[name]
-        queued_alone = _queued_in(_dry(step, comm))  # compute alone: the other ranks' compute only
         comm.reset()
         busy_before, queued = time.perf_counter(), thread_queued()
         with (
@@ -482,6 +481,9 @@ def run(args, ctx) -> list[dict]:
         calls, sent = sum(comm.calls.values()), sum(comm.bytes.values())
         # MIN over ranks of the busy share (host time: on CUDA, waits do not block the host)
         busy = -ctx.timer.max_over_ranks(torch.tensor([waited / step_s - 1.0], dtype=torch.float64))
+        if link is not None:  # the exposure's `queued`: the same in a step of compute alone
+            queued_alone = _queued_in(_dry(step, comm))
+            dist.barrier(group=ctx.group)  # the ranks leave it at different times: meet before the next timing
         p = ctx.world_size  # all-reduces sending as many bytes by ring: 2 (p-1)/p numel*4 each
         replay = torch.zeros(round(sent / max(calls, 1) * p / (2 * max(p - 1, 1)) / 4), device=ctx.device)
         t_comm = ctx.timer.measure({"comm": lambda: [dist.all_reduce(replay) for _ in range(calls)]})["comm"]

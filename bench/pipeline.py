@@ -146,9 +146,10 @@ def _variants(layers: int) -> list[_Variant]:
 
 
 # Timed parts of the main thread's time outside actions and waits ("host"), wall seconds: the
-# batch's check over the mesh at a step's start and the loss summed over it at its end (blocking
-# collectives: the ranks meet there), the optimizers' steps, the wait for the step's PP sends,
-# launching DP buckets, ending the scheduler's threads in close(); the rest of host is Python
+# batch's check over the mesh at a step's start (a collective) and, at its end, the wait for the
+# loss's sum over dp (started after the last stage's last forward) and its broadcast over pp: where
+# the ranks wait for each other; the optimizers' steps, the wait for the step's PP sends,
+# launching DP buckets, ending the scheduler's threads in close(). The rest of host is Python
 # between them.
 HOST_PARTS = ("input_check", "optimizer", "send_wait", "dp_launch", "loss_sum", "threads_close")
 
@@ -171,6 +172,7 @@ class _Probe:
     transfers: list[Any] = field(default_factory=list)
     _recv_end: float = 0.0
     _recv_end_queued: float = 0.0
+    _waiting: bool = False  # inside sync.wait
 
     def __post_init__(self) -> None:
         pipe = self.pipe
@@ -183,8 +185,11 @@ class _Probe:
         )
 
         def timed_wait(segment: int) -> None:
-            start = time.perf_counter()
-            wait(segment)
+            start, self._waiting = time.perf_counter(), True
+            try:
+                wait(segment)  # (launches what was deferred first: dp_wait's, not dp_launch's)
+            finally:
+                self._waiting = False
             stop = time.perf_counter()
             self.dp_wait += stop - start
             if self.tracing and stop - start > 1e-5:
@@ -193,8 +198,8 @@ class _Probe:
         def timed_recv(*args, **kwargs):
             start = time.perf_counter()
             out = recv(*args, **kwargs)
+            self._recv_end_queued = thread_queued()  # (read before the clock: the read is not compute)
             stop = self._recv_end = time.perf_counter()
-            self._recv_end_queued = thread_queued()
             self.pp_wait += stop - start
             if self.tracing:
                 self.spans.append(("pp", f"recv wait {args[0][0]}", start, stop))
@@ -216,7 +221,8 @@ class _Probe:
             return out
 
         def timed_run(action, step) -> None:  # pipe._run: no public per-action hook yet
-            start, queued = time.perf_counter(), thread_queued()
+            queued = thread_queued()
+            start = time.perf_counter()
             run(action, step)
             stop = time.perf_counter()
             received = self._recv_end > start
@@ -231,6 +237,8 @@ class _Probe:
 
         def timed(fn: Callable[..., Any], part: str) -> Callable[..., Any]:
             def timed_fn(*args, **kwargs):
+                if self._waiting:  # inside a timed DP wait: its time is the wait's
+                    return fn(*args, **kwargs)
                 start = time.perf_counter()
                 try:
                     return fn(*args, **kwargs)
@@ -559,9 +567,14 @@ def run(args, ctx) -> list[dict]:
     for r in records:  # one rank's figures each (a sum of MAXes over ranks is no rank's iteration)
         ranks = by_rank[r["variant"]]
         critical = max(range(len(ranks)), key=lambda i: ranks[i]["t_iter"])  # the rank that finished last
-        r["by_rank"] = ranks
-        r["gap"] = {"rank": critical, **gap_vs_baseline(ranks[critical], by_rank[BASELINE][critical])}
+        gap = gap_vs_baseline(ranks[critical], by_rank[BASELINE][critical])
+        r["by_rank"] = [_nan_to_none(f) for f in ranks]  # NaN: not measured (JSON has no NaN)
+        r["gap"] = {"rank": critical, **_nan_to_none(gap)}
     return records
+
+
+def _nan_to_none(figures: dict[str, float]) -> dict[str, Optional[float]]:
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in figures.items()}
 
 
 def _median_call_by_rank(ctx, per_call: list[dict[str, float]], steps: int) -> list[dict[str, float]]:
@@ -606,8 +619,8 @@ def gap_vs_baseline(r: dict, base: dict) -> dict[str, float]:
         compute_slowed = (r.fwd + r.bwd) - (base.fwd + base.bwd)   # its compute, longer beside DP
         bubble         = r.pp_wait - base.pp_wait          # waits for PP receives, more or fewer
         meeting        = the same difference of input_check + loss_sum   # the batch's check at a
-                                                           #   step's start, the loss's sum at its end:
-                                                           #   collectives where a rank waits for the
+                                                           #   step's start, the loss's sum and broadcast
+                                                           #   at its end: where a rank waits for the
                                                            #   others (and what is queued on the links)
         host_timed     = the same of optimizer + send_wait + dp_launch + threads_close
         rest           = gap - the five above              # the untimed host time: Python between
@@ -707,8 +720,8 @@ def tables(records: list[dict]) -> list[Table]:
 def _gap_table(records: list[dict]) -> Table:
     """Each variant against 1f1b with its DP sync hidden (gap_vs_baseline), ms per iteration."""
 
-    def ms(v: float) -> Optional[float]:
-        return None if math.isnan(v) else 1e3 * v
+    def ms(v: Optional[float]) -> Optional[float]:
+        return None if v is None else 1e3 * v
 
     rows = [
         [
@@ -747,17 +760,17 @@ def _gap_table(records: list[dict]) -> Table:
         [
             f"one rank's median call (the rank that finished last; {BASELINE}'s on the same rank): ideal = "
             f"{BASELINE}'s t_iter - its DP exposed; gap = t_iter - ideal = DP exposed + compute slowed + bubble + "
-            "meeting + host timed + rest (bench.pipeline.gap_vs_baseline), each against its",
+            f"meeting + host timed + rest (bench.pipeline.gap_vs_baseline), each part against {BASELINE}'s",
             f"compute slowed: fwd + bwd above {BASELINE}'s (the same compute, run beside the DP sync: on CPU "
             "the transfers share the ranks' cores); bubble: PP receive waits; meeting: the batch's check at a "
-            "step's start and the loss's sum at its end, collectives where a rank waits for the others (and "
+            "step's start and the loss's sum and broadcast at its end, where a rank waits for the others (and "
             "for what is queued before them on the links); host timed: optimizer, the wait for PP sends, DP "
             "launches, close()'s thread ends; rest: the untimed time (Python between them)",
             f"queued: the machine's part: the main thread's time ready to run but waiting for a core (Linux "
             f"schedstat) above {BASELINE}'s, inside the columns before it; in compute: its part inside "
             "compute slowed (the rest of that is the compute running slower on its core, and noise)",
             "comm CPU: CPU time of that rank's other threads (gloo's, the DP and PP schedulers') per iteration "
-            "(n/a with intra-op threads > 1: they compute too); every figure is that rank's median of its own",
+            "(n/a with intra-op threads > 1: they compute too); every figure is from that rank's median call",
         ],
     )
 

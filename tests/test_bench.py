@@ -351,19 +351,12 @@ def test_other_threads_cpu_counts_other_threads_only():
 
 def test_thread_schedstat_counts_time_queued_for_a_cpu():
     """bench._threads.thread_schedstat: the calling thread's run-queue wait grows while a process on
-    the same CPU competes for it, not while it sleeps; its on-CPU time grows while it spins."""
-    import subprocess
-    import sys
-
+    the same CPU competes for it (at least about as much as its own time on the CPU: the two share
+    it, other load only adds), not while it sleeps."""
     from bench._threads import thread_schedstat
 
     if thread_schedstat() is None:
-        pytest.skip("no /proc/thread-self/schedstat on this kernel")
-
-    def spin(seconds):  # `seconds` of wall time on this thread
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+        pytest.skip("no /proc/thread-self/schedstat figures on this kernel")
 
     cpu = min(os.sched_getaffinity(0))
     before = os.sched_getaffinity(0)
@@ -376,13 +369,15 @@ def test_thread_schedstat_counts_time_queued_for_a_cpu():
     try:
         time.sleep(0.3)  # the rival is running
         on1, queued1 = thread_schedstat()
-        spin(0.6)
+        end, deadline = time.thread_time() + 0.2, time.perf_counter() + 10.0
+        while time.thread_time() < end and time.perf_counter() < deadline:  # 0.2 s of this thread's CPU
+            pass
         on2, queued2 = thread_schedstat()
     finally:
         rival.kill()
         rival.wait()
         os.sched_setaffinity(0, before)
-    assert queued2 - queued1 > 0.15 and on2 - on1 > 0.15, (on2 - on1, queued2 - queued1)
+    assert on2 - on1 > 0.1 and queued2 - queued1 > 0.5 * (on2 - on1), (on2 - on1, queued2 - queued1)
 
 
 def _check_layers_records(records, peers):
@@ -584,11 +579,15 @@ def test_pipeline_suite(tmp_path):
             theirs["host"] - sum(theirs[k] for k in HOST_PARTS)
         )
         assert gap["rest"] == pytest.approx(untimed, abs=1e-9), (name, gap)  # rest: only the untimed host time
-        for k in ("queued", "queued_compute", *HOST_PARTS):
+        for k in HOST_PARTS:
             assert gap[k] == pytest.approx(mine[k] - theirs[k]), (name, k)
         assert mine["optimizer"] > 0 and mine["input_check"] > 0 and 0 < mine["host"] < mine["t_iter"], (name, mine)
         if thread_schedstat() is not None:  # the kernel's count of the main thread's time queued for a core
             assert 0 <= mine["queued_compute"] and 0 <= mine["queued"] < mine["t_iter"], (name, mine)
+            for k in ("queued", "queued_compute"):
+                assert gap[k] == pytest.approx(mine[k] - theirs[k]), (name, k)
+        else:  # not measured: None in the JSON
+            assert mine["queued"] is None and gap["queued"] is None, (name, mine, gap)
         assert mine["comm_cpu"] > 0, name  # that rank's gloo threads ran its DP sync
         assert math.isfinite(r["comm_cpu"]) and r["comm_cpu"] > 0, name  # gloo's threads did the DP sync
     assert base["gap"]["gap"] == pytest.approx(base["by_rank"][base["gap"]["rank"]]["dp_exposed"])

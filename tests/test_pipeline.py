@@ -375,12 +375,21 @@ def _loss_sum_order(rank, world_size):
             events.append("loss_sum")
             return dist.all_reduce(*args, **kwargs)
 
+    alone, _ = dist.new_subgroups(group_size=1)
+    want = _golden(4, "sgd", 8, alone)[0][0]  # the single-process loss of the first batch
     execute.dist = _Recording()
     mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     got = {}
     try:
         for schedule, segments in (("1f1b", 1), ("aiao", 2)):
-            pipe = Pipeline(GPTConfig(**CONFIG, layers=4), mesh, schedule=schedule, segments=segments, seed=SEED)
+            pipe = Pipeline(
+                GPTConfig(**CONFIG, layers=4),
+                mesh,
+                schedule=schedule,
+                segments=segments,
+                optimizer=OPTIMIZERS["sgd"],
+                seed=SEED,
+            )
             launch = pipe.sync.launch
             pipe.sync.launch = lambda segment: (events.append("launch"), launch(segment))[1]
             tokens, targets = _batches(8)[0]
@@ -388,6 +397,7 @@ def _loss_sum_order(rank, world_size):
             loss = pipe.train_step(tokens, targets)
             pipe.close()
             got[schedule] = (list(events), float(loss))
+            torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)  # the sum over dp, every stage
     finally:
         execute.dist = dist
     return got

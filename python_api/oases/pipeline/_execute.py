@@ -122,7 +122,11 @@ def run_actions(pipe: Pipeline, step: Step) -> None:
         post_recv(pipe, j + 1, step)  # PPComm: the next action's input is on its way meanwhile
         with torch.profiler.record_function(f"oases::pipeline::{action.kind}"):
             pipe._run(action, step)
-        if j == last_loss and pipe.dp > 1:  # the loss is final: its sum over dp goes ahead of the DP syncs
+        # The loss is final: its sum over dp goes ahead of the DP syncs. The DP thread is idle here in
+        # every schedule of oases.pipeline.schedules (each segment's update, which waits for its sync,
+        # precedes its first forward, and those precede the last stage's last forward), so every dp
+        # rank issues it at the same point of the same sequence of dp collectives.
+        if j == last_loss and pipe.dp > 1:
             step.loss_sum = dist.all_reduce(step.loss, group=pipe.dp_group, async_op=True)
         if j in pipe._last_backward:  # DPComm: this segment's gradients are final
             pipe.sync.launch(pipe._last_backward[j])
