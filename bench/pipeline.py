@@ -59,6 +59,8 @@ Regimes (--regime):
                dp x micro-batches, at most 32 times the start; a second pass from that batch
                refines it. Every variant is then timed at that batch; the passes are in the JSON
                (config.calibration), and the table prints the ratio measured again in the run.
+               A timed call there is 3 train_steps (--steps), so that each DP sync may overlap
+               the next step's forwards as in training (close() exposes the last step's).
 
                    python -m bench pipeline --nproc 4 --bandwidth 500mbit --regime balanced
 """
@@ -90,6 +92,7 @@ _CALIBRATION_WARMUP = 2  # untimed steps per calibration pass
 _CALIBRATION_STEPS = 3  # timed steps (and DP syncs) per calibration pass
 _CALIBRATION_PASSES = 2
 _MAX_BATCH_SCALE = 32  # balanced: the batch grows at most this much over the given one
+_BALANCED_STEPS = 3  # balanced: train_steps per timed call unless --steps says otherwise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="Pipeline(dp_overlap_ratio=...) of every variant (default 1.0: all at once)",
     )
-    parser.add_argument("--steps", type=int, default=1, help="train_steps per timed call (default 1)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="train_steps per timed call (default 1; 3 with --regime balanced, where a DP sync overlaps "
+        "the next step's forwards)",
+    )
     parser.add_argument(
         "--dp-chunk-kib",
         type=int,
@@ -374,6 +383,8 @@ def run(args, ctx) -> list[dict]:
 
     if ctx.world_size % PP:
         raise SystemExit(f"pipeline: needs a multiple of pp = {PP} ranks, got {ctx.world_size}")
+    if args.steps is None:  # balanced: AIAO's syncs overlap the next step's forwards, inside a call only
+        args.steps = _BALANCED_STEPS if args.regime == "balanced" else 1
     dp = ctx.world_size // PP
     sizes = _sizes(args)
     config = GPTConfig(

@@ -552,6 +552,7 @@ def test_pipeline_suite(tmp_path):
     assert _is_time(records["1f1b"]["dp_alone"]) and _is_time(records["1f1b"]["pp_idle"])
     base = records["1f1b"]
     assert base["config"]["regime"] == "given" and base["config"]["calibration"] == []
+    assert base["config"]["steps_per_call"] == 1
     for name, r in records.items():  # the regime the run was in: the stage's DP sync alone / its compute
         assert r["stage_compute"] == pytest.approx(base["fwd"] + base["bwd"]), name
         assert r["dp_to_compute"] == pytest.approx(r["dp_alone"] / r["stage_compute"]), name
@@ -608,6 +609,7 @@ def test_pipeline_balanced_regime(tmp_path):
     records = {r["variant"]: r for r in doc["cases"]}
     config = records["1f1b"]["config"]
     assert config["regime"] == "balanced" and len(config["calibration"]) == 2
+    assert config["steps_per_call"] == 3  # each DP sync may overlap the next step's forwards
     unit, start = config["dp"] * config["micro_batches"], config["calibration"][0]["batch"]
     batch = start
     for step in config["calibration"]:
