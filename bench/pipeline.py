@@ -95,6 +95,13 @@ _MAX_BATCH_SCALE = 32  # balanced: the batch grows at most this much over the gi
 _BALANCED_STEPS = 3  # balanced: train_steps per timed call unless --steps says otherwise
 
 
+def _steps(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None, help="default 256 (--quick: 32)")
     parser.add_argument("--layers", type=int, default=None, help="default 8 (--quick: 4); divisible by 2*ns")
@@ -115,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--steps",
-        type=int,
+        type=_steps,
         default=None,
         help="train_steps per timed call (default 1; 3 with --regime balanced, where a DP sync overlaps "
         "the next step's forwards)",
@@ -181,7 +188,7 @@ class _Probe:
     transfers: list[Any] = field(default_factory=list)
     _recv_end: float = 0.0
     _recv_end_queued: float = 0.0
-    _waiting: bool = False  # inside sync.wait
+    _waiting: bool = field(default=False, init=False, repr=False)  # inside sync.wait
 
     def __post_init__(self) -> None:
         pipe = self.pipe

@@ -602,6 +602,44 @@ def test_pipeline_suite(tmp_path):
         assert {e["tid"] for e in events if e["pid"] == rank} == {0, 1, 2, 3}, rank
 
 
+def test_pipeline_probe_counts_a_launch_inside_a_dp_wait_as_the_wait():
+    """bench.pipeline._Probe: DP launches are host time, except the deferred launch SegmentSync.wait
+    makes first, which is the wait's (no time counted twice); the optimizer's step is timed."""
+    from types import SimpleNamespace
+
+    from bench.pipeline import _Probe
+
+    def pause(seconds):
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    sync = SimpleNamespace(launch=lambda segment: pause(0.02), launch_deferred=lambda: pause(0.05))
+    sync.wait = lambda segment: (sync.launch_deferred(), pause(0.01))  # as SegmentSync.wait: launch first
+    optimizer = SimpleNamespace(step=lambda: pause(0.03))
+    scheduler = SimpleNamespace(
+        track=lambda *a, **k: None, all_reduce=lambda *a, **k: None, close=lambda: None, reset_counters=lambda: None
+    )
+    comm = SimpleNamespace(recv=lambda *a, **k: None, wait_sends=lambda: None)
+    pipe = SimpleNamespace(
+        sync=sync,
+        comm=comm,
+        scheduler=scheduler,
+        optimizers=[optimizer],
+        _run=lambda action, step: None,
+        _global_loss=lambda *a: None,
+        _agree_inputs=lambda *a: None,
+    )
+    probe = _Probe(pipe, 0)
+    pipe.sync.wait(0)
+    assert probe.dp_wait >= 0.06 and probe.host["dp_launch"] == 0.0, (probe.dp_wait, probe.host)
+    pipe.sync.launch(0)
+    pipe.sync.launch_deferred()
+    assert 0.07 <= probe.host["dp_launch"] < probe.dp_wait + 0.05, probe.host
+    pipe.optimizers[0].step()
+    assert probe.host["optimizer"] >= 0.03, probe.host
+
+
 def test_pipeline_balanced_regime(tmp_path):
     """--regime balanced: the global batch comes from two calibration passes (each scales the
     batch by its DP sync / compute ratio), every variant runs at it with the same losses."""
