@@ -6,6 +6,8 @@
                        rank's partial sum (the row-parallel output projections unreduced, no bias);
                        `attention` (if one of them) also gets ctx.layer_kwargs[index] (masks, rotary)
         finish(z)    = z + the row-parallel layers' biases
+        core_for_gradients(h, ctx) = core's graph, each branch's output projection not run (its
+                       value unread), where each branch ends in its one RowParallelLinear; else core
 
 Shared by the adapters of Hugging Face and nanoGPT-style models.
 """
@@ -20,6 +22,7 @@ import torch.nn as nn
 
 from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
+from oases.nn.row import _outputs_unread
 
 __all__ = ["Branch", "NOT_PASSED", "check_sharded", "check_no_dropout"]
 
@@ -29,6 +32,21 @@ NOT_PASSED = ("hidden_states", "use_cache", "past_key_values", "layer_past", "pa
 
 def _row_biases(module: nn.Module) -> list[torch.Tensor]:
     return [m.bias for m in module.modules() if isinstance(m, RowParallelLinear) and m.bias is not None]
+
+
+def _sum(ys: list[torch.Tensor]) -> torch.Tensor:
+    out = ys[0]
+    for y in ys[1:]:
+        out = out + y
+    return out
+
+
+def _sole_row(module: nn.Module) -> Optional[RowParallelLinear]:
+    """The branch's one RowParallelLinear, or None (several, none, or sharded experts)."""
+    rows = [m for m in module.modules() if isinstance(m, RowParallelLinear)]
+    if len(rows) != 1 or any(isinstance(m, ParallelExperts) for m in module.modules()):
+        return None
+    return rows[0]
 
 
 class Branch:
@@ -47,8 +65,29 @@ class Branch:
         return torch.stack([n(x) for n in self.norms])  # [branches, b, t, h]
 
     def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return _sum(self._outputs(h, ctx))
+
+    def core_for_gradients(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """core(h, ctx)'s graph for a backward only (oases.schedule.protocol): where every branch's
+        output is its one RowParallelLinear's, those layers run no GEMM (their value is unread).
+        A branch that does anything to that output after the layer (scales it, gates it, sums
+        experts) is seen here, by its output's grad_fn, and core runs instead, then and from then
+        on (the layer is marked)."""
+        rows = [_sole_row(m) for m in self.branches]
+        if any(r is None or r._output_read for r in rows):
+            return self.core(h, ctx)
+        with _outputs_unread(rows) as made:
+            ys = self._outputs(h, ctx)
+        if all(len(m) == 1 and y is m[0][0] and y.grad_fn is m[0][1] for y, m in zip(ys, made)):
+            return _sum(ys)
+        for r in rows:
+            r._output_read = True
+        return self.core(h, ctx)
+
+    def _outputs(self, h: torch.Tensor, ctx: Any) -> list[torch.Tensor]:
+        """Each branch's partial sum, under no_tp_communication."""
         inputs = [h] if len(self.norms) == 1 else h.unbind(0)
-        out = None
+        ys = []
         for module, x in zip(self.branches, inputs):
             with no_tp_communication(module):
                 if module is self.attention:
@@ -56,9 +95,8 @@ class Branch:
                     y = module(hidden_states=x, **kwargs)[0]
                 else:
                     y = module(x)
-            y = y[0] if isinstance(y, tuple) else y  # GPT-OSS's MoE block: (hidden_states, router_scores)
-            out = y if out is None else out + y
-        return out
+            ys.append(y[0] if isinstance(y, tuple) else y)  # GPT-OSS's MoE block: (hidden_states, router_scores)
+        return ys
 
     def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
         for b in self.biases:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from oases._sharding import ShardRule
 from oases.models._gpt_config import GPTConfig
+from oases.ops._linear_unread import linear_unread
 from oases.schedule import SubBatch
 
 
@@ -66,12 +67,18 @@ class _Attention(_Sublayer):
         return {"qkv.weight": qkv, "qkv.bias": qkv, "proj.weight": ShardRule(1)}
 
     def core(self, h: torch.Tensor, ctx: object = None) -> torch.Tensor:
+        return F.linear(self._heads(h), self.proj.weight)  # partial sum of the out-projection
+
+    def core_for_gradients(self, h: torch.Tensor, ctx: object = None) -> torch.Tensor:
+        """core's graph, its value unread: the out-projection's GEMM not run (oases.schedule.protocol)."""
+        return linear_unread(self._heads(h), self.proj.weight)
+
+    def _heads(self, h: torch.Tensor) -> torch.Tensor:
         b, t, _ = h.shape
         qkv = self.qkv(h).view(b, t, 3, self.local_heads, -1)  # (b, t, 3, nh_local, hd)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh_local, t, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, t, -1)  # (b, t, nh_local * hd)
-        return F.linear(y, self.proj.weight)  # partial sum of the out-projection
+        return y.transpose(1, 2).reshape(b, t, -1)  # (b, t, nh_local * hd)
 
 
 class _MLP(_Sublayer):
@@ -90,3 +97,7 @@ class _MLP(_Sublayer):
 
     def core(self, h: torch.Tensor, ctx: object = None) -> torch.Tensor:
         return F.linear(F.gelu(self.fc1(h)), self.fc2.weight)
+
+    def core_for_gradients(self, h: torch.Tensor, ctx: object = None) -> torch.Tensor:
+        """core's graph, its value unread: fc2's GEMM not run (oases.schedule.protocol)."""
+        return linear_unread(F.gelu(self.fc1(h)), self.fc2.weight)

@@ -5,7 +5,8 @@ The second of Megatron's pair (`oases.nn.layers` describes the pair; `oases.nn.c
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from oases.nn._from_full import _from_conv1d, _from_linear
 from oases.nn._fusion import _linear, _main_grad
 from oases.nn._layer_args import _check_flag, _check_transposed, _resolve_chunks, check_shardable
 from oases.nn._mappings import copy_to_tp, split_to_tp
+from oases.ops._linear_unread import linear_unread
 
 __all__ = ["RowParallelLinear"]
 
@@ -80,6 +82,8 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.chunks = _resolve_chunks(chunks)
         self._communicate = True  # False only inside no_tp_communication
+        self._unread: Optional[list] = None  # inside _outputs_unread: (output, its grad_fn) of each forward
+        self._output_read = False  # a model's forward reads this layer's output (oases.models._branch)
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         w = full.weight.detach()
         self.weight = nn.Parameter(self.shard(w.t() if transposed else w).clone())  # [out, in/p] ([in/p, out])
@@ -138,6 +142,10 @@ class RowParallelLinear(nn.Module):
         main_grad = _main_grad(self)
         weight = self.dense_weight()
         if not self._communicate:
+            if self._unread is not None:  # a graph to differentiate only: no GEMM (_outputs_unread)
+                y = linear_unread(x, weight, main_grad)
+                self._unread.append((y, y.grad_fn))
+                return y
             return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
@@ -159,3 +167,19 @@ class RowParallelLinear(nn.Module):
             + (", transposed=True (Conv1D layout)" if self.transposed else "")
             + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else "")
         )
+
+
+@contextlib.contextmanager
+def _outputs_unread(layers: Sequence[RowParallelLinear]) -> Iterator[list[list[tuple]]]:
+    """Inside (and inside no_tp_communication), each of `layers` returns its partial sum's graph
+    without its value (oases.ops._linear_unread: zeros, no GEMM, F.linear's gradients) and
+    records (output, output.grad_fn) in its list of the yielded lists, so the caller can check
+    that nothing read the value before it uses the graph. Restores each layer on exit."""
+    made: list[list[tuple]] = [[] for _ in layers]
+    for layer, outputs in zip(layers, made):
+        layer._unread = outputs
+    try:
+        yield made
+    finally:
+        for layer in layers:
+            layer._unread = None

@@ -42,14 +42,22 @@ class _Recorded:
     part: torch.Tensor
 
 
-def _record(sub, x: torch.Tensor, ctx: Any, selective: bool = False) -> _Recorded:
+def core_for_gradients(sub) -> Any:
+    """The sublayer's `core_for_gradients` (its graph for a backward only, the output's value
+    unread: see oases.schedule.protocol), or its `core` where it has none."""
+    return getattr(sub, "core_for_gradients", sub.core)
+
+
+def _record(sub, x: torch.Tensor, ctx: Any, selective: bool = False, read: bool = True) -> _Recorded:
     """The sublayer's graph from `x`; `selective`: saving only its GEMMs' and attention's outputs
-    (oases.schedule.selective; the norm is rerun from x)."""
+    (oases.schedule.selective; the norm is rerun from x); `read` False: only differentiated, so
+    `part`'s value may be left out (core_for_gradients)."""
     x = grad_leaf(x)  # (not cached by autocast: see oases._leaves)
     with torch.enable_grad():
         h = _selective(sub.norm, x) if selective else sub.norm(x)
         h_leaf = grad_leaf(h)
-        part = _selective(sub.core, h_leaf, ctx) if selective else sub.core(h_leaf, ctx)
+        core = sub.core if read else core_for_gradients(sub)
+        part = _selective(core, h_leaf, ctx) if selective else core(h_leaf, ctx)
     return _Recorded(x, h, h_leaf, part)
 
 
@@ -91,19 +99,20 @@ def layer_backward(
     The one backward loop of every program: `passes` says how a sublayer's graph is recorded, rerun
     and differentiated with its communication (plain all-reduces, or sequence parallelism's)::
 
-        per sublayer (fine-grained): rec = kept graph, or passes.record(sub, saved input);
+        per sublayer (fine-grained): rec = kept graph, or passes.record(sub, saved input, read=False)
+                                     (part's value unread: core_for_gradients);
                                      grad = passes.backward(sub, rec, grad)
         per layer: rerun the layer from its saved input, recording each sublayer and redoing its
                    communication (passes.rerun); then backward through the sublayers in reverse
     """
     if sched.fine_grained_recompute:
         for sub in reversed(layer):
-            rec = kept.pop() if not sched.recompute else (yield from passes.record(sub, saved.pop()))
+            rec = kept.pop() if not sched.recompute else (yield from passes.record(sub, saved.pop(), read=False))
             grad = yield from passes.backward(sub, rec, grad)
         return grad
     x_in, records = saved.pop(), []
     for sub in layer:  # activation checkpointing reruns the whole layer, its communication included
-        rec = yield from passes.record(sub, x_in)
+        rec = yield from passes.record(sub, x_in, read=True)  # rerun reduces its part
         records.append(rec)
         x_in = yield from passes.rerun(sub, x_in, rec)
     if sched.pass_barriers:
@@ -119,8 +128,9 @@ class LayerPasses(Protocol):
     """How layer_backward records, reruns and differentiates a sublayer (generators: they yield at
     each communication)."""
 
-    def record(self, sub, x: torch.Tensor) -> Generator:
-        """-> the sublayer's graph (_Recorded) rerun from its input `x` with autograd."""
+    def record(self, sub, x: torch.Tensor, read: bool) -> Generator:
+        """-> the sublayer's graph (_Recorded) rerun from its input `x` with autograd; `read`
+        False: its part is only differentiated, never read (core_for_gradients may serve)."""
 
     def rerun(self, sub, x: torch.Tensor, rec: _Recorded) -> Generator:
         """-> the sublayer's output from `x` and its recorded core output, its communication redone."""
@@ -136,8 +146,8 @@ class _Plain:
     ctx: Any
     comm: Communicator
 
-    def record(self, sub, x: torch.Tensor) -> Generator:
-        return _record(sub, x, self.ctx)
+    def record(self, sub, x: torch.Tensor, read: bool) -> Generator:
+        return _record(sub, x, self.ctx, read=read)
         yield  # a generator that communicates nothing
 
     def rerun(self, sub, x: torch.Tensor, rec: _Recorded) -> Generator:

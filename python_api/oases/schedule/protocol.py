@@ -28,6 +28,12 @@ Optional members a schedule reads with getattr (absent: the default in brackets)
     stack.layer_placements()         per-layer TP degrees: a LayerPlacements, or None (every layer
                                      on the schedule's one communicator) [None]
     stack.replica_ctx(ctx, rows)     ctx for a replica's `rows` of the sub-batch (below) [the default]
+    sublayer.core_for_gradients(h, ctx)   core's graph for a backward only: the same graph and
+                                     gradients, its output's value unspecified. Fine-grained
+                                     recomputation differentiates core without reading its value,
+                                     so the row-parallel output projection's GEMM need not run
+                                     (oases.ops._linear_unread; about a third of a Llama layer's
+                                     recomputed GEMMs) [core]
 
 `finish` runs in forward and again, on a zero input, to get its gradient, so any randomness in it
 (residual dropout) must come from `where.seed` and the positions in `where` (see

@@ -9,7 +9,7 @@ from typing import Any, Generator, Optional
 import torch
 
 from oases._leaves import grad_leaf
-from oases.schedule.programs import _Recorded, layer_backward
+from oases.schedule.programs import _Recorded, core_for_gradients, layer_backward
 from oases.schedule.protocol import Stack, SubBatch, with_tokens
 from oases.schedule.runtime import BARRIER, Communicator
 from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
@@ -24,15 +24,16 @@ from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
 _SEQ = -2  # the sequence dimension: x [b, t, h] (and a stacked norm output [k, b, t, h])
 
 
-def _record_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str) -> Generator:
-    """Rerun norm, the gather and core with autograd: the graph of one sublayer (sequence parallel)."""
+def _record_sp(sub, x_r: torch.Tensor, ctx: Any, comm: Communicator, phase: str, read: bool) -> Generator:
+    """Rerun norm, the gather and core with autograd: the graph of one sublayer (sequence parallel);
+    `read` False: part only differentiated (core_for_gradients)."""
     x_r = grad_leaf(x_r)
     with torch.enable_grad():
         h_r = sub.norm(x_r)
     h = yield from comm.all_gather(h_r.detach(), _SEQ, phase)
     h_leaf = grad_leaf(h)
     with torch.enable_grad():
-        part = sub.core(h_leaf, ctx)
+        part = (sub.core if read else core_for_gradients(sub))(h_leaf, ctx)
     return _Recorded(x_r, h_r, h_leaf, part)
 
 
@@ -72,8 +73,8 @@ class _SequenceParallel:
     tokens: Any
     comm: Communicator
 
-    def record(self, sub, x_r: torch.Tensor) -> Generator:
-        return (yield from _record_sp(sub, x_r, self.tokens, self.comm, "recompute"))
+    def record(self, sub, x_r: torch.Tensor, read: bool) -> Generator:
+        return (yield from _record_sp(sub, x_r, self.tokens, self.comm, "recompute", read))
 
     def rerun(self, sub, x_r: torch.Tensor, rec: _Recorded) -> Generator:
         return (yield from _forward_sp(sub, x_r, self.tokens, self.comm, "recompute", rec.part.detach()))
@@ -170,7 +171,7 @@ def _program_sp_fine(
         grad_part, h, x_leaf, h_r, grad = task.wait()
         h_leaf = grad_leaf(h)
         with torch.enable_grad():
-            part = subs[i].core(h_leaf, tokens)
+            part = core_for_gradients(subs[i])(h_leaf, tokens)  # only differentiated
         part.backward(grad_part)
         grad_h = h_leaf.grad if h_leaf.grad is not None else torch.zeros_like(h_leaf)
         earlier = subs[i - 1] if i > 0 else None
