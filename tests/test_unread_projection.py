@@ -154,23 +154,22 @@ def _llama(gated: bool):
     return model
 
 
-def _check_llama(rank, p, gated):
-    ref = _llama(gated)
+def _check_llama(rank, p):
+    ref = _llama(gated=False)
     ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5))
-    out = ref(input_ids=ids, labels=ids)
-    out.loss.backward()
+    ref(input_ids=ids, labels=ids).loss.backward()
     want = {n: q.grad.clone() for n, q in ref.named_parameters()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tp = oases.parallelize(copy.deepcopy(ref), None)
     rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
     counted = {}
-    for unread in (False, True):
+    for unread in (True, False):
         tp.zero_grad(set_to_none=True)
         for row in rows:  # False: every core run in full, as before
             row._output_read = not unread
         counted[unread] = _step_flops(lambda: oases.train_step(tp, ids, ids, schedule="oases"))
-        check_grads(tp, want, rank, p, f"gated={gated} unread={unread}", dict(rtol=1e-4, atol=1e-5))
+        check_grads(tp, want, rank, p, f"unread={unread}", dict(rtol=1e-4, atol=1e-5))
     n, h, inter = 4 * 12, LLAMA["hidden_size"], LLAMA["intermediate_size"]
     skipped = LLAMA["num_hidden_layers"] * 2 * n * h * (h // p + inter // p)
     assert counted[False] - counted[True] == skipped, (counted, skipped)
@@ -178,6 +177,28 @@ def _check_llama(rank, p, gated):
 
 
 @pytest.mark.skipif(not _has_transformers, reason="transformers is not installed")
-@pytest.mark.parametrize("gated", [False])
-def test_oases_recomputation_skips_the_projection_in_llama_unless_the_model_reads_it(gated):
-    run_ranks(_check_llama, 2, gated, timeout=120)
+def test_oases_recomputation_skips_the_output_projections_gemm_in_llama():
+    run_ranks(_check_llama, 2, timeout=120)
+
+
+def _check_gated(rank, p):
+    ref = _llama(gated=True)
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    want = {n: q.grad.clone() for n, q in ref.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tp = oases.parallelize(copy.deepcopy(ref), None)
+    for schedule, recompute in (("oases", True), ("megatron", True), ("oases", False)):
+        with pytest.raises(ValueError, match=r"decoder layer 0's LlamaMLP .* learned scale or gate"):
+            oases.train_step(tp, ids, ids, schedule=schedule, recompute=recompute)
+    tp.zero_grad(set_to_none=True)  # the layers reduce before the scale: exact
+    tp(input_ids=ids, labels=ids).loss.backward()
+    check_grads(tp, want, rank, p, "gated, model(...).loss.backward()", dict(rtol=1e-4, atol=1e-5))
+    return True
+
+
+@pytest.mark.skipif(not _has_transformers, reason="transformers is not installed")
+def test_a_learned_scale_after_the_output_projection_is_refused_by_train_step():
+    """Its gradient would be a partial sum under the schedules (they reduce after the branch)."""
+    run_ranks(_check_gated, 2, timeout=120)

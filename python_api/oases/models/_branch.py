@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
-from oases.nn.row import _outputs_unread
+from oases.nn.row import _outputs_made
 
 __all__ = ["Branch", "NOT_PASSED", "check_sharded", "check_no_dropout"]
 
@@ -39,6 +39,35 @@ def _sum(ys: list[torch.Tensor]) -> torch.Tensor:
     for y in ys[1:]:
         out = out + y
     return out
+
+
+def _as_made(ys: list[torch.Tensor], made: list[list[tuple]]) -> bool:
+    """Whether each branch returned its row layer's one output as the layer made it."""
+    return all(len(m) == 1 and y is m[0][0] and y.grad_fn is m[0][1] for y, m in zip(ys, made))
+
+
+def _check_after_projection(index: int, module: nn.Module, y: torch.Tensor, projected: list) -> None:
+    """Refuse a branch whose output joins its row-parallel projection's output (autograd nodes
+    `projected`) with anything else that needs a gradient: a learned scale or gate applied to
+    the projection (the schedules apply it to this rank's partial sum, so its gradient would be
+    partial), the branch's input added back. Parameter-free steps (a constant scale, a view,
+    dropout at p = 0) pass: they commute with the reduction."""
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in projected or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # AccumulateGrad: a tensor that needs a gradient joins
+            raise ValueError(
+                f"oases.train_step: decoder layer {index}'s {type(module).__name__} does more with its "
+                f"row-parallel output projection's output than return it (its output is {y.grad_fn.name()} "
+                "of it and of a tensor that needs a gradient, such as a learned scale or gate). The schedules "
+                "reduce that projection's output themselves, after the branch, so that gradient would be this "
+                "rank's partial sum. Return the projection's output as is (apply the scale in the decoder "
+                "layer), or train with loss = model(...).loss; loss.backward(), which reduces before it"
+            )
+        todo.extend(f for f, _ in node.next_functions)
 
 
 def _sole_row(module: nn.Module) -> Optional[RowParallelLinear]:
@@ -65,24 +94,47 @@ class Branch:
         return torch.stack([n(x) for n in self.norms])  # [branches, b, t, h]
 
     def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return _sum(self._outputs(h, ctx))
+        rows = self._rows()
+        if rows is None or all(r._output_read for r in rows):  # (checked already: see below)
+            return _sum(self._outputs(h, ctx))
+        with _outputs_made(rows, unread=False) as made:
+            ys = self._outputs(h, ctx)
+        if not _as_made(ys, made):  # something after the output projection: refused if it learns
+            self._check_after_projections(h, ctx, rows, ys, made)
+        return _sum(ys)
+
+    def _check_after_projections(self, h: torch.Tensor, ctx: Any, rows: list, ys: list, made: list) -> None:
+        """Refuse the branch if a tensor that needs a gradient joins a projection's output after
+        it (_check_after_projection); else mark its layers as read (core_for_gradients then runs
+        core, and core checks no more). Without autograd the branch is run once more with it, so
+        the first forward refuses, before any backward."""
+        if not torch.is_grad_enabled():
+            with torch.enable_grad(), _outputs_made(rows, unread=False) as made:
+                ys = self._outputs(h.detach().requires_grad_(), ctx)
+        for module, y, outputs in zip(self.branches, ys, made):
+            _check_after_projection(self.index, module, y, [node for _, node in outputs])
+        for row in rows:
+            row._output_read = True
 
     def core_for_gradients(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """core(h, ctx)'s graph for a backward only (oases.schedule.protocol): where every branch's
         output is its one RowParallelLinear's, those layers run no GEMM (their value is unread).
-        A branch that does anything to that output after the layer (scales it, gates it, sums
-        experts) is seen here, by its output's grad_fn, and core runs instead, then and from then
-        on (the layer is marked)."""
-        rows = [_sole_row(m) for m in self.branches]
-        if any(r is None or r._output_read for r in rows):
+        A branch that does anything to that output after the layer (scales it) is seen here, by
+        its output's grad_fn, and core runs instead, then and from then on (the layer is marked)."""
+        rows = self._rows()
+        if rows is None or any(r._output_read for r in rows):
             return self.core(h, ctx)
-        with _outputs_unread(rows) as made:
+        with _outputs_made(rows, unread=True) as made:
             ys = self._outputs(h, ctx)
-        if all(len(m) == 1 and y is m[0][0] and y.grad_fn is m[0][1] for y, m in zip(ys, made)):
+        if _as_made(ys, made):
             return _sum(ys)
-        for r in rows:
-            r._output_read = True
-        return self.core(h, ctx)
+        return self.core(h, ctx)  # marks the layers, or refuses the branch
+
+    def _rows(self) -> Optional[list[RowParallelLinear]]:
+        """Each branch's one RowParallelLinear, or None where a branch has several, none, or
+        sharded experts (whose outputs the MoE block weights: oases.nn._moe reduces them)."""
+        rows = [_sole_row(m) for m in self.branches]
+        return None if any(r is None for r in rows) else rows
 
     def _outputs(self, h: torch.Tensor, ctx: Any) -> list[torch.Tensor]:
         """Each branch's partial sum, under no_tp_communication."""

@@ -82,7 +82,8 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.chunks = _resolve_chunks(chunks)
         self._communicate = True  # False only inside no_tp_communication
-        self._unread: Optional[list] = None  # inside _outputs_unread: (output, its grad_fn) of each forward
+        self._made: Optional[list] = None  # inside _outputs_made: (output, its grad_fn) of each forward
+        self._unread = False  # inside _outputs_made(unread=True): no GEMM
         self._output_read = False  # a model's forward reads this layer's output (oases.models._branch)
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         w = full.weight.detach()
@@ -142,11 +143,12 @@ class RowParallelLinear(nn.Module):
         main_grad = _main_grad(self)
         weight = self.dense_weight()
         if not self._communicate:
-            if self._unread is not None:  # a graph to differentiate only: no GEMM (_outputs_unread)
-                y = linear_unread(x, weight, main_grad)
-                self._unread.append((y, y.grad_fn))
-                return y
-            return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
+            if self._made is None:
+                return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
+            # inside _outputs_made; unread: a graph to differentiate only, no GEMM
+            y = linear_unread(x, weight, main_grad) if self._unread else _linear(x, weight, None, main_grad)
+            self._made.append((y, y.grad_fn))
+            return y
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
         if self.sequence_parallel:
@@ -170,16 +172,17 @@ class RowParallelLinear(nn.Module):
 
 
 @contextlib.contextmanager
-def _outputs_unread(layers: Sequence[RowParallelLinear]) -> Iterator[list[list[tuple]]]:
-    """Inside (and inside no_tp_communication), each of `layers` returns its partial sum's graph
-    without its value (oases.ops._linear_unread: zeros, no GEMM, F.linear's gradients) and
-    records (output, output.grad_fn) in its list of the yielded lists, so the caller can check
-    that nothing read the value before it uses the graph. Restores each layer on exit."""
+def _outputs_made(layers: Sequence[RowParallelLinear], unread: bool) -> Iterator[list[list[tuple]]]:
+    """Inside (and inside no_tp_communication), each of `layers` records (output, output.grad_fn)
+    of its forwards in its list of the yielded lists, so the caller can see what the model did
+    with the output after the layer. `unread`: the layers return their partial sum's graph
+    without its value (oases.ops._linear_unread: zeros, no GEMM, F.linear's gradients), for a
+    caller that checks nothing read it. Restores each layer on exit."""
     made: list[list[tuple]] = [[] for _ in layers]
     for layer, outputs in zip(layers, made):
-        layer._unread = outputs
+        layer._made, layer._unread = outputs, unread
     try:
         yield made
     finally:
         for layer in layers:
-            layer._unread = None
+            layer._made, layer._unread = None, False
