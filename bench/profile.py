@@ -178,8 +178,9 @@ def _dtype(args) -> torch.dtype:
 
 
 def _sublayer_fns(subs: list, x: torch.Tensor, where: SubBatch) -> dict[str, Callable[[], object]]:
-    """forward (no grad), both (recording forward + backward) and record (recording forward) of
-    one of `subs` per call, in turn."""
+    """forward (no grad), both (recording forward + backward), record (recording forward) and
+    record_unread (the recording that fine-grained recomputation runs: core_for_gradients, no
+    output projection GEMM) of one of `subs` per call, in turn."""
     turn = itertools.cycle(subs)
     grad = torch.randn_like(x)
 
@@ -199,7 +200,12 @@ def _sublayer_fns(subs: list, x: torch.Tensor, where: SubBatch) -> dict[str, Cal
         leaf = x.detach().requires_grad_()
         leaf + sub.finish(sub.core(sub.norm(leaf)), where)
 
-    return {"forward": forward, "both": both, "record": record}
+    def record_unread() -> None:
+        sub = next(turn)
+        leaf = x.detach().requires_grad_()
+        leaf + sub.finish(sub.core_for_gradients(sub.norm(leaf)), where)
+
+    return {"forward": forward, "both": both, "record": record, "record_unread": record_unread}
 
 
 def _repeated(fn: Callable[[], object], times: int) -> Callable[[], object]:
@@ -262,6 +268,7 @@ def compute_samples(config: GPTConfig, fns: Mapping[str, Any], timings: Mapping[
         _, kind, d, r, _ = name.split("/")
         prefix = name[: -len("forward")]
         record = timings[prefix + "record"].median / calls[prefix + "record"]
+        unread = timings[prefix + "record_unread"].median / calls[prefix + "record_unread"]
         forward, both = timings[name].median / calls[name], timings[prefix + "both"].median / calls[prefix + "both"]
         out.append(
             {
@@ -275,6 +282,7 @@ def compute_samples(config: GPTConfig, fns: Mapping[str, Any], timings: Mapping[
                 "forward_s": forward,
                 "backward_s": max(both - record, 0.0),
                 "record_s": record,
+                "record_unread_s": unread,
             }
         )
     return out

@@ -25,9 +25,10 @@ TINY = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_h
 
 def _profile(a: float, rows: tuple[int, ...] = (2, 4)) -> Profile:
     """Compute fixed by samples (attention fwd 1 s / bwd 2 s, MLP 3 s / 6 s at TP 2, whatever the
-    rows), an all-reduce of `a` seconds on 2 ranks, all-gathers free of latency."""
+    rows; recomputation, fine-grained or not, at the forward's cost), an all-reduce of `a` seconds
+    on 2 ranks, all-gathers free of latency."""
     samples = tuple(
-        ComputeSample(kind, 2, r, TINY.seq_len, TINY.hidden, TINY.heads, TINY.ffn_hidden, f, b)
+        ComputeSample(kind, 2, r, TINY.seq_len, TINY.hidden, TINY.heads, TINY.ffn_hidden, f, b, record_unread_s=f)
         for r in rows
         for kind, f, b in (("attention", 1.0, 2.0), ("mlp", 3.0, 6.0))
     )
@@ -168,6 +169,37 @@ def test_compute_is_piecewise_linear_through_the_samples_and_recompute_records()
     assert prof.compute_time("mlp", TINY, tokens(2), 1, "recompute") == pytest.approx(3.0)  # the recording forward
     del doc["compute"][0]["record_s"]  # profiles without it: recomputation costs the forward
     assert profile_from_dict(doc).compute_time("mlp", TINY, tokens(1), 1, "recompute") == pytest.approx(1.0)
+
+
+def test_fine_grained_recomputation_costs_the_recording_without_the_output_projection():
+    """core_for_gradients skips the row-parallel projection's GEMM: the profile's record_unread_s,
+    else the recording scaled by the FLOPs left; the oases schedule's backward costs that."""
+    tokens = 2 * TINY.seq_len
+    full, proj = TINY.flops("mlp", tokens, 1), TINY.projection_flops("mlp", tokens, 1)
+    assert proj == 2 * tokens * TINY.hidden * TINY.ffn_hidden and proj == full / 2  # fc, proj: two equal GEMMs
+    assert TINY.projection_flops("attention", tokens, 2) == tokens * TINY.hidden**2
+    sample = dict(sublayer="mlp", tp=1, rows=2, seq_len=4, hidden=8, heads=4, ffn_hidden=32)
+    sample.update(forward_s=2.0, backward_s=4.0, record_s=3.0)
+    doc = {"format": "oases-profile", "version": 1, "device": {"name": "x"}, "flops_per_s": 1e9}
+    doc.update(element_bytes=4, compute=[sample], collectives={})
+    assert profile_from_dict(doc).compute_time("mlp", TINY, tokens, 1, "recompute_unread") == pytest.approx(1.5)
+    sample["record_unread_s"] = 1.25  # measured
+    prof = profile_from_dict(doc)
+    assert prof.compute_time("mlp", TINY, tokens, 1, "recompute_unread") == pytest.approx(1.25)
+    assert prof.compute_time("mlp", TINY, tokens, 1, "recompute") == pytest.approx(3.0)
+    analytical = Profile(device="x", flops_per_s=1e9, link_bytes_per_s=1e8)
+    assert analytical.compute_time("attention", TINY, tokens, 2, "recompute_unread") == pytest.approx(
+        (TINY.flops("attention", tokens, 2) - tokens * TINY.hidden**2) / 1e9
+    )
+    moe = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32, experts=4, experts_per_token=2)
+    assert moe.projection_flops("mlp", tokens, 1) == 0  # the router weights the experts: recomputed in full
+    assert analytical.compute_time("mlp", moe, tokens, 1, "recompute_unread") == analytical.compute_time(
+        "mlp", moe, tokens, 1, "recompute"
+    )
+    work = P.Workload(TINY, rows=4, tp=1, schedule="oases")  # 2 sub-batches of the sample's 2 rows
+    sample["record_unread_s"] = 3.0  # as the recording: the layer's compute 2 x (3.0 - 1.25) more
+    slower = P.layer_cost(work, profile_from_dict(doc), 1).compute_s
+    assert slower - P.layer_cost(work, prof, 1).compute_s == pytest.approx(2 * (3.0 - 1.25))
 
 
 def test_link_fit_takes_bandwidth_from_large_messages_and_latency_from_the_rest():

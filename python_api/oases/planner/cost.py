@@ -16,7 +16,9 @@ pass costs the sum over its op pairs of max(compute, comm); megatron (n = 1) ser
                           profile: n * (max(c, a) + (1 - eta) min(c, a)); eta = 1 analytically)
     passes per sublayer:  forward (c_f, a); backward (c_b [+ c_r recomputed], a);
                           recompute (c_r, a) only without fine-grained recomputation
-                          (c_r: the forward recording autograd's graph, as recomputation runs it)
+                          (c_r: the forward recording autograd's graph, as recomputation runs it;
+                          fine-grained, without the output projection's GEMM, whose value it
+                          never reads)
     a pass boundary drains the pipeline of sub-batches: the link idles while the first unit
     computes (comm-bound) or the last all-reduce waits alone (compute-bound): + min(c_f, a)
     merak holds every sub-batch at 2 barriers per layer in backward: + 2 min(c_f, a)
@@ -187,7 +189,8 @@ def _unit(work: Workload, profile: Profile, sublayer: str, degree: int) -> tuple
     tokens = work.rows_at(degree) / work.n * shape.seq_len
     c_f = profile.compute_time(sublayer, shape, tokens, degree, "forward")
     c_b = profile.compute_time(sublayer, shape, tokens, degree, "backward")
-    c_r = profile.compute_time(sublayer, shape, tokens, degree, "recompute")
+    _, fine, _ = _traits(work.schedule)  # fine-grained recomputation skips the output projection's GEMM
+    c_r = profile.compute_time(sublayer, shape, tokens, degree, "recompute_unread" if fine else "recompute")
     a = profile.collective_time("all_reduce", degree, tokens * shape.hidden * profile.element_bytes)
     return c_f, c_b, c_r, a
 

@@ -156,6 +156,17 @@ class ModelShape:
             return router + (routed + shared) / tp
         raise ValueError(f"sublayer: {sublayer!r} is not one of {SUBLAYERS}")
 
+    def projection_flops(self, sublayer: str, tokens: int, tp: int) -> float:
+        """Forward FLOPs of the sublayer's row-parallel output projection on `tokens` at TP degree
+        `tp` (attention: 2 t h h / tp; a dense MLP: 2 t h ffn / tp), which fine-grained
+        recomputation does not run (oases.schedule.protocol: core_for_gradients); 0 for an MoE's
+        MLP, whose experts' outputs the router weights (recomputed in full)."""
+        if sublayer == "attention":
+            return 2 * tokens * self.hidden * self.hidden / tp
+        if sublayer == "mlp":
+            return 0.0 if self.experts else 2 * tokens * self.hidden * self.ffn_hidden / tp
+        raise ValueError(f"sublayer: {sublayer!r} is not one of {SUBLAYERS}")
+
     def head_flops(self, tokens: int) -> float:
         """Forward FLOPs of the LM head (replicated: not sharded by TP)."""
         return 2 * tokens * self.hidden * self.vocab_size

@@ -19,8 +19,11 @@ linear in the tokens between them (a CPU's time per token is not one line from 6
 caches), proportional beyond the largest; for other shapes it scales the nearest sample's time by
 FLOPs (same sublayer, the same TP degree when sampled; always so for an MoE's MLP, whose
 router and experts the dense samples did not time), and without samples it is
-FLOPs / flops_per_s. A sample's three figures are the forward (no autograd), the backward, and
-the forward recording autograd's graph that recomputation runs before each backward.
+FLOPs / flops_per_s. A sample's figures are the forward (no autograd), the backward, the
+forward recording autograd's graph that recomputation runs before each backward, and that
+recording without the output projection's GEMM (fine-grained recomputation never reads its
+value: oases.schedule.protocol's core_for_gradients; profiles without it scale the recording by
+its FLOPs, ModelShape.projection_flops).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ __all__ = [
 PROFILE_FORMAT = "oases-profile"
 PROFILE_VERSION = 1
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-DIRECTIONS = ("forward", "backward", "recompute")
+DIRECTIONS = ("forward", "backward", "recompute", "recompute_unread")
 
 _BYTE_UNITS = {
     "b": 1,
@@ -117,15 +120,23 @@ class ComputeSample:
     forward_s: float
     backward_s: float
     record_s: Optional[float] = None  # the forward again with autograd recording (recomputation); None: forward_s
+    # the same without the output projection's GEMM (fine-grained recomputation); None: record_s scaled by FLOPs
+    record_unread_s: Optional[float] = None
 
     def seconds(self, direction: str) -> float:
-        """Seconds of `direction`: "forward", "backward", else the recomputation (record_s, or
-        forward_s where it was not measured)."""
+        """Seconds of `direction`: "forward", "backward", "recompute" (record_s, or forward_s
+        where it was not measured), "recompute_unread" (record_unread_s, or the recomputation
+        times the share of its FLOPs left without the output projection)."""
         if direction == "forward":
             return self.forward_s
         if direction == "backward":
             return self.backward_s
-        return self.forward_s if self.record_s is None else self.record_s
+        record = self.forward_s if self.record_s is None else self.record_s
+        if direction == "recompute" or self.record_unread_s is not None:
+            return record if direction == "recompute" else self.record_unread_s
+        shape, tokens = self.shape(), self.rows * self.seq_len
+        full = shape.flops(self.sublayer, tokens, self.tp)
+        return record * (full - shape.projection_flops(self.sublayer, tokens, self.tp)) / full
 
     def matches(self, shape: ModelShape, tokens: int, tp: int) -> bool:
         """Whether this sample timed `shape`'s sublayer on `tokens` at `tp` (samples are of dense
@@ -170,13 +181,16 @@ class Profile:
 
     def compute_time(self, sublayer: str, shape: ModelShape, tokens: float, tp: int, direction: str) -> float:
         """Seconds of `direction` of one rank's shard of `sublayer`: "forward" (no autograd, as the
-        schedules run it), "backward", or "recompute" (the forward again, recording autograd's graph)."""
+        schedules run it), "backward", "recompute" (the forward again, recording autograd's graph),
+        or "recompute_unread" (that without the output projection's GEMM: fine-grained recomputation)."""
         if direction not in DIRECTIONS:
             raise ValueError(f"direction: {direction!r} is not one of {DIRECTIONS}")
         if sublayer not in SUBLAYERS:
             raise ValueError(f"sublayer: {sublayer!r} is not one of {SUBLAYERS}")
         if tokens <= 0:
             return 0.0
+        if direction == "recompute_unread" and not shape.projection_flops(sublayer, 1, tp):
+            direction = "recompute"  # an MoE's MLP: recomputed in full
         flops = shape.flops(sublayer, int(round(tokens)), tp)
         samples = [s for s in self.compute if s.sublayer == sublayer]
         same = sorted((s for s in samples if s.matches(shape, s.rows * s.seq_len, tp)), key=lambda s: s.rows)
@@ -193,6 +207,8 @@ class Profile:
             near = min(same_tp, key=distance)
             near_flops = near.shape().flops(sublayer, near.rows * near.seq_len, near.tp)
             return near.seconds(direction) * flops / near_flops
+        if direction == "recompute_unread":
+            flops -= shape.projection_flops(sublayer, int(round(tokens)), tp)
         return flops * (2 if direction == "backward" else 1) / self.flops_per_s
 
     def head_time(self, shape: ModelShape, tokens: float) -> float:
@@ -295,7 +311,7 @@ def profile_from_dict(
             "(profile again with `python -m bench profile`)"
         )
     try:
-        optional = {"record_s"}  # profiles written before it was measured lack it
+        optional = {"record_s", "record_unread_s"}  # profiles written before they were measured lack them
         compute = tuple(
             ComputeSample(**{k: c[k] for k in ComputeSample.__dataclass_fields__ if k in c or k not in optional})
             for c in doc["compute"]
