@@ -191,7 +191,7 @@ def test_fine_grained_recomputation_costs_the_recording_without_the_output_proje
     assert analytical.compute_time("attention", TINY, tokens, 2, "recompute_unread") == pytest.approx(
         (TINY.flops("attention", tokens, 2) - tokens * TINY.hidden**2) / 1e9
     )
-    moe = P.ModelShape(layers=2, hidden=8, heads=4, seq_len=4, vocab_size=16, ffn_hidden=32, experts=4, experts_per_token=2)
+    moe = replace(TINY, experts=4, experts_per_token=2)
     assert moe.projection_flops("mlp", tokens, 1) == 0  # the router weights the experts: recomputed in full
     assert analytical.compute_time("mlp", moe, tokens, 1, "recompute_unread") == analytical.compute_time(
         "mlp", moe, tokens, 1, "recompute"
