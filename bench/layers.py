@@ -10,8 +10,12 @@ data and weights, measured in one run (variants round-robin, medians, MAX over r
     gpt     oases.models.GPT (2 layers, hidden 512, 8 heads, batch 8 x 64), `GPT.train_step`
     llama   transformers' LlamaForCausalLM as examples/train_llama.py builds it (2 layers, hidden
             512, 8 heads, 4 KV heads, intermediate 1408, vocabulary padded to a multiple of p,
-            sdpa, untied embeddings; batch 8 x 64), sharded by `oases.parallelize(model)`, one
-            step = `oases.train_step(model, ids, ids, schedule=s, comm=comm)`
+            sdpa, untied embeddings; batch 8 x 64), sharded as that example shards it,
+            `oases.parallelize(model, vocab_parallel=False)`: its 30-token embedding and LM head
+            replicated (`--vocab-parallel`: sharded over the vocabulary, parallelize's default,
+            whose [b, t, h] all-reduces of the embedding's output and of the head's input
+            gradient each sub-batch pays, unoverlapped); one step =
+            `oases.train_step(model, ids, ids, schedule=s, comm=comm)`
 
 Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whose
 gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm;
@@ -119,6 +123,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=4, help="llama: key/value heads (default 4)")
     parser.add_argument("--batch", type=int, default=None, help="default 8 (--quick: 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 64 (--quick: 16)")
+    parser.add_argument(
+        "--vocab-parallel",
+        action="store_true",
+        help="llama: shard our model's embedding and LM head over the vocabulary (parallelize's default); "
+        "without it they stay replicated, as examples/train_llama.py holds its 30-token vocabulary",
+    )
     parser.add_argument(
         "--sub-batches",
         type=int,
@@ -288,6 +298,7 @@ def _llama_case(args, ctx) -> _Case:
     from bench import _llama
 
     hidden, seq_len, batch = _sizes(args)
+    vocab_parallel = bool(getattr(args, "vocab_parallel", False))
     config = _llama.llama_config(
         hidden=hidden,
         heads=args.heads,
@@ -312,7 +323,7 @@ def _llama_case(args, ctx) -> _Case:
     model = copy.deepcopy(reference)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the LM head stays replicated, as the warning would say
-        oases.parallelize(model)
+        oases.parallelize(model, vocab_parallel=vocab_parallel)
     comms = {name: Communicator(dist.group.WORLD, ctx.world_size) for name in VARIANTS}
 
     def ours(name: str, memory: Optional[RecomputeMemory] = None) -> torch.Tensor:
@@ -350,6 +361,12 @@ def _llama_case(args, ctx) -> _Case:
         ),
         "gloo runs a reduce-scatter as an all-reduce: sequence parallelism's reduce-scatters move "
         "twice their ring bytes here (hence torch_tp_nosp)",
+        (
+            "ours: embedding and LM head sharded over the vocabulary (--vocab-parallel: parallelize's default)"
+            if vocab_parallel
+            else f"ours: embedding and LM head replicated, as examples/train_llama.py shards its {c.vocab_size}-token "
+            "vocabulary (parallelize(model, vocab_parallel=False)); --vocab-parallel shards them"
+        ),
     ]
     return _Case(
         title=(
@@ -370,6 +387,7 @@ def _llama_case(args, ctx) -> _Case:
             "seq_len": seq_len,
             "attn_implementation": "sdpa",
             "tie_word_embeddings": False,
+            "vocab_parallel": vocab_parallel,
         },
         ours={name: (lambda memory=None, name=name: ours(name, memory)) for name in VARIANTS},
         comms=comms,

@@ -451,6 +451,8 @@ def test_layers_suite_llama(tmp_path):
     assert config["model"] == "llama" and config["vocab"] % WORLD_SIZE == 0
     assert config["heads"] % WORLD_SIZE == 0 and config["kv_heads"] % WORLD_SIZE == 0
     assert config["attn_implementation"] == "sdpa" and config["tie_word_embeddings"] is False
+    assert config["vocab_parallel"] is False  # as examples/train_llama.py: a tiny vocabulary replicated
+    assert "ours: embedding and LM head replicated, as examples/train_llama.py" in stdout
     layers = config["layers"]
     assert records["megatron"]["all_reduces"] == 6 * layers
     assert records["oases"]["all_reduces"] == 8 * layers

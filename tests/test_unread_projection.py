@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import oases
 from oases.models import GPT, GPTConfig
 from oases.nn import RowParallelLinear
-from oases.ops._linear_unread import linear_unread
+from oases.ops import linear_unread
 
 from _shards import check_grads
 from _spawn import run_ranks
@@ -60,7 +60,7 @@ def test_linear_unread_main_grad_and_autocast():
     x0, w0, grad = torch.randn(6, 16, generator=g), torch.randn(12, 16, generator=g), torch.randn(6, 12, generator=g)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     main_grad = torch.full((12, 16), 0.5)
-    linear_unread(x, w, main_grad).backward(grad)
+    linear_unread(x, w, main_grad=main_grad).backward(grad)
     assert w.grad is None  # the weight's gradient went to main_grad, added
     torch.testing.assert_close(main_grad, 0.5 + grad.t() @ x0, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, grad @ w0, rtol=1e-6, atol=1e-6)
@@ -75,6 +75,10 @@ def test_linear_unread_main_grad_and_autocast():
     for a, b in zip(got["unread"], got["linear"]):
         assert a.dtype == b.dtype == torch.float32
         assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"weight: in_features 16 does not match x's last dimension 12"):
+        linear_unread(torch.zeros(2, 12), w0)
+    with pytest.raises(TypeError, match="main_grad: must be float32"):
+        linear_unread(x0, w0, main_grad=torch.zeros(12, 16, dtype=torch.float64))
 
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2)

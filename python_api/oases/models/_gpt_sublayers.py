@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from oases._sharding import ShardRule
 from oases.models._gpt_config import GPTConfig
-from oases.ops._linear_unread import linear_unread
+from oases.ops import linear_unread
 from oases.schedule import SubBatch
 
 

@@ -19,7 +19,7 @@ from oases.nn._from_full import _from_conv1d, _from_linear
 from oases.nn._fusion import _linear, _main_grad
 from oases.nn._layer_args import _check_flag, _check_transposed, _resolve_chunks, check_shardable
 from oases.nn._mappings import copy_to_tp, split_to_tp
-from oases.ops._linear_unread import linear_unread
+from oases.ops import linear_unread
 
 __all__ = ["RowParallelLinear"]
 
@@ -146,7 +146,7 @@ class RowParallelLinear(nn.Module):
             if self._made is None:
                 return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
             # inside _outputs_made; unread: a graph to differentiate only, no GEMM
-            y = linear_unread(x, weight, main_grad) if self._unread else _linear(x, weight, None, main_grad)
+            y = linear_unread(x, weight, main_grad=main_grad) if self._unread else _linear(x, weight, None, main_grad)
             self._made.append((y, y.grad_fn))
             return y
         if not self.input_is_parallel:
@@ -176,7 +176,7 @@ def _outputs_made(layers: Sequence[RowParallelLinear], unread: bool) -> Iterator
     """Inside (and inside no_tp_communication), each of `layers` records (output, output.grad_fn)
     of its forwards in its list of the yielded lists, so the caller can see what the model did
     with the output after the layer. `unread`: the layers return their partial sum's graph
-    without its value (oases.ops._linear_unread: zeros, no GEMM, F.linear's gradients), for a
+    without its value (oases.ops.linear_unread: zeros, no GEMM, F.linear's gradients), for a
     caller that checks nothing read it. Restores each layer on exit."""
     made: list[list[tuple]] = [[] for _ in layers]
     for layer, outputs in zip(layers, made):

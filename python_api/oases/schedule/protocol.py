@@ -32,7 +32,7 @@ Optional members a schedule reads with getattr (absent: the default in brackets)
                                      gradients, its output's value unspecified. Fine-grained
                                      recomputation differentiates core without reading its value,
                                      so the row-parallel output projection's GEMM need not run
-                                     (oases.ops._linear_unread; about a third of a Llama layer's
+                                     (oases.ops.linear_unread; about a third of a Llama layer's
                                      recomputed GEMMs) [core]
 
 `finish` runs in forward and again, on a zero input, to get its gradient, so any randomness in it

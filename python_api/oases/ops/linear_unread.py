@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from oases import _checks
 from oases.ops import _gemm
 from oases.ops._autocast import autocast_operands
 
@@ -57,10 +58,21 @@ class _LinearUnread(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def linear_unread(x: torch.Tensor, weight: torch.Tensor, main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A tensor of F.linear(x, weight)'s shape and graph whose value is unspecified (zeros): its
-    backward is F.linear's (see the module docstring); `main_grad`: weight's gradient is added
-    there in fp32 instead (gradient-accumulation fusion, as oases.nn's layers do)."""
+def linear_unread(x: torch.Tensor, weight: torch.Tensor, *, main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, weight)'s autograd graph without its value: for a graph that is only
+    differentiated, never read::
+
+        y = linear_unread(x, weight)    # x [..., k], weight [o, k]  ->  y [..., o], zeros (unspecified)
+        y.backward(g)                   # exactly F.linear(x, weight).backward(g):
+                                        #   x.grad += g @ weight;  weight.grad += g.T @ x
+
+    No forward GEMM runs. Under torch.autocast the operands are cast as F.linear casts them.
+    main_grad (fp32, weight's shape): backward adds weight's gradient into it in fp32 and returns
+    none for weight (gradient-accumulation fusion, as oases.nn's layers do).
+    """
     x, weight, _, autocast_off = autocast_operands(x, weight, None)
+    _checks.floating("x", x)
+    _checks.weight_bias(x, weight, None)
+    _gemm.check_main_grad(main_grad, weight)
     with autocast_off:
         return _LinearUnread.apply(x, weight, main_grad)
