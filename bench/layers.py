@@ -362,7 +362,10 @@ def _llama_case(args, ctx) -> _Case:
         "gloo runs a reduce-scatter as an all-reduce: sequence parallelism's reduce-scatters move "
         "twice their ring bytes here (hence torch_tp_nosp)",
         (
-            "ours: embedding and LM head sharded over the vocabulary (--vocab-parallel: parallelize's default)"
+            "ours: embedding and LM head sharded over the vocabulary (--vocab-parallel: parallelize's default); "
+            "their all-reduces (the embedding's output, the head's input gradient, the loss's statistics) are "
+            "the layers' own, blocking, not the schedule's: counted in t_compute (dry_run does not skip them), "
+            "not in t_comm or sent"
             if vocab_parallel
             else f"ours: embedding and LM head replicated, as examples/train_llama.py shards its {c.vocab_size}-token "
             "vocabulary (parallelize(model, vocab_parallel=False)); --vocab-parallel shards them"
