@@ -187,6 +187,14 @@ def test_fine_grained_recomputation_costs_the_recording_without_the_output_proje
     prof = profile_from_dict(doc)
     assert prof.compute_time("mlp", TINY, tokens, 1, "recompute_unread") == pytest.approx(1.25)
     assert prof.compute_time("mlp", TINY, tokens, 1, "recompute") == pytest.approx(3.0)
+    gated = replace(TINY, gated_mlp=True)  # the projection is a third of a gated MLP's FLOPs, whatever the sample's
+    for rate in (None, 1.25):
+        sample["record_unread_s"] = rate
+        recorded = profile_from_dict(doc).compute_time("mlp", gated, tokens, 1, "recompute")
+        unread = profile_from_dict(doc).compute_time("mlp", gated, tokens, 1, "recompute_unread")
+        saved = (3.0 - 1.25) * gated.projection_flops("mlp", tokens, 1) / proj if rate else recorded / 3
+        assert unread == pytest.approx(recorded - saved)
+    sample["record_unread_s"] = 1.25
     analytical = Profile(device="x", flops_per_s=1e9, link_bytes_per_s=1e8)
     assert analytical.compute_time("attention", TINY, tokens, 2, "recompute_unread") == pytest.approx(
         (TINY.flops("attention", tokens, 2) - tokens * TINY.hidden**2) / 1e9

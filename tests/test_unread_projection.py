@@ -7,9 +7,11 @@ oases schedule, recompute    each sublayer's recomputed graph skips its output p
                              the step's FLOPs fall by exactly 2 * tokens * in/p * out per
                              projection (oases.models.GPT, Hugging Face Llama, sequence
                              parallel too), loss and every gradient as the single process
-a model that reads the value a Llama whose MLP output is scaled by a learned gate: the
-                             projection's value is needed (the gate's gradient); it is run,
-                             and the gate's gradient is exact
+after the projection         a Llama whose MLP output is scaled by a learned gate (times it,
+                             or in place): refused by train_step in the first forward on every
+                             schedule, before any gradient (model(...).loss.backward(), which
+                             reduces before the gate, is exact); by a constant: exact, and the
+                             MLP's projection then runs in recomputation (its value is read)
 """
 
 import copy
@@ -28,7 +30,7 @@ from oases.models import GPT, GPTConfig
 from oases.nn import RowParallelLinear
 from oases.ops import linear_unread
 
-from _shards import check_grads
+from _shards import check_grads, expected_shard
 from _spawn import run_ranks
 
 _has_transformers = importlib.util.find_spec("transformers") is not None
@@ -142,51 +144,71 @@ LLAMA = dict(
 )
 
 
-def _llama(gated: bool):
-    """A Hugging Face Llama; `gated`: each MLP's output times a learned scalar (a layer scale),
-    whose gradient needs the down projection's value."""
+_SCALED = {
+    "learned": lambda mlp, y: y * mlp.gate_scale,
+    "learned in place": lambda mlp, y: y.mul_(mlp.gate_scale),
+    "constant": lambda mlp, y: y * 0.75,
+}
+
+
+def _llama(scaled=None):
+    """A Hugging Face Llama; `scaled` (a key of _SCALED): each MLP's output times a learned scalar
+    (a layer scale, whose gradient needs the down projection's value) or a constant."""
     import transformers as tf
 
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA))
-    if gated:
-        for layer in model.model.layers:
-            mlp = layer.mlp
-            mlp.gate_scale = nn.Parameter(torch.tensor(0.75))
-            plain = type(mlp).forward
-            mlp.forward = types.MethodType(lambda self, x, plain=plain: plain(self, x) * self.gate_scale, mlp)
+    for layer in model.model.layers if scaled else ():
+        mlp = layer.mlp
+        mlp.gate_scale = nn.Parameter(torch.tensor(0.75), requires_grad=scaled != "constant")
+        plain, scale = type(mlp).forward, _SCALED[scaled]
+        mlp.forward = types.MethodType(lambda self, x, plain=plain, scale=scale: scale(self, plain(self, x)), mlp)
     return model
 
 
-def _check_llama(rank, p):
-    ref = _llama(gated=False)
+def _check_llama(rank, p, scaled):
+    ref = _llama(scaled)
     ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5))
     ref(input_ids=ids, labels=ids).loss.backward()
-    want = {n: q.grad.clone() for n, q in ref.named_parameters()}
+    want = {n: q.grad.clone() for n, q in ref.named_parameters() if q.grad is not None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tp = oases.parallelize(copy.deepcopy(ref), None)
     rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
+    oases.train_step(tp, ids, ids, schedule="oases")  # a scaled MLP's projection found read (marked)
+    read = {r for r in rows if r._output_read}
+    assert read == ({layer.mlp.down_proj for layer in tp.model.layers} if scaled else set())
     counted = {}
     for unread in (True, False):
         tp.zero_grad(set_to_none=True)
         for row in rows:  # False: every core run in full, as before
-            row._output_read = not unread
+            row._output_read = not unread or row in read
         counted[unread] = _step_flops(lambda: oases.train_step(tp, ids, ids, schedule="oases"))
-        check_grads(tp, want, rank, p, f"unread={unread}", dict(rtol=1e-4, atol=1e-5))
+        tp.zero_grad(set_to_none=True)
+        oases.train_step(tp, ids, ids, schedule="oases")
+        for name, param in tp.named_parameters():
+            if name in want:
+                torch.testing.assert_close(
+                    param.grad,
+                    expected_shard(tp, name, want[name], rank, p),
+                    rtol=1e-4,
+                    atol=1e-5,
+                    msg=lambda m: f"scaled={scaled} unread={unread}: {name}: {m}",
+                )
     n, h, inter = 4 * 12, LLAMA["hidden_size"], LLAMA["intermediate_size"]
-    skipped = LLAMA["num_hidden_layers"] * 2 * n * h * (h // p + inter // p)
+    skipped = LLAMA["num_hidden_layers"] * 2 * n * h * (h // p + (0 if scaled else inter // p))
     assert counted[False] - counted[True] == skipped, (counted, skipped)
     return True
 
 
 @pytest.mark.skipif(not _has_transformers, reason="transformers is not installed")
-def test_oases_recomputation_skips_the_output_projections_gemm_in_llama():
-    run_ranks(_check_llama, 2, timeout=120)
+@pytest.mark.parametrize("scaled", [None, "constant"])
+def test_oases_recomputation_skips_the_output_projections_gemm_in_llama(scaled):
+    run_ranks(_check_llama, 2, scaled, timeout=120)
 
 
-def _check_gated(rank, p):
-    ref = _llama(gated=True)
+def _check_gated(rank, p, scaled):
+    ref = _llama(scaled)
     ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5))
     ref(input_ids=ids, labels=ids).loss.backward()
     want = {n: q.grad.clone() for n, q in ref.named_parameters()}
@@ -196,13 +218,15 @@ def _check_gated(rank, p):
     for schedule, recompute in (("oases", True), ("megatron", True), ("oases", False)):
         with pytest.raises(ValueError, match=r"decoder layer 0's LlamaMLP .* learned scale or gate"):
             oases.train_step(tp, ids, ids, schedule=schedule, recompute=recompute)
+        assert all(q.grad is None for q in tp.parameters()), "refused after a backward began"
     tp.zero_grad(set_to_none=True)  # the layers reduce before the scale: exact
     tp(input_ids=ids, labels=ids).loss.backward()
-    check_grads(tp, want, rank, p, "gated, model(...).loss.backward()", dict(rtol=1e-4, atol=1e-5))
+    check_grads(tp, want, rank, p, f"{scaled}, model(...).loss.backward()", dict(rtol=1e-4, atol=1e-5))
     return True
 
 
 @pytest.mark.skipif(not _has_transformers, reason="transformers is not installed")
-def test_a_learned_scale_after_the_output_projection_is_refused_by_train_step():
+@pytest.mark.parametrize("scaled", ["learned", "learned in place"])
+def test_a_learned_scale_after_the_output_projection_is_refused_by_train_step(scaled):
     """Its gradient would be a partial sum under the schedules (they reduce after the branch)."""
-    run_ranks(_check_gated, 2, timeout=120)
+    run_ranks(_check_gated, 2, scaled, timeout=120)

@@ -42,23 +42,27 @@ def _sum(ys: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _as_made(ys: list[torch.Tensor], made: list[list[tuple]]) -> bool:
-    """Whether each branch returned its row layer's one output as the layer made it."""
-    return all(len(m) == 1 and y is m[0][0] and y.grad_fn is m[0][1] for y, m in zip(ys, made))
+    """Whether each branch returned its row layer's one output as the layer made it (the same
+    tensor, neither another op's output nor changed in place since)."""
+    return all(
+        len(m) == 1 and y is m[0][0] and y.grad_fn is m[0][1] and y._version == m[0][2] for y, m in zip(ys, made)
+    )
 
 
-def _check_after_projection(index: int, module: nn.Module, y: torch.Tensor, projected: list) -> None:
+def _check_after_projection(index: int, module: nn.Module, y: torch.Tensor, projected: list, h: torch.Tensor) -> None:
     """Refuse a branch whose output joins its row-parallel projection's output (autograd nodes
-    `projected`) with anything else that needs a gradient: a learned scale or gate applied to
-    the projection (the schedules apply it to this rank's partial sum, so its gradient would be
-    partial), the branch's input added back. Parameter-free steps (a constant scale, a view,
-    dropout at p = 0) pass: they commute with the reduction."""
+    `projected`) with a parameter or other tensor that needs a gradient: a learned scale or gate
+    applied to the projection (the schedules apply it to this rank's partial sum, so its gradient
+    would be partial). Parameter-free steps (a constant scale, a view, dropout at p = 0, a gate
+    computed from the branch's input `h` alone, whose gradient the schedule sums over the ranks)
+    pass: they commute with the reduction."""
     seen, todo = set(), [y.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in projected or node in seen:
             continue
         seen.add(node)
-        if hasattr(node, "variable"):  # AccumulateGrad: a tensor that needs a gradient joins
+        if hasattr(node, "variable") and node.variable is not h:  # AccumulateGrad: a tensor that needs a gradient
             raise ValueError(
                 f"oases.train_step: decoder layer {index}'s {type(module).__name__} does more with its "
                 f"row-parallel output projection's output than return it (its output is {y.grad_fn.name()} "
@@ -99,8 +103,11 @@ class Branch:
             return _sum(self._outputs(h, ctx))
         with _outputs_made(rows, unread=False) as made:
             ys = self._outputs(h, ctx)
-        if not _as_made(ys, made):  # something after the output projection: refused if it learns
+        if not _as_made(ys, made) and any(r.world_size > 1 for r in rows):  # refused if it learns
             self._check_after_projections(h, ctx, rows, ys, made)
+        elif not _as_made(ys, made):  # one rank: the whole sum, nothing to refuse
+            for row in rows:
+                row._output_read = True
         return _sum(ys)
 
     def _check_after_projections(self, h: torch.Tensor, ctx: Any, rows: list, ys: list, made: list) -> None:
@@ -108,11 +115,12 @@ class Branch:
         it (_check_after_projection); else mark its layers as read (core_for_gradients then runs
         core, and core checks no more). Without autograd the branch is run once more with it, so
         the first forward refuses, before any backward."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not h.requires_grad:
+            h = h.detach().requires_grad_()
             with torch.enable_grad(), _outputs_made(rows, unread=False) as made:
-                ys = self._outputs(h.detach().requires_grad_(), ctx)
+                ys = self._outputs(h, ctx)
         for module, y, outputs in zip(self.branches, ys, made):
-            _check_after_projection(self.index, module, y, [node for _, node in outputs])
+            _check_after_projection(self.index, module, y, [node for _, node, _ in outputs], h)
         for row in rows:
             row._output_read = True
 

@@ -82,7 +82,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.chunks = _resolve_chunks(chunks)
         self._communicate = True  # False only inside no_tp_communication
-        self._made: Optional[list] = None  # inside _outputs_made: (output, its grad_fn) of each forward
+        self._made: Optional[list] = None  # inside _outputs_made: (output, grad_fn, version) of each forward
         self._unread = False  # inside _outputs_made(unread=True): no GEMM
         self._output_read = False  # a model's forward reads this layer's output (oases.models._branch)
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Module):
                 return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
             # inside _outputs_made; unread: a graph to differentiate only, no GEMM
             y = linear_unread(x, weight, main_grad=main_grad) if self._unread else _linear(x, weight, None, main_grad)
-            self._made.append((y, y.grad_fn))
+            self._made.append((y, y.grad_fn, y._version))
             return y
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
@@ -173,8 +173,8 @@ class RowParallelLinear(nn.Module):
 
 @contextlib.contextmanager
 def _outputs_made(layers: Sequence[RowParallelLinear], unread: bool) -> Iterator[list[list[tuple]]]:
-    """Inside (and inside no_tp_communication), each of `layers` records (output, output.grad_fn)
-    of its forwards in its list of the yielded lists, so the caller can see what the model did
+    """Inside (and inside no_tp_communication), each of `layers` records (output, output.grad_fn,
+    output._version) of its forwards in its list of the yielded lists, so the caller can see what the model did
     with the output after the layer. `unread`: the layers return their partial sum's graph
     without its value (oases.ops.linear_unread: zeros, no GEMM, F.linear's gradients), for a
     caller that checks nothing read it. Restores each layer on exit."""

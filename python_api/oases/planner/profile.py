@@ -124,19 +124,22 @@ class ComputeSample:
     record_unread_s: Optional[float] = None
 
     def seconds(self, direction: str) -> float:
-        """Seconds of `direction`: "forward", "backward", "recompute" (record_s, or forward_s
-        where it was not measured), "recompute_unread" (record_unread_s, or the recomputation
-        times the share of its FLOPs left without the output projection)."""
+        """Seconds of `direction`: "forward", "backward", else the recomputation (record_s, or
+        forward_s where it was not measured)."""
         if direction == "forward":
             return self.forward_s
         if direction == "backward":
             return self.backward_s
-        record = self.forward_s if self.record_s is None else self.record_s
-        if direction == "recompute" or self.record_unread_s is not None:
-            return record if direction == "recompute" else self.record_unread_s
-        shape, tokens = self.shape(), self.rows * self.seq_len
-        full = shape.flops(self.sublayer, tokens, self.tp)
-        return record * (full - shape.projection_flops(self.sublayer, tokens, self.tp)) / full
+        return self.forward_s if self.record_s is None else self.record_s
+
+    def projection_rate(self) -> Optional[float]:
+        """Seconds per FLOP of the output projection the recording skips when fine-grained
+        (record_s - record_unread_s over its FLOPs); None where record_unread_s was not measured."""
+        if self.record_unread_s is None:
+            return None
+        tokens = self.rows * self.seq_len
+        proj = self.shape().projection_flops(self.sublayer, tokens, self.tp)
+        return max(self.seconds("recompute") - self.record_unread_s, 0.0) / proj if proj else None
 
     def matches(self, shape: ModelShape, tokens: int, tp: int) -> bool:
         """Whether this sample timed `shape`'s sublayer on `tokens` at `tp` (samples are of dense
@@ -189,8 +192,8 @@ class Profile:
             raise ValueError(f"sublayer: {sublayer!r} is not one of {SUBLAYERS}")
         if tokens <= 0:
             return 0.0
-        if direction == "recompute_unread" and not shape.projection_flops(sublayer, 1, tp):
-            direction = "recompute"  # an MoE's MLP: recomputed in full
+        if direction == "recompute_unread":
+            return self._recompute_unread(sublayer, shape, tokens, tp)
         flops = shape.flops(sublayer, int(round(tokens)), tp)
         samples = [s for s in self.compute if s.sublayer == sublayer]
         same = sorted((s for s in samples if s.matches(shape, s.rows * s.seq_len, tp)), key=lambda s: s.rows)
@@ -207,9 +210,24 @@ class Profile:
             near = min(same_tp, key=distance)
             near_flops = near.shape().flops(sublayer, near.rows * near.seq_len, near.tp)
             return near.seconds(direction) * flops / near_flops
-        if direction == "recompute_unread":
-            flops -= shape.projection_flops(sublayer, int(round(tokens)), tp)
         return flops * (2 if direction == "backward" else 1) / self.flops_per_s
+
+    def _recompute_unread(self, sublayer: str, shape: ModelShape, tokens: float, tp: int) -> float:
+        """The recomputation less the output projection: its FLOPs (of `shape`, gated MLP or not)
+        at the seconds per FLOP measured for it (the nearest sample with record_unread_s, the
+        same degree preferred), else at the recording's own rate; an MoE MLP recomputes in full."""
+        full = self.compute_time(sublayer, shape, tokens, tp, "recompute")
+        proj = shape.projection_flops(sublayer, int(round(tokens)), tp)
+        if not proj:
+            return full
+        measured = [s for s in self.compute if s.sublayer == sublayer and s.projection_rate() is not None]
+        if measured:
+            same_tp = [s for s in measured if s.tp == tp] or measured
+            near = min(same_tp, key=lambda s: abs(math.log(s.rows * s.seq_len / tokens)))
+            rate = near.projection_rate()
+        else:
+            rate = full / shape.flops(sublayer, int(round(tokens)), tp)
+        return max(full - proj * rate, 0.0)
 
     def head_time(self, shape: ModelShape, tokens: float) -> float:
         """Seconds of the LM head's forward + backward (embedding lookups are negligible)."""
