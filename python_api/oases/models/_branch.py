@@ -91,6 +91,10 @@ class Branch:
         self.index = index  # the decoder layer's
         self.norms, self.branches, self.attention = norms, branches, attention
         self.biases = [b for m in branches for b in _row_biases(m)]
+        rows = [_sole_row(m) for m in branches]
+        # each branch's one RowParallelLinear, or None where a branch has several, none, or sharded
+        # experts (whose outputs the MoE block weights: oases.nn._moe reduces them)
+        self._rows: Optional[list[RowParallelLinear]] = None if any(r is None for r in rows) else rows
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.norms) == 1:
@@ -98,22 +102,21 @@ class Branch:
         return torch.stack([n(x) for n in self.norms])  # [branches, b, t, h]
 
     def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
-        rows = self._rows()
+        rows = self._rows
         if rows is None or all(r._output_read for r in rows):  # (checked already: see below)
             return _sum(self._outputs(h, ctx))
         with _outputs_made(rows, unread=False) as made:
             ys = self._outputs(h, ctx)
-        if not _as_made(ys, made) and any(r.world_size > 1 for r in rows):  # refused if it learns
-            self._check_after_projections(h, ctx, rows, ys, made)
-        elif not _as_made(ys, made):  # one rank: the whole sum, nothing to refuse
-            for row in rows:
+        if not _as_made(ys, made):  # something after the output projection: refused if it learns
+            if any(r.world_size > 1 for r in rows):  # (one rank: the whole sum, nothing to refuse)
+                self._check_after_projections(h, ctx, rows, ys, made)
+            for row in rows:  # core_for_gradients runs core from now on, and core checks no more
                 row._output_read = True
         return _sum(ys)
 
     def _check_after_projections(self, h: torch.Tensor, ctx: Any, rows: list, ys: list, made: list) -> None:
         """Refuse the branch if a tensor that needs a gradient joins a projection's output after
-        it (_check_after_projection); else mark its layers as read (core_for_gradients then runs
-        core, and core checks no more). Without autograd the branch is run once more with it, so
+        it (_check_after_projection). Without autograd the branch is run once more with it, so
         the first forward refuses, before any backward."""
         if not torch.is_grad_enabled() or not h.requires_grad:
             h = h.detach().requires_grad_()
@@ -121,15 +124,13 @@ class Branch:
                 ys = self._outputs(h, ctx)
         for module, y, outputs in zip(self.branches, ys, made):
             _check_after_projection(self.index, module, y, [node for _, node, _ in outputs], h)
-        for row in rows:
-            row._output_read = True
 
     def core_for_gradients(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """core(h, ctx)'s graph for a backward only (oases.schedule.protocol): where every branch's
         output is its one RowParallelLinear's, those layers run no GEMM (their value is unread).
         A branch that does anything to that output after the layer (scales it) is seen here, by
         its output's grad_fn, and core runs instead, then and from then on (the layer is marked)."""
-        rows = self._rows()
+        rows = self._rows
         if rows is None or any(r._output_read for r in rows):
             return self.core(h, ctx)
         with _outputs_made(rows, unread=True) as made:
@@ -137,12 +138,6 @@ class Branch:
         if _as_made(ys, made):
             return _sum(ys)
         return self.core(h, ctx)  # marks the layers, or refuses the branch
-
-    def _rows(self) -> Optional[list[RowParallelLinear]]:
-        """Each branch's one RowParallelLinear, or None where a branch has several, none, or
-        sharded experts (whose outputs the MoE block weights: oases.nn._moe reduces them)."""
-        rows = [_sole_row(m) for m in self.branches]
-        return None if any(r is None for r in rows) else rows
 
     def _outputs(self, h: torch.Tensor, ctx: Any) -> list[torch.Tensor]:
         """Each branch's partial sum, under no_tp_communication."""
