@@ -14,7 +14,7 @@ data and weights, measured in one run (variants round-robin, medians, MAX over r
             `oases.parallelize(model, vocab_parallel=False)`: its 30-token embedding and LM head
             replicated (`--vocab-parallel`: sharded over the vocabulary, parallelize's default,
             whose [b, t, h] all-reduces of the embedding's output and of the head's input
-            gradient each sub-batch pays, unoverlapped); one step =
+            gradient the schedule runs, per sub-batch, overlapped with the other); one step =
             `oases.train_step(model, ids, ids, schedule=s, comm=comm)`
 
 Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whose
@@ -363,9 +363,9 @@ def _llama_case(args, ctx) -> _Case:
         "twice their ring bytes here (hence torch_tp_nosp)",
         (
             "ours: embedding and LM head sharded over the vocabulary (--vocab-parallel: parallelize's default); "
-            "their all-reduces (the embedding's output, the head's input gradient, the loss's statistics) are "
-            "the layers' own, blocking, not the schedule's: counted in t_compute (dry_run does not skip them), "
-            "not in t_comm or sent"
+            "the schedule runs the all-reduces of the embedding's output and of the head's input gradient "
+            "(counted in t_comm and sent, overlapped with the other sub-batch); the loss's statistics "
+            "([2, tokens] and a max) are the loss's own, blocking: counted in t_compute (dry_run does not skip them)"
             if vocab_parallel
             else f"ours: embedding and LM head replicated, as examples/train_llama.py shards its {c.vocab_size}-token "
             "vocabulary (parallelize(model, vocab_parallel=False)); --vocab-parallel shards them"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oases.models import GPT, GPTConfig
-from oases.schedule import SCHEDULES, RecomputeMemory
+from oases.schedule import SCHEDULES, Communicator, RecomputeMemory
 
 from _spawn import run_ranks
 
@@ -69,8 +69,10 @@ def _count_communication(rank, world_size):
     config = GPTConfig(**CONFIG)
     tokens, targets = _batch(4, 0)
     counts = {}
-    for name, schedule, sp in [(s, s, False) for s in SCHEDULES] + [("oases-sp", "oases", True)]:
-        model = GPT(config, schedule=schedule, sequence_parallel=sp)
+    variants = [(s, s, False, False) for s in SCHEDULES] + [("oases-sp", "oases", True, False)]
+    variants += [("oases-vocab", "oases", False, True), ("megatron-vocab", "megatron", False, True)]
+    for name, schedule, sp, vocab_parallel in variants:
+        model = GPT(config, schedule=schedule, sequence_parallel=sp, vocab_parallel=vocab_parallel)
         memory = RecomputeMemory()
         model.train_step(tokens, targets, memory=memory)
         assert memory.held == 0, name
@@ -97,6 +99,15 @@ def test_oases_moves_two_thirds_of_megatrons_bytes():
     calls, sent = counts["oases"]
     assert calls == {"forward": 4 * layers, "backward": 4 * layers}  # recomputation sends nothing
     assert 3 * sum(sent.values()) == 2 * sum(counts["megatron"][1].values())
+    # vocab_parallel: the schedule also runs the embedding's all-reduce (forward) and the LM head's
+    # input-gradient all-reduce (backward), one activation each per sub-batch (embed_split, head_split)
+    for schedule in ("oases", "megatron"):
+        calls, sent = counts[f"{schedule}-vocab"]
+        plain_calls, plain_sent = counts[schedule]
+        sub_batches = 2 if schedule == "oases" else 1
+        extra = {"forward": 1, "backward": 1}
+        assert calls == {k: v + sub_batches * extra.get(k, 0) for k, v in plain_calls.items()}, schedule
+        assert sent == {k: v + activation * extra.get(k, 0) for k, v in plain_sent.items()}, schedule
     # Sequence parallel (p = 2: a gather into n bytes or a scatter of n bytes sends n / 2): per
     # sublayer a gather and a scatter forward and backward (one all-reduce's bytes each way) and
     # the re-gather of the normed input in recomputation; plus the gather before the head, its
@@ -206,3 +217,42 @@ def test_checkpoint_memory_is_the_old_name_of_recompute_memory():
         DeprecationWarning, match="table.CheckpointMemory is deprecated: use oases.schedule.RecomputeMemory"
     ):
         assert table.CheckpointMemory is RecomputeMemory  # the module that held it answers too
+
+
+class _LoggedCommunicator(Communicator):
+    """A Communicator that logs each all-reduce it starts: ("all_reduce", phase, shape)."""
+
+    def __init__(self, group, world_size, log):
+        super().__init__(group, world_size)
+        self.log = log
+
+    def all_reduce(self, t, phase):
+        self.log.append(("all_reduce", phase, tuple(t.shape)))
+        return super().all_reduce(t, phase)
+
+
+def _vocab_order(rank, world_size):
+    import torch.distributed as dist
+
+    model = GPT(GPTConfig(**CONFIG), schedule="oases", vocab_parallel=True)
+    log = []
+    embed_split, head_split = model.embed_split, model.head_split
+    model.embed_split = lambda ids, where: log.append(("embed", where.rows.start)) or embed_split(ids, where)
+    model.head_split = lambda x, ctx: log.append(("head", ctx.rows.start)) or head_split(x, ctx)
+    model.comm = _LoggedCommunicator(dist.group.WORLD, world_size, log)
+    model.train_step(*_batch(4, 0))
+    return log
+
+
+def test_vocab_parallel_all_reduces_overlap_the_other_sub_batch():
+    """Each sub-batch's embedding all-reduce starts before the other sub-batch embeds, and its
+    head's input-gradient all-reduce before the other runs its head: the schedule yields across
+    them (before embed_split and head_split, both ran blocking inside the step's own compute)."""
+    log = run_ranks(_vocab_order, 2)[0]
+    act = (2, CONFIG["seq_len"], CONFIG["hidden"])  # one sub-batch's activation
+    assert log[:4] == [("embed", 0), ("all_reduce", "forward", act), ("embed", 2), ("all_reduce", "forward", act)]
+    heads = [i for i, event in enumerate(log) if event[0] == "head"]
+    assert [log[i] for i in heads] == [("head", 0), ("head", 2)]
+    assert log[heads[0] + 1] == ("all_reduce", "backward", act)  # A's head gradient, then B runs on
+    assert log[heads[1] + 1] == ("all_reduce", "backward", act)
+    assert heads[1] == heads[0] + 2  # B's head runs while A's head gradient is summed

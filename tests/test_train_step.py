@@ -315,24 +315,27 @@ def _count(rank, world_size):
 def test_all_reduces_per_layer():
     counts = run_ranks(_count, 2)[0]
     layers, activation = SMALL["num_hidden_layers"], 4 * 12 * SMALL["hidden_size"] * 4  # fp32 bytes of [4, 12, h]
+    # parallelize's default shards the embedding and the LM head over the vocabulary: the schedule
+    # runs their all-reduces too (embed_split / head_split), one of an activation each per
+    # sub-batch: the embedding's output forward, the head's input gradient backward.
     # Llama: two sublayers per layer. megatron 2 fwd + 2 recompute + 2 bwd; oases none in recompute.
     calls, sent = counts["llama", "megatron"]
-    assert calls == {"forward": 2 * layers, "recompute": 2 * layers, "backward": 2 * layers}
-    assert sent == {phase: 2 * layers * activation for phase in calls}
+    assert calls == {"forward": 2 * layers + 1, "recompute": 2 * layers, "backward": 2 * layers + 1}
+    assert sent == {phase: (2 * layers + (phase != "recompute")) * activation for phase in calls}
     calls, sent = counts["llama", "oases"]
-    assert calls == {"forward": 4 * layers, "backward": 4 * layers}  # 2 sub-batches: half-size calls
-    assert sent == {"forward": 2 * layers * activation, "backward": 2 * layers * activation}
+    assert calls == {"forward": 4 * layers + 2, "backward": 4 * layers + 2}  # 2 sub-batches: half-size calls
+    assert sent == {"forward": (2 * layers + 1) * activation, "backward": (2 * layers + 1) * activation}
     # GPT-NeoX, parallel residual: one all-reduce serves both branches forward; backward reduces
     # the stacked [ln1 x, ln2 x] gradient in one call (twice an activation).
     calls, sent = counts["neox", "megatron"]
-    assert calls == {"forward": layers, "recompute": layers, "backward": layers}
+    assert calls == {"forward": layers + 1, "recompute": layers, "backward": layers + 1}
     assert sent == {
-        "forward": layers * activation,
+        "forward": (layers + 1) * activation,
         "recompute": layers * activation,
-        "backward": 2 * layers * activation,
+        "backward": (2 * layers + 1) * activation,
     }
     calls, _ = counts["neox", "oases"]
-    assert calls == {"forward": 2 * layers, "backward": 2 * layers}
+    assert calls == {"forward": 2 * layers + 2, "backward": 2 * layers + 2}
 
 
 def _check_bad_input(rank, world_size):

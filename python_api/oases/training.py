@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._compiled import original_module
+from oases.comm._topology import same_group
 from oases.degrees import refuse_with_degrees
 from oases.dp.grad_sync import GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
@@ -92,7 +93,7 @@ def _tp_communicator(model: object) -> Optional[Communicator]:
         return None
     groups = []
     for m in model.modules():
-        if hasattr(m, "tp_layout") and not any(_same_group(m.group, g) for g in groups):
+        if hasattr(m, "tp_layout") and not any(same_group(m.group, g) for g in groups):
             groups.append(m.group)
     if len(groups) > 1:
         raise ValueError(
@@ -301,7 +302,7 @@ def _step_communicator(model: object, comm: Optional[Communicator], per_layer: b
     owned = comm is None and not isinstance(getattr(model, "comm", None), Communicator)  # made for this call
     if comm is None:
         return tp, owned
-    if tp is not None and (not _same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
+    if tp is not None and (not same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
         raise ValueError(
             f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
             f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)"
@@ -336,11 +337,3 @@ def _offloader(model: object, offload: Union[bool, Offloader]) -> Optional[Offlo
     if offload is False:
         return None
     raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
-
-
-def _same_group(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:
-    """Whether two group arguments name the same group (None: the world)."""
-    if not dist.is_initialized():
-        return True
-    world = dist.group.WORLD
-    return (a or world) is (b or world)

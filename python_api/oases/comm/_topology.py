@@ -34,3 +34,11 @@ def ring_of(group: Optional[dist.ProcessGroup]) -> Ring:
     if rank < 0:
         raise ValueError("group: this process is not a member of the given process group")
     return Ring(group, rank, dist.get_world_size(group), tuple(dist.get_process_group_ranks(group)))
+
+
+def same_group(a: Optional[dist.ProcessGroup], b: Optional[dist.ProcessGroup]) -> bool:
+    """Whether two group arguments name the same group (None: the world)."""
+    if not dist.is_initialized():
+        return True
+    world = dist.group.WORLD
+    return (a or world) is (b or world)

@@ -51,7 +51,7 @@ from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, SubBatch, check_step, train_step
 from oases.schedule.placed import layer_placements
-from oases.schedule.protocol import LayerPlacements
+from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements
 
 __all__ = ["GPTConfig", "GPT"]
 
@@ -218,13 +218,33 @@ class GPT(nn.Module):
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [b, t <= seq_len] -> wte(tokens) + wpe(positions 0..t-1), x [b, t, h]."""
+        positions = self._positions(tokens)  # checked before wte's all-reduce
+        return self.wte(tokens) + self.wpe(positions)
+
+    def _positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """0..t-1 for tokens [b, t <= seq_len] (ValueError for another shape)."""
         if tokens.dim() != 2 or tokens.shape[1] > self.config.seq_len:
             raise ValueError(f"tokens: expected [batch, t <= {self.config.seq_len}], got {tuple(tokens.shape)}")
-        return self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        return torch.arange(tokens.shape[1], device=tokens.device)
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
         """input_ids [b, t] -> (embed_tokens(input_ids), `where` as the ctx)."""
         return self.embed_tokens(input_ids), where
+
+    def embed_split(self, input_ids: torch.Tensor, where: SubBatch) -> Optional[EmbedSplit]:
+        """With vocab_parallel, `embed` around wte's all-reduce (oases.schedule.protocol): wte's share
+        on this rank, then (sum + wpe(positions), `where`); else None."""
+        if self.logits_group is None:
+            return None
+        positions = self._positions(input_ids)
+        return EmbedSplit(self.wte.partial(input_ids), self.group, lambda summed: (summed + self.wpe(positions), where))
+
+    def head_split(self, x: torch.Tensor, ctx: object = None) -> Optional[HeadSplit]:
+        """With vocab_parallel, `head` around its input gradient's all-reduce (oases.schedule.protocol):
+        norm_f(x), then this rank's vocabulary slice of the logits; else None."""
+        if self.logits_group is None:
+            return None
+        return HeadSplit(self.norm_f(x), self.group, lambda h: F.linear(h, self.lm_head.weight))
 
     def layers(self) -> list[tuple[_Sublayer, ...]]:
         """Each block as its sublayers (attention, MLP)."""

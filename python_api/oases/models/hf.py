@@ -55,8 +55,9 @@ from oases.models._whole import WholeLayer
 from oases.nn._mappings import copy_to_tp
 from oases.nn._parts import LayerParts, find_stack, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.nn.vocab import VocabParallelEmbedding
 from oases.schedule.placed import layer_placements
-from oases.schedule.protocol import LayerPlacements, SubBatch
+from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements, SubBatch
 
 __all__ = ["HFStack"]
 
@@ -136,6 +137,7 @@ class HFStack:
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
         self.parts = _parts_of(self.decoder)
         self._names = _top_names(model, self.base, self.lm_head)
+        self._embedding = _vocab_embedding(self.base)  # (owner, name) of a vocabulary-parallel one, else None
         decoder = self.decoder
         # parallelize(..., tp_degrees=...) keeps model.layer_degrees (and model.tp_degrees): degree-1 layers unsharded
         layer_degrees = getattr(model, "layer_degrees", None)
@@ -201,13 +203,34 @@ class HFStack:
         """input_ids [b, t] -> (x [b, t, h], the first decoder layer's input; a _Context of `where` and
         every layer's keyword arguments), recorded by running the base model's forward with stand-ins for
         its decoder layers."""
+        return self._embed(input_ids, where, None)
+
+    def embed_split(self, input_ids: torch.Tensor, where: SubBatch) -> Optional[EmbedSplit]:
+        """`embed` around its vocabulary-parallel embedding's all-reduce (oases.schedule.protocol), None
+        where the input embedding is not vocabulary-parallel: this rank's share of the token embeddings,
+        then the base model's forward with the embedding standing in for by their sum."""
+        if self._embedding is None:
+            return None
+        owner, name = self._embedding
+        embedding = getattr(owner, name)
+        return EmbedSplit(
+            embedding.partial(input_ids),
+            embedding.group,
+            lambda summed: self._embed(input_ids, where, (owner, name, summed)),
+        )
+
+    def _embed(
+        self, input_ids: torch.Tensor, where: SubBatch, summed: Optional[tuple[nn.Module, str, torch.Tensor]]
+    ) -> tuple[torch.Tensor, _Context]:
+        """embed; `summed` = (owner, name, embeddings): owner.<name>, the input embedding, gives them."""
         calls: list = []
         recorders = [_Recorder(calls, layer) for layer in self.decoder]
         # what the base's forward expects of a layer, once known: kept on the model (a step makes a new HFStack)
         known: Optional[bool] = getattr(self.model, "oases_layer_returns_tuple", None)
         for recorder in recorders if known is not None else ():
             recorder.tuple = known
-        with _standing_in(self.base, self._layers_name, recorders):
+        given = contextlib.nullcontext() if summed is None else _standing_in(summed[0], summed[1], _Given(summed[2]))
+        with given, _standing_in(self.base, self._layers_name, nn.ModuleList(recorders)):
             try:
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
             except (AttributeError, IndexError, TypeError, ValueError):
@@ -265,9 +288,22 @@ class HFStack:
         vocab-parallel shard too), then a padded vocabulary's columns set to -inf."""
         h = self.final_norm(x)
         if self.logits_group is None:
-            head = self.lm_head  # [b, t, vocab]
-        else:  # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
-            head = _ShardHead(self.lm_head, self.logits_group)
+            return self._logits(h, self.lm_head)  # [b, t, vocab]
+        # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
+        return self._logits(h, _ShardHead(self.lm_head, self.logits_group))
+
+    def head_split(self, x: torch.Tensor, ctx: Any = None) -> Optional[HeadSplit]:
+        """`head` around a vocabulary-parallel head's all-reduce of its input's gradient
+        (oases.schedule.protocol), None where the head is not vocabulary-parallel: the final norm,
+        then the logits from its output, whose gradient there is this rank's share."""
+        if self.logits_group is None:
+            return None
+        return HeadSplit(
+            self.final_norm(x), self.logits_group, lambda h: self._logits(h, _ShardHead(self.lm_head, None))
+        )
+
+    def _logits(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        """`head` of the final norm's output h, then what the model's forward does to its logits."""
         if self._names is None:
             logits = head(h)
         else:
@@ -294,14 +330,45 @@ def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:
 
 
 @contextlib.contextmanager
-def _standing_in(base: nn.Module, name: str, recorders: list[nn.Module]) -> Iterator[None]:
-    """base.<name> (the decoder layers) replaced by the recorders, one per layer, for the block (restored after)."""
-    layers = getattr(base, name)
-    setattr(base, name, nn.ModuleList(recorders))
+def _standing_in(owner: nn.Module, name: str, module: nn.Module) -> Iterator[None]:
+    """owner.<name> (the decoder layers, the input embedding) replaced by `module` for the block (restored after)."""
+    kept = getattr(owner, name)
+    setattr(owner, name, module)
     try:
         yield
     finally:
-        setattr(base, name, layers)
+        setattr(owner, name, kept)
+
+
+class _Given(nn.Module):
+    """Stands in for the input embedding: gives the token embeddings the schedule summed."""
+
+    def __init__(self, embeddings: torch.Tensor) -> None:
+        super().__init__()
+        self.embeddings = embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tuple(ids.shape) != tuple(self.embeddings.shape[:-1]):
+            raise RuntimeError(
+                f"oases: the base model embedded ids of shape {tuple(ids.shape)}, not the step's "
+                f"{tuple(self.embeddings.shape[:-1])}"
+            )
+        return self.embeddings
+
+
+def _vocab_embedding(base: nn.Module) -> Optional[tuple[nn.Module, str]]:
+    """(owner, name) of the base model's input embedding where it is a VocabParallelEmbedding, else None."""
+    try:
+        embedding = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if not isinstance(embedding, VocabParallelEmbedding):
+        return None
+    path = next((n for n, m in base.named_modules() if m is embedding), None)
+    if not path:
+        return None
+    owner, _, name = path.rpartition(".")
+    return base.get_submodule(owner), name
 
 
 def _top_names(model: nn.Module, base: nn.Module, head: nn.Module) -> Optional[tuple[str, str]]:
@@ -313,14 +380,15 @@ def _top_names(model: nn.Module, base: nn.Module, head: nn.Module) -> Optional[t
 
 
 class _ShardHead(nn.Module):
-    """A vocab-parallel head's shard of the logits, its input's gradient all-reduced (copy_to_tp)."""
+    """A vocab-parallel head's shard of the logits, its input's gradient all-reduced over `group`
+    (copy_to_tp); None: left as this rank's share (the schedule sums it: head_split)."""
 
-    def __init__(self, head: ColumnParallelLinear, group: dist.ProcessGroup) -> None:
+    def __init__(self, head: ColumnParallelLinear, group: Optional[dist.ProcessGroup]) -> None:
         super().__init__()
         self.weight, self.bias, self.group = head.weight, head.bias, group
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(h, self.group), self.weight, self.bias)
+        return F.linear(h if self.group is None else copy_to_tp(h, self.group), self.weight, self.bias)
 
 
 class _Hidden(tuple):

@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
-from oases.schedule.protocol import SubBatch
+from oases.nn.vocab import VocabParallelEmbedding
+from oases.schedule.protocol import EmbedSplit, SubBatch
 
 __all__ = ["NanoGPTStack", "is_nanogpt"]
 
@@ -77,7 +78,17 @@ class NanoGPTStack:
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
         """input_ids [b, t] -> (wte(input_ids) [+ wpe(positions)], through `drop` where there is one,
         x [b, t, h]; `where` as the ctx)."""
-        x = self.container.wte(input_ids)  # [b, t, h]
+        return self._from_tokens(self.container.wte(input_ids), input_ids, where)
+
+    def embed_split(self, input_ids: torch.Tensor, where: SubBatch) -> Optional[EmbedSplit]:
+        """`embed` around a vocabulary-parallel wte's all-reduce (oases.schedule.protocol), else None."""
+        wte = self.container.wte
+        if not isinstance(wte, VocabParallelEmbedding):
+            return None
+        return EmbedSplit(wte.partial(input_ids), wte.group, lambda summed: self._from_tokens(summed, input_ids, where))
+
+    def _from_tokens(self, x: torch.Tensor, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
+        """The token embeddings x [b, t, h] -> embed's (x [+ wpe(positions)], through `drop`; `where`)."""
         wpe = getattr(self.container, "wpe", None)
         if wpe is not None:
             x = x + wpe(torch.arange(input_ids.shape[1], device=input_ids.device))

@@ -170,6 +170,12 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] (int64 or int32, the same on every rank) -> y [..., h], replicated: this rank's rows
         for the ids it owns, zeros for the others, all-reduced over `group`."""
+        return reduce_from_tp(self.partial(ids), self.group)
+
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """forward without its all-reduce: this rank's share y_r [..., h] (its rows for the ids it
+        owns, zeros for the others), whose sum over `group` is forward(ids). For a caller that
+        sums it itself, overlapped with other work (the schedules do)."""
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
             got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
             raise TypeError(f"ids: expected an int64 or int32 tensor of token ids, got {got}")
@@ -182,8 +188,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start_index  # [...]
         elsewhere = (local < 0) | (local >= self.vocab_end_index - self.vocab_start_index)  # ids other ranks own
         y = F.embedding(local.masked_fill(elsewhere, 0), self.weight, self._local_padding_idx())  # [..., h]
-        y = y.masked_fill(elsewhere.unsqueeze(-1), 0.0)  # their rows add nothing here, nor their grads
-        return reduce_from_tp(y, self.group)
+        return y.masked_fill(elsewhere.unsqueeze(-1), 0.0)  # their rows add nothing here, nor their grads
 
     def extra_repr(self) -> str:
         """The sizes, the ids this rank owns and padding_idx if set."""

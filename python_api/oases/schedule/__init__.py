@@ -16,7 +16,7 @@ training state saved to files: oases.checkpoint).
 """
 
 from oases._deprecated import renamed as _renamed
-from oases.schedule.protocol import Stack, SubBatch, Sublayer
+from oases.schedule.protocol import EmbedSplit, HeadSplit, Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
 from oases.schedule.step import train_step
 from oases.schedule.table import (
@@ -41,6 +41,8 @@ __all__ = [
     "Stack",
     "Sublayer",
     "SubBatch",
+    "EmbedSplit",
+    "HeadSplit",
     "Communicator",
     "interleave",
     "BARRIER",

@@ -16,11 +16,14 @@ Communicator and its replica's rows, the rows moved at the layer boundaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 
 from oases._leaves import grad_leaf
+from oases.comm._topology import same_group
+from oases.nn._mappings import reduce_from_tp
 from oases.schedule.placed import move_rows, move_rows_adjoint
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator
@@ -40,6 +43,16 @@ class _Recorded:
     h: torch.Tensor
     h_leaf: torch.Tensor
     part: torch.Tensor
+
+
+def _summed_loss(loss_sum: LossSum, labels, normalizer: float) -> Callable:
+    """logits -> (the sub-batch's summed loss, that loss / normalizer: the tensor its backward starts from)."""
+
+    def loss_of(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = loss_sum(logits, labels)
+        return loss, loss / normalizer
+
+    return loss_of
 
 
 def core_for_gradients(sub) -> Any:
@@ -76,6 +89,79 @@ def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Commu
     work.wait()
     rec.h.backward(grad_h)
     return grad_out + rec.x.grad
+
+
+@dataclass
+class _Embedded:
+    """The embedding's output with its graph; `reduced`: the all-reduced token embeddings the
+    schedule made from the stack's `partial` (embed_split), whose graph the backward continues."""
+
+    x: torch.Tensor
+    ctx: Any
+    partial: Optional[torch.Tensor] = None
+    reduced: Optional[torch.Tensor] = None
+
+    def backward(self, grad: torch.Tensor) -> None:
+        """The embedding's parameter gradients given x's `grad` (the all-reduce's adjoint: identity)."""
+        if self.x.requires_grad:  # a frozen embedding has nothing to learn
+            self.x.backward(grad)
+        if self.partial is not None and self.reduced.grad is not None:
+            self.partial.backward(self.reduced.grad)
+
+
+def _sums_over(comm: Communicator, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether `comm` all-reduces over `group` (the same group, at its size)."""
+    if not dist.is_initialized():
+        return comm.world_size == 1
+    return same_group(comm.group, group) and comm.world_size == dist.get_world_size(group)
+
+
+def _embed(stack: Stack, input_ids, where: SubBatch, comm: Communicator) -> Generator:
+    """-> _Embedded: stack.embed(input_ids, where), its vocabulary-parallel all-reduce (where the
+    stack splits around it: embed_split) started on `comm` and yielded across."""
+    split = getattr(stack, "embed_split", None)
+    with torch.enable_grad():
+        parts = split(input_ids, where) if split is not None else None
+        if parts is None:
+            return _Embedded(*stack.embed(input_ids, where))
+    reduced = parts.partial.detach().clone()  # summed in place: not the tensor the graph holds
+    if _sums_over(comm, parts.group):
+        work = comm.all_reduce(reduced, "forward")
+        yield
+        work.wait()
+    else:  # another group than the schedule's: summed there, blocking (as the embedding would)
+        reduced = reduce_from_tp(reduced, parts.group)
+    reduced = grad_leaf(reduced) if parts.partial.requires_grad else reduced
+    with torch.enable_grad():
+        x, ctx = parts.then(reduced)
+    return _Embedded(x, ctx, parts.partial if parts.partial.requires_grad else None, reduced)
+
+
+def _head_loss(stack: Stack, x: torch.Tensor, ctx: Any, loss_of: Callable, comm: Communicator) -> Generator:
+    """-> (loss, grad of x): loss = loss_of(stack.head(x, ctx)) and its backward; a vocabulary-parallel
+    head's all-reduce of its input's gradient (where the stack splits around it: head_split)
+    started on `comm` and yielded across. `loss_of` returns (the loss, the tensor to backward)."""
+    x = grad_leaf(x)
+    split = getattr(stack, "head_split", None)
+    with torch.enable_grad():
+        parts = split(x, ctx) if split is not None else None
+        if parts is None:
+            loss, scaled = loss_of(stack.head(x, ctx))
+            scaled.backward()
+            return loss, x.grad
+        h = grad_leaf(parts.h)
+        loss, scaled = loss_of(parts.logits_of(h))
+        scaled.backward()
+    grad_h = h.grad if h.grad is not None else torch.zeros_like(h)  # this rank's share
+    if _sums_over(comm, parts.group):
+        work = comm.all_reduce(grad_h, "backward")
+        yield
+        work.wait()
+    else:  # another group than the schedule's: summed there, blocking (as the head would)
+        grad_h = reduce_from_tp(grad_h, parts.group)
+    if parts.h.requires_grad:
+        parts.h.backward(grad_h)
+    return loss, x.grad
 
 
 def _finish_reduced(sub, x: torch.Tensor, part: torch.Tensor, ctx: Any, comm: Communicator, phase: str) -> Generator:
@@ -173,9 +259,8 @@ def _program(
     per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows
     moved at the layer boundaries; see oases.schedule.protocol)."""
     layers = [tuple(layer) for layer in stack.layers()]
-    with torch.enable_grad():
-        embedded, ctx = stack.embed(input_ids, where)
-    x, rows = embedded.detach(), embedded.shape[0]  # x [rows, t, h]
+    embedded = yield from _embed(stack, input_ids, where, comm)
+    x, ctx, rows = embedded.x.detach(), embedded.ctx, embedded.x.shape[0]  # x [rows, t, h]
     if placed is None:
         comms, ctxs, moves, move_out = [comm] * len(layers), [ctx] * len(layers), [None] * len(layers), None
     else:
@@ -200,11 +285,7 @@ def _program(
     if move_out is not None:  # the head runs on every row of the sub-batch
         x = yield from move_rows(move_out, x, rows, "forward")
     saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
-    x = grad_leaf(x)
-    with torch.enable_grad():
-        loss = loss_sum(stack.head(x, ctx), labels)
-        (loss / normalizer).backward()
-    grad = x.grad
+    loss, grad = yield from _head_loss(stack, x, ctx, _summed_loss(loss_sum, labels, normalizer), comm)
     if move_out is not None:
         grad = yield from move_rows_adjoint(move_out, grad, rows)
     if sched.pass_barriers:
@@ -216,6 +297,5 @@ def _program(
             placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
             if moves[index] is not None:
                 grad = yield from move_rows_adjoint(moves[index], grad, rows)
-    if embedded.requires_grad:  # a frozen embedding has nothing to learn
-        embedded.backward(grad)
+    embedded.backward(grad)
     return loss.detach()

@@ -34,6 +34,13 @@ Optional members a schedule reads with getattr (absent: the default in brackets)
                                      so the row-parallel output projection's GEMM need not run
                                      (oases.ops.linear_unread; about a third of a Llama layer's
                                      recomputed GEMMs) [core]
+    stack.embed_split(input_ids, where)   an EmbedSplit, or None: `embed` around the all-reduce of
+                                     a vocabulary-parallel embedding, which the schedule then runs
+                                     asynchronously (the other sub-batch computes meanwhile) [embed,
+                                     its all-reduce blocking]
+    stack.head_split(x, ctx)         a HeadSplit, or None: `head` around the all-reduce of its
+                                     input's gradient (a vocabulary-parallel LM head's), likewise
+                                     [head, its all-reduce blocking inside the backward]
 
 `finish` runs in forward and again, on a zero input, to get its gradient, so any randomness in it
 (residual dropout) must come from `where.seed` and the positions in `where` (see
@@ -70,6 +77,15 @@ A stack whose LM head is vocab-parallel sets `logits_group` (a process group; ab
 means full logits): `head` then returns this rank's [b, t, vocab/p] slice of the logits, and the
 loss is computed from the slices (oases.nn.vocab_parallel_cross_entropy), never gathered.
 
+A vocabulary-parallel embedding and head each hold one all-reduce of a [b, t, h] tensor per
+sub-batch. Split around it, the schedule owns that all-reduce as it owns the sublayers'::
+
+    split = stack.embed_split(input_ids, where)     # EmbedSplit(partial, group, then)
+    x, ctx = split.then(all_reduce(split.partial))  # == stack.embed(input_ids, where)
+    split = stack.head_split(x, ctx)                 # HeadSplit(h, group, logits_of)
+    logits = split.logits_of(h')                     # h' = h detached (a leaf): == stack.head(x, ctx),
+    grad(x) = vjp(h, all_reduce(grad(h')))           # where grad(h') is this rank's share of grad(h)
+
 `oases.models.GPT` implements `Stack` itself; `oases.models.adapt` finds adapters for models
 `oases.parallelize` has sharded (Hugging Face Llama/Mistral/Qwen2/Qwen3, GPT-NeoX) and accepts
 any object that implements `Stack` (a user's own model: see docs/guides/models.md).
@@ -80,14 +96,15 @@ from __future__ import annotations
 import contextlib
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from oases._rows import block_rows, part_sizes
 from oases.schedule.runtime import Communicator
 
-__all__ = ["SubBatch", "Sublayer", "Stack", "RowMove", "LayerPlacement", "LayerPlacements"]
+__all__ = ["SubBatch", "Sublayer", "Stack", "EmbedSplit", "HeadSplit", "RowMove", "LayerPlacement", "LayerPlacements"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +198,22 @@ class LayerPlacements:
     def most_replicas(self) -> int:
         """The largest replica count: each sub-batch needs at least this many rows (one per replica)."""
         return max((at.replicas for at in self.layers), default=1)
+
+
+class EmbedSplit(NamedTuple):
+    """What `stack.embed_split` returns: the embedding with its all-reduce left to the schedule."""
+
+    partial: torch.Tensor  # [b, t, h]: this rank's share of the token embeddings, with its graph
+    group: Optional[dist.ProcessGroup]  # the group `partial` sums over (None: the world)
+    then: Callable[[torch.Tensor], tuple[torch.Tensor, Any]]  # the sum -> (x, ctx), as `embed` returns them
+
+
+class HeadSplit(NamedTuple):
+    """What `stack.head_split` returns: the head with its input gradient's all-reduce left to the schedule."""
+
+    h: torch.Tensor  # the LM head's input, with its graph from x (the final norm's output)
+    group: Optional[dist.ProcessGroup]  # the group that gradient sums over (None: the world)
+    logits_of: Callable[[torch.Tensor], torch.Tensor]  # h' -> `head`'s logits from h'; h' gets this rank's share
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ from typing import Any, Generator, Optional
 import torch
 
 from oases._leaves import grad_leaf
-from oases.schedule.programs import _Recorded, core_for_gradients, layer_backward
+from oases.schedule.programs import _embed, _head_loss, _Recorded, _summed_loss, core_for_gradients, layer_backward
 from oases.schedule.protocol import Stack, SubBatch, with_tokens
 from oases.schedule.runtime import BARRIER, Communicator
 from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
@@ -97,8 +97,8 @@ def _program_sp(
 ) -> Generator:
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
-    embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
-    x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
+    embedded, ctx, tokens, mine = yield from _embed_sharded(stack, input_ids, where, comm, rank)
+    x = embedded.x.detach()[:, mine].contiguous()  # [b, t/p, h]
     for layer in layers:
         for i, sub in enumerate(layer):
             if sched.fine_grained_recompute or i == 0:
@@ -106,19 +106,15 @@ def _program_sp(
             x = yield from _forward_sp(sub, x, tokens, comm, "forward")
     saved.flush()
     x_full = yield from comm.all_gather(x, _SEQ, "forward")  # the head sees every token, as without SP
-    x_full = grad_leaf(x_full)
-    with torch.enable_grad():
-        loss = loss_sum(stack.head(x_full, ctx), labels)
-        (loss / normalizer).backward()
-    grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
+    loss, grad_full = yield from _head_loss(stack, x_full, ctx, _summed_loss(loss_sum, labels, normalizer), comm)
+    grad = grad_full[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
     if sched.pass_barriers:
         yield BARRIER
     passes = _SequenceParallel(tokens, comm)
     for layer in reversed(layers):
         grad = yield from layer_backward(layer, grad, sched, saved, passes)
     grad_full = yield from comm.all_gather(grad.contiguous(), _SEQ, "backward")  # the split's adjoint
-    if embedded.requires_grad:
-        embedded.backward(grad_full)
+    embedded.backward(grad_full)
     return loss.detach()
 
 
@@ -146,8 +142,8 @@ def _program_sp_fine(
           communicator thread: | RS grad h, norm bwd; finish bwd l-1, AG grad, AG norm(x_{l-1}) |
     """
     subs = [sub for layer in stack.layers() for sub in layer]
-    embedded, ctx, tokens, mine = _embed_sharded(stack, input_ids, where, comm, rank)
-    x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
+    embedded, ctx, tokens, mine = yield from _embed_sharded(stack, input_ids, where, comm, rank)
+    x = embedded.x.detach()[:, mine].contiguous()  # [b, t/p, h]
     task = comm.submit(functools.partial(_between_forward, None, subs[0], x, None, tokens, comm))
     yield
     for i, sub in enumerate(subs):
@@ -160,11 +156,8 @@ def _program_sp_fine(
         yield
     _, x_full = task.wait()  # the head sees every token, as without SP
     saved.flush()
-    x_full = grad_leaf(x_full)
-    with torch.enable_grad():
-        loss = loss_sum(stack.head(x_full, ctx), labels)
-        (loss / normalizer).backward()
-    grad = x_full.grad[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
+    loss, grad_full = yield from _head_loss(stack, x_full, ctx, _summed_loss(loss_sum, labels, normalizer), comm)
+    grad = grad_full[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
     task = comm.submit(functools.partial(_between_backward, None, subs[-1], grad, saved.pop(), tokens, comm))
     yield
     for i in reversed(range(len(subs))):
@@ -182,8 +175,7 @@ def _program_sp_fine(
         )
         yield
     grad_full = task.wait()
-    if embedded.requires_grad:
-        embedded.backward(grad_full)
+    embedded.backward(grad_full)
     return loss.detach()
 
 
@@ -219,14 +211,13 @@ def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicat
     return grad_part, h, x_leaf, h_r, grad_r
 
 
-def _embed_sharded(stack: Stack, input_ids, where: SubBatch, comm: Communicator, rank: int):
-    """(embedded [b, t, h] with its graph, ctx, ctx for this rank's tokens, their slice of t)."""
-    with torch.enable_grad():
-        embedded, ctx = stack.embed(input_ids, where)  # every rank alike
-    t = embedded.shape[_SEQ]
+def _embed_sharded(stack: Stack, input_ids, where: SubBatch, comm: Communicator, rank: int) -> Generator:
+    """-> (embedded: its [b, t, h] output with its graph, ctx, ctx for this rank's tokens, their slice of t)."""
+    embedded = yield from _embed(stack, input_ids, where, comm)  # every rank alike
+    t = embedded.x.shape[_SEQ]
     n = t // comm.world_size
     mine = slice(rank * n, (rank + 1) * n)
-    return embedded, ctx, with_tokens(ctx, where.tokens(mine, t)), mine
+    return embedded, embedded.ctx, with_tokens(embedded.ctx, where.tokens(mine, t)), mine
 
 
 def _sequence_parallel_parameters(stack: Stack) -> list[torch.Tensor]:
