@@ -47,7 +47,7 @@ from oases.models._gpt_config import GPTConfig
 from oases.models._gpt_sublayers import _MLP, _Attention, _Sublayer
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
-from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, SubBatch, check_step, train_step
 from oases.schedule.placed import layer_placements
@@ -234,16 +234,17 @@ class GPT(nn.Module):
     def embed_split(self, input_ids: torch.Tensor, where: SubBatch) -> Optional[EmbedSplit]:
         """With vocab_parallel, `embed` around wte's all-reduce (oases.schedule.protocol): wte's share
         on this rank, then (sum + wpe(positions), `where`); else None."""
-        if self.logits_group is None:
-            return None
+        overridden = type(self).embed is not GPT.embed or type(self).embed_tokens is not GPT.embed_tokens
+        if self.logits_group is None or overridden or not runs_as_partial(self.wte):
+            return None  # (a subclass's own embed runs as it is, its all-reduce inside)
         positions = self._positions(input_ids)
         return EmbedSplit(self.wte.partial(input_ids), self.group, lambda summed: (summed + self.wpe(positions), where))
 
     def head_split(self, x: torch.Tensor, ctx: object = None) -> Optional[HeadSplit]:
         """With vocab_parallel, `head` around its input gradient's all-reduce (oases.schedule.protocol):
         norm_f(x), then this rank's vocabulary slice of the logits; else None."""
-        if self.logits_group is None:
-            return None
+        if self.logits_group is None or type(self).head is not GPT.head:
+            return None  # (a subclass's own head runs as it is, its all-reduce inside)
         return HeadSplit(self.norm_f(x), self.group, lambda h: F.linear(h, self.lm_head.weight))
 
     def layers(self) -> list[tuple[_Sublayer, ...]]:
@@ -317,7 +318,7 @@ class GPT(nn.Module):
         tokens, targets = agree_step_inputs(self, self.comm, check_inputs, tokens=tokens, targets=targets)
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
-        self.embed_tokens(tokens[:0])  # shape checks before any communication
+        self._positions(tokens)  # the shape check of embed_tokens, before any communication
         check_step(
             tokens,
             targets,

@@ -55,7 +55,7 @@ from oases.models._whole import WholeLayer
 from oases.nn._mappings import copy_to_tp
 from oases.nn._parts import LayerParts, find_stack, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
-from oases.nn.vocab import VocabParallelEmbedding
+from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial
 from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements, SubBatch
 
@@ -213,23 +213,25 @@ class HFStack:
             return None
         owner, name = self._embedding
         embedding = getattr(owner, name)
+        if not runs_as_partial(embedding):
+            return None
         return EmbedSplit(
             embedding.partial(input_ids),
             embedding.group,
-            lambda summed: self._embed(input_ids, where, (owner, name, summed)),
+            lambda summed: self._embed(input_ids, where, (owner, name, _Given(embedding, input_ids, summed))),
         )
 
     def _embed(
-        self, input_ids: torch.Tensor, where: SubBatch, summed: Optional[tuple[nn.Module, str, torch.Tensor]]
+        self, input_ids: torch.Tensor, where: SubBatch, summed: Optional[tuple[nn.Module, str, nn.Module]]
     ) -> tuple[torch.Tensor, _Context]:
-        """embed; `summed` = (owner, name, embeddings): owner.<name>, the input embedding, gives them."""
+        """embed; `summed` = (owner, name, given): owner.<name>, the input embedding, stood in for by `given`."""
         calls: list = []
         recorders = [_Recorder(calls, layer) for layer in self.decoder]
         # what the base's forward expects of a layer, once known: kept on the model (a step makes a new HFStack)
         known: Optional[bool] = getattr(self.model, "oases_layer_returns_tuple", None)
         for recorder in recorders if known is not None else ():
             recorder.tuple = known
-        given = contextlib.nullcontext() if summed is None else _standing_in(summed[0], summed[1], _Given(summed[2]))
+        given = contextlib.nullcontext() if summed is None else _standing_in(*summed)
         with given, _standing_in(self.base, self._layers_name, nn.ModuleList(recorders)):
             try:
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
@@ -341,19 +343,28 @@ def _standing_in(owner: nn.Module, name: str, module: nn.Module) -> Iterator[Non
 
 
 class _Given(nn.Module):
-    """Stands in for the input embedding: gives the token embeddings the schedule summed."""
+    """Stands in for the input embedding `embedding` called with `ids`: gives the token embeddings
+    the schedule summed (a fresh tensor each call: the base may scale it in place); any other
+    attribute is the embedding's (a base model may read its weight's device)."""
 
-    def __init__(self, embeddings: torch.Tensor) -> None:
+    def __init__(self, embedding: nn.Module, ids: torch.Tensor, embeddings: torch.Tensor) -> None:
         super().__init__()
-        self.embeddings = embeddings
+        self.__dict__["_embedding"] = embedding  # not a submodule: read for attributes only
+        self.ids, self.embeddings = ids, embeddings
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_embedding"], name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tuple(ids.shape) != tuple(self.embeddings.shape[:-1]):
+        if ids is not self.ids and (ids.shape != self.ids.shape or not torch.equal(ids, self.ids.to(ids.device))):
             raise RuntimeError(
-                f"oases: the base model embedded ids of shape {tuple(ids.shape)}, not the step's "
-                f"{tuple(self.embeddings.shape[:-1])}"
+                "oases: the base model embedded other ids than the step's; its input embedding cannot "
+                "be split from its all-reduce: parallelize it with vocab_parallel=False"
             )
-        return self.embeddings
+        return self.embeddings.clone()
 
 
 def _vocab_embedding(base: nn.Module) -> Optional[tuple[nn.Module, str]]:

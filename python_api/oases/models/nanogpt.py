@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from oases.models._branch import Branch, check_no_dropout, check_sharded
-from oases.nn.vocab import VocabParallelEmbedding
+from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial
 from oases.schedule.protocol import EmbedSplit, SubBatch
 
 __all__ = ["NanoGPTStack", "is_nanogpt"]
@@ -83,7 +83,7 @@ class NanoGPTStack:
     def embed_split(self, input_ids: torch.Tensor, where: SubBatch) -> Optional[EmbedSplit]:
         """`embed` around a vocabulary-parallel wte's all-reduce (oases.schedule.protocol), else None."""
         wte = self.container.wte
-        if not isinstance(wte, VocabParallelEmbedding):
+        if not isinstance(wte, VocabParallelEmbedding) or not runs_as_partial(wte):
             return None
         return EmbedSplit(wte.partial(input_ids), wte.group, lambda summed: self._from_tokens(summed, input_ids, where))
 

@@ -199,6 +199,16 @@ class VocabParallelEmbedding(nn.Module):
         return s if self.padding_idx is None else s + f", padding_idx={self.padding_idx}"
 
 
+def runs_as_partial(embedding: VocabParallelEmbedding) -> bool:
+    """Whether embedding(ids) is all_reduce(embedding.partial(ids)): its forward not overridden and
+    no forward hooks on it (a caller that sums `partial` itself would skip them)."""
+    return (
+        type(embedding).forward is VocabParallelEmbedding.forward
+        and not embedding._forward_hooks
+        and not embedding._forward_pre_hooks
+    )
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token losses [N] (0 where ignored) of the full logits from this rank's [N, V/p] shard."""
 

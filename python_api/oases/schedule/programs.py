@@ -93,20 +93,28 @@ def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Commu
 
 @dataclass
 class _Embedded:
-    """The embedding's output with its graph; `reduced`: the all-reduced token embeddings the
-    schedule made from the stack's `partial` (embed_split), whose graph the backward continues."""
+    """The embedding's output with its graph (through the schedule's sum, where it made one)."""
 
     x: torch.Tensor
     ctx: Any
-    partial: Optional[torch.Tensor] = None
-    reduced: Optional[torch.Tensor] = None
 
     def backward(self, grad: torch.Tensor) -> None:
-        """The embedding's parameter gradients given x's `grad` (the all-reduce's adjoint: identity)."""
+        """The embedding's parameter gradients given x's `grad`."""
         if self.x.requires_grad:  # a frozen embedding has nothing to learn
             self.x.backward(grad)
-        if self.partial is not None and self.reduced.grad is not None:
-            self.partial.backward(self.reduced.grad)
+
+
+class _Summed(torch.autograd.Function):
+    """`summed` (the all-reduce of `partial`, made outside autograd) with partial's graph behind
+    it: the all-reduce's adjoint is the identity. Nothing is saved: partial is freed."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, summed: torch.Tensor) -> torch.Tensor:
+        return summed
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _sums_over(comm: Communicator, group: Optional[dist.ProcessGroup]) -> bool:
@@ -124,17 +132,15 @@ def _embed(stack: Stack, input_ids, where: SubBatch, comm: Communicator) -> Gene
         parts = split(input_ids, where) if split is not None else None
         if parts is None:
             return _Embedded(*stack.embed(input_ids, where))
-    reduced = parts.partial.detach().clone()  # summed in place: not the tensor the graph holds
+    summed = parts.partial.detach().clone(memory_format=torch.contiguous_format)  # summed in place
     if _sums_over(comm, parts.group):
-        work = comm.all_reduce(reduced, "forward")
+        work = comm.all_reduce(summed, "forward")
         yield
         work.wait()
     else:  # another group than the schedule's: summed there, blocking (as the embedding would)
-        reduced = reduce_from_tp(reduced, parts.group)
-    reduced = grad_leaf(reduced) if parts.partial.requires_grad else reduced
+        summed = reduce_from_tp(summed, parts.group)
     with torch.enable_grad():
-        x, ctx = parts.then(reduced)
-    return _Embedded(x, ctx, parts.partial if parts.partial.requires_grad else None, reduced)
+        return _Embedded(*parts.then(_Summed.apply(parts.partial, summed)))
 
 
 def _head_loss(stack: Stack, x: torch.Tensor, ctx: Any, loss_of: Callable, comm: Communicator) -> Generator:

@@ -12,7 +12,8 @@ features, then the row-parallel projection *without* its reduction and bias, so 
 (the replicated bias, residual dropout): the schedules rely on that to differentiate through it
 without the value it was applied to. `norm` may return anything `core` takes as one tensor (a
 parallel-residual layer stacks its two norms). The schedule owns every all-reduce: of `core`'s
-output forward, and of the gradient of `core`'s input backward.
+output forward, and of the gradient of `core`'s input backward (and, where the stack splits around
+them, a vocabulary-parallel embedding's and LM head's: embed_split, head_split below).
 
 With sequence parallelism the schedule keeps x as this rank's [b, t/p, h] slice of the sequence:
 `norm` and `finish` run on it, the normed slices are all-gathered for `core` (which sees the
