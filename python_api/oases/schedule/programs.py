@@ -117,11 +117,15 @@ class _Summed(torch.autograd.Function):
         return grad, None
 
 
-def _sums_over(comm: Communicator, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether `comm` all-reduces over `group` (the same group, at its size)."""
-    if not dist.is_initialized():
-        return comm.world_size == 1
-    return same_group(comm.group, group) and comm.world_size == dist.get_world_size(group)
+def _summed_over(t: torch.Tensor, group: Optional[dist.ProcessGroup], comm: Communicator, phase: str) -> Generator:
+    """-> t summed over `group`: in place on `comm`, yielded across, where comm's group is `group`
+    at its size; else blocking there (as the layer itself would sum it)."""
+    if not dist.is_initialized() or (same_group(comm.group, group) and comm.world_size == dist.get_world_size(group)):
+        work = comm.all_reduce(t, phase)
+        yield
+        work.wait()
+        return t
+    return reduce_from_tp(t, group)
 
 
 def _embed(stack: Stack, input_ids, where: SubBatch, comm: Communicator) -> Generator:
@@ -133,12 +137,7 @@ def _embed(stack: Stack, input_ids, where: SubBatch, comm: Communicator) -> Gene
         if parts is None:
             return _Embedded(*stack.embed(input_ids, where))
     summed = parts.partial.detach().clone(memory_format=torch.contiguous_format)  # summed in place
-    if _sums_over(comm, parts.group):
-        work = comm.all_reduce(summed, "forward")
-        yield
-        work.wait()
-    else:  # another group than the schedule's: summed there, blocking (as the embedding would)
-        summed = reduce_from_tp(summed, parts.group)
+    summed = yield from _summed_over(summed, parts.group, comm, "forward")
     with torch.enable_grad():
         return _Embedded(*parts.then(_Summed.apply(parts.partial, summed)))
 
@@ -159,12 +158,7 @@ def _head_loss(stack: Stack, x: torch.Tensor, ctx: Any, loss_of: Callable, comm:
         loss, scaled = loss_of(parts.logits_of(h))
         scaled.backward()
     grad_h = h.grad if h.grad is not None else torch.zeros_like(h)  # this rank's share
-    if _sums_over(comm, parts.group):
-        work = comm.all_reduce(grad_h, "backward")
-        yield
-        work.wait()
-    else:  # another group than the schedule's: summed there, blocking (as the head would)
-        grad_h = reduce_from_tp(grad_h, parts.group)
+    grad_h = yield from _summed_over(grad_h, parts.group, comm, "backward")
     if parts.h.requires_grad:
         parts.h.backward(grad_h)
     return loss, x.grad
