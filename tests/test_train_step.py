@@ -426,7 +426,11 @@ def _check_nanogpt(rank, world_size):
     want = {n: p.grad for n, p in ref.named_parameters()}
     for schedule, sp in (("oases", False), ("megatron", False), ("oases", True)):
         tp.zero_grad(set_to_none=True)
-        loss = oases.train_step(tp, idx, idx, schedule=schedule, sequence_parallel=sp)
+        comm = Communicator(dist.group.WORLD, world_size)
+        loss = oases.train_step(tp, idx, idx, schedule=schedule, sequence_parallel=sp, comm=comm)
+        if not sp:  # the schedule sums the vocabulary-parallel wte's output, per sub-batch (embed_split);
+            # the head, gathering its logits, all-reduces its input gradient itself
+            assert comm.calls["forward"] == comm.calls["backward"] + (2 if schedule == "oases" else 1)
         torch.testing.assert_close(loss, want_loss.detach(), **TOL)
         for name, param in tp.named_parameters():
             torch.testing.assert_close(

@@ -16,7 +16,7 @@ Communicator and its replica's rows, the rows moved at the layer boundaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Generator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -43,16 +43,6 @@ class _Recorded:
     h: torch.Tensor
     h_leaf: torch.Tensor
     part: torch.Tensor
-
-
-def _summed_loss(loss_sum: LossSum, labels, normalizer: float) -> Callable:
-    """logits -> (the sub-batch's summed loss, that loss / normalizer: the tensor its backward starts from)."""
-
-    def loss_of(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = loss_sum(logits, labels)
-        return loss, loss / normalizer
-
-    return loss_of
 
 
 def core_for_gradients(sub) -> Any:
@@ -91,19 +81,6 @@ def _backward(sub, rec: _Recorded, grad_out: torch.Tensor, ctx: Any, comm: Commu
     return grad_out + rec.x.grad
 
 
-@dataclass
-class _Embedded:
-    """The embedding's output with its graph (through the schedule's sum, where it made one)."""
-
-    x: torch.Tensor
-    ctx: Any
-
-    def backward(self, grad: torch.Tensor) -> None:
-        """The embedding's parameter gradients given x's `grad`."""
-        if self.x.requires_grad:  # a frozen embedding has nothing to learn
-            self.x.backward(grad)
-
-
 class _Summed(torch.autograd.Function):
     """`summed` (the all-reduce of `partial`, made outside autograd) with partial's graph behind
     it: the all-reduce's adjoint is the identity. Nothing is saved: partial is freed."""
@@ -129,34 +106,36 @@ def _summed_over(t: torch.Tensor, group: Optional[dist.ProcessGroup], comm: Comm
 
 
 def _embed(stack: Stack, input_ids, where: SubBatch, comm: Communicator) -> Generator:
-    """-> _Embedded: stack.embed(input_ids, where), its vocabulary-parallel all-reduce (where the
-    stack splits around it: embed_split) started on `comm` and yielded across."""
+    """-> (x, ctx) = stack.embed(input_ids, where), x with its graph; its vocabulary-parallel
+    all-reduce (where the stack splits around it: embed_split) started on `comm` and yielded across."""
     split = getattr(stack, "embed_split", None)
     with torch.enable_grad():
         parts = split(input_ids, where) if split is not None else None
         if parts is None:
-            return _Embedded(*stack.embed(input_ids, where))
+            return stack.embed(input_ids, where)
     summed = parts.partial.detach().clone(memory_format=torch.contiguous_format)  # summed in place
     summed = yield from _summed_over(summed, parts.group, comm, "forward")
     with torch.enable_grad():
-        return _Embedded(*parts.then(_Summed.apply(parts.partial, summed)))
+        return parts.then(_Summed.apply(parts.partial, summed))
 
 
-def _head_loss(stack: Stack, x: torch.Tensor, ctx: Any, loss_of: Callable, comm: Communicator) -> Generator:
-    """-> (loss, grad of x): loss = loss_of(stack.head(x, ctx)) and its backward; a vocabulary-parallel
-    head's all-reduce of its input's gradient (where the stack splits around it: head_split)
-    started on `comm` and yielded across. `loss_of` returns (the loss, the tensor to backward)."""
+def _head_loss(
+    stack: Stack, x: torch.Tensor, ctx: Any, loss_sum: LossSum, labels, normalizer: float, comm: Communicator
+) -> Generator:
+    """-> (loss, grad of x): loss = loss_sum(stack.head(x, ctx), labels), backward from loss /
+    normalizer; a vocabulary-parallel head's all-reduce of its input's gradient (where the stack
+    splits around it: head_split) started on `comm` and yielded across."""
     x = grad_leaf(x)
     split = getattr(stack, "head_split", None)
     with torch.enable_grad():
         parts = split(x, ctx) if split is not None else None
         if parts is None:
-            loss, scaled = loss_of(stack.head(x, ctx))
-            scaled.backward()
+            loss = loss_sum(stack.head(x, ctx), labels)
+            (loss / normalizer).backward()
             return loss, x.grad
         h = grad_leaf(parts.h)
-        loss, scaled = loss_of(parts.logits_of(h))
-        scaled.backward()
+        loss = loss_sum(parts.logits_of(h), labels)
+        (loss / normalizer).backward()
     grad_h = h.grad if h.grad is not None else torch.zeros_like(h)  # this rank's share
     grad_h = yield from _summed_over(grad_h, parts.group, comm, "backward")
     if parts.h.requires_grad:
@@ -259,8 +238,8 @@ def _program(
     per-layer TP degrees (each layer on its own communicator and its replica's rows, the rows
     moved at the layer boundaries; see oases.schedule.protocol)."""
     layers = [tuple(layer) for layer in stack.layers()]
-    embedded = yield from _embed(stack, input_ids, where, comm)
-    x, ctx, rows = embedded.x.detach(), embedded.ctx, embedded.x.shape[0]  # x [rows, t, h]
+    embedded, ctx = yield from _embed(stack, input_ids, where, comm)
+    x, rows = embedded.detach(), embedded.shape[0]  # x [rows, t, h]
     if placed is None:
         comms, ctxs, moves, move_out = [comm] * len(layers), [ctx] * len(layers), [None] * len(layers), None
     else:
@@ -285,7 +264,7 @@ def _program(
     if move_out is not None:  # the head runs on every row of the sub-batch
         x = yield from move_rows(move_out, x, rows, "forward")
     saved.flush()  # offloading: the last inputs leave too, the first needed start coming back
-    loss, grad = yield from _head_loss(stack, x, ctx, _summed_loss(loss_sum, labels, normalizer), comm)
+    loss, grad = yield from _head_loss(stack, x, ctx, loss_sum, labels, normalizer, comm)
     if move_out is not None:
         grad = yield from move_rows_adjoint(move_out, grad, rows)
     if sched.pass_barriers:
@@ -297,5 +276,6 @@ def _program(
             placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
             if moves[index] is not None:
                 grad = yield from move_rows_adjoint(moves[index], grad, rows)
-    embedded.backward(grad)
+    if embedded.requires_grad:  # a frozen embedding has nothing to learn
+        embedded.backward(grad)
     return loss.detach()

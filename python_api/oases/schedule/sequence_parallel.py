@@ -9,7 +9,7 @@ from typing import Any, Generator, Optional
 import torch
 
 from oases._leaves import grad_leaf
-from oases.schedule.programs import _embed, _head_loss, _Recorded, _summed_loss, core_for_gradients, layer_backward
+from oases.schedule.programs import _embed, _head_loss, _Recorded, core_for_gradients, layer_backward
 from oases.schedule.protocol import Stack, SubBatch, with_tokens
 from oases.schedule.runtime import BARRIER, Communicator
 from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
@@ -98,7 +98,7 @@ def _program_sp(
     """`_program` with the residual stream split along the sequence over the TP ranks."""
     layers = [tuple(layer) for layer in stack.layers()]
     embedded, ctx, tokens, mine = yield from _embed_sharded(stack, input_ids, where, comm, rank)
-    x = embedded.x.detach()[:, mine].contiguous()  # [b, t/p, h]
+    x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
     for layer in layers:
         for i, sub in enumerate(layer):
             if sched.fine_grained_recompute or i == 0:
@@ -106,7 +106,7 @@ def _program_sp(
             x = yield from _forward_sp(sub, x, tokens, comm, "forward")
     saved.flush()
     x_full = yield from comm.all_gather(x, _SEQ, "forward")  # the head sees every token, as without SP
-    loss, grad_full = yield from _head_loss(stack, x_full, ctx, _summed_loss(loss_sum, labels, normalizer), comm)
+    loss, grad_full = yield from _head_loss(stack, x_full, ctx, loss_sum, labels, normalizer, comm)
     grad = grad_full[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
     if sched.pass_barriers:
         yield BARRIER
@@ -114,7 +114,8 @@ def _program_sp(
     for layer in reversed(layers):
         grad = yield from layer_backward(layer, grad, sched, saved, passes)
     grad_full = yield from comm.all_gather(grad.contiguous(), _SEQ, "backward")  # the split's adjoint
-    embedded.backward(grad_full)
+    if embedded.requires_grad:
+        embedded.backward(grad_full)
     return loss.detach()
 
 
@@ -143,7 +144,7 @@ def _program_sp_fine(
     """
     subs = [sub for layer in stack.layers() for sub in layer]
     embedded, ctx, tokens, mine = yield from _embed_sharded(stack, input_ids, where, comm, rank)
-    x = embedded.x.detach()[:, mine].contiguous()  # [b, t/p, h]
+    x = embedded.detach()[:, mine].contiguous()  # [b, t/p, h]
     task = comm.submit(functools.partial(_between_forward, None, subs[0], x, None, tokens, comm))
     yield
     for i, sub in enumerate(subs):
@@ -156,7 +157,7 @@ def _program_sp_fine(
         yield
     _, x_full = task.wait()  # the head sees every token, as without SP
     saved.flush()
-    loss, grad_full = yield from _head_loss(stack, x_full, ctx, _summed_loss(loss_sum, labels, normalizer), comm)
+    loss, grad_full = yield from _head_loss(stack, x_full, ctx, loss_sum, labels, normalizer, comm)
     grad = grad_full[:, mine]  # the head ran alike on every rank: this rank's tokens' gradient
     task = comm.submit(functools.partial(_between_backward, None, subs[-1], grad, saved.pop(), tokens, comm))
     yield
@@ -175,7 +176,8 @@ def _program_sp_fine(
         )
         yield
     grad_full = task.wait()
-    embedded.backward(grad_full)
+    if embedded.requires_grad:
+        embedded.backward(grad_full)
     return loss.detach()
 
 
@@ -212,12 +214,12 @@ def _between_backward(done, following, grad_r, x_saved, tokens, comm: Communicat
 
 
 def _embed_sharded(stack: Stack, input_ids, where: SubBatch, comm: Communicator, rank: int) -> Generator:
-    """-> (embedded: its [b, t, h] output with its graph, ctx, ctx for this rank's tokens, their slice of t)."""
-    embedded = yield from _embed(stack, input_ids, where, comm)  # every rank alike
-    t = embedded.x.shape[_SEQ]
+    """-> (embedded [b, t, h] with its graph, ctx, ctx for this rank's tokens, their slice of t)."""
+    embedded, ctx = yield from _embed(stack, input_ids, where, comm)  # every rank alike
+    t = embedded.shape[_SEQ]
     n = t // comm.world_size
     mine = slice(rank * n, (rank + 1) * n)
-    return embedded, embedded.ctx, with_tokens(embedded.ctx, where.tokens(mine, t)), mine
+    return embedded, ctx, with_tokens(ctx, where.tokens(mine, t)), mine
 
 
 def _sequence_parallel_parameters(stack: Stack) -> list[torch.Tensor]:
