@@ -5,6 +5,7 @@
 #   1. env        nvidia-smi, the versions, nvcc, whether `ip netns` / `tc` work (the link emulator)
 #   2. build      oases._C as a CUDAExtension for this GPU, against this torch, with the system's g++
 #                 (setup.py build_ext --inplace; its .so is copied to $out)
+#   2b. oases-env `python -m oases.env` (`oases env`), the report a user pastes, with that build
 #   3. gpu-tests  OASES_TEST_DEVICE=cuda: tests/test_cuda.py (copies, streams, offload, bf16 schedules),
 #                 tests/test_kernels.py (the Triton kernels compiled for the GPU), tests/test_gpu_path.py
 #   4. micro      python -m bench.cuda_micro: ceilings, chunked GEMM, Triton vs cuBLAS, copies, priority
@@ -21,7 +22,7 @@
 # At most 8 files land in $out (the device tool brings back no more): log.txt, summary.txt, _C.so,
 # cuda_micro.json / .md, offload.json, profile.json, plan.json (the PNGs: bench.cuda_plots, later).
 # $out: OUT (the device tool's folder), else OASES_GPU_OUT, else bench/results/gpu-local.
-# OASES_GPU_STAGES: the stages to run (default "env build gpu-tests micro memcheck offload profile plan").
+# OASES_GPU_STAGES: the stages to run (default "env build oases-env gpu-tests micro memcheck offload profile plan").
 # OASES_PREBUILT_SO: a _C .so built on such a machine before (used if the build fails);
 # OASES_GPU_KERNEL_TESTS=0 leaves out tests/test_kernels.py; OASES_MICRO_ARGS: more arguments
 # for bench.cuda_micro (e.g. "--sections batched_copies").
@@ -30,7 +31,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-${OASES_GPU_OUT:-bench/results/gpu-local}}"
 py="${PYTHON:-python3}"
 budget="${OASES_GPU_BUDGET_S:-480}"
-stages="${OASES_GPU_STAGES:-env build gpu-tests micro memcheck offload profile plan}"
+stages="${OASES_GPU_STAGES:-env build oases-env gpu-tests micro memcheck offload profile plan}"
 mkdir -p "$out"
 log="$out/log.txt"
 summary="$out/summary.txt"
@@ -126,6 +127,7 @@ export -f env_report build gpu_tests
 export py out
 stage env 30 env_report
 stage build 240 build
+stage oases-env 30 "$py" -m oases.env
 stage gpu-tests 180 gpu_tests
 stage micro 150 "$py" -m bench.cuda_micro --out "$out" --watchdog 140 --no-plots ${OASES_MICRO_ARGS:-}
 stage memcheck 120 env OASES_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --target-processes all --error-exitcode 3 \

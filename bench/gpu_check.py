@@ -3,6 +3,7 @@
     1. find the GPUs (nvidia-smi); none: say so and exit 2, before building anything
     2. build oases._C with CUDA in .venv-cuda (.ci/cuda_build.sh --test-deps)
     3. for each GPU type present (GPUs of one name form one group, CUDA_VISIBLE_DEVICES):
+         the environment report  (python -m oases.env: what `oases env` shows a user; env.log)
          the test suite on NCCL  (OASES_TEST_DEVICE=cuda python -m pytest -q tests)
          every bench suite       (python -m bench SUITE --nproc <GPUs of the type>)
        then one results file per type, <out>/gpu-<type>-<stamp>.json (GPU name, count, driver,
@@ -224,7 +225,7 @@ def _check_type(args, name: str, group: list[Gpu], versions: dict[str, Any], sta
         OASES_TEST_DEVICE="cuda",
         TORCH_NCCL_HIGH_PRIORITY="1",
     )
-    steps = []
+    steps = [_step(f"{name}: oases env", [args.python, "-m", "oases.env"], env, log=os.path.join(out_dir, "env.log"))]
     if not args.no_tests:
         steps.append(
             _step(

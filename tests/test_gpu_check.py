@@ -1,5 +1,7 @@
 """`python -m bench all --device cuda` (make gpu-check): the parts a machine without GPUs can check."""
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -97,3 +99,17 @@ def test_summary_takes_every_efficiency_and_speedup():
         ["s", "oases", "speedup_vs_megatron", 1.5],
         ["s", "1f1b / aiao", "speedup_vs_1f1b", 2.0],
     ]
+
+
+def test_each_gpu_type_gets_the_environment_report_first(tmp_path):
+    # The report a user pastes into a bug report (`oases env`), run by the check's Python before the
+    # tests: here with this interpreter, no tests and no suites, so only that step runs.
+    args = argparse.Namespace(out=str(tmp_path), no_tests=True, suites=[], quick=False, python=sys.executable)
+    gpu = gpu_check.Gpu(0, "NVIDIA H100 80GB HBM3", "550.54.15", 81559, "9.0")
+    versions = {"torch": "2.13.0", "cuda": "13.0", "nccl": "2.27.7"}
+    assert gpu_check._check_type(args, gpu.name, [gpu], versions, "20261126-000000")
+    (written,) = tmp_path.glob("gpu-nvidia-h100-80gb-hbm3-*.json")
+    steps = json.loads(written.read_text())["steps"]
+    assert [s["step"] for s in steps] == [f"{gpu.name}: oases env"] and steps[0]["exit_code"] == 0
+    report = open(steps[0]["log"]).read()
+    assert report.startswith("oases env: paste this into a bug report") and "extension (oases._C)" in report
