@@ -4,7 +4,8 @@ parallelize(torch.compile(model)) shards the original in place and returns the c
 whose forward (dynamo with the eager backend: graphs between the collectives' breaks) gives the
 logits of the parallelized model run eagerly, bit for bit; oases.train_step(compiled, ...) runs
 the schedule on the original's sublayers: the loss and every gradient of the uncompiled call; a
-communicating op is one graph break (counted with torch._dynamo.explain).
+communicating op is one graph break (counted with torch._dynamo.explain). The functions that
+take a model (state dicts, checkpoints, Hugging Face files, summary) see the original's keys.
 """
 
 import warnings
@@ -63,3 +64,38 @@ def _compiled(rank, world):
 
 def test_parallelize_and_train_step_take_a_compiled_model():
     run_ranks(_compiled, 2, timeout=240)
+
+
+def _files_of_a_compiled_model(rank, world, root):
+    import json
+
+    from safetensors import safe_open
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = oases.parallelize(torch.compile(_llama(), backend="eager"))
+        plain = oases.parallelize(_llama())
+    keys = list(_llama().state_dict())
+    assert list(oases.full_state_dict(compiled)) == keys
+    assert [p.name for p in oases.summary(compiled).parts][:2] == [
+        "model.embed_tokens",
+        "model.layers.0.self_attn.q_proj",
+    ]
+    oases.save_pretrained(compiled, f"{root}/hf")
+    if rank == 0:
+        with safe_open(f"{root}/hf/model.safetensors", "pt") as f:
+            assert sorted(f.keys()) == sorted(keys)
+        with open(f"{root}/hf/config.json") as f:
+            assert json.load(f)["architectures"] == ["LlamaForCausalLM"]
+    oases.load_pretrained(compiled, f"{root}/hf")  # strict: every key found
+    oases.save_checkpoint(compiled, f"{root}/ckpt")
+    for model in (plain, compiled):  # a compiled model's checkpoint is a plain model's, both ways
+        state = oases.load_checkpoint(model, f"{root}/ckpt")
+        assert not state.missing_keys and not state.unexpected_keys
+    oases.load_full_state_dict(compiled, _llama().state_dict())
+    for p, q in zip(compiled._orig_mod.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_state_dicts_checkpoints_and_files_see_through_torch_compile(tmp_path):
+    run_ranks(_files_of_a_compiled_model, 2, str(tmp_path), timeout=240)

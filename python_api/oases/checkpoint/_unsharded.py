@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._compiled import original_module
 from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
 
@@ -125,7 +126,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Returns:
         {key: full tensor}, the unsharded model's state dict.
     """
-    local, shards, _ = _layout(model)  # every check before the first collective
+    local, shards, _ = _layout(original_module(model))  # every check before the first collective
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
     full: dict[str, torch.Tensor] = {}
     for key, value in local.items():
@@ -179,6 +180,7 @@ def load_full_state_dict(
     bad = [key for key, value in state_dict.items() if not isinstance(value, torch.Tensor)]
     if bad:
         raise TypeError(f"state_dict: values must be tensors; not so for {', '.join(map(str, bad))}")
+    model = original_module(model)  # torch.compile(model): the original's keys
     _, shards, expected = _layout(model)
     _check("state_dict", expected, {key: value.shape for key, value in state_dict.items()}, shards, strict)
     local = {}

@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch.nn as nn
 
+from oases._compiled import original_module
 from oases._sharding import tp_rules
 from oases.comm._topology import ring_of
 from oases.nn._parts import (
@@ -125,6 +126,7 @@ def summary(model: nn.Module) -> Summary:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    model = original_module(model)  # torch.compile(model): the original's names and layers
     rules = tp_rules(model)
     world = 1
     parts, seen = [], set()
