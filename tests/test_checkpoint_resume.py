@@ -308,6 +308,28 @@ def _check_bad_input(rank, p, path):
     ):
         oases.load_checkpoint(target, root, optimizer=fewer)
 
+    # State that depends on the rank's shard without being a piece of the parameter's (Adafactor's
+    # factored row_var [rows, 1] / col_var [1, cols] of a sharded weight): refused on save, and on
+    # load where the checkpoint (written unsharded) holds it for a parameter this model shards.
+    factored = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    _toy_step(model, factored, 2)
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer: Adafactor's state 'row_var' of ffn\.w1\.weight has shape \(32, 1\), not the shape of "
+        r"the parameter \(\(32, 16\) on this rank, a part of it\).* use an optimizer whose state is elementwise",
+    ):
+        oases.save_checkpoint(model, os.path.join(path, "x"), optimizer=factored)
+    whole = _toy(0)
+    whole_opt = torch.optim.Adafactor(whole.parameters(), lr=1e-2)
+    _toy_step(whole, whole_opt, 2)
+    unsharded = oases.save_checkpoint(whole, os.path.join(path, "adafactor"), optimizer=whole_opt)
+    with pytest.raises(
+        ValueError, match=r"optimizer: Adafactor's state 'row_var' of ffn\.w1\.weight has shape \(64, 1\)"
+    ):
+        oases.load_checkpoint(target, unsharded, optimizer=torch.optim.Adafactor(target.parameters()))
+    alone = _toy(5)  # where nothing is sharded, it loads
+    oases.load_checkpoint(alone, unsharded, optimizer=torch.optim.Adafactor(alone.parameters()))
+
     # Wrong directories: none there, an empty root, a checkpoint its writer never published.
     with pytest.raises(FileNotFoundError, match=r"path: '.*nowhere' is not a directory"):
         oases.load_checkpoint(target, os.path.join(path, "nowhere"))

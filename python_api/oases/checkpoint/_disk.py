@@ -126,7 +126,8 @@ def save_checkpoint(
     Args:
         model: the model, plain or tensor-parallel (its shards are written as boxes of the unsharded tensors).
         path: the checkpoint directory, or with step the root of its step-* directories.
-        optimizer: any torch.optim optimizer over the model's parameters.
+        optimizer: a torch.optim optimizer over the model's parameters whose state of a sharded
+            parameter is shaped like it or scalar (not Adafactor's factored state: a ValueError).
         step: the training step (an int >= 0) or None.
         extra: anything picklable (e.g. {"data": position}), returned by load_checkpoint; one value
             is stored (the same on every rank: a per-rank position belongs in a list indexed by rank).

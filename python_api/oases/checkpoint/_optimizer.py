@@ -93,6 +93,23 @@ def _state_chunks(
     return rows_of(chunks, start, stop), torch.Size(full), (stop - start, *p.shape[1:])
 
 
+def _check_replicated(
+    view: _OptimizerView, index: int, name: str, state: str, shape: tuple[int, ...], shards: dict[str, _Shard]
+) -> None:
+    """ValueError for state stored as one value for every rank (not shaped like its parameter) that
+    differs between ranks: a tensor with dimensions, of a parameter this rank holds a part of (a TP
+    shard, ZeRO rows), as Adafactor's factored row_var / col_var of the shard."""
+    if len(shape) == 0 or (name not in shards and view.rows[index] is None):
+        return
+    kind = type(view.inner).__name__
+    raise ValueError(
+        f"optimizer: {kind}'s state {state!r} of {name} has shape {shape}, not the shape of the parameter "
+        f"({tuple(view.params[index].shape)} on this rank, a part of it): it depends on this rank's part and is "
+        f"not a piece of the unsharded parameter's state, so a checkpoint cannot hold it for every layout; use an "
+        f"optimizer whose state is elementwise or scalar (SGD, Adam, AdamW, ...), or save that state yourself"
+    )
+
+
 def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
     """The optimizer's state keyed by parameter name: parameter-shaped tensors as their boxes of
     the full parameter (TP shards, ZeRO rows), the rest as they are."""
@@ -112,6 +129,8 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
                 local = tuple(p.shape) if piece is None else (piece[1] - piece[0], *p.shape[1:])
                 full = shards[names[index]].full_shape if names[index] in shards else p.shape
                 placed = _state_chunks(view, index, full, shards, names[index]) if tuple(value.shape) == local else None
+                if placed is None:
+                    _check_replicated(view, index, names[index], name, tuple(value.shape), shards)
                 value = value.detach() if placed is None else Chunked(value.detach(), tuple(placed[0]), placed[1])
             entries[f"{_STATE}{names[index]}.{name}"] = value
     for index, master in enumerate(view.masters):  # ZeRO's fp32 masters of 16-bit parameters: their rows
@@ -157,6 +176,8 @@ def _optimizer_reads(
             reads[key] = None  # pickled: read locally first
             continue
         placed = _state_chunks(view, i, tuple(meta.size), shards, name)
+        if placed is None:
+            _check_replicated(view, i, name, state, tuple(meta.size), shards)
         current = view.inner.state.get(params[i], {}).get(state)
         buffer = _buffer(current, meta.size if placed is None else placed[2], meta.properties.dtype)
         reads[key] = buffer if placed is None else Chunked(buffer, tuple(placed[0]), placed[1])
