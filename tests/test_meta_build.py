@@ -103,6 +103,21 @@ class _Custom(nn.Module):
         self.scale = nn.Parameter(torch.randn(8))  # drawn in the constructor, no reset_parameters
 
 
+class _OwnInit(nn.Module):
+    """nanoGPT's way: the model initialises its modules itself, after their constructors."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+
 def _refusals(rank, world_size):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -114,6 +129,13 @@ def _refusals(rank, world_size):
         model = _Custom()
     oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu", init_weights=False)
     assert model.up.weight.shape == (16 // world_size, 8) and not model.scale.is_meta
+    with torch.device("meta"):
+        model = _OwnInit()
+    with pytest.raises(ValueError, match=r"initialisation of its own .* \(_OwnInit._init_weights \(the model\)\)"):
+        oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu")  # reset_parameters' values
+    assert model.up.weight.is_meta
+    oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu", init_weights=False)
+    assert model.up.weight.shape == (16 // world_size, 8)
     with torch.device("meta"):
         model = _Custom()
     with pytest.raises(ValueError, match="device='cpu'"):

@@ -24,6 +24,10 @@ tensor unwritten keeps pass 1's values there (written entries are told apart by 
 tensor neither pass writes (a plain nn.Parameter(torch.randn(...)) of a custom module, a buffer
 computed in a constructor outside Hugging Face's init) cannot be recovered from a meta build:
 `replay_init` raises a ValueError naming it, before anything is allocated beyond the replay.
+Neither can an initialisation of a model's own outside a Hugging Face model (nanoGPT's
+`self.apply(self._init_weights)`, torchtitan's `init_weights()`): a class of the model that defines
+`_init_weights` or `init_weights` is refused by name before any draw. One that re-initialises in a
+plain loop of its constructor, with no such method, cannot be seen and is not replayed.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from oases._sharding import tp_rules
 from oases.comm._topology import ring_of
 
-__all__ = ["materialize", "replay_init", "empty_init", "is_on_meta"]
+__all__ = ["materialize", "replay_init", "empty_init", "is_on_meta", "check_replayable"]
 
 # Constructors that draw without a reset_parameters method, by class name: {name: draw(module)}.
 _CONSTRUCTOR_DRAWS: Mapping[str, Callable[[nn.Module], None]] = MappingProxyType(
@@ -201,6 +205,40 @@ def _build_pretrained(model: nn.Module, replay: "_Replay", initialized: set[int]
             initialized.add(id(module))
 
 
+_OWN_INITS = ("_init_weights", "init_weights")  # a model's initialisation by convention (nanoGPT, torchtitan)
+
+
+def check_replayable(model: nn.Module) -> None:
+    """ValueError, before anything is changed, for a meta-built model whose own initialisation
+    (a class defining one of _OWN_INITS, outside Hugging Face models) replay_init cannot replay."""
+    own = _own_inits(model)
+    if own:
+        raise ValueError(
+            f"model: built on the meta device, with an initialisation of its own that oases cannot replay "
+            f"({', '.join(own)}): only each module's reset_parameters() (and a Hugging Face model's "
+            f"_init_weights) is replayed, so init_weights=True would not give the values of the model built on "
+            f"the CPU; pass init_weights=False and load the values (oases.load_pretrained / "
+            f"oases.load_checkpoint) or run your initialisation on the shards, or build the model on a real device"
+        )
+
+
+def _own_inits(module: nn.Module, prefix: str = "") -> list[str]:
+    """'Class.method (module name)' for each module of the tree outside Hugging Face models whose
+    class (not torch's) defines one of _OWN_INITS."""
+    if _is_pretrained(module):
+        return []  # its _init_weights is replayed (_build_pretrained)
+    found = [
+        f"{cls.__name__}.{name} ({prefix or 'the model'})"
+        for cls in type(module).__mro__
+        if not cls.__module__.startswith("torch.")
+        for name in _OWN_INITS
+        if name in vars(cls)
+    ][:1]
+    for child_name, child in module.named_children():
+        found += _own_inits(child, f"{prefix}.{child_name}" if prefix else child_name)
+    return found
+
+
 def _draws_at_construction(module: nn.Module) -> bool:
     return type(module).__name__ in _CONSTRUCTOR_DRAWS or any(
         callable(getattr(module, name, None)) for name in ("reset_parameters", "_reset_parameters")
@@ -251,6 +289,7 @@ def replay_init(
     Raises ValueError, naming them, when some tensors are written by neither pass, or when an
     init writes tensors of modules other than the one it is run for (not replayable module by module).
     """
+    check_replayable(model)
     replay = _Replay(model, shard_of, device, allocate)
     initialized: set[int] = set()  # modules a Hugging Face post_init has initialised (_is_hf_initialized)
     if _is_pretrained(model):

@@ -18,7 +18,7 @@ from oases.degrees import find_layer_degrees, refuse_with_degrees
 from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
 from oases.nn._layer_args import check_shardable, is_conv1d
-from oases.nn._materialize import is_on_meta
+from oases.nn._materialize import check_replayable, is_on_meta
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn._styles import ResolvedPlan, Style, features, matches
 from oases.nn.vocab import check_embedding, check_vocab
@@ -40,6 +40,8 @@ def check_model(model: object, device: object, init_weights: object, allocate: o
     target = _target_device(model, device, init_weights)
     if allocate is not None and (target is None or not callable(allocate)):
         raise TypeError("allocate: a callable name -> bool, only with device= (a model built on meta)")
+    if target is not None and init_weights:
+        check_replayable(model)
     return target
 
 

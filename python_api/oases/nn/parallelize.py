@@ -275,7 +275,9 @@ def parallelize(
     init_weights=True gives them the values `Cls(config)` would have had, built on the CPU from
     the CPU random state of this call (so every TP degree and per-layer plan holds the same full
     model), replayed one module at a time (oases.nn._materialize: peak = this rank's tensors plus
-    one module's full tensors). init_weights=False leaves them uninitialised, for weights that
+    one module's full tensors); outside Hugging Face models, a class defining its own `_init_weights`
+    or `init_weights` (nanoGPT's apply) cannot be replayed: a ValueError, before anything is changed.
+    init_weights=False leaves them uninitialised, for weights that
     oases.load_pretrained or oases.load_checkpoint fill next (no draws, no full tensor).
     `vocab_parallel` (with plan=None): shard the input embedding and the LM head over the vocabulary
     (see the module docstring; not with per-layer tp_degrees, where they stay replicated).
