@@ -284,9 +284,16 @@ def _check_plans(rank, p):
     _assert_unchanged(model)
     with pytest.raises(TypeError, match="is itself an nn.Linear"):
         oases.parallelize(nn.Linear(h, h))
+    with pytest.raises(  # a row-parallel layer takes a shard of its input: nothing here makes one
+        ValueError,
+        match=r"Toy: head is planned as 'row' \(its input a shard of the features\), but no projection of Toy is "
+        r"column-parallel to produce that shard",
+    ):
+        oases.parallelize(model, plan={"w1": "column", "w2": "row", "head": "row"})
+    _assert_unchanged(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every Linear placed: no warning
-        oases.parallelize(model, plan={"w1": "column", "w2": "row", "head": "row"})
+        oases.parallelize(model, plan={"w1": "column", "w2": "row", "head": "vocab_head"})
     dist.barrier()
     return True
 

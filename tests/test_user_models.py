@@ -9,6 +9,12 @@ after parallelize, PEFT-wrapped linears.
     generate            greedy tokens with the KV cache after parallelize at TP 2 equal the
                         unsharded model's (vocab-parallel head, eval, no_grad, input checks on)
     PEFT / LoRA         a linear wrapped with LoRA adapters is refused, naming it and the fix
+    own modules         what parallelize cannot keep is refused on every rank, the model unchanged:
+                        a projection that does more than a plain nn.Linear (its own forward, extra
+                        parameters, hooks, weight_norm), a tie of planned projections (or one module
+                        under two names), an attention with no head count oases can make per-rank,
+                        a row-parallel projection with no column-parallel one before it (torch's
+                        nn.MultiheadAttention's out_proj); {**DEFAULT_PLAN, ...} warns only of its own
 """
 
 import copy
@@ -335,3 +341,121 @@ def test_shard_rule_replicas(p):
         torch.testing.assert_close(rows, tensor.pow(2).sum(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="replicas must be one positive int per block"):
         ShardRule(0, stacked=3, replicas=(2,))
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim=16, heads=4):
+        super().__init__()
+        self.num_heads = heads
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (f(x).view(b, t, self.num_heads, -1).transpose(1, 2) for f in (self.q_proj, self.k_proj, self.v_proj))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.up_proj, self.down_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.gelu(self.up_proj(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.mlp = _Attention(), _Mlp()
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class _Scaled(nn.Linear):
+    def forward(self, x):
+        return 3.0 * super().forward(x)
+
+
+def _stack():
+    torch.manual_seed(0)
+    return nn.Sequential(_Block(), _Block())
+
+
+def _refused(model, match, **kw):
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        oases.parallelize(model, **kw)
+    assert not any(isinstance(m, (oases.nn.ColumnParallelLinear, oases.nn.RowParallelLinear)) for m in model.modules())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def _check_own_modules_refused(rank, p):
+    plain = _stack()
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    tp = oases.parallelize(copy.deepcopy(plain))  # the plain stack shards exactly (the cases below differ by one thing)
+    torch.testing.assert_close(tp(x), plain(x), **TOL)
+
+    model = _stack()
+    model[0].mlp.up_proj = _Scaled(16, 64)
+    _refused(
+        model,
+        r"0\.mlp\.up_proj \(planned as 'column'\) is a _Scaled whose forward is not Linear's; .* plain nn\.Linear",
+    )
+    model = _stack()
+    model[1].attn.v_proj.lora = nn.Parameter(torch.zeros(2, 16))
+    _refused(model, r"1\.attn\.v_proj \(planned as 'column'\) holds lora beside its weight and bias")
+    model = _stack()
+    model[0].mlp.down_proj.register_forward_hook(lambda module, args, out: out * 2)
+    _refused(model, r"0\.mlp\.down_proj \(planned as 'row'\) has forward hooks on it")
+    model = _stack()
+    nn.utils.parametrizations.weight_norm(model[1].mlp.up_proj)
+    _refused(model, r"1\.mlp\.up_proj \(planned as 'column'\) has a parametrization of weight")
+
+    model = _stack()
+    model[1].mlp.up_proj.weight = model[0].mlp.up_proj.weight  # tied projections
+    _refused(model, r"0\.mlp\.up_proj: its weight is tied to 1\.mlp\.up_proj\.weight .* Untie them")
+    model = _stack()
+    model[1].mlp = model[0].mlp  # one module under two names
+    _refused(model, r"0\.mlp\.up_proj: its weight is tied to 1\.mlp\.up_proj\.weight")
+
+    model = _stack()
+    for block in model:
+        block.attn.heads = block.attn.num_heads  # under a name oases does not know
+        del block.attn.num_heads
+    _refused(
+        model, r"0\.attn: its head projections are sharded over 2 ranks, but oases finds no head count on _Attention"
+    )
+    for block in model:
+        block.attn.head_dim = 16 // 4  # a head_dim alone is enough: heads viewed as (..., -1, head_dim)
+    oases.parallelize(model)
+    assert model[0].attn.q_proj.weight.shape == (16 // p, 16)
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+    plan = {**oases.nn.DEFAULT_PLAN, "linear1": "column", "linear2": "row"}  # DEFAULT_PLAN's out_proj: 'row'
+    _refused(
+        layer,
+        r"self_attn: out_proj is planned as 'row' .* no projection of self_attn is column-parallel .*"
+        r"nn\.MultiheadAttention reads out_proj\.weight itself",
+        plan=plan,
+    )
+    plan = {k: v for k, v in plan.items() if k != "out_proj"}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        oases.parallelize(layer, plan=plan)
+    unused = [str(w.message) for w in caught if "matching no" in str(w.message)]
+    assert not unused, unused  # the default plan's patterns this model lacks are not the caller's slip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        oases.parallelize(_stack(), plan={**oases.nn.DEFAULT_PLAN, "nowhere": "column"})
+    assert any("'nowhere'" in str(w.message) and "'q_proj'" not in str(w.message) for w in caught), caught
+    dist.barrier()  # every rank raised alike: nobody is left waiting
+    return True
+
+
+def test_own_modules_parallelize_cannot_keep_are_refused_tp2():
+    assert run_ranks(_check_own_modules_refused, 2, timeout=120) == [True, True]

@@ -124,6 +124,7 @@ def warn_unplaced(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
         pattern
         for pattern, s in plan.styles.items()
         if plan.explicit
+        and pattern not in plan.inherited
         and s.kind != "vocab"
         and not any(matches(n, pattern) for n in (plan.experts if s.kind == "experts" else plan.linears))
     ]

@@ -128,6 +128,14 @@ def check_heads(name: str, module: nn.Module, p: int) -> None:
                 f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
                 f"this rank's share of it would not be whole"
             )
+    if count(module, _HEAD_COUNTS) is None and head_dim(module) is None:
+        raise ValueError(
+            f"{where}: its head projections are sharded over {p} ranks, but oases finds no head count on "
+            f"{type(module).__name__} (an int {', '.join(_HEAD_COUNTS)}, on it or on its config) to make this "
+            f"rank's, nor a head_dim: its forward would split this rank's share of the features into the full "
+            f"number of heads. Store the head count as num_heads (oases divides it by {p}), or a head_dim with "
+            f"heads viewed as (..., -1, head_dim)"
+        )
     taken = [attr for attr in ("tp_layout", "group") if hasattr(module, attr)]
     if head_parameters(module) and taken:
         raise ValueError(

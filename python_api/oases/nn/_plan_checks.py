@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.utils import parametrize
 
 from oases import _checks
 from oases.degrees import find_layer_degrees, refuse_with_degrees
@@ -166,6 +167,7 @@ def check_plan(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
         plan.placed[name] = dataclasses.replace(plan.placed[name], replicas=replicas)  # kv heads at p > kv_heads
     for name, style in plan.placed.items():
         _check_layers({name: style}, plan.linears, plan.degree(name))
+        _check_plain(name, plan.linears[name], style)
     for name in plan.placed_embeddings:
         embedding = plan.embeddings[name]
         check_embedding(
@@ -174,7 +176,7 @@ def check_plan(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
             p,
         )
     vocab_heads = [n for n, s in plan.placed.items() if s.kind == "vocab_head"]
-    plan.tied = _check_ties(model, vocab_heads + list(plan.placed_embeddings))
+    plan.tied = _check_ties(model, list(plan.placed) + list(plan.placed_embeddings), frozenset(vocab_heads))
     plan.attention = _attention_modules(model, plan.placed)
     plan.norms = {name: _check_attention(name, module, plan) for name, module in plan.attention.items()}
     plan.routers = _moe.check_blocks(
@@ -234,10 +236,49 @@ def _check_layers(placed: dict[str, Style], linears: dict[str, nn.Module], p: in
             check_shardable(owner, "in_features", n_in, p)
 
 
-def _check_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
-    """The (embedding, head) pairs among the vocabulary-planned modules `names` that share one
-    weight (tie_word_embeddings): both sharded, they keep sharing one shard. Any other tie of a
-    planned module raises a ValueError (sharding it alone would silently untie it)."""
+# nn.Linear subclasses whose forward is F.linear's, written out: x @ weight.T + bias (FalconLinear
+# adds the bias after the matmul, as its checkpoints were trained).
+_LINEAR_FORWARDS = frozenset({"transformers.models.falcon.modeling_falcon.FalconLinear"})
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_plain(name: str, module: nn.Module, style: Style) -> None:
+    """A planned projection is replaced by a parallel layer holding its weight and bias only: one
+    that does more (its own forward, other parameters, buffers or submodules, hooks, a
+    parametrization) would silently lose it, so it is refused (ValueError naming what)."""
+    kind = "Conv1D" if is_conv1d(module) else "nn.Linear"
+    base = next(c for c in type(module).__mro__ if c is nn.Linear or (kind == "Conv1D" and c.__name__ == "Conv1D"))
+    extra = [n for n, t in module._parameters.items() if t is not None and n not in ("weight", "bias")]
+    extra += [n for n, t in module._buffers.items() if t is not None]
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    hooks = [h for h in kinds if getattr(module, h, None)]
+    if parametrize.is_parametrized(module):
+        what = f"has a parametrization of {', '.join(module.parametrizations)} (e.g. weight_norm)"
+    elif type(module).forward is not base.forward and _qualified(type(module)) not in _LINEAR_FORWARDS:
+        what = f"is a {type(module).__name__} whose forward is not {base.__name__}'s"
+    elif extra:
+        what = f"holds {', '.join(extra)} beside its weight and bias"
+    elif any(True for _ in module.children()):
+        what = f"has submodules ({', '.join(n for n, _ in module.named_children())})"
+    elif hooks:
+        what = f"has {hooks[0].strip('_').replace('_', ' ')} on it"
+    else:
+        return
+    raise ValueError(
+        f"{name} (planned as {style.kind!r}) {what}; oases replaces it by a parallel layer that keeps its weight and "
+        f"bias only, which would silently drop that. Make it a plain {kind} (do the rest in its parent's forward), "
+        f"or leave it out of the plan (replicated)"
+    )
+
+
+def _check_ties(model: nn.Module, names: list[str], vocab: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """The (embedding, head) pairs among the planned modules `names` that share one weight
+    (tie_word_embeddings; `vocab`: the heads planned 'vocab_head'): both sharded, they keep sharing
+    one shard. Any other tie of a planned module (to another module, or the module itself under
+    several names) raises a ValueError (sharding it alone would silently untie it)."""
     holders: dict[int, list[str]] = {}
     for qualified, param in model.named_parameters(remove_duplicate=False):
         holders.setdefault(id(param), []).append(qualified)
@@ -258,9 +299,15 @@ def _check_ties(model: nn.Module, names: list[str]) -> list[tuple[str, str]]:
         if others:
             raise ValueError(
                 f"{name}: its weight is tied to {', '.join(others)} (the same Parameter, e.g. "
-                f"tie_word_embeddings=True); sharding it alone would silently untie them. Plan both ends of the "
-                f"tie (the embedding as 'vocab', the head as 'vocab_head': they share one shard), untie them "
-                f"({name}.weight = nn.Parameter({name}.weight.detach().clone())), or leave the tied modules "
+                f"tie_word_embeddings=True, or one module under several names); sharding it alone would silently "
+                f"untie them. "
+                + (
+                    "Plan both ends of the tie (the embedding as 'vocab', the head as 'vocab_head': they share one "
+                    "shard), untie them "
+                    if isinstance(model.get_submodule(name), nn.Embedding) or name in vocab
+                    else "Untie them "
+                )
+                + f"({name}.weight = nn.Parameter({name}.weight.detach().clone())), or leave the tied modules "
                 f"replicated (remove {name} from the plan)"
             )
     return pairs
@@ -321,10 +368,23 @@ def _check_parts(model: nn.Module, placed: dict[str, Style], linears: dict[str, 
         children.setdefault(name.rpartition(".")[0], []).append(name)
     for parent, names in children.items():
         kinds = {n: placed[n].kind if n in placed else None for n in names}
+        where = parent or type(model).__name__
         if "column" not in kinds.values():
+            rows = [n.rpartition(".")[2] for n, k in kinds.items() if k == "row"]
+            if rows:
+                raise ValueError(
+                    f"{where}: {', '.join(rows)} is planned as 'row' (its input a shard of the features), but no "
+                    f"projection of {where} is column-parallel to produce that shard, so it would get the whole "
+                    f"width; plan the projection feeding it as 'column' (a fused one: 'column:2', 'column:qkv'), or "
+                    f"leave {rows[0]} out of the plan"
+                    + (
+                        " (nn.MultiheadAttention reads out_proj.weight itself: never plan it)"
+                        if isinstance(model.get_submodule(parent), nn.MultiheadAttention)
+                        else ""
+                    )
+                )
             continue
         left = [n.rpartition(".")[2] for n, k in kinds.items() if k is None]
-        where = parent or type(model).__name__
         if "row" not in kinds.values():
             raise ValueError(
                 f"{where}: its projections are planned as column-parallel with no row-parallel one to "

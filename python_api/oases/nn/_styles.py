@@ -130,6 +130,7 @@ class ResolvedPlan:
     attention: dict[str, nn.Module] = field(default_factory=dict)  # parents of sharded head projections
     norms: dict[str, dict[str, tuple[float, bool]]] = field(default_factory=dict)  # their full-width norms
     routers: frozenset[str] = frozenset()  # MoE blocks' routers and gates (replicated by design)
+    inherited: frozenset[str] = frozenset()  # an explicit plan's entries equal to DEFAULT_PLAN's
 
     def sharded(self) -> Iterator[tuple[str, nn.Module, Style]]:
         """(name, module, style) of every placed module: projections, embeddings, then experts."""

@@ -51,8 +51,12 @@ GPT-J, OPT, GPT-2 and nanoGPT naming. Projections no pattern places (an LM head,
 replicated, and one warning lists them with their share of the decoder layers' projection
 parameters. Every check (features and heads divisible by the world size, head projections'
 widths agreeing with the head counts, every module with a column layer also having a row layer
-and no projection left out) runs on every rank before anything is replaced, so a bad plan raises
-a ValueError naming the module and leaves the model as it was, on every rank alike. Linears wrapped
+and no projection left out, a row layer fed by a column layer of its module, an attention's head
+count found under a known name or a head_dim, no tie of a planned projection, each planned
+projection a plain nn.Linear / Conv1D: no forward of its own, no other parameters, buffers or
+submodules, no hooks, no parametrization, all of which the parallel layer would drop) runs on
+every rank before anything is replaced, so a bad plan raises a ValueError naming the module and
+leaves the model as it was, on every rank alike. Linears wrapped
 with adapters (PEFT's LoRA: a module with a base_layer and lora_A / lora_B) are refused the same
 way: merge them first (model.merge_and_unload()).
 
@@ -323,6 +327,8 @@ def parallelize(
     check_arguments(model, chunks, tp_degrees, layers, sequence_parallel, vocab_parallel)
     styles = _resolve_styles(model, plan, vocab_parallel and tp_degrees is None and p > 1)
     resolved = _match_modules(model, styles, plan is not None and plan is not DEFAULT_PLAN, tp_degrees, layers, p)
+    if plan is not None:  # {**DEFAULT_PLAN, ...}: the default's patterns this model lacks are no slip of the caller's
+        resolved.inherited = frozenset(k for k, v in plan.items() if isinstance(k, str) and DEFAULT_PLAN.get(k) == v)
     check_plan(model, resolved, p)  # every check, on every rank alike, before anything is changed
 
     original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
