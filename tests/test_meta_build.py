@@ -130,6 +130,15 @@ def _refusals(rank, world_size):
     oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu", init_weights=False)
     assert model.up.weight.shape == (16 // world_size, 8) and not model.scale.is_meta
     with torch.device("meta"):
+        model = _Custom()
+    for load in (oases.load_pretrained, oases.load_checkpoint):  # a meta model takes nothing in, silently
+        with pytest.raises(ValueError, match=r"model: every tensor is on the meta device .* init_weights=False\)"):
+            load(model, "nowhere")
+    with pytest.raises(ValueError, match=r"model: every tensor is on the meta device"):
+        oases.load_full_state_dict(model, _Custom().state_dict())
+    with pytest.raises(ValueError, match=r"model: every tensor is on the meta device"):
+        oases.full_state_dict(model)
+    with torch.device("meta"):
         model = _OwnInit()
     with pytest.raises(ValueError, match=r"initialisation of its own .* \(_OwnInit._init_weights \(the model\)\)"):
         oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu")  # reset_parameters' values

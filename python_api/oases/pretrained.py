@@ -45,8 +45,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _checks
-from oases._compiled import original_module
-from oases.checkpoint._unsharded import _check, _layout, _Shard
+from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
 __all__ = ["load_pretrained", "save_pretrained"]
@@ -162,7 +161,7 @@ def load_pretrained(
     """
     from safetensors import safe_open
 
-    model = original_module(model)  # torch.compile(model): the original's keys
+    model = _allocated(model)  # torch.compile(model): the original's keys
     _, shards, expected = _layout(model)
     path = os.fspath(path)
     stored = _stored(path)
@@ -390,7 +389,7 @@ def save_pretrained(
         while the writer prepares the directory is raised on every rank; one while it streams
         tensors (a full disk) leaves the others waiting in their sends until the group times out.
     """
-    model = original_module(model)  # torch.compile(model): the original's keys and class name
+    model = _allocated(model)  # torch.compile(model): the original's keys and class name
     path = _check_save(path, max_shard_size, model)
     entries = _entries(model)
     files = _split(entries, max_shard_size)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
-from oases._compiled import original_module
 from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _RNG
 from oases.checkpoint._optimizer import (
     _check_groups,
@@ -23,7 +22,7 @@ from oases.checkpoint._optimizer import (
     _optimizer_view,
     _restore_optimizer,
 )
-from oases.checkpoint._unsharded import _check, _layout, _Shard
+from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
 if TYPE_CHECKING:
@@ -139,7 +138,7 @@ def save_checkpoint(
     from oases import _dcp
 
     ring = ring_of(group)
-    model = original_module(model)  # torch.compile(model): the original's keys
+    model = _allocated(model)  # torch.compile(model): the original's keys
     where = _save_target(path, step, keep, extra)
     _, shards, _ = _layout(model)
     entries: dict[str, Any] = {
@@ -233,7 +232,7 @@ def load_checkpoint(
     from oases import _dcp
 
     ring = ring_of(group)
-    model = original_module(model)  # torch.compile(model): the original's keys
+    model = _allocated(model)  # torch.compile(model): the original's keys
     _, shards, expected = _layout(model)
     view = _optimizer_view(model, optimizer) if optimizer is not None else None
     where, stored, marker = _open(path)

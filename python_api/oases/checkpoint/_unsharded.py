@@ -78,6 +78,20 @@ def _layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, _Shard
     return local, shards, expected
 
 
+def _allocated(model: nn.Module) -> nn.Module:
+    """`model` (torch.compile's original), or a ValueError when every tensor of it is on the meta
+    device: nothing could be read into it or out of it (a pipeline stage holds some: not all)."""
+    model = original_module(model)
+    tensors = list(model.parameters()) + list(model.buffers())
+    if tensors and all(t.is_meta for t in tensors):
+        raise ValueError(
+            "model: every tensor is on the meta device (built under torch.device('meta'), never allocated), so "
+            "nothing can be read into it or out of it; allocate this rank's shards first: "
+            "oases.parallelize(model, device=..., init_weights=False)"
+        )
+    return model
+
+
 def _check(
     what: str,
     expected: Mapping[str, torch.Size],
@@ -126,7 +140,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Returns:
         {key: full tensor}, the unsharded model's state dict.
     """
-    local, shards, _ = _layout(original_module(model))  # every check before the first collective
+    local, shards, _ = _layout(_allocated(model))  # every check before the first collective
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
     full: dict[str, torch.Tensor] = {}
     for key, value in local.items():
@@ -180,7 +194,7 @@ def load_full_state_dict(
     bad = [key for key, value in state_dict.items() if not isinstance(value, torch.Tensor)]
     if bad:
         raise TypeError(f"state_dict: values must be tensors; not so for {', '.join(map(str, bad))}")
-    model = original_module(model)  # torch.compile(model): the original's keys
+    model = _allocated(model)  # torch.compile(model): the original's keys
     _, shards, expected = _layout(model)
     _check("state_dict", expected, {key: value.shape for key, value in state_dict.items()}, shards, strict)
     local = {}
