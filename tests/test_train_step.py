@@ -350,6 +350,10 @@ def _check_bad_input(rank, world_size):
         oases.train_step(model, ids[:2], labels[:2], sub_batches=3)
     with pytest.raises(ValueError, match="labels: shape"):
         oases.train_step(model, ids, labels[:, :5])
+    with pytest.raises(TypeError, match=r"labels: expected an integer tensor of token ids, got torch.float32"):
+        oases.train_step(model, ids, labels.float())
+    with pytest.raises(TypeError, match=r"input_ids: expected an integer tensor of token ids, got torch.bool"):
+        oases.train_step(model, ids > 0, labels)
     with pytest.raises(ValueError, match="schedule: 'fast'"):
         oases.train_step(model, ids, labels, schedule="fast")
     with pytest.raises(ValueError, match="comm: its group .size 1. is not the model's TP group"):

@@ -146,6 +146,9 @@ def check_step(
         )
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids: expected [batch, seq], got shape {tuple(input_ids.shape)}")
+    for name, ids in (("input_ids", input_ids), ("labels", labels)):
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor of token ids, got {ids.dtype} (convert with .long())")
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels: shape {tuple(labels.shape)} differs from input_ids' {tuple(input_ids.shape)}")
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
