@@ -328,3 +328,36 @@ def test_plain_model_without_a_process_group(hf_dirs, tmp_path):
     oases.save_pretrained(model, tmp_path / "out")
     got, written_by_transformers = _file_tensors(tmp_path / "out"), _file_tensors(path)
     _assert_equal_dicts(dict(sorted(got.items())), dict(sorted(written_by_transformers.items())))
+
+
+def test_a_save_that_dies_while_streaming_leaves_the_previous_one(tmp_path, monkeypatch):
+    from oases import pretrained
+
+    out = tmp_path / "out"
+    old = _llama(11)
+    oases.save_pretrained(old, out, max_shard_size=SMALL)  # several files and an index
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    written = []
+
+    def dies_after_two(handle, tensor):  # a full disk, a killed writer: the stream stops midway
+        if len(written) == 2:
+            raise OSError(28, "No space left on device")
+        written.append(tensor.shape)
+        real_write(handle, tensor)
+
+    real_write = pretrained._write
+    monkeypatch.setattr(pretrained, "_write", dies_after_two)
+    new = _llama(12)
+    with pytest.raises(OSError, match="No space left"):
+        oases.save_pretrained(new, out)  # one file this time
+    published = {name: (out / name).read_bytes() for name in os.listdir(out) if not name.endswith(".partial")}
+    assert published == before  # loaders see the previous save, whole
+    back = _llama(13)
+    assert oases.load_pretrained(back, out) == ([], [])
+    _assert_equal_dicts(back.state_dict(), old.state_dict())
+
+    monkeypatch.setattr(pretrained, "_write", real_write)
+    oases.save_pretrained(new, out)  # then it goes through: the old parts and index go, no .partial stays
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert oases.load_pretrained(back, out) == ([], [])
+    _assert_equal_dicts(back.state_dict(), new.state_dict())

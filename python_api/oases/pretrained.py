@@ -338,14 +338,44 @@ def _write_config(model: nn.Module, path: str, dtype: Optional[torch.dtype]) -> 
         generation.save_pretrained(path)
 
 
-def _prepare(model: nn.Module, path: str, entries: list[_Entry]) -> None:
-    """On the writer: the directory, without a previous checkpoint's weight files, and the config."""
+def _partial(path: str, name: str) -> str:
+    """Where `name` is written before it is published: hidden, a name no loader reads."""
+    return os.path.join(path, f".{name}.partial")
+
+
+def _prepare(path: str) -> None:
+    """On the writer: the directory, writable (a previous save's files are left as they are)."""
     os.makedirs(path, exist_ok=True)
+    with open(_partial(path, "probe"), "wb"):
+        pass
+    os.remove(_partial(path, "probe"))
+
+
+def _publish(model: nn.Module, path: str, names: list[str], entries: list[_Entry]) -> None:
+    """On the writer, once every file is written whole: each renamed over its name (the index last),
+    then a previous save's weight files that are not the new ones removed, then the config."""
+    for name in names + ([_INDEX] if len(names) > 1 else []):
+        os.replace(_partial(path, name), os.path.join(path, name))
     for name in os.listdir(path):
-        if name in (_SINGLE, _INDEX) or _PART.fullmatch(name):
+        if (
+            (name in (_SINGLE, _INDEX) or _PART.fullmatch(name))
+            and name not in names
+            and (name != _INDEX or len(names) == 1)
+        ):
             os.remove(os.path.join(path, name))  # a stale index or part would shadow the new files
     floating = next((e.local.dtype for e in entries if e.local.dtype.is_floating_point), None)
     _write_config(model, path, floating)
+
+
+def _shared(error: Optional[Exception], writer: int, distributed: bool, group, what: str) -> None:
+    """Raise the writer's `error` on every rank (a collective over `group` when distributed)."""
+    failure = [None if error is None else f"{type(error).__name__}: {error}"]
+    if distributed:
+        dist.broadcast_object_list(failure, src=writer, group=group)
+    if error is not None:
+        raise error
+    if failure[0] is not None:
+        raise RuntimeError(f"save_pretrained: rank {writer} could not {what}: {failure[0]}")
 
 
 def save_pretrained(
@@ -361,18 +391,22 @@ def save_pretrained(
 
         writer = rank 0 of `group`
         files = state-dict entries (each tensor once) in order, cut every max_shard_size bytes
-        writer: config.json (+ generation_config.json); for each file: header, then
+        for each file: writer writes its header to path/.<file>.partial, then
         for entry in file:                                   # one full tensor in memory at a time
             full = gather entry's shards to the writer (p2p over its module's group), or the replica
             writer appends full's bytes
-        writer: model.safetensors.index.json when there are several files
-        barrier(group)
+        writer: .model.safetensors.index.json.partial when there are several files
+        writer: each .partial renamed over its file (the index last); a previous save's weight files
+                that are not the new ones removed; config.json (+ generation_config.json)
+        every rank: the writer's error, if any (so nobody returns before the files exist)
 
     A collective: every rank of `group` (default: the world; without a process group, a plain
     model in one process) calls it with its replica of the same model (any TP degree; TP groups
     inside `group`; a module whose group lacks the writer is another replica's and sends nothing).
     Only the writer writes; everyone returns after the files
-    exist. Weight files and an index a previous save left in `path` are removed first. Config:
+    exist. A save that dies while streaming leaves a previous save in `path` as it was (its new
+    files are hidden .partial ones); the other weight files and index of a previous save are
+    removed once the new files are in place. Config:
     transformers models write theirs (with `dtype` and `architectures` set, as transformers does)
     and their generation_config; a dataclass config (oases.models.GPT's GPTConfig) is written as
     config.json, asdict(config) plus {"model_type": "oases-gpt"} (from the class name), which
@@ -406,19 +440,13 @@ def save_pretrained(
     error: Optional[Exception] = None  # the writer's, shared so that no rank is left waiting
     if writing:
         try:
-            _prepare(model, path, entries)
-        except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
+            _prepare(path)
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
             error = e
-    failure = [None if error is None else f"{type(error).__name__}: {error}"]
-    if distributed:
-        dist.broadcast_object_list(failure, src=writer, group=group)
-    if error is not None:
-        raise error
-    if failure[0] is not None:
-        raise RuntimeError(f"save_pretrained: rank {writer} could not prepare {path!r}: {failure[0]}")
+    _shared(error, writer, distributed, group, f"prepare {path!r}")
 
     for name, held in zip(names, files):
-        with open(os.path.join(path, name), "wb") if writing else nullcontext() as out:
+        with open(_partial(path, name), "wb") if writing else nullcontext() as out:
             if writing:
                 out.write(_header(held))
             for entry in held:
@@ -431,7 +459,11 @@ def save_pretrained(
             "metadata": {"total_size": sum(e.nbytes for e in entries)},
             "weight_map": {e.key: name for name, held in zip(names, files) for e in held},
         }
-        with open(os.path.join(path, _INDEX), "w") as f:
+        with open(_partial(path, _INDEX), "w") as f:
             json.dump(index, f, indent=2)
-    if distributed:
-        dist.barrier(group=group)
+    if writing:
+        try:
+            _publish(model, path, names, entries)
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
+            error = e
+    _shared(error, writer, distributed, group, f"publish {path!r}")  # and nobody returns before the files exist
