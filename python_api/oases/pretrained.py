@@ -37,7 +37,7 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import BinaryIO, Optional, Union
+from typing import BinaryIO, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -378,6 +378,58 @@ def _shared(error: Optional[Exception], writer: int, distributed: bool, group, w
         raise RuntimeError(f"save_pretrained: rank {writer} could not {what}: {failure[0]}")
 
 
+def _write_files(
+    model: nn.Module,
+    path: str,
+    entries: list[_Entry],
+    files: list[list[_Entry]],
+    writer: int,
+    me: int,
+    full_of: Callable[[_Entry], Optional[torch.Tensor]],
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """The files of `entries` cut into `files`, written by global rank `writer` (this rank: `me`;
+    every rank of `group` calls it, `full_of(entry)` giving the writer the full tensor and taking
+    part in its gathering elsewhere): streamed into .partial files, then published (_publish). A
+    failure to prepare or publish is raised on every rank; without a process group, one process."""
+    names = (
+        [_SINGLE]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
+    distributed = dist.is_available() and dist.is_initialized()
+    writing = me == writer
+    error: Optional[Exception] = None  # the writer's, shared so that no rank is left waiting
+    if writing:
+        try:
+            _prepare(path)
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
+            error = e
+    _shared(error, writer, distributed, group, f"prepare {path!r}")
+    for name, held in zip(names, files):
+        with open(_partial(path, name), "wb") if writing else nullcontext() as out:
+            if writing:
+                out.write(_header(held))
+            for entry in held:
+                full = full_of(entry)  # [entry.shape] on the writer
+                if writing:
+                    _write(out, full)
+                del full
+    if writing and len(files) > 1:
+        index = {
+            "metadata": {"total_size": sum(e.nbytes for e in entries)},
+            "weight_map": {e.key: name for name, held in zip(names, files) for e in held},
+        }
+        with open(_partial(path, _INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    if writing:
+        try:
+            _publish(model, path, names, entries)
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
+            error = e
+    _shared(error, writer, distributed, group, f"publish {path!r}")  # and nobody returns before the files exist
+
+
 def save_pretrained(
     model: nn.Module,
     path: Union[str, os.PathLike],
@@ -426,44 +478,9 @@ def save_pretrained(
     model = _allocated(model)  # torch.compile(model): the original's keys and class name
     path = _check_save(path, max_shard_size, model)
     entries = _entries(model)
-    files = _split(entries, max_shard_size)
-    names = (
-        [_SINGLE]
-        if len(files) == 1
-        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    )
     distributed = dist.is_available() and dist.is_initialized()
     writer = ring_of(group).global_ranks[0] if distributed else 0
     me = dist.get_rank() if distributed else 0
-    writing = me == writer
-
-    error: Optional[Exception] = None  # the writer's, shared so that no rank is left waiting
-    if writing:
-        try:
-            _prepare(path)
-        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
-            error = e
-    _shared(error, writer, distributed, group, f"prepare {path!r}")
-
-    for name, held in zip(names, files):
-        with open(_partial(path, name), "wb") if writing else nullcontext() as out:
-            if writing:
-                out.write(_header(held))
-            for entry in held:
-                full = _gathered(entry, writer, me)  # [entry.shape] on the writer
-                if writing:
-                    _write(out, full)
-                del full
-    if writing and len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(e.nbytes for e in entries)},
-            "weight_map": {e.key: name for name, held in zip(names, files) for e in held},
-        }
-        with open(_partial(path, _INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-    if writing:
-        try:
-            _publish(model, path, names, entries)
-        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
-            error = e
-    _shared(error, writer, distributed, group, f"publish {path!r}")  # and nobody returns before the files exist
+    _write_files(
+        model, path, entries, _split(entries, max_shard_size), writer, me, lambda e: _gathered(e, writer, me), group
+    )

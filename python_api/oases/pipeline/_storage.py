@@ -31,9 +31,7 @@ collective; pending updates are applied before saving or loading.
 
 from __future__ import annotations
 
-import json
 import os
-from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -52,17 +50,13 @@ from oases.nn._materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid
 from oases.pretrained import (
     _DTYPES,
-    _INDEX,
-    _SINGLE,
     _check_save,
     _Entry,
     _gathered,
-    _header,
-    _prepare,
     _split,
     _stored,
     _ties,
-    _write,
+    _write_files,
 )
 from oases.pretrained import load_pretrained as _load_pretrained
 
@@ -183,45 +177,15 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
         if id(tensor) not in seen:  # a tied tensor once, under its first key
             seen.add(id(tensor))
             entries.append(_Entry(key, local.get(key, tensor).detach(), shards.get(key), pipe.stage.shapes[key]))
-    files = _split(entries, max_shard_size)
-    names = (
-        [_SINGLE]
-        if len(files) == 1
-        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    )
     grid = mesh_grid(pipe.mesh)  # [dp, pp, tp] global ranks
     stage_of = pipe.stage.stage_of()  # buffers: stage 0's (every stage holds them)
     writer, me = int(grid[0, 0, 0]), dist.get_rank()
-    error = None
-    if me == writer:
-        try:
-            _prepare(model, path, entries)
-        except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
-            error = e
-    failure = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(failure, src=writer)
-    if error is not None:
-        raise error
-    if failure[0] is not None:
-        raise RuntimeError(f"save_pretrained: rank {writer} could not prepare {path!r}: {failure[0]}")
-    for name, held_entries in zip(names, files):
-        with open(os.path.join(path, name), "wb") if me == writer else nullcontext() as out:
-            if me == writer:
-                out.write(_header(held_entries))
-            for entry in held_entries:
-                owner = int(grid[0, stage_of.get(entry.key, 0), 0])
-                full = _to_writer(entry, owner, writer, me, pipe.comm.device)  # [entry.shape] on the writer
-                if me == writer:
-                    _write(out, full)
-                del full
-    if me == writer and len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(e.nbytes for e in entries)},
-            "weight_map": {e.key: name for name, held_entries in zip(names, files) for e in held_entries},
-        }
-        with open(os.path.join(path, _INDEX), "w") as f:
-            json.dump(index, f, indent=2)
-    dist.barrier()
+
+    def full_of(entry: _Entry) -> Optional[torch.Tensor]:
+        owner = int(grid[0, stage_of.get(entry.key, 0), 0])
+        return _to_writer(entry, owner, writer, me, pipe.comm.device)
+
+    _write_files(model, path, entries, _split(entries, max_shard_size), writer, me, full_of)
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
