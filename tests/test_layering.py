@@ -28,6 +28,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "oases._leaves",
         "oases._sharding",
         "oases._compiled",
+        "oases._hf_files",
         "oases._extension",
         "oases.amp",
         "oases.inputs",

@@ -361,3 +361,64 @@ def test_a_save_that_dies_while_streaming_leaves_the_previous_one(tmp_path, monk
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     assert oases.load_pretrained(back, out) == ([], [])
     _assert_equal_dicts(back.state_dict(), new.state_dict())
+
+
+# --- checkpoints in transformers' own layout: its renamings and expert merges -----------------------
+
+
+def _converted_models():
+    """Models whose transformers checkpoints name tensors otherwise than the model: GPT-NeoX's
+    embed_out (lm_head), Mixtral's block_sparse_moe and per-expert w1/w2/w3 (merged into
+    experts.gate_up_proj / down_proj), Qwen2-MoE's per-expert gate/up/down_proj."""
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+    )
+
+    common = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    common.update(attn_implementation="eager")
+    moe = dict(common, num_key_value_heads=2, intermediate_size=48)
+    return {
+        "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig(**common, intermediate_size=64)),
+        "mixtral": (MixtralForCausalLM, MixtralConfig(**moe, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (
+            Qwen2MoeForCausalLM,
+            Qwen2MoeConfig(
+                **moe,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=40,
+            ),
+        ),
+    }
+
+
+def _load_converted(rank, p, root):
+    from safetensors import safe_open
+
+    for name, (cls, config) in _converted_models().items():
+        where = os.path.join(root, name)
+        with safe_open(os.path.join(where, "model.safetensors"), framework="pt") as handle:
+            keys = set(handle.keys())
+        assert any(".experts.0." in k or k.startswith("embed_out.") for k in keys), sorted(keys)  # not the model's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = _logits(cls.from_pretrained(where, attn_implementation="eager").eval())
+            with torch.device("meta"):
+                model = cls(config)
+            _parallelize(model, device="cpu", init_weights=False)
+        assert oases.load_pretrained(model.eval(), where) == ([], [])  # strict: every key found, none left over
+        torch.testing.assert_close(_logits(model), want, **TOL, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+def test_transformers_layout_checkpoints_load_through_its_mapping_tp2(tmp_path):
+    for name, (cls, config) in _converted_models().items():
+        torch.manual_seed(0)
+        cls(config).save_pretrained(tmp_path / name)
+    assert run_ranks(_load_converted, 2, str(tmp_path), timeout=180) == [True, True]

@@ -45,13 +45,13 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _checks
+from oases._hf_files import INDEX, SINGLE, stored_tensors
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
 __all__ = ["load_pretrained", "save_pretrained"]
 
-_SINGLE = "model.safetensors"
-_INDEX = "model.safetensors.index.json"
+_SINGLE, _INDEX = SINGLE, INDEX
 _PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the files of a multi-file checkpoint
 
 # torch dtype -> safetensors dtype name
@@ -76,50 +76,6 @@ _DTYPES = MappingProxyType(
 # --- reading -----------------------------------------------------------------------------------------
 
 
-def _weight_map(path: str) -> dict[str, list[str]]:
-    """{file: [keys the index says it holds] or [] (every key it holds)} of the checkpoint at `path`."""
-    if os.path.isfile(path):
-        return {path: []}
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"path: {path!r} does not exist (expected a directory as save_pretrained writes it, or a .safetensors file)"
-        )
-    index = os.path.join(path, _INDEX)
-    if os.path.isfile(os.path.join(path, _SINGLE)):  # first, as transformers looks
-        return {os.path.join(path, _SINGLE): []}
-    if not os.path.isfile(index):
-        raise FileNotFoundError(f"path: {path!r} holds neither {_SINGLE} nor {_INDEX} (no safetensors weights)")
-    with open(index) as f:
-        weight_map = json.load(f).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise ValueError(f'{index}: no "weight_map" {{key: file}} in it')
-    files: dict[str, list[str]] = {}
-    for key, name in weight_map.items():
-        files.setdefault(os.path.join(path, name), []).append(key)
-    absent = [name for name in files if not os.path.isfile(name)]
-    if absent:
-        raise FileNotFoundError(f"{index} names files that do not exist: {', '.join(absent)}")
-    return files
-
-
-def _stored(path: str) -> dict[str, tuple[str, torch.Size]]:
-    """{key: (its file, its full shape)} of every tensor of the checkpoint; reads headers only."""
-    from safetensors import safe_open
-
-    stored: dict[str, tuple[str, torch.Size]] = {}
-    for file, listed in _weight_map(path).items():
-        with safe_open(file, framework="pt") as handle:  # maps the file; touches no data page
-            held = set(handle.keys())
-            absent = [key for key in listed if key not in held]
-            if absent:
-                raise ValueError(
-                    f"{os.path.join(path, _INDEX)} maps {', '.join(absent)} to {file}, which does not hold them"
-                )
-            for key in listed or sorted(held):
-                stored[key] = (file, torch.Size(handle.get_slice(key).get_shape()))
-    return stored
-
-
 def _ties(model: nn.Module) -> dict[str, list[str]]:
     """{key: every state-dict key of the same tensor (itself first)} (tied weights share one tensor)."""
     by_id: dict[int, list[str]] = {}
@@ -135,13 +91,13 @@ def load_pretrained(
 
     ::
 
-        stored = {key: (file, shape)} from the headers (index.json's weight_map, or the one file)
+        stored = {key: (file, shape)} from the headers (index.json's weight_map, or the one file),
+                 keyed as the model names them (transformers' renamings and expert merges: oases._hf_files)
         check keys (if strict) and shapes against the UNSHARDED model       # ValueError, nothing copied
         for key, tensor in model.state_dict().items(), each tensor once:
-            with safe_open(file) as f:                                      # a handle per tensor
-                sharded:     for chunk in rule.chunks(full_shape, rank, p):
-                                 chunk.of(local).copy_(f.get_slice(key)[chunk.index()])
-                replicated:  tensor.copy_(f.get_tensor(key))
+            sharded:     for chunk in rule.chunks(full_shape, rank, p):        # a file handle per read
+                             chunk.of(local).copy_(stored[key].read(chunk.index()))
+            replicated:  tensor.copy_(stored[key].read())
 
     No communication: each rank reads its own boxes, so it touches about its share of the file.
     Values are cast to the model's dtype on copy (a bf16 file into an fp32 model). A tied tensor
@@ -159,20 +115,18 @@ def load_pretrained(
         FileNotFoundError (no such path, no safetensors there, an index naming a missing file) and
         ValueError (keys, shapes), the same on every rank and before anything is copied.
     """
-    from safetensors import safe_open
-
     model = _allocated(model)  # torch.compile(model): the original's keys
     _, shards, expected = _layout(model)
     path = os.fspath(path)
-    stored = _stored(path)
+    stored = stored_tensors(path, model)
     ties = _ties(model)
-    source = {}  # model key -> the file's key it is read from: itself, or a tied key the file has
+    source = {}  # model key -> the checkpoint's key it is read from: itself, or a tied key the file has
     for key in expected:
         present = [k for k in ties[key] if k in stored]
         if present:
             source[key] = key if key in stored else present[0]
-    given = {key: stored[k][1] for key, k in source.items()}
-    given.update({k: shape for k, (_, shape) in stored.items() if k not in expected})
+    given = {key: stored[k].shape for key, k in source.items()}
+    given.update({k: t.shape for k, t in stored.items() if k not in expected})
     _check(f"safetensors checkpoint {path!r}", expected, given, shards, strict)
     missing = [key for key in expected if key not in source]
     unexpected = [key for key in stored if key not in expected]
@@ -184,15 +138,13 @@ def load_pretrained(
             if key not in source or id(tensor) in done:
                 continue
             done.add(id(tensor))
-            name = source[key]
-            with safe_open(stored[name][0], framework="pt") as handle:  # closed: its pages leave RSS
-                s = shards.get(key)
-                if s is None:
-                    tensor.copy_(handle.get_tensor(name))
-                    continue
-                file_tensor = handle.get_slice(name)
-                for chunk in s.rule.chunks(s.full_shape, s.rank, s.size):
-                    chunk.of(s.local).copy_(file_tensor[chunk.index()])
+            held = stored[source[key]]
+            s = shards.get(key)
+            if s is None:
+                tensor.copy_(held.read())
+                continue
+            for chunk in s.rule.chunks(s.full_shape, s.rank, s.size):
+                chunk.of(s.local).copy_(held.read(chunk.index()))
     return _IncompatibleKeys(missing, unexpected)
 
 

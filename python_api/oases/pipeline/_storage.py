@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _dcp
+from oases._hf_files import stored_tensors
 from oases.checkpoint import CheckpointState
 from oases.checkpoint._disk import _open, _rng_key, _run_entries, _save_target, _set_rng, _sharded
 from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _STATE
@@ -54,7 +55,6 @@ from oases.pretrained import (
     _Entry,
     _gathered,
     _split,
-    _stored,
     _ties,
     _write_files,
 )
@@ -119,14 +119,14 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
     ValueError before anything is read, on every rank alike."""
     path = os.fspath(path)
     expected = pipe.stage.shapes  # {key: unsharded shape} of the whole model
-    stored = _stored(path)
+    stored = stored_tensors(path, pipe.model)
     ties = _ties(pipe.model)
     given: dict[str, torch.Size] = {}
     for key in expected:
         present = [k for k in ties[key] if k in stored]  # a tied tensor is stored under one of its keys
         if present:
-            given[key] = stored[key if key in stored else present[0]][1]
-    given.update((key, shape) for key, (_, shape) in stored.items() if key not in expected)
+            given[key] = stored[key if key in stored else present[0]].shape
+    given.update((key, t.shape) for key, t in stored.items() if key not in expected)
     _check(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
     _apply_pending(pipe)
     _load_pretrained(_held(pipe), path, strict=False)
