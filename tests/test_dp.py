@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 import oases
 
@@ -290,3 +291,106 @@ def _zero_bf16_checkpoint(rank, world_size, root):
 
 def test_zero1_bf16_checkpoint_keeps_fp32_masters(tmp_path):
     run_ranks(_zero_bf16_checkpoint, 2, str(tmp_path), timeout=180)
+
+
+# --- steps whose gradients differ across ranks; parameters unused everywhere; strided parameters ---
+
+
+class _Two(nn.Module):
+    """a then b (b: an expert that gets tokens on some ranks only), and c that no rank uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.Linear(4, 4, bias=False) for _ in range(3))
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def _mean_grads(model, xs, uses):
+    """The dp mean of every rank's gradient (zeros where a rank had none; None where none had one)."""
+    local = []
+    for x, use in zip(xs, uses):
+        ref = _Two()
+        ref.load_state_dict(model.state_dict())
+        ref(x, use).square().sum().backward()
+        local.append({n: p.grad for n, p in ref.named_parameters()})
+    return {
+        n: None
+        if all(g[n] is None for g in local)
+        else sum(g[n] if g[n] is not None else torch.zeros(4, 4) for g in local) / len(local)
+        for n in local[0]
+    }
+
+
+def _uneven_steps(rank, world_size):
+    model = _Two()
+    sync = oases.dp.GradientSync(model, bucket_bytes=64)  # one parameter per bucket: [c, b, a]
+    for step, uses in enumerate([(True, False), (True, True), (True, False), (False, True)]):  # b per rank
+        xs = torch.randn(world_size, 3, 4, generator=torch.Generator().manual_seed(step))
+        want = _mean_grads(model, xs, uses)
+        model.zero_grad(set_to_none=True)
+        model(xs[rank], uses[rank]).square().sum().backward()  # buckets started in order on both ranks
+        for name, p in model.named_parameters():
+            if want[name] is None:
+                assert p.grad is None, name  # no rank had one: None, as in one process
+            else:
+                torch.testing.assert_close(p.grad, want[name], msg=lambda m: f"step {step} {name}: {m}")
+    sync.close()
+
+    # ZeroOptimizer: c has no gradient anywhere, so AdamW's weight decay leaves it as it is (as torch's)
+    model, ref = _Two(), _Two()
+    zero = oases.dp.ZeroOptimizer(model, optimizer_class=torch.optim.AdamW, lr=0.1, weight_decay=0.1)
+    plain = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(2):
+        xs = torch.randn(world_size, 3, 4, generator=torch.Generator().manual_seed(10 + step))
+        sum(ref(x, True).square().sum() for x in xs).div(world_size).backward()
+        plain.step()
+        plain.zero_grad()
+        model(xs[rank], True).square().sum().backward()
+        zero.step()
+        zero.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+def test_buckets_pair_up_when_steps_differ_across_ranks_and_unused_stay_none_dp2():
+    assert run_ranks(_uneven_steps, 2, timeout=60) == [True, True]
+
+
+class _Strided(nn.Module):
+    """A channels_last conv weight and a parameter stored transposed: neither is contiguous."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3).to(dtype=dtype, memory_format=torch.channels_last)
+        self.t = nn.Parameter(torch.randn(5, 4, dtype=dtype).t())  # [4, 5], strides (1, 4)
+
+    def forward(self, x):
+        return (self.conv(x).mean((2, 3)) @ self.t).float()
+
+
+def _zero_strided(rank, world_size):
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = torch.randn(world_size, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+        ref, model = _Strided(dtype), _Strided(dtype)
+        assert not model.conv.weight.is_contiguous() and not model.t.is_contiguous()
+        plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+        zero = oases.dp.ZeroOptimizer(model, optimizer_class=torch.optim.SGD, lr=0.1)
+        sum(ref(x).square().sum() for x in xs).div(world_size).backward()
+        plain.step()
+        model(xs[rank]).square().sum().backward()
+        zero.step()
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert not torch.equal(p, _Strided(dtype).get_parameter(name)), name  # it moved
+            torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{dtype} {name}: {m}")
+    return True
+
+
+def test_zero1_updates_strided_parameters_dp2():
+    assert run_ranks(_zero_strided, 2, timeout=60) == [True, True]

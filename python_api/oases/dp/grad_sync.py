@@ -4,13 +4,15 @@
     loss.backward()                                # buckets start as their gradients are final
     # at the end of the backward (or sync.finish()): for every parameter p
     #     p.grad = mean over the dp ranks of p.grad                   (zeros where a rank had None)
+    #     p.grad stays None where every rank had None                 (the optimizer skips it, as torch's)
 
 Which gradients are final. A step may accumulate a parameter's gradient several times (the
 schedules of oases.train_step run one backward per sub-batch and layer). The first step learns
 how many times each parameter's gradient is accumulated and reduces everything at its end; from
 then on a bucket (parameters in reverse registration order, about `bucket_bytes` each, one dtype)
-starts its collective as soon as the last of its parameters reached its count, while the rest of
-the backward runs. At most `max_in_flight` buckets are in flight at once (each holds a flat copy
+starts its collective as soon as the last of its parameters reached its count and every earlier
+bucket started (the ranks' collectives pair up by order, so buckets start in order everywhere),
+while the rest of the backward runs. At most `max_in_flight` buckets are in flight at once (each holds a flat copy
 of its gradients until it completes): starting one more first completes the oldest, so the copies
 cost at most max_in_flight buckets, not the whole model's gradients when the link is slower than
 the backward. The step's structure must stay the same across steps and dp ranks (the same
@@ -59,21 +61,26 @@ class AllReduceMean:
         self.group, self.size = group, ring_of(group).size
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
-        """Concatenate `grads` into one flat tensor and start its all-reduce (SUM, async) over `group`;
+        """Concatenate `grads` into one flat tensor, then one flag per parameter (whether this rank
+        had a gradient: p.grad not None), and start its all-reduce (SUM, async) over `group`;
         returns (flat, work)."""
-        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numel]
+        flags = torch.tensor([float(p.grad is not None) for p in params], dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [flags])  # [sum of numel + len(params)]
         return flat, dist.all_reduce(flat, group=self.group, async_op=True)
 
     def complete(self, params: list[nn.Parameter], pending: object) -> None:
         """Wait for the all-reduce, divide by the group's size and copy each parameter's slice of it
-        into p.grad (a new tensor where p.grad is None)."""
+        into p.grad (a new tensor where p.grad is None); p.grad stays None where no rank had one."""
         flat, work = pending
         work.wait()
+        present = (flat[-len(params) :] > 0).tolist()
         flat.div_(self.size)
         offset = 0
-        for p in params:
+        for p, had in zip(params, present):
             piece = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
+            if not had:
+                continue  # no rank had a gradient: None, as in the single process
             if p.grad is None:
                 p.grad = piece.clone()
             else:
@@ -155,6 +162,7 @@ class GradientSync:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.max_in_flight = max_in_flight
         self._in_flight: list[_Bucket] = []  # started in the backward, oldest first
+        self._next = 0  # the bucket to start next: buckets start in order, on every rank alike
         self.group = group
         self.size = ring_of(group).size
         self.params = _parameters(model)
@@ -185,15 +193,22 @@ class GradientSync:
         self._counts[id(p)] = count
         if self._expected is not None and count == self._expected.get(id(p), 0):
             bucket.ready += 1
-            if bucket.ready == len(bucket.params):
+            while self._next < len(self._buckets) and self._is_ready(self._buckets[self._next]):
+                # in bucket order on every rank, as the collectives pair up by order: a bucket ready
+                # before an earlier one (another rank's step left a gradient out) waits for it
                 if len(self._in_flight) >= self.max_in_flight:
                     self._complete(self._in_flight.pop(0))
-                self._start(bucket)
-                self._in_flight.append(bucket)
+                self._start(self._buckets[self._next])
+                self._in_flight.append(self._buckets[self._next])
+                self._next += 1
                 self.started_in_backward += 1
         if not self._deferred and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    @staticmethod
+    def _is_ready(bucket: _Bucket) -> bool:
+        return bucket.ready == len(bucket.params)
 
     def _start(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
@@ -227,6 +242,7 @@ class GradientSync:
                 self._complete(bucket)
             bucket.started, bucket.done, bucket.ready = False, False, 0
         self._in_flight.clear()
+        self._next = 0
         if self._expected is None:
             self._expected = dict(self._counts)
         self._counts = {}

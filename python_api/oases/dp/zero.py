@@ -188,7 +188,7 @@ class ShardedOptimizer:
             rows = _rows_view(g)  # [n, k]
             if s.n < self.size * s.per:
                 rows = torch.cat([rows, rows.new_zeros(self.size * s.per - s.n, s.k)])  # [size * per, k]
-            out[:, offset : offset + s.block] = rows.view(self.size, s.block)  # block j: rows [j*per, (j+1)*per)
+            out[:, offset : offset + s.block] = rows.reshape(self.size, s.block)  # block j: rows [j*per, (j+1)*per)
             offset += s.block
         return out
 
@@ -233,7 +233,7 @@ class ShardedOptimizer:
             s = self.slots[id(p)]
             rows = gathered[:, offset : offset + s.block].reshape(self.size * s.per, s.k)[: s.n]
             offset += s.block
-            _rows_view(p.detach()).copy_(rows)
+            p.detach().copy_(rows.reshape(p.shape))  # through the parameter's own strides (channels_last too)
 
     # --- clipping ---------------------------------------------------------------------------------
 
@@ -286,15 +286,24 @@ class _ReduceScatterRows:
         self.rows = rows
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
-        blocks = self.rows.pack_grads(params, grads)  # [dp, S]
+        """Reduce-scatter (async) each rank's rows of `grads`, and in every block one flag per
+        parameter: whether this rank had a gradient for it (p.grad not None)."""
+        blocks = self.rows.pack_grads(params, grads, extra=len(params))  # [dp, S]
+        used = self.rows.columns(params, extra=len(params))
+        blocks[:, used - len(params) : used] = torch.tensor(
+            [float(p.grad is not None) for p in params], dtype=blocks.dtype, device=blocks.device
+        )
         out = blocks.new_empty(blocks.shape[1])
         work = dist.reduce_scatter_tensor(out, blocks.reshape(-1), group=self.rows.group, async_op=True)
-        return out, work
+        return out, work, used
 
     def complete(self, params: list[nn.Parameter], pending: object) -> None:
-        out, work = pending
+        """Each master's gradient: the dp mean of its rows, None where no rank had a gradient (the
+        optimizer then skips it, as torch's does a parameter without one)."""
+        out, work, used = pending
         work.wait()
-        self.rows.unpack_grads(params, out, divisor=self.rows.size)
+        present = (out[used - len(params) : used] > 0).tolist()
+        self.rows.unpack_grads(params, out, divisor=self.rows.size, present=present)
 
 
 class ZeroOptimizer(ShardedOptimizer):
