@@ -394,3 +394,22 @@ def _zero_strided(rank, world_size):
 
 def test_zero1_updates_strided_parameters_dp2():
     assert run_ranks(_zero_strided, 2, timeout=60) == [True, True]
+
+
+def _dropped(rank, world_size):
+    model = nn.Linear(4, 4)
+    oases.dp.GradientSync(model)  # DDP-style, not kept: nothing would average the gradients
+    with pytest.raises(RuntimeError, match=r"garbage-collected while its hooks were registered.* keep a reference"):
+        model(torch.randn(3, 4)).sum().backward()
+    sync = oases.dp.GradientSync(nn.Linear(4, 4))
+    sync.close()
+    del sync  # closed first: its hooks are gone, nothing raises
+    model = nn.Linear(4, 4)
+    kept = oases.dp.GradientSync(model)
+    model(torch.randn(3, 4)).sum().backward()
+    kept.close()
+    return True
+
+
+def test_a_dropped_sync_raises_instead_of_training_unaveraged_dp2():
+    assert run_ranks(_dropped, 2, timeout=60) == [True, True]

@@ -128,8 +128,13 @@ def _buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
 
 def _on_grad(sync: "weakref.ref[GradientSync]", p: nn.Parameter) -> None:
     alive = sync()
-    if alive is not None:
-        alive._on_grad(p)
+    if alive is None:  # its hooks outlived it: the gradients would silently stay this rank's own
+        raise RuntimeError(
+            "oases.dp.GradientSync: the sync was garbage-collected while its hooks were registered, so no gradient "
+            "is averaged over dp; keep a reference to it for as long as it trains (sync = GradientSync(model, "
+            "group)), and call sync.close() to stop it"
+        )
+    alive._on_grad(p)
 
 
 class GradientSync:
@@ -178,6 +183,7 @@ class GradientSync:
         self.started_in_backward = 0  # buckets started by a gradient hook, over the sync's life (overlap)
         # The hooks hold the sync weakly: a parameter's hook keeping it alive would keep the model
         # alive too (a cycle through post-accumulate-grad hooks that the garbage collector never frees).
+        # A sync dropped without close() makes its hooks raise (its gradients would go unaveraged).
         hook = functools.partial(_on_grad, weakref.ref(self))
         self._handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
 
@@ -252,7 +258,7 @@ class GradientSync:
         self._expected = None
 
     def close(self) -> None:
-        """Remove the hooks (a sync dropped without close() leaves inert hooks behind)."""
+        """Remove the hooks (a sync dropped without close() leaves hooks that raise at the next backward)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
