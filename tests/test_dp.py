@@ -338,6 +338,9 @@ def _uneven_steps(rank, world_size):
                 assert p.grad is None, name  # no rank had one: None, as in one process
             else:
                 torch.testing.assert_close(p.grad, want[name], msg=lambda m: f"step {step} {name}: {m}")
+    # c (registered last: the first bucket) had no gradient anywhere: it moved to the end, so the
+    # used buckets still start during the backward (in step 1, where both ranks use b: both buckets)
+    assert sync.started_in_backward >= 2, sync.started_in_backward
     sync.close()
 
     # ZeroOptimizer: c has no gradient anywhere, so AdamW's weight decay leaves it as it is (as torch's)

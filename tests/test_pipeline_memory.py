@@ -339,3 +339,50 @@ def test_meta_build_pretrained_checkpoint_resume_export_pp2(weights, tmp_path):
 
 def test_meta_build_pretrained_checkpoint_resume_export_dp2_pp2(weights, tmp_path):
     assert run_ranks(_story, 4, 2, "1f1b", 1, *weights, str(tmp_path), timeout=300) == [True] * 4
+
+
+def _neox_config():
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=64,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+
+
+def _meta_neox():
+    from transformers import GPTNeoXForCausalLM
+
+    with torch.device("meta"):
+        return GPTNeoXForCausalLM(_neox_config())
+
+
+def _load_transformers_layout(rank, world_size, where):
+    from transformers import GPTNeoXForCausalLM
+
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(_meta_neox, mesh, micro_batches=2, optimizer=_adamw, seed=SEED, init_weights=False)
+    assert pipe.load_pretrained(where) == ([], [])
+    want = GPTNeoXForCausalLM.from_pretrained(where).state_dict()
+    state = pipe.state_dict()
+    assert state.keys() == want.keys()
+    for key, value in want.items():  # lm_head.weight too, stored as embed_out.weight
+        assert torch.equal(state[key], value), key
+    pipe.close()
+    return True
+
+
+def test_pipeline_loads_a_transformers_layout_checkpoint_pp2(tmp_path):
+    from safetensors import safe_open
+    from transformers import GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(_neox_config()).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
+        assert "embed_out.weight" in handle.keys()  # transformers' name, not the model's lm_head
+    assert run_ranks(_load_transformers_layout, 2, str(tmp_path), timeout=240) == [True, True]

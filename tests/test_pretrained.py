@@ -422,3 +422,47 @@ def test_transformers_layout_checkpoints_load_through_its_mapping_tp2(tmp_path):
         torch.manual_seed(0)
         cls(config).save_pretrained(tmp_path / name)
     assert run_ranks(_load_converted, 2, str(tmp_path), timeout=180) == [True, True]
+
+
+def test_a_save_that_dies_while_renaming_never_mixes_two_saves(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    oases.save_pretrained(_llama(11), out, max_shard_size=SMALL)  # several files and an index
+    real_replace, renamed = os.replace, []
+
+    def dies_after_one(src, dst):  # the writer is killed between two renames
+        if renamed:
+            raise KeyboardInterrupt
+        renamed.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        oases.save_pretrained(_llama(12), out, max_shard_size=SMALL)  # the same part names
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert len(renamed) == 1 and "model-00001-of-" in str(renamed[0])  # one new part among old ones
+    with pytest.raises(FileNotFoundError, match="holds neither model.safetensors nor model.safetensors.index.json"):
+        oases.load_pretrained(_llama(13), out)  # no index over the mix: loud, not old and new weights
+
+
+def test_merged_expert_boxes_read_only_what_they_cover(tmp_path):
+    from oases._hf_files import stored_tensors
+
+    cls, config = _converted_models()["mixtral"]
+    torch.manual_seed(0)
+    model = cls(config)
+    model.save_pretrained(tmp_path)  # per-expert w1 / w3 / w2 in the file
+    want = model.state_dict()
+    stored = stored_tensors(str(tmp_path), model)
+    key = "model.layers.1.mlp.experts.gate_up_proj"  # [E, 2i, h] from w1 (gate) and w3 (up)
+    assert stored[key].shape == want[key].shape and stored[key].parts
+    experts, rows, _ = want[key].shape
+    for box in (
+        (slice(0, experts), slice(0, rows), slice(0, 32)),  # all of it
+        (slice(1, 3), slice(rows // 2 - 5, rows // 2 + 7), slice(3, 17)),  # across gate | up
+        (slice(2, 3), slice(rows // 2, rows), slice(0, 32)),  # up only
+        (slice(3, 3), slice(0, rows), slice(0, 32)),  # empty
+    ):
+        assert torch.equal(stored[key].read(box), want[key][box]), box
+    down = "model.layers.0.mlp.experts.down_proj"
+    assert torch.equal(stored[down].read(), want[down])
+    assert torch.equal(stored["model.embed_tokens.weight"].read(), want["model.embed_tokens.weight"])

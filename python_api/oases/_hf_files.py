@@ -21,20 +21,39 @@ checkpoint's keys are its own model's: a file that is already in the model's lay
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Stored", "stored_tensors", "weight_map", "SINGLE", "INDEX"]
+__all__ = ["Stored", "stored_tensors", "weight_map", "SINGLE", "INDEX", "DTYPES"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+DTYPES = MappingProxyType(  # torch dtype -> safetensors dtype name
+    {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+    }
+)
+_BY_NAME = {name: dtype for dtype, name in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -57,23 +76,39 @@ class Stored:
         if not self.parts:
             with safe_open(self.file, framework="pt") as handle:  # closed: its pages leave RSS
                 return handle.get_slice(self.key)[index]
-        experts = []
-        for e in range(index[0].start, index[0].stop):
-            pieces, offset = [], 0
-            for source in self.parts:
-                file, key = source[e]
-                with safe_open(file, framework="pt") as handle:
-                    part = handle.get_slice(key)
-                    rows = part.get_shape()[0]
+        box = [len(range(n)[i]) for n, i in zip(self.shape, index)]
+        out = torch.empty(box, dtype=_BY_NAME[self._dtype()])
+        if out.numel() == 0:
+            return out
+        with contextlib.ExitStack() as stack:  # one handle per file for the whole box
+            handles: dict[str, object] = {}
+
+            def part(file: str, key: str):
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(file, framework="pt"))
+                return handles[file].get_slice(key)
+
+            for row, e in enumerate(range(index[0].start, index[0].stop)):
+                offset, at = 0, 0
+                for source in self.parts:
+                    piece = part(*source[e])
                     if not self.concatenated:
-                        pieces.append(part[index[1:]])
+                        out[row] = piece[index[1:]]
                         continue
+                    rows = piece.get_shape()[0]
                     lo, hi = max(index[1].start, offset), min(index[1].stop, offset + rows)
                     if lo < hi:
-                        pieces.append(part[(slice(lo - offset, hi - offset),) + index[2:]])
+                        out[row, at : at + hi - lo] = piece[(slice(lo - offset, hi - offset),) + index[2:]]
+                        at += hi - lo
                     offset += rows
-            experts.append(torch.cat(pieces, dim=0) if self.concatenated else pieces[0])
-        return torch.stack(experts)
+        return out
+
+    def _dtype(self) -> str:
+        from safetensors import safe_open
+
+        file, key = self.parts[0][0]
+        with safe_open(file, framework="pt") as handle:
+            return handle.get_slice(key).get_dtype()
 
 
 def weight_map(path: str) -> dict[str, list[str]]:
@@ -181,8 +216,9 @@ def stored_tensors(path: str, model: Optional[nn.Module] = None) -> dict[str, St
         whole = sorted(sources) == list(range(len(converter.source_patterns))) and all(
             sorted(experts) == list(range(count)) for experts in sources.values()
         )
-        shapes = {s[2][1:] for experts in sources.values() for s in experts.values()}
-        if not whole or len(shapes) > 1:  # an expert or a source missing, or parts that do not line up
+        trailing = {s[2][1:] for experts in sources.values() for s in experts.values()}
+        uneven = any(len({s[2] for s in experts.values()}) > 1 for experts in sources.values())
+        if not whole or len(trailing) > 1 or uneven:  # an expert or a source missing, or parts that do not line up
             for experts in sources.values():
                 stored.update((key, Stored(shape, file, key)) for file, key, shape in experts.values())
             continue

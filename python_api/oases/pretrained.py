@@ -36,7 +36,6 @@ import struct
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import BinaryIO, Callable, Optional, Union
 
 import torch
@@ -45,7 +44,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _checks
-from oases._hf_files import INDEX, SINGLE, stored_tensors
+from oases._hf_files import DTYPES, INDEX, SINGLE, Stored, stored_tensors
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
@@ -54,23 +53,7 @@ __all__ = ["load_pretrained", "save_pretrained"]
 _SINGLE, _INDEX = SINGLE, INDEX
 _PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the files of a multi-file checkpoint
 
-# torch dtype -> safetensors dtype name
-_DTYPES = MappingProxyType(
-    {
-        torch.float64: "F64",
-        torch.float32: "F32",
-        torch.float16: "F16",
-        torch.bfloat16: "BF16",
-        torch.int64: "I64",
-        torch.int32: "I32",
-        torch.int16: "I16",
-        torch.int8: "I8",
-        torch.uint8: "U8",
-        torch.bool: "BOOL",
-        torch.float8_e4m3fn: "F8_E4M3",
-        torch.float8_e5m2: "F8_E5M2",
-    }
-)
+_DTYPES = DTYPES  # torch dtype -> safetensors dtype name
 
 
 # --- reading -----------------------------------------------------------------------------------------
@@ -116,9 +99,14 @@ def load_pretrained(
         ValueError (keys, shapes), the same on every rank and before anything is copied.
     """
     model = _allocated(model)  # torch.compile(model): the original's keys
-    _, shards, expected = _layout(model)
     path = os.fspath(path)
-    stored = stored_tensors(path, model)
+    return _read_into(model, path, stored_tensors(path, model), strict)
+
+
+def _read_into(model: nn.Module, path: str, stored: dict[str, Stored], strict: bool) -> tuple[list[str], list[str]]:
+    """load_pretrained's work, from `stored` (keyed as the model names its tensors: a pipeline stage's
+    held modules are keyed by the whole model's mapping, which only the whole model knows)."""
+    _, shards, expected = _layout(model)
     ties = _ties(model)
     source = {}  # model key -> the checkpoint's key it is read from: itself, or a tied key the file has
     for key in expected:
@@ -305,15 +293,22 @@ def _prepare(path: str) -> None:
 
 def _publish(model: nn.Module, path: str, names: list[str], entries: list[_Entry]) -> None:
     """On the writer, once every file is written whole: each renamed over its name (the index last),
-    then a previous save's weight files that are not the new ones removed, then the config."""
+    then a previous save's weight files that are not the new ones removed, then the config.
+
+    What a crash leaves at each point: a loader (ours, transformers') reads model.safetensors if
+    there is one, else the index's parts. One file: the rename is atomic (old or new). Several: a
+    previous index goes first, so parts replaced one by one never load under it mixed with the old
+    ones (no index, no single file: loading fails, loudly); a previous single file stays until the
+    new index is in place, and is read before it until removed."""
+    if len(names) > 1 and os.path.exists(os.path.join(path, _INDEX)):
+        os.remove(os.path.join(path, _INDEX))
     for name in names + ([_INDEX] if len(names) > 1 else []):
         os.replace(_partial(path, name), os.path.join(path, name))
     for name in os.listdir(path):
-        if (
-            (name in (_SINGLE, _INDEX) or _PART.fullmatch(name))
-            and name not in names
-            and (name != _INDEX or len(names) == 1)
-        ):
+        stale = (name in (_SINGLE, _INDEX) or _PART.fullmatch(name)) and name not in names
+        stale = stale and (name != _INDEX or len(names) == 1)
+        failed = name.startswith(".model") and name.endswith(".partial")  # an earlier save's that died
+        if stale or failed:
             os.remove(os.path.join(path, name))  # a stale index or part would shadow the new files
     floating = next((e.local.dtype for e in entries if e.local.dtype.is_floating_point), None)
     _write_config(model, path, floating)
@@ -410,7 +405,9 @@ def save_pretrained(
     Only the writer writes; everyone returns after the files
     exist. A save that dies while streaming leaves a previous save in `path` as it was (its new
     files are hidden .partial ones); the other weight files and index of a previous save are
-    removed once the new files are in place. Config:
+    removed once the new files are in place. One that dies while renaming them leaves the old save
+    or the new one, never a mix: several files over several leave none loadable (the old index goes
+    first; a loud error, not the wrong weights). Config:
     transformers models write theirs (with `dtype` and `architectures` set, as transformers does)
     and their generation_config; a dataclass config (oases.models.GPT's GPTConfig) is written as
     config.json, asdict(config) plus {"model_type": "oases-gpt"} (from the class name), which

@@ -99,7 +99,9 @@ def _check_replicated(
     """ValueError for state stored as one value for every rank (not shaped like its parameter) that
     differs between ranks: a tensor with dimensions, of a parameter this rank holds a part of (a TP
     shard, ZeRO rows), as Adafactor's factored row_var / col_var of the shard."""
-    if len(shape) == 0 or (name not in shards and view.rows[index] is None):
+    piece, whole_rows = view.rows[index], view.params[index].shape[:1]
+    split = (name in shards and shards[name].size > 1) or (piece is not None and (piece[1] - piece[0],) != whole_rows)
+    if len(shape) == 0 or not split:  # at TP 1 and dp 1 the state is the whole parameter's
         return
     kind = type(view.inner).__name__
     raise ValueError(

@@ -8,14 +8,16 @@
 
 Which gradients are final. A step may accumulate a parameter's gradient several times (the
 schedules of oases.train_step run one backward per sub-batch and layer). The first step learns
-how many times each parameter's gradient is accumulated and reduces everything at its end; from
-then on a bucket (parameters in reverse registration order, about `bucket_bytes` each, one dtype)
-starts its collective as soon as the last of its parameters reached its count and every earlier
-bucket started (the ranks' collectives pair up by order, so buckets start in order everywhere),
-while the rest of the backward runs. At most `max_in_flight` buckets are in flight at once (each holds a flat copy
-of its gradients until it completes): starting one more first completes the oldest, so the copies
-cost at most max_in_flight buckets, not the whole model's gradients when the link is slower than
-the backward. The step's structure must stay the same across steps and dp ranks (the same
+how many times each parameter's gradient is accumulated (the most any dp rank saw: one small
+all-reduce, once) and reduces everything at its end; parameters no rank had a gradient for then
+go to the last buckets, which start at the end of the backward. From then on a bucket
+(parameters in reverse registration order, about `bucket_bytes` each, one dtype) starts its
+collective as soon as the last of its parameters reached its count and every earlier bucket
+started (the ranks' collectives pair up by order, so buckets start in order everywhere), while
+the rest of the backward runs. At most `max_in_flight` buckets are in flight at once (each holds
+a flat copy of its gradients until it completes): starting one more first completes the oldest,
+so the copies cost at most max_in_flight buckets, not the whole model's gradients when the link
+is slower than the backward. The step's structure must stay the same across steps and dp ranks (the same
 schedule and sub-batches everywhere); a gradient that arrives after its bucket started raises a
 RuntimeError (call `relearn()` after changing the step's structure).
 
@@ -174,8 +176,8 @@ class GradientSync:
         if not self.params:
             raise ValueError("model: has no parameter that requires grad; nothing to synchronise")
         self.reducer = reducer if reducer is not None else AllReduceMean(group)
-        self._buckets = _buckets(self.params, bucket_bytes)
-        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        self.bucket_bytes = bucket_bytes
+        self._bucket(self.params, [])
         self._counts: dict[int, int] = {}
         self._expected: Optional[dict[int, int]] = None  # learned by the first step
         self._deferred = False
@@ -250,8 +252,27 @@ class GradientSync:
         self._in_flight.clear()
         self._next = 0
         if self._expected is None:
-            self._expected = dict(self._counts)
+            self._learn()
         self._counts = {}
+
+    def _bucket(self, used: list[nn.Parameter], unused: list[nn.Parameter]) -> None:
+        """Buckets of `used` (reverse registration order), then of `unused` (last: started at finish,
+        they never hold back a bucket of gradients the backward makes)."""
+        self._buckets = _buckets(used, self.bucket_bytes) + _buckets(unused, self.bucket_bytes)
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+
+    def _learn(self) -> None:
+        """The step's accumulation counts, agreed over the group (the most any rank had: a count no
+        rank reaches just leaves its bucket to finish), and the buckets rebuilt with the parameters no
+        rank had a gradient for at their end: every rank builds the same buckets."""
+        counts = torch.tensor(
+            [self._counts.get(id(p), 0) for p in self.params], dtype=torch.int64, device=self.params[0].device
+        )
+        if self.size > 1:
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
+        self._expected = {id(p): int(c) for p, c in zip(self.params, counts)}
+        used = [p for p in self.params if self._expected[id(p)] > 0]
+        self._bucket(used, [p for p in self.params if self._expected[id(p)] == 0])
 
     def relearn(self) -> None:
         """Forget the learned accumulation counts: the next step reduces everything at its end."""

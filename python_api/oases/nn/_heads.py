@@ -128,7 +128,7 @@ def check_heads(name: str, module: nn.Module, p: int) -> None:
                 f"{where}: {attr}={value} is not divisible by the tensor-parallel world size {p}; "
                 f"this rank's share of it would not be whole"
             )
-    if count(module, _HEAD_COUNTS) is None and head_dim(module) is None:
+    if p > 1 and count(module, _HEAD_COUNTS) is None and head_dim(module) is None:
         raise ValueError(
             f"{where}: its head projections are sharded over {p} ranks, but oases finds no head count on "
             f"{type(module).__name__} (an int {', '.join(_HEAD_COUNTS)}, on it or on its config) to make this "

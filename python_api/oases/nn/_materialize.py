@@ -211,7 +211,10 @@ _OWN_INITS = ("_init_weights", "init_weights")  # a model's initialisation by co
 def check_replayable(model: nn.Module) -> None:
     """ValueError, before anything is changed, for a meta-built model whose own initialisation
     (a class defining one of _OWN_INITS, outside Hugging Face models) replay_init cannot replay."""
-    own = _own_inits(model)
+    first: dict[str, str] = {}  # each Class.method once, named at its first module
+    for entry in _own_inits(model):
+        first.setdefault(entry.split(" (")[0], entry)
+    own = list(first.values())
     if own:
         raise ValueError(
             f"model: built on the meta device, with an initialisation of its own that oases cannot replay "

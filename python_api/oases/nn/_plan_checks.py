@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -194,7 +194,7 @@ def check_plan(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
             plan.explicit,
             skip,
         )
-    _check_parts(model, plan.placed, plan.linears)
+    _check_parts(model, plan.placed, plan.linears, plan.degree)
 
 
 def _check_kinds(styles: dict[str, Style], linears: dict[str, nn.Linear], embeddings: dict[str, nn.Embedding]) -> None:
@@ -290,8 +290,10 @@ def _check_ties(model: nn.Module, names: list[str], vocab: frozenset[str] = froz
             a, b = name, planned[others[0]]
             embedding = a if isinstance(model.get_submodule(a), nn.Embedding) else b
             head = b if embedding == a else a
-            if isinstance(model.get_submodule(embedding), nn.Embedding) and isinstance(
-                model.get_submodule(head), nn.Linear
+            if (
+                isinstance(model.get_submodule(embedding), nn.Embedding)
+                and isinstance(model.get_submodule(head), nn.Linear)
+                and head in vocab
             ):
                 if (embedding, head) not in pairs:
                     pairs.append((embedding, head))
@@ -360,7 +362,9 @@ def _check_attention(name: str, module: nn.Module, plan: ResolvedPlan) -> dict[s
     return {child: _heads.check_norm_form(f"{name}.{child}", module.get_submodule(child)) for child in found}
 
 
-def _check_parts(model: nn.Module, placed: dict[str, Style], linears: dict[str, nn.Module]) -> None:
+def _check_parts(
+    model: nn.Module, placed: dict[str, Style], linears: dict[str, nn.Module], degree: Callable[[str], int]
+) -> None:
     """Every module a column or row layer is planned in (an attention, an MLP) is sharded whole: its
     column layers' outputs reach a row layer, so it needs one, and no projection of it is left out."""
     children: dict[str, list[str]] = {}
@@ -370,7 +374,7 @@ def _check_parts(model: nn.Module, placed: dict[str, Style], linears: dict[str, 
         kinds = {n: placed[n].kind if n in placed else None for n in names}
         where = parent or type(model).__name__
         if "column" not in kinds.values():
-            rows = [n.rpartition(".")[2] for n, k in kinds.items() if k == "row"]
+            rows = [n.rpartition(".")[2] for n, k in kinds.items() if k == "row" and degree(n) > 1]  # 1: F.linear
             if rows:
                 raise ValueError(
                     f"{where}: {', '.join(rows)} is planned as 'row' (its input a shard of the features), but no "

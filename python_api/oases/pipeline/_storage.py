@@ -54,11 +54,11 @@ from oases.pretrained import (
     _check_save,
     _Entry,
     _gathered,
+    _read_into,
     _split,
     _ties,
     _write_files,
 )
-from oases.pretrained import load_pretrained as _load_pretrained
 
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
@@ -112,7 +112,7 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
         stored = {key: shape} from the files' headers
         check the WHOLE model's keys (if strict) and unsharded shapes against it   # every rank alike
         apply pending updates (a collective over dp, only if one is pending)
-        oases.load_pretrained(_held(pipe), path, strict=False)   # this rank's boxes of its tensors
+        load_pretrained of _held(pipe), keyed as the whole model maps the file   # its boxes
         zero: each optimizer's fp32 masters of 16-bit parameters start from the loaded values
 
     Returns the whole model's (missing_keys, unexpected_keys). Raises FileNotFoundError /
@@ -129,7 +129,7 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
     given.update((key, t.shape) for key, t in stored.items() if key not in expected)
     _check(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
     _apply_pending(pipe)
-    _load_pretrained(_held(pipe), path, strict=False)
+    _read_into(_held(pipe), path, stored, strict=False)  # keyed by the whole model's mapping
     if pipe.zero:
         for optimizer in pipe.optimizers:
             optimizer.sync_masters()
