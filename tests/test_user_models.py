@@ -351,7 +351,8 @@ class _Attention(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (f(x).view(b, t, self.num_heads, -1).transpose(1, 2) for f in (self.q_proj, self.k_proj, self.v_proj))
+        heads = self.num_heads if hasattr(self, "num_heads") else self.heads  # the case below renames it
+        q, k, v = (f(x).view(b, t, heads, -1).transpose(1, 2) for f in (self.q_proj, self.k_proj, self.v_proj))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -459,3 +460,25 @@ def _check_own_modules_refused(rank, p):
 
 def test_own_modules_parallelize_cannot_keep_are_refused_tp2():
     assert run_ranks(_check_own_modules_refused, 2, timeout=120) == [True, True]
+
+
+def _degree_1(rank, p):
+    # One rank: heads under a name oases does not know, and a row layer with no column layer before
+    # it (nn.MultiheadAttention's out_proj), are exact at degree 1.
+    model = _stack()
+    for block in model:
+        block.attn.heads = block.attn.num_heads
+        del block.attn.num_heads
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    want = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+        oases.parallelize(layer, plan={**oases.nn.DEFAULT_PLAN, "linear1": "column", "linear2": "row"})
+    torch.testing.assert_close(model(x), want, **TOL)
+    return True
+
+
+def test_at_tp_degree_1_nothing_is_split_so_nothing_is_refused():
+    assert run_ranks(_degree_1, 1, timeout=60) == [True]
