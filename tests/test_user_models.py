@@ -454,6 +454,10 @@ def _check_own_modules_refused(rank, p):
         warnings.simplefilter("always")
         oases.parallelize(_stack(), plan={**oases.nn.DEFAULT_PLAN, "nowhere": "column"})
     assert any("'nowhere'" in str(w.message) and "'q_proj'" not in str(w.message) for w in caught), caught
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a plan of one's own whose entry equals a default one: still named
+        oases.parallelize(_stack(), plan={"up_proj": "column", "down_proj": "row", "fc1": "column"})
+    assert any("matching no nn.Linear: 'fc1'" in str(w.message) for w in caught), caught
     dist.barrier()  # every rank raised alike: nobody is left waiting
     return True
 

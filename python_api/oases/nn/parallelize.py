@@ -327,8 +327,9 @@ def parallelize(
     check_arguments(model, chunks, tp_degrees, layers, sequence_parallel, vocab_parallel)
     styles = _resolve_styles(model, plan, vocab_parallel and tp_degrees is None and p > 1)
     resolved = _match_modules(model, styles, plan is not None and plan is not DEFAULT_PLAN, tp_degrees, layers, p)
-    if plan is not None:  # {**DEFAULT_PLAN, ...}: the default's patterns this model lacks are no slip of the caller's
-        resolved.inherited = frozenset(k for k, v in plan.items() if isinstance(k, str) and DEFAULT_PLAN.get(k) == v)
+    inherited = frozenset(k for k, v in DEFAULT_PLAN.items() if plan is not None and plan.get(k) == v)
+    if 2 * len(inherited) >= len(DEFAULT_PLAN):  # {**DEFAULT_PLAN, ...} (some removed): not the caller's patterns
+        resolved.inherited = inherited
     check_plan(model, resolved, p)  # every check, on every rank alike, before anything is changed
 
     original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
