@@ -114,7 +114,7 @@ def test_gradient_sync_dp2_plain_backward():
     run_ranks(_dp_plain_backward, 2, timeout=120)
 
 
-def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None):
+def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None, sequence_parallel=False):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -128,7 +128,9 @@ def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None):
     norms = []
     for step in range(STEPS):
         ids = _batch(step).chunk(2)[dp_rank]
-        oases.train_step(model, ids, ids, schedule=schedule, grad_sync=opt.sync)
+        # sequence parallel: the norms' gradients are summed over TP after the backwards, so their
+        # buckets wait for finish (from the second step on they would start with partial sums)
+        oases.train_step(model, ids, ids, schedule=schedule, grad_sync=opt.sync, sequence_parallel=sequence_parallel)
         if clip is not None:
             norms.append(opt.clip_grad_norm_(clip))
         opt.step()
@@ -152,10 +154,16 @@ def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None):
 
 
 @pytest.mark.parametrize(
-    "schedule,kind,clip", [("megatron", "sgd", None), ("oases", "adamw", None), ("oases", "sgd", 0.5)]
+    "schedule,kind,clip,sp",
+    [
+        ("megatron", "sgd", None, False),
+        ("oases", "adamw", None, False),
+        ("oases", "sgd", 0.5, False),
+        ("oases", "sgd", None, True),
+    ],
 )
-def test_zero1_dp2_tp2_train_step(schedule, kind, clip):
-    run_ranks(_zero_dp2_tp2, 4, schedule, kind, clip, timeout=180)
+def test_zero1_dp2_tp2_train_step(schedule, kind, clip, sp):
+    run_ranks(_zero_dp2_tp2, 4, schedule, kind, clip, sp, timeout=180)
 
 
 def _bad_grad_sync(rank, world_size):

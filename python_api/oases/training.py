@@ -33,6 +33,7 @@ from oases.schedule import Communicator, Recompute, RecomputeMemory, Stack, chec
 from oases.schedule import train_step as _run_schedule
 from oases.schedule.placed import check_placements
 from oases.schedule.protocol import LayerPlacements
+from oases.schedule.sequence_parallel import sequence_parallel_parameters
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -240,6 +241,8 @@ def train_step(
     offloader = _offloader(model, offload)
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
+    if grad_sync is not None and sequence_parallel:  # their TP sum comes after the backwards
+        grad_sync.hold(sequence_parallel_parameters(stack))
     with grad_sync.deferred() if grad_sync is not None else contextlib.nullcontext():
         loss = _run_schedule(
             stack,

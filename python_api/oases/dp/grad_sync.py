@@ -177,6 +177,7 @@ class GradientSync:
             raise ValueError("model: has no parameter that requires grad; nothing to synchronise")
         self.reducer = reducer if reducer is not None else AllReduceMean(group)
         self.bucket_bytes = bucket_bytes
+        self._held: set[int] = set()  # parameters reduced only at finish (hold)
         self._bucket(self.params, [])
         self._counts: dict[int, int] = {}
         self._expected: Optional[dict[int, int]] = None  # learned by the first step
@@ -199,7 +200,7 @@ class GradientSync:
             )
         count = self._counts.get(id(p), 0) + 1
         self._counts[id(p)] = count
-        if self._expected is not None and count == self._expected.get(id(p), 0):
+        if self._expected is not None and count == self._expected.get(id(p), 0) and id(p) not in self._held:
             bucket.ready += 1
             while self._next < len(self._buckets) and self._is_ready(self._buckets[self._next]):
                 # in bucket order on every rank, as the collectives pair up by order: a bucket ready
@@ -271,8 +272,21 @@ class GradientSync:
         if self.size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.group)
         self._expected = {id(p): int(c) for p, c in zip(self.params, counts)}
-        used = [p for p in self.params if self._expected[id(p)] > 0]
-        self._bucket(used, [p for p in self.params if self._expected[id(p)] == 0])
+        self._rebucket()
+
+    def _rebucket(self) -> None:
+        late = {id(p) for p in self.params if self._expected is not None and self._expected[id(p)] == 0}
+        late |= self._held
+        self._bucket([p for p in self.params if id(p) not in late], [p for p in self.params if id(p) in late])
+
+    def hold(self, params: Iterable[torch.Tensor]) -> None:
+        """Reduce `params` only at finish(), never during the backward: their gradients change after
+        it (oases.train_step sums sequence-parallel norms' gradients over the TP group then). Call it
+        alike on every rank, between steps; it lasts for the sync's life."""
+        held = self._held | {id(p) for p in params if id(p) in self._bucket_of}
+        if held != self._held:
+            self._held = held
+            self._rebucket()
 
     def relearn(self) -> None:
         """Forget the learned accumulation counts: the next step reduces everything at its end."""

@@ -222,7 +222,9 @@ def _embed_sharded(stack: Stack, input_ids, where: SubBatch, comm: Communicator,
     return embedded, ctx, with_tokens(ctx, where.tokens(mine, t)), mine
 
 
-def _sequence_parallel_parameters(stack: Stack) -> list[torch.Tensor]:
+def sequence_parallel_parameters(stack: Stack) -> list[torch.Tensor]:
+    """The parameters of the stack's sublayers that see a sequence slice per TP rank (norms, row
+    biases): train_step sums their gradients over the TP group after the step's backwards."""
     found: dict[int, torch.Tensor] = {}
     for layer in stack.layers():
         for sub in layer:

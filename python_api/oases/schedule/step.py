@@ -17,8 +17,8 @@ from oases.schedule.runtime import Communicator, interleave
 from oases.schedule.sequence_parallel import (
     _program_sp,
     _program_sp_fine,
-    _sequence_parallel_parameters,
     _sum_over_group,
+    sequence_parallel_parameters,
 )
 from oases.schedule.table import (
     RECOMPUTE_SELECTIVE,
@@ -124,7 +124,7 @@ def train_step(
         )
     program, extra = _program, ()
     if sequence_parallel:
-        params = _sequence_parallel_parameters(stack)
+        params = sequence_parallel_parameters(stack)
         before = [None if p.grad is None else p.grad.clone() for p in params]
         rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
         threaded = sched.fine_grained_recompute and comm.has_thread
