@@ -267,6 +267,8 @@ def _check_pipeline(rank, world_size):
         ids,
         targets.int() if rank == 1 else targets,
     )
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"train_step: called with gradients disabled"):
+        pipe.train_step(ids, targets)  # an evaluation loop's no_grad: every rank raises, nothing posted
     want = GPT(config, alone, seed=3)(ids, targets).detach()
     pipe.close()
     losses = {}

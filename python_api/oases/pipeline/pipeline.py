@@ -296,13 +296,18 @@ class Pipeline:
         Raises:
             ValueError: a bad batch (shapes, dtypes, values, B not divisible by dp, fewer rows per DP
                 rank than micro-batches), or, with check_inputs=True, batches that differ over the mesh.
-            RuntimeError: an earlier step failed mid-way (build a new Pipeline).
+            RuntimeError: an earlier step failed mid-way (build a new Pipeline), or gradients are disabled.
         """
         if self._failed is not None:
             raise RuntimeError(
                 "train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
                 "on the pipeline's links, which match in order; build a new Pipeline"
             ) from self._failed
+        if not torch.is_grad_enabled():  # local: every rank alike, before any message is posted
+            raise RuntimeError(
+                "train_step: called with gradients disabled (under torch.no_grad() or inference_mode()); it runs "
+                "backwards: call it outside no_grad (an evaluation needs a forward of the model itself)"
+            )
         tokens, targets = self._agree_inputs(check_inputs, tokens, targets)
         check_batch(
             tokens,
