@@ -865,3 +865,51 @@ def _dp_hierarchy(rank, world_size, cases):
 
 def test_dp_sync_runs_in_two_levels_over_hosts_and_matches_single_process():
     assert run_ranks(_dp_hierarchy, 4, DP_HIER_4, timeout=40) == [True] * 4
+
+
+def _lr_scheduled(rank, world_size):
+    import warnings
+
+    factor = [1.0, 0.5, 0.1, 0.0]  # a schedule that changes the lr every step
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(3)]
+    alone, _ = dist.new_subgroups(group_size=1)
+    model = GPT(GPTConfig(**CONFIG, layers=4), alone, seed=7)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(plain, lambda n: factor[min(n, 3)])
+    want = []
+    for tokens, targets in batches:
+        loss = model(tokens, targets)
+        loss.backward()
+        plain.step()
+        plain.zero_grad()
+        scheduler.step()
+        want.append(loss.item())
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(
+        GPTConfig(**CONFIG, layers=4),
+        mesh,
+        schedule="1f1b",
+        micro_batches=2,
+        seed=7,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "lr_scheduler.step() before optimizer.step()" (deferred)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: factor[min(n, 3)]) for o in pipe.optimizers]
+        got = []
+        for tokens, targets in batches:  # the loop a user writes: step, then the schedulers
+            got.append(pipe.train_step(tokens, targets).item())
+            for s in schedulers:
+                s.step()
+    state = pipe.state_dict()  # applies the last pending update, with its step's lr
+    pipe.close()
+    assert got == pytest.approx(want, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    return True
+
+
+def test_a_learning_rate_schedule_applies_each_step_with_its_own_lr_pp2():
+    # the pipeline applies a step's update at the next train_step, after the user's scheduler.step()
+    assert run_ranks(_lr_scheduled, 2, timeout=120) == [True, True]

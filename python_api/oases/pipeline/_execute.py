@@ -14,6 +14,7 @@ from oases._leaves import grad_leaf
 from oases._rows import split_rows
 from oases.pipeline._layout import StageLayout
 from oases.pipeline._offloaded import StageInput
+from oases.pipeline._updates import hyper_parameters
 from oases.pipeline.schedules import Action
 from oases.schedule import SubBatch
 
@@ -129,8 +130,12 @@ def run_actions(pipe: Pipeline, step: Step) -> None:
         if j == last_loss and pipe.dp > 1:
             step.loss_sum = dist.all_reduce(step.loss, group=pipe.dp_group, async_op=True)
         if j in pipe._last_backward:  # DPComm: this segment's gradients are final
-            pipe.sync.launch(pipe._last_backward[j])
-            pipe._update_pending.add(pipe._last_backward[j])
+            segment = pipe._last_backward[j]
+            pipe.sync.launch(segment)
+            pipe._update_pending.add(segment)
+            # the step is applied before the segment's next forward, in the next train_step: after a
+            # scheduler's step() in between; it runs with the hyper-parameters of now, as one process's would
+            pipe._update_hyper[segment] = hyper_parameters(pipe.optimizers[segment])
     pipe.comm.wait_sends()
 
 

@@ -20,7 +20,15 @@ from oases.pipeline.zero_sync import ZeroSegmentSync
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
 
-__all__ = ["make_optimizers", "sync_parameters", "make_sync", "apply_update", "sum_tied", "sync_segment"]
+__all__ = [
+    "make_optimizers",
+    "sync_parameters",
+    "make_sync",
+    "apply_update",
+    "sum_tied",
+    "sync_segment",
+    "hyper_parameters",
+]
 
 
 def make_optimizers(
@@ -91,6 +99,16 @@ def apply_update(pipe: Pipeline, segment: int) -> None:
         pipe.sync.wait_gather(segment)
 
 
+def hyper_parameters(optimizer: object) -> list[dict]:
+    """Each param group's hyper-parameters (lr, betas, weight_decay, ...: every entry but the params)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _set_hyper_parameters(optimizer: object, values: list[dict]) -> None:
+    for group, saved in zip(optimizer.param_groups, values):
+        group.update(saved)
+
+
 def _wait_sync(pipe: Pipeline, segment: int) -> None:
     pipe.sync.wait(segment)
     if segment == pipe._tied_home:
@@ -111,10 +129,14 @@ def _step(pipe: Pipeline, segment: int) -> None:
         scaler.unscale_together_([pipe.optimizers[k] for k in pending])
         pipe._unscaled = True
     _wait_sync(pipe, segment)
+    optimizer = pipe.optimizers[segment]
+    now = hyper_parameters(optimizer)
+    _set_hyper_parameters(optimizer, pipe._update_hyper.pop(segment, now))  # those of the step it belongs to
     if scaler is None:
-        pipe.optimizers[segment].step()
+        optimizer.step()
     else:
-        scaler.step(pipe.optimizers[segment])
+        scaler.step(optimizer)
+    _set_hyper_parameters(optimizer, now)  # a scheduler's values for the next step, kept
     pipe.optimizers[segment].zero_grad(set_to_none=True)
     pipe._update_pending.discard(segment)
     if scaler is not None and not pipe._update_pending:

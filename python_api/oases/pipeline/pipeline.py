@@ -267,6 +267,7 @@ class Pipeline:
             hosts=self._dp_hosts if self.dp_hierarchical else None,
         )
         self._update_pending: set[int] = set()  # segments whose optimizer step is not applied yet
+        self._update_hyper: dict[int, list[dict]] = {}  # their optimizers' hyper-parameters when they became pending
 
     # --- one step -------------------------------------------------------------------------------
 
