@@ -386,3 +386,22 @@ def test_pipeline_loads_a_transformers_layout_checkpoint_pp2(tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         assert "embed_out.weight" in handle.keys()  # transformers' name, not the model's lm_head
     assert run_ranks(_load_transformers_layout, 2, str(tmp_path), timeout=240) == [True, True]
+
+
+def _frozen_lower():
+    model = _NanoGPT()
+    for module in (model.transformer.wte, model.transformer.wpe, model.transformer.h[0], model.transformer.h[1]):
+        module.requires_grad_(False)  # fine-tuning the upper half: stage 0 has nothing to train
+    return model
+
+
+def _frozen_stage(rank, world_size):
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    with pytest.raises(ValueError, match=r"a segment of a pipeline stage has no parameter that requires grad"):
+        Pipeline(_frozen_lower, mesh, schedule="1f1b", micro_batches=2, optimizer=_adamw, seed=SEED)
+    dist.barrier()  # both stages raised: neither is left waiting
+    return True
+
+
+def test_a_stage_with_nothing_to_train_is_refused_on_every_rank_pp2():
+    assert run_ranks(_frozen_stage, 2, timeout=60) == [True, True]

@@ -238,6 +238,17 @@ class Pipeline:
         self.layout = StageLayout(self._layers, self.pp, segments, stage)
         self.stage = Stage(self.model, self._stack, self.layout, self.tp_group, roles=self._roles)
         segment_params = [self.stage.segment_parameters(k) for k in range(segments)]
+        # A segment with nothing to train (frozen layers) gets no optimizer from torch: agreed over the
+        # stages first, so that every rank raises alike rather than one, leaving the others waiting.
+        empty = torch.tensor([sum(1 for params in segment_params if not params)], device=self.comm.device)
+        if self.pp > 1:
+            dist.all_reduce(empty, op=dist.ReduceOp.MAX, group=self.pp_group)
+        if int(empty):
+            raise ValueError(
+                f"model: a segment of a pipeline stage has no parameter that requires grad (frozen layers: "
+                f"pp = {self.pp}, segments = {segments}); every (stage, segment) needs one for its optimizer. Freeze "
+                f"fewer layers, or use fewer stages or segments, so that each holds a trainable parameter"
+            )
         self.optimizers = make_optimizers(segment_params, self._make_optimizer, zero=self.zero, dp_group=self.dp_group)
         # A copy of a tied embedding / head (pp > 1, first or last stage): trained by segment
         # _tied_home, its gradient summed with the other copy's and then over dp as sync segment ns.
