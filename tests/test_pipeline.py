@@ -867,6 +867,22 @@ def test_dp_sync_runs_in_two_levels_over_hosts_and_matches_single_process():
     assert run_ranks(_dp_hierarchy, 4, DP_HIER_4, timeout=40) == [True] * 4
 
 
+class _Counting(torch.optim.Optimizer):
+    """SGD whose step size grows with a counter it keeps in its param group (as schedule-free AdamW
+    and Prodigy keep theirs): the pipeline must leave what the step writes there."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr, k=0))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-float(group["lr"]) * (group["k"] + 1))
+            group["k"] += 1
+
+
 def _lr_scheduled(rank, world_size):
     import warnings
 
@@ -874,39 +890,42 @@ def _lr_scheduled(rank, world_size):
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(3)]
     alone, _ = dist.new_subgroups(group_size=1)
-    model = GPT(GPTConfig(**CONFIG, layers=4), alone, seed=7)
-    plain = torch.optim.SGD(model.parameters(), lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(plain, lambda n: factor[min(n, 3)])
-    want = []
-    for tokens, targets in batches:
-        loss = model(tokens, targets)
-        loss.backward()
-        plain.step()
-        plain.zero_grad()
-        scheduler.step()
-        want.append(loss.item())
     mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
-    pipe = Pipeline(
-        GPTConfig(**CONFIG, layers=4),
-        mesh,
-        schedule="1f1b",
-        micro_batches=2,
-        seed=7,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch: "lr_scheduler.step() before optimizer.step()" (deferred)
-        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: factor[min(n, 3)]) for o in pipe.optimizers]
-        got = []
-        for tokens, targets in batches:  # the loop a user writes: step, then the schedulers
-            got.append(pipe.train_step(tokens, targets).item())
-            for s in schedulers:
-                s.step()
-    state = pipe.state_dict()  # applies the last pending update, with its step's lr
-    pipe.close()
-    assert got == pytest.approx(want, rel=1e-5)
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    makes = {
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+        "sgd, lr a tensor": lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)),  # the scheduler fills it in place
+        "a counter in its group": lambda p: _Counting(p, lr=0.05),
+    }
+    for name, make in makes.items():
+        model = GPT(GPTConfig(**CONFIG, layers=4), alone, seed=7)
+        plain = make(model.parameters())
+        want = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: "lr_scheduler.step() before optimizer.step()" (deferred)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(plain, lambda n: factor[min(n, 3)])
+            for tokens, targets in batches:
+                loss = model(tokens, targets)
+                loss.backward()
+                plain.step()
+                plain.zero_grad()
+                scheduler.step()
+                want.append(loss.item())
+            pipe = Pipeline(
+                GPTConfig(**CONFIG, layers=4), mesh, schedule="1f1b", micro_batches=2, seed=7, optimizer=make
+            )
+            schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: factor[min(n, 3)]) for o in pipe.optimizers]
+            got = []
+            for tokens, targets in batches:  # the loop a user writes: step, then the schedulers
+                got.append(pipe.train_step(tokens, targets).item())
+                for s in schedulers:
+                    s.step()
+        state = pipe.state_dict()  # applies the last pending update, with its step's lr
+        counters = [o.param_groups[0].get("k") for o in pipe.optimizers]
+        pipe.close()
+        assert got == pytest.approx(want, rel=1e-5), name
+        assert counters == [plain.param_groups[0].get("k")] * len(counters), (name, counters)
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, {key}: {m}")
     return True
 
 

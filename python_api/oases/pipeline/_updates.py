@@ -100,13 +100,52 @@ def apply_update(pipe: Pipeline, segment: int) -> None:
 
 
 def hyper_parameters(optimizer: object) -> list[dict]:
-    """Each param group's hyper-parameters (lr, betas, weight_decay, ...: every entry but the params)."""
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    """Each param group's hyper-parameters (lr, betas, weight_decay, ...: every entry but the
+    params), tensors copied (a scheduler fills a tensor lr in place)."""
+    return [
+        {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
 
 
-def _set_hyper_parameters(optimizer: object, values: list[dict]) -> None:
-    for group, saved in zip(optimizer.param_groups, values):
-        group.update(saved)
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):
+        return a is b
+
+
+def _put(group: dict, key: str, value: object) -> None:
+    if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+        group[key].copy_(value)  # in place: whoever holds the tensor (a scheduler) sees it
+    else:
+        group[key] = value
+
+
+def _swap_in(optimizer: object, then: list[dict]) -> list[dict]:
+    """Set the entries that changed since `then` (a scheduler's step in between) back to `then`'s;
+    returns their values of now, per group."""
+    now: list[dict] = []
+    for group, saved in zip(optimizer.param_groups, then):
+        changed = {}
+        for key, value in saved.items():
+            current = group.get(key)
+            if not _same(current, value):
+                changed[key] = current.detach().clone() if isinstance(current, torch.Tensor) else current
+                _put(group, key, value)
+        now.append(changed)
+    return now
+
+
+def _swap_back(optimizer: object, then: list[dict], now: list[dict]) -> None:
+    """Restore now's values of the swapped entries, but for those the optimizer's step itself wrote
+    (per-group state some optimizers keep in param_groups: their value is the step's)."""
+    for group, saved, changed in zip(optimizer.param_groups, then, now):
+        for key, value in changed.items():
+            if _same(group.get(key), saved[key]):
+                _put(group, key, value)
 
 
 def _wait_sync(pipe: Pipeline, segment: int) -> None:
@@ -130,13 +169,14 @@ def _step(pipe: Pipeline, segment: int) -> None:
         pipe._unscaled = True
     _wait_sync(pipe, segment)
     optimizer = pipe.optimizers[segment]
-    now = hyper_parameters(optimizer)
-    _set_hyper_parameters(optimizer, pipe._update_hyper.pop(segment, now))  # those of the step it belongs to
+    then = pipe._update_hyper.pop(segment, None)
+    now = _swap_in(optimizer, then) if then is not None else []  # the hyper-parameters of the step it belongs to
     if scaler is None:
         optimizer.step()
     else:
         scaler.step(optimizer)
-    _set_hyper_parameters(optimizer, now)  # a scheduler's values for the next step, kept
+    if then is not None:
+        _swap_back(optimizer, then, now)  # a scheduler's values for the next step, kept
     pipe.optimizers[segment].zero_grad(set_to_none=True)
     pipe._update_pending.discard(segment)
     if scaler is not None and not pipe._update_pending:

@@ -244,11 +244,15 @@ class Pipeline:
         if self.pp > 1:
             dist.all_reduce(empty, op=dist.ReduceOp.MAX, group=self.pp_group)
         if int(empty):
-            raise ValueError(
+            error = ValueError(
                 f"model: a segment of a pipeline stage has no parameter that requires grad (frozen layers: "
                 f"pp = {self.pp}, segments = {segments}); every (stage, segment) needs one for its optimizer. Freeze "
-                f"fewer layers, or use fewer stages or segments, so that each holds a trainable parameter"
+                f"fewer layers, or use fewer stages or segments (not segments='auto'), so that each holds a "
+                f"trainable parameter"
             )
+            if hasattr(self, "optimizers"):  # segments='auto' reconfiguring in train_step: half changed, unusable
+                self._failed = error
+            raise error
         self.optimizers = make_optimizers(segment_params, self._make_optimizer, zero=self.zero, dp_group=self.dp_group)
         # A copy of a tied embedding / head (pp > 1, first or last stage): trained by segment
         # _tied_home, its gradient summed with the other copy's and then over dp as sync segment ns.
