@@ -478,9 +478,11 @@ def _degree_1(rank, p):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(model)
-        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True, dropout=0.0)
+        plain = copy.deepcopy(layer)
         oases.parallelize(layer, plan={**oases.nn.DEFAULT_PLAN, "linear1": "column", "linear2": "row"})
     torch.testing.assert_close(model(x), want, **TOL)
+    torch.testing.assert_close(layer(x), plain(x), **TOL)
     return True
 
 
