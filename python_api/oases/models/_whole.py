@@ -18,7 +18,7 @@ identity), so each runs the layer's backward as the model's own loss.backward() 
 parameters' gradients exact), and only rank 0's gradient of x enters the schedule's all-reduce
 of the input gradient (the others' are the same value: summing them would count it p times).
 The layer's own all-reduces make this slower than a split layer: nothing overlaps them.
-Sequence parallelism is not supported (no sequence_parallel_parameters: the schedule refuses).
+Sequence parallelism is not supported (sequence_parallel_parameters raises, naming the layer).
 """
 
 from __future__ import annotations
@@ -58,6 +58,14 @@ class WholeLayer:
 
     def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
         return z
+
+    def sequence_parallel_parameters(self) -> list[torch.Tensor]:
+        """Refused: a layer run whole needs the whole sequence (ValueError naming it and the fix)."""
+        raise ValueError(
+            f"sequence_parallel=True: decoder layer {self.index} ({type(self.layer).__name__}) runs whole (its "
+            f"forward is not norm -> branch -> residual, e.g. norms after its branches), so its input cannot be "
+            f"split along the sequence; train this model with sequence_parallel=False"
+        )
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.layer.parameters())
