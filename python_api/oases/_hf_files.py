@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-__all__ = ["Stored", "stored_tensors", "weight_map", "SINGLE", "INDEX", "DTYPES"]
+__all__ = ["Stored", "stored_tensors", "SINGLE", "INDEX", "DTYPES"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -111,7 +111,7 @@ class Stored:
             return handle.get_slice(key).get_dtype()
 
 
-def weight_map(path: str) -> dict[str, list[str]]:
+def _weight_map(path: str) -> dict[str, list[str]]:
     """{file: [keys the index says it holds] or [] (every key it holds)} of the checkpoint at `path`."""
     if os.path.isfile(path):
         return {path: []}
@@ -142,7 +142,7 @@ def _headers(path: str) -> dict[str, tuple[str, torch.Size]]:
     from safetensors import safe_open
 
     found: dict[str, tuple[str, torch.Size]] = {}
-    for file, listed in weight_map(path).items():
+    for file, listed in _weight_map(path).items():
         with safe_open(file, framework="pt") as handle:  # maps the file; touches no data page
             held = set(handle.keys())
             absent = [key for key in listed if key not in held]
@@ -195,9 +195,9 @@ def stored_tensors(path: str, model: Optional[nn.Module] = None) -> dict[str, St
         name = key
         for renaming in renamings:
             name, _ = renaming.rename_source_key(name)
+        expert = _EXPERT.search(name)
         for converter in converters:
             target, pattern = converter.rename_source_key(name)
-            expert = _EXPERT.search(name)
             if pattern is None:
                 continue
             if _merge_kind(converter) is not None and expert is not None:

@@ -50,10 +50,7 @@ from oases.comm._topology import ring_of
 
 __all__ = ["load_pretrained", "save_pretrained"]
 
-_SINGLE, _INDEX = SINGLE, INDEX
 _PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the files of a multi-file checkpoint
-
-_DTYPES = DTYPES  # torch dtype -> safetensors dtype name
 
 
 # --- reading -----------------------------------------------------------------------------------------
@@ -162,7 +159,7 @@ def _entries(model: nn.Module) -> list[_Entry]:
             continue
         seen.add(id(tensor))
         entries.append(_Entry(key, tensor.detach(), shards.get(key), torch.Size(expected[key])))
-    unknown = [f"{e.key} ({e.local.dtype})" for e in entries if e.local.dtype not in _DTYPES]
+    unknown = [f"{e.key} ({e.local.dtype})" for e in entries if e.local.dtype not in DTYPES]
     if unknown:
         raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
     return entries
@@ -187,7 +184,7 @@ def _header(entries: list[_Entry]) -> bytes:
     offset = 0
     for e in entries:
         header[e.key] = {
-            "dtype": _DTYPES[e.local.dtype],
+            "dtype": DTYPES[e.local.dtype],
             "shape": list(e.shape),
             "data_offsets": [offset, offset + e.nbytes],
         }
@@ -300,13 +297,13 @@ def _publish(model: nn.Module, path: str, names: list[str], entries: list[_Entry
     previous index goes first, so parts replaced one by one never load under it mixed with the old
     ones (no index, no single file: loading fails, loudly); a previous single file stays until the
     new index is in place, and is read before it until removed."""
-    if len(names) > 1 and os.path.exists(os.path.join(path, _INDEX)):
-        os.remove(os.path.join(path, _INDEX))
-    for name in names + ([_INDEX] if len(names) > 1 else []):
+    if len(names) > 1 and os.path.exists(os.path.join(path, INDEX)):
+        os.remove(os.path.join(path, INDEX))
+    for name in names + ([INDEX] if len(names) > 1 else []):
         os.replace(_partial(path, name), os.path.join(path, name))
     for name in os.listdir(path):
-        stale = (name in (_SINGLE, _INDEX) or _PART.fullmatch(name)) and name not in names
-        stale = stale and (name != _INDEX or len(names) == 1)
+        stale = (name in (SINGLE, INDEX) or _PART.fullmatch(name)) and name not in names
+        stale = stale and (name != INDEX or len(names) == 1)
         failed = name.startswith(".model") and name.endswith(".partial")  # an earlier save's that died
         if stale or failed:
             os.remove(os.path.join(path, name))  # a stale index or part would shadow the new files
@@ -340,7 +337,7 @@ def _write_files(
     part in its gathering elsewhere): streamed into .partial files, then published (_publish). A
     failure to prepare or publish is raised on every rank; without a process group, one process."""
     names = (
-        [_SINGLE]
+        [SINGLE]
         if len(files) == 1
         else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
@@ -367,7 +364,7 @@ def _write_files(
             "metadata": {"total_size": sum(e.nbytes for e in entries)},
             "weight_map": {e.key: name for name, held in zip(names, files) for e in held},
         }
-        with open(_partial(path, _INDEX), "w") as f:
+        with open(_partial(path, INDEX), "w") as f:
             json.dump(index, f, indent=2)
     if writing:
         try:

@@ -178,9 +178,9 @@ class GradientSync:
         self.reducer = reducer if reducer is not None else AllReduceMean(group)
         self.bucket_bytes = bucket_bytes
         self._held: set[int] = set()  # parameters reduced only at finish (hold)
-        self._bucket(self.params, [])
         self._counts: dict[int, int] = {}
         self._expected: Optional[dict[int, int]] = None  # learned by the first step
+        self._rebucket()
         self._deferred = False
         self._queued = False
         self.started_in_backward = 0  # buckets started by a gradient hook, over the sync's life (overlap)
@@ -256,12 +256,6 @@ class GradientSync:
             self._learn()
         self._counts = {}
 
-    def _bucket(self, used: list[nn.Parameter], unused: list[nn.Parameter]) -> None:
-        """Buckets of `used` (reverse registration order), then of `unused` (last: started at finish,
-        they never hold back a bucket of gradients the backward makes)."""
-        self._buckets = _buckets(used, self.bucket_bytes) + _buckets(unused, self.bucket_bytes)
-        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
-
     def _learn(self) -> None:
         """The step's accumulation counts, agreed over the group (the most any rank had: a count no
         rank reaches just leaves its bucket to finish), and the buckets rebuilt with the parameters no
@@ -275,15 +269,22 @@ class GradientSync:
         self._rebucket()
 
     def _rebucket(self) -> None:
+        """Buckets (reverse registration order) of the parameters the backward makes final, then of
+        the late ones, held or that no rank had a gradient for: started at finish, they never hold
+        back an earlier bucket."""
         late = {id(p) for p in self.params if self._expected is not None and self._expected[id(p)] == 0}
         late |= self._held
-        self._bucket([p for p in self.params if id(p) not in late], [p for p in self.params if id(p) in late])
+        on_time = [p for p in self.params if id(p) not in late]
+        self._buckets = _buckets(on_time, self.bucket_bytes) + _buckets(
+            [p for p in self.params if id(p) in late], self.bucket_bytes
+        )
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
 
     def hold(self, params: Iterable[torch.Tensor]) -> None:
         """Reduce `params` only at finish(), never during the backward: their gradients change after
         it (oases.train_step sums sequence-parallel norms' gradients over the TP group then). Call it
         alike on every rank, between steps; it lasts for the sync's life."""
-        held = self._held | {id(p) for p in params if id(p) in self._bucket_of}
+        held = self._held | {id(p) for p in params if id(p) in self._bucket_of}  # this sync's parameters
         if held != self._held:
             self._held = held
             self._rebucket()

@@ -94,8 +94,10 @@ class ShardedOptimizer:
     Row blocks, the layout the collectives use (S: every parameter's ceil(n/size) * k elements, then
     `extra` columns, padded to a multiple of `align`)::
 
-        pack_grads(params, grads)  -> [size, S]: block j = rows_j of every gradient   (reduce-scatter in)
-        unpack_grads(params, own)  : master.grad = own's rows [/ divisor]             (reduce-scatter out)
+        pack_grads(params, grads)  -> [size, S]: block j = rows_j of every gradient,  (reduce-scatter in)
+                                      then one flag per parameter: this rank had its gradient
+        unpack_grads(params, own)  : master.grad = own's rows [/ divisor],            (reduce-scatter out)
+                                      None where no rank had a gradient (every flag 0)
         pack_rows(params)          -> [S]: this rank's masters in the params' dtype   (all-gather in)
         unpack_rows(params, all)   : p = rows of every rank's block of all [size, S]  (all-gather out)
 
@@ -174,14 +176,14 @@ class ShardedOptimizer:
         params: Sequence[nn.Parameter],
         grads: Sequence[torch.Tensor],
         *,
-        extra: int = 0,
         align: int = 1,
         dtype: Optional[torch.dtype] = None,
     ) -> torch.Tensor:
         """[size, S]: block j holds rows_j of each gradient (zero-padded to ceil(n/size) rows), then
-        `extra` zero columns for the caller, then zeros up to S (a multiple of `align`)."""
+        one flag per parameter (1 where this rank had its gradient: p.grad not None; `grads` holds
+        zeros there), then zeros up to S = columns(params, len(params), align)."""
         dtype = dtype or grads[0].dtype
-        out = torch.zeros(self.size, self.columns(params, extra, align), dtype=dtype, device=grads[0].device)
+        out = torch.zeros(self.size, self.columns(params, len(params), align), dtype=dtype, device=grads[0].device)
         offset = 0
         for p, g in zip(params, grads):
             s = self.slots[id(p)]
@@ -190,6 +192,8 @@ class ShardedOptimizer:
                 rows = torch.cat([rows, rows.new_zeros(self.size * s.per - s.n, s.k)])  # [size * per, k]
             out[:, offset : offset + s.block] = rows.reshape(self.size, s.block)  # block j: rows [j*per, (j+1)*per)
             offset += s.block
+        had = [float(p.grad is not None) for p in params]
+        out[:, offset : offset + len(params)] = torch.tensor(had, dtype=dtype, device=out.device)
         return out
 
     def unpack_grads(
@@ -198,16 +202,17 @@ class ShardedOptimizer:
         own: torch.Tensor,
         *,
         divisor: int = 1,
-        present: Optional[Sequence[bool]] = None,
     ) -> None:
         """master.grad = this rank's rows of each parameter in `own` [S] (pack_grads' block of this
-        rank, reduced) / divisor; None where `present` says no rank had a gradient."""
+        rank, reduced) / divisor; None where its flag says no rank had a gradient."""
+        flags = sum(self.slots[id(p)].block for p in params)
+        present = (own[flags : flags + len(params)] > 0).tolist()
         offset = 0
         for i, p in enumerate(params):
             s = self.slots[id(p)]
             mine = own[offset : offset + s.block].view(s.per, s.k)[: s.stop - s.start]
             offset += s.block
-            if present is not None and not present[i]:
+            if not present[i]:
                 s.master.grad = None
                 continue
             grad = mine.to(s.master.dtype, copy=True).view(s.master.shape)
@@ -286,24 +291,18 @@ class _ReduceScatterRows:
         self.rows = rows
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
-        """Reduce-scatter (async) each rank's rows of `grads`, and in every block one flag per
-        parameter: whether this rank had a gradient for it (p.grad not None)."""
-        blocks = self.rows.pack_grads(params, grads, extra=len(params))  # [dp, S]
-        used = self.rows.columns(params, extra=len(params))
-        blocks[:, used - len(params) : used] = torch.tensor(
-            [float(p.grad is not None) for p in params], dtype=blocks.dtype, device=blocks.device
-        )
+        """Reduce-scatter (async) each rank's rows of `grads` (and the flags of pack_grads)."""
+        blocks = self.rows.pack_grads(params, grads)  # [dp, S]
         out = blocks.new_empty(blocks.shape[1])
         work = dist.reduce_scatter_tensor(out, blocks.reshape(-1), group=self.rows.group, async_op=True)
-        return out, work, used
+        return out, work
 
     def complete(self, params: list[nn.Parameter], pending: object) -> None:
         """Each master's gradient: the dp mean of its rows, None where no rank had a gradient (the
         optimizer then skips it, as torch's does a parameter without one)."""
-        out, work, used = pending
+        out, work = pending
         work.wait()
-        present = (out[used - len(params) : used] > 0).tolist()
-        self.rows.unpack_grads(params, out, divisor=self.rows.size, present=present)
+        self.rows.unpack_grads(params, out, divisor=self.rows.size)
 
 
 class ZeroOptimizer(ShardedOptimizer):

@@ -33,7 +33,7 @@ plain loop of its constructor, with no such method, cannot be seen and is not re
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -211,10 +211,7 @@ _OWN_INITS = ("_init_weights", "init_weights")  # a model's initialisation by co
 def check_replayable(model: nn.Module) -> None:
     """ValueError, before anything is changed, for a meta-built model whose own initialisation
     (a class defining one of _OWN_INITS, outside Hugging Face models) replay_init cannot replay."""
-    first: dict[str, str] = {}  # each Class.method once, named at its first module
-    for entry in _own_inits(model):
-        first.setdefault(entry.split(" (")[0], entry)
-    own = list(first.values())
+    own = [f"{method} ({where or 'the model'})" for method, where in _own_inits(model).items()]
     if own:
         raise ValueError(
             f"model: built on the meta device, with an initialisation of its own that oases cannot replay "
@@ -225,20 +222,19 @@ def check_replayable(model: nn.Module) -> None:
         )
 
 
-def _own_inits(module: nn.Module, prefix: str = "") -> list[str]:
-    """'Class.method (module name)' for each module of the tree outside Hugging Face models whose
-    class (not torch's) defines one of _OWN_INITS."""
+def _own_inits(module: nn.Module, prefix: str = "", found: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """{'Class.method': the first module name} for the modules of the tree outside Hugging Face
+    models whose class (not torch's) defines one of _OWN_INITS."""
+    found = {} if found is None else found
     if _is_pretrained(module):
-        return []  # its _init_weights is replayed (_build_pretrained)
-    found = [
-        f"{cls.__name__}.{name} ({prefix or 'the model'})"
-        for cls in type(module).__mro__
-        if not cls.__module__.startswith("torch.")
-        for name in _OWN_INITS
-        if name in vars(cls)
-    ][:1]
+        return found  # its _init_weights is replayed (_build_pretrained)
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch."):
+            for name in _OWN_INITS:
+                if name in vars(cls):
+                    found.setdefault(f"{cls.__name__}.{name}", prefix)
     for child_name, child in module.named_children():
-        found += _own_inits(child, f"{prefix}.{child_name}" if prefix else child_name)
+        _own_inits(child, f"{prefix}.{child_name}" if prefix else child_name, found)
     return found
 
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _dcp
-from oases._hf_files import stored_tensors
+from oases._hf_files import DTYPES, stored_tensors
 from oases.checkpoint import CheckpointState
 from oases.checkpoint._disk import _open, _rng_key, _run_entries, _save_target, _set_rng, _sharded
 from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _STATE
@@ -50,7 +50,6 @@ from oases.comm._topology import ring_of
 from oases.nn._materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid
 from oases.pretrained import (
-    _DTYPES,
     _check_save,
     _Entry,
     _gathered,
@@ -166,7 +165,7 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
     oases.save_pretrained does (path a file, max_shard_size, dtype, config)."""
     model = pipe.model
     path = _check_save(path, max_shard_size, model)
-    unknown = [f"{k} ({v.dtype})" for k, v in model.state_dict().items() if v.dtype not in _DTYPES]
+    unknown = [f"{k} ({v.dtype})" for k, v in model.state_dict().items() if v.dtype not in DTYPES]
     if unknown:
         raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
     _apply_pending(pipe)

@@ -177,7 +177,7 @@ def _step(pipe: Pipeline, segment: int) -> None:
         scaler.step(optimizer)
     if then is not None:
         _swap_back(optimizer, then, now)  # a scheduler's values for the next step, kept
-    pipe.optimizers[segment].zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     pipe._update_pending.discard(segment)
     if scaler is not None and not pipe._update_pending:
         scaler.update()

@@ -10,7 +10,7 @@
 
 A gradient bucket (parameters p_1..p_m; `rows` the ShardedOptimizer holding them), on the DP thread:
 
-    blocks = rows.pack_grads(bucket, grads), m presence flags after each block   # [dp, S]: block j = rows_j
+    blocks = rows.pack_grads(bucket, grads), m presence flags after each block  # [dp, S]: block j = rows_j
     own    = reduce_scatter(blocks)                                              # [S]: this rank's, summed
     master.grad = own's rows of p_i (None where no dp rank had a gradient)       # a plain sum: the loss
                                                                                  # is already / (B * t)
@@ -101,17 +101,13 @@ class ZeroSegmentSync(SegmentSync):
                 dtype = torch.promote_types(dtype, g.dtype)
             used = rows.columns(params, extra=len(params))
             chunks = chunks_for(self.dp * used, torch.empty((), dtype=dtype).element_size(), self.dp, self.chunk_bytes)
-            blocks = rows.pack_grads(params, grads, extra=len(params), align=chunks, dtype=dtype)  # [dp, S]
-            flags = used - len(params)
-            blocks[:, flags:used] = torch.tensor(
-                [float(p.grad is not None) for p in params], dtype=dtype, device=blocks.device
-            )
+            blocks = rows.pack_grads(params, grads, align=chunks, dtype=dtype)  # [dp, S], presence flags included
             own = (
                 blocks[0]
                 if self.dp == 1
                 else self.scheduler.reduce_scatter(blocks.reshape(-1), self.group, chunks=chunks)
             )  # [S]
-            rows.unpack_grads(params, own, present=(own[flags:used] > 0).tolist())
+            rows.unpack_grads(params, own)
             made += [rows.master_of(p)[0].grad for p in params if rows.master_of(p)[0].grad is not None]
         return made
 
