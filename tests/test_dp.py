@@ -6,9 +6,12 @@ ZeroOptimizer (ZeRO-1): after three AdamW steps every parameter equals the singl
 second step on (the overlap), and each rank holds half of AdamW's state. ZeroOptimizer.clip_grad_norm_
 at DP 2 x TP 2 returns and applies torch.nn.utils.clip_grad_norm_'s norm of the single-process model.
 Checkpoints: fp32 ZeRO resumes bit-exactly and loads at DP 4 and into a plain AdamW; bf16 ZeRO keeps
-its fp32 masters (bit-exact resume at DP 2, the masters restored at DP 1).
+its fp32 masters (bit-exact resume at DP 2, the masters restored at DP 1). ZeroOptimizer is a
+torch.optim.Optimizer: torch's LambdaLR and a step hook drive it as the single process's AdamW, and
+its own state_dict resumes a bf16 run bit-exactly on the same rank.
 """
 
+import io
 import warnings
 
 import pytest
@@ -424,3 +427,96 @@ def _dropped(rank, world_size):
 
 def test_a_dropped_sync_raises_instead_of_training_unaveraged_dp2():
     assert run_ranks(_dropped, 2, timeout=60) == [True, True]
+
+
+# --- ZeroOptimizer as a torch.optim.Optimizer: LR schedulers, step hooks, its own state_dict ---
+
+
+def _zero_as_torch_optimizer(rank, world_size):
+    factor = [1.0, 0.5, 0.1]  # the lr changes every step
+    ref = _llama()
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    plain_schedule = torch.optim.lr_scheduler.LambdaLR(plain, lambda n: factor[min(n, 2)])
+    model = _llama()
+    opt = oases.dp.ZeroOptimizer(model, None, torch.optim.AdamW, bucket_bytes=64 * 1024, lr=1e-3)
+    assert isinstance(opt, torch.optim.Optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: factor[min(n, 2)])
+    stepped = []
+    opt.register_step_post_hook(lambda o, args, kwargs: stepped.append(o.param_groups[0]["lr"]))
+    for step in range(STEPS):
+        ids = _batch(step)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        plain.step()
+        plain.zero_grad()
+        plain_schedule.step()
+        mine = ids.chunk(world_size)[rank]
+
+        def closure():
+            loss = model(input_ids=mine, labels=mine).loss
+            loss.backward()
+            return loss
+
+        if step < STEPS - 1:
+            closure()
+            opt.step()
+        else:  # torch's closure form: step(closure) runs it (with gradients) and returns its value
+            assert torch.is_tensor(opt.step(closure))
+        opt.zero_grad()
+        schedule.step()
+    assert stepped == pytest.approx([1e-3 * f for f in factor]), stepped  # the inner stepped with each lr
+    assert opt.inner.param_groups[0]["lr"] == pytest.approx(plain.param_groups[0]["lr"])
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(TypeError, match="add_param_group: its parameters are fixed"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    return True
+
+
+def test_zero1_is_a_torch_optimizer_lr_schedulers_and_step_hooks_dp2():
+    assert run_ranks(_zero_as_torch_optimizer, 2, timeout=120) == [True, True]
+
+
+def _zero_state_dict(rank, world_size):
+    """bf16 parameters: state_dict() after 2 steps, loaded into a fresh optimizer over the same
+    parameters, gives the uninterrupted third step bit for bit (state and fp32 masters); another
+    rank's or a plain optimizer's state_dict is refused."""
+
+    def build():
+        model = _llama(seed=5).to(torch.bfloat16)
+        return model, oases.dp.ZeroOptimizer(model, None, torch.optim.AdamW, bucket_bytes=64 * 1024, lr=1e-3)
+
+    def train(model, opt, steps):
+        for step in steps:
+            ids = _batch(step).chunk(world_size)[rank]
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(2))
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)  # as a user saves it (state_dict holds references, as torch's)
+    saved = torch.load(io.BytesIO(buffer.getvalue()))
+    assert saved["oases_masters"] and saved["state"], "no fp32 masters or AdamW state saved"
+    train(model, opt, [2])
+    want = model.state_dict()
+
+    model, fresh = build()
+    model.load_state_dict(params)
+    fresh.sync_masters()  # rounded to bf16: the saved masters must replace them
+    fresh.load_state_dict(saved)
+    train(model, fresh, [2])
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, want[key]), key
+    others = [None] * world_size
+    dist.all_gather_object(others, saved)
+    with pytest.raises(ValueError, match="one dp rank's rows"):
+        fresh.load_state_dict(others[1 - rank])
+    with pytest.raises(ValueError, match="not a ZeroOptimizer.state_dict"):
+        fresh.load_state_dict(fresh.inner.state_dict())
+    return True
+
+
+def test_zero1_state_dict_resumes_bit_exactly_on_its_own_rank_dp2():
+    assert run_ranks(_zero_state_dict, 2, timeout=120) == [True, True]

@@ -9,6 +9,7 @@ small buckets so some are deferred, small pieces so the rings are chunked):
     a checkpoint at step 2 loads into PP2 x DP2 without zero, and (2 ranks) into PP2 x DP1 with and
     without zero: the third step gives the single-process parameters again
     bad arguments (zero not a bool, zero with dp_hierarchy) raise on every rank
+    a LambdaLR on each ZeRO optimizer (aiao, deferred updates): the single process's LambdaLR run
 """
 
 import warnings
@@ -44,17 +45,24 @@ def _batches():
     ]
 
 
-def _golden():
-    """(losses, state_dict) of the single-process GPT after STEPS AdamW steps on the whole batch."""
+FACTOR = [1.0, 0.5, 0.1]  # an lr schedule that changes the lr every step
+
+
+def _golden(scheduled=False):
+    """(losses, state_dict) of the single-process GPT after STEPS AdamW steps on the whole batch;
+    `scheduled`: a LambdaLR by FACTOR stepped after each."""
     alone, _ = dist.new_subgroups(group_size=1)
     model = GPT(GPTConfig(**CONFIG), alone, seed=SEED)
     opt = _adamw(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: FACTOR[min(n, 2)]) if scheduled else None
     losses = []
     for tokens, targets in _batches():
         loss = model(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if scheduled:
+            scheduler.step()
         losses.append(loss.detach())
     return losses, model.state_dict()
 
@@ -183,6 +191,28 @@ def _resume_dp1(rank, world_size, root):
         _pipeline(1, "1f1b", 1, True, dp_hierarchy=True)
     dist.barrier()
     return True
+
+
+def _lr_scheduled(rank, world_size):
+    """A LambdaLR on each of the pipeline's ZeRO optimizers, stepped after each train_step (the
+    loop a user writes): each deferred update uses its own step's lr, as the single process."""
+    want_losses, want = _golden(scheduled=True)
+    pipe = _pipeline(2, "aiao", 2, True, dp_overlap_ratio=0.5, dp_bucket_numel=400, dp_chunk_bytes=256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "lr_scheduler.step() before optimizer.step()" (deferred)
+        schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda n: FACTOR[min(n, 2)]) for o in pipe.optimizers]
+        for step, (tokens, targets) in enumerate(_batches()):
+            loss = pipe.train_step(tokens, targets)
+            torch.testing.assert_close(loss, want_losses[step], **TOL, msg=lambda m: f"loss {step}: {m}")
+            for s in schedulers:
+                s.step()
+    _assert_state(pipe.state_dict(), want, "PP2 x DP2 zero aiao, LambdaLR")
+    pipe.close()
+    return True
+
+
+def test_zero_pipeline_takes_torch_lr_schedulers_pp2_dp2():
+    assert run_ranks(_lr_scheduled, 4, timeout=120) == [True] * 4
 
 
 def test_zero_pipeline_pp2_dp2_matches_single_process_and_its_checkpoint_loads_at_dp1(tmp_path):

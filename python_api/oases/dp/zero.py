@@ -52,6 +52,17 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1, 1) if t.dim() == 0 else t.reshape(t.shape[0], -1)  # [n, k]
 
 
+_MASTERS, _LAYOUT = "oases_masters", "oases_layout"  # ShardedOptimizer.state_dict's own entries
+
+
+def _call(closure: Optional[Callable[[], Any]]) -> Any:
+    """closure() with gradients enabled (as torch optimizers call it), None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class _Slot:
     """One parameter: its row blocks, and this rank's fp32 (or own dtype) master of its rows."""
 
@@ -81,9 +92,15 @@ class _Slot:
         return self.master.dtype != self.param.dtype
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """`make_inner(masters)` on this rank's rows of each of `params`, over `group`'s ranks; no
     communication (ZeroOptimizer and oases.pipeline's ZeRO sync move the row blocks).
+
+    A torch.optim.Optimizer whose `param_groups` and `state` are the inner optimizer's: LR schedulers
+    (`LambdaLR(opt, ...)`) set the inner's hyper-parameters, step hooks run around step().
+    `state_dict()` is this rank's part (the inner's, the fp32 masters of 16-bit rows, and the row
+    layout); `load_state_dict` takes it back on the same layout only (another dp size: save and load
+    with oases.save_checkpoint / load_checkpoint).
 
     ::
 
@@ -120,16 +137,37 @@ class ShardedOptimizer:
         self.inner = make_inner([s.master for s in self.slots.values()])
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected it to build a torch.optim.Optimizer, got {type(self.inner).__name__}")
+        groups, state = self.inner.param_groups, self.inner.state
+        super().__init__([s.master for s in self.slots.values()], self.inner.defaults)  # hooks; it sets groups
+        self.inner.param_groups, self.inner.state = groups, state  # and state, which are the inner's
+        self._built = True
 
     @property
     def param_groups(self) -> list[dict]:
         """The inner optimizer's param_groups (over the masters)."""
         return self.inner.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.inner.param_groups = value
+
     @property
     def state(self) -> Any:
         """The inner optimizer's state (the masters')."""
         return self.inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.inner.state = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported: the rows and masters are fixed at construction (build another optimizer)."""
+        if getattr(self, "_built", False):
+            raise TypeError(
+                f"{type(self).__name__}.add_param_group: its parameters are fixed when it is built; "
+                f"give every parameter to the constructor (or build a second optimizer for the others)"
+            )
+        super().add_param_group(param_group)
 
     def master_of(self, param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
         """(this rank's master of `param`'s rows [start, stop) (shape `[stop - start, *param.shape[1:]]`),
@@ -137,9 +175,42 @@ class ShardedOptimizer:
         s = self.slots[id(param)]
         return s.master, s.start, s.stop
 
-    def step(self) -> None:
-        """inner.step() on the masters (their .grad set beforehand)."""
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """inner.step() on the masters (their .grad set beforehand); returns closure() if given."""
+        loss = _call(closure)
         self.inner.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's part: the inner optimizer's state_dict, the fp32 masters of 16-bit rows (by
+        flat index), and the layout (dp rank, dp size, each parameter's shape and rows)."""
+        masters = {i: s.master.detach().clone() for i, s in enumerate(self.slots.values()) if s.owns_storage()}
+        return {**self.inner.state_dict(), _MASTERS: masters, _LAYOUT: self._layout()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what state_dict() gave on the same layout (the masters copied back in place).
+
+        Raises ValueError when it was saved by another dp rank, dp size or set of parameters."""
+        if not isinstance(state_dict, dict) or _LAYOUT not in state_dict:
+            raise ValueError(
+                f"state_dict: not a {type(self).__name__}.state_dict() (no {_LAYOUT!r} entry); a plain "
+                f"optimizer's state goes into .inner (rows of this rank), a checkpoint through oases.load_checkpoint"
+            )
+        if state_dict[_LAYOUT] != self._layout():
+            raise ValueError(
+                f"state_dict: saved with layout {state_dict[_LAYOUT]}, this optimizer's is {self._layout()}; "
+                f"a state_dict is one dp rank's rows: load it on the same rank, dp size and parameters "
+                f"(across dp sizes: oases.save_checkpoint / load_checkpoint)"
+            )
+        self.inner.load_state_dict({k: v for k, v in state_dict.items() if k not in (_MASTERS, _LAYOUT)})
+        slots = list(self.slots.values())
+        with torch.no_grad():
+            for i, master in state_dict[_MASTERS].items():
+                slots[i].master.copy_(master)
+
+    def _layout(self) -> dict[str, Any]:
+        shapes = [[list(s.param.shape), s.start, s.stop] for s in self.slots.values()]
+        return {"dp_rank": self.rank, "dp_size": self.size, "params": shapes}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the parameters' and the masters' gradients."""
@@ -362,8 +433,10 @@ class ZeroOptimizer(ShardedOptimizer):
         return self.clip_master_grads_(float(max_norm), norm_type, self._tp_groups, self._copied)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Finish the gradient reduce-scatter, step the masters, all-gather the rows into the parameters."""
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """closure() if given; finish the gradient reduce-scatter, step the masters, all-gather the
+        rows into the parameters; returns the closure's value."""
+        loss = _call(closure)
         self.sync.finish()
         self.inner.step()
         bucket, size = [], 0
@@ -375,6 +448,7 @@ class ZeroOptimizer(ShardedOptimizer):
                 bucket, size = [], 0
         if bucket:
             self._gather(bucket)
+        return loss
 
     def _gather(self, params: list[nn.Parameter]) -> None:
         """Every rank's rows of the parameters, back into them (one all-gather per dtype)."""
