@@ -75,7 +75,8 @@ def test_grad_scaler_skips_the_same_steps_on_every_rank():
 
 def _pipeline_scaled(rank, world):
     """Pipeline(loss_scaler=oases.amp.GradScaler): PP2 of a tiny GPT. Without overflow it trains
-    as the unscaled pipeline (power-of-two scales: bit for bit); an inf in one gradient of the last
+    as the unscaled pipeline (power-of-two scales: bit for bit), with max_grad_norm too (the
+    gradients unscaled before the norm is taken); an inf in one gradient of the last
     stage makes both stages skip that step and halve the scale."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -87,15 +88,19 @@ def _pipeline_scaled(rank, world):
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(3)]
 
-    def make(scaler=None):
-        return Pipeline(config, mesh, schedule="aiao", segments=2, micro_batches=2, seed=5, loss_scaler=scaler)
+    def make(scaler=None, clip=None):
+        return Pipeline(
+            config, mesh, schedule="aiao", segments=2, micro_batches=2, seed=5, loss_scaler=scaler, max_grad_norm=clip
+        )
 
-    plain, scaled = make(), make(oases.amp.GradScaler("cpu", init_scale=2.0**12))
-    for tokens, targets in batches:
-        assert torch.equal(plain.train_step(tokens, targets), scaled.train_step(tokens, targets))
-    want, got = plain.state_dict(), scaled.state_dict()
-    assert all(torch.equal(want[k], got[k]) for k in want)
-    plain.close(), scaled.close()
+    for clip in (None, 0.05):  # clipped: by the unscaled gradient's norm
+        plain, scaled = make(clip=clip), make(oases.amp.GradScaler("cpu", init_scale=2.0**12), clip)
+        for tokens, targets in batches:
+            assert torch.equal(plain.train_step(tokens, targets), scaled.train_step(tokens, targets))
+        want, got = plain.state_dict(), scaled.state_dict()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+        assert clip is None or plain.grad_norm > clip and torch.equal(plain.grad_norm, scaled.grad_norm), clip
+        plain.close(), scaled.close()
 
     scaler = oases.amp.GradScaler("cpu", init_scale=2.0**12)
     pipe = make(scaler)

@@ -4,6 +4,7 @@ backend, and those of a train_step's batch; and the default optimizer (`_sgd`)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -55,6 +56,7 @@ def check_arguments(
     loss_scaler: Optional[GradScaler],
     dp_hierarchy: bool | str,
     offload: bool | Offloader,
+    max_grad_norm: Optional[float] = None,
 ) -> Checked:
     """Every argument check of Pipeline(...) that needs no model, in the constructor's order (local
     only: every rank raises the same error)."""
@@ -72,6 +74,9 @@ def check_arguments(
     dp_links = HostLinks.from_env() if dp_hierarchy == "auto" and dp_packing is not None else None
     if not isinstance(offload, (bool, Offloader)):
         raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")
+    number = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
+    if max_grad_norm is not None and not (number and 0 < max_grad_norm < math.inf):
+        raise ValueError(f"max_grad_norm: expected a finite number > 0 (or None: no clipping), got {max_grad_norm!r}")
     return Checked(sizes, dp_packing, dp_links)
 
 

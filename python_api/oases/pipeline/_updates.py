@@ -1,6 +1,7 @@
 """A Pipeline's per-segment optimizers and DP syncs, and when each segment's update is applied: before
 the segment's next forward, after its DP sync (and a tied copy's) is over; with a loss scaler, one
-unscale and one inf/NaN verdict for every pending segment (see the oases.pipeline.pipeline module doc)."""
+unscale and one inf/NaN verdict for every pending segment; with max_grad_norm, one clip of every
+pending segment by the whole model's gradient norm (see the oases.pipeline.pipeline module doc)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._sharding import copied_rows, sharded_parameters, squares_once
 from oases.comm.hierarchical import HostGroups
 from oases.dp.zero import ShardedOptimizer
 from oases.pipeline.comm_scheduler import CommScheduler
@@ -28,6 +30,7 @@ __all__ = [
     "sum_tied",
     "sync_segment",
     "hyper_parameters",
+    "clip_gradients",
 ]
 
 
@@ -156,17 +159,21 @@ def _wait_sync(pipe: Pipeline, segment: int) -> None:
 
 def _step(pipe: Pipeline, segment: int) -> None:
     """Wait for the segment's DP sync (and a tied copy's), step, clear its grads (ZeRO: start
-    the all-gather of its parameters). With a loss scaler, the first pending step of a train
-    step waits for every pending segment's sync and unscales them all (one verdict for all of
-    them over the scaler's group); each segment then steps or skips by it, and the scale is
+    the all-gather of its parameters). With a loss scaler or max_grad_norm, the first pending
+    step of a train step waits for every pending segment's sync, then unscales them all (one
+    verdict for all of them over the scaler's group) and clips them all (one norm of the whole
+    model's gradient); each segment then steps or skips by the verdict, and the scale is
     updated after the last."""
     scaler = pipe.loss_scaler
-    if scaler is not None and not pipe._unscaled:
+    if (scaler is not None or pipe.max_grad_norm is not None) and not pipe._prepared:
         pending = sorted(pipe._update_pending)
         for k in pending:
             _wait_sync(pipe, k)
-        scaler.unscale_together_([pipe.optimizers[k] for k in pending])
-        pipe._unscaled = True
+        if scaler is not None:
+            scaler.unscale_together_([pipe.optimizers[k] for k in pending])
+        if pipe.max_grad_norm is not None:
+            pipe.grad_norm = clip_gradients(pipe, pipe.max_grad_norm)
+        pipe._prepared = True
     _wait_sync(pipe, segment)
     optimizer = pipe.optimizers[segment]
     then = pipe._update_hyper.pop(segment, None)
@@ -179,11 +186,55 @@ def _step(pipe: Pipeline, segment: int) -> None:
         _swap_back(optimizer, then, now)  # a scheduler's values for the next step, kept
     optimizer.zero_grad(set_to_none=True)
     pipe._update_pending.discard(segment)
-    if scaler is not None and not pipe._update_pending:
-        scaler.update()
-        pipe._unscaled = False
+    if not pipe._update_pending:
+        if scaler is not None:
+            scaler.update()
+        pipe._prepared = False
     if pipe.zero:
         pipe.sync.gather(segment)
+
+
+def _gradients(optimizer: torch.optim.Optimizer) -> list[tuple[nn.Parameter, Optional[torch.Tensor], int]]:
+    """(model parameter, the gradient the optimizer steps, its first row of the parameter) for each
+    parameter: ZeRO, this dp rank's master rows; else the parameter's own .grad."""
+    if isinstance(optimizer, ShardedOptimizer):
+        return [(p, optimizer.slots[id(p)].master.grad, optimizer.slots[id(p)].start) for p in optimizer.params]
+    return [(p, p.grad, 0) for group in optimizer.param_groups for p in group["params"]]
+
+
+@torch.no_grad()
+def clip_gradients(pipe: Pipeline, max_norm: float) -> torch.Tensor:
+    """Scale every gradient the stage's optimizers step by min(1, max_norm / (total + 1e-6)), total
+    the 2-norm of the whole model's gradient (torch.nn.utils.clip_grad_norm_ on the single-process
+    model); returns total (fp32, the same on every rank). Call it after every segment's DP sync.
+
+    ::
+
+        squares = [sum |g|^2 over the stage's TP shards, over its replicated tensors]
+                  # ZeRO: this dp rank's rows, summed over dp; rows several TP ranks hold alike
+                  # counted once; a tied copy counted on the first stage only
+        total = sqrt(sum over pp of (sum over tp of squares[0]) + squares[1])
+    """
+    sharded, copied = sharded_parameters(pipe.model), copied_rows(pipe.model)
+    other_copy = {id(p) for p in pipe._tied} if pipe.layout.stage != 0 else set()  # the first stage counts it
+    grads = [(p, g, row) for optimizer in pipe.optimizers for p, g, row in _gradients(optimizer) if g is not None]
+    squares = torch.zeros(2, dtype=torch.float32, device=pipe.comm.device)
+    for p, g, row in grads:
+        if id(p) not in other_copy and g.numel():
+            squares[0 if id(p) in sharded else 1] += squares_once(g, copied.get(id(p), ()), row).to(squares.device)
+    if pipe.zero and pipe.dp > 1:
+        dist.all_reduce(squares, group=pipe.dp_group)  # every dp rank's rows
+    shards = squares[0].clone()
+    if dist.get_world_size(pipe.tp_group) > 1:
+        dist.all_reduce(shards, group=pipe.tp_group)
+    total = shards + squares[1]
+    if pipe.pp > 1:
+        dist.all_reduce(total, group=pipe.pp_group)
+    total = total.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for _, g, _ in grads:
+        g.mul_(scale.to(g.device, g.dtype))
+    return total
 
 
 def sum_tied(pipe: Pipeline) -> None:

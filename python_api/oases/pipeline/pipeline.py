@@ -17,6 +17,8 @@ One step, on the rank at (d, s, t) of the mesh:
     sync.launch_deferred()                                      # last step's deferred DP buckets
     for action in schedules.actions(schedule, stage=s, ...):    # F(k, i) / B(k, i)
         first F of segment k: sync.wait(k); optimizer[k].step(); zero grads   # last step's update
+                 (max_grad_norm c: before the first, every sync waited for and every gradient
+                  scaled by min(1, c / (norm of the whole model's gradient + 1e-6)))
         post the receive the next action needs                  # PPComm: one action ahead
         F(k, i): x = recv act (or embed(tokens)); y = layers of (k, s) on x
                  last virtual stage: loss_i = loss_sum(head(y), targets_i) / (B * t) else send y
@@ -139,6 +141,7 @@ class Pipeline:
         init_weights: bool = True,
         zero: bool = False,
         loss_scaler: Optional[GradScaler] = None,
+        max_grad_norm: Optional[float] = None,
     ) -> None:
         """Build this rank's part of the pipeline (each argument's contract: the pipeline guide).
 
@@ -162,6 +165,9 @@ class Pipeline:
                 (False: leave them for `load_pretrained` / `load_checkpoint`).
             zero: ZeRO-1 over dp (default False).
             loss_scaler: an oases.amp.GradScaler, for fp16 (default None: no loss scaling).
+            max_grad_norm: clip each update's gradient by the whole model's 2-norm, as
+                `torch.nn.utils.clip_grad_norm_` on the single-process model (default None: no clipping);
+                the norm is kept in `grad_norm` when the update is applied.
 
         Raises:
             ValueError: a bad argument (naming it), on every rank before any communication.
@@ -182,9 +188,12 @@ class Pipeline:
             loss_scaler=loss_scaler,
             dp_hierarchy=dp_hierarchy,
             offload=offload,
+            max_grad_norm=max_grad_norm,
         )
         self.loss_scaler = loss_scaler
-        self._unscaled = False  # this step's pending gradients unscaled (and the verdict taken)
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: Optional[torch.Tensor] = None  # the last applied update's gradient norm (max_grad_norm)
+        self._prepared = False  # this step's pending gradients unscaled and clipped
         self.zero = zero
         self._dp_links = checked.dp_links
         self.config, self.schedule, self.micro_batches = config, schedule, micro_batches
