@@ -21,7 +21,7 @@ from oases.schedule import SubBatch
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
 
-__all__ = ["Step", "split", "run_actions", "run", "post_recv", "post_lazy", "action_marks"]
+__all__ = ["Step", "split", "run_actions", "run_forwards", "run", "post_recv", "post_lazy", "action_marks"]
 
 
 @dataclass
@@ -139,6 +139,33 @@ def run_actions(pipe: Pipeline, step: Step) -> None:
     pipe.comm.wait_sends()
 
 
+def run_forwards(pipe: Pipeline, step: Step) -> None:
+    """An evaluation (under no_grad, after StageComm.expect(..., forward_only=True)): F(k, i) for
+    every segment k and micro-batch i, in that order, each receive posted one ahead (stage 0's
+    lazy receives at each segment's first forward); nothing kept, no DP sync; the loss's sum over
+    dp started on the last stage after its last forward; then every send waited for."""
+    forwards = [(k, i) for k in range(pipe.segments) for i in range(pipe.micro_batches)]
+    key = _forward_key(pipe.layout, *forwards[0])
+    if key is not None:
+        pipe.comm.post_recv(key, step.shapes[key[2]], step.dtype)
+    for j, (k, i) in enumerate(forwards):
+        if i == 0:
+            post_lazy(pipe, k, step)
+        if j + 1 < len(forwards):
+            key = _forward_key(pipe.layout, *forwards[j + 1])
+            if key is not None:
+                pipe.comm.post_recv(key, step.shapes[key[2]], step.dtype)
+        with torch.profiler.record_function("oases::pipeline::F"):
+            _forward(pipe, k, i, step, keep=False)
+    if pipe.layout.is_last(pipe.segments - 1) and pipe.dp > 1:
+        step.loss_sum = dist.all_reduce(step.loss, group=pipe.dp_group, async_op=True)
+    pipe.comm.wait_sends()
+
+
+def _forward_key(layout: StageLayout, k: int, i: int) -> Optional[tuple[str, int, int]]:
+    return _recv_key(layout, Action("F", k, i))
+
+
 def run(pipe: Pipeline, action: Action, step: Step) -> None:
     """F(k, i): receive (or embed), run the segment, send (or add the loss), keep (input, output).
     B(k, i): receive the output's gradient (or start from the loss), back-propagate, send the
@@ -149,8 +176,9 @@ def run(pipe: Pipeline, action: Action, step: Step) -> None:
         _backward(pipe, action.segment, action.micro_batch, step)
 
 
-def _forward(pipe: Pipeline, k: int, i: int, step: Step) -> None:
-    v, off = pipe.layout.virtual(k), pipe.offloader
+def _forward(pipe: Pipeline, k: int, i: int, step: Step, *, keep: bool = True) -> None:
+    """F(k, i); keep False (an evaluation): no offload, and its input and output are not kept."""
+    v, off = pipe.layout.virtual(k), (pipe.offloader if keep else None)
     if pipe.layout.is_first(k):
         x = _embed(pipe, step, i)
     else:
@@ -159,8 +187,8 @@ def _forward(pipe: Pipeline, k: int, i: int, step: Step) -> None:
         x = pipe.comm.recv(("act", v - 1, i), step.shapes[i], step.dtype)
         # Offloading, the received input is not kept here: layer 0's saved input holds it.
         x = grad_leaf(x) if off is None else StageInput.apply(pipe._anchor, x, step.grads, (k, i))
-    keep = None if off is None else (off, (k, i), step.saved.setdefault((k, i), []))
-    y = pipe.stage.forward_segment(k, x, step.ctx[i], offload=keep)
+    saving = None if off is None else (off, (k, i), step.saved.setdefault((k, i), []))
+    y = pipe.stage.forward_segment(k, x, step.ctx[i], offload=saving)
     if off is not None:
         off.flush((k, i))  # this micro-batch's recompute inputs leave while the next one computes
     if pipe.layout.is_last(k):
@@ -168,7 +196,8 @@ def _forward(pipe: Pipeline, k: int, i: int, step: Step) -> None:
         step.loss += y.detach()
     else:
         pipe.comm.send(("act", v, i), y)
-    step.inputs[k, i], step.outputs[k, i] = (x if off is None else None), y
+    if keep:
+        step.inputs[k, i], step.outputs[k, i] = (x if off is None else None), y
 
 
 def _backward(pipe: Pipeline, k: int, i: int, step: Step) -> None:

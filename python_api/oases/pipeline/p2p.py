@@ -156,15 +156,20 @@ def link_of(key: Key, stages: int) -> tuple[str, int, int]:
     return ("grad_wrap" if src == 0 else "grad"), src, (src - 1) % stages
 
 
-def sent_by(schedule: str, stage: int, stages: int, segments: int, micro_batches: int) -> list[Key]:
-    """The messages stage `stage` sends in one step, in the order it sends them:
+def sent_by(
+    schedule: str, stage: int, stages: int, segments: int, micro_batches: int, *, forward_only: bool = False
+) -> list[Key]:
+    """The messages stage `stage` sends in one step (forward_only: an evaluation's forwards), in
+    the order it sends them:
 
     for F(k, i) in its actions:  ("act", k*p + s, i)       unless the last virtual stage
     for B(k, i) in its actions:  ("grad", k*p + s - 1, i)  unless virtual stage 0
     """
     last = stages * segments - 1
     sent: list[Key] = []
-    for a in actions(schedule, stage=stage, stages=stages, segments=segments, micro_batches=micro_batches):
+    for a in actions(
+        schedule, stage=stage, stages=stages, segments=segments, micro_batches=micro_batches, forward_only=forward_only
+    ):
         v = a.segment * stages + stage
         if a.kind == "F" and v < last:
             sent.append(("act", v, a.micro_batch))
@@ -210,16 +215,17 @@ class StageComm:
 
     # --- what arrives -----------------------------------------------------------------------------
 
-    def expect(self, schedule: str, segments: int, micro_batches: int) -> None:
+    def expect(self, schedule: str, segments: int, micro_batches: int, *, forward_only: bool = False) -> None:
         """Learn the order of this step's arrivals: per link, the keys the neighbour sends here,
-        in its sending order (sent_by on the previous and the next stage). Every stage calls it
-        with the same arguments, before a step; nothing may be in flight."""
+        in its sending order (sent_by on the previous and the next stage; forward_only: an
+        evaluation's). Every stage calls it with the same arguments, before a step; nothing may
+        be in flight."""
         if self._pending or self._lazy or self._local:
             raise RuntimeError("expect: called with receives in flight")
         p, s = self.stages, self.stage
         lanes: dict[str, list[Key]] = {name: [] for name in LINKS}
         for peer in {(s - 1) % p, (s + 1) % p} if p > 1 else set():
-            for key in sent_by(schedule, peer, p, segments, micro_batches):
+            for key in sent_by(schedule, peer, p, segments, micro_batches, forward_only=forward_only):
                 link, _, dst = link_of(key, p)
                 if dst == s:
                     lanes[link].append(key)

@@ -6,6 +6,7 @@
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), seed=0,
                     dp_overlap_ratio=1.0, preemption=True)
     loss = pipe.train_step(tokens, targets)   # global batch [B, t], the same on every rank
+    loss = pipe.eval_step(tokens, targets)    # the same batch's loss, forwards only, in eval mode
     state = pipe.state_dict()                 # applies pending updates; the full model's state dict, on every rank
     pipe.load_pretrained(dir) / pipe.save_pretrained(dir)       # Hugging Face safetensors, each stage its part
     pipe.save_checkpoint(root, step=n, keep=2) / pipe.load_checkpoint(root)   # DCP, optimizers included
@@ -358,6 +359,55 @@ class Pipeline:
             raise
         if self.offloader is not None:
             self.offload_stats = self.offloader.end_step()  # the first step also sizes its HostSlab
+        return self._global_loss(step.loss, step.loss_sum)
+
+    def eval_step(self, tokens: torch.Tensor, targets: torch.Tensor, *, check_inputs: CheckMode = True) -> torch.Tensor:
+        """The mean token loss of the global batch under the current parameters, without training:
+        the single-process `model.eval()` loss under `torch.no_grad()`, the same on every rank.
+
+        ::
+
+            apply every pending update (as state_dict() does)
+            every module in eval mode (dropout off); under no_grad:
+                for segment k, micro-batch i: F(k, i) as train_step's, nothing kept for a backward
+            loss = sum over dp and micro-batches of loss_i           # broadcast from the last stage
+            every module's training mode restored
+
+        Args and Raises: as train_step's (tokens, targets [B, t], the same on every rank); it may
+        be called with gradients disabled. A collective over the mesh.
+        """
+        if self._failed is not None:
+            raise RuntimeError(
+                "eval_step: an earlier step failed mid-way (see the cause), leaving messages posted "
+                "on the pipeline's links, which match in order; build a new Pipeline"
+            ) from self._failed
+        tokens, targets = self._agree_inputs(check_inputs, tokens, targets)
+        check_batch(
+            tokens,
+            targets,
+            seq_len=self.config.seq_len if isinstance(self.config, GPTConfig) else None,
+            vocab=self.stage.vocab_size,
+            dp=self.dp,
+            micro_batches=self.micro_batches,
+        )
+        for k in range(self.segments):  # the parameters of now
+            self._apply_update(k)
+        step = self._split(tokens, targets)
+        modes = {module: module.training for module in self.model.modules()}
+        self.comm.expect(self.schedule, self.segments, self.micro_batches, forward_only=True)
+        try:
+            if self.layout.stage == 0 and self.segments > 1:
+                self.comm.reserve_lazy(step.shapes, step.dtype, self.segments)
+            self.model.eval()
+            with torch.no_grad():
+                _execute.run_forwards(self, step)
+        except BaseException as error:  # receives may still be posted: the links' order is lost
+            self._failed = error
+            raise
+        finally:
+            for module, training in modes.items():
+                module.training = training
+        self.comm.expect(self.schedule, self.segments, self.micro_batches)  # train_step's arrivals again
         return self._global_loss(step.loss, step.loss_sum)
 
     def _agree_inputs(

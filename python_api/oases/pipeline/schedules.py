@@ -77,14 +77,19 @@ SCHEDULES: dict[str, Callable[[int, int, int, int], list[Action]]] = {
 }
 
 
-def actions(schedule: str, *, stage: int, stages: int, segments: int, micro_batches: int) -> list[Action]:
+def actions(
+    schedule: str, *, stage: int, stages: int, segments: int, micro_batches: int, forward_only: bool = False
+) -> list[Action]:
     """The actions stage `stage` runs in one step, in order; each F(k, i) and B(k, i) exactly once.
 
     gpipe: [F(k, i) for i, k] + [B(k, i) for i, k reversed]
     1f1b:  F(0, 0..w-1), (F(0, w+j), B(0, j)) for j < m-w, B(0, m-w..m-1)   (w = min(p-s-1, m))
     aiao:  [F(k, i) for k, i] + [B(k, i) for k descending, i]
+    forward_only (an evaluation, any schedule): [F(k, i) for k, i]
     """
     _checks.one_of("schedule", schedule, SCHEDULES)
     if schedule == "1f1b" and segments != 1:
         raise ValueError(f"segments: the 1f1b schedule runs one segment, got {segments} (use 'aiao')")
+    if forward_only:
+        return [Action("F", k, i) for k in range(segments) for i in range(micro_batches)]
     return SCHEDULES[schedule](stage, stages, segments, micro_batches)

@@ -256,9 +256,11 @@ class Stage:
         offload = (offloader, group, handles): each layer's input is saved in the offloader under
         `group` (its OffloadHandle appended to `handles`, in layer order) instead of being kept by
         torch.utils.checkpoint; backward gets it back (waiting for its copy in), releases it and
-        recomputes the layer, as torch.utils.checkpoint would."""
+        recomputes the layer, as torch.utils.checkpoint would. Under no_grad: the layers, nothing kept."""
         for i in self.layout.layers_of(segment):
-            if offload is None:
+            if not torch.is_grad_enabled():  # an evaluation: nothing to keep for a backward
+                x = self._layer(i, x, ctx)
+            elif offload is None:
                 x = checkpoint(self._layer, i, x, ctx, use_reentrant=False)
             else:  # the anchor makes the output need grad even when x does not (a frozen embedding)
                 x = OffloadedLayer.apply(x, self._anchor, functools.partial(self._layer, i, ctx=ctx), *offload)
