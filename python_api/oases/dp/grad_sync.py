@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
-from oases.comm._topology import ring_of
+from oases.comm._topology import process_group, ring_of
 
 __all__ = ["GradientSync", "Reducer", "AllReduceMean"]
 
@@ -60,7 +60,8 @@ class AllReduceMean:
     """p.grad = mean over `group` of p.grad: one flat all-reduce per bucket."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        self.group, self.size = group, ring_of(group).size
+        self.group = process_group(group)  # a 1-D DeviceMesh: its group
+        self.size = ring_of(self.group).size
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
         """Concatenate `grads` into one flat tensor, then one flag per parameter (whether this rank
@@ -146,9 +147,9 @@ class GradientSync:
     Args:
         model: an nn.Module (its parameters that require grad) or an iterable of parameters, the
             same on every rank of `group` (same shapes, same order).
-        group: the data-parallel group (None: the world). Each rank's TP shards are averaged with
-            the same shards of the other dp ranks: make it from ranks holding the same TP rank
-            (e.g. torch.distributed.device_mesh.init_device_mesh("cpu", (dp, tp))["dp"].get_group()).
+        group: the data-parallel group or a 1-D DeviceMesh such as `mesh["dp"]` (None: the world).
+            Each rank's TP shards are averaged with the same shards of the other dp ranks: make it
+            from ranks holding the same TP rank (e.g. init_device_mesh("cpu", (dp, tp))["dp"]).
         bucket_bytes: about this many bytes of gradients per collective.
         reducer: how a bucket is reduced (default AllReduceMean(group)).
         max_in_flight: buckets whose collectives run at once during the backward (each holds a
@@ -170,7 +171,7 @@ class GradientSync:
         self.max_in_flight = max_in_flight
         self._in_flight: list[_Bucket] = []  # started in the backward, oldest first
         self._next = 0  # the bucket to start next: buckets start in order, on every rank alike
-        self.group = group
+        self.group = group = process_group(group)  # a 1-D DeviceMesh: its group
         self.size = ring_of(group).size
         self.params = _parameters(model)
         if not self.params:

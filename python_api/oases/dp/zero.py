@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._sharding import copied_rows, sharded_parameters, squares_once
-from oases.comm._topology import ring_of
+from oases.comm._topology import process_group, ring_of
 from oases.dp.grad_sync import GradientSync
 
 __all__ = ["ZeroOptimizer", "ShardedOptimizer", "row_range"]
@@ -130,6 +130,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group: Optional[dist.ProcessGroup],
         make_inner: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     ) -> None:
+        group = process_group(group)  # a 1-D DeviceMesh: its group
         ring = ring_of(group)
         self.group, self.size, self.rank = group, ring.size, ring.rank
         self.params = list(params)
@@ -382,7 +383,8 @@ class ZeroOptimizer(ShardedOptimizer):
 
     Args:
         model: the (TP-sharded or not) model, the same on every rank of `group`.
-        group: the data-parallel group (None: the world), ranks holding the same TP shards.
+        group: the data-parallel group or a 1-D DeviceMesh such as `mesh["dp"]` (None: the world), ranks
+            holding the same TP shards.
         optimizer_class: a torch.optim.Optimizer class (elementwise update: SGD, Adam, AdamW, ...).
         bucket_bytes: gradient bytes per reduce-scatter and parameter bytes per all-gather.
         **kwargs: the optimizer's hyper-parameters (lr, betas, weight_decay, ...).

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
+from oases.comm._topology import process_group, ring_of
 from oases.nn._mappings import sum_over_tp
 
 __all__ = ["ShardedRMSNorm"]
@@ -51,6 +51,7 @@ class ShardedRMSNorm(nn.Module):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
+        group = process_group(group)  # a 1-D DeviceMesh: its group
         ring = ring_of(group)
         if features % ring.size:
             raise ValueError(

@@ -173,7 +173,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._compiled import original_module
-from oases.comm._topology import ring_of
+from oases.comm._topology import process_group, ring_of
 from oases.degrees import KNOWN_LAYERS
 from oases.inputs import watch_inputs
 from oases.nn._apply import hook_degrees, localize_heads, make_groups, make_moe_regions, shard_modules, warn_unplaced
@@ -294,7 +294,8 @@ def parallelize(
 
     Args:
         model: the model to shard in place (with real tensors, built on meta, or torch.compile'd).
-        group: the tensor-parallel process group (default None: the world).
+        group: the tensor-parallel process group, or a 1-D DeviceMesh such as `mesh["tp"]` (default None:
+            the world).
         plan: {pattern: style} (default None: DEFAULT_PLAN, plus the embedding and LM head as
             `vocab_parallel` says); an explicit plan replaces it.
         sequence_parallel: passed to every layer (a Hugging Face model: ValueError).
@@ -319,6 +320,7 @@ def parallelize(
             name an nn.ModuleList.
     """
     compiled, model = model, original_module(model)
+    group = process_group(group)  # a 1-D DeviceMesh (torch's parallelize_module takes mesh["tp"]): its group
     ring = ring_of(group)
     p = ring.size
     target = check_model(model, device, init_weights, allocate)  # None: a model with real tensors

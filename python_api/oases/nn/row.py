@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from oases import ops
 from oases._sharding import ShardRule, row_shard
-from oases.comm._topology import ring_of
+from oases.comm._topology import process_group, ring_of
 from oases.nn._from_full import _from_conv1d, _from_linear
 from oases.nn._fusion import _linear, _main_grad
 from oases.nn._layer_args import _check_flag, _check_transposed, _resolve_chunks, check_shardable
@@ -74,6 +74,7 @@ class RowParallelLinear(nn.Module):
         _check_flag(type(self).__name__, "gradient_accumulation_fusion", gradient_accumulation_fusion)
         _check_transposed(type(self).__name__, transposed, gradient_accumulation_fusion)
         self.transposed = transposed
+        group = process_group(group)  # a 1-D DeviceMesh: its group
         ring = ring_of(group)
         check_shardable(type(self).__name__, "in_features", in_features, ring.size)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion

@@ -1,0 +1,86 @@
+"""A 1-D DeviceMesh wherever a process group is taken (as torch's parallelize_module takes
+`mesh["tp"]`): `parallelize`, the parallel layers, `GPT`, `GradientSync` and `ZeroOptimizer` on
+`mesh["tp"]` / `mesh["dp"]` train exactly as on `mesh[...].get_group()`; a mesh of several
+dimensions is refused naming them, on every rank before any collective.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import oases
+from oases.models import GPT, GPTConfig
+
+from _spawn import run_ranks
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _trained(rank, world_size):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    flat = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    results = {}
+    for name, group in (("mesh", flat), ("group", flat.get_group()), ("grid['tp']", grid["tp"])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = oases.parallelize(_MLP(), group, plan={"up": "column", "down": "row"})
+        assert isinstance(model.up, oases.nn.ColumnParallelLinear), name
+        model(x).square().sum().backward()
+        results[name] = [p.grad.clone() for p in model.parameters()]
+    for name in ("mesh", "grid['tp']"):
+        for got, want in zip(results[name], results["group"]):
+            assert torch.equal(got, want), name
+    reference = _MLP()
+    reference(x).square().sum().backward()
+    full = oases.full_state_dict(model)
+    assert set(full) == set(reference.state_dict())
+    # the layers and GPT take it too
+    layer = oases.nn.ColumnParallelLinear(8, 16, group=flat)
+    assert layer.weight.shape == (8, 8) and layer.group is flat.get_group()
+    config = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=2)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
+    losses = [GPT(config, group, seed=3)(tokens, tokens).item() for group in (flat, flat.get_group())]
+    assert losses[0] == losses[1], losses
+    # data parallel on mesh["dp"]: GradientSync and ZeroOptimizer average over the mesh's group
+    dp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["dp"]
+    for make in (
+        lambda m: (oases.dp.GradientSync(m, dp), torch.optim.SGD(m.parameters(), lr=0.1)),
+        lambda m: (None, oases.dp.ZeroOptimizer(m, dp, torch.optim.SGD, lr=0.1)),
+    ):
+        model, plain = _MLP(), _MLP()
+        sync, opt = make(model)
+        model(x[2 * rank : 2 * rank + 2]).square().sum().backward()
+        opt.step()
+        plain(x).square().sum().div(2).backward()
+        torch.optim.SGD(plain.parameters(), lr=0.1).step()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        if sync is not None:
+            sync.close()
+    # a mesh of two dimensions: which one is meant is not known
+    for build in (
+        lambda: oases.parallelize(_MLP(), grid),
+        lambda: oases.dp.ZeroOptimizer(_MLP(), grid, torch.optim.SGD, lr=0.1),
+        lambda: oases.dp.GradientSync(_MLP(), grid),
+    ):
+        with pytest.raises(ValueError, match=r"group: a 2-D DeviceMesh \(dimensions \('dp', 'tp'\)\); pass the one"):
+            build()
+    dist.barrier()  # no rank was left inside a collective
+    return True
+
+
+def test_a_1d_device_mesh_is_taken_as_its_group_2_ranks():
+    assert run_ranks(_trained, 2, timeout=90) == [True, True]
