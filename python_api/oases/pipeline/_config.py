@@ -20,6 +20,7 @@ from oases.offload import Offloader
 from oases.pipeline._hierarchy import check_dp_hierarchy
 from oases.pipeline._layout import check_layers
 from oases.pipeline.schedules import SCHEDULES
+from oases.training import IGNORE_INDEX
 
 __all__ = ["MESH_DIMS", "Checked", "check_arguments", "mesh_device", "model_device", "check_backend", "check_batch"]
 
@@ -210,11 +211,19 @@ def check_batch(
         raise ValueError(f"targets: expected int64 class indices, got {targets.dtype}")
     if tokens.shape[1] == 0 or (seq_len is not None and tokens.shape[1] > seq_len):
         raise ValueError(f"tokens: {tokens.shape[1]} positions; expected 1 to config.seq_len = {seq_len}")
-    for name, t in (("tokens", tokens), ("targets", targets)):  # they would raise mid-step on one stage
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-            raise ValueError(
-                f"{name}: values must lie in [0, vocab_size = {vocab}), got [{int(t.min())}, {int(t.max())}]"
-            )
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):  # they would raise mid-step
+        raise ValueError(
+            f"tokens: values must lie in [0, vocab_size = {vocab}), got [{int(tokens.min())}, {int(tokens.max())}]"
+        )
+    learned = targets[targets != IGNORE_INDEX]
+    if learned.numel() and (int(learned.min()) < 0 or int(learned.max()) >= vocab):
+        bad = learned[(learned < 0) | (learned >= vocab)]
+        raise ValueError(
+            f"targets: values must lie in [0, vocab_size = {vocab}) or be {IGNORE_INDEX} (no loss there), "
+            f"got {int(bad[0])}"
+        )
+    if targets.numel() and not learned.numel():
+        raise ValueError(f"targets: every position is {IGNORE_INDEX} (ignored): the batch has no token to learn from")
     if tokens.shape[0] % dp:
         raise ValueError(f"tokens: {tokens.shape[0]} rows are not divisible by dp = {dp}")
     if tokens.shape[0] // dp < micro_batches:

@@ -17,6 +17,7 @@ from oases.pipeline._offloaded import StageInput
 from oases.pipeline._updates import hyper_parameters
 from oases.pipeline.schedules import Action
 from oases.schedule import SubBatch
+from oases.training import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
@@ -32,7 +33,7 @@ class Step:
     ctx: dict[int, object]  # micro-batch -> what stack.embed gives every layer (rotary, masks)
     shapes: list[torch.Size]  # activation [b_i, t, h] per micro-batch
     dtype: torch.dtype  # of activations and their gradients
-    normalizer: int  # tokens in the global batch: each micro-batch's loss is divided by it
+    normalizer: int  # tokens with a target in the global batch: each micro-batch's loss is divided by it
     inputs: dict[tuple[int, int], Optional[torch.Tensor]] = field(default_factory=dict)  # (k, i) -> stage input
     saved: dict[tuple[int, int], list] = field(default_factory=dict)  # offload: (k, i) -> its layers' OffloadHandles
     grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # offload: (k, i) -> input's gradient
@@ -68,7 +69,7 @@ def split(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor) -> Step:
         {},
         shapes,
         pipe.stage.dtype,
-        targets.numel(),  # normalizer: the global batch's tokens
+        int((targets != IGNORE_INDEX).sum()),  # normalizer: the global batch's tokens with a target
         loss=torch.zeros((), dtype=torch.float32, device=pipe.comm.device),
     )
 

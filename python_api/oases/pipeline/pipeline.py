@@ -22,14 +22,16 @@ One step, on the rank at (d, s, t) of the mesh:
                   scaled by min(1, c / (norm of the whole model's gradient + 1e-6)))
         post the receive the next action needs                  # PPComm: one action ahead
         F(k, i): x = recv act (or embed(tokens)); y = layers of (k, s) on x
-                 last virtual stage: loss_i = loss_sum(head(y), targets_i) / (B * t) else send y
+                 last virtual stage: loss_i = loss_sum(head(y), targets_i) / N else send y
+                 (N: the global batch's targets that are not -100, IGNORE_INDEX: no loss there)
         B(k, i): g = recv grad (or 1 for loss_i); backward(y, g); send x.grad (unless first)
         last B of segment k: sync.launch(k)                     # DPComm: sum over dp, async
     first and last stage, tied embedding / head W: W.grad += other copy's; sync.launch(W)
     return sum over dp and micro-batches of loss_i              # broadcast from the last stage
 
-Dividing each micro-batch's summed token loss by the *global* token count makes the sum of the
-DP ranks' gradients the single-process gradient of the mean loss: the DP sync is a plain sum.
+Dividing each micro-batch's summed token loss by the *global* count N of tokens with a target
+makes the sum of the DP ranks' gradients the single-process gradient of the mean loss: the DP
+sync is a plain sum.
 
 Per-segment DP sync (FOLD3D Algorithm 2, DPComm; oases.pipeline.dp_sync): a segment's gradients
 start reducing over dp on this rank's DP thread as soon as its backward is over for every
@@ -313,7 +315,8 @@ class Pipeline:
 
         Args:
             tokens: the global batch's token ids [B, t] (int64), the same on every rank.
-            targets: each position's class index [B, t] (int64), not shifted.
+            targets: each position's class index [B, t] (int64), not shifted; -100 (IGNORE_INDEX):
+                no loss there (padding, prompt tokens), the loss the mean over the other positions.
             check_inputs: True (the default), "broadcast" or False, as above.
 
         Returns:
@@ -445,7 +448,7 @@ class Pipeline:
         ::
 
             for bucket in flat buckets of [p.grad for p in stage.segment_parameters(segment)]:
-                ring reduce-scatter + all-gather over dp_group      # sum: the loss is already / (B * t)
+                ring reduce-scatter + all-gather over dp_group      # sum: the loss is already / N
 
         train_step does the same asynchronously (launch after the segment's backward, wait before
         its next forward); this is the plain blocking form of it, for gradients made outside

@@ -45,6 +45,7 @@ from oases.pipeline._roles import Roles, probe_roles
 from oases.pipeline._subtrees import outermost, standing_in
 from oases.pipeline._subtrees import owned_modules as _owned_modules
 from oases.schedule import Stack, SubBatch
+from oases.training import IGNORE_INDEX
 
 __all__ = ["StageLayout", "Stage", "Roles", "probe_roles"]
 
@@ -267,14 +268,17 @@ class Stage:
         return x
 
     def loss_sum(self, x: torch.Tensor, targets: torch.Tensor, ctx: object) -> torch.Tensor:
-        """Summed token cross-entropy of the head on x [b, t, h] against targets [b, t] (not shifted);
-        from the vocabulary slices when the head is vocab-parallel (logits never gathered)."""
+        """Summed token cross-entropy of the head on x [b, t, h] against targets [b, t] (not shifted;
+        IGNORE_INDEX positions skipped); from the vocabulary slices when the head is vocab-parallel
+        (logits never gathered)."""
         logits = self.stack.head(x, ctx)  # [b, t, vocab] or [b, t, vocab/p]
         if self.logits_group is not None:
             return vocab_parallel_cross_entropy(
-                logits.flatten(0, 1), targets.flatten(), self.logits_group, reduction="sum"
+                logits.flatten(0, 1), targets.flatten(), self.logits_group, ignore_index=IGNORE_INDEX, reduction="sum"
             )
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's entries of the full (TP-gathered) model's state dict: its parameters, and

@@ -13,7 +13,8 @@ A gradient bucket (parameters p_1..p_m; `rows` the ShardedOptimizer holding them
     blocks = rows.pack_grads(bucket, grads), m presence flags after each block  # [dp, S]: block j = rows_j
     own    = reduce_scatter(blocks)                                              # [S]: this rank's, summed
     master.grad = own's rows of p_i (None where no dp rank had a gradient)       # a plain sum: the loss
-                                                                                 # is already / (B * t)
+                                                                                 # is already / N (the
+                                                                                 # global target count)
 and once the caller stepped segment k, per bucket of its parameters (one dtype each):
 
     p = rows.unpack_rows(all_gather(rows.pack_rows(bucket)))                     # every rank's rows
