@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from oases.pipeline import Pipeline
 
 from _spawn import run_ranks
+from _tiny_llama import tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -30,20 +31,7 @@ SEED, STEPS, VOCAB, T, BATCH, CLIP = 5, 3, 32, 8, 8, 0.5
 
 
 def _model():
-    import transformers as tf
-
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    return tf.LlamaForCausalLM(config)
+    return tiny_llama(tied=True)
 
 
 def _sgd(params):

@@ -22,6 +22,7 @@ from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline
 
 from _spawn import run_ranks
+from _tiny_llama import tiny_llama
 
 GPT_CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=4)
 SEED, BATCH, T, VOCAB = 7, 8, 8, 32
@@ -29,20 +30,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _llama():
-    import transformers as tf
-
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    return tf.LlamaForCausalLM(config)
+    return tiny_llama(tied=True)
 
 
 def _sgd(params):

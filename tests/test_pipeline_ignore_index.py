@@ -17,24 +17,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from oases.pipeline import Pipeline
 
 from _spawn import run_ranks
+from _tiny_llama import tiny_llama
 
 SEED, BATCH, T, VOCAB, STEPS = 5, 8, 8, 32, 3
 
 
 def _llama():
-    import transformers as tf
-
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        attn_implementation="eager",
-    )
-    return tf.LlamaForCausalLM(config)
+    return tiny_llama()
 
 
 def _sgd(params):

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from oases.pipeline import Pipeline
 
 from _spawn import run_ranks
+from _tiny_llama import tiny_llama
 from _tolerances import state_atol
 
 pytest.importorskip("transformers")
@@ -42,23 +43,7 @@ TIED = "model.embed_tokens.weight"  # the tensor's first key; lm_head.weight is 
 
 
 def _model(meta=False):
-    import transformers as tf
-
-    config = tf.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    if meta:
-        with torch.device("meta"):
-            return tf.LlamaForCausalLM(config)
-    return tf.LlamaForCausalLM(config)
+    return tiny_llama(tied=True, meta=meta)
 
 
 def _batches(batch):

@@ -327,26 +327,12 @@ class Pipeline:
                 rank than micro-batches), or, with check_inputs=True, batches that differ over the mesh.
             RuntimeError: an earlier step failed mid-way (build a new Pipeline), or gradients are disabled.
         """
-        if self._failed is not None:
-            raise RuntimeError(
-                "train_step: an earlier step failed mid-way (see the cause), leaving messages posted "
-                "on the pipeline's links, which match in order; build a new Pipeline"
-            ) from self._failed
-        if not torch.is_grad_enabled():  # local: every rank alike, before any message is posted
+        if self._failed is None and not torch.is_grad_enabled():  # local: every rank alike, before any message
             raise RuntimeError(
                 "train_step: called with gradients disabled (under torch.no_grad() or inference_mode()); it runs "
-                "backwards: call it outside no_grad (an evaluation needs a forward of the model itself)"
+                "backwards: call it outside no_grad (or use eval_step for a loss without training)"
             )
-        tokens, targets = self._agree_inputs(check_inputs, tokens, targets)
-        check_batch(
-            tokens,
-            targets,
-            seq_len=self.config.seq_len if isinstance(self.config, GPTConfig) else None,
-            vocab=self.stage.vocab_size,
-            dp=self.dp,
-            micro_batches=self.micro_batches,
-        )
-        step = self._split(tokens, targets)
+        step = self._checked_step("train_step", tokens, targets, check_inputs)
         if any(self._auto.values()):
             self._choose(step)
         self.sync.launch_deferred()  # the last step's deferred buckets overlap the forwards up to them
@@ -379,23 +365,9 @@ class Pipeline:
         Args and Raises: as train_step's (tokens, targets [B, t], the same on every rank); it may
         be called with gradients disabled. A collective over the mesh.
         """
-        if self._failed is not None:
-            raise RuntimeError(
-                "eval_step: an earlier step failed mid-way (see the cause), leaving messages posted "
-                "on the pipeline's links, which match in order; build a new Pipeline"
-            ) from self._failed
-        tokens, targets = self._agree_inputs(check_inputs, tokens, targets)
-        check_batch(
-            tokens,
-            targets,
-            seq_len=self.config.seq_len if isinstance(self.config, GPTConfig) else None,
-            vocab=self.stage.vocab_size,
-            dp=self.dp,
-            micro_batches=self.micro_batches,
-        )
+        step = self._checked_step("eval_step", tokens, targets, check_inputs)
         for k in range(self.segments):  # the parameters of now
             self._apply_update(k)
-        step = self._split(tokens, targets)
         modes = {module: module.training for module in self.model.modules()}
         self.comm.expect(self.schedule, self.segments, self.micro_batches, forward_only=True)
         try:
@@ -412,6 +384,25 @@ class Pipeline:
                 module.training = training
         self.comm.expect(self.schedule, self.segments, self.micro_batches)  # train_step's arrivals again
         return self._global_loss(step.loss, step.loss_sum)
+
+    def _checked_step(self, name: str, tokens: torch.Tensor, targets: torch.Tensor, check_inputs: CheckMode) -> Step:
+        """`name`'s checks (a failed earlier step, the batch: the same on every rank), then this DP
+        rank's micro-batches."""
+        if self._failed is not None:
+            raise RuntimeError(
+                f"{name}: an earlier step failed mid-way (see the cause), leaving messages posted "
+                "on the pipeline's links, which match in order; build a new Pipeline"
+            ) from self._failed
+        tokens, targets = self._agree_inputs(check_inputs, tokens, targets)
+        check_batch(
+            tokens,
+            targets,
+            seq_len=self.config.seq_len if isinstance(self.config, GPTConfig) else None,
+            vocab=self.stage.vocab_size,
+            dp=self.dp,
+            micro_batches=self.micro_batches,
+        )
+        return self._split(tokens, targets)
 
     def _agree_inputs(
         self, check_inputs: CheckMode, tokens: torch.Tensor, targets: torch.Tensor
