@@ -1,5 +1,5 @@
 """A 1-D DeviceMesh wherever a process group is taken (as torch's parallelize_module takes
-`mesh["tp"]`): `parallelize`, the parallel layers, `GPT`, `GradientSync` and `ZeroOptimizer` on
+`mesh["tp"]`): `parallelize`, the parallel layers, `GPT`, `oases.amp.GradScaler`, `GradientSync` and `ZeroOptimizer` on
 `mesh["tp"]` / `mesh["dp"]` train exactly as on `mesh[...].get_group()`; a mesh of several
 dimensions is refused naming them, on every rank before any collective.
 """
@@ -50,6 +50,7 @@ def _trained(rank, world_size):
     # the layers and GPT take it too
     layer = oases.nn.ColumnParallelLinear(8, 16, group=flat)
     assert layer.weight.shape == (8, 8) and layer.group is flat.get_group()
+    assert oases.amp.GradScaler("cpu", group=flat).group is flat.get_group()
     config = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=2)
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
     losses = [GPT(config, group, seed=3)(tokens, tokens).item() for group in (flat, flat.get_group())]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Collection, Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def is_int(value: Any) -> bool:
@@ -104,3 +106,19 @@ def sharded_linear(op: str, x: torch.Tensor, weight: torch.Tensor, bias: Optiona
             "(use linear_all_reduce for feature-sharded inputs)"
         )
     return dim
+
+
+def process_group(group: object, name: str = "group") -> Optional[dist.ProcessGroup]:
+    """The process group an argument names: a 1-D DeviceMesh's (as torch's parallelize_module
+    takes `mesh["tp"]`), else the argument itself (a ProcessGroup, or None: the world).
+
+    Raises ValueError for a DeviceMesh of several dimensions, naming them."""
+    if not isinstance(group, DeviceMesh):
+        return group  # type: ignore[return-value]
+    if group.ndim != 1:
+        names = group.mesh_dim_names or tuple(range(group.ndim))
+        raise ValueError(
+            f"{name}: a {group.ndim}-D DeviceMesh (dimensions {names}); pass the one dimension this group "
+            f"spans, e.g. mesh[{names[-1]!r}]"
+        )
+    return group.get_group()

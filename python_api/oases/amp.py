@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from oases._checks import process_group
+
 __all__ = ["GradScaler"]
 
 
@@ -31,7 +33,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def __init__(self, device: str = "cuda", *, group: Optional[dist.ProcessGroup] = None, **kwargs) -> None:
         super().__init__(device, **kwargs)
-        self.group = group
+        self.group = process_group(group)  # a 1-D DeviceMesh: its group
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """grads /= scale for `optimizer`, with the found-inf verdict taken over `group`:

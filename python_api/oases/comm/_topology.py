@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+
+from oases._checks import process_group
 
 
 @dataclass(frozen=True)
@@ -21,22 +22,6 @@ class Ring:
     def peer(self, step: int) -> int:
         """Global rank of the group member `step` places along the ring (negative: backwards)."""
         return self.global_ranks[(self.rank + step) % self.size]
-
-
-def process_group(group: object, name: str = "group") -> Optional[dist.ProcessGroup]:
-    """The process group an argument names: a 1-D DeviceMesh's (as torch's parallelize_module
-    takes `mesh["tp"]`), else the argument itself (a ProcessGroup, or None: the world).
-
-    Raises ValueError for a DeviceMesh of several dimensions, naming them."""
-    if not isinstance(group, DeviceMesh):
-        return group  # type: ignore[return-value]
-    if group.ndim != 1:
-        names = group.mesh_dim_names or tuple(range(group.ndim))
-        raise ValueError(
-            f"{name}: a {group.ndim}-D DeviceMesh (dimensions {names}); pass the one dimension this group "
-            f"spans, e.g. mesh[{names[-1]!r}]"
-        )
-    return group.get_group()
 
 
 def ring_of(group: Optional[dist.ProcessGroup]) -> Ring:

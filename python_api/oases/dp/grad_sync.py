@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
-from oases.comm._topology import process_group, ring_of
+from oases.comm._topology import ring_of
 
 __all__ = ["GradientSync", "Reducer", "AllReduceMean"]
 
@@ -60,7 +60,7 @@ class AllReduceMean:
     """p.grad = mean over `group` of p.grad: one flat all-reduce per bucket."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
-        self.group = process_group(group)  # a 1-D DeviceMesh: its group
+        self.group = _checks.process_group(group)  # a 1-D DeviceMesh: its group
         self.size = ring_of(self.group).size
 
     def start(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> object:
@@ -171,7 +171,7 @@ class GradientSync:
         self.max_in_flight = max_in_flight
         self._in_flight: list[_Bucket] = []  # started in the backward, oldest first
         self._next = 0  # the bucket to start next: buckets start in order, on every rank alike
-        self.group = group = process_group(group)  # a 1-D DeviceMesh: its group
+        self.group = group = _checks.process_group(group)  # a 1-D DeviceMesh: its group
         self.size = ring_of(group).size
         self.params = _parameters(model)
         if not self.params:

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._checks import process_group
 from oases._sharding import copied_rows, sharded_parameters, squares_once
-from oases.comm._topology import process_group, ring_of
+from oases.comm._topology import ring_of
 from oases.dp.grad_sync import GradientSync
 
 __all__ = ["ZeroOptimizer", "ShardedOptimizer", "row_range"]

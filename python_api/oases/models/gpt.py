@@ -41,7 +41,6 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._sharding import tp_rules
-from oases.comm._topology import process_group
 from oases.degrees import LayerDegrees, check_tp_degrees, check_world_group, refuse_with_degrees
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models._gpt_config import GPTConfig
@@ -130,7 +129,7 @@ class GPT(nn.Module):
         super().__init__()
         _checks.one_of("schedule", schedule, SCHEDULES)
         distributed = dist.is_available() and dist.is_initialized()
-        group = process_group(group)  # a 1-D DeviceMesh: its group
+        group = _checks.process_group(group)  # a 1-D DeviceMesh: its group
         self.tp = dist.get_world_size(group) if distributed else 1
         self.tp_rank = dist.get_rank(group) if distributed else 0
         for what, size in (("heads", config.heads), ("hidden * mlp_ratio", config.hidden * config.mlp_ratio)):

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._sharding import ShardRule
-from oases.comm._topology import process_group, ring_of
+from oases.comm._topology import ring_of
 from oases.nn._mappings import lead_only
 
 __all__ = ["ParallelExperts", "ClampedSwiGLU", "is_fused_experts", "is_experts", "check_experts"]
@@ -255,7 +255,7 @@ class ParallelExperts(nn.Module):
             raise TypeError(f"ParallelExperts: act_fn must be callable (the experts' activation), got {act_fn!r}")
         if swiglu is not None and not isinstance(swiglu, ClampedSwiGLU):
             raise TypeError(f"ParallelExperts: swiglu must be a ClampedSwiGLU(alpha, limit), got {swiglu!r}")
-        group = process_group(group)  # a 1-D DeviceMesh: its group
+        group = _checks.process_group(group)  # a 1-D DeviceMesh: its group
         ring = ring_of(group)
         if intermediate_size % ring.size:
             raise ValueError(

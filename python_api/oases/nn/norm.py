@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._checks import process_group
 from oases._sharding import ShardRule
-from oases.comm._topology import process_group, ring_of
+from oases.comm._topology import ring_of
 from oases.nn._mappings import sum_over_tp
 
 __all__ = ["ShardedRMSNorm"]

@@ -172,8 +172,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._checks import process_group
 from oases._compiled import original_module
-from oases.comm._topology import process_group, ring_of
+from oases.comm._topology import ring_of
 from oases.degrees import KNOWN_LAYERS
 from oases.inputs import watch_inputs
 from oases.nn._apply import hook_degrees, localize_heads, make_groups, make_moe_regions, shard_modules, warn_unplaced

@@ -58,7 +58,7 @@ from torch.autograd.function import once_differentiable
 
 from oases import _checks, comm
 from oases._sharding import ShardRule, vocab_rule
-from oases.comm._topology import Ring, process_group, ring_of
+from oases.comm._topology import Ring, ring_of
 from oases.nn._mappings import reduce_from_tp
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_rule"]
@@ -123,7 +123,7 @@ class VocabParallelEmbedding(nn.Module):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__()
-        group = process_group(group)  # a 1-D DeviceMesh: its group
+        group = _checks.process_group(group)  # a 1-D DeviceMesh: its group
         ring = ring_of(group)
         check_vocab(type(self).__name__, "num_embeddings", num_embeddings, ring.size)
         full = nn.Embedding(num_embeddings, embedding_dim, padding_idx, device=device, dtype=dtype)
