@@ -1,7 +1,7 @@
 """A 1-D DeviceMesh wherever a process group is taken (as torch's parallelize_module takes
-`mesh["tp"]`): `parallelize`, the parallel layers, `GPT`, `oases.amp.GradScaler`, `GradientSync` and `ZeroOptimizer` on
-`mesh["tp"]` / `mesh["dp"]` train exactly as on `mesh[...].get_group()`; a mesh of several
-dimensions is refused naming them, on every rank before any collective.
+`mesh["tp"]`): `parallelize`, the parallel layers, `GPT`, `oases.amp.GradScaler`, `GradientSync`
+and `ZeroOptimizer` on `mesh["tp"]` / `mesh["dp"]` train exactly as on `mesh[...].get_group()`;
+a mesh of several dimensions is refused naming them, on every rank before any collective.
 """
 
 import warnings
