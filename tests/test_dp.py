@@ -11,6 +11,7 @@ torch.optim.Optimizer: torch's LambdaLR and a step hook drive it as the single p
 its own state_dict resumes a bf16 run bit-exactly on the same rank.
 """
 
+import copy
 import io
 import warnings
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import oases
 
@@ -441,8 +443,11 @@ def _zero_as_torch_optimizer(rank, world_size):
     opt = oases.dp.ZeroOptimizer(model, None, torch.optim.AdamW, bucket_bytes=64 * 1024, lr=1e-3)
     assert isinstance(opt, torch.optim.Optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: factor[min(n, 2)])
-    stepped = []
+    stepped, seen = [], []
     opt.register_step_post_hook(lambda o, args, kwargs: stepped.append(o.param_groups[0]["lr"]))
+    hooks = [register_optimizer_step_pre_hook(lambda o, a, k: None if o is plain else seen.append(type(o).__name__))]
+    for name in ("state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post"):
+        hooks.append(getattr(opt, f"register_{name}_hook")(lambda *a, name=name: seen.append(name)))
     for step in range(STEPS):
         ids = _batch(step)
         ref(input_ids=ids, labels=ids).loss.backward()
@@ -464,6 +469,13 @@ def _zero_as_torch_optimizer(rank, world_size):
         opt.zero_grad()
         schedule.step()
     assert stepped == pytest.approx([1e-3 * f for f in factor]), stepped  # the inner stepped with each lr
+    assert seen == ["ZeroOptimizer"] * STEPS, seen  # a global hook: once per step (not again for the inner)
+    opt.load_state_dict(opt.state_dict())
+    assert seen[STEPS:] == ["state_dict_pre", "state_dict_post", "load_state_dict_pre", "load_state_dict_post"], seen
+    for hook in hooks:
+        hook.remove()
+    copied = copy.deepcopy(opt)  # a working optimizer, as before it was a torch Optimizer
+    assert copied.param_groups[0]["lr"] == opt.param_groups[0]["lr"] and copied.state_bytes() == opt.state_bytes()
     assert opt.inner.param_groups[0]["lr"] == pytest.approx(plain.param_groups[0]["lr"])
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{name}: {m}")

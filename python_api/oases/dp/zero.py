@@ -180,19 +180,49 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """inner.step() on the masters (their .grad set beforehand); returns closure() if given."""
         loss = _call(closure)
-        self.inner.step()
+        self._step_inner()
         return loss
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's part: the inner optimizer's state_dict, the fp32 masters of 16-bit rows (by
-        flat index), and the layout (dp rank, dp size, each parameter's shape and rows)."""
+        flat index), and the layout (dp rank, dp size, each parameter's shape and rows); the state
+        dict hooks registered on this optimizer run around it, as torch's."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         masters = {i: s.master.detach().clone() for i, s in enumerate(self.slots.values()) if s.owns_storage()}
-        return {**self.inner.state_dict(), _MASTERS: masters, _LAYOUT: self._layout()}
+        state_dict = {**self.inner.state_dict(), _MASTERS: masters, _LAYOUT: self._layout()}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what state_dict() gave on the same layout (the masters copied back in place).
+        """Load what state_dict() gave on the same layout (the masters copied back in place: call
+        sync_masters() before it, not after); the load hooks registered on this optimizer run
+        around it, as torch's.
 
         Raises ValueError when it was saved by another dp rank, dp size or set of parameters."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        self._load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The whole object (torch's Optimizer keeps only defaults, groups and state: here the inner's)."""
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _step_inner(self) -> None:
+        """inner.step() without torch's hook wrapper around it: the step hooks (global ones too)
+        run once, around this optimizer's step()."""
+        step = type(self.inner).step
+        (step.__wrapped__ if getattr(step, "hooked", False) else step)(self.inner)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or _LAYOUT not in state_dict:
             raise ValueError(
                 f"state_dict: not a {type(self).__name__}.state_dict() (no {_LAYOUT!r} entry); a plain "
@@ -441,7 +471,7 @@ class ZeroOptimizer(ShardedOptimizer):
         rows into the parameters; returns the closure's value."""
         loss = _call(closure)
         self.sync.finish()
-        self.inner.step()
+        self._step_inner()
         bucket, size = [], 0
         for s in self.slots.values():
             bucket.append(s.param)
