@@ -1,6 +1,8 @@
 """A 1-D DeviceMesh wherever a process group is taken (as torch's parallelize_module takes
-`mesh["tp"]`): `parallelize`, the parallel layers, `GPT`, `oases.amp.GradScaler`, `GradientSync`
-and `ZeroOptimizer` on `mesh["tp"]` / `mesh["dp"]` train exactly as on `mesh[...].get_group()`;
+`mesh["tp"]`): `parallelize`, the parallel layers (and their replica_group), `GPT`,
+`oases.amp.GradScaler`, `GradientSync` and `ZeroOptimizer` on `mesh["tp"]` / `mesh["dp"]` train
+exactly as on `mesh[...].get_group()`; `agree_inputs`, `watch_inputs`, `Communicator`,
+`LayerDegrees.make` and `save_pretrained` take it;
 a mesh of several dimensions is refused naming them, on every rank before any collective.
 """
 
@@ -28,7 +30,7 @@ class _MLP(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def _trained(rank, world_size):
+def _trained(rank, world_size, tmp):
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     flat = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
@@ -45,7 +47,7 @@ def _trained(rank, world_size):
             assert torch.equal(got, want), name
     reference = _MLP()
     reference(x).square().sum().backward()
-    full = oases.full_state_dict(model)
+    full, sharded = oases.full_state_dict(model), model
     assert set(full) == set(reference.state_dict())
     # the layers and GPT take it too
     layer = oases.nn.ColumnParallelLinear(8, 16, group=flat)
@@ -71,6 +73,26 @@ def _trained(rank, world_size):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         if sync is not None:
             sync.close()
+    # the rest of the public entry points that take a group
+    assert oases.inputs.agree_inputs({"x": x}, group=flat)["x"] is x
+    watched = nn.Linear(8, 8)
+    oases.inputs.watch_inputs(watched, flat)
+    with pytest.raises(
+        ValueError, match="must get the same input"
+    ):  # each rank a different input: refused over the mesh's group
+        watched(x + rank)
+    from oases.schedule import Communicator
+
+    assert Communicator(flat, 2).group is flat.get_group()
+    assert oases.degrees.LayerDegrees.make(flat, 2, rank, (2, 1)).degrees == (2, 1)
+    copies = oases.nn.ColumnParallelLinear(8, 8, group=flat, parts=(4, 4), replicas=(2, 1), replica_group=flat)
+    assert copies.replica_group is flat.get_group()
+    out = tmp + "/export"
+    oases.save_pretrained(sharded, out, group=flat)
+    reloaded = oases.parallelize(_MLP(), flat, plan={"up": "column", "down": "row"})
+    oases.load_pretrained(reloaded, out)
+    for p, q in zip(reloaded.parameters(), sharded.parameters()):
+        assert torch.equal(p, q)
     # a mesh of two dimensions: which one is meant is not known
     for build in (
         lambda: oases.parallelize(_MLP(), grid),
@@ -83,5 +105,5 @@ def _trained(rank, world_size):
     return True
 
 
-def test_a_1d_device_mesh_is_taken_as_its_group_2_ranks():
-    assert run_ranks(_trained, 2, timeout=90) == [True, True]
+def test_a_1d_device_mesh_is_taken_as_its_group_2_ranks(tmp_path):
+    assert run_ranks(_trained, 2, str(tmp_path), timeout=90) == [True, True]

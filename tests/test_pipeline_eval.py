@@ -2,10 +2,11 @@
 process running `model.eval()` under `torch.no_grad()`:
 
     eval_step before training                   == the single process's eval loss at init
-    train 2 steps (the second's update pending), eval_step
-                                                == its eval loss after 2 steps (the update applied)
+    train 1 and 2 steps (the last update pending), eval_step
+                                                == its eval loss after 1 and 2 steps (the update applied)
     the third train_step and the final state    == the single process's (evaluation changed nothing)
-    eval_step under torch.no_grad()             works; every module's training mode comes back
+    eval_step under torch.no_grad() and torch.inference_mode() works (training goes on after it);
+                                                every module's training mode comes back
     every module in eval mode during eval_step, in training mode again after
 
 at PP2 x DP2 (GPT, aiao over 2 segments, the DP sync partly deferred), PP2 x DP2 with zero=True, and
@@ -34,7 +35,7 @@ def _llama():
 
 
 def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # state made at the first update
 
 
 def _batches():
@@ -61,7 +62,7 @@ def _single(kind):
 
 
 def _golden(kind):
-    """(eval loss at init, train losses of steps 1-3, eval loss after step 2, final state)."""
+    """(eval loss at init, train losses of steps 1-3, {1, 2: eval loss after that many steps}, final state)."""
     model, loss_of = _single(kind)
     opt = _sgd(model.parameters())
     batches = _batches()
@@ -74,16 +75,16 @@ def _golden(kind):
         return value
 
     at_init = evaluate(batches[3])
-    losses = []
+    losses, after = [], {}
     for step in range(3):
-        if step == 2:
-            after_two = evaluate(batches[3])
+        if step in (1, 2):
+            after[step] = evaluate(batches[3])
         loss = loss_of(*batches[step])
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
-    return at_init, losses, after_two, model.state_dict()
+    return at_init, losses, after, model.state_dict()
 
 
 def _pipeline(kind, mesh_shape, schedule, segments, **options):
@@ -98,14 +99,14 @@ def _evaluated(rank, world_size, cases):
     batches = _batches()
     for kind, mesh_shape, schedule, segments, options in cases:
         where = f"{kind} {mesh_shape} {schedule} ns={segments} {options}"
-        at_init, losses, after_two, final = _golden(kind)
+        at_init, losses, after, final = _golden(kind)
         pipe = _pipeline(kind, mesh_shape, schedule, segments, **options)
         torch.testing.assert_close(pipe.eval_step(*batches[3]), at_init, **TOL, msg=lambda m: f"{where}: init {m}")
         for step in range(3):
-            if step == 2:  # step 2's update is pending: applied first
-                with torch.no_grad():  # allowed: it runs no backward
-                    got = pipe.eval_step(*batches[3])
-                torch.testing.assert_close(got, after_two, **TOL, msg=lambda m: f"{where}: after 2 {m}")
+            if step in (1, 2):  # the last step's update is pending: applied first
+                with torch.no_grad() if step == 2 else torch.inference_mode():  # allowed: it runs no backward
+                    got = pipe.eval_step(*batches[3])  # (the first update makes the momentum: not in inference mode)
+                torch.testing.assert_close(got, after[step], **TOL, msg=lambda m: f"{where}: after {step} {m}")
             loss = pipe.train_step(*batches[step])
             torch.testing.assert_close(loss, losses[step], **TOL, msg=lambda m: f"{where}: step {step} {m}")
         assert all(m.training for m in pipe.model.modules()), where  # training mode back

@@ -6,6 +6,7 @@ micro-batch with more padding weighs by its tokens, not by its rows.
     whole padded rows and padded tails: train_step's losses, eval_step, and the state after 3 SGD
     steps == one process's F.cross_entropy(..., ignore_index=-100)           # fp32 tolerance
     targets all -100, or another negative value: ValueError on every rank before any communication
+    oases.models.GPT's loss (forward, train_step at TP 2, its pipeline) == F.cross_entropy(ignore_index=-100)
 """
 
 import pytest
@@ -91,3 +92,28 @@ def _ignored(rank, world_size):
 def test_ignored_targets_give_the_single_process_mean_4_ranks():
     pytest.importorskip("transformers")
     assert run_ranks(_ignored, 4, timeout=180) == [True] * 4
+
+
+def _gpt_ignored(rank, world_size):
+    """oases.models.GPT's own loss (forward and train_step at TP 2, the pipeline of it at PP 2)
+    with -100 targets: F.cross_entropy(ignore_index=-100) of its logits."""
+    from oases.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=VOCAB, seq_len=T, hidden=16, heads=2, mlp_ratio=2, layers=2)
+    tokens, targets = _batches()[0]
+    alone, _ = dist.new_subgroups(group_size=1)
+    single = GPT(config, alone, seed=SEED)
+    want = F.cross_entropy(single(tokens).flatten(0, 1), targets.flatten(), ignore_index=-100)
+    torch.testing.assert_close(single(tokens, targets), want, rtol=1e-6, atol=1e-6)
+    sharded = GPT(config, None, seed=SEED)  # TP 2 over both ranks
+    torch.testing.assert_close(sharded(tokens, targets), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sharded.train_step(tokens, targets), want, rtol=1e-5, atol=1e-5)
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(config, mesh, schedule="1f1b", micro_batches=2, optimizer=_sgd, seed=SEED)
+    torch.testing.assert_close(pipe.train_step(tokens, targets), want, rtol=1e-5, atol=1e-5)
+    pipe.close()
+    return True
+
+
+def test_gpt_loss_ignores_minus_100_as_torch_2_ranks():
+    assert run_ranks(_gpt_ignored, 2, timeout=120) == [True, True]

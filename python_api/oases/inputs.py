@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._checks import process_group
+
 __all__ = [
     "CheckMode",
     "MODES",
@@ -108,6 +110,7 @@ def agree_inputs(
     `device`: where the exchange runs (a device the group's backend carries; default: the first
     tensor input's). A ValueError names the input, the ranks (global) and what differs (its batch
     size, sequence length, other dimension, dtype, or content), the same on every rank."""
+    group = process_group(group)  # a 1-D DeviceMesh: its group
     return dict(zip(inputs, _agree(list(inputs.items()), group, mode, device, "ranks of the group", _TP_FIX)))
 
 
@@ -146,6 +149,7 @@ def watch_inputs(model: nn.Module, group: Optional[dist.ProcessGroup] = None) ->
     if hook is None:
         hook = _ForwardCheck(_argument_names(model))
         model.register_forward_pre_hook(hook, with_kwargs=True)
+    group = process_group(group)  # a 1-D DeviceMesh: its group
     hook.group, hook.size = group, dist.get_world_size(group) if dist.is_initialized() else 1
 
 

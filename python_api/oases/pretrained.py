@@ -44,6 +44,7 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _checks
+from oases._checks import process_group
 from oases._hf_files import DTYPES, INDEX, SINGLE, Stored, stored_tensors
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
@@ -421,6 +422,7 @@ def save_pretrained(
         while the writer prepares the directory is raised on every rank; one while it streams
         tensors (a full disk) leaves the others waiting in their sends until the group times out.
     """
+    group = process_group(group)  # a 1-D DeviceMesh: its group
     model = _allocated(model)  # torch.compile(model): the original's keys and class name
     path = _check_save(path, max_shard_size, model)
     entries = _entries(model)

@@ -27,7 +27,7 @@ from oases.dp.grad_sync import GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
-from oases.nn.vocab import vocab_parallel_cross_entropy
+from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import Communicator, Recompute, RecomputeMemory, Stack, check_step
 from oases.schedule import train_step as _run_schedule
@@ -36,8 +36,6 @@ from oases.schedule.protocol import LayerPlacements
 from oases.schedule.sequence_parallel import sequence_parallel_parameters
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
-
-IGNORE_INDEX = -100
 
 
 def adapt(model: object) -> Stack:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from oases._checks import process_group
 from oases.degrees.checks import check_batch_rows
 from oases.degrees.hooks import ReplicaSums, hook_decoder_layers, hook_replica_sums
 from oases.degrees.placements import Placement, RowGroups, make_placements
@@ -56,7 +57,7 @@ class LayerDegrees:
         on every rank of the world, in the same order (oases.degrees.make_placements). `degrees`
         must have been checked (check_tp_degrees)."""
         degrees = tuple(degrees)
-        placements, row_groups = make_placements(group, p, rank, degrees)
+        placements, row_groups = make_placements(process_group(group), p, rank, degrees)
         return cls(degrees, p, placements, row_groups, where)
 
     def placement(self, index: int) -> Placement:

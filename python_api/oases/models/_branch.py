@@ -103,7 +103,8 @@ class Branch:
 
     def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         rows = self._rows
-        if rows is None or all(r._output_read for r in rows):  # (checked already: see below)
+        # (checked already: see below; in inference mode nothing is differentiated, nor versioned)
+        if rows is None or all(r._output_read for r in rows) or torch.is_inference_mode_enabled():
             return _sum(self._outputs(h, ctx))
         with _outputs_made(rows, unread=False) as made:
             ys = self._outputs(h, ctx)

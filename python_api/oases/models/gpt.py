@@ -47,7 +47,7 @@ from oases.models._gpt_config import GPTConfig
 from oases.models._gpt_sublayers import _MLP, _Attention, _Sublayer
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
-from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial, vocab_parallel_cross_entropy
+from oases.nn.vocab import IGNORE_INDEX, VocabParallelEmbedding, runs_as_partial, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, SubBatch, check_step, train_step
 from oases.schedule.placed import layer_placements
@@ -285,7 +285,8 @@ class GPT(nn.Module):
 
         ::
 
-            loss = mean over b*t of cross_entropy(logits[i, j], targets[i, j]);  .grad += d loss
+            loss = mean over (i, j) with targets[i, j] != -100 of cross_entropy(logits[i, j], targets[i, j])
+            .grad += d loss
 
         With dropout, masks come from `dropout_seed` (when None: drawn from the default generator
         of the group's first rank and broadcast, so every rank uses the same masks).
@@ -338,7 +339,7 @@ class GPT(nn.Module):
             tokens,
             targets,
             loss_sum=self._loss_sum,
-            normalizer=targets.numel(),
+            normalizer=int((targets != IGNORE_INDEX).sum()),
             comm=self.comm,
             schedule=self.schedule,
             sub_batches=sub_batches,
@@ -385,7 +386,7 @@ class GPT(nn.Module):
                     else:
                         x = x + s.finish(s.core(h), where)
         if targets is not None:
-            return self._loss_sum(self.head(x), targets) / targets.numel()
+            return self._loss_sum(self.head(x), targets) / (targets != IGNORE_INDEX).sum()
         if self.logits_group is not None:
             return gather_from_tp(self.head(x), self.group)
         return self.head(x)
@@ -414,5 +415,9 @@ class GPT(nn.Module):
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token cross-entropy: logits [b, t, vocab] (or the vocab slice), targets [b, t] (not shifted)."""
         if self.logits_group is not None:
-            return vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.group, reduction="sum")
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+            return vocab_parallel_cross_entropy(
+                logits.flatten(0, 1), targets.flatten(), self.group, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )

@@ -83,6 +83,7 @@ class ColumnParallelLinear(nn.Module):
         _check_flag(type(self).__name__, "pad_vocab", pad_vocab)
         _check_transposed(type(self).__name__, transposed, gradient_accumulation_fusion)
         group = process_group(group)  # a 1-D DeviceMesh: its group
+        replica_group = process_group(replica_group, "replica_group")
         ring = ring_of(group)
         if pad_vocab and (stacked != 1 or parts or transposed):
             raise ValueError(

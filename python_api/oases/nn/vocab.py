@@ -61,7 +61,9 @@ from oases._sharding import ShardRule, vocab_rule
 from oases.comm._topology import Ring, ring_of
 from oases.nn._mappings import reduce_from_tp
 
-__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_rule"]
+__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_rule", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # a label without a loss (padding, a masked prompt), as torch's and Hugging Face's
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -270,7 +272,7 @@ def vocab_parallel_cross_entropy(
     labels: torch.Tensor,
     group: Optional[dist.ProcessGroup] = None,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     vocab_size: Optional[int] = None,
 ) -> torch.Tensor:

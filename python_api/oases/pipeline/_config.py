@@ -16,11 +16,11 @@ from oases import _checks
 from oases.amp import GradScaler
 from oases.comm.hierarchical import HostLinks
 from oases.models.gpt import GPTConfig
+from oases.nn.vocab import IGNORE_INDEX
 from oases.offload import Offloader
 from oases.pipeline._hierarchy import check_dp_hierarchy
 from oases.pipeline._layout import check_layers
 from oases.pipeline.schedules import SCHEDULES
-from oases.training import IGNORE_INDEX
 
 __all__ = ["MESH_DIMS", "Checked", "check_arguments", "mesh_device", "model_device", "check_backend", "check_batch"]
 

@@ -12,12 +12,12 @@ import torch.distributed as dist
 
 from oases._leaves import grad_leaf
 from oases._rows import split_rows
+from oases.nn.vocab import IGNORE_INDEX
 from oases.pipeline._layout import StageLayout
 from oases.pipeline._offloaded import StageInput
 from oases.pipeline._updates import hyper_parameters
 from oases.pipeline.schedules import Action
 from oases.schedule import SubBatch
-from oases.training import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline

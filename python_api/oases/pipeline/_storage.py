@@ -67,12 +67,6 @@ __all__ = ["load_pretrained", "save_pretrained", "save_checkpoint", "load_checkp
 Path = Union[str, os.PathLike]
 
 
-def _apply_pending(pipe: "Pipeline") -> None:
-    """Every segment's pending optimizer step (a collective over dp where one is pending)."""
-    for k in range(pipe.segments):
-        pipe._apply_update(k)
-
-
 def _held(pipe: "Pipeline") -> nn.Module:
     """This rank's allocated part of the model, as a module whose state-dict keys are the model's."""
     model = pipe.model
@@ -127,7 +121,7 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
             given[key] = stored[key if key in stored else present[0]].shape
     given.update((key, t.shape) for key, t in stored.items() if key not in expected)
     _check(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
-    _apply_pending(pipe)
+    pipe._apply_pending()
     _read_into(_held(pipe), path, stored, strict=False)  # keyed by the whole model's mapping
     if pipe.zero:
         for optimizer in pipe.optimizers:
@@ -168,7 +162,7 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
     unknown = [f"{k} ({v.dtype})" for k, v in model.state_dict().items() if v.dtype not in DTYPES]
     if unknown:
         raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
-    _apply_pending(pipe)
+    pipe._apply_pending()
     held = _held(pipe)
     shards, local = _shards(held), held.state_dict(keep_vars=True)
     entries, seen = [], set()
@@ -232,7 +226,7 @@ def save_checkpoint(
     ring = ring_of(None)
     where = _save_target(path, step, keep, extra)
     _dcp.check_target(where)  # every check above and here is local
-    _apply_pending(pipe)
+    pipe._apply_pending()
     held = _held(pipe)
     shards, keys = _shards(held), _stage_keys(pipe)
     copies = pipe.stage.tied_keys if pipe.layout.stage > 0 else frozenset()  # the first stage writes a tied one
@@ -320,7 +314,7 @@ def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
     if problem is not None:
         raise ValueError(f"{what}: {problem}")
 
-    _apply_pending(pipe)
+    pipe._apply_pending()
     held = _held(pipe)
     shards, keys = _shards(held), _stage_keys(pipe)
     local = held.state_dict()  # detached views of the model's own tensors: reads land in them

@@ -366,8 +366,7 @@ class Pipeline:
         be called with gradients disabled. A collective over the mesh.
         """
         step = self._checked_step("eval_step", tokens, targets, check_inputs)
-        for k in range(self.segments):  # the parameters of now
-            self._apply_update(k)
+        self._apply_pending()  # the parameters of now
         modes = {module: module.training for module in self.model.modules()}
         self.comm.expect(self.schedule, self.segments, self.micro_batches, forward_only=True)
         try:
@@ -419,6 +418,14 @@ class Pipeline:
         if (segments, ratio) != (self.segments, self.dp_overlap_ratio):
             self._configure(segments, ratio)
         self.freed_bytes = self.stage.release_unowned()
+
+    def _apply_pending(self) -> None:
+        """Every segment's pending update (a collective over dp where one is pending), outside
+        inference mode whatever the caller's: optimizer state made there would be inference
+        tensors, which the next step could not update in place."""
+        with torch.inference_mode(False):
+            for k in range(self.segments):
+                self._apply_update(k)
 
     def _apply_update(self, segment: int) -> None:
         """Segment `segment`'s pending optimizer step, before its forward (oases.pipeline._updates)."""
@@ -472,8 +479,7 @@ class Pipeline:
 
         Applies every pending update first (waits for its DP sync, steps its optimizer). A
         collective over the whole mesh (every rank calls it)."""
-        for k in range(self.segments):
-            self._apply_update(k)
+        self._apply_pending()
         mine = self.stage.state_dict()
         parts: list[Optional[dict[str, torch.Tensor]]] = [None] * self.pp
         if self.pp > 1:
@@ -513,8 +519,7 @@ class Pipeline:
         """Apply every pending update (every rank calls it, as its DP sync is collective over dp),
         then end the scheduler's threads; a later train_step starts new ones."""
         if self._failed is None:
-            for k in range(self.segments):
-                self._apply_update(k)
+            self._apply_pending()
         self.scheduler.close()
         if self.offloader is not None:
             self.offloader.close()

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 from oases.checkpoint import full_state_dict
 from oases.checkpoint._unsharded import _layout
 from oases.nn._mappings import copy_to_tp, reduce_from_tp
-from oases.nn.vocab import vocab_parallel_cross_entropy
+from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.pipeline._layout import StageLayout, placement_of_layer, shared_across_placements
 from oases.pipeline._layout import check_layers as check_layers  # (re-exported: oases.pipeline._build)
@@ -45,7 +45,6 @@ from oases.pipeline._roles import Roles, probe_roles
 from oases.pipeline._subtrees import outermost, standing_in
 from oases.pipeline._subtrees import owned_modules as _owned_modules
 from oases.schedule import Stack, SubBatch
-from oases.training import IGNORE_INDEX
 
 __all__ = ["StageLayout", "Stage", "Roles", "probe_roles"]
 

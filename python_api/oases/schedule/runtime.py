@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from oases._checks import process_group
 from oases.comm import all_gather_steps, reduce_scatter_steps, ring_all_gather, ring_reduce_scatter
 from oases.schedule.exposure import CollectiveRecord, ExposureLog
 
@@ -66,6 +67,7 @@ class Communicator:
     """
 
     def __init__(self, group: Optional[dist.ProcessGroup], world_size: int) -> None:
+        group = process_group(group)  # a 1-D DeviceMesh: its group
         if world_size > 1 and dist.get_world_size(group) != world_size:
             raise ValueError(f"world_size: {world_size}, but the group has {dist.get_world_size(group)} ranks")
         self.group = group
