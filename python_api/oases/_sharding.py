@@ -24,6 +24,7 @@ chunks) move those boxes, so no rank ever needs the full tensor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -284,8 +285,10 @@ def tp_rules(model: torch.nn.Module) -> dict[str, tuple[ShardRule, "object"]]:
 
 
 def sharded_parameters(model: torch.nn.Module) -> dict[int, "object"]:
-    """{id(parameter): its process group} for every parameter a module's `tp_layout()` lists."""
-    return {id(model.get_parameter(name)): group for name, (_, group) in tp_rules(model).items()}
+    """{id(parameter): its process group (a module's None: the world's)} for every parameter a
+    module's `tp_layout()` lists."""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    return {id(model.get_parameter(name)): group or world for name, (_, group) in tp_rules(model).items()}
 
 
 def copied_rows(model: torch.nn.Module) -> dict[int, tuple[tuple[int, int, int], ...]]:
@@ -313,4 +316,55 @@ def squares_once(g: torch.Tensor, spans: tuple[tuple[int, int, int], ...] = (), 
         lo, hi = max(start - first_row, 0), min(start + n - first_row, g.shape[0])
         if lo < hi:
             total = total - g.detach().narrow(0, lo, hi - lo).float().pow(2).sum() * (1 - 1 / c)
+    return total
+
+
+def clip_sharded_(
+    grads: Sequence[tuple[Optional[torch.Tensor], Optional[object], tuple[tuple[int, int, int], ...], int]],
+    max_norm: float,
+    norm_type: float,
+    device: torch.device,
+    *,
+    across: Sequence[object] = (),
+    also: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """Clip gradients by the norm of the unsharded gradient they are parts of; returns that norm
+    (fp32 on `device`, the same on every rank). The one rule behind oases.nn.clip_grad_norm_,
+    ZeroOptimizer.clip_grad_norm_ and the pipeline's max_grad_norm.
+
+    ::
+
+        grads: (g, its TP group (sharded_parameters') or None: replicated, spans of rows TP ranks
+                hold alike, g's first row)
+        part(g) = squares_once(g, spans, first row)  (2-norm)  |  max |g|  (inf)      # g None: 0
+        total  = parts of replicated gradients, combined with each TP group's parts reduced over it
+                 (groups in first-seen order: every rank lists the same ones), then reduced over each
+                 group in `across` (ranks holding other rows or layers: ZeRO's dp, a pipeline's pp)
+        every g, and every tensor in `also` (held here, counted elsewhere), *= min(1, max_norm / (norm + 1e-6))
+    """
+    inf = norm_type == math.inf
+    combine, op = (torch.maximum, dist.ReduceOp.MAX) if inf else (torch.add, dist.ReduceOp.SUM)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    per_group: dict[int, tuple[object, torch.Tensor]] = {}
+    for g, group, spans, first_row in grads:
+        if group is not None:
+            per_group.setdefault(id(group), (group, torch.zeros((), dtype=torch.float32, device=device)))
+        if g is None or g.numel() == 0:
+            continue
+        part = (g.detach().float().abs().max() if inf else squares_once(g, spans, first_row)).to(device)
+        if group is None:
+            total = combine(total, part)
+        else:
+            per_group[id(group)] = (group, combine(per_group[id(group)][1], part))
+    distributed = dist.is_available() and dist.is_initialized()
+    for group, acc in per_group.values():
+        if distributed:
+            dist.all_reduce(acc, op=op, group=group)
+        total = combine(total, acc)
+    for group in across if distributed else ():
+        dist.all_reduce(total, op=op, group=group)
+    total = total if inf else total.sqrt()
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in [g for g, *_ in grads if g is not None] + list(also):
+        g.detach().mul_(scale.to(g.device, g.dtype))
     return total

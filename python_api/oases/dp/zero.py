@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._checks import process_group
-from oases._sharding import copied_rows, sharded_parameters, squares_once
+from oases._sharding import clip_sharded_, copied_rows, sharded_parameters
 from oases.comm._topology import ring_of
 from oases.dp.grad_sync import GradientSync
 
@@ -352,39 +352,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clip the masters' gradients by the norm of the whole gradient they are rows of (see
         `ZeroOptimizer.clip_grad_norm_`); `tp_groups`: {id(param): its TP group} for TP shards;
         `copied`: oases._sharding.copied_rows (rows several TP ranks hold alike, counted once)."""
-        inf = norm_type == math.inf
-        combine = torch.maximum if inf else torch.add
         device = self.params[0].device if self.params else torch.device("cpu")
-        keys: dict[int, object] = {}  # id(TP group) or 0 (replicated) -> group; the same on every rank
+        grads = []
         for p in self.params:
-            group = tp_groups.get(id(p))
-            keys.setdefault(0 if id(p) not in tp_groups else id(group), group)
-        order = list(keys)
-        parts = torch.zeros(len(order), dtype=torch.float32, device=device)  # per TP group: this rank's rows
-        for p in self.params:
-            g = self.slots[id(p)].master.grad
-            if g is None or g.numel() == 0:
-                continue
-            i = order.index(0 if id(p) not in tp_groups else id(tp_groups[id(p)]))
-            spans = (copied or {}).get(id(p), ())
-            part = g.detach().float().abs().max() if inf else squares_once(g, spans, self.slots[id(p)].start)
-            parts[i] = combine(parts[i], part.to(device))
-        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-        if self.size > 1:
-            dist.all_reduce(parts, op=op, group=self.group)  # every dp rank's rows: the whole parameters
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for i, key in enumerate(order):
-            part = parts[i]
-            if key != 0:  # TP shards: summed over their group; replicated parameters count once
-                part = part.clone()
-                dist.all_reduce(part, op=op, group=keys[key])
-            total = combine(total, part)
-        total = total if inf else total.sqrt()
-        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for s in self.slots.values():
-            if s.master.grad is not None:
-                s.master.grad.mul_(scale.to(s.master.grad.device, s.master.grad.dtype))
-        return total
+            slot = self.slots[id(p)]
+            grads.append((slot.master.grad, tp_groups.get(id(p)), (copied or {}).get(id(p), ()), slot.start))
+        return clip_sharded_(grads, max_norm, norm_type, device, across=[self.group] if self.size > 1 else [])
 
 
 class _ReduceScatterRows:

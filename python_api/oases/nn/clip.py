@@ -16,10 +16,9 @@ import math
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from oases._sharding import copied_rows, sharded_parameters, squares_once
+from oases._sharding import clip_sharded_, copied_rows, sharded_parameters
 
 __all__ = ["clip_grad_norm_"]
 
@@ -39,40 +38,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         raise ValueError(f"norm_type: only 2.0 and inf are supported, got {norm_type!r}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    groups = sharded_parameters(model)
-    copied = copied_rows(model)
-    grads = [
-        (p.grad, groups.get(id(p), _REPLICATED), copied.get(id(p), ()))
-        for p in _unique(model.parameters())
-        if p.grad is not None
-    ]
-    inf = norm_type == math.inf
-    combine = torch.maximum if inf else torch.add
-    device = grads[0][0].device if grads else torch.device("cpu")  # NCCL reduces device tensors
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    per_group: dict[int, tuple[object, torch.Tensor]] = {}
-    for g, group, spans in grads:
-        if g.numel() == 0:
-            continue
-        part = (g.detach().float().abs().max() if inf else squares_once(g, spans)).to(device)
-        if group is _REPLICATED:
-            total = combine(total, part)
-        else:
-            key = id(group)
-            _, acc = per_group.get(key, (group, torch.zeros((), dtype=torch.float32, device=device)))
-            per_group[key] = (group, combine(acc, part))
-    for group, acc in per_group.values():
-        if dist.is_initialized():
-            dist.all_reduce(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
-        total = combine(total, acc)
-    total = total if inf else total.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g, _, _ in grads:
-        g.detach().mul_(scale.to(g.device, g.dtype))
-    return total
-
-
-_REPLICATED = object()
+    groups, copied = sharded_parameters(model), copied_rows(model)
+    params = _unique(model.parameters())
+    grads = [(p.grad, groups.get(id(p)), copied.get(id(p), ()), 0) for p in params]
+    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))  # NCCL: device tensors
+    return clip_sharded_(grads, max_norm, norm_type, device)
 
 
 def _unique(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

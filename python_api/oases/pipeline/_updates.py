@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases._sharding import copied_rows, sharded_parameters, squares_once
+from oases._sharding import clip_sharded_, copied_rows, sharded_parameters
 from oases.comm.hierarchical import HostGroups
 from oases.dp.zero import ShardedOptimizer
 from oases.pipeline.comm_scheduler import CommScheduler
@@ -210,31 +210,17 @@ def clip_gradients(pipe: Pipeline, max_norm: float) -> torch.Tensor:
 
     ::
 
-        squares = [sum |g|^2 over the stage's TP shards, over its replicated tensors]
-                  # ZeRO: this dp rank's rows, summed over dp; rows several TP ranks hold alike
-                  # counted once; a tied copy counted on the first stage only
-        total = sqrt(sum over pp of (sum over tp of squares[0]) + squares[1])
+        oases._sharding.clip_sharded_ of the gradients the optimizers step (ZeRO: this dp rank's
+        master rows), TP shards summed over their group, across dp (ZeRO's rows) and pp (stages);
+        a tied embedding / head copy counted on the first stage only (scaled on both)
     """
     sharded, copied = sharded_parameters(pipe.model), copied_rows(pipe.model)
     other_copy = {id(p) for p in pipe._tied} if pipe.layout.stage != 0 else set()  # the first stage counts it
-    grads = [(p, g, row) for optimizer in pipe.optimizers for p, g, row in _gradients(optimizer) if g is not None]
-    squares = torch.zeros(2, dtype=torch.float32, device=pipe.comm.device)
-    for p, g, row in grads:
-        if id(p) not in other_copy and g.numel():
-            squares[0 if id(p) in sharded else 1] += squares_once(g, copied.get(id(p), ()), row).to(squares.device)
-    if pipe.zero and pipe.dp > 1:
-        dist.all_reduce(squares, group=pipe.dp_group)  # every dp rank's rows
-    shards = squares[0].clone()
-    if dist.get_world_size(pipe.tp_group) > 1:
-        dist.all_reduce(shards, group=pipe.tp_group)
-    total = shards + squares[1]
-    if pipe.pp > 1:
-        dist.all_reduce(total, group=pipe.pp_group)
-    total = total.sqrt()
-    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for _, g, _ in grads:
-        g.mul_(scale.to(g.device, g.dtype))
-    return total
+    held = [(p, g, row) for optimizer in pipe.optimizers for p, g, row in _gradients(optimizer)]
+    counted = [(g, sharded.get(id(p)), copied.get(id(p), ()), row) for p, g, row in held if id(p) not in other_copy]
+    tied = [g for p, g, _ in held if id(p) in other_copy and g is not None]
+    across = ([pipe.dp_group] if pipe.zero and pipe.dp > 1 else []) + ([pipe.pp_group] if pipe.pp > 1 else [])
+    return clip_sharded_(counted, max_norm, 2.0, pipe.comm.device, across=across, also=tied)
 
 
 def sum_tied(pipe: Pipeline) -> None:
