@@ -41,6 +41,9 @@ graphs saving only GEMM and attention outputs, `recompute="selective"`):
     t_input_check  (JSON; a share of megatron's t_step in the table's notes) the input check each of
                 our steps runs first (oases.inputs: one all_gather of a shape + content-hash summary of
                 the batch over the TP group), timed alone
+    t_grad_check   (JSON; a share of megatron's t_step in the notes) oases.check_gradients on our
+                model after a step, timed alone: the gradient invariant train_step checks on a
+                model's first step (every N-th with check_grads=N)
 
 The PyTorch peers hold the same weights, train with plain autograd (no recomputation) and must
 give our loss on the first step, checked before any timing (a wrong peer fails the run):
@@ -87,6 +90,7 @@ from bench._trace import IN_FLIGHT
 from oases.costs.link import LinkFit
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
+from oases.nn import check_gradients
 from oases.schedule import SCHEDULES, Communicator, RecomputeMemory
 from oases.schedule.exposure import CAUSES, attribute, gather_logs
 from oases.schedule.runtime import _Task, _Work
@@ -169,6 +173,7 @@ class _Case:
     notes: list[str]  # for the table
     check: Optional[Callable[[], None]] = None  # after every step ran once: further checks (raise)
     inputs: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # a step's inputs, for its input check
+    grad_check: Optional[Callable[[], None]] = None  # oases.check_gradients on our model (its gradients present)
 
 
 # ---- PyTorch's tensor parallelism on the same model -------------------------------------------
@@ -288,6 +293,7 @@ def _gpt_case(args, ctx) -> _Case:
         },
         notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"],
         inputs={"tokens": tokens, "targets": targets},
+        grad_check=lambda m=next(iter(models.values())): check_gradients(m),
     )
 
 
@@ -399,6 +405,7 @@ def _llama_case(args, ctx) -> _Case:
         notes=notes,
         check=check,
         inputs={"input_ids": ids, "labels": ids, "attention_mask": None},
+        grad_check=lambda: check_gradients(model),
     )
 
 
@@ -485,6 +492,8 @@ def run(args, ctx) -> list[dict]:
     compute = {name: timed[_DRY + name] for name in case.ours}
     # The TP group's input check every step of ours runs first (oases.inputs; check_inputs=True), alone.
     t_check = ctx.timer.measure({"check": lambda: agree_inputs(case.inputs, ctx.group, device=ctx.device)})["check"]
+    # The gradient invariant oases.train_step checks on a model's first step (oases.check_gradients), alone.
+    t_grads = ctx.timer.measure({"grads": case.grad_check})["grads"] if case.grad_check is not None else None
 
     records = []
     link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
@@ -560,13 +569,27 @@ def run(args, ctx) -> list[dict]:
             None if r["bound"] is None else _metrics.efficiency(by_name[BASELINE]["t_step"], r["t_step"], r["bound"])
         )
         r["t_input_check"] = t_check.median  # included in our t_step; the peers run none
+        r["t_grad_check"] = None if t_grads is None else t_grads.median  # a model's first train_step only
         r["config"] = case.config
         r["title"] = case.title
-        r["notes"] = case.notes + [
-            f"input check (oases.inputs: all_gather of a shape + content-hash summary, on by default and "
-            f"included in every t_step of ours): {1e6 * t_check.median:.0f} us per step = "
-            f"{100 * t_check.median / by_name[BASELINE]['t_step']:.2f}% of {BASELINE}'s t_step"
-        ]
+        r["notes"] = (
+            case.notes
+            + [
+                f"input check (oases.inputs: all_gather of a shape + content-hash summary, on by default and "
+                f"included in every t_step of ours): {1e6 * t_check.median:.0f} us per step = "
+                f"{100 * t_check.median / by_name[BASELINE]['t_step']:.2f}% of {BASELINE}'s t_step"
+            ]
+            + (
+                []
+                if t_grads is None
+                else [
+                    f"gradient invariant (oases.check_gradients: digests of the whole parameters' gradients, one "
+                    f"all-reduce; oases.train_step runs it on a model's first step only, check_grads=N every N-th): "
+                    f"{1e6 * t_grads.median:.0f} us = {100 * t_grads.median / by_name[BASELINE]['t_step']:.2f}% of "
+                    f"{BASELINE}'s t_step"
+                ]
+            )
+        )
     return records
 
 

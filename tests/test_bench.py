@@ -305,6 +305,7 @@ def test_layers_suite(tmp_path):
     # q, k, v and fc1 each all-reduce their input's gradient: 2 forward and 4 backward per layer
     assert {kind: c["calls"] for kind, c in records["torch_tp"]["collectives"].items()} == {"all_reduce": 6 * layers}
     assert records["torch_tp"]["sent_bytes"] == records["megatron"]["sent_bytes"]  # as many, as large
+    assert 0 < records["oases"]["t_grad_check"] < records["megatron"]["t_step"]  # the invariant's cost, timed
     with open(doc["files"]["trace"]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     assert {e["pid"] for e in events} == set(range(WORLD_SIZE))

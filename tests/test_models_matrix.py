@@ -29,14 +29,15 @@ For each, in one spawn per group: the default plan shards >= 95% of the decoder 
 projection parameters (oases.summary) and the layers split as expected; forward logits and
 loss.backward() gradients equal the unsharded model's; oases.train_step's loss and every
 gradient equal them on every schedule (and with sequence parallelism where the layers split;
-refused where they run whole); under torch.autocast(cpu, bf16) model(...) and train_step's loss
-and gradients are within bf16 tolerance of the unsharded model under the same autocast; a build
-on the meta device gets the plain build's values (not GPT-2: its init is refused there);
-save_pretrained writes the unsharded model's Hugging Face layout (transformers reads it back),
-which load_pretrained reads into a fresh TP model; save_checkpoint / load_checkpoint round-trip.
-More decoders built from the same parts (Qwen2, Mistral, OLMo, Nemotron, GLM, Helium,
-Persimmon, StableLM, Granite and GraniteMoE, Exaone-4, Cohere-2, SmolLM3, Qwen3-MoE, OLMoE,
-Ernie-4.5, Gemma-3) get lighter checks: coverage, logits, the oases schedule's loss and every
+refused where they run whole), and oases.check_gradients raises for none of them; under
+torch.autocast(cpu, bf16) model(...) and train_step's loss and gradients are within bf16
+tolerance of the unsharded model under the same autocast; a build on the meta device gets the
+plain build's values (not GPT-2: its init is refused there); save_pretrained writes the
+unsharded model's Hugging Face layout (transformers reads it back), which load_pretrained reads
+into a fresh TP model; save_checkpoint / load_checkpoint round-trip. More decoders built from the
+same parts (Qwen2, Mistral, OLMo, Nemotron, GLM, Helium, Persimmon, StableLM, Granite and
+GraniteMoE, Exaone-4, Cohere-2, SmolLM3, Qwen3-MoE, OLMoE, Ernie-4.5, Gemma-3, Apertus with its
+learned xIELU activation) get lighter checks: coverage, logits, the oases schedule's loss and every
 gradient. CodeGen (its forward fixes the qkv groups) is refused before anything changes, and
 PhiMoE's router (it samples experts in training) by train_step, which matches it in eval mode;
 per-layer degrees with layers run whole (OLMo-2) or ALiBi attention (BLOOM) are refused; a
@@ -112,6 +113,7 @@ MORE = {
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2)),
     "ernie45": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(head_dim=16)),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=8)),
+    "apertus": ("ApertusForCausalLM", "ApertusConfig", {}),  # xIELU: a learned activation (summed)
 }
 # how oases.train_step splits each model's decoder layers (oases.nn._parts.LayerParts.kind)
 SPLIT = {
@@ -293,6 +295,7 @@ def _build(kind):
 
 def _check_grads(tp, want, rank, p, where):
     check_grads(tp, want, rank, p, where, TOL)
+    oases.check_gradients(tp)  # the invariant: no false alarm on any model of the matrix
 
 
 def _reference(model, ids, mask):
@@ -325,6 +328,7 @@ def _check_autocast(kind, ref, tp, ids, rank, p, fp32):
     noise = {n for n, g in fp32.items() if float(g.norm()) <= 1e-6 * largest}
 
     def check(where):
+        oases.check_gradients(tp)  # bf16 autocast, fp32 gradients: no false alarm
         for name, q in tp.named_parameters():
             assert q.grad is not None and q.grad.dtype == torch.float32, f"{where}: grad of {name}"
             if name in noise:

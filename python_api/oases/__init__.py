@@ -7,6 +7,7 @@
     oases.nn           ColumnParallelLinear / RowParallelLinear over those ops
     oases.parallelize  swap a model's nn.Linear layers for them, by plan or by naming scheme
     oases.summary      what parallelize made: each part's style, this rank's share of the parameters
+    oases.check_gradients  raise if a gradient the ranks should hold alike differs between them
     oases.schedule     megatron / merak / cross_pass / oases training schedules for TP stacks
     oases.models       a GPT, and adapters that show Hugging Face stacks to the schedules
     oases.train_step   one step of a parallelized model (GPT, HF causal LMs, any Stack) on a schedule
@@ -17,7 +18,7 @@
 
 from oases import amp, comm, dp, models, ops, pipeline, schedule
 from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
-from oases.nn import parallelize, summary  # also binds the subpackage oases.nn
+from oases.nn import check_gradients, parallelize, summary  # also binds the subpackage oases.nn
 from oases.pretrained import load_pretrained, save_pretrained
 from oases.training import train_step
 
@@ -30,6 +31,7 @@ __all__ = [
     "nn",
     "parallelize",
     "summary",
+    "check_gradients",
     "schedule",
     "models",
     "pipeline",

@@ -23,10 +23,11 @@ from oases import _checks
 from oases._compiled import original_module
 from oases.comm._topology import same_group
 from oases.degrees import refuse_with_degrees
-from oases.dp.grad_sync import GradientSync
+from oases.dp.grad_sync import AllReduceMean, GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
+from oases.nn.grad_check import check_gradients
 from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import Communicator, Recompute, RecomputeMemory, Stack, check_step
@@ -120,6 +121,7 @@ def train_step(
     recompute: Recompute = True,
     grad_sync: Optional[GradientSync] = None,
     check_inputs: CheckMode = True,
+    check_grads: Union[bool, int] = True,
 ) -> torch.Tensor:
     """Forward and backward of `model`'s causal-LM loss on a TP schedule; returns the loss.
 
@@ -159,6 +161,11 @@ def train_step(
     `check_inputs` (oases.inputs): True checks, before any other collective, that the model's TP
     group got the same input_ids, labels and attention_mask (ValueError on every rank otherwise);
     "broadcast" uses TP rank 0's (Megatron's broadcast_data; the others may pass None); False skips it.
+    `check_grads` (oases.check_gradients): after the backwards (and the DP sync), the gradients that
+    the TP group's ranks hold alike (and, with a GradientSync, every gradient over its dp group)
+    are compared across the ranks; a mismatch (a partial gradient: a parameter that sees only this
+    rank's shard of the features) raises a RuntimeError on every rank naming it. True: on the
+    model's first train_step; an int N: on the first and every N-th; False: never.
     The model: oases.models.GPT, a Hugging Face causal LM (Llama, Mistral, Qwen2/3, Gemma, Phi-3,
     GPT-2, GPT-NeoX, OLMo-2, ...: its parts found by structure, oases.models.hf) or a nanoGPT-style model
     after oases.parallelize, or any oases.schedule.Stack. Every schedule gives the loss and
@@ -185,6 +192,7 @@ def train_step(
             or keep it saving only GEMM and attention outputs ("selective").
         grad_sync: a GradientSync averaging the gradients over data-parallel replicas (None: no DP).
         check_inputs: True, "broadcast" or False, as above.
+        check_grads: True (the first step), an int N (the first and every N-th) or False, as above.
 
     Returns:
         The step's loss (a scalar tensor), the gradients accumulated into .grad.
@@ -192,12 +200,15 @@ def train_step(
     Raises:
         ValueError: a bad argument or an unsupported combination, naming it (inputs that differ
             over the TP group: on every rank, with check_inputs=True).
+        RuntimeError: with check_grads, gradients that differ over the ranks holding them alike.
         TypeError: `grad_sync` not a GradientSync, `offload` neither a bool nor an Offloader.
     """
     if grad_sync is not None and not isinstance(grad_sync, GradientSync):
         raise TypeError(
             f"grad_sync: expected an oases.dp.GradientSync (or a ZeroOptimizer's .sync), got {type(grad_sync).__name__}"
         )
+    if not isinstance(check_grads, bool) and not (_checks.is_int(check_grads) and check_grads >= 1):
+        raise ValueError(f"check_grads: expected True, False or a positive int N (every N-th), got {check_grads!r}")
     model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
     per_layer, placements = _per_layer(model, stack)
@@ -264,7 +275,27 @@ def train_step(
         offloader.close()  # made for this call
     if owned:
         comm.close()  # its thread, if it started one (not after a failure: a ring may never finish)
+    if _gradients_due(model, check_grads):
+        _check_gradients(model, grad_sync)
     return loss
+
+
+def _gradients_due(model: object, check_grads: Union[bool, int]) -> bool:
+    """Whether this step checks the gradient invariant: the model's steps are counted on it
+    (`model.oases_steps`); True: its first, N: its first and every N-th."""
+    if check_grads is False or not isinstance(model, nn.Module):
+        return False
+    step = getattr(model, "oases_steps", 0)
+    model.oases_steps = step + 1
+    return step == 0 if check_grads is True else step % check_grads == 0
+
+
+def _check_gradients(model: nn.Module, grad_sync: Optional[GradientSync]) -> None:
+    """oases.check_gradients over the model's TP group and, with a plain GradientSync (not ZeRO's:
+    its gradients live in the masters), over its dp group."""
+    plain = grad_sync is not None and isinstance(grad_sync.reducer, AllReduceMean)  # ZeRO's: rows of masters
+    dp_group = grad_sync.group if plain else None
+    check_gradients(model, dp_group=dp_group)
 
 
 def _per_layer(model: object, stack: Stack) -> tuple[bool, Optional[LayerPlacements]]:

@@ -11,6 +11,7 @@
     clip_grad_norm_(model, max)   clip by the unsharded model's gradient norm (shards summed over the group)
     ShardRule                     how a module's tp_layout() says a parameter is cut (checkpoints read it)
     ShardedRMSNorm                an RMS norm over features sharded over the ranks (OLMo-2's q_norm / k_norm)
+    check_gradients(model)        raise if a gradient ranks should hold alike differs between them (the invariant)
     summary(model)                how much of a model is sharded: its parts, their styles, this rank's share
     no_tp_communication(module)   inside, the TP linears compute this rank's part only (schedules reduce)
 
@@ -21,6 +22,7 @@ from oases._sharding import ShardRule
 from oases.nn._coverage import Summary, summary
 from oases.nn.clip import clip_grad_norm_
 from oases.nn.experts import ParallelExperts
+from oases.nn.grad_check import check_gradients
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 from oases.nn.norm import ShardedRMSNorm
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
@@ -36,6 +38,7 @@ __all__ = [
     "DEFAULT_PLAN",
     "no_tp_communication",
     "clip_grad_norm_",
+    "check_gradients",
     "ShardRule",
     "ShardedRMSNorm",
     "summary",

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.degrees import LayerDegrees
-from oases.nn import _alibi, _heads, _kv, _moe
+from oases.nn import _alibi, _heads, _kv, _moe, _region_parameters
 from oases.nn import _coverage as _summary
 from oases.nn._layer_args import is_conv1d
 from oases.nn._shared_entry import _SharedEntry
@@ -25,6 +25,7 @@ __all__ = [
     "make_groups",
     "shard_modules",
     "localize_heads",
+    "place_region_parameters",
     "make_moe_regions",
     "hook_degrees",
     "warn_unplaced",
@@ -94,6 +95,14 @@ def localize_heads(plan: ResolvedPlan, groups: Groups, p: int) -> None:
         _heads.localize_heads(module, d)
         _heads.shard_norms(module, plan.norms[name], group)
         _heads.sum_head_shared_grads(module, group)
+
+
+def place_region_parameters(model: nn.Module, plan: ResolvedPlan, groups: Groups) -> None:
+    """The dense regions' whole parameters sharded with their features or summed over the group
+    (oases.nn._region_parameters), as check_plan placed them."""
+    _region_parameters.apply_region_parameters(
+        model, plan.region_parameters, lambda region: groups.by_degree[plan.degree(region)]
+    )
 
 
 def make_moe_regions(model: nn.Module, plan: ResolvedPlan, p: int) -> None:

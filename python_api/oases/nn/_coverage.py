@@ -51,7 +51,9 @@ ROUTERS = frozenset({"router", "gate", "shared_expert_gate"})
 @dataclass(frozen=True)
 class Part:
     """One module holding parameters: its style ("column", "column:3", "column:(64, 32, 32)", "row",
-    "vocab", "vocab_head", "sharded_norm" or "replicated"), this rank's and the unsharded parameter counts."""
+    "vocab", "vocab_head", "sharded_norm", "experts", "sharded" (per-head or per-feature parameters cut
+    with their heads or features), "summed" (whole, its gradient summed over the group: each rank
+    sees its shard of the features) or "replicated"), this rank's and the unsharded parameter counts."""
 
     name: str
     style: str
@@ -104,7 +106,9 @@ def _style(module: nn.Module) -> str:
         "VocabParallelEmbedding": "vocab",
         "ShardedRMSNorm": "sharded_norm",
         "ParallelExperts": "experts",
-    }.get(kind, "sharded" if hasattr(module, "tp_layout") else "replicated")
+    }.get(
+        kind, "sharded" if hasattr(module, "tp_layout") else "summed" if hasattr(module, "tp_summed") else "replicated"
+    )
 
 
 def _own_parameters(module: nn.Module) -> list:

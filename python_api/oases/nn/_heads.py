@@ -358,7 +358,5 @@ def sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGrou
     layout = getattr(attention, "tp_layout", None)
     if callable(layout):  # its own per-head parameters (shard_head_parameters)
         in_tp |= {id(attention.get_parameter(name)) for name in layout()}
-    ring = ring_of(group)
-    for param in attention.parameters():
-        if id(param) not in in_tp and param.requires_grad:
-            param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
+    names = [n for n, param in attention.named_parameters() if id(param) not in in_tp and param.requires_grad]
+    _mappings.sum_grads(attention, names, group)

@@ -8,6 +8,8 @@ backward of each is the adjoint of its forward, so each mapping's backward is it
     reduce_from_tp  fwd: all-reduce                  bwd: identity             dual: copy_to_tp
     split_to_tp     fwd: keep slice r of last dim    bwd: all-gather last dim  dual: gather_from_tp
     gather_from_tp  fwd: all-gather last dim         bwd: keep slice r         dual: split_to_tp
+    sum_grads       a hook on parameters: .grad summed over the ranks (a whole parameter fed by this
+                    rank's shard of the features: Qwen3's q_norm, an MoE router, a learned activation)
     sum_over_tp     fwd: all-reduce                  bwd: all-reduce           self-adjoint (a partial
                     sum every rank's output depends on: ShardedRMSNorm's sum of squares)
     copy_to_replicas  copy_to_tp on some rows: fwd identity, bwd all-reduce of the gradient's rows
@@ -27,6 +29,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from oases import comm
 from oases.comm._topology import Ring, ring_of
@@ -40,6 +43,7 @@ __all__ = [
     "lead_only",
     "grad_on_lead",
     "copy_to_replicas",
+    "sum_grads",
 ]
 
 
@@ -208,3 +212,15 @@ def lead_only(x: torch.Tensor, lead: bool) -> torch.Tensor:
 def grad_on_lead(x: torch.Tensor, lead: bool) -> torch.Tensor:
     """fwd: identity; bwd: the gradient where `lead`, zeros elsewhere."""
     return _GradOnLead.apply(x, lead)
+
+
+def sum_grads(module: nn.Module, names: list[str], group: Optional[dist.ProcessGroup]) -> None:
+    """Sum the gradients of `module`'s parameters `names` (dotted below it) over `group` as they are
+    computed (a hook per parameter), and say so: each parameter's own module lists its leaf name in
+    `tp_summed` (oases.summary shows the module as "summed")."""
+    ring = ring_of(group)
+    for name in names:
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        getattr(owner, leaf).register_hook(lambda grad: _all_reduced(grad, ring))
+        owner.tp_summed = tuple(getattr(owner, "tp_summed", ())) + (leaf,)

@@ -168,9 +168,8 @@ def make_region(model: nn.Module, name: str, routers: frozenset[str]) -> None:
     block.register_forward_pre_hook(functools.partial(_enter, experts), with_kwargs=True)
     block.register_forward_hook(functools.partial(_leave, experts))
     sharded = {id(q) for m in block.modules() if hasattr(m, "tp_layout") for q in m.parameters()}
-    for param in block.parameters():
-        if id(param) not in sharded and param.requires_grad:
-            param.register_hook(lambda grad: _mappings._all_reduced(grad, ring))
+    names = [n for n, param in block.named_parameters() if id(param) not in sharded and param.requires_grad]
+    _mappings.sum_grads(block, names, experts.group)
     for child_name, child in block.named_children():
         if child_name in routers and child is not experts:
             child.register_forward_hook(functools.partial(_logits_on_lead, ring.rank == 0), prepend=True)

@@ -21,6 +21,7 @@ from oases.nn import _coverage as _summary
 from oases.nn._layer_args import check_shardable, is_conv1d
 from oases.nn._materialize import check_replayable, is_on_meta
 from oases.nn._parts import HEAD_PROJECTIONS
+from oases.nn._region_parameters import place_region_parameters
 from oases.nn._styles import ResolvedPlan, Style, features, matches
 from oases.nn.vocab import check_embedding, check_vocab
 
@@ -195,6 +196,9 @@ def check_plan(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
             skip,
         )
     _check_parts(model, plan.placed, plan.linears, plan.degree)
+    plan.region_parameters = place_region_parameters(
+        model, plan.placed, plan.linears, plan.attention, plan.placed_experts, plan.degree, p
+    )
 
 
 def _check_kinds(styles: dict[str, Style], linears: dict[str, nn.Linear], embeddings: dict[str, nn.Embedding]) -> None:

@@ -131,6 +131,8 @@ class ResolvedPlan:
     norms: dict[str, dict[str, tuple[float, bool]]] = field(default_factory=dict)  # their full-width norms
     routers: frozenset[str] = frozenset()  # MoE blocks' routers and gates (replicated by design)
     inherited: frozenset[str] = frozenset()  # an explicit plan's entries equal to DEFAULT_PLAN's
+    # dense regions' whole parameters that are sharded or summed ({name: oases.nn._region_parameters.Placement})
+    region_parameters: dict[str, object] = field(default_factory=dict)
 
     def sharded(self) -> Iterator[tuple[str, nn.Module, Style]]:
         """(name, module, style) of every placed module: projections, embeddings, then experts."""

@@ -109,6 +109,14 @@ groups, is refused. Per architecture:
                                            than the input's width, C // n_head)
     BERT-style self-attention              num_attention_heads, all_head_size
 
+Other parameters of a dense region (an MLP between its column and row layers) are placed by
+where their gradient comes from (oases.nn._region_parameters): one entry per inner feature
+(a learned per-channel gate or scale): sharded with the features; a child's other parameters (a
+learned activation's scalars, Apertus' xIELU): their gradient summed over the group; the region's
+own other parameters left whole (they see its input or its reduced output); norms over the inner
+width: refused by name. What no rule sees (the region's own scalar applied to its shards, a hook)
+is caught at run time by oases.check_gradients (oases.train_step's first step).
+
 Sequence parallelism (sequence_parallel=True) is for models written for it: activations between
 blocks are [s/p, b, h] sequence shards and the model itself sums its norms' gradients over the
 ranks. Hugging Face models are not, so asking for it on one raises a ValueError; for them,
@@ -177,7 +185,15 @@ from oases._compiled import original_module
 from oases.comm._topology import ring_of
 from oases.degrees import KNOWN_LAYERS
 from oases.inputs import watch_inputs
-from oases.nn._apply import hook_degrees, localize_heads, make_groups, make_moe_regions, shard_modules, warn_unplaced
+from oases.nn._apply import (
+    hook_degrees,
+    localize_heads,
+    make_groups,
+    make_moe_regions,
+    place_region_parameters,
+    shard_modules,
+    warn_unplaced,
+)
 from oases.nn._heads import PER_RANK_ATTRIBUTES
 from oases.nn._layer_args import is_conv1d
 from oases.nn._materialize import materialize
@@ -342,6 +358,7 @@ def parallelize(
         materialize(model, original, target, init_weights, allocate or (lambda name: True))
         del original
     localize_heads(resolved, groups, p)
+    place_region_parameters(model, resolved, groups)
     make_moe_regions(model, resolved, p)
     hook_degrees(model, resolved, groups)
     warn_unplaced(model, resolved, p)
