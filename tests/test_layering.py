@@ -50,6 +50,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "oases",
         "oases.__main__",
         "oases.cli",
+        "oases.check_model",
         "oases.plan",
         "oases.env",
         "oases._env_guards",

@@ -1,7 +1,9 @@
-"""The `oases` command line: `oases plan` (oases.planner.cli) and `oases env` (oases.env).
+"""The `oases` command line: `oases plan` (oases.planner.cli), `oases env` (oases.env) and
+`oases check-model` (oases.check_model).
 
 oases plan --model llama-7b --world 16 --device-memory 24GB --link 25gbit
 oases env [--probe-link]
+oases check-model qwen3 [--tp 2 4]
 python -m oases ...                                      # the same
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+from oases import check_model as check_model_command
 from oases import env as env_command
 from oases.planner import cli as plan_command
 
@@ -33,8 +36,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description=env_command.DESCRIPTION,
     )
     env_command.add_arguments(env)
+    check = sub.add_parser(
+        "check-model",
+        help="check on 2 and 4 local ranks that oases trains a model type (or config) exactly",
+        description=check_model_command.DESCRIPTION,
+    )
+    check_model_command.add_arguments(check)
     args = parser.parse_args(argv)
-    return env_command.run(args) if args.command == "env" else plan_command.run(args)
+    commands = {"env": env_command.run, "plan": plan_command.run, "check-model": check_model_command.run}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":
