@@ -174,6 +174,7 @@ class _Case:
     check: Optional[Callable[[], None]] = None  # after every step ran once: further checks (raise)
     inputs: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)  # a step's inputs, for its input check
     grad_check: Optional[Callable[[], None]] = None  # oases.check_gradients on our model (its gradients present)
+    real_step: Optional[Callable[[], object]] = None  # fresh gradients of one real step (not dry) before timing it
 
 
 # ---- PyTorch's tensor parallelism on the same model -------------------------------------------
@@ -293,7 +294,8 @@ def _gpt_case(args, ctx) -> _Case:
         },
         notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"],
         inputs={"tokens": tokens, "targets": targets},
-        grad_check=lambda m=next(iter(models.values())): check_gradients(m),
+        grad_check=lambda m=models[BASELINE]: check_gradients(m),
+        real_step=lambda m=models[BASELINE]: (m.zero_grad(set_to_none=True), m.train_step(tokens, targets)),
     )
 
 
@@ -406,6 +408,7 @@ def _llama_case(args, ctx) -> _Case:
         check=check,
         inputs={"input_ids": ids, "labels": ids, "attention_mask": None},
         grad_check=lambda: check_gradients(model),
+        real_step=lambda: ours(BASELINE),  # zeroes the gradients first
     )
 
 
@@ -493,7 +496,11 @@ def run(args, ctx) -> list[dict]:
     # The TP group's input check every step of ours runs first (oases.inputs; check_inputs=True), alone.
     t_check = ctx.timer.measure({"check": lambda: agree_inputs(case.inputs, ctx.group, device=ctx.device)})["check"]
     # The gradient invariant oases.train_step checks on a model's first step (oases.check_gradients), alone.
-    t_grads = ctx.timer.measure({"grads": case.grad_check})["grads"] if case.grad_check is not None else None
+    # Its gradients from one real step: the dry runs timed above left partial sums in .grad.
+    t_grads = None
+    if case.grad_check is not None:
+        case.real_step()
+        t_grads = ctx.timer.measure({"grads": case.grad_check})["grads"]
 
     records = []
     link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
