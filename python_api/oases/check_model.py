@@ -126,8 +126,8 @@ def tiny_config(config: Any) -> Any:
         new[heads_key] = heads_small
     if kv_key:
         new[kv_key] = kv_small
-    if isinstance(d.get("head_dim"), int):
-        new["head_dim"] = 16
+    if isinstance(d.get("head_dim"), int):  # MLA's is the rotary part's (qk_rope_head_dim)
+        new["head_dim"] = _SMALL["qk_rope_head_dim"] if d["head_dim"] == d.get("qk_rope_head_dim") else 16
     inner_key = _first(d, _INNER)
     if inner_key and hidden:
         new[inner_key] = max(32, round(d[inner_key] / hidden * heads_small * 16 / 32) * 32)
