@@ -23,12 +23,16 @@ never touches the shared config:
 
 `qkv_parts` gives the block sizes of a fused [q | k | v] projection from the module's head counts,
 for the plan style "column:qkv" (GQA: the blocks differ, so equal thirds would be wrong).
+`fused_layout` says how a known attention class's forward lays out its fused projection (FUSED_LAYOUTS:
+DBRX's Wqkv and multi-query GPTBigCode / Falcon are [q | k | v] blocks, GPT-NeoX / BLOOM / Persimmon
+and multi-head GPTBigCode / Falcon go head by head, Falcon's new_decoder_architecture group by group);
+for those the layout, not the plan's column variant, decides the shards (oases.nn._plan_checks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,8 @@ __all__ = [
     "check_widths",
     "localize_heads",
     "qkv_parts",
+    "FUSED_LAYOUTS",
+    "fused_layout",
     "full_width_norms",
     "check_norm_form",
     "shard_norms",
@@ -72,9 +78,10 @@ PER_RANK_ATTRIBUTES = (
     "n_embd",
     "split_size",
     "all_head_size",
+    "kv_heads",
 )
 _HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_head", "n_kv_heads", "kv_heads")
 
 
 def count(module: nn.Module, names: tuple[str, ...]) -> Optional[tuple[str, int]]:
@@ -184,6 +191,47 @@ def qkv_parts(name: str, attention: nn.Module, out_features: int) -> tuple[int, 
             + "; give the block sizes, 'column:<q>,<k>,<v>'"
         )
     return q * d, kv * d, kv * d
+
+
+def _bigcode_layout(attention: nn.Module) -> str:
+    if getattr(attention, "is_cross_attention", False):
+        return "cross"
+    return "qkv" if getattr(attention, "multi_query", False) else "heads"
+
+
+def _falcon_layout(attention: nn.Module) -> str:
+    if getattr(attention, "new_decoder_architecture", False):
+        return "groups"
+    return "qkv" if getattr(attention, "multi_query", False) else "heads"
+
+
+# Attention classes (by class name, anywhere in the MRO) whose forward fixes how the outputs of their
+# fused q/k/v projection map to heads: {class: (projection child, its layout given the module)}.
+#   "qkv"     [q (heads * d) | k (kv * d) | v (kv * d)]: three blocks, each cut by heads (qkv_parts),
+#             K / V replicated at p > kv_heads (oases.nn._kv)
+#   "heads"   head by head, [q_h | k_h | v_h] for each head (kv_heads == heads): whole-width shards
+#             ("column") hold whole heads
+#   "groups"  key-value head by key-value head, [q (heads / kv_heads of them) | k_g | v_g] for each:
+#             whole-width shards hold whole groups (kv_heads % p == 0; refused at p > kv_heads)
+#   "cross"   GPTBigCode's cross-attention c_attn [k | v] beside a q_attn: refused
+FUSED_LAYOUTS: dict[str, tuple[str, Callable[[nn.Module], str]]] = {
+    "DbrxAttention": ("Wqkv", lambda attention: "qkv"),
+    "GPTBigCodeAttention": ("c_attn", _bigcode_layout),
+    "FalconAttention": ("query_key_value", _falcon_layout),
+    "GPTNeoXAttention": ("query_key_value", lambda attention: "heads"),
+    "BloomAttention": ("query_key_value", lambda attention: "heads"),
+    "PersimmonAttention": ("query_key_value", lambda attention: "heads"),
+}
+
+
+def fused_layout(attention: nn.Module, child: str) -> Optional[str]:
+    """The layout ("qkv", "heads", "groups", "cross": FUSED_LAYOUTS) of the attention module's fused
+    q/k/v projection `child`, where its class's forward fixes it; None elsewhere (the plan decides)."""
+    for cls in type(attention).__mro__:
+        found = FUSED_LAYOUTS.get(cls.__name__)
+        if found is not None:
+            return found[1](attention) if found[0] == child else None
+    return None
 
 
 class _RankConfig:

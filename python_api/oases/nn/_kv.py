@@ -14,10 +14,15 @@ heads and the ONE key-value head they use, c = p / kv_heads consecutive ranks ho
     input gradient             unchanged: sum over all p ranks of (dk_r @ W_{r // c}) is the full one
     checkpoints, exports       ShardRule(replicas=...): every copy names the same boxes, written once
 
+A fused projection is replicated this way where it is three blocks [q | k | v]: planned "column:qkv",
+or laid out so by its attention class (oases.nn._heads.fused_layout: DBRX's Wqkv, multi-query
+GPTBigCode's c_attn and Falcon's query_key_value, [q (heads * d) | k (d) | v (d)] with kv_heads = 1).
+
 Refused (ValueError, before anything changes): a fused head projection other than a three-block
-[q | k | v] (GPT-NeoX / Falcon's query_key_value interleaves heads; GPT-2's c_attn has no GQA),
-a norm over the replicated projection's whole width (OLMo-2's k_norm: its sum of squares would
-count each copy), and per-layer tp_degrees.
+[q | k | v] (GPT-NeoX's query_key_value interleaves heads; GPT-2's c_attn has no GQA), Falcon's
+new_decoder_architecture query_key_value (group by group: a rank would hold part of one group's
+query heads), a norm over the replicated projection's whole width (OLMo-2's k_norm: its sum of
+squares would count each copy), and per-layer tp_degrees.
 """
 
 from __future__ import annotations
@@ -83,6 +88,14 @@ def plan_replicas(
         for name in names:
             leaf = name.rpartition(".")[2]
             stacked, parts = columns[name]
+            if _heads.fused_layout(attention, leaf) == "groups":
+                raise ValueError(
+                    f"{name}: {type(attention).__name__}'s fused {leaf} is laid out key-value group by group "
+                    f"([{q // kv} query heads | k | v] for each of its {kv} key-value heads: Falcon's "
+                    f"new_decoder_architecture); at TP degree {degree(name)} > {kv} key-value heads a rank would "
+                    f"hold part of one group's query heads and a copy of its k and v, which oases does not shard. "
+                    f"Use a TP degree that divides {kv} (each rank then holds whole groups)"
+                )
             if is_conv1d(attention.get_submodule(leaf)):
                 raise ValueError(
                     f"{name}: a Conv1D head projection, whose {kv} key-value heads oases does not "

@@ -216,12 +216,29 @@ def _check_kinds(styles: dict[str, Style], linears: dict[str, nn.Linear], embedd
 
 
 def _resolve_qkv(model: nn.Module, placed: dict[str, Style], linears: dict[str, nn.Module]) -> None:
-    """'column:qkv' entries get their blocks, (q, k, v) widths from their parent's head counts."""
+    """Fused q/k/v projections get their blocks. Where the attention class's forward fixes the layout
+    (_heads.fused_layout: DBRX, GPTBigCode, Falcon, ...) it decides, whatever column variant the plan
+    gives: [q | k | v] blocks -> (q, k, v) widths from the head counts, head by head or group by group
+    -> whole-width shards ("column"). Elsewhere 'column:qkv' entries get (q, k, v) widths."""
     for name, style in placed.items():
-        if style.qkv:
-            parent = model.get_submodule(name.rpartition(".")[0])
+        if style.kind != "column":
+            continue
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layout = _heads.fused_layout(parent, leaf)
+        if layout is None and style.qkv:
+            layout = "qkv"
+        if layout == "qkv":
             parts = _heads.qkv_parts(name, parent, features(linears[name])[1])
             placed[name] = Style("column", parts=parts)
+        elif layout in ("heads", "groups"):
+            placed[name] = Style("column")
+        elif layout is not None:
+            raise ValueError(
+                f"{name}: {type(parent).__name__}'s {leaf} is a cross-attention's fused [k | v] (its queries "
+                f"come from another projection), a layout oases does not shard; leave this attention "
+                f"unsharded (plan= without {leaf!r} and its output projection)"
+            )
 
 
 def _check_layers(placed: dict[str, Style], linears: dict[str, nn.Module], p: int) -> None:

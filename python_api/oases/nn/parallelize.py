@@ -96,12 +96,24 @@ a hook sums their gradient over the group (oases.nn._heads); parameters with one
 head (GPT-OSS's sinks) are split by head like q. A per-head bias the base model builds for every
 head (BLOOM's and Falcon's ALiBi `alibi`, Falcon's per-head mask) is cut to this rank's heads by a
 pre-hook on the attention (oases.nn._alibi). CodeGen, whose forward splits qkv_proj into fixed
-groups, is refused. Per architecture:
+groups, is refused.
+
+A fused q/k/v projection is cut as its attention's forward reads it. Where the class fixes the
+layout (oases.nn._heads.FUSED_LAYOUTS) the layout decides, whatever column variant the plan gives:
+[q | k | v] blocks by the head counts (DBRX's Wqkv, multi-query GPTBigCode's c_attn and Falcon's
+query_key_value: [q (heads * d) | k (d) | v (d)], K / V held by every rank), head by head
+(GPT-NeoX, BLOOM, Persimmon, multi-head GPTBigCode and Falcon: whole-width shards) or group by
+group (Falcon's new_decoder_architecture, [q (heads / kv_heads) | k | v] per kv head: whole groups,
+so a TP degree above num_kv_heads is refused). Elsewhere the plan decides ("column:3" thirds for
+GPT-2 and nanoGPT, "column:qkv" for Phi-3). Per architecture:
 
     transformers 5.x Llama/Mistral/Qwen2   views with (..., -1, head_dim) and reads only head_dim and
                                            num_key_value_groups: nothing to change
     transformers GPT-NeoX                  views with (..., -1, 3 * head_size): nothing to change
     transformers Falcon, BLOOM             num_heads, num_kv_heads, hidden_size, split_size; ALiBi cut
+    transformers GPTBigCode                num_heads, kv_heads, embed_dim, split_size (multi-query:
+                                           num_key_value_groups made this rank's query heads)
+    transformers DBRX                      num_heads, num_key_value_heads, hidden_size; fused Wqkv
     transformers Phi-3                     config.num_attention_heads (the config view), fused qkv
     transformers GPT-2                     num_heads, embed_dim, split_size; Conv1D projections
     transformers OLMo-2                    full-width q_norm / k_norm -> ShardedRMSNorm
@@ -217,6 +229,8 @@ DEFAULT_PLAN: Mapping[str, str] = MappingProxyType(
         # Phi-3: fused [q | k | v] (blocks of the attention's head counts: GQA's differ) and [gate | up]
         "qkv_proj": "column:qkv",
         "gate_up_proj": "column:2",
+        # DBRX: fused Wqkv, [q | k | v] with grouped key-value heads (clip_qkv clamps elementwise: per shard)
+        "Wqkv": "column:qkv",
         # GPT-NeoX, Falcon: query_key_value is laid out head by head, so whole-block shards keep
         # whole heads; "dense" alone is too common a name (BERT's MLP has one), so only attention's
         "query_key_value": "column",
