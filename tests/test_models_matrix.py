@@ -24,6 +24,9 @@ least one of them:
                 an embedding norm before the layers, branches that add the residual themselves
     falcon      ALiBi folded into a per-head mask [b, H, q, k], parallel attention, one norm
     opt         decoder layers one level down (OPTModel -> decoder), out_proj, fc1 / fc2 in the layer
+    deepseek_v3 multi-head latent attention (low-rank q and kv, a rotary key shared by the heads:
+                one TP region), a dense then an MoE layer with a shared expert; deepseek_v2 the
+                same with full-rank queries (q_proj); at TP 2 and 4
 
 For each, in one spawn per group: the default plan shards >= 95% of the decoder layers'
 projection parameters (oases.summary) and the layers split as expected; forward logits and
@@ -115,8 +118,30 @@ MORE = {
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=8)),
     "apertus": ("ApertusForCausalLM", "ApertusConfig", {}),  # xIELU: a learned activation (summed)
 }
+# multi-head latent attention (oases.nn._latent), the matrix's whole checks: {kind: (model, config, beyond SMALL)}
+_MLA = dict(
+    num_key_value_heads=4,  # MLA's keys are per head (num_key_value_groups 1)
+    kv_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    tie_word_embeddings=False,
+)
+LATENT = {
+    # low-rank queries (q_a_proj -> q_a_layernorm -> q_b_proj), one dense layer then an MoE layer
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(_MLA, q_lora_rank=32, first_k_dense_replace=1)),
+    # full-rank queries (q_proj), every layer MoE with two shared experts
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(_MLA, q_lora_rank=None, n_shared_experts=2)),
+}
 # how oases.train_step splits each model's decoder layers (oases.nn._parts.LayerParts.kind)
 SPLIT = {
+    "deepseek_v3": "sequential",
+    "deepseek_v2": "sequential",
     "llama": "sequential",
     "llama_tied": "sequential",
     "qwen3": "sequential",
@@ -287,9 +312,9 @@ def _build(kind):
                 **IDS,
             )
         )
-    if kind in MORE:
-        model, config, extra = MORE[kind]
-        return getattr(tf, model)(getattr(tf, config)(**SMALL, **extra))
+    if kind in MORE or kind in LATENT:
+        model, config, extra = MORE.get(kind) or LATENT[kind]
+        return getattr(tf, model)(getattr(tf, config)(**{**SMALL, **extra}))
     raise AssertionError(kind)
 
 
@@ -492,6 +517,8 @@ def _check_more(rank, p):
         oases.train_step(olmo2, ids, ids)
     with pytest.raises(ValueError, match="tp_degrees with an attention that takes per-head biases"):
         oases.parallelize(_build("bloom"), tp_degrees=[2, 1])
+    with pytest.raises(ValueError, match=r"tp_degrees with multi-head latent attention \(DeepseekV3Attention\)"):
+        oases.parallelize(_build("deepseek_v3"), tp_degrees=[2, 1])
     # a config asking for tuples (return_dict=False): the head still finds the logits
     ref, tp = _build("llama"), _build("llama")
     with warnings.catch_warnings():
@@ -519,6 +546,15 @@ def _check_more(rank, p):
 
 def test_more_decoders_from_the_same_parts_tp2():
     run_ranks(_check_more, 2, timeout=240)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_latent_attention_matches_unsharded(p):
+    """DeepSeek-V2/V3's multi-head latent attention (oases.nn._latent) with their MoE layers: every
+    check of the matrix (schedules, sequence parallelism, autocast, meta build, export, checkpoint)
+    at TP 2 and at TP 4 (one head per rank)."""
+    with tempfile.TemporaryDirectory() as root:
+        run_ranks(_check_models, p, tuple(LATENT), root, timeout=480)
 
 
 def test_models_match_unsharded_tp4():

@@ -71,6 +71,8 @@ _SMALL = {  # (key, value) set where the config has the key (not None)
     "qk_head_dim": 24,
     "sliding_window": 8,
     "router_jitter_noise": 0.0,
+    "n_group": 1,  # DeepSeek's grouped routing: one group of the 4 experts
+    "topk_group": 1,
 }
 
 
@@ -137,6 +139,8 @@ def tiny_config(config: Any) -> Any:
     for key in _TOP_K:
         if _first(d, (key,)):
             new[key] = min(d[key], 2)
+        elif key in d and d[key] is None and any(_first(d, (e,)) for e in _EXPERTS):
+            new[key] = 2  # a default left unset (DeepSeek-V2's)
     new.update((k, v) for k, v in _SMALL.items() if d.get(k) is not None)
     layers_key = _first(d, _LAYERS)
     kinds = list(dict.fromkeys(d["layer_types"])) if isinstance(d.get("layer_types"), list) else []

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from oases.nn._parts import LATENT_PROJECTIONS
 from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 from oases.nn.row import _outputs_made
@@ -187,7 +188,11 @@ def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
                     if any(isinstance(c, ParallelExperts) for c in m.children())
                 }
                 plain = [
-                    n for n, m in module.named_modules() if type(m) is nn.Linear and n.rpartition(".")[0] not in blocks
+                    n
+                    for n, m in module.named_modules()
+                    if type(m) is nn.Linear
+                    and n.rpartition(".")[0] not in blocks
+                    and n.rpartition(".")[2] not in LATENT_PROJECTIONS  # MLA's, replicated by design
                 ]
                 if plain or not any(isinstance(m, (RowParallelLinear, ParallelExperts)) for m in module.modules()):
                     raise ValueError(

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.degrees import LayerDegrees
-from oases.nn import _alibi, _heads, _kv, _moe, _region_parameters
+from oases.nn import _alibi, _heads, _kv, _latent, _moe, _region_parameters
 from oases.nn import _coverage as _summary
 from oases.nn._layer_args import is_conv1d
 from oases.nn._shared_entry import _SharedEntry
@@ -94,7 +94,9 @@ def localize_heads(plan: ResolvedPlan, groups: Groups, p: int) -> None:
         _heads.shard_head_parameters(module, group)  # GPT-OSS's sinks: this rank's heads (full counts)
         _heads.localize_heads(module, d)
         _heads.shard_norms(module, plan.norms[name], group)
-        _heads.sum_head_shared_grads(module, group)
+        _heads.sum_head_shared_grads(module, group)  # MLA's latent projections and norms too
+        if _latent.is_latent(module):
+            _latent.make_latent_region(module)
 
 
 def place_region_parameters(model: nn.Module, plan: ResolvedPlan, groups: Groups) -> None:

@@ -10,7 +10,8 @@
 Shardable decoder-layer parameters are those of the layers' projections (nn.Linear, Conv1D and
 the TP layers made of them) and fused routed experts (an MoE block's 3-D gate_up_proj / down_proj,
 oases.nn.experts), less the replicated biases of row-parallel layers (added once after the
-reduction: replicated by design) and routers and gates; norms are not shardable (a norm over a sharded
+reduction: replicated by design), routers and gates and multi-head latent attention's low-rank
+down-projections (oases.nn._latent); norms are not shardable (a norm over a sharded
 width, OLMo-2's q_norm, is counted as sharded when it is). parallelize calls `check_coverage`
 with its plan before changing anything: decoder layers whose shardable parameters would stay
 mostly replicated (less than half sharded) raise a ValueError with the default plan (a warning
@@ -29,6 +30,7 @@ from oases._compiled import original_module
 from oases._sharding import tp_rules
 from oases.comm._topology import ring_of
 from oases.nn._parts import (
+    LATENT_PROJECTIONS,
     _calls,
     attention_of,
     decoder_layers_of,
@@ -192,7 +194,7 @@ def _shardable(layer_prefix: str, layer: nn.Module) -> dict[str, tuple[nn.Module
         if is_experts(module):
             found[f"{layer_prefix}.{name}"] = (module, module.gate_up_proj.numel() + module.down_proj.numel())
             continue
-        if not is_projection(module) or name.rpartition(".")[2] in ROUTERS:
+        if not is_projection(module) or name.rpartition(".")[2] in ROUTERS | LATENT_PROJECTIONS:
             continue
         bias = getattr(module, "bias", None)
         count = module.weight.numel()

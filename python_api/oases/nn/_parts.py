@@ -43,6 +43,7 @@ from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "HEAD_PROJECTIONS",
+    "LATENT_PROJECTIONS",
     "LayerParts",
     "StackParts",
     "inner_base",
@@ -73,8 +74,14 @@ HEAD_PROJECTIONS = frozenset(
         "query",
         "key",
         "value",
+        "q_b_proj",
+        "kv_b_proj",
     }
 )
+
+# Low-rank down-projections of multi-head latent attention (DeepSeek-V2/V3): replicated by design,
+# their latents feeding the column-parallel up-projections (q_b_proj, kv_b_proj; oases.nn._latent).
+LATENT_PROJECTIONS = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
 
 
 def is_projection(module: nn.Module) -> bool:

@@ -20,7 +20,7 @@ from oases.nn import _alibi, _heads, _kv, _moe
 from oases.nn import _coverage as _summary
 from oases.nn._layer_args import check_shardable, is_conv1d
 from oases.nn._materialize import check_replayable, is_on_meta
-from oases.nn._parts import HEAD_PROJECTIONS
+from oases.nn._parts import HEAD_PROJECTIONS, LATENT_PROJECTIONS
 from oases.nn._region_parameters import place_region_parameters
 from oases.nn._styles import ResolvedPlan, Style, features, matches
 from oases.nn.vocab import check_embedding, check_vocab
@@ -186,6 +186,11 @@ def check_plan(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
         {n: s.kind for n, s in plan.placed.items()},
         plan.degree,
         p,
+    ) | frozenset(
+        f"{name}.{child}" if name else child
+        for name, module in plan.attention.items()
+        for child, _ in module.named_children()
+        if child in LATENT_PROJECTIONS
     )
     if p > 1:
         skip = frozenset(i for i, d in enumerate(plan.degrees or ()) if d == 1)
@@ -366,6 +371,11 @@ def _check_attention(name: str, module: nn.Module, plan: ResolvedPlan) -> dict[s
             f"heads cannot be split across ranks; leave its projections out of the plan (plan= "
             f"without them) or use TP degree 1 for this model"
         )
+    if plan.degrees is not None and any(child in LATENT_PROJECTIONS for child, _ in module.named_children()):
+        raise ValueError(
+            f"{name}: tp_degrees with multi-head latent attention ({type(module).__name__}) is not supported "
+            f"yet; parallelize without tp_degrees"
+        )
     if plan.degrees is not None and _alibi.takes_head_biases(module):
         raise ValueError(
             f"{name}: tp_degrees with an attention that takes per-head biases from the base model "
@@ -410,6 +420,7 @@ def _check_parts(
                 )
             continue
         left = [n.rpartition(".")[2] for n, k in kinds.items() if k is None]
+        left = [n for n in left if n not in LATENT_PROJECTIONS]  # MLA's down-projections: replicated
         if "row" not in kinds.values():
             raise ValueError(
                 f"{where}: its projections are planned as column-parallel with no row-parallel one to "

@@ -129,7 +129,7 @@ class ResolvedPlan:
     tied: list[tuple[str, str]] = field(default_factory=list)  # (embedding, head) sharing one weight
     attention: dict[str, nn.Module] = field(default_factory=dict)  # parents of sharded head projections
     norms: dict[str, dict[str, tuple[float, bool]]] = field(default_factory=dict)  # their full-width norms
-    routers: frozenset[str] = frozenset()  # MoE blocks' routers and gates (replicated by design)
+    routers: frozenset[str] = frozenset()  # replicated by design: MoE routers and gates, MLA's down-projections
     inherited: frozenset[str] = frozenset()  # an explicit plan's entries equal to DEFAULT_PLAN's
     # dense regions' whole parameters that are sharded or summed ({name: oases.nn._region_parameters.Placement})
     region_parameters: dict[str, object] = field(default_factory=dict)

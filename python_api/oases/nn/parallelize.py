@@ -98,6 +98,12 @@ head (BLOOM's and Falcon's ALiBi `alibi`, Falcon's per-head mask) is cut to this
 pre-hook on the attention (oases.nn._alibi). CodeGen, whose forward splits qkv_proj into fixed
 groups, is refused.
 
+Multi-head latent attention (DeepSeek-V2/V3, oases.nn._latent): the per-head up-projections
+(q_b_proj or q_proj, kv_b_proj) column-parallel by heads, o_proj row-parallel, the low-rank
+down-projections (LATENT_PROJECTIONS), their norms and the rotary key shared by every head
+replicated with their gradients summed; the attention is one TP region (its input's gradient
+all-reduced once at its entry, as an MoE block's).
+
 A fused q/k/v projection is cut as its attention's forward reads it. Where the class fixes the
 layout (oases.nn._heads.FUSED_LAYOUTS) the layout decides, whatever column variant the plan gives:
 [q | k | v] blocks by the head counts (DBRX's Wqkv, multi-query GPTBigCode's c_attn and Falcon's
@@ -229,6 +235,10 @@ DEFAULT_PLAN: Mapping[str, str] = MappingProxyType(
         # Phi-3: fused [q | k | v] (blocks of the attention's head counts: GQA's differ) and [gate | up]
         "qkv_proj": "column:qkv",
         "gate_up_proj": "column:2",
+        # DeepSeek-V2/V3 multi-head latent attention: the per-head up-projections (q_proj without
+        # q_lora_rank), o_proj row; the low-rank q_a_proj / kv_a_proj_with_mqa stay replicated
+        "q_b_proj": "column",
+        "kv_b_proj": "column",
         # DBRX: fused Wqkv, [q | k | v] with grouped key-value heads (clip_qkv clamps elementwise: per shard)
         "Wqkv": "column:qkv",
         # GPT-NeoX, Falcon: query_key_value is laid out head by head, so whole-block shards keep
