@@ -27,21 +27,9 @@ from oases.schedule import SCHEDULES
 
 from _shards import check_grads
 from _spawn import run_ranks
+from test_models_matrix import SMALL
 
 TOL = dict(rtol=1e-4, atol=1e-5)
-SMALL = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    vocab_size=96,
-    max_position_embeddings=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    attn_implementation="eager",
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
 
 
 def _quiet_parallelize(model, **kwargs):

@@ -41,6 +41,20 @@ DEFAULT_RTOL = {torch.float64: 1e-5, torch.float32: 1e-5, torch.float16: 1e-2, t
 _SEED = 0x0A5E5
 
 
+_TP_MISMATCH = (
+    "{count} whole parameter(s) end the backward with different gradients on the ranks of the tensor-parallel "
+    "group (each rank should hold the unsharded model's): {names}. Likely cause: the parameter sees only this "
+    "rank's shard of the features (a learned activation, a gate or scale between a column and a row layer, a hook "
+    "that uses a parameter parallelize cannot see), so each rank's gradient is a partial sum; move it into a "
+    "module parallelize places (an activation's parameters are summed over the group, per-feature ones sharded: "
+    "see oases.summary), or leave that module's projections out of the plan"
+)
+_DP_MISMATCH = (
+    "{count} parameter(s) end the step with different gradients on the data-parallel replicas: {names}. Likely "
+    "cause: a parameter outside the gradient sync's buckets, or a sync that did not finish before the check"
+)
+
+
 def _tp_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     """The group the model's whole parameters are replicated over: its one TP group, the world
     with per-layer degrees (whole parameters summed over replicas) or several groups; None: TP 1."""
@@ -138,30 +152,15 @@ def check_gradients(
     if dist.get_backend(group) == "gloo" or (dp_group is not None and dist.get_backend(dp_group) == "gloo"):
         device = torch.device("cpu")
     sharded = sharded_parameters(model)
-    problems = []
     tp = group if group is not None else _tp_group(model)
     whole = [(n, q) for n, q in params if id(q) not in sharded]
-    if tp is not None and dist.get_world_size(tp) > 1 and whole:
-        hi, lo = _spread(_digests(whole, device), tp)
-        bad = _mismatches(whole, hi, lo, rtol, atol)
+    problems = []
+    for ranks, checked, what in ((tp, whole, _TP_MISMATCH), (dp_group, params, _DP_MISMATCH)):
+        if ranks is None or dist.get_world_size(ranks) < 2 or not checked:
+            continue
+        hi, lo = _spread(_digests(checked, device), ranks)
+        bad = _mismatches(checked, hi, lo, rtol, atol)
         if bad:
-            problems.append(
-                f"{len(bad)} whole parameter(s) end the backward with different gradients on the ranks of the "
-                f"tensor-parallel group (each rank should hold the unsharded model's): {', '.join(bad)}. Likely "
-                f"cause: the parameter sees only this rank's shard of the features (a learned activation, a gate "
-                f"or scale between a column and a row layer, a hook that uses a parameter parallelize cannot see), "
-                f"so each rank's gradient is a partial sum; move it into a module parallelize places (an "
-                f"activation's parameters are summed over the group, per-feature ones sharded: see "
-                f"oases.summary), or leave that module's projections out of the plan"
-            )
-    if dp_group is not None and dist.get_world_size(dp_group) > 1 and params:
-        hi, lo = _spread(_digests(params, device), dp_group)
-        bad = _mismatches(params, hi, lo, rtol, atol)
-        if bad:
-            problems.append(
-                f"{len(bad)} parameter(s) end the step with different gradients on the data-parallel replicas: "
-                f"{', '.join(bad)}. Likely cause: a parameter outside the gradient sync's buckets, or a sync "
-                f"that did not finish before the check"
-            )
+            problems.append(what.format(count=len(bad), names=", ".join(bad)))
     if problems:
         raise RuntimeError("oases.check_gradients: " + " ".join(problems))
