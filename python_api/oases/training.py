@@ -217,7 +217,7 @@ def train_step(
         refuse_with_degrees("comm", comm)
         refuse_with_degrees("offload", offload)
     if isinstance(stack, (HFStack, NanoGPTStack)):
-        stack.check_trainable()
+        stack.check_trainable(seeded=True)  # dropout: masks from the step seed (step_seed below)
     comm, owned = _step_communicator(model, comm, per_layer)
     input_ids, labels, attention_mask = agree_step_inputs(
         model, comm, check_inputs, input_ids=input_ids, labels=labels, attention_mask=attention_mask

@@ -10,25 +10,238 @@
                        value unread), where each branch ends in its one RowParallelLinear; else core
 
 Shared by the adapters of Hugging Face and nanoGPT-style models.
+
+Dropout in a training step (`Branch(..., dropout=True)`, where the step has a seed: SubBatch.seed).
+The schedules run a sublayer's core two or three times (forward, recomputation, a check), so its
+masks cannot come from the global generator's running state. Each branch's forward runs with the
+default generators forked (`DropoutStreams`: the CPU's, and the device's on CUDA; restored after)
+and seeded from (step seed, layer, sublayer, branch, the sub-batch's rows), so every run of it draws
+the same masks, and a rank switches between two streams as the branch runs (Megatron's RNG tracker):
+
+    GROUP  the same on every rank of the TP group: from the branch's entry, and again after each
+           row-parallel projection. Dropout there acts on replicated activations, or on the partial
+           sums after the row projection (GPT-2's resid_dropout): mask m on every rank, so
+           sum_r m * z_r / (1 - p) = m * (sum_r z_r) / (1 - p), the unsharded dropout of the sum.
+    RANK   this rank's own (its TP rank in the seed): after each column-parallel projection, up to
+           the row projection. Dropout there acts on this rank's heads or features (attention
+           probabilities, MLP features): independent masks, as the unsharded model's would be.
+
+With dropout on, the row projections' biases are added inside core on the group's first rank
+(lead_only: fwd b there and 0 elsewhere, bwd the whole gradient on every rank), so a dropout after
+the projection sees the unsharded layer's biased output; finish adds nothing then. The layer's own
+dropout modules applied to a branch's output (`after`: GPT-NeoX's post_attention_dropout, Phi-3's
+resid_attn_dropout) run at the end of that branch, on the GROUP stream. Masks depend on the
+sub-batch split (the rows are in the seed), not on recomputation, on the schedule's passes or on
+sequence parallelism (the ranks' token slices are not in the seed).
 """
 
 from __future__ import annotations
 
+import contextlib
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.dropout import _DropoutNd
 
+from oases.nn._mappings import lead_only
 from oases.nn._parts import LATENT_PROJECTIONS
 from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
 from oases.nn.row import _outputs_made
+from oases.schedule.protocol import SubBatch
 
-__all__ = ["Branch", "NOT_PASSED", "check_sharded", "check_no_dropout"]
+__all__ = [
+    "Branch",
+    "NOT_PASSED",
+    "GROUP",
+    "RANK",
+    "DropoutStreams",
+    "check_sharded",
+    "check_random",
+    "seeded_embedding",
+    "seeded_layer",
+    "tp_rank",
+    "where_of",
+    "dropout_in",
+    "draw_step_seed",
+    "mix_seed",
+    "stream_hooks",
+]
 
 # Keyword arguments of a decoder layer that its attention must not get in a training step.
 NOT_PASSED = ("hidden_states", "use_cache", "past_key_values", "layer_past", "past_key_value")
+
+
+GROUP, RANK = 0, 1  # DropoutStreams' streams: the same on every TP rank / this rank's own
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A seed in [0, 2**63) from integers (splitmix64 over them): the same in every process."""
+    h = 0
+    for v in values:
+        h = (h + (int(v) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+class DropoutStreams:
+    """Inside `with`: the default generators (the CPU's, and `device`'s on CUDA) forked, drawing
+    from the GROUP stream of `key`; `use(RANK)` / `use(GROUP)` switch streams. Each switch starts
+    the stream's next segment, seeded from (key, stream, `rank` for RANK, the segment's number), so
+    the same code path draws the same numbers on every run and GROUP's on every rank. The
+    generators' states are restored on exit."""
+
+    def __init__(self, key: Sequence[int], rank: int, device: torch.device) -> None:
+        self.key, self.rank = tuple(key), rank
+        self.cuda = device.index if device.index is not None else None
+        if device.type == "cuda" and self.cuda is None:
+            self.cuda = torch.cuda.current_device()
+        if device.type != "cuda":
+            self.cuda = None
+        self.current: Optional[int] = None
+        self._segments = [0, 0]
+        self._saved: Optional[tuple] = None
+
+    def __enter__(self) -> "DropoutStreams":
+        cuda = None if self.cuda is None else torch.cuda.get_rng_state(self.cuda)
+        self._saved = (torch.get_rng_state(), cuda)
+        self.current = None
+        self.use(GROUP)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        cpu, cuda = self._saved
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.cuda)
+        self.current, self._saved = None, None
+
+    def use(self, stream: int) -> None:
+        """Draw from `stream` (GROUP or RANK) from here on (nothing changes if it is the current one)."""
+        if stream == self.current:
+            return
+        self.current = stream
+        seed = mix_seed(*self.key, stream, self.rank if stream == RANK else 0, self._segments[stream])
+        self._segments[stream] += 1
+        torch.default_generator.manual_seed(seed)
+        if self.cuda is not None:
+            torch.cuda.default_generators[self.cuda].manual_seed(seed)
+
+
+@contextlib.contextmanager
+def stream_hooks(module: nn.Module, streams: Optional[DropoutStreams], lead_biases: bool = False) -> Iterator[None]:
+    """Inside, `module`'s column-parallel layers switch `streams` to RANK after their forward and its
+    row-parallel layers back to GROUP (see the module docstring); `lead_biases`: a row layer that
+    returns its partial sum (under no_tp_communication) adds its bias to it on the group's first
+    rank (lead_only). Hooks removed on exit."""
+    handles = []
+
+    def after_column(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if streams is not None:
+            streams.use(RANK)
+
+    def after_row(m: nn.Module, args: Any, out: torch.Tensor) -> Optional[torch.Tensor]:
+        if streams is not None:
+            streams.use(GROUP)
+        if lead_biases and m.bias is not None and not m._communicate:
+            return out + lead_only(m.bias.to(out.dtype), m.rank == 0)
+        return None
+
+    try:
+        for m in module.modules():
+            if isinstance(m, ColumnParallelLinear) and streams is not None:
+                handles.append(m.register_forward_hook(after_column))
+            elif isinstance(m, RowParallelLinear):
+                handles.append(m.register_forward_hook(after_row))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def tp_rank(module: nn.Module) -> int:
+    """The TP rank of `module`'s first column- or row-parallel layer (0 without one)."""
+    return next((m.rank for m in module.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), 0)
+
+
+def where_of(ctx: Any) -> Optional[SubBatch]:
+    """The SubBatch of a stack's ctx: ctx itself, or its `where` attribute (None: neither)."""
+    if isinstance(ctx, SubBatch):
+        return ctx
+    where = getattr(ctx, "where", None)
+    return where if isinstance(where, SubBatch) else None
+
+
+def seed_key(where: SubBatch, *place: int) -> tuple[int, ...]:
+    """A DropoutStreams key: the step seed, `place` (what runs: a layer and sublayer, the
+    embedding) and the sub-batch's rows of the batch."""
+    rows = where.rows
+    return (where.seed, *place, rows.start or 0, -1 if rows.stop is None else rows.stop, where.batch)
+
+
+_BRANCH, _WHOLE, _EMBED = 1, 2, 3  # what a DropoutStreams key's place starts with
+
+
+def seeded(where: Optional[SubBatch], *place: int, rank: int = 0, device: torch.device) -> Any:
+    """DropoutStreams for `place` in sub-batch `where`, or a null context (None) without a step seed."""
+    if where is None or where.seed is None:
+        return contextlib.nullcontext(None)
+    return DropoutStreams(seed_key(where, *place), rank, device)
+
+
+def seeded_embedding(where: Optional[SubBatch], device: torch.device) -> Any:
+    """`seeded` for a stack's embedding (before the decoder layers): the GROUP stream throughout."""
+    return seeded(where, _EMBED, device=device)
+
+
+@contextlib.contextmanager
+def seeded_layer(
+    layer: nn.Module, where: Optional[SubBatch], index: int, rank: int, device: torch.device
+) -> Iterator[Optional[DropoutStreams]]:
+    """Around decoder layer `index` run whole (its TP layers communicating themselves): its
+    DropoutStreams and stream_hooks; the row layers add their own biases."""
+    with seeded(where, _WHOLE, index, rank=rank, device=device) as streams:
+        with stream_hooks(layer, streams):
+            yield streams
+
+
+def draw_step_seed(device: torch.device, groups: Sequence[Optional[dist.ProcessGroup]]) -> int:
+    """A step's dropout seed: drawn from the default generator (on every rank, so each advances
+    alike) and broadcast from the first rank of each of `groups` in turn (None: the world), so
+    every rank of their union has the first one's."""
+    seed = torch.randint(0, 2**31 - 1, (1,), device=device)
+    if dist.is_available() and dist.is_initialized():
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(seed, dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    return int(seed)
+
+
+def is_dropout(module: nn.Module) -> bool:
+    """A dropout module (nn.Dropout and its kin)."""
+    return isinstance(module, _DropoutNd)
+
+
+def dropout_in(module: nn.Module) -> list[tuple[str, float]]:
+    """(name, p) of what draws dropout masks in `module` in training: dropout modules with p > 0
+    and float attributes named like a dropout rate (`*dropout*`, `*pdrop*`) above 0 (a Hugging
+    Face attention's attention_dropout, Falcon's hidden_dropout, nanoGPT's dropout)."""
+    found = []
+    for name, m in module.named_modules():
+        if is_dropout(m):
+            if m.p > 0:
+                found.append((name, float(m.p)))
+            continue
+        for attr, v in vars(m).items():
+            if isinstance(v, float) and v > 0 and ("dropout" in attr.lower() or "pdrop" in attr.lower()):
+                found.append((f"{name}.{attr}" if name else attr, v))
+    return found
 
 
 def _row_biases(module: nn.Module) -> list[torch.Tensor]:
@@ -50,20 +263,24 @@ def _as_made(ys: list[torch.Tensor], made: list[list[tuple]]) -> bool:
     )
 
 
-def _check_after_projection(index: int, module: nn.Module, y: torch.Tensor, projected: list, h: torch.Tensor) -> None:
+def _check_after_projection(
+    index: int, module: nn.Module, y: torch.Tensor, projected: list, h: torch.Tensor, biases: Sequence = ()
+) -> None:
     """Refuse a branch whose output joins its row-parallel projection's output (autograd nodes
     `projected`) with a parameter or other tensor that needs a gradient: a learned scale or gate
     applied to the projection (the schedules apply it to this rank's partial sum, so its gradient
     would be partial). Parameter-free steps (a constant scale, a view, dropout at p = 0, a gate
     computed from the branch's input `h` alone, whose gradient the schedule sums over the ranks)
-    pass: they commute with the reduction."""
+    pass: they commute with the reduction. `biases`: the row layers' biases, which a training
+    step with dropout adds there itself (Branch's dropout)."""
     seen, todo = set(), [y.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or node in projected or node in seen:
             continue
         seen.add(node)
-        if hasattr(node, "variable") and node.variable is not h:  # AccumulateGrad: a tensor that needs a gradient
+        variable = getattr(node, "variable", h)  # AccumulateGrad: a tensor that needs a gradient
+        if variable is not h and not any(variable is b for b in biases):
             raise ValueError(
                 f"oases.train_step: decoder layer {index}'s {type(module).__name__} does more with its "
                 f"row-parallel output projection's output than return it (its output is {y.grad_fn.name()} "
@@ -84,13 +301,28 @@ def _sole_row(module: nn.Module) -> Optional[RowParallelLinear]:
 
 
 class Branch:
-    """One sublayer: x + finish(reduce(core(norm(x)))), over a decoder layer's own modules."""
+    """One sublayer: x + finish(reduce(core(norm(x)))), over a decoder layer's own modules.
+
+    `position`: the sublayer's place in its layer (in the dropout seeds); `dropout`: the step
+    applies dropout (the model trains with some): core draws its masks from DropoutStreams seeded
+    by ctx's SubBatch and adds the row biases itself, and `after[j]` are the layer's dropout
+    modules applied to branch j's output (see the module docstring)."""
 
     def __init__(
-        self, index: int, norms: tuple[nn.Module, ...], branches: tuple[nn.Module, ...], attention: Optional[nn.Module]
+        self,
+        index: int,
+        norms: tuple[nn.Module, ...],
+        branches: tuple[nn.Module, ...],
+        attention: Optional[nn.Module],
+        *,
+        position: int = 0,
+        dropout: bool = False,
+        after: Sequence[Sequence[nn.Module]] = (),
     ) -> None:
-        self.index = index  # the decoder layer's
+        self.index, self.position = index, position  # the decoder layer's; the sublayer's in it
         self.norms, self.branches, self.attention = norms, branches, attention
+        self.dropout = dropout
+        self.after = tuple(tuple(a) for a in after) + ((),) * (len(branches) - len(after))
         self.biases = [b for m in branches for b in _row_biases(m)]
         rows = [_sole_row(m) for m in branches]
         # each branch's one RowParallelLinear, or None where a branch has several, none, or sharded
@@ -124,8 +356,9 @@ class Branch:
             h = h.detach().requires_grad_()
             with torch.enable_grad(), _outputs_made(rows, unread=False) as made:
                 ys = self._outputs(h, ctx)
+        biases = self.biases if self.dropout else ()
         for module, y, outputs in zip(self.branches, ys, made):
-            _check_after_projection(self.index, module, y, [node for _, node, _ in outputs], h)
+            _check_after_projection(self.index, module, y, [node for _, node, _ in outputs], h, biases)
 
     def core_for_gradients(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         """core(h, ctx)'s graph for a backward only (oases.schedule.protocol): where every branch's
@@ -145,17 +378,37 @@ class Branch:
         """Each branch's partial sum, under no_tp_communication."""
         inputs = [h] if len(self.norms) == 1 else h.unbind(0)
         ys = []
-        for module, x in zip(self.branches, inputs):
-            with no_tp_communication(module):
+        for j, (module, x) in enumerate(zip(self.branches, inputs)):
+            with no_tp_communication(module), self._drawing(j, module, ctx, h.device) as streams:
                 if module is self.attention:
                     kwargs = {k: v for k, v in ctx.layer_kwargs[self.index].items() if k not in NOT_PASSED}
                     y = module(hidden_states=x, **kwargs)[0]
                 else:
                     y = module(x)
-            ys.append(y[0] if isinstance(y, tuple) else y)  # GPT-OSS's MoE block: (hidden_states, router_scores)
+                y = y[0] if isinstance(y, tuple) else y  # GPT-OSS's MoE block: (hidden_states, router_scores)
+                if self.dropout and self.after[j]:  # the layer's dropout of this branch's output (after its bias)
+                    if streams is not None:
+                        streams.use(GROUP)
+                    for drop in self.after[j]:
+                        y = drop(y)
+            ys.append(y)
         return ys
 
+    @contextlib.contextmanager
+    def _drawing(self, j: int, module: nn.Module, ctx: Any, device: torch.device) -> Iterator[Optional[DropoutStreams]]:
+        """Around branch j's forward with dropout: its DropoutStreams (None without a step seed) and
+        stream_hooks (row biases added on the lead rank); nothing without dropout."""
+        if not self.dropout:
+            yield None
+            return
+        place = (_BRANCH, self.index, self.position, j)
+        with seeded(where_of(ctx), *place, rank=tp_rank(module), device=device) as streams:
+            with stream_hooks(module, streams, lead_biases=True):
+                yield streams
+
     def finish(self, z: torch.Tensor, ctx: Any) -> torch.Tensor:
+        if self.dropout:  # core added them (before the branch's dropout)
+            return z
         for b in self.biases:
             z = z + b
         return z
@@ -169,8 +422,9 @@ class Branch:
         return list(seen.values())
 
     def sequence_parallel_parameters(self) -> list[nn.Parameter]:
-        """What norm and finish use (summed over the group under sequence parallelism)."""
-        return [*(p for n in self.norms for p in n.parameters()), *self.biases]
+        """What norm and finish use (summed over the group under sequence parallelism); with
+        dropout, core adds the biases (their gradients whole on every rank): the norms' alone."""
+        return [*(p for n in self.norms for p in n.parameters()), *(() if self.dropout else self.biases)]
 
 
 def check_sharded(layers: list[tuple[Branch, ...]], decoder: nn.Module) -> None:
@@ -209,9 +463,10 @@ _SAMPLES_IN_TRAINING: Mapping[str, str] = MappingProxyType(
 )
 
 
-def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
-    """Dropout inside recomputed sublayers would draw other masks when recomputed, a router's
-    jitter noise or sampling other experts: refuse them."""
+def check_random(model: nn.Module, decoder: nn.Module, *, seeded: bool) -> None:
+    """Refuse, in training mode, what recomputed sublayers would draw anew: a router's jitter noise
+    or sampled experts always; dropout unless the caller seeds it (`seeded`: oases.train_step, whose
+    masks come from the step's seed; the pipeline does not seed them yet)."""
     if not model.training:
         return
     for i, layer in enumerate(decoder):
@@ -226,10 +481,10 @@ def check_no_dropout(model: nn.Module, decoder: nn.Module) -> None:
                     "schedules recompute sublayers and would draw other numbers. Set the config's jitter noise to "
                     "0 or call model.eval() (the router then picks its top experts)"
                 )
-            p = m.p if isinstance(m, nn.Dropout) else getattr(m, "attention_dropout", 0.0)
-            if isinstance(p, float) and p > 0:
+        if not seeded:
+            for name, p in dropout_in(layer)[:1]:
                 raise ValueError(
-                    f"oases.train_step: decoder layer {i} has dropout {p} ({name or 'the layer'}); the schedules "
-                    "recompute sublayers and would draw other masks. Set the config's dropout to 0 or call "
-                    "model.eval()"
+                    f"decoder layer {i} has dropout {p} ({name}); the pipeline does not seed dropout masks yet "
+                    "(its recomputation would draw other ones). Set the config's dropout to 0, call "
+                    "model.eval(), or train with oases.train_step (its masks come from the step's seed)"
                 )

@@ -19,10 +19,11 @@ and in each layer its attention, MLP and norms, combined as the layer's forward 
 
 `core` runs the branch under `oases.nn.no_tp_communication`: column layers skip their input's
 gradient all-reduce, row layers return their partial product; the schedule reduces both and
-`finish` adds the row layers' biases. What each layer receives besides its hidden states
-(rotary position embeddings, the causal and padding mask of its attention type, position ids)
-is taken from the model's own forward: `embed` runs the base model once with its decoder layers
-stood in for by recorders, so masks and rotary embeddings are exactly the model's.
+`finish` adds the row layers' biases (with dropout, core adds them on the first rank: below).
+What each layer receives besides its hidden states (rotary position embeddings, the causal and
+padding mask of its attention type, position ids) is taken from the model's own forward: `embed`
+runs the base model once with its decoder layers stood in for by recorders, so masks and rotary
+embeddings are exactly the model's.
 
 After `oases.parallelize(model, tp_degrees=[...])`, `layer_placements()` gives the schedules each
 decoder layer's degree (oases.schedule.protocol): its all-reduces on a Communicator of its own
@@ -35,12 +36,22 @@ to return, found at the first step).
 While a schedule runs, parallelize's replica-sum hooks stand down and the schedule sums each
 layer's gradients over its replicas itself (asynchronously, as the layer's backward ends for
 every sub-batch).
+
+Dropout (a model in training mode with some, on oases.train_step): `step_seed()` draws the step's
+seed (broadcast over the TP group), every sublayer's core and every layer run whole draws its masks
+from DropoutStreams seeded by it, and the embedding's dropout (GPT-2's embd_pdrop) from the
+GROUP stream (oases.models._branch explains the streams). The layer's own dropout modules on a
+branch's output (called between the branch and the next norm, or after the MLP) join that branch;
+a layer that applies dropout the adapter cannot place on a branch (a dropout function in its
+forward: Falcon's dropout_add; a dropout module called elsewhere) runs whole in training.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -49,11 +60,21 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from oases.comm._topology import ring_of
 from oases.degrees import LayerDegrees, kwargs_rows
-from oases.models._branch import Branch, check_no_dropout, check_sharded
+from oases.models._branch import (
+    Branch,
+    check_random,
+    check_sharded,
+    draw_step_seed,
+    dropout_in,
+    is_dropout,
+    seeded_embedding,
+    seeded_layer,
+)
 from oases.models._whole import WholeLayer
 from oases.nn._mappings import copy_to_tp
-from oases.nn._parts import LayerParts, find_stack, layer_parts
+from oases.nn._parts import LayerParts, _calls, find_stack, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial
 from oases.schedule.placed import layer_placements
@@ -121,8 +142,10 @@ class HFStack:
     "parallel" or "whole", and why whole).
 
     Raises ValueError (before any communication) for a model it cannot run exactly: no decoder
-    layers, final norm or head found, dropout active in training, or TP shards missing from a
-    split decoder layer whose neighbours are sharded (each branch must end in a RowParallelLinear).
+    layers, final norm or head found, or TP shards missing from a split decoder layer whose
+    neighbours are sharded (each branch must end in a RowParallelLinear). `dropout`: the model
+    trains with dropout (training mode, some rate above 0): the step's masks come from step_seed()
+    (see the module docstring).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -135,7 +158,11 @@ class HFStack:
         vocab_parallel = isinstance(self.lm_head, ColumnParallelLinear)  # parallelize's "vocab_head"
         self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
+        self.dropout = model.training and bool(dropout_in(model))
         self.parts = _parts_of(self.decoder)
+        self._after: list[tuple[tuple[nn.Module, ...], ...]] = [((), ())] * len(self.decoder)
+        if self.dropout:
+            self.parts, self._after = _placed_dropout(self.decoder, self.parts)
         self._names = _top_names(model, self.base, self.lm_head)
         self._embedding = _vocab_embedding(self.base)  # (owner, name) of a vocabulary-parallel one, else None
         decoder = self.decoder
@@ -163,6 +190,7 @@ class HFStack:
             self._sublayers(i, layer, parts, tp_group, alone=self.degrees is not None and self.degrees[i] == 1)
             for i, (layer, parts) in enumerate(zip(self.decoder, self.parts))
         ]
+        self._seed_groups = _seed_groups(model, self.layer_degrees, tp_group)
         check_sharded(
             [
                 layer
@@ -172,25 +200,41 @@ class HFStack:
             nn.ModuleList([m for m, parts in zip(decoder, self.parts) if parts.kind != "whole"]),
         )
 
-    @staticmethod
     def _sublayers(
-        i: int, layer: nn.Module, parts: LayerParts, tp_group: Optional[dist.ProcessGroup], alone: bool
+        self, i: int, layer: nn.Module, parts: LayerParts, tp_group: Optional[dist.ProcessGroup], alone: bool
     ) -> tuple:
         if parts.kind == "whole":  # its own TP layers' group, else the model's (a layer left unsharded)
             group = next(
                 (m.group for m in layer.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))), tp_group
             )
+            if self.dropout:
+                return (_SeededWholeLayer(i, layer, group, alone=alone),)
             return (WholeLayer(i, layer, group, alone=alone),)  # alone: degree 1, on this rank only
         attn, mlp = layer.get_submodule(parts.attention), layer.get_submodule(parts.mlp)
         ln1, ln2 = (layer.get_submodule(n) for n in parts.norms)
+        after_attn, after_mlp = self._after[i]
         if parts.kind == "parallel":
-            return (Branch(i, (ln1, ln2), (attn, mlp), attn),)
-        return (Branch(i, (ln1,), (attn,), attn), Branch(i, (ln2,), (mlp,), None))
+            return (Branch(i, (ln1, ln2), (attn, mlp), attn, dropout=self.dropout, after=(after_attn, after_mlp)),)
+        return (
+            Branch(i, (ln1,), (attn,), attn, position=0, dropout=self.dropout, after=(after_attn,)),
+            Branch(i, (ln2,), (mlp,), None, position=1, dropout=self.dropout, after=(after_mlp,)),
+        )
 
-    def check_trainable(self) -> None:
-        """Dropout inside the recomputed sublayers would draw different masks when recomputed; an MoE
-        model's load-balancing loss (output_router_logits) is not part of the step's loss."""
-        check_no_dropout(self.model, self.decoder)
+    def step_seed(self) -> Optional[int]:
+        """The step's dropout seed (None without dropout: eval mode, or every rate 0): drawn from the
+        default generator of the TP group's first rank and broadcast, the same on every rank
+        (oases.models._branch.draw_step_seed)."""
+        if not self.dropout:
+            return None
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        return draw_step_seed(device, self._seed_groups)
+
+    def check_trainable(self, seeded: bool = False) -> None:
+        """In training mode: a router's jitter noise or sampling router is refused (recomputation
+        would draw other numbers), and dropout unless the caller seeds it (`seeded`: oases.train_step
+        does, with step_seed(); the pipeline does not yet); an MoE model's load-balancing loss
+        (output_router_logits) is not part of the step's loss."""
+        check_random(self.model, self.decoder, seeded=seeded)
         if getattr(getattr(self.model, "config", None), "output_router_logits", False) is True:
             raise ValueError(
                 "oases.train_step: the model's config has output_router_logits=True, and the step's loss "
@@ -232,7 +276,8 @@ class HFStack:
         for recorder in recorders if known is not None else ():
             recorder.tuple = known
         given = contextlib.nullcontext() if summed is None else _standing_in(*summed)
-        with given, _standing_in(self.base, self._layers_name, nn.ModuleList(recorders)):
+        drawing = seeded_embedding(where if self.dropout else None, input_ids.device)  # the embedding's dropout
+        with given, drawing, _standing_in(self.base, self._layers_name, nn.ModuleList(recorders)):
             try:
                 self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
             except (AttributeError, IndexError, TypeError, ValueError):
@@ -313,6 +358,104 @@ class HFStack:
                 # .forward, not the call: the model's forward pre-hooks (the TP input check) ran at the step's entry
                 logits = self.model.forward(input_ids=None, use_cache=False, return_dict=True).logits
         return logits if self.logits_group is None else self.lm_head.mask_padding(logits)
+
+
+class _SeededWholeLayer(WholeLayer):
+    """A layer run whole whose dropout draws from the step's DropoutStreams (seeded_layer): GROUP on
+    replicated activations (after its row layers' all-reduces), RANK on its heads and features."""
+
+    def __init__(self, index: int, layer: nn.Module, group: Optional[dist.ProcessGroup], *, alone: bool) -> None:
+        super().__init__(index, layer, group, alone=alone)
+        self.rank = 0 if alone or not dist.is_initialized() else ring_of(group).rank
+
+    def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        with seeded_layer(self.layer, ctx.where, self.index, self.rank, h.device):
+            return super().core(h, ctx)
+
+
+def _dropout_calls(forward: Any) -> Optional[list[tuple[bool, str]]]:
+    """The calls of a forward whose callee's name says dropout, in source order, each as (whether
+    it is `self.<name>(...)`, name); None where the source is unavailable."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        on_self = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+        if "dropout" in name.lower():
+            found.append((on_self, name))
+    return found
+
+
+def _placed_dropout(
+    decoder: nn.ModuleList, parts: list[LayerParts]
+) -> tuple[list[LayerParts], list[tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]]]:
+    """For a model training with dropout: (each layer's parts, each split layer's dropout modules on
+    its (attention's, MLP's) output). A dropout module the layer calls after a branch (before the next
+    norm or branch) is that branch's; a layer whose forward calls a dropout function (Falcon's
+    dropout_add) or a dropout module elsewhere runs whole."""
+    placed, after = [], []
+    for layer, p in zip(decoder, parts):
+        found = _branch_dropouts(layer, p) if p.kind != "whole" else ((), ())
+        if found is None:
+            p = LayerParts(
+                "whole",
+                p.attention,
+                p.mlp,
+                p.norms,
+                "in training its forward applies dropout that is not a dropout module after its attention or "
+                "MLP (a dropout function, or a module elsewhere)",
+            )
+            found = ((), ())
+        placed.append(p)
+        after.append(found)
+    return placed, after
+
+
+def _branch_dropouts(layer: nn.Module, parts: LayerParts) -> Optional[tuple[tuple[nn.Module, ...], ...]]:
+    """The layer's dropout modules on its attention's and its MLP's outputs (see _placed_dropout),
+    None where it applies dropout otherwise."""
+    children = dict(layer.named_children())
+    dropouts = _dropout_calls(type(layer).forward)
+    calls = _calls(type(layer).forward)
+    if dropouts is None or calls is None:
+        return None
+    if any(not on_self or not is_dropout(children.get(name, nn.Identity())) for on_self, name in dropouts):
+        return None  # a dropout function (or method) in the layer's forward
+    owned: dict[str, list[nn.Module]] = {parts.attention: [], parts.mlp: []}
+    last = None
+    for name in calls:
+        module = children.get(name)
+        if module is None:
+            continue
+        if is_dropout(module):
+            if last not in owned:
+                return None  # not right after a branch (on the residual stream, or after a norm)
+            if all(module is not m for m in owned[last]):
+                owned[last].append(module)
+        else:
+            last = name
+    return tuple(owned[parts.attention]), tuple(owned[parts.mlp])
+
+
+def _seed_groups(
+    model: nn.Module, degrees: Optional[LayerDegrees], tp_group: Optional[dist.ProcessGroup]
+) -> tuple[Optional[dist.ProcessGroup], ...]:
+    """The groups step_seed broadcasts over in turn, so that every rank of the model's TP group gets
+    its first rank's seed: that group, or with per-layer degrees the first layer's TP group and then
+    its replicas' group (covering the TP group between them); () on one rank."""
+    if not dist.is_initialized():
+        return ()
+    if degrees is not None:
+        at = degrees.placement(0)
+        return tuple(g for g in (at.tp_group, at.replica_group) if g is not None)
+    tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
+    return (tp_group,) if tp else ()
 
 
 def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:

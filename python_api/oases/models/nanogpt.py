@@ -9,6 +9,11 @@ The layout of Karpathy's nanoGPT (`model.py`), with or without its `transformer`
 After `oases.parallelize(model)` (c_attn "column:3", c_fc "column", c_proj "row"), each block is
 two sublayers whose cores are the block's own attn and mlp under no_tp_communication; `attn`
 must view its heads with -1 (see oases.parallelize). The embedding is wte(ids) + wpe(arange(t)).
+
+Dropout (nanoGPT's attn_dropout / resid_dropout / MLP dropout / drop, in training on
+oases.train_step): masks from the step's seed (`step_seed()`), as for Hugging Face models
+(oases.models._branch: the GROUP stream on replicated activations and partial sums after c_proj,
+this rank's RANK stream on its attention probabilities).
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from oases.models._branch import Branch, check_no_dropout, check_sharded
+from oases.models._branch import Branch, check_random, check_sharded, draw_step_seed, dropout_in, seeded_embedding
+from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial
 from oases.schedule.protocol import EmbedSplit, SubBatch
 
@@ -65,15 +72,28 @@ class NanoGPTStack:
         self.model, self.container = model, container
         self.lm_head = model.lm_head
         self.logits_group = None
+        self.dropout = model.training and bool(dropout_in(model))  # the step draws seeded masks
         self._layers = [
-            (Branch(i, (b.ln_1,), (b.attn,), None), Branch(i, (b.ln_2,), (b.mlp,), None))
+            (
+                Branch(i, (b.ln_1,), (b.attn,), None, position=0, dropout=self.dropout),
+                Branch(i, (b.ln_2,), (b.mlp,), None, position=1, dropout=self.dropout),
+            )
             for i, b in enumerate(container.h)
         ]
         check_sharded(self._layers, container.h)
 
-    def check_trainable(self) -> None:
-        """Refuse, in training mode, what the blocks' recomputation would draw anew (check_no_dropout)."""
-        check_no_dropout(self.model, self.container.h)
+    def check_trainable(self, seeded: bool = False) -> None:
+        """Refuse, in training mode, what the blocks' recomputation would draw anew (check_random):
+        dropout unless the caller seeds it (`seeded`: oases.train_step)."""
+        check_random(self.model, self.container.h, seeded=seeded)
+
+    def step_seed(self) -> Optional[int]:
+        """The step's dropout seed (None without dropout), the same on every TP rank (draw_step_seed)."""
+        if not self.dropout:
+            return None
+        tp = [m for m in self.container.h.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        groups = (tp[0].group,) if tp and dist.is_initialized() else ()
+        return draw_step_seed(self.lm_head.weight.device, groups)
 
     def embed(self, input_ids: torch.Tensor, where: SubBatch) -> tuple[torch.Tensor, SubBatch]:
         """input_ids [b, t] -> (wte(input_ids) [+ wpe(positions)], through `drop` where there is one,
@@ -93,7 +113,10 @@ class NanoGPTStack:
         if wpe is not None:
             x = x + wpe(torch.arange(input_ids.shape[1], device=input_ids.device))
         drop = getattr(self.container, "drop", None)
-        return (drop(x) if drop is not None else x), where
+        if drop is None:
+            return x, where
+        with seeded_embedding(where if self.dropout else None, x.device):  # the same mask on every rank
+            return drop(x), where
 
     def layers(self) -> list[tuple[Branch, ...]]:
         """Each block as two branches: (ln_1, attn) and (ln_2, mlp)."""
