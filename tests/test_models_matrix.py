@@ -40,9 +40,9 @@ unsharded model's Hugging Face layout (transformers reads it back), which load_p
 into a fresh TP model; save_checkpoint / load_checkpoint round-trip. More decoders built from the
 same parts (Qwen2, Mistral, OLMo, Nemotron, GLM, Helium, Persimmon, StableLM, Granite and
 GraniteMoE, Exaone-4, Cohere-2, SmolLM3, Qwen3-MoE, OLMoE, Ernie-4.5, Gemma-3, Apertus with its
-learned xIELU activation) get lighter checks: coverage, logits, the oases schedule's loss and every
-gradient. CodeGen (its forward fixes the qkv groups) is refused before anything changes, and
-PhiMoE's router (it samples experts in training) by train_step, which matches it in eval mode;
+learned xIELU activation, OPT-350m's projected embeddings) get lighter checks: coverage,
+logits, the oases schedule's loss and every gradient. CodeGen (its forward fixes the qkv groups)
+is refused before anything changes, and PhiMoE's router (it samples experts in training) by train_step, which matches it in eval mode;
 per-layer degrees with layers run whole (OLMo-2) or ALiBi attention (BLOOM) are refused; a
 config with return_dict=False trains exactly.
 At TP 4 (4 ranks, key/value heads replicated: 2 kv heads): llama, qwen3, phi3, gpt2 and mixtral,
@@ -117,6 +117,12 @@ MORE = {
     "ernie45": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(head_dim=16)),
     "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(head_dim=16, sliding_window=8)),
     "apertus": ("ApertusForCausalLM", "ApertusConfig", {}),  # xIELU: a learned activation (summed)
+    # OPT-350m's layout: embeddings of another width, projected in and out (project_in / project_out)
+    "opt_proj": (
+        "OPTForCausalLM",
+        "OPTConfig",
+        dict(word_embed_proj_dim=32, ffn_dim=128, num_key_value_heads=4, dropout=0.0, attention_dropout=0.0),
+    ),
 }
 # multi-head latent attention (oases.nn._latent), the matrix's whole checks: {kind: (model, config, beyond SMALL)}
 _MLA = dict(

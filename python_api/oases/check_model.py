@@ -114,6 +114,8 @@ def tiny_config(config: Any) -> Any:
     heads_key, kv_key = _first(d, _HEADS), _first(d, _KV_HEADS)
     heads = d[heads_key] if heads_key else 4
     kv = d[kv_key] if kv_key else heads
+    if kv_key is None:  # a default left unset (Nemotron's None): one key-value head per query head
+        kv_key = next((k for k in _KV_HEADS if k in d and d[k] is None), None)
     if d.get("multi_query") is True:
         kv = 1
     group = heads // kv if kv and heads % kv == 0 else 1
@@ -142,6 +144,10 @@ def tiny_config(config: Any) -> Any:
         elif key in d and d[key] is None and any(_first(d, (e,)) for e in _EXPERTS):
             new[key] = 2  # a default left unset (DeepSeek-V2's)
     new.update((k, v) for k, v in _SMALL.items() if d.get(k) is not None)
+    if isinstance(d.get("rotary_dim"), int):  # GPT-J's, CodeGen's: within the head
+        new["rotary_dim"] = 8
+    if hidden_key and isinstance(d.get("word_embed_proj_dim"), int):  # OPT's: equal to the width, or half of it
+        new["word_embed_proj_dim"] = new[hidden_key] if d["word_embed_proj_dim"] == hidden else new[hidden_key] // 2
     layers_key = _first(d, _LAYERS)
     kinds = list(dict.fromkeys(d["layer_types"])) if isinstance(d.get("layer_types"), list) else []
     if layers_key:

@@ -155,6 +155,10 @@ class HFStack:
             raise ValueError(_unknown(model, missing))
         self.base, self.decoder, self._layers_name = found.base, found.layers, found.layers_name
         self.final_norm, self.lm_head = found.final_norm, found.head
+        # OPT-350m's project_out [h -> word_embed_proj_dim] after the final norm (its project_in runs
+        # in embed, through the base model's own forward)
+        project_out = getattr(self.base, "project_out", None)
+        self._project_out = project_out if isinstance(project_out, nn.Module) else None
         vocab_parallel = isinstance(self.lm_head, ColumnParallelLinear)  # parallelize's "vocab_head"
         self.logits_group = (self.lm_head.group or dist.group.WORLD) if vocab_parallel else None
         self.vocab_size = self.lm_head.out_features if vocab_parallel else None  # V, padded shards or not
@@ -329,11 +333,12 @@ class HFStack:
         return _Context(ctx.where.replica_rows(rows), kwargs)
 
     def head(self, x: torch.Tensor, ctx: Any = None) -> torch.Tensor:
-        """The final norm, the LM head, then what the model's own forward does to the head's
-        logits (Gemma-2's soft-capping, Cohere's logit_scale, Granite's logits_scaling: the model's
-        forward runs with its base model and head stood in for; each is elementwise, so exact on a
-        vocab-parallel shard too), then a padded vocabulary's columns set to -inf."""
-        h = self.final_norm(x)
+        """The final norm (and a projection after it: OPT-350m's project_out), the LM head, then what
+        the model's own forward does to the head's logits (Gemma-2's soft-capping, Cohere's
+        logit_scale, Granite's logits_scaling: the model's forward runs with its base model and head
+        stood in for; each is elementwise, so exact on a vocab-parallel shard too), then a padded
+        vocabulary's columns set to -inf."""
+        h = self._normed(x)
         if self.logits_group is None:
             return self._logits(h, self.lm_head)  # [b, t, vocab]
         # [b, t, vocab/p]; the input's gradient is all-reduced (copy_to_tp) as the layer would
@@ -345,9 +350,12 @@ class HFStack:
         then the logits from its output, whose gradient there is this rank's share."""
         if self.logits_group is None:
             return None
-        return HeadSplit(
-            self.final_norm(x), self.logits_group, lambda h: self._logits(h, _ShardHead(self.lm_head, None))
-        )
+        return HeadSplit(self._normed(x), self.logits_group, lambda h: self._logits(h, _ShardHead(self.lm_head, None)))
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last layer's output (and OPT's project_out after it, where it has one)."""
+        h = self.final_norm(x)
+        return h if self._project_out is None else self._project_out(h)
 
     def _logits(self, h: torch.Tensor, head: nn.Module) -> torch.Tensor:
         """`head` of the final norm's output h, then what the model's forward does to its logits."""
