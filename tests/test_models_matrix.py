@@ -42,9 +42,9 @@ same parts (Qwen2, Mistral, OLMo, Nemotron, GLM, Helium, Persimmon, StableLM, Gr
 GraniteMoE, Exaone-4, Cohere-2, SmolLM3, Qwen3-MoE, OLMoE, Ernie-4.5, Gemma-3, Apertus with its
 learned xIELU activation, OPT-350m's projected embeddings) get lighter checks: coverage,
 logits, the oases schedule's loss and every gradient. CodeGen (its forward fixes the qkv groups)
-is refused before anything changes, and PhiMoE's router (it samples experts in training) by train_step, which matches it in eval mode;
-per-layer degrees with layers run whole (OLMo-2) or ALiBi attention (BLOOM) are refused; a
-config with return_dict=False trains exactly.
+is refused before anything changes, and PhiMoE's router (it samples experts in training) by
+train_step, which matches it in eval mode; per-layer degrees with layers run whole (OLMo-2) or
+ALiBi attention (BLOOM) are refused; a config with return_dict=False trains exactly.
 At TP 4 (4 ranks, key/value heads replicated: 2 kv heads): llama, qwen3, phi3, gpt2 and mixtral,
 the same checks. Item 3 (never a silent half-sharded model): a Llama whose MLP names its
 projections w1 / w2 / w3 is refused with the default plan, naming the modules and the entries
