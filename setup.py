@@ -88,6 +88,6 @@ setup(
     ext_modules=_ext_modules,
     cmdclass=_cmdclass,
     install_requires=["torch>=2.4", "numpy", "scipy"],
-    extras_require={"triton": ["triton"], "bench": ["matplotlib"]},
+    extras_require={"triton": ["triton"], "bench": ["matplotlib"], "hf": ["transformers>=5.0", "accelerate>=1.15"]},
     entry_points={"console_scripts": ["oases-launch=oases.launch:main", "oases=oases.cli:main"]},
 )

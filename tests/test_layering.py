@@ -45,11 +45,13 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("oases.checkpoint",),
     ("oases.pretrained", "oases.training"),
     ("oases.pipeline",),
-    # the front: oases/__init__.py, the CLI (oases env: its report and link probe in _env_*, _link_probe)
+    # the front: oases/__init__.py, the CLI (oases env: its report and link probe in _env_*, _link_probe),
+    # oases.integrations (other libraries' training loops: transformers' Trainer)
     (
         "oases",
         "oases.__main__",
         "oases.cli",
+        "oases.integrations",
         "oases.check_model",
         "oases.plan",
         "oases.env",

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
+import numbers
 from typing import Callable, Optional, Union
 
 import torch
@@ -115,6 +117,7 @@ def train_step(
     sequence_parallel: bool = False,
     attention_mask: Optional[torch.Tensor] = None,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    num_items: Optional[Union[int, float, torch.Tensor]] = None,
     comm: Optional[Communicator] = None,
     memory: Optional[RecomputeMemory] = None,
     offload: Union[bool, Offloader] = False,
@@ -129,6 +132,7 @@ def train_step(
 
         loss = sum over the batch of causal_lm_loss_sum(model(input_ids).logits, labels)
                / number of labels[:, 1:] != -100                  # Hugging Face's mean
+               (/ num_items instead, where given)
         parameter .grad += d loss / d parameter                   # accumulated, as loss.backward()
 
     `schedule`: "megatron", "merak", "cross_pass" or "oases" (oases.schedule.SCHEDULES);
@@ -141,7 +145,12 @@ def train_step(
     0 for padding, as Hugging Face takes it. `loss_fn(logits, labels)` replaces the loss: it
     returns the summed loss of the rows it is given, and the step's loss is the sum over the
     batch divided by the number of labels != -100 (with a vocab-parallel head it receives
-    this rank's slice of the logits: see oases.schedule.protocol). `comm`: an oases.schedule.Communicator on the
+    this rank's slice of the logits: see oases.schedule.protocol). `num_items`: the divisor of the
+    summed loss in place of this batch's count of labels (a positive number or a scalar tensor):
+    the tokens of a whole gradient-accumulation window, over every data-parallel rank, as
+    transformers' Trainer passes `num_items_in_batch`, so that micro-batches' gradients add up to
+    the window's mean (with a GradientSync, which averages over dp, pass that count / dp).
+    `comm`: an oases.schedule.Communicator on the
     model's TP group, to count calls, bytes and time waited across steps (default: a new one);
     `memory`: an oases.schedule.RecomputeMemory that accounts the activations kept for
     recomputation (its `peak`, in bytes, over every sub-batch). `offload`: move those inputs to
@@ -185,6 +194,7 @@ def train_step(
         sequence_parallel: keep the sequence sharded between sublayers.
         attention_mask: [b, t] padding mask (None: no padding).
         loss_fn: `loss_fn(logits, labels)`, the summed loss of its rows (None: the causal-LM loss).
+        num_items: what the summed loss is divided by (None: this batch's count of labels != -100).
         comm: a Communicator on the model's TP group (None: a new one).
         memory: a RecomputeMemory accounting the activations kept for recomputation (None: not accounted).
         offload: True, False or an Offloader, as above (default False: no offload).
@@ -209,6 +219,7 @@ def train_step(
         )
     if not isinstance(check_grads, bool) and not (_checks.is_int(check_grads) and check_grads >= 1):
         raise ValueError(f"check_grads: expected True, False or a positive int N (every N-th), got {check_grads!r}")
+    divisor = _num_items(num_items)
     model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
     per_layer, placements = _per_layer(model, stack)
@@ -247,6 +258,8 @@ def train_step(
             )
     check_placements(placements, input_ids.shape[0], parts, sequence_parallel=sequence_parallel)
     loss_sum, normalizer = _loss(stack, labels, loss_fn)
+    if divisor is not None:
+        normalizer = divisor
     offloader = _offloader(model, offload)
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
@@ -357,6 +370,28 @@ def _loss(
         return causal_lm_loss_sum(logits, labels, group, vocab_size)
 
     return loss_sum, normalizer
+
+
+def _num_items(num_items: Optional[Union[int, float, torch.Tensor]]) -> Optional[float]:
+    """`num_items` as the step's divisor (None: the batch's own count); ValueError unless a
+    positive finite number (or a one-element tensor holding one)."""
+    if num_items is None:
+        return None
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1 or num_items.is_complex() or num_items.dtype == torch.bool:
+            raise ValueError(
+                f"num_items: expected a number or a one-element tensor, got shape {tuple(num_items.shape)}"
+            )
+        value = float(num_items.item())
+    elif isinstance(num_items, numbers.Real) and not isinstance(num_items, bool):
+        value = float(num_items)
+    else:
+        raise ValueError(f"num_items: expected a positive number, got {type(num_items).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"num_items: expected a positive finite number (the tokens the loss is averaged over), got {value!r}"
+        )
+    return value
 
 
 def _offloader(model: object, offload: Union[bool, Offloader]) -> Optional[Offloader]:
