@@ -367,8 +367,8 @@ def _check_bad_input(rank, world_size):
     dropout.config.hidden_dropout = 0.1
     for layer in dropout.gpt_neox.layers:
         layer.post_mlp_dropout.p = 0.1
-    # train_step seeds dropout (tests/test_dropout_training.py); a caller that does not (the
-    # pipeline: check_trainable() unseeded) still refuses it, before any communication
+    # train_step and the pipeline seed dropout (tests/test_dropout_training.py, test_pipeline_dropout.py);
+    # a caller that does not (check_trainable() unseeded) still refuses it, before any communication
     with pytest.raises(ValueError, match="decoder layer 0 has dropout 0.1"):
         oases.models.HFStack(dropout.train()).check_trainable()
     half = _model("llama")

@@ -465,8 +465,8 @@ _SAMPLES_IN_TRAINING: Mapping[str, str] = MappingProxyType(
 
 def check_random(model: nn.Module, decoder: nn.Module, *, seeded: bool) -> None:
     """Refuse, in training mode, what recomputed sublayers would draw anew: a router's jitter noise
-    or sampled experts always; dropout unless the caller seeds it (`seeded`: oases.train_step, whose
-    masks come from the step's seed; the pipeline does not seed them yet)."""
+    or sampled experts always; dropout unless the caller seeds it (`seeded`: oases.train_step and
+    the pipeline, whose masks come from the step's seed)."""
     if not model.training:
         return
     for i, layer in enumerate(decoder):
@@ -484,7 +484,7 @@ def check_random(model: nn.Module, decoder: nn.Module, *, seeded: bool) -> None:
         if not seeded:
             for name, p in dropout_in(layer)[:1]:
                 raise ValueError(
-                    f"decoder layer {i} has dropout {p} ({name}); the pipeline does not seed dropout masks yet "
+                    f"decoder layer {i} has dropout {p} ({name}); this caller does not seed dropout masks "
                     "(its recomputation would draw other ones). Set the config's dropout to 0, call "
-                    "model.eval(), or train with oases.train_step (its masks come from the step's seed)"
+                    "model.eval(), or train with oases.train_step or the pipeline (masks from the step's seed)"
                 )

@@ -236,7 +236,7 @@ class HFStack:
     def check_trainable(self, seeded: bool = False) -> None:
         """In training mode: a router's jitter noise or sampling router is refused (recomputation
         would draw other numbers), and dropout unless the caller seeds it (`seeded`: oases.train_step
-        does, with step_seed(); the pipeline does not yet); an MoE model's load-balancing loss
+        and the pipeline do, from the step's seed); an MoE model's load-balancing loss
         (output_router_logits) is not part of the step's loss."""
         check_random(self.model, self.decoder, seeded=seeded)
         if getattr(getattr(self.model, "config", None), "output_router_logits", False) is True:

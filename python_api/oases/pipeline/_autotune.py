@@ -32,7 +32,14 @@ def retune(pipe: Pipeline, step: Step) -> tuple[dict[str, float], tuple[int, flo
     them for the "auto" arguments): what a Pipeline's first train_step reconfigures by."""
     # the largest micro-batch (split_rows puts the larger ones last), as before the split was shared
     measured = measure(
-        pipe.stage, pipe.sync, pipe.comm, step.micro[-1][0], step.shapes[-1], step.dtype, pipe._layers // pipe.pp
+        pipe.stage,
+        pipe.sync,
+        pipe.comm,
+        step.micro[-1][0],
+        step.shapes[-1],
+        step.dtype,
+        pipe._layers // pipe.pp,
+        where=step.where(len(step.micro) - 1),
     )
     chosen = choose(
         measured,
@@ -55,10 +62,14 @@ def measure(
     shape: torch.Size,
     dtype: torch.dtype,
     layers_per_stage: int,
+    *,
+    where: Optional[SubBatch] = None,
 ) -> dict[str, float]:
-    """The times of the module doc, on micro-batch `tokens` (activations [shape] of `dtype`); the
-    same on every rank (a MAX all-reduce over the world)."""
-    _, ctx = stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))
+    """The times of the module doc, on micro-batch `tokens` (activations [shape] of `dtype`; `where`:
+    its SubBatch, whose dropout seed keeps the timed layers' draws off the default generator; None:
+    all its rows, no seed); the same on every rank (a MAX all-reduce over the world)."""
+    where = SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]) if where is None else where
+    _, ctx = stage.embed(tokens, where)
     forward, backward = stage.time_layer(shape, dtype, ctx)
     numel = sum(p.numel() for p in stage.parameters())
     times = torch.tensor(

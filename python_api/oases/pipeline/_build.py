@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from oases.models.gpt import GPT, GPTConfig
 from oases.models.hf import HFStack
+from oases.models.nanogpt import NanoGPTStack
 from oases.nn._materialize import is_on_meta, materialize
 from oases.nn.parallelize import parallelize
 from oases.pipeline.stages import Roles, Stage, StageLayout, _owned_modules, check_layers, probe_roles
@@ -87,9 +88,10 @@ def build(
         elif tp > 1 and not sharded:
             parallelize(model, tp_group)
     stack = adapt(model)
-    check = getattr(stack, "check_trainable", None)
-    if check is not None:
-        check()
+    if isinstance(stack, (HFStack, NanoGPTStack)):  # dropout: masks from the step seed (Pipeline.train_step)
+        stack.check_trainable(seeded=True)  # a router's jitter noise or sampled experts still refused
+    elif callable(getattr(stack, "check_trainable", None)):
+        stack.check_trainable()
     return model, stack, roles
 
 

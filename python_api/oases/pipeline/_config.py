@@ -129,8 +129,6 @@ def _check_config(
             f"config: expected an oases.models.GPTConfig or a model factory (a callable returning "
             f"the model), got {type(config).__name__}"
         )
-    if isinstance(config, GPTConfig) and config.dropout != 0.0:
-        raise ValueError(f"config.dropout: the pipeline does not apply dropout yet, got {config.dropout}")
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if sorted(names) != sorted(MESH_DIMS):
         raise ValueError(f"mesh: expected dimensions named {MESH_DIMS}, got {names or 'none'}")

@@ -40,6 +40,15 @@ class Step:
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (k, i) -> output / loss
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
     loss_sum: Optional[dist.Work] = None  # the loss's sum over dp, started once it is final (see run_actions)
+    rows: list[slice] = field(default_factory=list)  # each micro-batch's rows of the global batch
+    batch: int = 0  # the global batch's rows
+    seed: Optional[int] = None  # the step's dropout seed (None: no dropout; see Pipeline.train_step)
+
+    def where(self, i: int) -> SubBatch:
+        """Micro-batch i's SubBatch: its rows of the global batch, the step's dropout seed. The
+        dropout streams key their masks by these rows (oases.models._branch), so every micro-batch
+        of every DP rank draws its own; recomputation redraws the first forward's."""
+        return SubBatch(self.rows[i], self.batch, self.seed)
 
 
 def action_marks(actions: list[Action], segments: int) -> tuple[dict, dict[int, int], dict[int, int]]:
@@ -71,6 +80,8 @@ def split(pipe: Pipeline, tokens: torch.Tensor, targets: torch.Tensor) -> Step:
         pipe.stage.dtype,
         int((targets != IGNORE_INDEX).sum()),  # normalizer: the global batch's tokens with a target
         loss=torch.zeros((), dtype=torch.float32, device=pipe.comm.device),
+        rows=[slice(block.start + p.start, block.start + p.stop) for p in parts],  # of the global batch
+        batch=tokens.shape[0],
     )
 
 
@@ -101,9 +112,9 @@ def _recv_key(layout: StageLayout, action: Action) -> Optional[tuple[str, int, i
 
 
 def _embed(pipe: Pipeline, step: Step, i: int) -> Optional[torch.Tensor]:
-    """Micro-batch i's embedding on virtual stage 0 (None elsewhere); its ctx is kept for every layer."""
-    tokens = step.micro[i][0]
-    x, step.ctx[i] = pipe.stage.embed(tokens, SubBatch(slice(0, tokens.shape[0]), tokens.shape[0]))
+    """Micro-batch i's embedding on virtual stage 0 (None elsewhere); its ctx (with step.where(i):
+    the dropout seed and rows every layer's masks are keyed by) is kept for every layer."""
+    x, step.ctx[i] = pipe.stage.embed(step.micro[i][0], step.where(i))
     return x if pipe.layout.is_first(0) else None
 
 

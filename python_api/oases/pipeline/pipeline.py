@@ -15,13 +15,14 @@ One step, on the rank at (d, s, t) of the mesh:
 
     rows = B / dp; block = tokens[d*rows : (d+1)*rows]          # this DP rank's rows
     micro-batches = block split into m near-equal row ranges (sizes differ by at most one)
+    seed = the step's dropout seed (None without dropout)       # the same on this replica's ranks
     sync.launch_deferred()                                      # last step's deferred DP buckets
     for action in schedules.actions(schedule, stage=s, ...):    # F(k, i) / B(k, i)
         first F of segment k: sync.wait(k); optimizer[k].step(); zero grads   # last step's update
                  (max_grad_norm c: before the first, every sync waited for and every gradient
                   scaled by min(1, c / (norm of the whole model's gradient + 1e-6)))
         post the receive the next action needs                  # PPComm: one action ahead
-        F(k, i): x = recv act (or embed(tokens)); y = layers of (k, s) on x
+        F(k, i): x = recv act (or embed(tokens)); y = layers of (k, s) on x   # ctx: SubBatch(rows of B, seed)
                  last virtual stage: loss_i = loss_sum(head(y), targets_i) / N else send y
                  (N: the global batch's targets that are not -100, IGNORE_INDEX: no loss there)
         B(k, i): g = recv grad (or 1 for loss_i); backward(y, g); send x.grad (unless first)
@@ -32,6 +33,14 @@ One step, on the rank at (d, s, t) of the mesh:
 Dividing each micro-batch's summed token loss by the *global* count N of tokens with a target
 makes the sum of the DP ranks' gradients the single-process gradient of the mean loss: the DP
 sync is a plain sum.
+
+Dropout (a model in training mode with dropout > 0): each micro-batch's SubBatch carries the step's
+seed and its rows of the global batch, and every branch draws its masks from streams seeded by
+them and by its layer (oases.models._branch: the TP group's stream on replicated activations,
+each rank's own on its heads and features; oases.models.GPT: one residual mask over the global
+batch, sliced), so the recomputation of each checkpointed (or offloaded) layer in B(k, i) redraws
+the masks of F(k, i). The seed (Pipeline._step_seed) is the same on every stage and TP rank of a
+DP replica. eval_step runs in eval mode, without dropout.
 
 Per-segment DP sync (FOLD3D Algorithm 2, DPComm; oases.pipeline.dp_sync): a segment's gradients
 start reducing over dp on this rank's DP thread as soon as its backward is over for every
@@ -83,7 +92,10 @@ import torch.nn as nn
 from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
 from oases.inputs import CheckMode, agree_mesh_inputs
+from oases.models._branch import draw_step_seed, dropout_in
 from oases.models.gpt import GPTConfig
+from oases.models.hf import HFStack
+from oases.models.nanogpt import NanoGPTStack
 from oases.offload import Offloader, OffloadStats
 from oases.pipeline import _execute, _storage
 from oases.pipeline._autotune import retune
@@ -217,6 +229,9 @@ class Pipeline:
         )
         device = model_device(self.model)
         _check_backend(self.pp_group, device)
+        # the model drops in training (a GPTConfig's dropout, a dropout module or rate above 0): each
+        # train_step in training mode then draws a seed for its masks (_step_seed)
+        self._dropout = config.dropout > 0 if isinstance(config, GPTConfig) else bool(dropout_in(self.model))
         if loss_scaler is not None:  # its scale lives on this device on every stage, not only where the loss is
             loss_scaler.scale(torch.zeros((), device=device))
         self._layers = len(self._stack.layers())
@@ -311,7 +326,8 @@ class Pipeline:
         returns the mean token loss of the whole batch, the same on every rank (see the module doc).
         `check_inputs` (oases.inputs): True checks first that every rank of the mesh got the same
         batch (one all_gather of a summary; ValueError on every rank otherwise), "broadcast" uses
-        rank 0's, False skips it.
+        rank 0's, False skips it. A model in training mode with dropout draws its masks from the
+        step's seed (one default-generator draw per step; see the module doc).
 
         Args:
             tokens: the global batch's token ids [B, t] (int64), the same on every rank.
@@ -324,7 +340,8 @@ class Pipeline:
 
         Raises:
             ValueError: a bad batch (shapes, dtypes, values, B not divisible by dp, fewer rows per DP
-                rank than micro-batches), or, with check_inputs=True, batches that differ over the mesh.
+                rank than micro-batches), or, with check_inputs=True, batches that differ over the mesh;
+                a model with dropout in training mode that was built in eval mode.
             RuntimeError: an earlier step failed mid-way (build a new Pipeline), or gradients are disabled.
         """
         if self._failed is None and not torch.is_grad_enabled():  # local: every rank alike, before any message
@@ -332,7 +349,10 @@ class Pipeline:
                 "train_step: called with gradients disabled (under torch.no_grad() or inference_mode()); it runs "
                 "backwards: call it outside no_grad (or use eval_step for a loss without training)"
             )
+        if self._failed is None:
+            self._check_dropout()  # local: every rank alike, before any message
         step = self._checked_step("train_step", tokens, targets, check_inputs)
+        step.seed = self._step_seed()  # dropout: every micro-batch's masks (and their recomputation's)
         if any(self._auto.values()):
             self._choose(step)
         self.sync.launch_deferred()  # the last step's deferred buckets overlap the forwards up to them
@@ -402,6 +422,40 @@ class Pipeline:
             micro_batches=self.micro_batches,
         )
         return self._split(tokens, targets)
+
+    def _check_dropout(self) -> None:
+        """A Hugging Face or nanoGPT model built in eval mode (from_pretrained) was adapted without its
+        dropout (oases.models.HFStack: each branch's masks and biases placed for a training step);
+        refuse to train it with its dropout back on."""
+        stack = self._stack
+        if self._dropout and self.model.training and isinstance(stack, (HFStack, NanoGPTStack)) and not stack.dropout:
+            name, p = dropout_in(self.model)[0]
+            raise ValueError(
+                f"train_step: the model has dropout {p} ({name}) and is in training mode, but it was in eval "
+                "mode when the pipeline was built (from_pretrained returns it so), so its layers were set up "
+                "without dropout; call model.train() in the factory, or keep the model in eval mode "
+                "(no dropout) or set its dropout to 0"
+            )
+
+    def _step_seed(self) -> Optional[int]:
+        """The step's dropout seed, or None (the model has no dropout, or is in eval mode).
+
+        ::
+
+            seed = randint(2**31 - 1)        # the default generator, on every rank (each advances alike)
+            broadcast over pp, then over tp  # every rank of this DP replica: its (stage 0, TP rank 0)'s
+
+        Every stage uses it (the masks are keyed by layer, sublayer, branch and the micro-batch's
+        rows of the global batch: oases.models._branch.DropoutStreams); each TP group shares it,
+        so replicated activations see one mask and each rank's heads their own stream. DP replicas
+        are not broadcast to: a collective over dp could meet the previous step's DP syncs in flight
+        on that group, and none is needed, since each replica's micro-batches are different rows of
+        the global batch, keyed apart. Replicas whose default generators agree (torch.manual_seed(s)
+        on every rank) draw the same seed anyway; the masks then depend on the micro-batches' rows
+        alone, not on dp."""
+        if not (self._dropout and self.model.training):
+            return None
+        return draw_step_seed(self.comm.device, (self.pp_group, self.tp_group))
 
     def _agree_inputs(
         self, check_inputs: CheckMode, tokens: torch.Tensor, targets: torch.Tensor
