@@ -388,7 +388,8 @@ def _check_attention(name: str, module: nn.Module, plan: ResolvedPlan) -> dict[s
         for child, sub in module.named_children()
         if plan.placed.get(f"{name}.{child}" if name else child, Style("row")).kind == "column"
     }
-    _heads.check_widths(name, module, widths)
+    if not any(child in LATENT_PROJECTIONS for child, _ in module.named_children()):
+        _heads.check_widths(name, module, widths)  # MLA's heads are qk_head_dim wide, its head_dim the rotary part
     found = _heads.full_width_norms(module, widths)
     return {child: _heads.check_norm_form(f"{name}.{child}", module.get_submodule(child)) for child in found}
 
