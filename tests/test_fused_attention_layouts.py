@@ -1,8 +1,11 @@
 """Fused q/k/v projections whose layout the attention class fixes, with the default plan (issue 36, item 4).
 
     dbrx         Wqkv = [q (heads * d) | k (kv * d) | v (kv * d)], 2 kv heads, clip_qkv (an elementwise
-                 clamp, exact on shards): "column:qkv"; at TP 4 each kv head on 2 ranks (its routed
-                 experts, a layout oases.nn.experts does not know, stay replicated)
+                 clamp, exact on shards): "column:qkv"; at TP 4 each kv head on 2 ranks. Its routed
+                 experts, packed (DbrxExperts' mlp.w1 / v1 / w2 [E * I, H]), sharded by expert TP:
+                 each expert's I rows cut over the ranks (ShardRule(0, stacked=E)), the FFN one TP
+                 region (router replicated, its gradient summed); a forward asking for its router
+                 logits, whose router routes with them, is refused, and so is router jitter
     bigcode_mqa  GPTBigCode multi_query=True: c_attn = [q (heads * d) | k (d) | v (d)]: blocks by the
                  head counts (kv_heads = 1), K / V replicated on every rank (not equal thirds)
     bigcode_mha  GPTBigCode multi_query=False: c_attn head by head, [q_h | k_h | v_h] per head: whole-width
@@ -16,7 +19,7 @@ loss.backward(), and oases.train_step's loss and every gradient on every schedul
 unsharded model's (the ShardRule of each parameter as the oracle); a build on the meta device gets
 the plain build's values (not GPTBigCode: its init is refused there, as GPT-2's); save_pretrained
 writes what transformers reads back as the unsharded model, and load_pretrained reads it into a
-fresh TP model.
+fresh TP model; DBRX's full_state_dict holds its experts' unsharded names and shapes.
 """
 
 import copy
@@ -115,10 +118,10 @@ def _check(kind, rank, p, root):
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
     summary = oases.summary(tp)
-    # DBRX's routers stay whole, and so do its experts (DbrxExperts' [E * I, H] w1 / v1 / w2 are not a
-    # layout oases.nn.experts knows: replicated, each rank computing them whole, which is exact)
-    routers = tuple(f"transformer.blocks.{i}.ffn.router.layer" for i in range(2)) if kind == "dbrx" else ()
-    assert summary.layer_coverage >= 0.95 and summary.left_whole == routers, f"{kind}: {summary}"
+    # DBRX's routers stay whole by design (not "left whole"); its packed experts are sharded
+    assert summary.layer_coverage >= 0.95 and summary.left_whole == (), f"{kind}: {summary}"
+    if kind == "dbrx":
+        _check_dbrx_experts(ref, tp, rank, p)
     name, at2, at4 = FUSED[kind]
     fused = tp.get_submodule(name)
     assert (fused.parts, fused.replicas) == (at2 if p == 2 else at4), f"{kind}: {fused}"
@@ -170,6 +173,42 @@ def _check(kind, rank, p, root):
     oases.load_pretrained(fresh, where)
     for (key, a), (_, b) in zip(tp.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), f"{kind}: {key} after load_pretrained"
+    if kind == "dbrx":  # transformers' own save: its packed experts read into this rank's rows of each expert
+        hf = os.path.join(root, f"{kind}-{p}-hf")
+        if rank == 0:
+            ref.save_pretrained(hf)
+        torch.distributed.barrier()
+        for q in fresh.parameters():
+            torch.nn.init.zeros_(q)
+        oases.load_pretrained(fresh, hf)
+        for (key, a), (_, b) in zip(tp.state_dict().items(), fresh.state_dict().items()):
+            assert torch.equal(a, b), f"{kind}: {key} after load_pretrained of transformers' save"
+
+
+def _check_dbrx_experts(ref, tp, rank, p):
+    """DBRX's experts: rank r's rows of each expert in w1 / v1 / w2, the unsharded names and shapes
+    in full_state_dict, and the refusals (router logits asked for, router jitter)."""
+    e, i, h = 4, 128, 64
+    for b in range(2):
+        experts = tp.transformer.blocks[b].ffn.experts
+        assert isinstance(experts, oases.nn.ParallelExperts) and experts.form == "packed", experts
+        for w in ("w1", "v1", "w2"):
+            local = getattr(experts.mlp, w)
+            full = getattr(ref.transformer.blocks[b].ffn.experts.mlp, w)
+            assert local.shape == (e * i // p, h) and experts.mlp.tp_layout()[w] == oases.nn.ShardRule(0, stacked=e)
+            rows = torch.cat([full[k * i + rank * i // p : k * i + (rank + 1) * i // p] for k in range(e)])
+            assert torch.equal(local, rows), f"dbrx: block {b} {w} is not rank {rank}'s rows of each expert"
+    full = oases.full_state_dict(tp)
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.router \(DbrxRouter\) returns the logits its MoE block"):
+        tp(input_ids=ids, labels=ids, output_router_logits=True)
+    jittery = copy.deepcopy(ref)
+    jittery.transformer.blocks[1].ffn.router.moe_jitter_eps = 0.01
+    with pytest.raises(ValueError, match=r"blocks\.1\.ffn: router jitter noise 0\.01 \(router\.moe_jitter_eps\)"):
+        oases.parallelize(jittery)
+    assert type(jittery.transformer.blocks[1].ffn.experts).__name__ == "DbrxExperts"
 
 
 def _check_all(rank, p, kinds, root):

@@ -9,8 +9,9 @@
 
 Shardable decoder-layer parameters are those of the layers' projections (nn.Linear, Conv1D and
 the TP layers made of them) and fused routed experts (an MoE block's 3-D gate_up_proj / down_proj,
-oases.nn.experts), less the replicated biases of row-parallel layers (added once after the
-reduction: replicated by design), routers and gates and multi-head latent attention's low-rank
+DBRX's packed mlp.w1 / v1 / w2: oases.nn.experts.expert_weights), less the replicated biases of
+row-parallel layers (added once after the reduction: replicated by design), routers and gates (and
+a router's own projection: DBRX's router.layer) and multi-head latent attention's low-rank
 down-projections (oases.nn._latent); norms are not shardable (a norm over a sharded
 width, OLMo-2's q_norm, is counted as sharded when it is). parallelize calls `check_coverage`
 with its plan before changing anything: decoder layers whose shardable parameters would stay
@@ -41,7 +42,7 @@ from oases.nn._parts import (
     mlp_of,
     projections,
 )
-from oases.nn.experts import is_experts
+from oases.nn.experts import expert_weights, is_experts
 from oases.nn.layers import RowParallelLinear
 
 __all__ = ["Part", "Summary", "summary", "check_coverage", "report", "whole_layers", "ROUTERS"]
@@ -108,6 +109,7 @@ def _style(module: nn.Module) -> str:
         "VocabParallelEmbedding": "vocab",
         "ShardedRMSNorm": "sharded_norm",
         "ParallelExperts": "experts",
+        "PackedExpertShards": "experts",
     }.get(
         kind, "sharded" if hasattr(module, "tp_layout") else "summed" if hasattr(module, "tp_summed") else "replicated"
     )
@@ -192,9 +194,13 @@ def _shardable(layer_prefix: str, layer: nn.Module) -> dict[str, tuple[nn.Module
     found = {}
     for name, module in layer.named_modules():
         if is_experts(module):
-            found[f"{layer_prefix}.{name}"] = (module, module.gate_up_proj.numel() + module.down_proj.numel())
+            count = sum(module.get_parameter(w).numel() for w in expert_weights(module))
+            found[f"{layer_prefix}.{name}"] = (module, count)
             continue
-        if not is_projection(module) or name.rpartition(".")[2] in ROUTERS | LATENT_PROJECTIONS:
+        parent, _, leaf = name.rpartition(".")
+        if not is_projection(module) or leaf in ROUTERS | LATENT_PROJECTIONS:
+            continue
+        if parent.rpartition(".")[2] in ROUTERS:  # a router's own projection (DBRX's router.layer)
             continue
         bias = getattr(module, "bias", None)
         count = module.weight.numel()
@@ -212,7 +218,7 @@ def _layer_coverage(model: nn.Module, rules: dict) -> tuple[Optional[float], tup
     whole = []
     for i, layer in enumerate(layers):
         for name, (module, count) in _shardable(f"{prefix}.{i}", layer).items():
-            weight_rule = rules.get(f"{name}.{'gate_up_proj' if is_experts(module) else 'weight'}")
+            weight_rule = rules.get(f"{name}.{expert_weights(module)[0] if is_experts(module) else 'weight'}")
             full = count if weight_rule is None else count * ring_of(weight_rule[1]).size
             total += full
             if weight_rule is None:

@@ -1,8 +1,8 @@
 """Routed experts stored fused, each expert tensor-parallel over its intermediate dim (Megatron's
 expert tensor parallelism): `ParallelExperts`.
 
-Hugging Face keeps a mixture-of-experts block's routed experts as 3-D parameters of one module,
-E experts of intermediate size I over hidden size H, in one of two forms:
+Hugging Face keeps a mixture-of-experts block's routed experts fused in the parameters of one module,
+E experts of intermediate size I over hidden size H, in one of three forms:
 
     "concatenated" (Mixtral, Qwen2/3-MoE, OLMoE, ...): F.linear's layout, [gate | up] blocks
         gate_up_proj [E, 2I, H]   expert e's [gate | up] rows
@@ -16,6 +16,13 @@ E experts of intermediate size I over hidden size H, in one of two forms:
         expert(e, x) = swiglu(x @ gate_up_proj[e] + gate_up_proj_bias[e]) @ down_proj[e] + down_proj_bias[e]
         swiglu = ClampedSwiGLU(alpha, limit): (clamp(u, -limit, limit) + 1) * c * sigmoid(alpha * c),
                  c = clamp(g, max=limit),  g, u = gate_up[..., ::2], gate_up[..., 1::2]
+
+    "packed" (DBRX): the experts' matrices stacked on dim 0, each [I, H], in a child `mlp`
+        mlp.w1 [E * I, H]   rows [e I, (e + 1) I): expert e's gate, F.linear's layout
+        mlp.v1 [E * I, H]   expert e's up, the same
+        mlp.w2 [E * I, H]   expert e's down, x @ W's layout (rows: the I features)
+        expert(e, x) = (act(x @ w1_e.T) * (x @ v1_e.T)) @ w2_e,   w_e = w.view(E, I, H)[e]
+        (x [..., H] is flattened to [T, H] and the output viewed back as [x.shape[0], -1, H])
 
     forward(x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> y [T, H]:
         for each expert e some token routes to:
@@ -31,6 +38,8 @@ one does (p ranks, r this rank; rank r holds features j in [rI/p, (r+1)I/p) of e
                   gate_up_proj_bias [E, 2I/p]  the same pairs                              ShardRule(1)
                   down_proj    [E, I/p, H]  = rows [rI/p, (r+1)I/p)                        ShardRule(1)
                   down_proj_bias [E, H]        replicated, added to rank 0's partial sum only
+    packed        mlp.w1, mlp.v1, mlp.w2 [E * I/p, H] = rows [e I + rI/p, e I + (r+1)I/p) of each
+                  expert e, in expert order                                            ShardRule(0, stacked=E)
     forward(x, top_k_index, top_k_weights) -> y_r [T, H], the same loop on the shards:
         sum over r of y_r == y
 
@@ -44,7 +53,16 @@ by oases.nn._moe) counts the bias once.
 The forward communicates nothing: y_r is this rank's partial sum, and the block it sits in
 enters its input and reduces its output once, with the shared expert's partial sum added
 (oases.nn._moe). The parameters keep Hugging Face's names, so checkpoints and
-oases.save_pretrained exports hold the unsharded tensors of either form.
+oases.save_pretrained exports hold the unsharded tensors of each form (the packed form's shards
+live in a child `mlp`, a PackedExpertShards whose tp_layout() says how they are cut).
+
+Each form is recognised by its parameters' names and shapes and checked against what its module
+computes (the flags transformers' use_experts_implementation sets, the gate's or the packed GLU's
+output on small draws). A module that holds fused experts in any other layout (a class named
+...Experts with a parameter of 3 or more dims: Llama-4's and Aria's transposed gate_up_proj
+[E, H, 2I], Nemotron-H's ungated up_proj / down_proj, ...) is `looks_like_experts`: found by
+parallelize like the others and refused by check_experts, naming its layout, when the plan
+shards it.
 """
 
 from __future__ import annotations
@@ -62,7 +80,16 @@ from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
 from oases.nn._mappings import lead_only
 
-__all__ = ["ParallelExperts", "ClampedSwiGLU", "is_fused_experts", "is_experts", "check_experts"]
+__all__ = [
+    "ParallelExperts",
+    "PackedExpertShards",
+    "ClampedSwiGLU",
+    "is_fused_experts",
+    "is_experts",
+    "looks_like_experts",
+    "expert_weights",
+    "check_experts",
+]
 
 # The flags transformers' use_experts_implementation sets, for the two forms ParallelExperts computes.
 _LAYOUTS = {
@@ -82,6 +109,15 @@ _LAYOUTS = {
     },
 }
 _INTERLEAVED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+_PACKED = ("w1", "v1", "w2")  # DBRX's mlp: gate, up, down, each [E * I, H]
+# use_experts_implementation's flags and their defaults (a fused module's layout, as transformers names it)
+_FLAGS = {
+    "is_concatenated": True,
+    "is_transposed": False,
+    "has_bias": False,
+    "has_gate": True,
+    "has_post_expert_norm": False,
+}
 
 
 @dataclass(frozen=True)
@@ -109,18 +145,40 @@ def _real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _positive(value: object) -> bool:
+    return _checks.is_int(value) and value > 0
+
+
+def _packed(module: nn.Module) -> bool:
+    """DBRX's packed experts (module doc): no parameters of its own, a child `mlp` holding exactly
+    w1, v1, w2, each [E * I, H] for the module's ints num_experts E, ffn_hidden_size I and
+    hidden_size H, and a callable activation_fn."""
+    e, i, h = (getattr(module, a, None) for a in ("num_experts", "ffn_hidden_size", "hidden_size"))
+    mlp = getattr(module, "mlp", None)
+    if not (_positive(e) and _positive(i) and _positive(h)) or not isinstance(mlp, nn.Module):
+        return False
+    if {n for n, _ in module.named_parameters()} != {f"mlp.{n}" for n in _PACKED}:
+        return False
+    return callable(getattr(mlp, "activation_fn", None)) and all(
+        tuple(getattr(mlp, n).shape) == (e * i, h) for n in _PACKED
+    )
+
+
 def _form(module: nn.Module) -> Optional[str]:
-    """ "concatenated" or "interleaved" (module doc) for Hugging Face's fused experts, unsharded,
-    by their own parameters' names and shapes (I > 0); None for anything else:
+    """ "concatenated", "interleaved" or "packed" (module doc) for Hugging Face's fused experts,
+    unsharded, by their parameters' names and shapes (I > 0); None for anything else:
 
         concatenated  exactly gate_up_proj [E, 2I, H], down_proj [E, H, I], and an act_fn
         interleaved   exactly gate_up_proj [E, H, 2I], gate_up_proj_bias [E, 2I], down_proj [E, I, H],
                       down_proj_bias [E, H]; flags is_concatenated False (or absent: 5.0) and
                       is_transposed True (as transformers' use_experts_implementation sets them),
                       numbers alpha and limit
+        packed        DBRX's: no own parameters, mlp.w1 / v1 / w2 [E * I, H] (_packed)
     """
     if isinstance(module, ParallelExperts):
         return None
+    if _packed(module):
+        return "packed"
     own = dict(module.named_parameters(recurse=False))
     if set(own) == {"gate_up_proj", "down_proj"} and callable(getattr(module, "act_fn", None)):
         gate_up, down = own["gate_up_proj"], own["down_proj"]
@@ -147,9 +205,29 @@ def _form(module: nn.Module) -> Optional[str]:
 
 
 def is_fused_experts(module: nn.Module) -> bool:
-    """Hugging Face's fused routed experts, unsharded, in one of the two forms of the module doc
+    """Hugging Face's fused routed experts, unsharded, in one of the three forms of the module doc
     (by their parameters: a ParallelExperts is not)."""
     return _form(module) is not None
+
+
+def looks_like_experts(module: nn.Module) -> bool:
+    """Fused experts in a layout of none of the forms (module doc): a module whose class is named
+    ...Experts, with a parameter of its own of 3 or more dims, that is_fused_experts does not know."""
+    return (
+        type(module).__name__.endswith("Experts")
+        and not isinstance(module, ParallelExperts)
+        and any(q.dim() >= 3 for q in module.parameters(recurse=False))
+        and _form(module) is None
+    )
+
+
+def expert_weights(module: nn.Module) -> tuple[str, ...]:
+    """The names (relative to the module, dotted into a child) of the weights of fused experts,
+    sharded (ParallelExperts) or not, that expert TP cuts (biases aside); () for any other module."""
+    form = module.form if isinstance(module, ParallelExperts) else _form(module)
+    if form is None:
+        return ()
+    return tuple(f"mlp.{n}" for n in _PACKED) if form == "packed" else ("gate_up_proj", "down_proj")
 
 
 def is_experts(module: nn.Module) -> bool:
@@ -167,41 +245,131 @@ def _gate_matches(experts: nn.Module, swiglu: ClampedSwiGLU) -> bool:
     return isinstance(got, torch.Tensor) and got.shape == (5, 4) and torch.allclose(got, swiglu(x))
 
 
+def _glu_matches(mlp: nn.Module) -> bool:
+    """Whether the packed experts' mlp.forward(x, w1_e, v1_e, w2_e) computes
+    (act(x @ w1_e.T) * (x @ v1_e.T)) @ w2_e with its activation_fn, on small draws of its arguments
+    (a private generator: no global random state is used; the module's own tensors are not read)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x, w1, v1, w2 = (torch.randn(n, 4, generator=g, dtype=torch.float64) for n in (5, 3, 3, 3))  # x [5, 4], w [3, 4]
+    try:
+        with torch.no_grad():
+            got = mlp.forward(x, w1, v1, w2)
+            want = (mlp.activation_fn(x @ w1.T) * (x @ v1.T)) @ w2
+    except (TypeError, RuntimeError, ValueError):
+        return False
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want)
+
+
+def _layout_of(module: nn.Module) -> str:
+    """A module's parameters with their shapes (a child's dotted) and its layout flags that differ
+    from transformers' defaults: how a refusal names the layout."""
+    shapes = [f"{n} {list(q.shape)}" for n, q in module.named_parameters()]
+    flags = [f"{k}={getattr(module, k)!r}" for k, v in _FLAGS.items() if getattr(module, k, v) != v]
+    return ", ".join(shapes + flags)
+
+
+_FIX = (
+    "leave them replicated: remove the 'experts' entry from the plan (plan={k: v for k, v in "
+    "oases.nn.DEFAULT_PLAN.items() if k != 'experts'})"
+)
+
+
 def check_experts(owner: str, experts: nn.Module, world_size: int) -> None:
-    """ValueError (naming `owner` and the fix) unless `experts` is in a form ParallelExperts
-    computes (module doc) and its intermediate size splits into `world_size` whole shards."""
+    """ValueError (naming `owner`, the layout and the fix) unless `experts` is in a form
+    ParallelExperts computes (module doc) and its intermediate size splits into `world_size`
+    whole shards."""
     form = _form(experts)
     if form is None:
         raise ValueError(
-            f"{owner}: {type(experts).__name__} is not fused routed experts (own parameters exactly "
-            f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] with an act_fn, or GPT-OSS's "
-            f"gate_up_proj [E, H, 2I], gate_up_proj_bias, down_proj [E, I, H], down_proj_bias); "
-            f"remove it from the plan"
+            f"{owner}: {type(experts).__name__} holds routed experts in a layout oases does not shard "
+            f"({_layout_of(experts)}); oases shards fused experts stored as Mixtral's gate_up_proj [E, 2I, H] "
+            f"and down_proj [E, H, I] with an act_fn, GPT-OSS's gate_up_proj [E, H, 2I] (gate and up "
+            f"interleaved), gate_up_proj_bias, down_proj [E, I, H], down_proj_bias, or DBRX's mlp.w1 / v1 / w2 "
+            f"[E * I, H]; {_FIX}"
         )
-    layout = _LAYOUTS[form]
-    odd = {k: getattr(experts, k) for k, v in layout.items() if getattr(experts, k, v) != v}
-    gate = getattr(type(experts), "_apply_gate", None)
-    if form == "concatenated":
-        if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
-            odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
-        computes = "act_fn(gate) * up"
+    if form == "packed":
+        if not _glu_matches(experts.mlp):
+            raise ValueError(
+                f"{owner}: {type(experts).__name__} packs its experts as DBRX does ({_layout_of(experts)}), but "
+                f"{type(experts.mlp).__name__}.forward(x, w1, v1, w2) does not compute "
+                f"(act(x @ w1.T) * (x @ v1.T)) @ w2 with its activation_fn, which oases shards; {_FIX}"
+            )
+        intermediate = experts.ffn_hidden_size
     else:
-        swiglu = ClampedSwiGLU(float(experts.alpha), float(experts.limit))
-        if gate is None or not _gate_matches(experts, swiglu):
-            odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
-        computes = f"{swiglu} of the interleaved pairs"
-    if odd:
-        raise ValueError(
-            f"{owner}: {type(experts).__name__} has a layout oases does not shard "
-            f"({', '.join(f'{k}={v!r}' for k, v in odd.items())}; for its parameters it shards "
-            f"{layout} with {computes}); leave it replicated: remove its 'experts' plan entry"
-        )
-    intermediate = experts.down_proj.shape[2 if form == "concatenated" else 1]
+        layout = _LAYOUTS[form]
+        odd = {k: getattr(experts, k) for k, v in layout.items() if getattr(experts, k, v) != v}
+        gate = getattr(type(experts), "_apply_gate", None)
+        if form == "concatenated":
+            if gate is not None and getattr(gate, "__name__", "") != "_default_apply_gate":
+                odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
+            computes = "act_fn(gate) * up"
+        else:
+            swiglu = ClampedSwiGLU(float(experts.alpha), float(experts.limit))
+            if gate is None or not _gate_matches(experts, swiglu):
+                odd["_apply_gate"] = f"{type(experts).__name__}._apply_gate"
+            computes = f"{swiglu} of the interleaved pairs"
+        if odd:
+            raise ValueError(
+                f"{owner}: {type(experts).__name__} has a layout oases does not shard "
+                f"({', '.join(f'{k}={v!r}' for k, v in odd.items())}; for its parameters it shards "
+                f"{layout} with {computes}); leave it replicated: remove its 'experts' plan entry"
+            )
+        intermediate = experts.down_proj.shape[2 if form == "concatenated" else 1]
     if intermediate % world_size:
         raise ValueError(
             f"{owner}: the experts' intermediate size {intermediate} is not divisible by the "
             f"tensor-parallel world size {world_size}; choose a world size dividing it (or leave the "
             f"experts replicated: remove the 'experts' plan entry)"
+        )
+
+
+class PackedExpertShards(nn.Module):
+    """This rank's rows of DBRX's packed experts (module doc), the `mlp` child of a packed
+    ParallelExperts: w1, v1, w2 [E * I/p, H], expert e's I/p features of rank r at rows
+    [e I/p, (e+1) I/p) (ShardRule(0, stacked=E): its tp_layout()); `group` their group.
+
+        expert(e, x [n, H]) -> [n, H] = (activation_fn(x @ w1_e.T) * (x @ v1_e.T)) @ w2_e,
+                                        w_e = w.view(E, I/p, H)[e]   (this rank's partial sum)
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation_fn: Callable[[torch.Tensor], torch.Tensor],
+        group: Optional[dist.ProcessGroup],
+        *,
+        std: float = 0.02,
+        device: Optional[torch.device | str] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        ring = ring_of(group)
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.activation_fn = activation_fn
+        self.group, self.world_size, self.rank = group, ring.size, ring.rank
+        rule = ShardRule(0, stacked=num_experts)
+        for name in _PACKED:
+            full = torch.empty(num_experts * intermediate_size, hidden_size, device=device, dtype=dtype)  # [E * I, H]
+            full.normal_(0.0, std)
+            self.register_parameter(name, nn.Parameter(rule.shard(full, self.rank, self.world_size).clone()))
+
+    def tp_layout(self) -> dict[str, ShardRule]:
+        """w1, v1, w2: each expert's rows cut on their own (dim 0, E blocks)."""
+        return {name: ShardRule(0, stacked=self.num_experts) for name in _PACKED}
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on this rank's features: [n, H] -> [n, H], its part of the expert's output."""
+        shape = (self.num_experts, self.intermediate_size // self.world_size, self.hidden_size)
+        w1, v1, w2 = (getattr(self, n).view(shape)[e] for n in _PACKED)  # [I/p, H] each
+        return (self.activation_fn(x.matmul(w1.T)) * x.matmul(v1.T)).matmul(w2)
+
+    def extra_repr(self) -> str:
+        """The sizes and this rank's shard."""
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, tp={self.world_size} (rank {self.rank})"
         )
 
 
@@ -213,10 +381,14 @@ class ParallelExperts(nn.Module):
         concatenated (act_fn):  gate_up_proj [E, 2I/p, H], down_proj [E, H, I/p]
         interleaved (swiglu):   gate_up_proj [E, H, 2I/p], gate_up_proj_bias [E, 2I/p],
                                 down_proj [E, I/p, H], down_proj_bias [E, H] (replicated)
-        forward(x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> y_r [T, H]  (partial sum)
+        packed (act_fn, packed=True):  mlp.w1, mlp.v1, mlp.w2 [E * I/p, H] (mlp: PackedExpertShards)
+        forward(x [T, H], top_k_index [T, k], top_k_weights [T, k]) -> y_r [T, H]  (partial sum;
+            packed: x [B, ..., H] flattened to [T, H], y_r viewed as [B, -1, H], as DBRX's experts do)
 
-    Exactly one of `act_fn` (the concatenated form's elementwise activation) and `swiglu` (a
-    ClampedSwiGLU: the interleaved form, GPT-OSS's) is given. Built directly, the full weights are
+    Exactly one of `act_fn` (the concatenated and packed forms' elementwise activation) and `swiglu`
+    (a ClampedSwiGLU: the interleaved form, GPT-OSS's) is given; `packed` (with act_fn): DBRX's
+    form, whose shards and their tp_layout() are the child `mlp`'s (this module's tp_layout() is
+    empty: it holds no parameter itself). Built directly, the full weights are
     drawn normal(0, std) on every rank and the biases are zeros (Hugging Face's init), and each
     rank keeps its shard: with the same seed on every rank the shards tile one full set of
     experts; `from_experts` copies a module's.
@@ -232,6 +404,7 @@ class ParallelExperts(nn.Module):
         act_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         *,
         swiglu: Optional[ClampedSwiGLU] = None,
+        packed: bool = False,
         group: Optional[dist.ProcessGroup] = None,
         std: float = 0.02,
         device: Optional[torch.device | str] = None,
@@ -251,6 +424,11 @@ class ParallelExperts(nn.Module):
                 f"swiglu (a ClampedSwiGLU: GPT-OSS's interleaved form); got act_fn={act_fn!r}, "
                 f"swiglu={swiglu!r}"
             )
+        if packed is not False and (packed is not True or act_fn is None):
+            raise TypeError(
+                f"ParallelExperts: packed=True (DBRX's form) takes an act_fn and no swiglu; got packed={packed!r}, "
+                f"act_fn={act_fn!r}, swiglu={swiglu!r}"
+            )
         if act_fn is not None and not callable(act_fn):
             raise TypeError(f"ParallelExperts: act_fn must be callable (the experts' activation), got {act_fn!r}")
         if swiglu is not None and not isinstance(swiglu, ClampedSwiGLU):
@@ -263,12 +441,16 @@ class ParallelExperts(nn.Module):
                 f"tensor-parallel world size {ring.size}; choose sizes that split into whole shards"
             )
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.act_fn, self.swiglu = act_fn, swiglu
-        self.form = "concatenated" if swiglu is None else "interleaved"
+        self.form = "packed" if packed else "concatenated" if swiglu is None else "interleaved"
+        self.act_fn = None if packed else act_fn  # packed: the mlp's activation_fn, as DBRX keeps it
+        self.swiglu = swiglu
         self.group, self.world_size, self.rank = group, ring.size, ring.rank
         self._communicate = True  # the block's entry and reduction (oases.nn._moe); False in no_tp_communication
         e, h, i = num_experts, hidden_size, intermediate_size
         layout = self.tp_layout()
+        if self.form == "packed":
+            self.mlp = PackedExpertShards(e, h, i, act_fn, group, std=std, device=device, dtype=dtype)
+            return
         if self.form == "concatenated":
             full_gate_up = torch.empty(e, 2 * i, h, device=device, dtype=dtype).normal_(0.0, std)
             full_down = torch.empty(e, h, i, device=device, dtype=dtype).normal_(0.0, std)
@@ -288,7 +470,10 @@ class ParallelExperts(nn.Module):
     def tp_layout(self) -> dict[str, ShardRule]:
         """concatenated: gate_up_proj's gate and up rows cut on their own (dim 1, 2 blocks), down_proj's
         columns (dim 2). interleaved: whole (gate, up) pairs, i.e. gate_up_proj's columns (dim 2) and
-        its bias's (dim 1), down_proj's rows (dim 1); down_proj_bias replicated."""
+        its bias's (dim 1), down_proj's rows (dim 1); down_proj_bias replicated. packed: none here
+        (the child mlp's tp_layout() cuts w1, v1, w2)."""
+        if self.form == "packed":
+            return {}
         if self.form == "concatenated":
             return {"gate_up_proj": ShardRule(1, stacked=2), "down_proj": ShardRule(2)}
         return {"gate_up_proj": ShardRule(2), "gate_up_proj_bias": ShardRule(1), "down_proj": ShardRule(1)}
@@ -298,25 +483,35 @@ class ParallelExperts(nn.Module):
         """This rank's shard of Hugging Face fused experts (values and requires_grad copied; on the
         meta device for a meta module)."""
         check_experts("experts", experts, ring_of(group).size)
-        like = experts.gate_up_proj
-        if _form(experts) == "concatenated":
+        form = _form(experts)
+        if form == "packed":
+            like = experts.mlp.w1
+            e, h, i = experts.num_experts, experts.hidden_size, experts.ffn_hidden_size
+            kinds = dict(act_fn=experts.mlp.activation_fn, packed=True)
+        elif form == "concatenated":
+            like = experts.gate_up_proj
             e, h, i = experts.down_proj.shape
             kinds = dict(act_fn=experts.act_fn)
         else:
+            like = experts.gate_up_proj
             e, i, h = experts.down_proj.shape
             kinds = dict(swiglu=ClampedSwiGLU(float(experts.alpha), float(experts.limit)))
         layer = torch.nn.utils.skip_init(cls, e, h, i, **kinds, group=group, device=like.device, dtype=like.dtype)
-        layout = layer.tp_layout()
+        owners = [(layer.mlp, experts.mlp)] if form == "packed" else [(layer, experts)]
         with torch.no_grad():
-            for name, target in layer.named_parameters(recurse=False):
-                source = getattr(experts, name)
-                rule = layout.get(name)
-                target.copy_(source if rule is None else rule.shard(source, layer.rank, layer.world_size))
-                target.requires_grad_(source.requires_grad)
+            for target_owner, source_owner in owners:
+                layout = target_owner.tp_layout()
+                for name, target in target_owner.named_parameters(recurse=False):
+                    source = getattr(source_owner, name)
+                    rule = layout.get(name)
+                    target.copy_(source if rule is None else rule.shard(source, layer.rank, layer.world_size))
+                    target.requires_grad_(source.requires_grad)
         return layer
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on this rank's features: [n, H] -> [n, H], its part of the expert's output."""
+        if self.form == "packed":
+            return self.mlp.expert(e, x)
         if self.swiglu is None:
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I/p] each
             return F.linear(self.act_fn(gate) * up, self.down_proj[e])
@@ -328,7 +523,11 @@ class ParallelExperts(nn.Module):
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         """hidden_states [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: each token's routed experts'
-        outputs times their weights, summed; this rank's partial sum over its I/p features."""
+        outputs times their weights, summed; this rank's partial sum over its I/p features. The packed
+        form takes x [B, ..., H] and returns [B, -1, H] (DBRX's experts' shapes)."""
+        rows = hidden_states.shape[0]
+        if self.form == "packed":
+            hidden_states = hidden_states.reshape(-1, self.hidden_size)  # [T, H]
         out = torch.zeros_like(hidden_states)  # [T, H]: this rank's partial sum
         with torch.no_grad():
             routed = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # [E + 1, k, T]
@@ -337,11 +536,11 @@ class ParallelExperts(nn.Module):
             slot, token = torch.where(routed[e])  # [n] each
             y = self._expert(e, hidden_states[token])  # [n, H], partial over the I/p features
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
-        return out
+        return out.view(rows, -1, self.hidden_size) if self.form == "packed" else out
 
     def extra_repr(self) -> str:
         """The sizes, the swiglu if any, and this rank's TP shard (intermediate features per expert)."""
-        form = "" if self.swiglu is None else f", {self.swiglu}"
+        form = ", packed" if self.form == "packed" else "" if self.swiglu is None else f", {self.swiglu}"
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}{form}, tp={self.world_size} (rank {self.rank}: "

@@ -74,9 +74,10 @@ experts, and one all-reduce at the block's output sums them (dense MLP's pattern
 and gates' gradients are summed over the group, so every gradient, the load-balancing loss's
 (output_router_logits) included, is the unsharded model's. oases.train_step runs the block as a
 split sublayer (its loss has no load-balancing term: a config asking for router logits is refused).
-Experts stored as Mixtral's ([E, 2I, H] gate | up, [E, H, I] down) or GPT-OSS's (transposed, gate
-and up interleaved, with biases: the down bias added in one rank's partial sum) are recognised
-(oases.nn.experts).
+Experts stored as Mixtral's ([E, 2I, H] gate | up, [E, H, I] down), GPT-OSS's (transposed, gate
+and up interleaved, with biases: the down bias added in one rank's partial sum) or DBRX's (packed
+w1 / v1 / w2 [E*I, H], each expert's rows cut) are recognised (oases.nn.experts); another fused
+layout planned "experts" (Llama-4's transposed one, Nemotron-H's ungated one) is refused by name.
 
 Attention. Once q/k/v (or a fused qkv) are column-sharded, each rank computes num_heads/p query
 heads and num_kv_heads/p key/value heads (whole heads: both counts must divide by p; or, at
