@@ -88,6 +88,10 @@ setup(
     ext_modules=_ext_modules,
     cmdclass=_cmdclass,
     install_requires=["torch>=2.4", "numpy", "scipy"],
-    extras_require={"triton": ["triton"], "bench": ["matplotlib"], "hf": ["transformers>=5.0", "accelerate>=1.15"]},
+    extras_require={
+        "triton": ["triton"],
+        "bench": ["matplotlib"],
+        "hf": ["transformers>=5.0", "accelerate>=1.15", "peft>=0.21"],
+    },
     entry_points={"console_scripts": ["oases-launch=oases.launch:main", "oases=oases.cli:main"]},
 )

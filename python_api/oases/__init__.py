@@ -19,7 +19,7 @@
 from oases import amp, comm, dp, models, ops, pipeline, schedule
 from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
 from oases.nn import check_gradients, parallelize, summary  # also binds the subpackage oases.nn
-from oases.pretrained import load_pretrained, save_pretrained
+from oases.pretrained import load_pretrained, save_adapter, save_pretrained
 from oases.training import train_step
 
 __version__ = "0.1.0"  # the only place the version is written: setup.py parses this line
@@ -44,4 +44,5 @@ __all__ = [
     "CheckpointState",
     "load_pretrained",
     "save_pretrained",
+    "save_adapter",
 ]

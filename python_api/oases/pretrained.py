@@ -2,6 +2,7 @@
 
     oases.load_pretrained(tp_model, "llama-dir")   # each rank reads only its shards' boxes; no communication
     oases.save_pretrained(tp_model, "out-dir")     # a collective: each sharded tensor gathered to rank 0
+    oases.save_adapter(peft_model, "adapter-dir")  # the same for a PEFT model's adapter, in PEFT's format
     LlamaForCausalLM.from_pretrained("out-dir")    # ... is the unsharded model
 
 The directory is the one transformers' `save_pretrained` writes and `from_pretrained` reads:
@@ -45,11 +46,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from oases import _checks
 from oases._checks import process_group
+from oases._compiled import original_module
 from oases._hf_files import DTYPES, INDEX, SINGLE, Stored, stored_tensors
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
 
-__all__ = ["load_pretrained", "save_pretrained"]
+__all__ = ["load_pretrained", "save_pretrained", "save_adapter"]
 
 _PART = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")  # the files of a multi-file checkpoint
 
@@ -432,3 +434,126 @@ def save_pretrained(
     _write_files(
         model, path, entries, _split(entries, max_shard_size), writer, me, lambda e: _gathered(e, writer, me), group
     )
+
+
+# --- PEFT adapters -----------------------------------------------------------------------------------
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's names (peft.utils.SAFETENSORS_WEIGHTS_NAME, CONFIG_NAME)
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapter_entries(model: nn.Module, adapter_name: str) -> list[_Entry]:
+    """The adapter's tensors as PEFT saves them (peft.get_peft_model_state_dict's keys and order),
+    each with its shard where a tp_layout() lists it (oases' LoRA layers' split factors)."""
+    from peft import get_peft_model_state_dict
+
+    _, shards, expected = _layout(model)
+    params = model.state_dict(keep_vars=True)
+    key_of: dict[int, str] = {}
+    for key, tensor in params.items():
+        key_of.setdefault(id(tensor), key)
+    selected = get_peft_model_state_dict(
+        model, state_dict=params, adapter_name=adapter_name, save_embedding_layers=False
+    )
+    entries = []
+    for key, tensor in selected.items():
+        source = key_of.get(id(tensor))
+        if source is None:  # not one of the model's tensors (PEFT made it): held whole
+            entries.append(_Entry(key, tensor.detach(), None, tensor.shape))
+            continue
+        entries.append(_Entry(key, tensor.detach(), shards.get(source), torch.Size(expected[source])))
+    unknown = [f"{e.key} ({e.local.dtype})" for e in entries if e.local.dtype not in DTYPES]
+    if unknown:
+        raise TypeError(f"save_adapter: no safetensors dtype for {', '.join(unknown)}")
+    return entries
+
+
+def _write_adapter_config(model: nn.Module, adapter_name: str, path: str) -> None:
+    """adapter_config.json as PeftModel.save_pretrained writes it (inference_mode True, the base
+    model's name_or_path, the auto mapping of a config without task_type)."""
+    config = copy.deepcopy(model.peft_config[adapter_name])
+    if config.base_model_name_or_path is None:
+        config.base_model_name_or_path = model.get_base_model().__dict__.get("name_or_path", None) or None
+    config.inference_mode = True
+    auto_mapping = None
+    if config.task_type is None and callable(getattr(model, "_get_base_model_class", None)):
+        base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
+        auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
+    config.save_pretrained(path, auto_mapping_dict=auto_mapping)
+
+
+def save_adapter(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    *,
+    adapter_name: str = "default",
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Write a PEFT model's adapter in PEFT's own format, unsharded: `path`/adapter_model.safetensors
+    and `path`/adapter_config.json, what PeftModel.save_pretrained writes for the unsharded model
+    (PeftModel.from_pretrained(base, path) loads it on one process), streaming as save_pretrained.
+
+    ::
+
+        entries = peft.get_peft_model_state_dict(model)'s keys and tensors (adapter name removed)
+        writer = rank 0 of `group`; it writes the safetensors header to path/.adapter_model.safetensors.partial
+        for entry in entries:                           # one full tensor in memory at a time
+            full = gather the entry's shards to the writer (a split LoRA factor: oases.nn.lora), or the replica
+            writer appends full's bytes
+        writer: the file renamed over adapter_model.safetensors, then adapter_config.json written
+        every rank: the writer's error, if any (so nobody returns before the files exist)
+
+    A collective: every rank of `group` (default: the world) calls it with its replica of the same
+    model. No rank gathers the model: the writer holds one adapter tensor at a time.
+
+    Args:
+        model: a peft.PeftModel (LoRA adapters on oases' parallel layers, or PEFT's own on layers left whole).
+        path: the directory to write (created if needed; must not be a file).
+        adapter_name: which adapter to write (default "default").
+        group: the ranks that call it (default: the world); its rank 0 writes.
+    Raises:
+        before any communication, on every rank alike: TypeError (not a PEFT model; a dtype safetensors
+        lacks), ValueError (no such adapter), FileExistsError (path is a file).
+    """
+    group = process_group(group)  # a 1-D DeviceMesh: its group
+    model = original_module(model)
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not callable(getattr(model, "get_base_model", None)):
+        raise TypeError(
+            f"model: expected a peft.PeftModel (get_peft_model(...)), got {type(model).__name__}; pass the PEFT "
+            f"model, whose state dict has the keys PEFT's adapter files use"
+        )
+    if adapter_name not in configs:
+        raise ValueError(f"adapter_name: {adapter_name!r} is not one of the model's adapters {list(configs)}")
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        raise FileExistsError(f"path: {path!r} is a file; save_adapter writes a directory")
+    if sys.byteorder != "little":
+        raise NotImplementedError("save_adapter: safetensors is little-endian; this machine is not")
+    entries = _adapter_entries(model, adapter_name)
+    distributed = dist.is_available() and dist.is_initialized()
+    writer = ring_of(group).global_ranks[0] if distributed else 0
+    me = dist.get_rank() if distributed else 0
+    writing = me == writer
+    error: Optional[Exception] = None
+    if writing:
+        try:
+            _prepare(path)
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
+            error = e
+    _shared(error, writer, distributed, group, f"prepare {path!r}")
+    with open(_partial(path, ADAPTER_WEIGHTS), "wb") if writing else nullcontext() as out:
+        if writing:
+            out.write(_header(entries))
+        for entry in entries:
+            full = _gathered(entry, writer, me)  # [entry.shape] on the writer
+            if writing:
+                _write(out, full)
+            del full
+    if writing:
+        try:
+            os.replace(_partial(path, ADAPTER_WEIGHTS), os.path.join(path, ADAPTER_WEIGHTS))
+            _write_adapter_config(model, adapter_name, path)
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
+            error = e
+    _shared(error, writer, distributed, group, f"write the adapter to {path!r}")

@@ -14,6 +14,7 @@
     check_gradients(model)        raise if a gradient ranks should hold alike differs between them (the invariant)
     summary(model)                how much of a model is sharded: its parts, their styles, this rank's share
     no_tp_communication(module)   inside, the TP linears compute this rank's part only (schedules reduce)
+    register_lora(config)         a peft.LoraConfig that puts oases' LoRA layers on the parallel layers (oases.nn.lora)
 
 The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn._mappings`.
 """
@@ -24,6 +25,7 @@ from oases.nn.clip import clip_grad_norm_
 from oases.nn.experts import ParallelExperts
 from oases.nn.grad_check import check_gradients
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
+from oases.nn.lora import register_lora
 from oases.nn.norm import ShardedRMSNorm
 from oases.nn.parallelize import DEFAULT_PLAN, parallelize
 from oases.nn.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -43,4 +45,5 @@ __all__ = [
     "ShardedRMSNorm",
     "summary",
     "Summary",
+    "register_lora",
 ]

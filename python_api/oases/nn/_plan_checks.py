@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from oases import _checks
 from oases.degrees import find_layer_degrees, refuse_with_degrees
-from oases.nn import _alibi, _heads, _kv, _moe
+from oases.nn import _alibi, _heads, _kv, _moe, lora
 from oases.nn import _coverage as _summary
 from oases.nn._layer_args import check_shardable, is_conv1d
 from oases.nn._materialize import check_replayable, is_on_meta
@@ -113,21 +113,26 @@ def check_arguments(
 
 
 def _check_no_adapters(model: nn.Module) -> None:
-    """A module wrapping a `base_layer` with adapters beside it (PEFT's LoRA: lora_A / lora_B) is
-    refused: oases shards the base layer's weight, not its adapters (ValueError naming the modules)."""
+    """A module wrapping a `base_layer` with adapters beside it is refused (ValueError naming the
+    modules), unless it is PEFT's own LoRA layer on a linear with settings oases' LoRA layers take
+    (oases.nn.lora.peft_lora_layers, which names what it does not take): parallelize shards those
+    with their adapters. A look-alike of PEFT's layers is not one of them."""
+    accepted = set(lora.peft_lora_layers(model))
     wrapped = [
         name
         for name, m in model.named_modules()
-        if isinstance(getattr(m, "base_layer", None), nn.Module)
+        if name not in accepted
+        and isinstance(getattr(m, "base_layer", None), nn.Module)
         and any(n != "base_layer" for n, _ in m.named_children())
     ]
     if wrapped:
-        lora = all(hasattr(model.get_submodule(n), "lora_A") for n in wrapped)
+        is_lora = all(hasattr(model.get_submodule(n), "lora_A") for n in wrapped)
         raise ValueError(
             f"model: {wrapped[0]}"
             + (f" (and {len(wrapped) - 1} more)" if len(wrapped) > 1 else "")
-            + f" wraps its base_layer with {'LoRA adapters (lora_A / lora_B)' if lora else 'adapters'}, as PEFT "
-            f"does; oases.parallelize shards plain projections, not adapters. Merge them into the weights before "
+            + f" wraps its base_layer with {'LoRA adapters (lora_A / lora_B)' if is_lora else 'adapters'} that are "
+            f"not PEFT's LoRA layers (peft.tuners.lora.Linear, which oases.parallelize shards with their adapters); "
+            f"oases.parallelize shards plain projections, not other adapters. Merge them into the weights before "
             f"parallelize (model = model.merge_and_unload()), or train without them"
         )
 

@@ -5,7 +5,8 @@ The first of Megatron's pair (`oases.nn.layers` describes the pair; `oases.nn.ro
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from oases.nn._layer_args import _check_flag, _check_replicas, _check_transposed
 from oases.nn._mappings import copy_to_replicas, copy_to_tp, gather_from_tp
 from oases.nn._shared_entry import _SharedEntry
 
-__all__ = ["ColumnParallelLinear"]
+__all__ = ["ColumnParallelLinear", "adding"]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -123,6 +124,7 @@ class ColumnParallelLinear(nn.Module):
         self._held = stop - start  # real rows on this rank (rows past them: a padded vocabulary's)
         self._entry: Optional[_SharedEntry] = None  # use_entry (parallelize): see _SharedEntry
         self._communicate = True  # False only inside no_tp_communication
+        self._added: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # adding(): a term joining y
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         w = full.weight.detach()
         self.weight = nn.Parameter(self.shard(w.t() if transposed else w).clone())  # [out/p, in] ([in, out/p])
@@ -198,6 +200,8 @@ class ColumnParallelLinear(nn.Module):
         (with sequence_parallel x is [s/p, b, in]; with gather_output y is [..., out]): see the class docstring."""
         main_grad = _main_grad(self)
         weight, bias = self.dense_weight(), self.bias
+        if self._added is not None and self.sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: an added term (adding()) is not supported with sequence_parallel")
         if self._copied:  # rows held alike by replica_group's ranks: their gradients summed over it
             weight = copy_to_replicas(weight, self._copied, self.replica_group)
             bias = None if bias is None else copy_to_replicas(bias, self._copied, self.replica_group)
@@ -211,6 +215,8 @@ class ColumnParallelLinear(nn.Module):
             else:
                 x = self._entry.enter(x)
             y = _linear(x, weight, bias, main_grad)  # [..., out/p]
+            if self._added is not None:  # adding(): e.g. a LoRA adapter's B_r (A x), from the x F.linear saw
+                y = y + self._added(x).to(y.dtype)
         y = self.mask_padding(y)
         if not self.gather_output:
             return y
@@ -241,3 +247,26 @@ class ColumnParallelLinear(nn.Module):
             s += ", transposed=True (Conv1D layout)"
         s += f", gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}, chunks={self.chunks}"
         return s + (", gradient_accumulation_fusion=True" if self.gradient_accumulation_fusion else "")
+
+
+@contextlib.contextmanager
+def adding(layer: nn.Module, term: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Inside, `layer` (a ColumnParallelLinear or RowParallelLinear without sequence parallelism)
+    adds `term(x)` to what its GEMM makes of x, where its input x is the one that GEMM reads (a
+    column layer's after entering the TP region, a row layer's shard [..., in/p]):
+
+        ColumnParallelLinear:  y_r = F.linear(x, weight, bias) + term(x)       # before mask / gather
+        RowParallelLinear:     z   = reduce(F.linear(x_r, weight) + term(x_r)) + bias
+                               (under no_tp_communication: the partial sum F.linear(x_r, weight) + term(x_r))
+
+    so a row layer's term is reduced with its partial sum, in the same reduction (outside
+    no_tp_communication its output is then all-reduced whole, without the fused op's overlap).
+    The term's gradients are autograd's: a parameter it uses whole on every rank gets this rank's
+    share (sum it over the group: oases.nn._mappings.copy_to_tp). A LoRA adapter is the user
+    (oases.nn.lora). Restores the layer's previous term on exit."""
+    previous = layer._added
+    layer._added = term
+    try:
+        yield
+    finally:
+        layer._added = previous

@@ -56,9 +56,10 @@ count found under a known name or a head_dim, no tie of a planned projection, ea
 projection a plain nn.Linear / Conv1D: no forward of its own, no other parameters, buffers or
 submodules, no hooks, no parametrization, all of which the parallel layer would drop) runs on
 every rank before anything is replaced, so a bad plan raises a ValueError naming the module and
-leaves the model as it was, on every rank alike. Linears wrapped
-with adapters (PEFT's LoRA: a module with a base_layer and lora_A / lora_B) are refused the same
-way: merge them first (model.merge_and_unload()).
+leaves the model as it was, on every rank alike. PEFT's LoRA layers (peft.tuners.lora.Linear
+around a planned linear) are sharded with their adapters, cut like their base layer (oases.nn.lora:
+a column layer's B split on its rows, a row layer's A on its columns); other adapters, and LoRA
+settings oases does not support (lora_dropout, DoRA, ...), are refused the same way, by name.
 
 Never a silent half-sharded model: when less than half of the decoder layers' projection
 parameters would be sharded (oases.nn._coverage), parallelize raises a ValueError with the
@@ -220,6 +221,7 @@ from oases.nn._moe import find_experts
 from oases.nn._parts import HEAD_PROJECTIONS
 from oases.nn._plan_checks import check_arguments, check_degree_plan, check_model, check_plan
 from oases.nn._styles import ResolvedPlan, Style, parse_style, place, vocab_entries
+from oases.nn.lora import set_aside
 
 __all__ = ["parallelize", "DEFAULT_PLAN", "HEAD_PROJECTIONS", "KNOWN_LAYERS", "PER_RANK_ATTRIBUTES"]
 
@@ -369,12 +371,19 @@ def parallelize(
     if target is not None:
         _tie_meta_head(model)
     check_arguments(model, chunks, tp_degrees, layers, sequence_parallel, vocab_parallel)
-    styles = _resolve_styles(model, plan, vocab_parallel and tp_degrees is None and p > 1)
-    resolved = _match_modules(model, styles, plan is not None and plan is not DEFAULT_PLAN, tp_degrees, layers, p)
-    inherited = frozenset(k for k, v in DEFAULT_PLAN.items() if plan is not None and plan.get(k) == v)
-    if 2 * len(inherited) >= len(DEFAULT_PLAN):  # {**DEFAULT_PLAN, ...} (some removed): not the caller's patterns
-        resolved.inherited = inherited
-    check_plan(model, resolved, p)  # every check, on every rank alike, before anything is changed
+    # PEFT's LoRA layers: their base linears planned and sharded as any, the adapters put back around them (lora)
+    adapters = set_aside(model, tp_degrees=tp_degrees, on_meta=target is not None, sequence_parallel=sequence_parallel)
+    try:
+        styles = _resolve_styles(model, plan, vocab_parallel and tp_degrees is None and p > 1)
+        resolved = _match_modules(model, styles, plan is not None and plan is not DEFAULT_PLAN, tp_degrees, layers, p)
+        inherited = frozenset(k for k, v in DEFAULT_PLAN.items() if plan is not None and plan.get(k) == v)
+        if 2 * len(inherited) >= len(DEFAULT_PLAN):  # {**DEFAULT_PLAN, ...} (some removed): not the caller's patterns
+            resolved.inherited = inherited
+        check_plan(model, resolved, p)  # every check, on every rank alike, before anything is changed
+        adapters.check_planned(resolved.placed)
+    except BaseException:
+        adapters.restore()  # the model as it was
+        raise
 
     original = copy.deepcopy(model) if target is not None else None  # the meta build, for its init (no memory)
     groups = make_groups(group, ring.rank, p, resolved)  # collectives over the world
@@ -387,6 +396,7 @@ def parallelize(
     make_moe_regions(model, resolved, p)
     hook_degrees(model, resolved, groups)
     warn_unplaced(model, resolved, p)
+    adapters.put_back()  # oases' LoRA layers around the sharded linears (PEFT's around those left whole)
     if not sequence_parallel:  # every rank of the group must get the same inputs (a sequence-parallel one: its slice)
         watch_inputs(model, group)
     return compiled

@@ -6,7 +6,7 @@ The second of Megatron's pair (`oases.nn.layers` describes the pair; `oases.nn.c
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from oases.comm._topology import ring_of
 from oases.nn._from_full import _from_conv1d, _from_linear
 from oases.nn._fusion import _linear, _main_grad
 from oases.nn._layer_args import _check_flag, _check_transposed, _resolve_chunks, check_shardable
-from oases.nn._mappings import copy_to_tp, split_to_tp
+from oases.nn._mappings import copy_to_tp, reduce_from_tp, split_to_tp
 from oases.ops import linear_unread
 
 __all__ = ["RowParallelLinear"]
@@ -84,6 +84,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.chunks = _resolve_chunks(chunks)
         self._communicate = True  # False only inside no_tp_communication
+        self._added: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # oases.nn.column.adding
         self._made: Optional[list] = None  # inside _outputs_made: (output, grad_fn, version) of each forward
         self._unread = False  # inside _outputs_made(unread=True): no GEMM
         self._output_read = False  # a model's forward reads this layer's output (oases.models._branch)
@@ -146,13 +147,21 @@ class RowParallelLinear(nn.Module):
         weight = self.dense_weight()
         if not self._communicate:
             if self._made is None:
-                return _linear(x, weight, None, main_grad)  # this rank's partial sum; the caller reduces
+                return self._with_added(x, _linear(x, weight, None, main_grad))  # partial sum; the caller reduces
             # inside _outputs_made; unread: a graph to differentiate only, no GEMM
             y = linear_unread(x, weight, main_grad=main_grad) if self._unread else _linear(x, weight, None, main_grad)
+            y = self._with_added(x, y)
             self._made.append((y, y.grad_fn, y._version))
             return y
         if not self.input_is_parallel:
             x = split_to_tp(x, self.group)  # [..., in/p]
+        if self._added is not None:  # adding(): the term joins this rank's partial sum, one reduction of both
+            if self.sequence_parallel:
+                raise ValueError(
+                    f"{type(self).__name__}: an added term (adding()) is not supported with sequence_parallel"
+                )
+            z = reduce_from_tp(self._with_added(x, _linear(x, weight, None, main_grad)), self.group)
+            return z if self.bias is None else z + self.bias
         if self.sequence_parallel:
             # Each rank's grad_bias covers its s/p rows only: copy_to_tp sums it over the ranks.
             bias = None if self.bias is None else copy_to_tp(self.bias, self.group)
@@ -160,6 +169,10 @@ class RowParallelLinear(nn.Module):
                 x, weight, bias, self.group, dim=0, chunks=self.chunks, main_grad=main_grad
             )
         return ops.linear_all_reduce(x, weight, self.bias, self.group, chunks=self.chunks, main_grad=main_grad)
+
+    def _with_added(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (this rank's partial sum) plus the term adding() gave, from this rank's input x_r."""
+        return y if self._added is None else y + self._added(x).to(y.dtype)
 
     def extra_repr(self) -> str:
         """The sizes, this rank's shard and the options."""
