@@ -51,16 +51,17 @@ __all__ = ["Verdict", "tiny_config", "check_model", "add_arguments", "run", "DES
 DESCRIPTION = __doc__.split("\n\n")[0]
 TOL = dict(rtol=1e-4, atol=1e-5)
 _HIDDEN = ("hidden_size", "n_embd", "d_model")
-_HEADS = ("num_attention_heads", "n_head", "num_heads")
+_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
 _INNER = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_k", "top_k")
 _SMALL = {  # (key, value) set where the config has the key (not None)
     "vocab_size": 128,
     "max_position_embeddings": 64,
     "n_positions": 64,
+    "max_seq_len": 64,
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 64,
     "q_lora_rank": 32,
@@ -118,6 +119,9 @@ def tiny_config(config: Any) -> Any:
         kv_key = next((k for k in _KV_HEADS if k in d and d[k] is None), None)
     if d.get("multi_query") is True:
         kv = 1
+    attn = d.get("attn_config") if isinstance(d.get("attn_config"), dict) else None  # DBRX's nested configs
+    if attn is not None and isinstance(attn.get("kv_n_heads"), int):
+        kv = attn["kv_n_heads"]
     group = heads // kv if kv and heads % kv == 0 else 1
     kv_small = 1 if kv == 1 else 1 << (min(kv, 4).bit_length() - 1)
     heads_small = kv_small * max(1, min(group, 16 // kv_small))
@@ -164,6 +168,19 @@ def tiny_config(config: Any) -> Any:
     for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if isinstance(d.get(key), int) and d[key] >= 128:
             new[key] = value
+    if attn is not None:
+        new["attn_config"] = {**attn, "kv_n_heads": kv_small, "rope_theta": attn.get("rope_theta", 10000.0)}
+        new["attn_config"].update({k: 0.0 for k in ("attn_pdrop",) if k in attn})
+    ffn = d.get("ffn_config") if isinstance(d.get("ffn_config"), dict) else None
+    if ffn is not None and hidden:
+        small_hidden = heads_small * 16
+        new["ffn_config"] = {**ffn, "hidden_size": small_hidden, "moe_num_experts": 4}
+        if isinstance(ffn.get("ffn_hidden_size"), int):
+            new["ffn_config"]["ffn_hidden_size"] = max(
+                32, round(ffn["ffn_hidden_size"] / hidden * small_hidden / 32) * 32
+            )
+        if isinstance(ffn.get("moe_top_k"), int):
+            new["ffn_config"]["moe_top_k"] = min(ffn["moe_top_k"], 2)
     d.update(new)
     for key in ("architectures", "_name_or_path", "transformers_version"):
         d.pop(key, None)
