@@ -169,7 +169,12 @@ def tiny_config(config: Any) -> Any:
         if isinstance(d.get(key), int) and d[key] >= 128:
             new[key] = value
     if attn is not None:
-        new["attn_config"] = {**attn, "kv_n_heads": kv_small, "rope_theta": attn.get("rope_theta", 10000.0)}
+        new["attn_config"] = {  # rope_theta and clip_qkv: transformers' default DBRX config cannot run without them
+            **attn,
+            "kv_n_heads": kv_small,
+            "rope_theta": attn.get("rope_theta", 10000.0),
+            "clip_qkv": attn.get("clip_qkv") or 8.0,
+        }
         new["attn_config"].update({k: 0.0 for k in ("attn_pdrop",) if k in attn})
     ffn = d.get("ffn_config") if isinstance(d.get("ffn_config"), dict) else None
     if ffn is not None and hidden:
