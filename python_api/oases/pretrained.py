@@ -325,6 +325,17 @@ def _shared(error: Optional[Exception], writer: int, distributed: bool, group, w
         raise RuntimeError(f"save_pretrained: rank {writer} could not {what}: {failure[0]}")
 
 
+def _on_writer(run: Callable[[], object], writing: bool, writer: int, distributed: bool, group, what: str) -> None:
+    """`run()` on the writer; its error, shared so that no rank is left waiting, raised on every rank."""
+    error: Optional[Exception] = None
+    if writing:
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
+            error = e
+    _shared(error, writer, distributed, group, what)
+
+
 def _write_files(
     model: nn.Module,
     path: str,
@@ -346,13 +357,7 @@ def _write_files(
     )
     distributed = dist.is_available() and dist.is_initialized()
     writing = me == writer
-    error: Optional[Exception] = None  # the writer's, shared so that no rank is left waiting
-    if writing:
-        try:
-            _prepare(path)
-        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
-            error = e
-    _shared(error, writer, distributed, group, f"prepare {path!r}")
+    _on_writer(lambda: _prepare(path), writing, writer, distributed, group, f"prepare {path!r}")
     for name, held in zip(names, files):
         with open(_partial(path, name), "wb") if writing else nullcontext() as out:
             if writing:
@@ -369,12 +374,9 @@ def _write_files(
         }
         with open(_partial(path, INDEX), "w") as f:
             json.dump(index, f, indent=2)
-    if writing:
-        try:
-            _publish(model, path, names, entries)
-        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
-            error = e
-    _shared(error, writer, distributed, group, f"publish {path!r}")  # and nobody returns before the files exist
+    _on_writer(  # and nobody returns before the files exist
+        lambda: _publish(model, path, names, entries), writing, writer, distributed, group, f"publish {path!r}"
+    )
 
 
 def save_pretrained(
@@ -535,13 +537,7 @@ def save_adapter(
     writer = ring_of(group).global_ranks[0] if distributed else 0
     me = dist.get_rank() if distributed else 0
     writing = me == writer
-    error: Optional[Exception] = None
-    if writing:
-        try:
-            _prepare(path)
-        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
-            error = e
-    _shared(error, writer, distributed, group, f"prepare {path!r}")
+    _on_writer(lambda: _prepare(path), writing, writer, distributed, group, f"prepare {path!r}")
     with open(_partial(path, ADAPTER_WEIGHTS), "wb") if writing else nullcontext() as out:
         if writing:
             out.write(_header(entries))
@@ -550,10 +546,9 @@ def save_adapter(
             if writing:
                 _write(out, full)
             del full
-    if writing:
-        try:
-            os.replace(_partial(path, ADAPTER_WEIGHTS), os.path.join(path, ADAPTER_WEIGHTS))
-            _write_adapter_config(model, adapter_name, path)
-        except Exception as e:  # noqa: BLE001 -- re-raised by _shared, on every rank
-            error = e
-    _shared(error, writer, distributed, group, f"write the adapter to {path!r}")
+
+    def publish() -> None:
+        os.replace(_partial(path, ADAPTER_WEIGHTS), os.path.join(path, ADAPTER_WEIGHTS))
+        _write_adapter_config(model, adapter_name, path)
+
+    _on_writer(publish, writing, writer, distributed, group, f"write the adapter to {path!r}")
