@@ -2,7 +2,7 @@
 ranks against the unsharded model; one verdict per check and TP degree, exit 1 on any failure.
 
 tiny_config keeps what the sharding depends on (query / key-value head ratio, multi-query, layer
-kinds, experts) and shrinks the rest; the command on a config.json passes at TP 2 and 4 and writes
+kinds, experts) and shrinks the rest; the command on a config.json passes at TP 4 and writes
 its JSON; a model with an injected partial gradient fails loudly (the invariant and the gradients,
 on every schedule); a config no causal LM can be built from exits 2.
 """
@@ -82,12 +82,13 @@ def test_check_model_command_on_a_config_file(tmp_path, capsys):
     config = tf.Qwen3Config(num_attention_heads=8, num_key_value_heads=2, hidden_size=256, head_dim=32)
     config.save_pretrained(tmp_path)
     out = tmp_path / "verdicts.json"
-    assert main(["check-model", str(tmp_path / "config.json"), "--tp", "2", "4", "--json", str(out)]) == 0
+    # TP 4 (kv heads replicated: 2 of them); TP 2 runs in the test above (the suite's time)
+    assert main(["check-model", str(tmp_path / "config.json"), "--tp", "4", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "Qwen3ForCausalLM" in printed and "FAIL" not in printed, printed
     doc = json.loads(out.read_text())
     verdicts = [Verdict(**v) for v in doc["verdicts"]]
-    assert {v.tp for v in verdicts} == {2, 4} and all(v.ok for v in verdicts), verdicts
+    assert {v.tp for v in verdicts} == {4} and all(v.ok for v in verdicts), verdicts
     checks = {v.check for v in verdicts}
     assert {"coverage", "invariant", "export", "train_step oases sp", "train_step megatron"} <= checks
     assert main(["check-model", str(tmp_path / "nowhere"), "--tp", "2"]) == 2
