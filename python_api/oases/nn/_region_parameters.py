@@ -15,7 +15,8 @@ the column and the row layers). Each one is placed by rule, before anything is c
                    (the region's own or a child's)                  owner module's tp_layout() says so)
     "summed"       any other parameter of a child that is not a     gradient all-reduced over the group as it
                    norm or projection (a learned activation's       is computed: each rank saw its I/p features
-                   scalars: Apertus' xIELU alpha_p / alpha_n)
+                   scalars: Apertus' xIELU alpha_p / alpha_n), but
+                   one with a hidden-width dim (whole features: left)
     "whole"        the region's own other parameters: its forward   nothing: in model(...) they see whole
                    applies them to its input or to the reduced      features; oases.train_step refuses a scale
                    output (a learned output scale)                  on the row's output (models._branch); one
@@ -126,8 +127,8 @@ def place_region_parameters(
                 dim = _feature_dim(param, inner, hidden, qualified, where)
                 if dim is not None:  # frozen too: its forward multiplies this rank's features
                     out[qualified] = Placement("per_feature", region_name, dim)
-                elif param.requires_grad:
-                    out[qualified] = Placement("summed", region_name)
+                elif param.requires_grad and not any(n in hidden for n in param.shape):
+                    out[qualified] = Placement("summed", region_name)  # a hidden-width one: whole features
     for name, placement in out.items():
         owner_name = name.rpartition(".")[0]
         owner = model.get_submodule(owner_name)

@@ -10,7 +10,9 @@ shard with a parameter parallelize cannot see) trains a different model on each 
     for each parameter q whole over the TP group (no module's tp_layout() lists it):
         digest(q) = (has a grad, |g|_2, <g, u_q>)        u_q: a fixed random unit vector (same on every rank)
     lo, hi = all_reduce(MIN / MAX, digest) over the TP group       (one all-reduce of 6 numbers per parameter)
-    mismatch: hi - lo > rtol * max |g|_2 + atol, or a gradient on some ranks only
+    mismatch: |g| spread > rtol * max |g|_2 + atol, <g, u> spread > rtol * max |g|_2 / sqrt(numel) + atol
+              (a difference spread over n entries moves <g, u> by about its norm / sqrt(n)),
+              or a gradient on some ranks only
     over `dp_group` too (every parameter, after a data-parallel sync: replicas hold the same shards)
     any mismatch -> RuntimeError on every rank, naming each parameter with its spread and the likely cause
 
@@ -101,9 +103,9 @@ def _mismatches(
             continue
         if hi[i, 0] == 0:
             continue
-        tol = (DEFAULT_RTOL.get(q.grad.dtype, 1e-2) if rtol is None else rtol) * float(hi[i, 1]) + atol
-        spread = max(float(hi[i, 1] - lo[i, 1]), float(hi[i, 2] - lo[i, 2]))
-        if spread > tol:
+        tol = (DEFAULT_RTOL.get(q.grad.dtype, 1e-2) if rtol is None else rtol) * float(hi[i, 1])
+        # <d, u> of a difference d spread over n entries is about |d| / sqrt(n): its tolerance likewise
+        if float(hi[i, 1] - lo[i, 1]) > tol + atol or float(hi[i, 2] - lo[i, 2]) > tol / q.numel() ** 0.5 + atol:
             found.append(f"{name} (|grad| {float(lo[i, 1]):.4g} .. {float(hi[i, 1]):.4g} over the ranks)")
     return found
 
@@ -148,11 +150,12 @@ def check_gradients(
         if id(q) not in seen:
             seen.add(id(q))
             params.append((name, q))
-    device = next((q.grad.device for _, q in params if q.grad is not None), torch.device("cpu"))
-    if dist.get_backend(group) == "gloo" or (dp_group is not None and dist.get_backend(dp_group) == "gloo"):
-        device = torch.device("cpu")
     sharded = sharded_parameters(model)
     tp = group if group is not None else _tp_group(model)
+    # the digests' device from the groups' backend, never from this rank's gradients (which it may lack):
+    # every rank the same, NCCL's on the current CUDA device
+    nccl = any(g is not None and "nccl" in str(dist.get_backend(g)) for g in (tp, dp_group))
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     whole = [(n, q) for n, q in params if id(q) not in sharded]
     problems = []
     for ranks, checked, what in ((tp, whole, _TP_MISMATCH), (dp_group, params, _DP_MISMATCH)):
