@@ -64,6 +64,34 @@ class _GatedSiLU(nn.Module):
         return nn.functional.silu(x * self.temperature) * self.gate
 
 
+class _InputScale(nn.Module):
+    """A learned per-channel scale of the MLP's input (hidden width): whole features, left whole."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.8, 1.2, hidden))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class _InScaledMLP(nn.Module):
+    """A Llama MLP scaling its input by a child's per-channel weight (hidden width): whole features in
+    model(...), where the column layers sum their input's gradient; in a schedule's core the sum
+    comes at the sublayer's input, before the scale, so its gradient there is this rank's share."""
+
+    def __init__(self, hidden, inner):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.in_scale = _InputScale(hidden)
+
+    def forward(self, x):
+        x = self.in_scale(x)
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
 class _LlamaMLPWithBias(nn.Module):
     """A Llama MLP with a learned activation child and a per-feature bias of its own on the inner features."""
 
@@ -229,6 +257,17 @@ def _refused_and_caught(rank, p):
         oases.train_step(tp, ids, ids, schedule="oases")  # its second: not checked by default
         with pytest.raises(RuntimeError, match=name):
             oases.train_step(tp, ids, ids, schedule="merak", check_grads=1)
+
+    # a scale on the MLP's input inside it: whole in model(...) (left whole, not summed), partial in
+    # train_step's core: caught at the first step, never silent
+    tp = _llama(lambda: _InScaledMLP(64, 128))
+    _quiet_parallelize(tp)
+    assert not hasattr(tp.model.layers[0].mlp.in_scale, "tp_summed")
+    tp(input_ids=ids, labels=ids).loss.backward()
+    oases.check_gradients(tp)
+    tp.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.in_scale\.weight"):
+        oases.train_step(tp, ids, ids)
 
     # the cadence: check_grads=N checks a model's first step and every N-th
     tp = _llama()
