@@ -11,11 +11,11 @@ import json
 import os
 
 import pytest
-import torch
-import torch.nn as nn
 
 from oases.check_model import Verdict, check_model, render, tiny_config
 from oases.cli import main
+
+from test_gradient_invariant import _ShardScaledMLP  # an MLP scaling its shards by its own scalar
 
 
 def test_tiny_config_keeps_the_architecture():
@@ -40,29 +40,13 @@ def test_tiny_config_keeps_the_architecture():
         tiny_config("no_such_model_type")
 
 
-class _ShardScaledMLP(nn.Module):
-    """A Llama MLP scaling its sharded inner features by a scalar of its own: a partial gradient on
-    each rank that no rule of parallelize can see (only the invariant)."""
-
-    def __init__(self, config):
-        super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-        self.scale = nn.Parameter(torch.tensor(0.7))
-
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x) * self.scale)
-
-
 def _shard_scaled_llama(config):
     """(module-level: pickled to the ranks by name)"""
     import transformers as tf
 
     model = tf.LlamaForCausalLM(config)
     for layer in model.model.layers:
-        layer.mlp = _ShardScaledMLP(config)
+        layer.mlp = _ShardScaledMLP(config.hidden_size, config.intermediate_size)
     return model
 
 
