@@ -116,6 +116,7 @@ def train_step(
     sub_batches: Optional[int] = None,
     sequence_parallel: bool = False,
     attention_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
     loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     num_items: Optional[Union[int, float, torch.Tensor]] = None,
     comm: Optional[Communicator] = None,
@@ -142,7 +143,12 @@ def train_step(
     all-gathers its normed input and reduce-scatters its output (ring steps interleaved with the
     other sub-batches), norms' and row biases' gradients summed over the group; the same numbers,
     1/p of the saved activations. `attention_mask` [b, t]: 1 for tokens,
-    0 for padding, as Hugging Face takes it. `loss_fn(logits, labels)` replaces the loss: it
+    0 for padding, as Hugging Face takes it. `position_ids` [b, t]: each token's position, for
+    packed rows (several documents in one row, positions restarting at each: Hugging Face's
+    padding-free collators, TRL's packing), handed to the model's own forward, which keeps the
+    documents apart in attention (a Hugging Face model; others refuse it); the loss's labels at
+    each document's first token should be -100, as those collators make them.
+    `loss_fn(logits, labels)` replaces the loss: it
     returns the summed loss of the rows it is given, and the step's loss is the sum over the
     batch divided by the number of labels != -100 (with a vocab-parallel head it receives
     this rank's slice of the logits: see oases.schedule.protocol). `num_items`: the divisor of the
@@ -168,7 +174,7 @@ def train_step(
     gradients over data-parallel replicas: its buckets start during the step's backwards and the
     step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
     `check_inputs` (oases.inputs): True checks, before any other collective, that the model's TP
-    group got the same input_ids, labels and attention_mask (ValueError on every rank otherwise);
+    group got the same input_ids, labels, attention_mask and position_ids (ValueError on every rank otherwise);
     "broadcast" uses TP rank 0's (Megatron's broadcast_data; the others may pass None); False skips it.
     `check_grads` (oases.check_gradients): after the backwards (and the DP sync), the gradients that
     the TP group's ranks hold alike (and, with a GradientSync, every gradient over its dp group)
@@ -193,6 +199,7 @@ def train_step(
         sub_batches: how many parts the batch is split into (None: the schedule's own).
         sequence_parallel: keep the sequence sharded between sublayers.
         attention_mask: [b, t] padding mask (None: no padding).
+        position_ids: [b, t] token positions (None: 0..t-1 on every row); packed rows.
         loss_fn: `loss_fn(logits, labels)`, the summed loss of its rows (None: the causal-LM loss).
         num_items: what the summed loss is divided by (None: this batch's count of labels != -100).
         comm: a Communicator on the model's TP group (None: a new one).
@@ -230,8 +237,16 @@ def train_step(
     if isinstance(stack, (HFStack, NanoGPTStack)):
         stack.check_trainable(seeded=True)  # dropout: masks from the step seed (step_seed below)
     comm, owned = _step_communicator(model, comm, per_layer)
-    input_ids, labels, attention_mask = agree_step_inputs(
-        model, comm, check_inputs, input_ids=input_ids, labels=labels, attention_mask=attention_mask
+    if position_ids is not None and not getattr(stack, "takes_position_ids", False):
+        raise ValueError(f"position_ids: {type(stack).__name__} takes no token positions; pass None (positions 0..t-1)")
+    input_ids, labels, attention_mask, position_ids = agree_step_inputs(
+        model,
+        comm,
+        check_inputs,
+        input_ids=input_ids,
+        labels=labels,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
     )
     if attention_mask is not None and not getattr(stack, "takes_attention_mask", True):
         raise ValueError(
@@ -245,6 +260,7 @@ def train_step(
         sub_batches=sub_batches,
         sequence_parallel=sequence_parallel,
         attention_mask=attention_mask,
+        position_ids=position_ids,
         world_size=comm.world_size,
         recompute=recompute,
         offload=offload is not False and offload is not None,
@@ -278,6 +294,7 @@ def train_step(
             sequence_parallel=sequence_parallel,
             dropout_seed=seed,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             memory=memory,
             offload=offloader,
             recompute=recompute,

@@ -145,7 +145,9 @@ class HFStack:
     layers, final norm or head found, or TP shards missing from a split decoder layer whose
     neighbours are sharded (each branch must end in a RowParallelLinear). `dropout`: the model
     trains with dropout (training mode, some rate above 0): the step's masks come from step_seed()
-    (see the module docstring).
+    (see the module docstring). `takes_position_ids`: the base model's forward takes
+    `position_ids` (packed rows: positions restarting at each document, as Hugging Face's
+    padding-free collators make them; the model's own forward builds the mask from them).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -154,6 +156,7 @@ class HFStack:
         if found is None:
             raise ValueError(_unknown(model, missing))
         self.base, self.decoder, self._layers_name = found.base, found.layers, found.layers_name
+        self.takes_position_ids = "position_ids" in inspect.signature(self.base.forward).parameters
         self.final_norm, self.lm_head = found.final_norm, found.head
         # OPT-350m's project_out [h -> word_embed_proj_dim] after the final norm (its project_in runs
         # in embed, through the base model's own forward)
@@ -281,9 +284,12 @@ class HFStack:
             recorder.tuple = known
         given = contextlib.nullcontext() if summed is None else _standing_in(*summed)
         drawing = seeded_embedding(where if self.dropout else None, input_ids.device)  # the embedding's dropout
+        inputs = {"input_ids": input_ids, "attention_mask": where.attention_mask, "use_cache": False}
+        if where.position_ids is not None:
+            inputs["position_ids"] = where.position_ids
         with given, drawing, _standing_in(self.base, self._layers_name, nn.ModuleList(recorders)):
             try:
-                self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
+                self.base(**inputs)
             except (AttributeError, IndexError, TypeError, ValueError):
                 # the layer's annotation misled (Gemma-3 says tuple, returns a tensor): the other
                 # form once; what follows the layers in the base's forward is discarded either way
@@ -292,7 +298,7 @@ class HFStack:
                 calls.clear()
                 for recorder in recorders:
                     recorder.tuple = not recorder.tuple
-                self.base(input_ids=input_ids, attention_mask=where.attention_mask, use_cache=False)
+                self.base(**inputs)
             self.model.oases_layer_returns_tuple = recorders[0].tuple
         if len(calls) != len(self.decoder):
             raise RuntimeError(f"oases: the base model called {len(calls)} of its {len(self.decoder)} decoder layers")

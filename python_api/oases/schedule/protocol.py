@@ -24,6 +24,7 @@ Optional members a schedule reads with getattr (absent: the default in brackets)
     stack.logits_group               a process group: `head` returns vocab slices (below) [None]
     stack.step_seed()                the step's dropout seed, the same on every rank [None]
     stack.takes_attention_mask       whether `embed` applies where.attention_mask [True]
+    stack.takes_position_ids         whether `embed` applies where.position_ids [False]
     sublayer.sequence_parallel_parameters()   required for sequence_parallel=True: the parameters
                                      norm and finish use (their gradients are summed over the group)
     stack.layer_placements()         per-layer TP degrees: a LayerPlacements, or None (every layer
@@ -96,6 +97,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
 
@@ -114,7 +116,9 @@ class SubBatch:
 
     rows: its rows of the batch (dim 0); batch: the batch size (dropout masks are drawn over the
     whole batch and sliced, so they do not depend on the split); seed: the step's dropout seed
-    (None: no dropout); attention_mask: its rows of the padding mask [b, t] (None: no padding).
+    (None: no dropout); attention_mask: its rows of the padding mask [b, t] (None: no padding);
+    position_ids: its rows of the token positions [b, t] (None: 0..t-1 on every row; packed rows
+    restart them at each document).
     With sequence parallelism, `finish` sees this rank's tokens only: `positions` is their range
     of the sequence and `seq_len` the whole sequence's length (None: all positions).
     """
@@ -125,17 +129,20 @@ class SubBatch:
     attention_mask: Optional[torch.Tensor] = None
     positions: slice = field(default_factory=lambda: slice(None))
     seq_len: Optional[int] = None
+    position_ids: Optional[torch.Tensor] = None
 
     def tokens(self, positions: slice, seq_len: int) -> "SubBatch":
         """The same sub-batch, seen by `finish` on the tokens at `positions` of `seq_len`."""
-        return SubBatch(self.rows, self.batch, self.seed, self.attention_mask, positions, seq_len)
+        return dataclasses.replace(self, positions=positions, seq_len=seq_len)
 
     def replica_rows(self, rows: slice) -> "SubBatch":
-        """The same sub-batch narrowed to its `rows` (relative to it): rows and padding mask."""
+        """The same sub-batch narrowed to its `rows` (relative to it): rows, padding mask and positions."""
         start = self.rows.start or 0
-        mask = None if self.attention_mask is None else self.attention_mask[rows]
-        return SubBatch(
-            slice(start + rows.start, start + rows.stop), self.batch, self.seed, mask, self.positions, self.seq_len
+        return dataclasses.replace(
+            self,
+            rows=slice(start + rows.start, start + rows.stop),
+            attention_mask=None if self.attention_mask is None else self.attention_mask[rows],
+            position_ids=None if self.position_ids is None else self.position_ids[rows],
         )
 
 

@@ -49,6 +49,7 @@ def train_step(
     sequence_parallel: bool = False,
     dropout_seed: Optional[int] = None,
     attention_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
     memory: Optional[RecomputeMemory] = None,
     offload: Optional[Offloader] = None,
     recompute: Recompute = True,
@@ -82,6 +83,8 @@ def train_step(
     nothing). `recompute="selective"` keeps those graphs saving only the outputs of the matrix
     products and attention, and recomputes the rest (norms, rotary, activations) in the backward
     (oases.schedule.selective): no GEMM twice, less memory than False, the same gradients.
+    `attention_mask` and `position_ids` [b, t] reach `stack.embed` as each sub-batch's rows
+    (SubBatch.attention_mask, SubBatch.position_ids).
     Checks run before any communication, so a bad argument raises on every rank alike.
     """
     parts = check_step(
@@ -91,6 +94,7 @@ def train_step(
         sub_batches=sub_batches,
         sequence_parallel=sequence_parallel,
         attention_mask=attention_mask,
+        position_ids=position_ids,
         world_size=comm.world_size,
         recompute=recompute,
         offload=offload is not None,
@@ -120,6 +124,7 @@ def train_step(
             comm,
             dropout_seed,
             attention_mask,
+            position_ids,
             memory,
         )
     program, extra = _program, ()
@@ -134,7 +139,7 @@ def train_step(
             stack,
             input_ids[r],
             labels[r],
-            SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+            _sub_batch(r, batch, dropout_seed, attention_mask, position_ids),
             loss_sum,
             normalizer,
             sched,
@@ -154,6 +159,23 @@ def train_step(
     return loss
 
 
+def _sub_batch(
+    rows: slice,
+    batch: int,
+    seed: Optional[int],
+    attention_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor],
+) -> SubBatch:
+    """The SubBatch of `rows`: their padding mask and token positions."""
+    return SubBatch(
+        rows,
+        batch,
+        seed,
+        None if attention_mask is None else attention_mask[rows],
+        position_ids=None if position_ids is None else position_ids[rows],
+    )
+
+
 def _train_step_placed(
     stack: Stack,
     placements: LayerPlacements,
@@ -166,6 +188,7 @@ def _train_step_placed(
     comm: Communicator,
     dropout_seed: Optional[int],
     attention_mask: Optional[torch.Tensor],
+    position_ids: Optional[torch.Tensor],
     memory: RecomputeMemory,
 ) -> torch.Tensor:
     """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
@@ -180,7 +203,7 @@ def _train_step_placed(
                     stack,
                     input_ids[r],
                     labels[r],
-                    SubBatch(r, batch, dropout_seed, None if attention_mask is None else attention_mask[r]),
+                    _sub_batch(r, batch, dropout_seed, attention_mask, position_ids),
                     loss_sum,
                     normalizer,
                     sched,

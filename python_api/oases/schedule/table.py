@@ -122,6 +122,7 @@ def check_step(
     world_size: int,
     recompute: Recompute = True,
     offload: bool = False,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> int:
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
@@ -155,6 +156,15 @@ def check_step(
         raise ValueError(
             f"attention_mask: shape {tuple(attention_mask.shape)} differs from input_ids' {tuple(input_ids.shape)}"
         )
+    if position_ids is not None:
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids: shape {tuple(position_ids.shape)} differs from input_ids' {tuple(input_ids.shape)}"
+            )
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise TypeError(
+                f"position_ids: expected an integer tensor, got {position_ids.dtype} (convert with .long())"
+            )
     batch = input_ids.shape[0]
     if batch < parts:
         raise ValueError(
