@@ -91,7 +91,7 @@ setup(
     extras_require={
         "triton": ["triton"],
         "bench": ["matplotlib"],
-        "hf": ["transformers>=5.0", "accelerate>=1.15", "peft>=0.21"],
+        "hf": ["transformers>=5.0", "accelerate>=1.15", "peft>=0.21", "trl>=1.16", "datasets>=5.2"],
     },
     entry_points={"console_scripts": ["oases-launch=oases.launch:main", "oases=oases.cli:main"]},
 )

@@ -30,14 +30,26 @@ Checkpoints. Each checkpoint-N holds `oases/`, an `oases.save_checkpoint` writte
 shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside Trainer's
 trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads them back at
 the same layout. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every
-rank takes part; rank 0 writes).
+rank takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
+
+PEFT. A peft.PeftModel (LoRA) is taken as the model: unsharded, its base model is parallelized with
+PEFT's LoRA layers set aside and rewrapped on the shards (oases.nn.lora); the step runs its base
+model; only the adapters train.
 
 What it refuses (a ValueError in __init__ naming the flag, on every rank): torch_compile,
 label_smoothing_factor, compute_loss_func, NEFTune, DeepSpeed, FSDP, parallelism_config,
 load_best_model_at_end, fp16 (torch's GradScaler checks only this rank's shards for inf; use bf16),
 Liger kernels, model_init, optimizers other than torch's element-wise ones, a prepared optimizer over
 a model still to be parallelized, batch_rebalance sampling, dispatch_batches; in a batch, keys other
-than input_ids, labels, attention_mask (and position_ids equal to the default 0..t-1).
+than input_ids, labels, attention_mask, position_ids (and the varlen keys padding-free collators
+derive from position_ids).
+
+Packed rows. position_ids restarting at each document (DataCollatorWithFlattening, TRL's
+padding_free / packing) reach the model's own forward, which keeps the documents apart. A batch
+with fewer rows than the schedule's sub-batches (per_device_train_batch_size=1, a padding-free
+batch) that packs several documents is cut at document starts into rows of one length, padded
+with documents of their own whose labels are -100 (the same losses and gradients), so the
+sub-batches still overlap; one that cannot be cut runs as fewer sub-batches, said once.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import inspect
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,18 +80,73 @@ from accelerate.utils import recursively_apply  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_utils import seed_worker  # noqa: E402
+from transformers.utils import logging  # noqa: E402
 
 import oases  # noqa: E402
 from oases._dcp import MARKER  # noqa: E402
 from oases.dp import GradientSync  # noqa: E402
-from oases.schedule import SCHEDULES  # noqa: E402
+from oases.schedule import MAX_SUB_BATCHES, SCHEDULES  # noqa: E402
 
 __all__ = ["OasesTrainer"]
 
 OASES_CHECKPOINT = "oases"  # the sharded checkpoint's folder inside checkpoint-N
 ELEMENTWISE_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+# what padding-free collators (TRL's, DataCollatorWithFlattening) add beside position_ids for
+# flash-attention's varlen kernels: derived from position_ids, which the model's forward reads
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 IGNORE_INDEX = -100
+
+logger = logging.get_logger(__name__)
+
+
+class _StepInputs(NamedTuple):
+    """A micro-batch as oases.train_step takes it."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+
+
+def _split_packed(
+    input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, parts: int
+) -> Optional[_StepInputs]:
+    """A packed batch of one row [1, t] (documents one after another, position_ids restarting at
+    each) cut at document starts into up to `parts` rows of one length, each padded at its end
+    with a document of its own whose labels are -100; None where no cut qualifies (one document).
+
+    ::
+
+        starts = {s : position_ids[s] - position_ids[s - 1] != 1 and labels[s] == -100}
+        cuts   = the start nearest j t / parts, j = 1 .. parts - 1
+        row k  = tokens[cut_k : cut_k+1] + padding             # width = the longest piece
+
+    The same token losses and gradients: a cut is made only where the document's first label is
+    -100 (no loss term crosses it), each document keeps its tokens and positions, and padding
+    after a row's tokens changes none of them (causal attention, a document of its own)."""
+    if input_ids.shape[0] != 1 or parts < 2:
+        return None
+    t, pos = input_ids.shape[1], position_ids[0]
+    starts = [int(s) + 1 for s in ((pos[1:] - pos[:-1]) != 1).nonzero().flatten()]
+    starts = [s for s in starts if int(labels[0, s]) == IGNORE_INDEX]
+    if not starts:
+        return None
+    cuts = sorted({min(starts, key=lambda s: abs(s - j * t / parts)) for j in range(1, parts)})
+    bounds = list(zip([0, *cuts], [*cuts, t]))
+    width = max(b - a for a, b in bounds)
+
+    def piece(tensor: torch.Tensor, a: int, b: int, fill: Optional[int]) -> torch.Tensor:
+        n = width - (b - a)
+        pad = torch.arange(n, dtype=tensor.dtype, device=tensor.device) if fill is None else tensor.new_full((n,), fill)
+        return torch.cat([tensor[0, a:b], pad])
+
+    return _StepInputs(
+        torch.stack([piece(input_ids, a, b, 0) for a, b in bounds]),
+        torch.stack([piece(labels, a, b, IGNORE_INDEX) for a, b in bounds]),
+        None,
+        torch.stack([piece(position_ids, a, b, None) for a, b in bounds]),
+    )
 
 
 def _refusals(args: TrainingArguments, bound: dict[str, Any], prepared_model: bool) -> list[str]:
@@ -154,6 +221,11 @@ def _tp_groups(model: nn.Module) -> list[Optional[dist.ProcessGroup]]:
     return groups
 
 
+def _is_peft(model: Any) -> bool:
+    """Whether `model` is a peft.PeftModel (its get_base_model() is the model oases runs)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
 def _group_ranks(group: Optional[dist.ProcessGroup]) -> list[int]:
     if not dist.is_initialized():
         return [0]
@@ -196,7 +268,8 @@ class OasesTrainer(Trainer):
     ) -> None:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
-        bound = inspect.signature(Trainer.__init__).bind(None, model, args, *trainer_args, **trainer_kwargs).arguments
+        # the arguments by the next class's names (Trainer's, or a subclass's such as TRL's SFTTrainer)
+        bound = inspect.signature(super().__init__).bind(model, args, *trainer_args, **trainer_kwargs).arguments
         groups = _tp_groups(model) if isinstance(model, nn.Module) else []
         problems = _refusals(args, bound, prepared_model=bool(groups))
         _checks.one_of("schedule", schedule, SCHEDULES)
@@ -235,7 +308,10 @@ class OasesTrainer(Trainer):
                 args.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp")
             )
         if not groups and tp_size > 1:
-            model = oases.parallelize(model, self.device_mesh["tp"])
+            if _is_peft(model):  # PEFT's LoRA layers set aside, their base linears sharded (oases.nn.lora)
+                oases.parallelize(model.get_base_model(), self.device_mesh["tp"])
+            else:
+                model = oases.parallelize(model, self.device_mesh["tp"])
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         # The model owns its placement and gradient reduction: Trainer prepares it without DDP (as a
         # model sharded at load time) and this class averages the gradients over dp itself.
@@ -248,6 +324,7 @@ class OasesTrainer(Trainer):
         self._micro = 0
         self._learned: Optional[tuple[int, ...]] = None  # the window GradientSync learned its counts on
         self._saving_checkpoint = False
+        self._said_one_part = False
 
     # --- layout --------------------------------------------------------------------------------
 
@@ -341,7 +418,7 @@ class OasesTrainer(Trainer):
         """Trainer's accumulation window, remembering each micro-batch's sub-batches (the DP sync
         runs at the window's last one)."""
         batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._window = [self._parts(batch["input_ids"].shape[0]) for batch in batch_samples]
+        self._window = [self._parts(self._step_inputs(batch).input_ids.shape[0]) for batch in batch_samples]
         self._micro = 0
         return batch_samples, num_items
 
@@ -369,25 +446,37 @@ class OasesTrainer(Trainer):
         parts = SCHEDULES[self.schedule].sub_batches if self.sub_batches is None else self.sub_batches
         return max(1, min(parts, rows))
 
-    def _step_inputs(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(input_ids, labels, attention_mask) of a batch; ValueError for what train_step cannot take."""
-        extra = sorted(set(inputs) - set(BATCH_KEYS))
-        if extra:
+    def _step_inputs(self, inputs: dict[str, Any]) -> _StepInputs:
+        """The step's tensors of a batch, a packed row cut into rows at document starts where the
+        batch has fewer rows than the schedule's sub-batches (_split_packed); ValueError for what
+        train_step cannot take."""
+        keys = set(inputs) - set(BATCH_KEYS)
+        if "position_ids" in inputs:
+            keys -= set(VARLEN_KEYS)  # derived from position_ids: the model's own forward derives them again
+        if keys:
             raise ValueError(
-                f"OasesTrainer: the batch has {', '.join(extra)}; oases.train_step takes input_ids, labels and "
-                f"attention_mask (drop the others in the collator)"
+                f"OasesTrainer: the batch has {', '.join(sorted(keys))}; oases.train_step takes input_ids, labels, "
+                f"attention_mask and position_ids (drop the others in the collator)"
             )
         if "labels" not in inputs or "input_ids" not in inputs:
             raise ValueError("OasesTrainer: the batch needs input_ids and labels (a causal LM's collator makes them)")
-        input_ids, labels = inputs["input_ids"], inputs["labels"]
-        positions = inputs.get("position_ids")
-        if positions is not None:
-            default = torch.arange(input_ids.shape[1], device=positions.device).expand_as(input_ids)
-            if not torch.equal(positions, default):
-                raise ValueError(
-                    "OasesTrainer: position_ids other than 0..t-1 on every row (packed sequences) are not supported yet"
-                )
-        return input_ids, labels, inputs.get("attention_mask")
+        step = _StepInputs(
+            inputs["input_ids"], inputs["labels"], inputs.get("attention_mask"), inputs.get("position_ids")
+        )
+        parts = self._parts(step.input_ids.shape[0])
+        wanted = self._parts(MAX_SUB_BATCHES)
+        if parts < wanted and step.position_ids is not None and step.attention_mask is None:
+            cut = _split_packed(step.input_ids, step.labels, step.position_ids, wanted)
+            if cut is not None:
+                return cut
+        if parts < wanted and not self._said_one_part:
+            self._said_one_part = True
+            logger.warning(
+                f"OasesTrainer: a batch of {step.input_ids.shape[0]} row(s) runs as {parts} sub-batch(es) of the "
+                f"{wanted} schedule {self.schedule!r} interleaves: the overlap between sub-batches is given up for it "
+                f"(per_device_train_batch_size >= {wanted}, or packed rows holding several documents, keep it)"
+            )
+        return step
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """oases.train_step on this micro-batch: the loss is the sum of its token losses over
@@ -395,8 +484,8 @@ class OasesTrainer(Trainer):
         sync at the window's last micro-batch. Returns the loss Trainer logs (its meaning)."""
         self.model.train()
         inputs = self._prepare_inputs(inputs)
-        input_ids, labels, attention_mask = self._step_inputs(inputs)
-        parts = self._parts(input_ids.shape[0])
+        step = self._step_inputs(inputs)
+        parts = self._parts(step.input_ids.shape[0])
         if self._window is not None and self._micro < len(self._window):
             first, last, window = self._micro == 0, self._micro == len(self._window) - 1, tuple(self._window)
             self._micro += 1
@@ -406,13 +495,13 @@ class OasesTrainer(Trainer):
         if sync is not None and first and window != self._learned:
             sync.relearn()  # accumulation counts per window change with its micro-batches' sub-batches
             self._learned = window
-        divisor = self._divisor(labels, num_items_in_batch)
+        divisor = self._divisor(step.labels, num_items_in_batch)
         with self.accelerator.autocast():
             if sync is not None and not last:
                 with sync.deferred():  # accumulate; the window's last micro-batch reduces
-                    loss = self._train_step(input_ids, labels, attention_mask, parts, divisor, None)
+                    loss = self._train_step(step, parts, divisor, None)
             else:
-                loss = self._train_step(input_ids, labels, attention_mask, parts, divisor, sync)
+                loss = self._train_step(step, parts, divisor, sync)
         return loss.detach()
 
     def _divisor(self, labels: torch.Tensor, num_items_in_batch) -> float:
@@ -426,14 +515,15 @@ class OasesTrainer(Trainer):
                 divisor /= self.dp_size  # the count is the dp ranks' total and GradientSync averages
         return divisor if divisor > 0 else 1.0  # no token with a label in the window: a zero loss
 
-    def _train_step(self, input_ids, labels, attention_mask, parts, divisor, grad_sync) -> torch.Tensor:
+    def _train_step(self, step: _StepInputs, parts: int, divisor: float, grad_sync) -> torch.Tensor:
         return oases.train_step(
-            self.model,
-            input_ids,
-            labels,
+            self.model.get_base_model() if _is_peft(self.model) else self.model,
+            step.input_ids,
+            step.labels,
             schedule=self.schedule,
             sub_batches=parts,
-            attention_mask=attention_mask,
+            attention_mask=step.attention_mask,
+            position_ids=step.position_ids,
             num_items=divisor,
             recompute=self.recompute,
             grad_sync=grad_sync,
@@ -517,11 +607,15 @@ class OasesTrainer(Trainer):
         )
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
-        """The Hugging Face export of the unsharded model, written by rank 0 with every rank's shards."""
+        """The Hugging Face export of the unsharded model (a PEFT model: its adapter, PEFT's format),
+        written by rank 0 with every rank's shards."""
         if state_dict is not None:
             raise ValueError("OasesTrainer: _save(state_dict=...) is not supported; the model's own shards are saved")
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        oases.save_pretrained(self.model, output_dir)
+        if _is_peft(self.model):
+            oases.save_adapter(self.model, output_dir)  # PEFT's format, unsharded
+        else:
+            oases.save_pretrained(self.model, output_dir)
         if not self.args.should_save:
             return
         if self.processing_class is not None:
