@@ -8,7 +8,8 @@
     TP 4                       the second flow at TP 4 > kv heads (k / v and their B rows held by two ranks)
 
 For each: logits, loss and every adapter gradient equal to the unsharded PEFT model's, through
-model(...) + backward and oases.train_step on every schedule in oases.schedule.SCHEDULES; only the
+model(...) + backward and oases.train_step on every schedule in oases.schedule.SCHEDULES (the LoRA
+layers inside the overlapped sublayers, no layer run whole); only the
 adapters have gradients; oases.check_gradients passes, clip_grad_norm_ takes the unsharded norm;
 oases.save_adapter writes what PEFT's save_pretrained writes for the unsharded model (files equal),
 which PeftModel.from_pretrained loads on one process with the same logits; merge_and_unload()
@@ -123,6 +124,10 @@ def _check_lora_model(ref, tp, rank, p, root, schedules):
     want_total = torch.nn.utils.clip_grad_norm_([q for q in ref.parameters() if q.grad is not None], 1e9)
     torch.testing.assert_close(total, want_total, **TOL)
 
+    from oases.models.hf import HFStack
+
+    # the LoRA layers are the branches' projections: every layer split into overlapped sublayers, none run whole
+    assert [parts.kind for parts in HFStack(tp.get_base_model()).parts] == ["sequential"] * CONFIG["num_hidden_layers"]
     for schedule in schedules:
         tp.zero_grad(set_to_none=True)
         loss = oases.train_step(tp.get_base_model(), ids, ids, schedule=schedule, check_grads=1)

@@ -98,8 +98,15 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def projections(module: nn.Module) -> dict[str, nn.Module]:
-    """{child name: child} of the module's direct children that are projections."""
-    return {n: m for n, m in module.named_children() if is_projection(m)}
+    """{child name: child} of the module's direct children that are projections, or PEFT adapter
+    layers wrapping one (a LoRA layer's `base_layer`: oases.nn.lora)."""
+    return {n: m for n, m in module.named_children() if is_projection(m) or _wraps_projection(m)}
+
+
+def _wraps_projection(module: nn.Module) -> bool:
+    """A PEFT tuner layer (LoRA's) around a projection: the layer the model calls in its place."""
+    base = getattr(module, "base_layer", None)
+    return isinstance(base, nn.Module) and is_projection(base)
 
 
 def attention_of(layer: nn.Module) -> Optional[str]:
@@ -179,7 +186,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
             if attention is None
             else "an MLP (two or more projections besides the attention's)"
         )
-        return LayerParts("whole", attention, mlp, norms, f"no {missing} among its children")
+        return LayerParts("whole", attention, mlp, norms, f"{missing} not found among its children")
     if any(is_fused_experts(c) for c in children[mlp].children()):  # a split sublayer's core must be a partial sum
         return LayerParts(
             "whole",
