@@ -3,11 +3,13 @@
 A 2-layer Llama (hidden 64, vocabulary 96, fp32) on 24 prompt-completion rows (pre-tokenized:
 SFTTrainer builds completion-only labels from completion_mask), 6 optimizer steps with gradient
 accumulation 2, max_grad_norm 1.0, a linear LR schedule, an eval every 3 steps and one at the end.
-At TP 2 (2 ranks) the logged losses, grad norms, eval losses and eval entropy / token accuracy
-equal the single process's (relative 5e-5), the trained weights too (tests/_tolerances.py), for:
-padded rows; packing (best-fit decreasing: padding-free rows of several documents, which
-OasesTrainer cuts at document starts into the schedule's two sub-batches); and LoRA from
-peft_config, whose saved adapter loads in PEFT on one process and equals the trained one.
+At TP 2 (2 ranks; and DP 2 x TP 2 on 4 ranks, against a per-device batch of 4) the logged losses,
+grad norms, eval losses and eval entropy / token accuracy equal the single process's (relative
+5e-5), the trained weights too (tests/_tolerances.py), for: padded rows; packing (best-fit
+decreasing: padding-free rows of several documents, which OasesTrainer cuts at document starts into
+the schedule's two sub-batches); and LoRA from peft_config, whose saved adapter loads in PEFT on one
+process and equals the trained one; at DP 2 x TP 2, padded rows and a PEFT model handed to the
+trainer (PEFT's LoRA layers rewrapped on the shards).
 """
 
 from __future__ import annotations
@@ -118,13 +120,21 @@ def _history(trainer) -> dict:
     return {key: [e[key] for e in trainer.state.log_history if key in e] for key in keys}
 
 
-def _trainer(cls, output_dir: str, case: str, **kwargs):
+def _trainer(cls, output_dir: str, case: str, batch: int = 2, **kwargs):
+    """case: "padded", "packed", "lora" (peft_config=) or "peft_model" (a PEFT model handed in)."""
     changes = {"packing": True, "per_device_train_batch_size": 1} if case == "packed" else {}
+    changes.setdefault("per_device_train_batch_size", batch)
+    model = _llama()
     if case == "lora":
         kwargs["peft_config"] = _lora()
+    if case == "peft_model":
+        from peft import get_peft_model
+
+        model = get_peft_model(model, _lora())  # the adapters drawn here, the same on every rank
+    if case in ("lora", "peft_model"):
         changes["max_grad_norm"] = 0.5  # the adapters' gradient norm is 0.4-0.65: clipped
     return cls(
-        model=_llama(),
+        model=model,
         args=_config(output_dir, **changes),
         train_dataset=_dataset(ROWS, 1),
         eval_dataset=_dataset(EVAL_ROWS, 2),
@@ -142,11 +152,11 @@ def _trainable(model) -> dict:
     return {k: v for k, v in model.named_parameters() if v.requires_grad}
 
 
-def _reference(tmp: str, case: str) -> dict:
+def _reference(tmp: str, case: str, batch: int = 2) -> dict:
     from accelerate.state import AcceleratorState, GradientState
     from trl import SFTTrainer
 
-    trainer = _trainer(SFTTrainer, os.path.join(tmp, f"reference-{case}"), case)
+    trainer = _trainer(SFTTrainer, os.path.join(tmp, f"reference-{case}"), case, batch)
     trainer.train()
     trainer.evaluate()
     weights = _numpy(_trainable(trainer.model))
@@ -158,14 +168,14 @@ def _reference(tmp: str, case: str) -> dict:
 def _run(tmp: str, case: str, rank: int) -> dict:
     from oases.integrations.trl import OasesSFTTrainer
 
-    trainer = _trainer(OasesSFTTrainer, os.path.join(tmp, case), case, tp_size=2)
+    trainer = _trainer(OasesSFTTrainer, os.path.join(tmp, case), case, tp_size=2)  # per-device batch 2
     trainer.train()
     trainer.evaluate()
     full = oases.full_state_dict(trainer.model)  # a collective
     trainable = set(_trainable(trainer.model))
     result = {"history": _history(trainer), "weights": _numpy({k: v for k, v in full.items() if k in trainable})}
-    if case == "lora":
-        export = os.path.join(tmp, "adapter")
+    if case in ("lora", "peft_model"):
+        export = os.path.join(tmp, f"adapter-{case}")
         trainer.save_model(export)  # every rank; rank 0 writes PEFT's files
         if rank == 0:
             from peft import PeftModel
@@ -175,11 +185,11 @@ def _run(tmp: str, case: str, rank: int) -> dict:
     return result
 
 
-def _job(rank: int, world: int, tmp: str) -> dict:
-    cases = ("padded", "packed", "lora")
+def _job(rank: int, world: int, tmp: str, cases: tuple) -> dict:
+    """The single process's runs on rank 0 (per-device batch dp x 2), then OasesSFTTrainer's at TP 2."""
     result = {}
     if rank == 0:
-        result["reference"] = {case: _reference(tmp, case) for case in cases}
+        result["reference"] = {case: _reference(tmp, case, batch=world) for case in cases}
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -197,7 +207,7 @@ def _job(rank: int, world: int, tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-    return run_ranks(_job, 2, str(tmp_path_factory.mktemp("trl")), timeout=300)
+    return run_ranks(_job, 2, str(tmp_path_factory.mktemp("trl")), ("padded", "packed", "lora"), timeout=300)
 
 
 def _assert_same(reference: dict, run: dict, where: str) -> None:
@@ -218,6 +228,15 @@ def test_tp2_matches_one_process_sft_trainer(tp2, case):
     assert tp2[0]["runs"][case]["history"] == tp2[1]["runs"][case]["history"]  # the TP ranks log alike
     clip = 0.5 if case == "lora" else 1.0
     assert max(tp2[0]["reference"][case]["history"]["grad_norm"]) > clip  # max_grad_norm clipped
+
+
+def test_dp2_tp2_padded_and_a_peft_model_match_one_process_sft_trainer(tmp_path):
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    ranks = run_ranks(_job, 4, str(tmp_path), ("padded", "peft_model"), timeout=300)
+    for case in ("padded", "peft_model"):
+        _assert_same(ranks[0]["reference"][case], ranks[0]["runs"][case], f"dp 2 x tp 2 {case}")
+        for rank in ranks:
+            assert rank["runs"][case]["history"] == ranks[0]["runs"][case]["history"], case
 
 
 def test_lora_adapter_loads_in_peft(tp2):
