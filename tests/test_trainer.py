@@ -219,10 +219,12 @@ def _refusals(tmp: str) -> list[str]:
 
 
 def _resumed(tmp: str, rank: int) -> dict:
-    """Checkpoints every 3 steps; a new trainer resumes from checkpoint-3; save_model's export."""
+    """Checkpoints every step, the 4 newest kept (save_total_limit); a new trainer resumes from
+    checkpoint-3; save_model's export."""
     out = os.path.join(tmp, "ckpt")
-    first = _oases_trainer(out, 2, 2, save_strategy="steps", save_steps=3)
+    first = _oases_trainer(out, 2, 2, save_strategy="steps", save_steps=1, save_total_limit=4)
     first.train()
+    kept = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-"))
     straight = oases.full_state_dict(first.model)
     checkpoint = os.path.join(out, "checkpoint-3")
     listing = sorted(os.listdir(checkpoint))
@@ -232,6 +234,7 @@ def _resumed(tmp: str, rank: int) -> dict:
     export = os.path.join(tmp, "export")
     second.save_model(export)
     result = {
+        "kept": kept,
         "listing": listing,
         "straight_loss": _history(first)["loss"],
         "resumed_loss": _history(second)["loss"],
@@ -311,6 +314,7 @@ def test_checkpoint_resumes_bit_exactly_and_exports(tp2):
     for rank in tp2:
         resume = rank["resume"]
         assert "oases" in resume["listing"] and "trainer_state.json" in resume["listing"], resume["listing"]
+        assert resume["kept"] == [f"checkpoint-{step}" for step in (3, 4, 5, 6)]  # save_total_limit=4 rotated
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(resume["listing"])
         assert resume["resumed_loss"] == resume["straight_loss"]  # steps 1-3 from the state, 4-6 trained again
         assert resume["bit_exact"]

@@ -29,7 +29,8 @@ single process's. `activation_checkpointing` (`gradient_checkpointing`) is Oases
 Checkpoints. Each checkpoint-N holds `oases/`, an `oases.save_checkpoint` written by every rank (the
 shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside Trainer's
 trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads them back at
-the same layout. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every
+the same layout. save_total_limit rotates the checkpoint-N folders once every rank has finished
+writing the new one, on each node (its local rank 0), by step. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every
 rank takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
 
 PEFT. A peft.PeftModel (LoRA) is taken as the model: unsharded, its base model is parallelized with
@@ -60,6 +61,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -79,7 +81,7 @@ from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from accelerate.utils import recursively_apply  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
-from transformers.trainer_utils import seed_worker  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 import oases  # noqa: E402
@@ -219,6 +221,27 @@ def _tp_groups(model: nn.Module) -> list[Optional[dist.ProcessGroup]]:
         if hasattr(module, "tp_layout") and not any(module.group is g for g in groups):
             groups.append(module.group)
     return groups
+
+
+def _rotate(run_dir: str, limit: int, best: Optional[str]) -> None:
+    """Delete the oldest checkpoint-N folders of run_dir by N until `limit` are left; the newest
+    and `best` are kept whatever the limit (as Trainer's rotation)."""
+    steps = []
+    for name in os.listdir(run_dir):
+        prefix, _, step = name.partition("-")
+        if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(run_dir, name)):
+            steps.append((int(step), os.path.join(run_dir, name)))
+    folders = [folder for _, folder in sorted(steps)]
+    kept = {folders[-1]} if folders else set()
+    if best is not None:
+        kept.add(os.path.normpath(best))
+    left = len(folders)
+    for folder in folders:
+        if left <= max(limit, len(kept)):
+            break
+        if os.path.normpath(folder) not in kept:
+            shutil.rmtree(folder, ignore_errors=True)
+            left -= 1
 
 
 def _is_peft(model: Any) -> bool:
@@ -577,11 +600,25 @@ class OasesTrainer(Trainer):
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def _save_checkpoint(self, model: nn.Module, trial) -> None:
+        """Trainer's checkpoint (every rank writes its shards: save_model), then the rotation of
+        save_total_limit once every rank has finished writing: on each node (its local rank 0),
+        by step number, so a node's own shards of old steps go too and no rank deletes a step
+        another is still writing."""
+        args = self.args
+        limit = args.save_total_limit
         self._saving_checkpoint = True
+        args.save_total_limit = None  # Trainer rotates on rank 0 alone, before the others finished
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._saving_checkpoint = False
+            args.save_total_limit = limit
+        if limit is None or limit <= 0:
+            return
+        if dist.is_initialized():
+            dist.barrier()
+        if args.local_process_index == 0:
+            _rotate(self._get_output_dir(trial=trial), limit, self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
         """In a checkpoint: the oases sharded checkpoint (every rank writes its shards). Otherwise
