@@ -220,7 +220,7 @@ def _refusals(tmp: str) -> list[str]:
 
 def _resumed(tmp: str, rank: int) -> dict:
     """Checkpoints every step, the 4 newest kept (save_total_limit); a new trainer resumes from
-    checkpoint-3; save_model's export."""
+    checkpoint-3, and one at TP 1 x DP 2 (the same global batch); save_model's export."""
     out = os.path.join(tmp, "ckpt")
     first = _oases_trainer(out, 2, 2, save_strategy="steps", save_steps=1, save_total_limit=4)
     first.train()
@@ -231,6 +231,10 @@ def _resumed(tmp: str, rank: int) -> dict:
     second = _oases_trainer(out, 2, 2, save_strategy="no")
     second.train(resume_from_checkpoint=checkpoint)
     resumed = oases.full_state_dict(second.model)
+    # at another layout with the same global batch: TP 1 x DP 2, one row per device
+    third = _oases_trainer(os.path.join(tmp, "relayout"), 1, 1, save_strategy="no")
+    third.train(resume_from_checkpoint=checkpoint)
+    relayout = {k: v.detach().clone() for k, v in third.model.state_dict().items()}
     export = os.path.join(tmp, "export")
     second.save_model(export)
     result = {
@@ -239,6 +243,8 @@ def _resumed(tmp: str, rank: int) -> dict:
         "straight_loss": _history(first)["loss"],
         "resumed_loss": _history(second)["loss"],
         "bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
+        "relayout_loss": _history(third)["loss"],
+        "relayout_diff": max(float((straight[k] - relayout[k]).abs().max()) for k in straight),
     }
     if rank == 0:
         from transformers import LlamaForCausalLM
@@ -318,6 +324,11 @@ def test_checkpoint_resumes_bit_exactly_and_exports(tp2):
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(resume["listing"])
         assert resume["resumed_loss"] == resume["straight_loss"]  # steps 1-3 from the state, 4-6 trained again
         assert resume["bit_exact"]
+        # resumed at TP 1 x DP 2 from TP 2's checkpoint: the same steps 4-6 within the tolerances
+        assert len(resume["relayout_loss"]) == len(resume["straight_loss"])
+        for a, b in zip(resume["straight_loss"][3:], resume["relayout_loss"][3:]):
+            assert math.isclose(a, b, rel_tol=RTOL), (resume["straight_loss"], resume["relayout_loss"])
+        assert resume["relayout_diff"] <= ATOL, resume["relayout_diff"]
     assert tp2[0]["resume"]["export_exact"]
 
 

@@ -28,8 +28,9 @@ single process's. `activation_checkpointing` (`gradient_checkpointing`) is Oases
 
 Checkpoints. Each checkpoint-N holds `oases/`, an `oases.save_checkpoint` written by every rank (the
 shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside Trainer's
-trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads them back at
-the same layout. save_total_limit rotates the checkpoint-N folders once every rank has finished
+trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads them back:
+bit-exactly at the same layout, and at another TP / DP layout with the same global batch
+(oases.load_checkpoint re-shards the model and the optimizer's state). save_total_limit rotates the checkpoint-N folders once every rank has finished
 writing the new one, on each node (its local rank 0), by step. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every
 rank takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
 
