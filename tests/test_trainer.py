@@ -191,7 +191,25 @@ REFUSED = [
     ({"optim": "adafactor"}, {}, "optim='adafactor'"),
     ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}, "compute_loss_func"),
     ({}, {"tp_size": 3}, "does not divide the world"),
+    ({"parallelism_config": "dp_shard"}, {}, "parallelism_config.dp_shard_size=2"),
+    ({"parallelism_config": "tp"}, {"tp_size": 1}, "tp_size=1"),  # contradicts parallelism_config.tp_size=2
+    ({}, {"model": "quantized"}, "quantized (bitsandbytes, QLoRA)"),
 ]
+
+
+def _refused_input(changes: dict, kwargs: dict) -> tuple[dict, dict]:
+    """REFUSED's placeholders made: a ParallelismConfig, a model holding a bitsandbytes-like layer."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    configs = {"dp_shard": dict(dp_shard_size=2, tp_size=2), "tp": dict(tp_size=2)}
+    changes = dict(changes)
+    if "parallelism_config" in changes:
+        changes["parallelism_config"] = ParallelismConfig(**configs[changes["parallelism_config"]])
+    model = _llama()
+    if kwargs.get("model") == "quantized":
+        quantized = type("Linear4bit", (torch.nn.Linear,), {"__module__": "bitsandbytes.nn.modules"})
+        model.model.layers[0].mlp.up_proj = quantized(64, 128, bias=False)
+    return changes, {**kwargs, "model": model}
 
 
 def _refusals(tmp: str) -> list[str]:
@@ -202,10 +220,9 @@ def _refusals(tmp: str) -> list[str]:
 
     messages = []
     for changes, kwargs, _ in REFUSED:
-        kwargs = {"tp_size": 2, **kwargs}
+        changes, kwargs = _refused_input(changes, {"tp_size": 2, **kwargs})
         try:
             OasesTrainer(
-                model=_llama(),
                 args=_args(os.path.join(tmp, "refused"), 2, **changes),
                 train_dataset=_rows(ROWS, 1),
                 data_collator=default_data_collator,
@@ -262,7 +279,13 @@ def _tp2_job(rank: int, world: int, tmp: str) -> dict:
         result["reference"] = _reference(os.path.join(tmp, "reference"), batch=2)
     _world_env(rank, world)
     result["refusals"] = _refusals(tmp)
-    result["run"] = _trained(os.path.join(tmp, "tp2"), 2, 2, rank, activation_checkpointing=True)
+    from accelerate.parallelism_config import ParallelismConfig
+
+    # the layout from accelerate's ParallelismConfig (tp_size=None)
+    tp = ParallelismConfig(tp_size=2)
+    result["run"] = _trained(
+        os.path.join(tmp, "tp2"), 2, None, rank, activation_checkpointing=True, parallelism_config=tp
+    )
     result["resume"] = _resumed(tmp, rank)
     return result
 

@@ -6,13 +6,15 @@ parallelism over the rest of the world, by changing one class name.
                            data_collator=collator, tp_size=2, schedule="oases")   # under torchrun / oases-launch
     trainer.train(); trainer.evaluate()
 
-Layout. The world is a (dp, tp) mesh, `init_device_mesh(device, (world / tp_size, tp_size),
-mesh_dim_names=("dp", "tp"))`: ranks r*tp .. r*tp + tp - 1 are one TP group (the model's shards),
-ranks holding the same TP rank one DP group. A plain Hugging Face causal LM is sharded with
-`oases.parallelize(model, mesh["tp"])`; one already parallelized over those TP groups is taken as it
-is. The model is not wrapped in DDP: its parameters are broadcast from the first DP replica (as DDP
-does), and `oases.dp.GradientSync(model, mesh["dp"])` averages the gradients once per optimizer step,
-at the last micro-batch of the accumulation window (its buckets overlapping that backward).
+Layout. tp_size= or TrainingArguments.parallelism_config (accelerate's ParallelismConfig: tp_size x
+dp_replicate_size, taken here and not handed to accelerate). The world is a (dp, tp) mesh,
+`init_device_mesh(device, (world / tp_size, tp_size), mesh_dim_names=("dp", "tp"))`: ranks r*tp ..
+r*tp + tp - 1 are one TP group (the model's shards), ranks holding the same TP rank one DP group. A
+plain Hugging Face causal LM is sharded with `oases.parallelize(model, mesh["tp"])`; one already
+parallelized over those TP groups is taken as it is. The model is not wrapped in DDP: its parameters
+are broadcast from the first DP replica (as DDP does), and `oases.dp.GradientSync(model,
+mesh["dp"])` averages the gradients once per optimizer step, at the last micro-batch of the
+accumulation window (its buckets overlapping that backward).
 
 Data. Trainer's own data loader (the same sampler, seed, collator and accelerate's shards), split
 over the DP ranks only: the TP ranks of a group get the same batches; DataLoader workers are seeded
@@ -27,24 +29,26 @@ single process's. `activation_checkpointing` (`gradient_checkpointing`) is Oases
 (`recompute=True`; off: `recompute=False`), Hugging Face's own checkpointing is never enabled on top.
 
 Checkpoints. Each checkpoint-N holds `oases/`, an `oases.save_checkpoint` written by every rank (the
-shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside Trainer's
-trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads them back:
-bit-exactly at the same layout, and at another TP / DP layout with the same global batch
-(oases.load_checkpoint re-shards the model and the optimizer's state). save_total_limit rotates the checkpoint-N folders once every rank has finished
-writing the new one, on each node (its local rank 0), by step. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every
-rank takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
+shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside
+Trainer's trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads
+them back: bit-exactly at the same layout, and at another TP / DP layout with the same global batch
+(oases.load_checkpoint re-shards the model and the optimizer's state). save_total_limit rotates the
+checkpoint-N folders once every rank has finished writing the new one, on each node (its local rank
+0), by step. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every rank
+takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
 
 PEFT. A peft.PeftModel (LoRA) is taken as the model: unsharded, its base model is parallelized with
 PEFT's LoRA layers set aside and rewrapped on the shards (oases.nn.lora); the step runs its base
 model; only the adapters train.
 
 What it refuses (a ValueError in __init__ naming the flag, on every rank): torch_compile,
-label_smoothing_factor, compute_loss_func, NEFTune, DeepSpeed, FSDP, parallelism_config,
-load_best_model_at_end, fp16 (torch's GradScaler checks only this rank's shards for inf; use bf16),
-Liger kernels, model_init, optimizers other than torch's element-wise ones, a prepared optimizer over
-a model still to be parallelized, batch_rebalance sampling, dispatch_batches; in a batch, keys other
-than input_ids, labels, attention_mask, position_ids (and the varlen keys padding-free collators
-derive from position_ids).
+label_smoothing_factor, compute_loss_func, NEFTune, DeepSpeed, FSDP, parallelism_config beyond
+tp_size x dp_replicate_size (or contradicting tp_size=), a quantized model (bitsandbytes: QLoRA),
+load_best_model_at_end, fp16 (torch's
+GradScaler checks only this rank's shards for inf; use bf16), Liger kernels, model_init, optimizers
+other than torch's element-wise ones, a prepared optimizer over a model still to be parallelized,
+batch_rebalance sampling, dispatch_batches; in a batch, keys other than input_ids, labels,
+attention_mask, position_ids (and the varlen keys padding-free collators derive from position_ids).
 
 Packed rows. position_ids restarting at each document (DataCollatorWithFlattening, TRL's
 padding_free / packing) reach the model's own forward, which keeps the documents apart. A batch
@@ -161,6 +165,15 @@ def _refusals(args: TrainingArguments, bound: dict[str, Any], prepared_model: bo
 
     if bound.get("model") is None:
         refuse("model_init", "not supported; build the model on every rank alike and pass model=")
+    model = bound.get("model")
+    if isinstance(model, nn.Module) and (
+        getattr(model, "is_quantized", False)
+        or any(type(m).__module__.split(".")[0] == "bitsandbytes" for m in model.modules())
+    ):
+        refuse(
+            "model: quantized (bitsandbytes, QLoRA)",
+            "oases shards full-precision projections; load the model unquantized (e.g. bf16), LoRA on top",
+        )
     if bound.get("compute_loss_func") is not None:
         refuse("compute_loss_func", "not supported; the loss is the causal-LM loss of oases.train_step")
     if args.torch_compile:
@@ -173,8 +186,20 @@ def _refusals(args: TrainingArguments, bound: dict[str, Any], prepared_model: bo
         refuse("deepspeed", "not with OasesTrainer (its own TP x DP); remove the DeepSpeed config")
     if args.fsdp:
         refuse("fsdp", "not with OasesTrainer (its own TP x DP); remove the FSDP options")
-    if args.parallelism_config is not None:
-        refuse("parallelism_config", "not with OasesTrainer; pass tp_size= instead")
+    config = args.parallelism_config
+    if config is not None:
+        for field in ("dp_shard_size", "cp_size", "sp_size"):
+            if getattr(config, field, 1) > 1:
+                refuse(
+                    f"parallelism_config.{field}={getattr(config, field)}",
+                    "OasesTrainer runs tensor x data parallelism (tp_size, dp_replicate_size); set it to 1",
+                )
+        tp_size = bound.get("tp_size")
+        if tp_size is not None and tp_size != config.tp_size:
+            refuse(
+                f"tp_size={tp_size}",
+                f"contradicts parallelism_config.tp_size={config.tp_size}; pass one of them",
+            )
     if args.load_best_model_at_end:
         refuse("load_best_model_at_end=True", "not supported yet; set it to False")
     if args.fp16:
@@ -294,6 +319,7 @@ class OasesTrainer(Trainer):
             args = TrainingArguments(output_dir="tmp_trainer")
         # the arguments by the next class's names (Trainer's, or a subclass's such as TRL's SFTTrainer)
         bound = inspect.signature(super().__init__).bind(model, args, *trainer_args, **trainer_kwargs).arguments
+        bound["tp_size"] = tp_size
         groups = _tp_groups(model) if isinstance(model, nn.Module) else []
         problems = _refusals(args, bound, prepared_model=bool(groups))
         _checks.one_of("schedule", schedule, SCHEDULES)
@@ -303,9 +329,18 @@ class OasesTrainer(Trainer):
             problems.append("OasesTrainer: model: its TP modules use several process groups; parallelize it once")
         if problems:
             raise ValueError("\n".join(problems))
+        # parallelism_config's layout is OasesTrainer's to apply, not accelerate's
+        config, args.parallelism_config = args.parallelism_config, None
         _ = args.device  # under torchrun: accelerate initializes the process group here
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
+        if config is not None:
+            if config.total_size != world:
+                raise ValueError(
+                    f"OasesTrainer: parallelism_config: tp_size x dp_replicate_size = {config.total_size}, but the "
+                    f"world has {world} ranks; make them equal"
+                )
+            tp_size = config.tp_size
         if tp_size is None:
             tp_size = len(_group_ranks(groups[0])) if groups else world
         if not _checks.is_int(tp_size) or tp_size < 1 or world % tp_size:
