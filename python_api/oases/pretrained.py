@@ -37,7 +37,7 @@ import struct
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Optional, Union
+from typing import BinaryIO, Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from oases import _checks
 from oases._checks import process_group
 from oases._compiled import original_module
+from oases._dcp import fsync_dir, fsync_file
 from oases._hf_files import DTYPES, INDEX, SINGLE, Stored, stored_tensors
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
 from oases.comm._topology import ring_of
@@ -278,6 +279,9 @@ def _write_config(model: nn.Module, path: str, dtype: Optional[torch.dtype]) -> 
         generation.save_pretrained(path)
 
 
+_CONFIGS = ("config.json", "generation_config.json")  # what _write_config writes
+
+
 def _partial(path: str, name: str) -> str:
     """Where `name` is written before it is published: hidden, a name no loader reads."""
     return os.path.join(path, f".{name}.partial")
@@ -291,18 +295,31 @@ def _prepare(path: str) -> None:
     os.remove(_partial(path, "probe"))
 
 
+def _durable(path: str, names: Iterable[str] = ()) -> None:
+    """fsync the files `names` of directory `path` that exist, then the directory's entries."""
+    for name in names:
+        if os.path.exists(os.path.join(path, name)):
+            fsync_file(os.path.join(path, name))
+    fsync_dir(path)
+
+
 def _publish(model: nn.Module, path: str, names: list[str], entries: list[_Entry]) -> None:
-    """On the writer, once every file is written whole: each renamed over its name (the index last),
-    then a previous save's weight files that are not the new ones removed, then the config.
+    """On the writer, once every file is written whole: each fsynced and renamed over its name (the
+    index last), then a previous save's weight files that are not the new ones removed, then the
+    config; the config files and the directory's entries fsynced, so that once it returns the save
+    survives a machine crash.
 
     What a crash leaves at each point: a loader (ours, transformers') reads model.safetensors if
     there is one, else the index's parts. One file: the rename is atomic (old or new). Several: a
-    previous index goes first, so parts replaced one by one never load under it mixed with the old
-    ones (no index, no single file: loading fails, loudly); a previous single file stays until the
-    new index is in place, and is read before it until removed."""
+    previous index goes first (its removal made durable before any part is replaced), so parts
+    replaced one by one never load under it mixed with the old ones (no index, no single file:
+    loading fails, loudly); a previous single file stays until the new index is in place, and is
+    read before it until removed."""
     if len(names) > 1 and os.path.exists(os.path.join(path, INDEX)):
         os.remove(os.path.join(path, INDEX))
+        fsync_dir(path)
     for name in names + ([INDEX] if len(names) > 1 else []):
+        fsync_file(_partial(path, name))  # its bytes durable before its name points at them
         os.replace(_partial(path, name), os.path.join(path, name))
     for name in os.listdir(path):
         stale = (name in (SINGLE, INDEX) or _PART.fullmatch(name)) and name not in names
@@ -312,6 +329,7 @@ def _publish(model: nn.Module, path: str, names: list[str], entries: list[_Entry
             os.remove(os.path.join(path, name))  # a stale index or part would shadow the new files
     floating = next((e.local.dtype for e in entries if e.local.dtype.is_floating_point), None)
     _write_config(model, path, floating)
+    _durable(path, _CONFIGS)
 
 
 def _shared(error: Optional[Exception], writer: int, distributed: bool, group, what: str) -> None:
@@ -397,8 +415,9 @@ def save_pretrained(
             full = gather entry's shards to the writer (p2p over its module's group), or the replica
             writer appends full's bytes
         writer: .model.safetensors.index.json.partial when there are several files
-        writer: each .partial renamed over its file (the index last); a previous save's weight files
-                that are not the new ones removed; config.json (+ generation_config.json)
+        writer: each .partial fsynced and renamed over its file (the index last); a previous save's
+                weight files that are not the new ones removed; config.json (+ generation_config.json)
+                fsynced, then the directory's entries (the save survives a machine crash)
         every rank: the writer's error, if any (so nobody returns before the files exist)
 
     A collective: every rank of `group` (default: the world; without a process group, a plain
@@ -548,7 +567,9 @@ def save_adapter(
             del full
 
     def publish() -> None:
+        fsync_file(_partial(path, ADAPTER_WEIGHTS))
         os.replace(_partial(path, ADAPTER_WEIGHTS), os.path.join(path, ADAPTER_WEIGHTS))
         _write_adapter_config(model, adapter_name, path)
+        _durable(path, [ADAPTER_CONFIG])
 
     _on_writer(publish, writing, writer, distributed, group, f"write the adapter to {path!r}")

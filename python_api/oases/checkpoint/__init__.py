@@ -4,7 +4,7 @@
     plain_model.load_state_dict(full)       # TP=1 ...
     load_full_state_dict(tp4_model, full)   # ... or any TP degree: each rank keeps its shard
     save_checkpoint(tp_model, path, optimizer=opt, step=n, extra=..., keep=3)   # -> path/step-{n:09d}
-    state = load_checkpoint(tp4_model, path, optimizer=opt4)   # the newest complete step-*; resume at state.step
+    state = load_checkpoint(tp4_model, path, optimizer=opt4)   # the newest step-* that verifies; resume at state.step
 
 On disk (torch.distributed.checkpoint) no rank gathers the model: each writes the boxes of the
 unsharded tensors its shards hold (oases._dcp), and reads those it needs at its own TP degree.
@@ -17,9 +17,10 @@ for the world) holds, for each parameter its layout lists, this rank's part of t
     full  == rule.unshard([local of rank 0, ..., local of rank p-1])
 
 Everything else in the state dict (replicated parameters, buffers) is the same on every rank and
-is taken as it is. Every check runs on local metadata before any communication or any copy, so a
-bad model or checkpoint raises the same error on every rank, none is left waiting, and the model
-is left unchanged.
+is taken as it is. Every check runs before any copy (on local metadata; a load's checks of the
+checkpoint's files and checksums, oases.checkpoint._select, then agreed by the ranks), so a bad
+model or checkpoint raises the same error on every rank, none is left waiting, and the model is
+left unchanged.
 """
 
 from __future__ import annotations

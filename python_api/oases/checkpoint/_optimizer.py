@@ -4,7 +4,7 @@ its rows) as checkpoints see it, its state as entries keyed by parameter name, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -143,29 +143,25 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
     return entries
 
 
-def _optimizer_reads(
+def _stored_states(
     what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]
-) -> tuple[dict[str, tuple[int, str]], dict[str, Any]]:
-    """({checkpoint key: (optimizer index, state name | None for ZeRO's fp32 master)}, {key: buffer to
-    read into | None for pickled}); local checks only. A master is read straight into the optimizer's."""
+) -> Iterator[tuple[str, int, Optional[str], Any, Optional[tuple]]]:
+    """(checkpoint key, optimizer index, state name | None for ZeRO's fp32 master, its metadata,
+    its placement on this rank (`_state_chunks`) | None) of each entry the optimizer reads; local
+    checks only, raised before anything is allocated."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from oases._dcp import Chunked
 
     if _GROUPS not in stored:
         raise ValueError(
             f"optimizer: {what} holds no optimizer state (saved without optimizer=); load it with optimizer=None"
         )
     index = {name: i for i, name in enumerate(view.flat_names())}
-    params = [p for group in view.inner.param_groups for p in group["params"]]
-    where, reads = {}, {}
     for key, meta in stored.items():
         if key.startswith(_MASTER) and key[len(_MASTER) :] in index and isinstance(meta, TensorStorageMetadata):
             i = index[key[len(_MASTER) :]]
             placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(_MASTER) :])
             if view.masters and view.masters[i] is not None and placed is not None:
-                where[key] = (i, None)
-                reads[key] = Chunked(view.masters[i].detach(), tuple(placed[0]), placed[1])
+                yield key, i, None, meta, placed
             continue
         if not key.startswith(_STATE):
             continue
@@ -173,16 +169,45 @@ def _optimizer_reads(
         if name not in index:
             continue  # a parameter the optimizer lacks: the param_groups check names it
         i = index[name]
-        where[key] = (i, state)
         if not isinstance(meta, TensorStorageMetadata):
-            reads[key] = None  # pickled: read locally first
+            yield key, i, state, meta, None  # pickled: read locally first
             continue
         placed = _state_chunks(view, i, tuple(meta.size), shards, name)
         if placed is None:
             _check_replicated(view, i, name, state, tuple(meta.size), shards)
-        current = view.inner.state.get(params[i], {}).get(state)
-        buffer = _buffer(current, meta.size if placed is None else placed[2], meta.properties.dtype)
-        reads[key] = buffer if placed is None else Chunked(buffer, tuple(placed[0]), placed[1])
+        yield key, i, state, meta, placed
+
+
+def _optimizer_wants(what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]) -> dict[str, Any]:
+    """{checkpoint key: the boxes this rank reads of it, or None for all of it} of what
+    `_optimizer_reads` reads, allocating nothing; local checks only."""
+    return {
+        key: None if placed is None else tuple(placed[0])
+        for key, _, _, _, placed in _stored_states(what, view, stored, shards)
+    }
+
+
+def _optimizer_reads(
+    what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]
+) -> tuple[dict[str, tuple[int, Optional[str]]], dict[str, Any]]:
+    """({checkpoint key: (optimizer index, state name | None for ZeRO's fp32 master)}, {key: buffer to
+    read into | None for pickled}); local checks only. A master is read straight into the optimizer's."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from oases._dcp import Chunked
+
+    params = [p for group in view.inner.param_groups for p in group["params"]]
+    where, reads = {}, {}
+    for key, i, state, meta, placed in _stored_states(what, view, stored, shards):
+        where[key] = (i, state)
+        if state is None:  # ZeRO's fp32 master: read in place
+            reads[key] = Chunked(view.masters[i].detach(), tuple(placed[0]), placed[1])
+        elif not isinstance(meta, TensorStorageMetadata):
+            reads[key] = None  # pickled: read locally first
+        else:
+            current = view.inner.state.get(params[i], {}).get(state)
+            buffer = _buffer(current, meta.size if placed is None else placed[2], meta.properties.dtype)
+            reads[key] = buffer if placed is None else Chunked(buffer, tuple(placed[0]), placed[1])
     return where, reads
 
 

@@ -3,7 +3,7 @@
     pipe.load_pretrained(dir)                        # every rank checks the whole model, reads its own boxes
     pipe.save_pretrained(dir)                        # rank 0 writes; each tensor's stage gathers it over tp, sends it
     pipe.save_checkpoint(root, step=n, extra=..., keep=2)   # -> root/step-{n:09d}
-    state = pipe.load_checkpoint(root)               # the newest complete step-*; CheckpointState
+    state = pipe.load_checkpoint(root)               # the newest step-* that verifies; CheckpointState
 
 What a rank holds (`_held`): the whole model while every tensor is allocated (a real build before
 release_unowned), else the modules its stage owns whole (Stage.held(); the meta build and
@@ -42,9 +42,16 @@ from torch.nn.modules.module import _IncompatibleKeys
 from oases import _dcp
 from oases._hf_files import DTYPES, stored_tensors
 from oases.checkpoint import CheckpointState
-from oases.checkpoint._disk import _open, _rng_key, _run_entries, _save_target, _set_rng, _sharded
+from oases.checkpoint._disk import _count, _rng_key, _rng_warning, _run_entries, _save_target, _set_rng, _sharded
 from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _STATE
-from oases.checkpoint._optimizer import _optimizer_entries, _optimizer_reads, _optimizer_view, _restore_optimizer
+from oases.checkpoint._optimizer import (
+    _optimizer_entries,
+    _optimizer_reads,
+    _optimizer_view,
+    _optimizer_wants,
+    _restore_optimizer,
+)
+from oases.checkpoint._select import choose, wants_of
 from oases.checkpoint._unsharded import _check, _shards
 from oases.comm._topology import ring_of
 from oases.nn._materialize import is_on_meta
@@ -267,12 +274,17 @@ def _group_problem(views: list, saved: list[dict]) -> Optional[str]:
     return None
 
 
-def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
+def load_checkpoint(
+    pipe: "Pipeline", path: Path, *, step: Optional[int] = None, verify: bool = True
+) -> CheckpointState:
     """Load a checkpoint of this model into what this rank holds and its segment optimizers.
 
-        where = path if it is a checkpoint, else the newest complete path/step-*
+        where = path if it is a checkpoint, path/step-{step:09d} with step=, else the newest
+                path/step-* that verifies on every rank (as oases.load_checkpoint: sizes, and with
+                verify the checksums of what each rank reads; newer ones skipped with a warning)
         check: written by this format, the WHOLE model's keys and unsharded shapes, optimizer state
-               present (local, every rank alike); the segment optimizers' groups (agreed over the mesh)
+               present (local, every rank alike, agreed with the verification); the segment
+               optimizers' groups (agreed over the mesh)
         apply pending updates; dcp.load: each rank reads the boxes of its stage's tensors and states
         each segment optimizer: load_state_dict(its states, the saved groups' hyper-parameters)
         restore this rank's RNG states if the mesh has as many ranks as the one that saved
@@ -286,28 +298,52 @@ def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
             "load_checkpoint: segments='auto' is chosen at the first train_step, which rebuilds the "
             "optimizers; pass segments=N to resume"
         )
-    where, stored, marker = _open(path)
+    if step is not None:
+        _count("step", step, 0)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify: expected a bool, got {verify!r}")
+
+    def prepare(where: str, stored: dict, marker: Optional[dict]) -> tuple[tuple, dict, dict]:
+        """The local checks against the checkpoint at `where`, and what this rank reads from it."""
+        what = f"checkpoint {where!r}"
+        views = [_optimizer_view(pipe.model, optimizer) for optimizer in pipe.optimizers]
+        if _dcp.FORMAT_KEY not in stored:
+            raise ValueError(
+                f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
+                f"model with oases.load_checkpoint"
+            )
+        held_meta = {key[len(_MODEL) :]: meta for key, meta in stored.items() if key.startswith(_MODEL)}
+        non_tensors = [key for key in held_meta if not isinstance(held_meta[key], TensorStorageMetadata)]
+        if non_tensors:
+            raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
+        _check(what, pipe.stage.shapes, {key: meta.size for key, meta in held_meta.items()}, {}, True)
+        if _GROUPS not in stored:
+            raise ValueError(
+                f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's optimizers need it"
+            )
+        small: dict[str, Any] = {_EXTRA: None, _GROUPS: None}
+        rng = _rng_key(stored, marker, ring.size, ring.rank)
+        if rng is not None:
+            small[rng] = None
+        held = _held(pipe)  # views of this rank's tensors, for the boxes it reads (nothing is read here)
+        shards, keys = _shards(held), _stage_keys(pipe)
+        wants = wants_of(
+            {
+                _MODEL + key: _sharded(value, shards[key]) if key in shards else value
+                for key, value in held.state_dict().items()
+                if key in keys
+            }
+        )
+        for view in views:
+            own = _optimizer_wants(what, view, stored, shards)
+            wants.update(own)
+            small.update((key, None) for key in own if not isinstance(stored[key], TensorStorageMetadata))  # pickled
+        return (rng, views), small, {**wants, **dict.fromkeys(small)}
+
+    where, stored, marker, (rng, views), small = choose(os.path.normpath(os.fspath(path)), step, ring, verify, prepare)
     what = f"checkpoint {where!r}"
-    if _dcp.FORMAT_KEY not in stored:
-        raise ValueError(
-            f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
-            f"model with oases.load_checkpoint"
-        )
-    held_meta = {key[len(_MODEL) :]: meta for key, meta in stored.items() if key.startswith(_MODEL)}
-    non_tensors = [key for key in held_meta if not isinstance(held_meta[key], TensorStorageMetadata)]
-    if non_tensors:
-        raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
-    _check(what, pipe.stage.shapes, {key: meta.size for key, meta in held_meta.items()}, {}, True)
-    if _GROUPS not in stored:
-        raise ValueError(
-            f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's optimizers need it"
-        )
-    small: dict[str, Any] = {_EXTRA: None, _GROUPS: None}
-    rng = _rng_key(what, stored, marker, ring.size, ring.rank)
-    if rng is not None:
-        small[rng] = None
-    _dcp.read_local(small, where)
-    views = [_optimizer_view(pipe.model, optimizer) for optimizer in pipe.optimizers]
+    if rng is None:
+        _rng_warning(what, marker, ring.size)
     problems: list[Optional[str]] = [None] * ring.size
     dist.all_gather_object(problems, _group_problem(views, small[_GROUPS]))  # every rank raises alike
     problem = next((p for p in problems if p is not None), None)
@@ -324,14 +360,11 @@ def load_checkpoint(pipe: "Pipeline", path: Path) -> CheckpointState:
         if key in keys
     }
     reads = [_optimizer_reads(what, view, stored, shards) for view in views]
-    pickled = {key: None for _, own in reads for key, value in own.items() if value is None}
-    if pickled:
-        _dcp.read_local(pickled, where)
     for _, own in reads:
         entries.update((key, value) for key, value in own.items() if value is not None)
     _dcp.load(entries, where, ring)  # the one collective that moves data
     for view, (slots, own) in zip(views, reads):
-        values = {key: pickled[key] if value is None else value for key, value in own.items()}
+        values = {key: small[key] if value is None else value for key, value in own.items()}  # pickled: read already
         _restore_optimizer(view, slots, values, small[_GROUPS])
     if rng is not None:
         _set_rng(what, small[rng])
