@@ -187,7 +187,6 @@ REFUSED = [
         {},
         "load_best_model_at_end",
     ),
-    ({"fp16": True}, {}, "fp16"),
     ({"optim": "adafactor"}, {}, "optim='adafactor'"),
     ({}, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.loss}, "compute_loss_func"),
     ({}, {"tp_size": 3}, "does not divide the world"),
@@ -273,6 +272,24 @@ def _resumed(tmp: str, rank: int) -> dict:
     return result
 
 
+def _fp16(tmp: str, rank: int) -> dict:
+    """fp16 at TP 2 with oases.amp.GradScaler: a run saved at step 3, and one where rank 1 alone
+    finds an inf in its shard of a gradient (every rank must skip the same steps)."""
+    trainer = _oases_trainer(os.path.join(tmp, "fp16"), 2, 2, fp16=True, save_strategy="steps", save_steps=3)
+    trainer.train()
+    trainer.evaluate()
+    result = {"history": _history(trainer), "scale": trainer.accelerator.scaler.get_scale()}
+    result["listing"] = sorted(os.listdir(os.path.join(tmp, "fp16", "checkpoint-3")))
+    overflow = _oases_trainer(os.path.join(tmp, "fp16-inf"), 2, 2, fp16=True, max_steps=2, eval_strategy="no")
+    before = {k: v.clone() for k, v in overflow.model.state_dict().items()}
+    if rank == 1:  # an overflow in one shard only
+        overflow.model.model.layers[0].mlp.down_proj.weight.register_hook(lambda grad: grad * float("inf"))
+    overflow.train()
+    result["inf_scale"] = overflow.accelerator.scaler.get_scale()
+    result["inf_unchanged"] = all(torch.equal(v, before[k]) for k, v in overflow.model.state_dict().items())
+    return result
+
+
 def _tp2_job(rank: int, world: int, tmp: str) -> dict:
     result = {}
     if rank == 0:
@@ -287,6 +304,7 @@ def _tp2_job(rank: int, world: int, tmp: str) -> dict:
         os.path.join(tmp, "tp2"), 2, None, rank, activation_checkpointing=True, parallelism_config=tp
     )
     result["resume"] = _resumed(tmp, rank)
+    result["fp16"] = _fp16(tmp, rank)
     return result
 
 
@@ -353,6 +371,21 @@ def test_checkpoint_resumes_bit_exactly_and_exports(tp2):
             assert math.isclose(a, b, rel_tol=RTOL), (resume["straight_loss"], resume["relayout_loss"])
         assert resume["relayout_diff"] <= ATOL, resume["relayout_diff"]
     assert tp2[0]["resume"]["export_exact"]
+
+
+@needs_accelerate
+def test_fp16_with_the_groups_loss_scaler(tp2):
+    reference = tp2[0]["reference"]["history"]
+    for rank in tp2:
+        fp16 = rank["fp16"]
+        assert fp16["history"] == tp2[0]["fp16"]["history"]  # the TP ranks log alike
+        for key in ("loss", "eval_loss"):
+            for a, b in zip(reference[key], fp16["history"][key], strict=True):
+                assert math.isclose(a, b, rel_tol=2e-2), (key, reference[key], fp16["history"][key])
+        assert fp16["scale"] == 65536.0  # no overflow: torch's initial scale kept (growth after 2000 steps)
+        assert "scaler.pt" in fp16["listing"]  # Trainer checkpoints the scaler's state
+        # an inf in rank 1's shard alone: every rank skips both steps and backs off alike (65536 / 4)
+        assert (fp16["inf_unchanged"], fp16["inf_scale"]) == (True, 16384.0), fp16
 
 
 @needs_accelerate

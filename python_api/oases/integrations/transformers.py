@@ -37,6 +37,11 @@ checkpoint-N folders once every rank has finished writing the new one, on each n
 0), by step. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every rank
 takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
 
+fp16. The loss scale is oases.amp.GradScaler's (accelerator.scaler): its inf/NaN verdict is the
+world's, so every rank skips the same steps; the scaled loss is the summed loss over num_items /
+scale; gradients are unscaled once before clipping; its state is checkpointed by Trainer
+(scaler.pt). bf16 needs no scaler.
+
 PEFT. A peft.PeftModel (LoRA) is taken as the model: unsharded, its base model is parallelized with
 PEFT's LoRA layers set aside and rewrapped on the shards (oases.nn.lora); the step runs its base
 model; only the adapters train.
@@ -44,8 +49,7 @@ model; only the adapters train.
 What it refuses (a ValueError in __init__ naming the flag, on every rank): torch_compile,
 label_smoothing_factor, compute_loss_func, NEFTune, DeepSpeed, FSDP, parallelism_config beyond
 tp_size x dp_replicate_size (or contradicting tp_size=), a quantized model (bitsandbytes: QLoRA),
-load_best_model_at_end, fp16 (torch's
-GradScaler checks only this rank's shards for inf; use bf16), Liger kernels, model_init, optimizers
+load_best_model_at_end, Liger kernels, model_init, optimizers
 other than torch's element-wise ones, a prepared optimizer over a model still to be parallelized,
 batch_rebalance sampling, dispatch_batches; in a batch, keys other than input_ids, labels,
 attention_mask, position_ids (and the varlen keys padding-free collators derive from position_ids).
@@ -202,8 +206,6 @@ def _refusals(args: TrainingArguments, bound: dict[str, Any], prepared_model: bo
             )
     if args.load_best_model_at_end:
         refuse("load_best_model_at_end=True", "not supported yet; set it to False")
-    if args.fp16:
-        refuse("fp16=True", "torch's GradScaler checks only this rank's shards for inf/NaN; use bf16=True")
     if args.use_liger_kernel:
         refuse("use_liger_kernel=True", "not supported; Oases shards the model's own modules")
     if args.train_sampling_strategy == "batch_rebalance":
@@ -384,6 +386,11 @@ class OasesTrainer(Trainer):
         self._learned: Optional[tuple[int, ...]] = None  # the window GradientSync learned its counts on
         self._saving_checkpoint = False
         self._said_one_part = False
+        self._unscaled = False  # whether this window's gradients were unscaled (fp16)
+        if args.fp16:
+            # oases.amp.GradScaler: one inf/NaN verdict over the world (every TP shard and DP replica),
+            # so every rank skips the same steps; accelerate's optimizer wrapper steps and updates it
+            self.accelerator.scaler = oases.amp.GradScaler(self.args.device.type)
 
     # --- layout --------------------------------------------------------------------------------
 
@@ -554,14 +561,32 @@ class OasesTrainer(Trainer):
         if sync is not None and first and window != self._learned:
             sync.relearn()  # accumulation counts per window change with its micro-batches' sub-batches
             self._learned = window
-        divisor = self._divisor(step.labels, num_items_in_batch)
+        if first:
+            self._unscaled = False
+        # fp16: the loss scaled through its divisor (the gradients come out scale times larger)
+        scale = self._scale()
+        divisor = self._divisor(step.labels, num_items_in_batch) / scale
         with self.accelerator.autocast():
             if sync is not None and not last:
                 with sync.deferred():  # accumulate; the window's last micro-batch reduces
                     loss = self._train_step(step, parts, divisor, None)
             else:
                 loss = self._train_step(step, parts, divisor, sync)
-        return loss.detach()
+        return loss.detach() / scale
+
+    def _scale(self) -> float:
+        """The fp16 loss scale (1 without a GradScaler)."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.scale(torch.ones((), device=self.args.device)))  # scale() starts its state
+
+    def _unscale(self) -> None:
+        """fp16: the window's gradients divided by the scale, once, with the world's inf verdict."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and scaler.is_enabled() and not self._unscaled:
+            scaler.unscale_(self._optimizer())
+            self._unscaled = True
 
     def _divisor(self, labels: torch.Tensor, num_items_in_batch) -> float:
         """What this micro-batch's summed loss is divided by, as Trainer normalises it."""
@@ -589,12 +614,15 @@ class OasesTrainer(Trainer):
         )
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Clip by the unsharded model's gradient norm (oases.nn.clip_grad_norm_); returns it."""
+        """Clip by the unsharded model's gradient norm (oases.nn.clip_grad_norm_), fp16's gradients
+        unscaled first; returns the norm."""
+        self._unscale()
         return oases.nn.clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm=None):
         """The unsharded model's gradient norm (computed where max_grad_norm is 0: nothing clipped)."""
         if grad_norm is None:
+            self._unscale()
             grad_norm = oases.nn.clip_grad_norm_(self.model, math.inf)
         return grad_norm
 
