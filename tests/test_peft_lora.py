@@ -13,7 +13,10 @@ layers inside the overlapped sublayers, no layer run whole); only the
 adapters have gradients; oases.check_gradients passes, clip_grad_norm_ takes the unsharded norm;
 oases.save_adapter writes what PEFT's save_pretrained writes for the unsharded model (files equal),
 which PeftModel.from_pretrained loads on one process with the same logits; merge_and_unload()
-gives the unsharded merge's shards and logits. Refused by name: lora_dropout > 0 and DoRA (in
+gives the unsharded merge's shards and logits. lora_dropout > 0 trains in train_step, both flows:
+the column adapters' masks (on the replicated input) the same on every rank, the row adapters'
+(on this rank's features) its own, recomputation redrawing them (every recompute mode bit-equal).
+Refused by name: DoRA (in
 both flows), modules_to_save and an initialisation that reads the base weight (register_lora);
 parallelize leaves the model as it was.
 """
@@ -211,7 +214,6 @@ def test_unsupported_lora_settings_refused_by_name():
     from peft import LoraConfig
 
     for extra, what in (
-        (dict(lora_dropout=0.1), r"lora_dropout=0\.1"),
         (dict(use_dora=True), r"use_dora=True \(DoRA\)"),
         (dict(modules_to_save=["lm_head"]), r"modules_to_save=\['lm_head'\]"),
         (dict(init_lora_weights="pissa"), r"init_lora_weights='pissa'"),
@@ -231,10 +233,7 @@ def _refused_in_parallelize(rank, p):
     from peft import get_peft_model
 
     warnings.simplefilter("ignore")
-    for extra, what in (
-        (dict(lora_dropout=0.1), r"lora_dropout=0\.1"),
-        (dict(use_dora=True), r"DoRA \(use_dora=True\)"),
-    ):
+    for extra, what in ((dict(use_dora=True), r"DoRA \(use_dora=True\)"),):
         model = get_peft_model(_llama(), _lora_config(**extra))
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(
@@ -249,3 +248,68 @@ def _refused_in_parallelize(rank, p):
 
 def test_unsupported_peft_layers_refused_by_parallelize_tp2():
     run_ranks(_refused_in_parallelize, 2, timeout=90)
+
+
+def _lora_dropout(rank, p, flow):
+    """lora_dropout=0.3 on a parallelized PEFT model in training mode: each adapter's mask recorded
+    at its first draw, compared over the ranks; train_step at every recompute mode."""
+    from peft import get_peft_model
+
+    warnings.simplefilter("ignore")
+    config = _lora_config(lora_dropout=0.3)
+    if flow == "parallelize_then_peft":
+        model = _llama()
+        oases.parallelize(model)
+        tp = get_peft_model(model, oases.nn.register_lora(config))
+    else:
+        tp = get_peft_model(_llama(), config)
+        oases.parallelize(tp)
+    tp.train()
+    base = tp.get_base_model()
+    masks = {}
+
+    def record(name):
+        def hook(module, args, out):
+            masks.setdefault(name, out == 0)  # returns None: the output is kept
+
+        return hook
+
+    for name, module in base.named_modules():
+        if name.endswith("lora_dropout.default"):
+            module.register_forward_hook(record(name))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for recompute in (True, False, "selective"):
+        tp.zero_grad(set_to_none=True)
+        torch.manual_seed(123)  # the step's dropout seed is drawn from it
+        loss = oases.train_step(base, ids, ids, recompute=recompute, check_grads=1)
+        runs.append((loss, {n: q.grad.clone() for n, q in tp.named_parameters() if q.grad is not None}))
+    for loss, grads in runs[1:]:  # recomputation redraws the same masks
+        assert torch.equal(loss, runs[0][0])
+        worst = {
+            n: float((g - runs[0][1][n]).abs().max()) for n, g in grads.items() if not torch.equal(g, runs[0][1][n])
+        }
+        assert not worst, (flow, worst)
+    verdicts = {}
+    for name, mask in sorted(masks.items()):
+        every = [torch.empty_like(mask) for _ in range(p)]
+        dist.all_gather(every, mask.contiguous())
+        shared = all(torch.equal(every[0], other) for other in every[1:])
+        verdicts[name.split(".")[-3]] = verdicts.get(name.split(".")[-3], set()) | {shared}
+        assert 0.2 < mask.float().mean() < 0.4, (name, mask.float().mean())  # p = 0.3 drawn
+    return verdicts
+
+
+@pytest.mark.parametrize("flow", ["parallelize_then_peft", "peft_then_parallelize"])
+def test_lora_dropout_masks_and_recomputation_tp2(flow):
+    for verdicts in run_ranks(_lora_dropout, 2, flow, timeout=120):
+        # column adapters (q/k/v, gate/up): one mask on every rank; row adapters (o, down): their own
+        assert verdicts == {
+            "q_proj": {True},
+            "k_proj": {True},
+            "v_proj": {True},
+            "gate_proj": {True},
+            "up_proj": {True},
+            "o_proj": {False},
+            "down_proj": {False},
+        }, verdicts

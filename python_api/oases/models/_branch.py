@@ -137,7 +137,9 @@ class DropoutStreams:
 @contextlib.contextmanager
 def stream_hooks(module: nn.Module, streams: Optional[DropoutStreams], lead_biases: bool = False) -> Iterator[None]:
     """Inside, `module`'s column-parallel layers switch `streams` to RANK after their forward and its
-    row-parallel layers back to GROUP (see the module docstring); `lead_biases`: a row layer that
+    row-parallel layers back to GROUP (see the module docstring), a LoRA layer on a column to GROUP
+    before its forward (its lora_dropout masks the replicated input: one mask on every rank; a
+    LoRA layer on a row draws on RANK, its input being this rank's features); `lead_biases`: a row layer that
     returns its partial sum (under no_tp_communication) adds its bias to it on the group's first
     rank (lead_only). Hooks removed on exit."""
     handles = []
@@ -145,6 +147,10 @@ def stream_hooks(module: nn.Module, streams: Optional[DropoutStreams], lead_bias
     def after_column(m: nn.Module, args: Any, out: torch.Tensor) -> None:
         if streams is not None:
             streams.use(RANK)
+
+    def before_column_adapter(m: nn.Module, args: Any) -> None:
+        if streams is not None:
+            streams.use(GROUP)
 
     def after_row(m: nn.Module, args: Any, out: torch.Tensor) -> Optional[torch.Tensor]:
         if streams is not None:
@@ -157,6 +163,9 @@ def stream_hooks(module: nn.Module, streams: Optional[DropoutStreams], lead_bias
         for m in module.modules():
             if isinstance(m, ColumnParallelLinear) and streams is not None:
                 handles.append(m.register_forward_hook(after_column))
+            elif isinstance(getattr(m, "base_layer", None), ColumnParallelLinear) and streams is not None:
+                # a LoRA layer on a column (oases.nn.lora): its dropout acts on the replicated input
+                handles.append(m.register_forward_pre_hook(before_column_adapter))
             elif isinstance(m, RowParallelLinear):
                 handles.append(m.register_forward_hook(after_row))
         yield

@@ -138,7 +138,8 @@ class _ParallelLora(nn.Module, LoraLayer):
             raise ValueError(f"`r` should be a positive integer value but the value passed is {r}")
         self.r[adapter_name] = r
         self.lora_alpha[adapter_name] = lora_alpha
-        self.lora_dropout.update(nn.ModuleDict({adapter_name: nn.Identity()}))
+        dropout = config.lora_dropout
+        self.lora_dropout.update(nn.ModuleDict({adapter_name: nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()}))
         self.lora_A[adapter_name] = LoraFactor(nn.Linear(self.in_features, r, bias=False).weight.detach())
         self.lora_B[adapter_name] = LoraFactor(nn.Linear(r, self.out_features, bias=False).weight.detach())
         self.lora_bias[adapter_name] = False
@@ -175,7 +176,7 @@ class _ParallelLora(nn.Module, LoraLayer):
         new.fan_in_fan_out, new.is_target_conv_1d_layer = False, False
         for name in ("r", "lora_alpha", "scaling", "use_rslora", "lora_bias", "use_dora"):
             setattr(new, name, dict(getattr(layer, name)))
-        new.lora_dropout = layer.lora_dropout  # nn.Identity each (dropout is refused)
+        new.lora_dropout = layer.lora_dropout  # PEFT's: nn.Dropout(p) or nn.Identity each
         new.cast_input_dtype_enabled = layer.cast_input_dtype_enabled
         new._disable_adapters = layer._disable_adapters
         new._active_adapter = layer._active_adapter

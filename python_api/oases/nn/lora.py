@@ -33,8 +33,14 @@ the unsharded PEFT model would. In (B) parallelize sets PEFT's LoRA layers aside
 base linears by the plan and wraps each sharded one in oases' LoRA layer holding its shards of
 the PEFT layer's factors (a LoRA layer on a projection the plan leaves whole stays PEFT's).
 
-Refused by name, before anything is changed: lora_dropout > 0 (its masks would differ between
-ranks and between the schedules' recomputations), the LoRA variants (DoRA's use_dora, aLoRA,
+lora_dropout > 0 trains in oases.train_step, its masks drawn from the step's dropout streams
+(oases.models._branch): a column adapter's on its replicated input from the GROUP stream (one mask
+on every rank, as the unsharded layer's one mask over the whole input), a row adapter's on this
+rank's input features from the RANK stream (independent, as the unsharded layer's per element);
+recomputation redraws them. Outside train_step (model(...)) they come from each rank's global
+generator, as any dropout's there.
+
+Refused by name, before anything is changed: the LoRA variants (DoRA's use_dora, aLoRA,
 VeLoRA, ...), lora_bias, modules_to_save and trainable tokens, layer_replication,
 target_parameters, PEFT adapters other than LoRA on nn.Linear (IA3, LoHa, AdaLoRA, LoRA on
 embeddings), and, in (A), initialisations that read the base weight (PiSSA, OLoRA, LoftQ, EVA,
@@ -74,7 +80,7 @@ def register_lora(config: Any) -> Any:
         `config`, registered.
 
     Raises:
-        ValueError: a setting oases' LoRA layers do not support, named (lora_dropout > 0, use_dora,
+        ValueError: a setting oases' LoRA layers do not support, named (use_dora,
             another LoRA variant, lora_bias, modules_to_save, an initialisation that reads the base
             weight, ...), before anything is registered.
         TypeError: `config` is not a peft.LoraConfig (or peft is not installed: ImportError).
@@ -118,11 +124,6 @@ def check_config(config: Any, *, creating: bool) -> None:
             f"adapters only (not IA3, LoHa, AdaLoRA, ...)"
         )
     problems = []
-    if config.lora_dropout:
-        problems.append(
-            f"lora_dropout={config.lora_dropout} (its masks would differ between the ranks and between the "
-            f"schedules' recomputations; use lora_dropout=0.0)"
-        )
     problems += [f"{v} (a LoRA variant)" for v in _variants(config)]
     if config.lora_bias:
         problems.append("lora_bias=True (use lora_bias=False)")
@@ -171,9 +172,6 @@ def peft_lora_layers(model: nn.Module) -> list[str]:
                 f"nor a model parallelized already"
             )
         problems = []
-        for adapter, dropout in m.lora_dropout.items():
-            if isinstance(dropout, nn.Dropout) and dropout.p > 0:
-                problems.append(f"lora_dropout={dropout.p} (adapter {adapter!r}; use lora_dropout=0.0)")
         for adapter, variant in m.lora_variant.items():
             kind = "DoRA (use_dora=True)" if "Dora" in type(variant).__name__ else type(variant).__name__
             problems.append(f"{kind} (adapter {adapter!r}, a LoRA variant)")
