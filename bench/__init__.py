@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "profile": "bench.profile",
     "planner": "bench.planner",
     "memory": "bench.memory",
+    "trainer": "bench.trainer",
 }
 
 __all__ = ["SUITES"]

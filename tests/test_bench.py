@@ -1041,3 +1041,26 @@ def test_hf_tp_peer_skipped_on_cpu_where_a_gpu_is_visible(monkeypatch):
     assert _llama.hf_tp_unavailable(torch.device("cuda", 0)) == _llama.hf_tp_unavailable()  # a GPU run keeps it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _llama.hf_tp_unavailable(torch.device("cpu")) == _llama.hf_tp_unavailable()
+
+
+def test_trainer_suite(tmp_path):
+    """The quick trainer suite (one run): OasesTrainer, Trainer on transformers' own TP and a 1-rank
+    Trainer, from the same first loss, with figures that follow from one another."""
+    doc, stdout, _ = _run_suite_on_ranks("trainer", tmp_path, "--runs", "1")
+    assert doc["suite"] == "trainer" and stdout.count("trainer: HF LlamaForCausalLM") == 1
+    records = {r["variant"]: r for r in doc["cases"]}
+    assert set(records) == {"oases", "hf_tp", "1 rank"} and len(doc["cases"]) == 3
+    for name, r in records.items():
+        assert _is_time(r["t_step"]) and _is_time(r["t_min"]) and r["t_min"] <= r["t_step"], name
+        assert r["steps_per_s"] == pytest.approx(1 / r["t_step"]), name
+        assert r["loss_first"] == pytest.approx(records["1 rank"]["loss_first"], rel=1e-4), name
+    ours = records["oases"]
+    for peer in ("hf_tp", "1 rank"):
+        assert ours["speedup_vs"][peer] == pytest.approx(records[peer]["t_step"] / ours["t_step"])
+        assert ours["speedup_low"][peer] == ours["speedup_vs"][peer]  # one run: its own ratio
+    core = ours["core"]
+    assert all(_is_time(core[k]) for k in ("t_train_step", "t_megatron", "t_compute", "t_comm")), core
+    assert core["bound"] == max(core["t_compute"], core["t_comm"]) and core["all_reduces"] > 0
+    _check_efficiency(core["efficiency"], core["t_megatron"], core["t_train_step"], core["bound"])
+    with open(doc["files"]["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

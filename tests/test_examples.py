@@ -1,4 +1,5 @@
-"""The README's demo and the examples run end to end (tiny sizes, unshaped link; 2 ranks, train_gpt_3d 4)."""
+"""The README's demo and the examples run end to end (tiny sizes, unshaped link; 2 ranks, train_gpt_3d 4;
+finetune_trainer also starts a 1-rank process per rank)."""
 
 import os
 import subprocess
@@ -16,6 +17,8 @@ TINY = ["--steps", "2", "--bandwidth", "none", "--hidden", "64", "--heads", "4",
         ("train_llama.py", ["--kv-heads", "2"]),
         ("train_gpt.py", []),
         ("train_gpt_3d.py", ["--layers", "4", "--batch", "8", "--segments", "auto"]),
+        # OasesTrainer, Trainer on transformers' own TP, and a 1-rank Trainer per rank (not --lora)
+        ("finetune_trainer.py", ["--kv-heads", "2"]),
     ],
 )
 def test_example_trains(script, extra):
