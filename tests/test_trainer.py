@@ -146,7 +146,7 @@ def _world_env(rank: int, world: int) -> None:
     )
 
 
-def _oases_trainer(output_dir: str, batch: int, tp_size: int, **changes):
+def _oases_trainer(output_dir: str, batch: int, tp_size: int, zero: bool = False, **changes):
     from transformers import default_data_collator
 
     from oases.integrations.transformers import OasesTrainer
@@ -159,11 +159,12 @@ def _oases_trainer(output_dir: str, batch: int, tp_size: int, **changes):
         data_collator=default_data_collator,
         tp_size=tp_size,
         schedule="oases",
+        zero=zero,
     )
 
 
-def _trained(output_dir: str, batch: int, tp_size: int, rank: int, **changes) -> dict:
-    trainer = _oases_trainer(output_dir, batch, tp_size, **changes)
+def _trained(output_dir: str, batch: int, tp_size: int, rank: int, zero: bool = False, **changes) -> dict:
+    trainer = _oases_trainer(output_dir, batch, tp_size, zero, **changes)
     trainer.train()
     trainer.evaluate()
     weights = oases.full_state_dict(trainer.model)  # a collective
@@ -174,6 +175,7 @@ def _trained(output_dir: str, batch: int, tp_size: int, rank: int, **changes) ->
         "recompute": trainer.recompute,
         "hf_checkpointing": trainer.model.is_activation_checkpointing,
         "started_in_backward": None if sync is None else sync.started_in_backward,
+        "optimizer": type(trainer._optimizer()).__name__,
     }
 
 
@@ -314,6 +316,15 @@ def _dp2_tp2_job(rank: int, world: int, tmp: str) -> dict:
         result["reference"] = _reference(os.path.join(tmp, "reference"), batch=4)  # dp 2 x 2 rows
     _world_env(rank, world)
     result["run"] = _trained(os.path.join(tmp, "dp2tp2"), 2, 2, rank)
+    zero = os.path.join(tmp, "zero")
+    result["zero"] = _trained(zero, 2, 2, rank, zero=True, save_strategy="steps", save_steps=3)  # ZeRO-1 over dp
+    resumed = _oases_trainer(os.path.join(tmp, "zero-resumed"), 2, 2, True)
+    resumed.train(resume_from_checkpoint=os.path.join(zero, "checkpoint-3"))
+    resumed_weights = oases.full_state_dict(resumed.model)
+    if rank == 0:
+        result["zero_resumed_exact"] = all(
+            (resumed_weights[k].float().numpy() == v).all() for k, v in result["zero"]["weights"].items()
+        )
     return result
 
 
@@ -396,6 +407,11 @@ def test_dp2_tp2_matches_one_process_trainer(tmp_path):
         assert rank["run"]["history"] == ranks[0]["run"]["history"]
         assert rank["run"]["recompute"] is False  # activation_checkpointing off
         assert rank["run"]["started_in_backward"] > 0  # DP buckets overlapped the last micro-batch's backward
+    _assert_same_run(ranks[0]["reference"], ranks[0]["zero"])  # ZeRO-1: the same run
+    for rank in ranks:
+        assert rank["zero"]["history"] == ranks[0]["zero"]["history"]
+        assert rank["zero"]["optimizer"] == "ZeroOptimizer"
+    assert ranks[0]["zero_resumed_exact"]  # its sharded state resumed from checkpoint-3, bit for bit
 
 
 def test_train_step_num_items_accumulates_to_the_whole_batch_mean():

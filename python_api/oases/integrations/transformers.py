@@ -16,6 +16,9 @@ are broadcast from the first DP replica (as DDP does), and `oases.dp.GradientSyn
 mesh["dp"])` averages the gradients once per optimizer step, at the last micro-batch of the
 accumulation window (its buckets overlapping that backward).
 
+ZeRO-1. zero=True: Trainer's optimizer (class, hyper-parameters, weight-decay groups) inside
+oases.dp.ZeroOptimizer over the DP group; its .sync reduce-scatters the gradients.
+
 Data. Trainer's own data loader (the same sampler, seed, collator and accelerate's shards), split
 over the DP ranks only: the TP ranks of a group get the same batches; DataLoader workers are seeded
 by the DP rank. Evaluation runs the whole eval set on every rank (not split over DP yet) and its
@@ -95,7 +98,7 @@ from transformers.utils import logging  # noqa: E402
 
 import oases  # noqa: E402
 from oases._dcp import MARKER  # noqa: E402
-from oases.dp import GradientSync  # noqa: E402
+from oases.dp import GradientSync, ZeroOptimizer  # noqa: E402
 from oases.schedule import MAX_SUB_BATCHES, SCHEDULES  # noqa: E402
 
 __all__ = ["OasesTrainer"]
@@ -272,6 +275,22 @@ def _rotate(run_dir: str, limit: int, best: Optional[str]) -> None:
             left -= 1
 
 
+def _weight_decay_groups(cls: type, decays: list[bool], weight_decay: float) -> type:
+    """`cls` built on ZeroOptimizer's masters in two groups, as Trainer groups the parameters:
+    weight_decay on those whose flag in `decays` (by position) is set, 0 on the others."""
+
+    class Grouped(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, masters: list, **kwargs: Any) -> None:
+            groups = [
+                {"params": [m for m, d in zip(masters, decays) if d], "weight_decay": weight_decay},
+                {"params": [m for m, d in zip(masters, decays) if not d], "weight_decay": 0.0},
+            ]
+            super().__init__([g for g in groups if g["params"]], **kwargs)
+
+    Grouped.__name__ = Grouped.__qualname__ = cls.__name__
+    return Grouped
+
+
 def _is_peft(model: Any) -> bool:
     """Whether `model` is a peft.PeftModel (its get_base_model() is the model oases runs)."""
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
@@ -299,6 +318,10 @@ class OasesTrainer(Trainer):
             schedule's own; a batch with fewer rows runs with one part per row).
         recompute: oases.train_step's recompute (None: True with args.activation_checkpointing,
             else False; "selective" for selective recomputation).
+        zero: ZeRO-1 over the DP ranks: the optimizer Trainer would build (its class, hyper-parameters
+            and weight-decay groups) inside oases.dp.ZeroOptimizer, each DP rank holding the state
+            of 1/dp of every parameter's rows; gradients reduce-scattered during the window's last
+            backward, clipped by the whole averaged gradient's norm (not with fp16 or optimizers=).
 
     Raises:
         ValueError: an option OasesTrainer does not run (one line naming it), a tp_size that does
@@ -315,6 +338,7 @@ class OasesTrainer(Trainer):
         schedule: str = "oases",
         sub_batches: Optional[int] = None,
         recompute: Optional[Any] = None,
+        zero: bool = False,
         **trainer_kwargs: Any,
     ) -> None:
         if args is None:
@@ -327,6 +351,12 @@ class OasesTrainer(Trainer):
         _checks.one_of("schedule", schedule, SCHEDULES)
         if sub_batches is not None and (not _checks.is_int(sub_batches) or sub_batches < 1):
             problems.append(f"OasesTrainer: sub_batches={sub_batches!r}: expected a positive int or None")
+        if not isinstance(zero, bool):
+            problems.append(f"OasesTrainer: zero={zero!r}: expected True or False")
+        elif zero and args.fp16:
+            problems.append("OasesTrainer: zero=True with fp16=True: not supported yet; use bf16=True")
+        elif zero and (bound.get("optimizers") or (None, None))[0] is not None:
+            problems.append("OasesTrainer: zero=True with optimizers=: pass optimizer_cls_and_kwargs= instead")
         if len(groups) > 1:
             problems.append("OasesTrainer: model: its TP modules use several process groups; parallelize it once")
         if problems:
@@ -377,10 +407,12 @@ class OasesTrainer(Trainer):
         # The model owns its placement and gradient reduction: Trainer prepares it without DDP (as a
         # model sharded at load time) and this class averages the gradients over dp itself.
         self.is_distributed_loading_by_transformers = True
-        self.grad_sync: Optional[GradientSync] = None
+        self.grad_sync: Optional[GradientSync] = None  # with zero: the ZeroOptimizer's, made with it
+        self.zero = zero
         if self.dp_size > 1:
             self._broadcast_from_first_replica()
-            self.grad_sync = GradientSync(self.model, self.device_mesh["dp"])
+            if not zero:
+                self.grad_sync = GradientSync(self.model, self.device_mesh["dp"])
         self._window: Optional[list[int]] = None  # the sub-batches of each micro-batch of this window
         self._micro = 0
         self._learned: Optional[tuple[int, ...]] = None  # the window GradientSync learned its counts on
@@ -614,15 +646,19 @@ class OasesTrainer(Trainer):
         )
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Clip by the unsharded model's gradient norm (oases.nn.clip_grad_norm_), fp16's gradients
-        unscaled first; returns the norm."""
+        """Clip by the unsharded model's gradient norm (oases.nn.clip_grad_norm_; with zero, the
+        ZeroOptimizer's of the whole averaged gradient), fp16's gradients unscaled first; returns the norm."""
         self._unscale()
+        if self.zero:
+            return self._optimizer().clip_grad_norm_(self.args.max_grad_norm)
         return oases.nn.clip_grad_norm_(self.model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm=None):
         """The unsharded model's gradient norm (computed where max_grad_norm is 0: nothing clipped)."""
         if grad_norm is None:
             self._unscale()
+            if self.zero:
+                return self._optimizer().clip_grad_norm_(math.inf)
             grad_norm = oases.nn.clip_grad_norm_(self.model, math.inf)
         return grad_norm
 
@@ -656,6 +692,32 @@ class OasesTrainer(Trainer):
         if use_gather_object:
             return data[: state.remainder]
         return recursively_apply(lambda tensor: tensor[: state.remainder], data)
+
+    def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+        """Trainer's optimizer; with zero, the same class, hyper-parameters and weight-decay groups
+        inside oases.dp.ZeroOptimizer over the DP group (its .sync reduces the gradients)."""
+        if not self.zero or self.optimizer is not None:
+            return super().create_optimizer(model)
+        model = self.model if model is None else model
+        if self.optimizer_cls_and_kwargs is not None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, model)
+        kwargs = dict(kwargs)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or {"params", "model"} & set(kwargs):
+            raise ValueError(
+                f"OasesTrainer: zero=True needs a torch optimizer class built from its parameters; got {cls!r}"
+            )
+        decay = set(self.get_decay_parameter_names(model))
+        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        # ZeroOptimizer's masters come in model.parameters() order, one per trainable parameter
+        decays = [names[id(p)] in decay for p in dict.fromkeys(p for p in model.parameters() if id(p) in names)]
+        group = self.device_mesh["dp"].get_group() if self.device_mesh is not None else None
+        self.optimizer = ZeroOptimizer(
+            model, group, _weight_decay_groups(cls, decays, self.args.weight_decay), **kwargs
+        )
+        self.grad_sync = self.optimizer.sync
+        return self.optimizer
 
     # --- checkpoints and export ----------------------------------------------------------------
 

@@ -81,7 +81,7 @@ class OasesSFTTrainer(OasesTrainer, SFTTrainer):
         model: a Hugging Face causal LM (the module, the same on every rank), or one already
             parallelized over the TP groups.
         args, *trainer_args, **trainer_kwargs: SFTTrainer's own (peft_config, processing_class, ...).
-        tp_size, schedule, sub_batches, recompute: as OasesTrainer's.
+        tp_size, schedule, sub_batches, recompute, zero: as OasesTrainer's.
 
     Raises:
         ValueError: what OasesTrainer refuses, a model given by name, loss_type other than "nll",
@@ -97,6 +97,7 @@ class OasesSFTTrainer(OasesTrainer, SFTTrainer):
         schedule: str = "oases",
         sub_batches: Optional[int] = None,
         recompute: Optional[Any] = None,
+        zero: bool = False,
         **trainer_kwargs: Any,
     ) -> None:
         problems = _sft_refusals(model, args)
@@ -115,6 +116,7 @@ class OasesSFTTrainer(OasesTrainer, SFTTrainer):
             schedule=schedule,
             sub_batches=sub_batches,
             recompute=recompute,
+            zero=zero,
             **trainer_kwargs,
         )
 
