@@ -313,3 +313,49 @@ def test_lora_dropout_masks_and_recomputation_tp2(flow):
             "o_proj": {False},
             "down_proj": {False},
         }, verdicts
+
+
+def _all_reduces(rank, p):
+    """Calls of oases.comm.all_reduce (the layers' blocking all-reduce: copy_to_tp's backward) and
+    of the step's Communicator.all_reduce in one train_step, before and after LoRA is added."""
+    from peft import get_peft_model
+
+    from oases.schedule import Communicator
+
+    warnings.simplefilter("ignore")
+    model = _llama()
+    oases.parallelize(model)
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    calls = {"blocking": 0, "scheduled": 0}
+    blocking, scheduled = oases.comm.all_reduce, Communicator.all_reduce
+
+    def counted_blocking(*args, **kwargs):
+        calls["blocking"] += 1
+        return blocking(*args, **kwargs)
+
+    def counted_scheduled(self, *args, **kwargs):
+        calls["scheduled"] += 1
+        return scheduled(self, *args, **kwargs)
+
+    counts = []
+    for step in range(2):
+        if step == 1:
+            model = get_peft_model(model, oases.nn.register_lora(_lora_config())).get_base_model()
+        calls.update(blocking=0, scheduled=0)
+        oases.comm.all_reduce, Communicator.all_reduce = counted_blocking, counted_scheduled
+        try:
+            oases.train_step(model, ids, ids, check_grads=False)
+        finally:
+            oases.comm.all_reduce, Communicator.all_reduce = blocking, scheduled
+        counts.append(dict(calls))
+    return counts
+
+
+def test_lora_factors_summed_once_after_the_step_not_in_the_cores_tp2():
+    """Inside the schedule's cores the replicated factors' gradients stay partial (no blocking
+    all-reduce per LoRA layer in the backward); the step sums them all in one all-reduce."""
+    for without, with_lora in run_ranks(_all_reduces, 2, timeout=90):
+        assert with_lora == {"blocking": without["blocking"], "scheduled": without["scheduled"] + 1}, (
+            without,
+            with_lora,
+        )

@@ -37,6 +37,7 @@ from oases.schedule import train_step as _run_schedule
 from oases.schedule.placed import check_placements
 from oases.schedule.protocol import LayerPlacements
 from oases.schedule.sequence_parallel import sequence_parallel_parameters
+from oases.schedule.step import partial_parameters
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -279,8 +280,10 @@ def train_step(
     offloader = _offloader(model, offload)
     step_seed = getattr(stack, "step_seed", None)
     seed = step_seed() if callable(step_seed) else None
-    if grad_sync is not None and sequence_parallel:  # their TP sum comes after the backwards
-        grad_sync.hold(sequence_parallel_parameters(stack))
+    held = sequence_parallel_parameters(stack) if sequence_parallel else []
+    held += partial_parameters(stack)  # LoRA's replicated factors: summed over TP after the backwards
+    if grad_sync is not None and held:  # their TP sum comes after the backwards
+        grad_sync.hold(held)
     with grad_sync.deferred() if grad_sync is not None else contextlib.nullcontext():
         loss = _run_schedule(
             stack,

@@ -227,6 +227,20 @@ class HFStack:
             Branch(i, (ln2,), (mlp,), None, position=1, dropout=self.dropout, after=(after_mlp,)),
         )
 
+    def partial_parameters(self) -> list[torch.Tensor]:
+        """The replicated LoRA factors in the split layers (oases.nn.lora): inside the cores their
+        gradients are this rank's shares, summed by the schedule after the step; a layer run whole
+        communicates as model(...) does and sums them itself."""
+        found: dict[int, torch.Tensor] = {}
+        for layer, parts in zip(self.decoder, self.parts):
+            if parts.kind == "whole":
+                continue
+            for module in layer.modules():
+                get = getattr(module, "partial_parameters", None)
+                if callable(get):
+                    found.update((id(p), p) for p in get())
+        return list(found.values())
+
     def step_seed(self) -> Optional[int]:
         """The step's dropout seed (None without dropout: eval mode, or every rate 0): drawn from the
         default generator of the TP group's first rank and broadcast, the same on every rank

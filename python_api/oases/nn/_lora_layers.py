@@ -191,8 +191,21 @@ class _ParallelLora(nn.Module, LoraLayer):
     # --- forward -----------------------------------------------------------------------------
 
     def _factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A, B) as the term uses them: the replicated one through copy_to_tp (its gradient summed)."""
+        """(A, B) as the term uses them: the replicated one through copy_to_tp (its gradient summed),
+        except inside a schedule's core (no_tp_communication), where its gradient stays this rank's
+        share and the schedule sums it once after the step (partial_parameters)."""
         raise NotImplementedError
+
+    def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        base = self.base_layer
+        return weight if not base._communicate else copy_to_tp(weight, base.group)
+
+    def partial_parameters(self) -> list[torch.Tensor]:
+        """The replicated factors (the column's A, the row's B) that train: inside a schedule's core
+        their gradients are this rank's shares, which the schedule sums over the TP group after
+        the step's backwards (oases.schedule.protocol: stack.partial_parameters)."""
+        held = self.lora_B if self._sharded == "lora_A" else self.lora_A
+        return [factor.weight for factor in held.values() if factor.weight.requires_grad]
 
     def _term(self, adapters: list[str], x: torch.Tensor) -> torch.Tensor:
         """sum over `adapters` of s * B (A x), from the input the base layer's GEMM reads."""
@@ -273,7 +286,7 @@ class LoraColumnParallelLinear(_ParallelLora):
 
     def _factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
         base = self.base_layer
-        a = copy_to_tp(self.lora_A[adapter].weight, base.group)
+        a = self._replicated(self.lora_A[adapter].weight)
         b = self.lora_B[adapter].weight
         if base._copied:  # rows several ranks hold alike: summed over their replicas, as the weight's
             b = copy_to_replicas(b, base._copied, base.replica_group)
@@ -290,7 +303,7 @@ class LoraRowParallelLinear(_ParallelLora):
         return ShardRule(1)
 
     def _factors(self, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.lora_A[adapter].weight, copy_to_tp(self.lora_B[adapter].weight, self.base_layer.group)
+        return self.lora_A[adapter].weight, self._replicated(self.lora_B[adapter].weight)
 
 
 LORA_LAYERS: Mapping[type, type] = {

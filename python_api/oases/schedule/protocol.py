@@ -25,6 +25,10 @@ Optional members a schedule reads with getattr (absent: the default in brackets)
     stack.step_seed()                the step's dropout seed, the same on every rank [None]
     stack.takes_attention_mask       whether `embed` applies where.attention_mask [True]
     stack.takes_position_ids         whether `embed` applies where.position_ids [False]
+    stack.partial_parameters()       parameters whose gradients `core` leaves as this rank's share
+                                     (a replicated factor multiplied by sharded activations: LoRA's
+                                     column A and row B); train_step sums what the step added to
+                                     them over the TP group after the backwards, in one all-reduce [[]]
     sublayer.sequence_parallel_parameters()   required for sequence_parallel=True: the parameters
                                      norm and finish use (their gradients are summed over the group)
     stack.layer_placements()         per-layer TP degrees: a LayerPlacements, or None (every layer

@@ -110,8 +110,14 @@ def train_step(
     memory = RecomputeMemory() if memory is None else memory
     if offload is not None and not isinstance(offload, Offloader):
         raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
+    partial = partial_parameters(stack)
     if placements is not None:
         refuse_with_degrees("offload", offload, fix="pass offload=None")
+        if partial:
+            raise ValueError(
+                f"tp_degrees: {type(stack).__name__} has parameters whose gradients the schedule sums "
+                "(partial_parameters: LoRA's replicated factors); not with per-layer TP degrees"
+            )
         return _train_step_placed(
             stack,
             placements,
@@ -127,6 +133,7 @@ def train_step(
             position_ids,
             memory,
         )
+    partial_before = [None if p.grad is None else p.grad.clone() for p in partial]
     program, extra = _program, ()
     if sequence_parallel:
         params = sequence_parallel_parameters(stack)
@@ -156,7 +163,17 @@ def train_step(
         memory.peak = max(memory.peak, offload.end_step().peak_resident_bytes)
     if sequence_parallel and comm.world_size > 1:
         _sum_over_group(params, before, comm)
+    if partial and comm.world_size > 1:
+        _sum_over_group(partial, partial_before, comm)
     return loss
+
+
+def partial_parameters(stack: Stack) -> list[torch.Tensor]:
+    """The stack's parameters whose gradients its cores leave as this rank's shares (stack.
+    partial_parameters(), oases.schedule.protocol; none without it): train_step sums what the
+    step added to them over the TP group after the backwards, in one all-reduce."""
+    get = getattr(stack, "partial_parameters", None)
+    return [p for p in get() if p.requires_grad] if get is not None else []
 
 
 def _sub_batch(
