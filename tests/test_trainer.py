@@ -292,6 +292,32 @@ def _fp16(tmp: str, rank: int) -> dict:
     return result
 
 
+def _meta_built(tmp: str, rank: int) -> list:
+    """The large-model path: built on meta, parallelized over the mesh's TP group with only this
+    rank's shards, its weights loaded with oases.load_pretrained, then handed to OasesTrainer."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM, default_data_collator
+
+    from oases.integrations.transformers import OasesTrainer
+
+    ckpt = os.path.join(tmp, "pretrained")
+    if rank == 0:
+        _llama().save_pretrained(ckpt)
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_llama().config)
+    oases.parallelize(model, mesh["tp"], device="cpu", init_weights=False)
+    oases.load_pretrained(model, ckpt)
+    args = _args(os.path.join(tmp, "meta"), 2, max_steps=2, eval_strategy="no")
+    trainer = OasesTrainer(
+        model=model, args=args, train_dataset=_rows(ROWS, 1), data_collator=default_data_collator, tp_size=2
+    )
+    trainer.train()
+    return _history(trainer)["loss"]
+
+
 def _tp2_job(rank: int, world: int, tmp: str) -> dict:
     result = {}
     if rank == 0:
@@ -307,6 +333,7 @@ def _tp2_job(rank: int, world: int, tmp: str) -> dict:
     )
     result["resume"] = _resumed(tmp, rank)
     result["fp16"] = _fp16(tmp, rank)
+    result["meta"] = _meta_built(tmp, rank)
     return result
 
 
@@ -350,6 +377,16 @@ def tp2(tmp_path_factory):
 def test_tp2_matches_one_process_trainer(tp2):
     _assert_same_run(tp2[0]["reference"], tp2[0]["run"])
     assert tp2[0]["run"]["history"] == tp2[1]["run"]["history"]  # the TP ranks log alike
+
+
+@needs_accelerate
+def test_a_model_built_on_meta_and_loaded_trains_alike(tp2):
+    """Steps 1-2 of a model built on meta and loaded (max_steps=2: its own LR schedule, so only
+    the first step's loss is the reference's exactly; the second is close)."""
+    reference = tp2[0]["reference"]["history"]["loss"]
+    for rank in tp2:
+        assert len(rank["meta"]) == 2
+        assert math.isclose(rank["meta"][0], reference[0], rel_tol=RTOL), (rank["meta"], reference)
 
 
 @needs_accelerate
