@@ -192,7 +192,9 @@ def _load_into_pp2_tp2(root, state, loss, out):
 
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(_factory, mesh, schedule="1f1b", micro_batches=2, optimizer=_adamw, init_weights=False)
-    assert pipe.load_checkpoint(root).step == SAVED_AT
+    with pytest.raises(FileNotFoundError, match=f"step-{SAVED_AT + 1:09d}"):  # step=: that step or an error
+        pipe.load_checkpoint(root, step=SAVED_AT + 1)
+    assert pipe.load_checkpoint(root, step=SAVED_AT, verify=False).step == SAVED_AT
     got = pipe.state_dict()
     for key, value in state.items():
         assert torch.equal(got[key], value), key

@@ -25,32 +25,16 @@ import oases
 
 from _spawn import run_ranks
 from _tolerances import state_atol
+from test_trainer import _llama, _numpy, _world_env
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("trl", "peft", "accelerate", "datasets")),
     reason="the hf extra is not installed (pip install .[hf])",
 )
 
-VOCAB, ROWS, EVAL_ROWS = 96, 24, 6
+VOCAB, ROWS, EVAL_ROWS = 96, 24, 6  # VOCAB: test_trainer's Llama
 RTOL = 5e-5
 ATOL = state_atol("adamw")
-
-
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(config)
 
 
 def _tokenizer():
@@ -143,11 +127,6 @@ def _trainer(cls, output_dir: str, case: str, batch: int = 2, **kwargs):
     )
 
 
-def _numpy(state: dict) -> dict:
-    """Tensors as numpy arrays (a rank's result crosses a queue: torch's shared storage would not outlive it)."""
-    return {key: value.detach().float().numpy().copy() for key, value in state.items()}
-
-
 def _trainable(model) -> dict:
     return {k: v for k, v in model.named_parameters() if v.requires_grad}
 
@@ -190,16 +169,8 @@ def _job(rank: int, world: int, tmp: str, cases: tuple) -> dict:
     result = {}
     if rank == 0:
         result["reference"] = {case: _reference(tmp, case, batch=world) for case in cases}
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-        OMP_NUM_THREADS="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
-    )
+    _world_env(rank, world)
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
     result["runs"] = {case: _run(tmp, case, rank) for case in cases}
     return result
 

@@ -34,7 +34,7 @@ loss_type other than "nll", activation_offloading, a model on meta.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,26 +80,15 @@ class OasesSFTTrainer(OasesTrainer, SFTTrainer):
     Args:
         model: a Hugging Face causal LM (the module, the same on every rank), or one already
             parallelized over the TP groups.
-        args, *trainer_args, **trainer_kwargs: SFTTrainer's own (peft_config, processing_class, ...).
-        tp_size, schedule, sub_batches, recompute, zero: as OasesTrainer's.
+        args, *trainer_args, **trainer_kwargs: SFTTrainer's own (peft_config, processing_class, ...),
+            and OasesTrainer's keywords (tp_size, schedule, sub_batches, recompute, zero).
 
     Raises:
         ValueError: what OasesTrainer refuses, a model given by name, loss_type other than "nll",
             activation_offloading: on every rank, before any communication.
     """
 
-    def __init__(
-        self,
-        model: Any = None,
-        args: Any = None,
-        *trainer_args: Any,
-        tp_size: Optional[int] = None,
-        schedule: str = "oases",
-        sub_batches: Optional[int] = None,
-        recompute: Optional[Any] = None,
-        zero: bool = False,
-        **trainer_kwargs: Any,
-    ) -> None:
+    def __init__(self, model: Any = None, args: Any = None, *trainer_args: Any, **trainer_kwargs: Any) -> None:
         problems = _sft_refusals(model, args)
         if problems:
             raise ValueError("\n".join(problems))
@@ -107,18 +96,7 @@ class OasesSFTTrainer(OasesTrainer, SFTTrainer):
         if peft_config is not None:
             oases.nn.register_lora(peft_config)  # LoRA layers for the parallel linears; refuses what they cannot run
         self._said_train_metrics = False
-        self._eval_tokens = 0
-        super().__init__(
-            model,
-            args,
-            *trainer_args,
-            tp_size=tp_size,
-            schedule=schedule,
-            sub_batches=sub_batches,
-            recompute=recompute,
-            zero=zero,
-            **trainer_kwargs,
-        )
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)  # tp_size=, zero=, ...: OasesTrainer's
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """OasesTrainer's step; SFTTrainer's `num_tokens` counted (the DP ranks' tokens summed)."""
