@@ -10,6 +10,7 @@ ValueError naming them on every rank, and the model is unchanged. The toy MLP of
 
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -268,6 +269,73 @@ def _check_integrity(rank, p, path):
 
 def test_damaged_checkpoints_fall_back_or_raise_by_name_on_every_rank(tmp_path):
     assert run_ranks(_check_integrity, 2, str(tmp_path), timeout=120) == [True, True]
+
+
+def _pwn(flag):
+    """What a hostile pickle runs: leaves `flag` behind."""
+    open(flag, "w").close()
+    return 0
+
+
+class _Hostile:
+    def __init__(self, flag):
+        self.flag = flag
+
+    def __reduce__(self):
+        return (_pwn, (self.flag,))
+
+
+def _check_trust(rank, p, path):
+    """trusted=False reads what oases writes (extra, RNG, the optimizer's state and groups) as
+    trusted=True does, and refuses, on every rank and before running it, a pickle naming code."""
+    path = os.path.realpath(path)
+    root, flag = os.path.join(path, "run"), os.path.join(path, "pwned")  # extra is one copy: rank 0's
+    model = _parallelize(_toy(0), None, TOY_PLAN)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _toy_step(model, opt, 1)
+    extra = {"data": [3, 1.5, "shard-7", None, (1, 2)], "t": torch.arange(3), "nested": {"ok": True}}
+    oases.save_checkpoint(model, root, optimizer=opt, step=1, extra=extra)
+    loaded = []
+    for trusted in (True, False):
+        target = _parallelize(_toy(5), None, TOY_PLAN)
+        target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+        torch.manual_seed(100 + rank)
+        state = oases.load_checkpoint(target, root, optimizer=target_opt, trusted=trusted)
+        assert state.extra["data"] == extra["data"] and torch.equal(state.extra["t"], extra["t"])
+        _toy_step(target, target_opt, 2)  # the optimizer's moments and step, and the RNG, restored alike
+        loaded.append((_state(target), torch.rand(4)))
+    assert _same(model, loaded[0][0]) is False  # a step was taken after the save
+    assert all(torch.equal(v, loaded[1][0][k]) for k, v in loaded[0][0].items())
+    assert torch.equal(loaded[0][1], loaded[1][1])
+
+    # An entry whose pickle calls a function: refused untrusted (nothing run), run trusted.
+    oases.save_checkpoint(model, root, optimizer=opt, step=2, extra={"data": _Hostile(flag)})
+    with pytest.raises(
+        ValueError, match=r"trusted: checkpoint .*step-000000002' holds oases.extra, which names .*_pwn"
+    ):
+        oases.load_checkpoint(model, root, optimizer=opt, trusted=False)
+    assert not os.path.exists(flag)
+    oases.load_checkpoint(model, root, optimizer=opt)
+    assert os.path.exists(flag)  # the reason for trusted=False
+    _on(rank, 0, lambda: os.remove(flag))
+
+    # DCP's .metadata replaced by a pickle naming code (no marker: read as a checkpoint of older oases).
+    step1 = os.path.join(root, "step-000000001")
+
+    def forge():
+        os.remove(os.path.join(step1, _dcp.MARKER))
+        with open(os.path.join(step1, _dcp.METADATA), "wb") as f:
+            pickle.dump(_Hostile(flag), f)
+
+    _on(rank, 0, forge)
+    with pytest.raises(ValueError, match=r"trusted: checkpoint .*step-000000001' holds \.metadata, which names .*_pwn"):
+        oases.load_checkpoint(model, step1, trusted=False)
+    assert not os.path.exists(flag)
+    return True
+
+
+def test_untrusted_load_runs_no_pickle(tmp_path):
+    assert run_ranks(_check_trust, 2, str(tmp_path), timeout=120) == [True, True]
 
 
 def test_checksums_per_file_and_per_item_across_read_blocks(tmp_path, monkeypatch):

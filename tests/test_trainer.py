@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
+import warnings
 
 import pytest
 import torch
@@ -246,8 +248,21 @@ def _resumed(tmp: str, rank: int) -> dict:
     straight = oases.full_state_dict(first.model)
     checkpoint = os.path.join(out, "checkpoint-3")
     listing = sorted(os.listdir(checkpoint))
+    if rank == 0:  # the three newest damaged: a shard cut short, bytes flipped, Trainer's state not written
+        shard = os.path.join(out, "checkpoint-6", "oases", "__1_0.distcp")
+        os.truncate(shard, os.path.getsize(shard) - 10)
+        with open(os.path.join(out, "checkpoint-5", "oases", "__0_0.distcp"), "r+b") as f:
+            f.seek(200)
+            data = f.read(8)
+            f.seek(200)
+            f.write(bytes(b ^ 0xFF for b in data))
+        os.remove(os.path.join(out, "checkpoint-4", "trainer_state.json"))
+    torch.distributed.barrier()
     second = _oases_trainer(out, 2, 2, save_strategy="no")
-    second.train(resume_from_checkpoint=checkpoint)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second.train(resume_from_checkpoint=True)  # the newest that verifies: checkpoint-3
+    skipped = [str(w.message) for w in caught if "skipped checkpoints" in str(w.message)]
     resumed = oases.full_state_dict(second.model)
     # at another layout with the same global batch: TP 1 x DP 2, one row per device
     third = _oases_trainer(os.path.join(tmp, "relayout"), 1, 1, save_strategy="no")
@@ -260,6 +275,7 @@ def _resumed(tmp: str, rank: int) -> dict:
         "listing": listing,
         "straight_loss": _history(first)["loss"],
         "resumed_loss": _history(second)["loss"],
+        "skipped": skipped,
         "bit_exact": all(torch.equal(straight[k], resumed[k]) for k in straight),
         "relayout_loss": _history(third)["loss"],
         "relayout_diff": max(float((straight[k] - relayout[k]).abs().max()) for k in straight),
@@ -412,6 +428,15 @@ def test_checkpoint_resumes_bit_exactly_and_exports(tp2):
         assert resume["kept"] == [f"checkpoint-{step}" for step in (3, 4, 5, 6)]  # save_total_limit=4 rotated
         assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(resume["listing"])
         assert resume["resumed_loss"] == resume["straight_loss"]  # steps 1-3 from the state, 4-6 trained again
+        if rank is tp2[0]:  # resume_from_checkpoint=True skipped the damaged 6, 5, 4 by name, once, on rank 0
+            (skipped,) = resume["skipped"]
+            assert re.search(
+                r"checkpoint-6 \(oases/__1_0\.distcp: size .*\); .*checkpoint-5 \(oases/__0_0\.distcp: "
+                r"checksum: .*\); .*checkpoint-4 \(trainer_state\.json: missing .*\); resuming from .*checkpoint-3$",
+                skipped,
+            ), skipped
+        else:
+            assert resume["skipped"] == []
         assert resume["bit_exact"]
         # resumed at TP 1 x DP 2 from TP 2's checkpoint: the same steps 4-6 within the tolerances
         assert len(resume["relayout_loss"]) == len(resume["straight_loss"])
@@ -471,3 +496,20 @@ def test_train_step_num_items_accumulates_to_the_whole_batch_mean():
     for bad in (0, -1.0, float("nan"), torch.tensor([1, 2]), "12"):
         with pytest.raises(ValueError, match="num_items"):
             oases.train_step(model, ids[:2], labels[:2], num_items=bad)
+
+
+@needs_accelerate
+def test_rotation_counts_complete_checkpoints_only(tmp_path):
+    """save_total_limit keeps the newest complete checkpoint-N folders; one whose save did not
+    finish (no oases marker, or no trainer_state.json) is neither counted nor deleted."""
+    from oases.integrations.transformers import _rotate
+
+    for step in range(1, 7):
+        folder = tmp_path / f"checkpoint-{step}"
+        (folder / "oases").mkdir(parents=True)
+        if step != 6:  # checkpoint-6: its oases/ never published
+            (folder / "oases" / "oases_checkpoint.json").write_text("{}")
+        if step != 5:  # checkpoint-5: Trainer's state never written
+            (folder / "trainer_state.json").write_text("{}")
+    _rotate(str(tmp_path), 2, None)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-4", "checkpoint-5", "checkpoint-6"]

@@ -17,7 +17,14 @@
 """
 
 from oases import amp, comm, dp, models, ops, pipeline, schedule
-from oases.checkpoint import CheckpointState, full_state_dict, load_checkpoint, load_full_state_dict, save_checkpoint
+from oases.checkpoint import (
+    CheckpointState,
+    full_state_dict,
+    load_checkpoint,
+    load_full_state_dict,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from oases.nn import check_gradients, parallelize, summary  # also binds the subpackage oases.nn
 from oases.pretrained import load_pretrained, save_adapter, save_pretrained
 from oases.training import train_step
@@ -41,6 +48,7 @@ __all__ = [
     "load_full_state_dict",
     "save_checkpoint",
     "load_checkpoint",
+    "verify_checkpoint",
     "CheckpointState",
     "load_pretrained",
     "save_pretrained",

@@ -35,8 +35,10 @@ damaged file raises `Damaged`.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -50,7 +52,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from oases._sharding import Chunk
@@ -123,8 +131,24 @@ class SavePlanner(DefaultSavePlanner):
 class LoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner on a flat state dict whose `Chunked` values are read box by box, in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, trusted: bool = True, path: str = "") -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.trusted, self.path = trusted, path
+        self.refused: dict[str, str] = {}  # untrusted: {entry: the global its pickle names}
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """A pickled entry; untrusted, with torch.load(weights_only=True) (plain data and tensors)."""
+        if self.trusted:
+            return super().load_bytes(read_item, value)
+        key = read_item.dest_index.fqn
+        try:
+            self.state_dict[key] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            if found is None:
+                raise
+            self.state_dict[key] = None
+            self.refused.setdefault(key, found.group(1))  # raised by the caller: DCP would wrap it
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Optional[Metadata] = None, is_coordinator: bool = False
@@ -301,6 +325,24 @@ def check_files(path: str, marker: dict, verify: bool = True) -> None:
         raise Damaged(".", f"unreadable ({e.strerror or e})") from e
 
 
+def check_share(path: str, marker: dict, share: int, shares: int) -> None:
+    """`Damaged` unless the `share`-th of `shares` parts of the files the marker records (every
+    `shares`-th by name) have their recorded whole-file checksums: `shares` ranks, one part each,
+    read every file of the checkpoint once between them."""
+    files = _recorded(marker)
+    if files is None:
+        return
+    for name in sorted(files)[share::shares]:
+        try:
+            crc = file_checksums(os.path.join(path, name))[CHECKSUM]
+        except OSError as e:
+            raise Damaged(name, f"unreadable ({e.strerror or e})") from e
+        if crc != files[name][CHECKSUM]:
+            raise Damaged(
+                name, f"checksum: {CHECKSUM} {crc:#010x}, {files[name][CHECKSUM]:#010x} was written (corrupted)"
+            )
+
+
 def check_extents(path: str, metadata: Metadata) -> None:
     """`Damaged` unless every file `.metadata` places items in is in `path` and long enough to hold
     them: a size check for any DCP checkpoint, one without checksums (older oases) too."""
@@ -390,13 +432,78 @@ def check_reads(path: str, marker: dict, metadata: Metadata, wants: dict[str, Op
 # --- reading ----------------------------------------------------------------------------------------
 
 
-def read_metadata(path: str) -> Metadata:
+# What `.metadata` (DCP's pickle) may name when read untrusted: DCP's metadata records, torch.Size
+# and dtypes, a layout by name, a path. Each is a constructor of a record or a lookup by name.
+_METADATA_GLOBALS = frozenset(
+    [("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    )]
+    + [
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+    ]
+)  # fmt: skip
+
+
+class Untrusted(ValueError):
+    """A checkpoint entry that an untrusted load (`trusted=False`) does not read: its pickle names
+    `what`, which is neither DCP's metadata nor plain data."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler resolving only `_METADATA_GLOBALS` and torch's dtypes: any other global
+    (a function, a class of another package: what makes a pickle run code) raises `Untrusted`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise Untrusted(f"{module}.{name}")
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's FileSystemReader; untrusted (`trusted=False`), `.metadata` is read by
+    `_MetadataUnpickler` instead of pickle.load."""
+
+    def __init__(self, path: str, trusted: bool = True) -> None:
+        super().__init__(path)
+        self.trusted = trusted
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.trusted:
+            return super().read_metadata(*args, **kwargs)
+        with open(os.path.join(self.path, METADATA), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise Untrusted(f"a {type(metadata).__name__} instead of DCP's Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _untrusted(where: str, key: str, what: str) -> Untrusted:
+    return Untrusted(
+        f"trusted: checkpoint {where!r} holds {key}, which names {what} in its pickle; trusted=False "
+        f"reads DCP's metadata records and plain data only (tensors, numbers, strings, None, and "
+        f"lists, tuples and dicts of them). Load it with trusted=True only if you trust who wrote it"
+    )
+
+
+def read_metadata(path: str, trusted: bool = True) -> Metadata:
     """The checkpoint's DCP metadata ({key: shape, dtype, chunks | bytes}), read locally; `Damaged`
-    when it is missing or cannot be unpickled."""
+    when it is missing or cannot be unpickled; untrusted, a ValueError when it names anything but
+    DCP's metadata records (`_MetadataUnpickler`)."""
     try:
-        return dcp.FileSystemReader(path).read_metadata()
+        return _Reader(path, trusted).read_metadata()
     except FileNotFoundError:
         raise Damaged(METADATA, "missing (deleted, or never copied)") from None
+    except Untrusted as e:
+        raise _untrusted(path, METADATA, str(e)) from None
     except Exception as e:  # noqa: BLE001 -- a damaged pickle raises anything
         raise Damaged(METADATA, f"unreadable ({type(e).__name__}: {e})") from e
 
@@ -421,16 +528,20 @@ def steps(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def read_local(state: dict[str, Any], path: str) -> None:
-    """dcp.load(state) by this rank alone, no communication (for the small pickled entries)."""
+def read_local(state: dict[str, Any], path: str, trusted: bool = True) -> None:
+    """dcp.load(state) by this rank alone, no communication (for the small pickled entries);
+    untrusted, each with torch.load(weights_only=True): a ValueError naming an entry that needs more."""
+    planner = LoadPlanner(trusted, path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), no_dist=True)
+        dcp.load(state, storage_reader=_Reader(path, trusted), planner=planner, no_dist=True)
+    for key, what in planner.refused.items():
+        raise _untrusted(path, key, what)
 
 
-def load(state: dict[str, Any], path: str, ring: Ring) -> None:
+def load(state: dict[str, Any], path: str, ring: Ring, trusted: bool = True) -> None:
     """dcp.load(state) over `ring`'s group: tensors and `Chunked` boxes are filled in place."""
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=LoadPlanner(), process_group=ring.group)
+    dcp.load(state, storage_reader=_Reader(path, trusted), planner=LoadPlanner(trusted, path), process_group=ring.group)
 
 
 # --- writing ----------------------------------------------------------------------------------------

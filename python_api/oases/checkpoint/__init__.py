@@ -5,6 +5,7 @@
     load_full_state_dict(tp4_model, full)   # ... or any TP degree: each rank keeps its shard
     save_checkpoint(tp_model, path, optimizer=opt, step=n, extra=..., keep=3)   # -> path/step-{n:09d}
     state = load_checkpoint(tp4_model, path, optimizer=opt4)   # the newest step-* that verifies; resume at state.step
+    verify_checkpoint(path / "step-000000003")   # None, or why it would not load (every file read once)
 
 On disk (torch.distributed.checkpoint) no rank gathers the model: each writes the boxes of the
 unsharded tensors its shards hold (oases._dcp), and reads those it needs at its own TP degree.
@@ -26,6 +27,14 @@ left unchanged.
 from __future__ import annotations
 
 from oases.checkpoint._disk import CheckpointState, load_checkpoint, save_checkpoint
+from oases.checkpoint._select import verify_checkpoint
 from oases.checkpoint._unsharded import full_state_dict, load_full_state_dict
 
-__all__ = ["full_state_dict", "load_full_state_dict", "save_checkpoint", "load_checkpoint", "CheckpointState"]
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
+    "verify_checkpoint",
+    "CheckpointState",
+]

@@ -197,6 +197,7 @@ def load_checkpoint(
     group: Optional[dist.ProcessGroup] = None,
     step: Optional[int] = None,
     verify: bool = True,
+    trusted: bool = True,
 ) -> CheckpointState:
     """Load a `save_checkpoint` directory (or the newest step-* under a root that verifies) at any TP degree.
 
@@ -206,6 +207,7 @@ def load_checkpoint(
                 path/step-* that verifies on every rank (newer ones skipped: one warning on rank 0)
         verify where (every rank, what it reads): its files' sizes; with verify, the checksums of
             .metadata and of every stored item this rank reads; all ranks agree (oases.checkpoint._select)
+        trusted=False: no pickle is run (.metadata: DCP's records only; entries: weights_only)
         check the checkpoint against the model (keys if strict, shapes) and the optimizer   # local only
         dcp.load: each rank reads the boxes of its own shards, straight into the model's tensors
         optimizer.load_state_dict(the saved state, re-sharded to this layout, keyed by its indices)
@@ -232,6 +234,11 @@ def load_checkpoint(
         step: with a root `path`, load exactly path/step-{step:09d}, or raise naming what is wrong.
         verify: False skips the checksums (sizes are still checked), saving a read and a crc32
             of what each rank reads: 0.1 s per 100 MiB measured here (see the models guide).
+        trusted: True reads the checkpoint's pickles (DCP's `.metadata`, `extra`, RNG states, the
+            optimizer's hyper-parameters) with pickle, which can run code: load only checkpoints you
+            trust. False runs none: `.metadata` is read naming only DCP's metadata records, every
+            other entry with torch.load(weights_only=True) (tensors, numbers, strings, None, and
+            lists, tuples and dicts of them); an entry needing more raises a ValueError naming it.
     Returns:
         CheckpointState(step, extra, path, missing_keys, unexpected_keys).
     """
@@ -246,6 +253,8 @@ def load_checkpoint(
         _count("step", step, 0)
     if not isinstance(verify, bool):
         raise TypeError(f"verify: expected a bool, got {verify!r}")
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted: expected a bool, got {trusted!r}")
     _, shards, expected = _layout(model)
     view = _optimizer_view(model, optimizer) if optimizer is not None else None
 
@@ -284,7 +293,9 @@ def load_checkpoint(
         entries.update({key: value for key, value in reads.items() if value is not None})
         return (held, rng, slots, reads, entries), small, {**wants_of(entries), **dict.fromkeys(small)}
 
-    where, stored, marker, prepared, small = choose(os.path.normpath(os.fspath(path)), step, ring, verify, prepare)
+    where, stored, marker, prepared, small = choose(
+        os.path.normpath(os.fspath(path)), step, ring, verify, prepare, trusted
+    )
     held, rng, slots, reads, entries = prepared
     what = f"checkpoint {where!r}"
     ours = _dcp.FORMAT_KEY in stored
@@ -292,7 +303,7 @@ def load_checkpoint(
         _rng_warning(what, marker, ring.size)
     if optimizer is not None:
         _check_groups(what, view.names, small[_GROUPS])
-    _dcp.load(entries, where, ring)  # the one collective that moves data
+    _dcp.load(entries, where, ring, trusted)  # the one collective that moves data
     if optimizer is not None:
         values = {key: small[key] if value is None else value for key, value in reads.items()}
         _restore_optimizer(view, slots, values, small[_GROUPS])  # ZeroOptimizer: and its fp32 masters

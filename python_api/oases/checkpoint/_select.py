@@ -8,10 +8,11 @@ verifies, agreed by every rank of the group before anything is read into the mod
         each rank, locally (oases._dcp):
             marker present (else: incomplete), readable, matching its own checksum; its format ours
             every file it records there at its size, no foreign .distcp; .metadata's checksum (verify)
-            .metadata unpickled; every file it places items in long enough for them
+            .metadata unpickled (trusted=False: DCP's records only); every file it places items in long enough for them
             prepare(where, stored, marker): the caller's checks of the model and optimizer
                 against it, and what this rank will read ({key: boxes | None})
             the checksum of every stored item this rank reads (verify); the small entries unpickled
+            (trusted=False: torch.load(weights_only=True); anything else raises, naming the entry)
         all-gather the verdicts: an error (a model that does not fit, ...) raised on every rank;
             a damaged file on any rank -> every rank takes the next candidate (an explicit one
             raises, naming the file and why)
@@ -26,13 +27,13 @@ from __future__ import annotations
 import builtins
 import os
 import warnings
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 
 from oases import _dcp
 from oases._dcp import MARKER, Damaged
-from oases.comm._topology import Ring
+from oases.comm._topology import Ring, ring_of
 
 T = TypeVar("T")
 
@@ -87,7 +88,7 @@ def _check_format(where: str, marker: dict) -> None:
 
 
 def _verify_one(
-    where: str, explicit: bool, verify: bool, prepare: Prepare
+    where: str, explicit: bool, verify: bool, trusted: bool, prepare: Prepare
 ) -> tuple[dict, Optional[dict], Any, dict[str, Any]]:
     """This rank's local verification of `where` (see the module doc): (stored, marker, prepared,
     small) or `Damaged`; the caller's and format errors propagate."""
@@ -97,7 +98,7 @@ def _verify_one(
     if marker is not None:
         _check_format(where, marker)
         _dcp.check_files(where, marker, verify)
-    metadata = _dcp.read_metadata(where)
+    metadata = _dcp.read_metadata(where, trusted)
     _dcp.check_extents(where, metadata)  # what .metadata places in each file fits in it (any checkpoint)
     stored = metadata.state_dict_metadata
     if marker is None and _dcp.FORMAT_KEY in stored:
@@ -110,7 +111,9 @@ def _verify_one(
         _dcp.check_reads(where, marker, metadata, wants)
     if small:
         try:
-            _dcp.read_local(small, where)
+            _dcp.read_local(small, where, trusted)
+        except _dcp.Untrusted:
+            raise
         except Exception as e:  # noqa: BLE001 -- a damaged pickle raises anything
             files = sorted(_dcp.stored_items(metadata, dict.fromkeys(small)))
             raise Damaged(", ".join(files) or _dcp.METADATA, f"unreadable ({type(e).__name__}: {e})") from e
@@ -130,7 +133,7 @@ def _raise_agreed(verdicts: list, mine: Optional[BaseException]) -> None:
 
 
 def choose(
-    path: str, step: Optional[int], ring: Ring, verify: bool, prepare: Prepare
+    path: str, step: Optional[int], ring: Ring, verify: bool, prepare: Prepare, trusted: bool = True
 ) -> tuple[str, dict, Optional[dict], Any, dict[str, Any]]:
     """(where, stored metadata, marker | None, prepare's result, the small entries read) of the
     checkpoint to load, the same on every rank of `ring` (a collective; see the module doc)."""
@@ -146,12 +149,13 @@ def choose(
     for where, explicit in listed:
         mine: Optional[BaseException] = None
         try:
-            chosen = _verify_one(where, explicit, verify, prepare)
+            chosen = _verify_one(where, explicit, verify, trusted, prepare)
             verdict: tuple = ("ok", "", "")
         except Damaged as e:
             verdict = ("damaged", e.file, e.reason)
         except Exception as e:  # noqa: BLE001 -- agreed below, raised on every rank
-            mine, verdict = e, ("error", type(e).__name__, str(e))
+            named = next(c for c in type(e).__mro__ if getattr(builtins, c.__name__, None) is c)  # ValueError, ...
+            mine, verdict = e, ("error", named.__name__, str(e))
         verdicts = [verdict]
         if ring.size > 1:
             verdicts = [None] * ring.size
@@ -185,3 +189,42 @@ def choose(
         f"path: no checkpoint in {path!r}: looked for a DCP checkpoint there (a .metadata "
         f"file) and for complete step-NNNNNNNNN subdirectories{unpublished}"
     )
+
+
+def verify_checkpoint(path: Union[str, os.PathLike], *, group: Optional[dist.ProcessGroup] = None) -> Optional[str]:
+    """Why the checkpoint directory `path` would not load, or None when it verifies whole.
+
+    ::
+
+        every rank: the marker present, readable, its own checksum right, its format this one's;
+                    every file it records at its size, no foreign .distcp     (stats)
+        rank r of p: the whole-file crc32 of every p-th recorded file from the r-th (by name)
+        all-gather the verdicts: None, or the first damaged file and why (found by rank r)
+
+    A collective over `group` (default: the world) that reads every file once between the ranks
+    and nothing into a model: for choosing a checkpoint before anything is built to load it
+    into (OasesTrainer's `resume_from_checkpoint=True`). `load_checkpoint` verifies what it
+    reads itself; a directory this calls sound can still be refused there for not fitting the
+    model. A checkpoint of older oases (no checksums) verifies by its files' presence.
+    """
+    ring = ring_of(group)
+    where = os.fspath(path)
+    try:
+        marker = _dcp.read_marker(where)
+        if marker is None:
+            raise Damaged(MARKER, "missing: incomplete, its writer died before publishing it")
+        if marker.get("format") != _dcp.FORMAT_VERSION:
+            raise Damaged(MARKER, f"format {marker.get('format')!r}, this oases reads {_dcp.FORMAT_VERSION}")
+        _dcp.check_files(where, marker, verify=False)
+        _dcp.check_share(where, marker, ring.rank, ring.size)
+        mine: Optional[str] = None
+    except Damaged as e:
+        mine = f"{e.file}: {e.reason}"
+    verdicts = [mine]
+    if ring.size > 1:
+        verdicts = [None] * ring.size
+        dist.all_gather_object(verdicts, mine, group=ring.group)
+    for r, verdict in enumerate(verdicts):
+        if verdict is not None:
+            return verdict + (f", found by rank {r} of the group" if ring.size > 1 else "")
+    return None

@@ -35,10 +35,13 @@ Checkpoints. Each checkpoint-N holds `oases/`, an `oases.save_checkpoint` writte
 shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside
 Trainer's trainer_state.json and rng_state_<rank>.pth; `train(resume_from_checkpoint=...)` reads
 them back: bit-exactly at the same layout, and at another TP / DP layout with the same global batch
-(oases.load_checkpoint re-shards the model and the optimizer's state). save_total_limit rotates the
-checkpoint-N folders once every rank has finished writing the new one, on each node (its local rank
-0), by step. `save_model()` writes the Hugging Face export with `oases.save_pretrained` (every rank
-takes part; rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
+(oases.load_checkpoint re-shards the model and the optimizer's state, verifying what each rank
+reads). resume_from_checkpoint=True takes the newest checkpoint-N that verifies (trainer_state.json
+readable, oases/ whole: oases.verify_checkpoint), skipping newer damaged or unfinished ones with one
+warning. save_total_limit rotates the complete checkpoint-N folders once every rank has finished
+writing the new one, on each node (its local rank 0), by step; unfinished ones are not counted.
+`save_model()` writes the Hugging Face export with `oases.save_pretrained` (every rank takes part;
+rank 0 writes); a PEFT model's adapter with `oases.save_adapter` (PEFT's format).
 
 fp16. The loss scale is oases.amp.GradScaler's (accelerator.scaler): its inf/NaN verdict is the
 world's, so every rank skips the same steps; the scaled loss is the summed loss over num_items /
@@ -74,7 +77,8 @@ import json
 import math
 import os
 import shutil
-from typing import Any, NamedTuple, Optional
+import warnings
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -93,6 +97,7 @@ from accelerate.data_loader import prepare_data_loader  # noqa: E402
 from accelerate.utils import recursively_apply  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers.trainer import TRAINER_STATE_NAME  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
@@ -254,15 +259,30 @@ def _tp_groups(model: nn.Module) -> list[Optional[dist.ProcessGroup]]:
     return groups
 
 
-def _rotate(run_dir: str, limit: int, best: Optional[str]) -> None:
-    """Delete the oldest checkpoint-N folders of run_dir by N until `limit` are left; the newest
-    and `best` are kept whatever the limit (as Trainer's rotation)."""
+def _checkpoints(run_dir: str) -> list[str]:
+    """The checkpoint-N folders of run_dir, oldest (lowest N) first."""
     steps = []
     for name in os.listdir(run_dir):
         prefix, _, step = name.partition("-")
         if prefix == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isdir(os.path.join(run_dir, name)):
             steps.append((int(step), os.path.join(run_dir, name)))
-    folders = [folder for _, folder in sorted(steps)]
+    return [folder for _, folder in sorted(steps)]
+
+
+def _complete(folder: str) -> bool:
+    """Whether checkpoint-N `folder` was written to the end: its oases/ published (its marker) and
+    Trainer's trainer_state.json, written after it (stats only)."""
+    return os.path.isfile(os.path.join(folder, OASES_CHECKPOINT, MARKER)) and os.path.isfile(
+        os.path.join(folder, TRAINER_STATE_NAME)
+    )
+
+
+def _rotate(run_dir: str, limit: int, best: Optional[str]) -> None:
+    """Delete the oldest complete checkpoint-N folders of run_dir by N until `limit` complete ones
+    are left; the newest and `best` are kept whatever the limit (as Trainer's rotation).
+    Incomplete ones (a save that died) are neither counted nor deleted, so they never push out
+    the newest one that loads."""
+    folders = [folder for folder in _checkpoints(run_dir) if _complete(folder)]
     kept = {folders[-1]} if folders else set()
     if best is not None:
         kept.add(os.path.normpath(best))
@@ -662,16 +682,68 @@ class OasesTrainer(Trainer):
             grad_norm = oases.nn.clip_grad_norm_(self.model, math.inf)
         return grad_norm
 
-    def train(self, *train_args: Any, **train_kwargs: Any):
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, *train_args: Any, **train_kwargs: Any):
         """Trainer.train, with Hugging Face's activation checkpointing left off (Oases recomputes:
-        see `recompute`)."""
+        see `recompute`). resume_from_checkpoint=True resumes from the newest checkpoint-N of
+        output_dir that verifies (`_newest_sound`), not merely the newest folder."""
         args = self.args
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._newest_sound(args.output_dir)
         saved = args.activation_checkpointing, args.gradient_checkpointing
         args.activation_checkpointing = args.gradient_checkpointing = False
         try:
-            return super().train(*train_args, **train_kwargs)
+            return super().train(resume_from_checkpoint, *train_args, **train_kwargs)
         finally:
             args.activation_checkpointing, args.gradient_checkpointing = saved
+
+    def _newest_sound(self, run_dir: str) -> str:
+        """The newest checkpoint-N of run_dir that verifies, agreed by every rank (a collective):
+
+        for folder in rank 0's checkpoint-N folders, newest first:
+            every rank: trainer_state.json present and JSON; oases/ there   -> all-gathered
+            oases.verify_checkpoint(folder/oases): sizes, every file's crc32 read once between the ranks
+            the first that passes is returned; the newer ones skipped, one warning on rank 0 naming each
+
+        A ValueError on every rank when none verifies (Trainer's own when there is none)."""
+        world = dist.is_initialized() and dist.get_world_size() > 1
+        box = [_checkpoints(run_dir) if os.path.isdir(run_dir) else []]
+        if world:
+            dist.broadcast_object_list(box, src=0)
+        skipped: list[str] = []
+        for folder in reversed(box[0]):
+            why: Optional[str] = None
+            try:
+                with open(os.path.join(folder, TRAINER_STATE_NAME)) as f:
+                    json.load(f)
+            except FileNotFoundError:
+                why = f"{TRAINER_STATE_NAME}: missing (the save did not finish)"
+            except (OSError, ValueError) as e:
+                why = f"{TRAINER_STATE_NAME}: unreadable ({type(e).__name__}: {e})"
+            if why is None and not os.path.isdir(os.path.join(folder, OASES_CHECKPOINT)):
+                why = f"{OASES_CHECKPOINT}/: missing (not written by OasesTrainer, or the save did not finish)"
+            whys = [why]
+            if world:
+                whys = [None] * dist.get_world_size()
+                dist.all_gather_object(whys, why)
+            why = next((w for w in whys if w is not None), None)
+            if why is None:
+                found = oases.verify_checkpoint(os.path.join(folder, OASES_CHECKPOINT))
+                why = None if found is None else f"{OASES_CHECKPOINT}/{found}"
+            if why is None:
+                if skipped and self.args.process_index == 0:
+                    warnings.warn(
+                        f"OasesTrainer: resume_from_checkpoint=True skipped checkpoints that do not verify: "
+                        f"{'; '.join(skipped)}; resuming from {folder}",
+                        UserWarning,
+                        stacklevel=3,
+                    )
+                return folder
+            skipped.append(f"{folder} ({why})")
+        if skipped:
+            raise ValueError(
+                f"resume_from_checkpoint=True: no checkpoint in {run_dir!r} verifies: {'; '.join(skipped)}"
+            )
+        raise ValueError(f"No valid checkpoint found in output directory ({run_dir})")
 
     # --- evaluation ----------------------------------------------------------------------------
 

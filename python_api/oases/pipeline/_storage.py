@@ -275,7 +275,7 @@ def _group_problem(views: list, saved: list[dict]) -> Optional[str]:
 
 
 def load_checkpoint(
-    pipe: "Pipeline", path: Path, *, step: Optional[int] = None, verify: bool = True
+    pipe: "Pipeline", path: Path, *, step: Optional[int] = None, verify: bool = True, trusted: bool = True
 ) -> CheckpointState:
     """Load a checkpoint of this model into what this rank holds and its segment optimizers.
 
@@ -302,6 +302,8 @@ def load_checkpoint(
         _count("step", step, 0)
     if not isinstance(verify, bool):
         raise TypeError(f"verify: expected a bool, got {verify!r}")
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted: expected a bool, got {trusted!r}")
 
     def prepare(where: str, stored: dict, marker: Optional[dict]) -> tuple[tuple, dict, dict]:
         """The local checks against the checkpoint at `where`, and what this rank reads from it."""
@@ -340,7 +342,9 @@ def load_checkpoint(
             small.update((key, None) for key in own if not isinstance(stored[key], TensorStorageMetadata))  # pickled
         return (rng, views), small, {**wants, **dict.fromkeys(small)}
 
-    where, stored, marker, (rng, views), small = choose(os.path.normpath(os.fspath(path)), step, ring, verify, prepare)
+    where, stored, marker, (rng, views), small = choose(
+        os.path.normpath(os.fspath(path)), step, ring, verify, prepare, trusted
+    )
     what = f"checkpoint {where!r}"
     if rng is None:
         _rng_warning(what, marker, ring.size)
@@ -362,7 +366,7 @@ def load_checkpoint(
     reads = [_optimizer_reads(what, view, stored, shards) for view in views]
     for _, own in reads:
         entries.update((key, value) for key, value in own.items() if value is not None)
-    _dcp.load(entries, where, ring)  # the one collective that moves data
+    _dcp.load(entries, where, ring, trusted)  # the one collective that moves data
     for view, (slots, own) in zip(views, reads):
         values = {key: small[key] if value is None else value for key, value in own.items()}  # pickled: read already
         _restore_optimizer(view, slots, values, small[_GROUPS])

@@ -565,14 +565,15 @@ class Pipeline:
         return _storage.save_checkpoint(self, path, step=step, extra=extra, keep=keep)
 
     def load_checkpoint(
-        self, path: str | os.PathLike, *, step: Optional[int] = None, verify: bool = True
+        self, path: str | os.PathLike, *, step: Optional[int] = None, verify: bool = True, trusted: bool = True
     ) -> CheckpointState:
         """Load a checkpoint of this model (from any Pipeline layout, or oases.save_checkpoint of a
         TP model) into this stage's tensors and optimizers. A collective over the mesh. As
         oases.load_checkpoint: a root loads its newest step that verifies on every rank (newer
         damaged ones skipped, one warning); `step=N` exactly path/step-N or a ValueError naming
-        the file; `verify=False` skips the checksums (sizes are still checked)."""
-        return _storage.load_checkpoint(self, path, step=step, verify=verify)
+        the file; `verify=False` skips the checksums (sizes are still checked); `trusted=False`
+        runs no pickle (DCP's metadata records and plain data only)."""
+        return _storage.load_checkpoint(self, path, step=step, verify=verify, trusted=trusted)
 
     def close(self) -> None:
         """Apply every pending update (every rank calls it, as its DP sync is collective over dp),
