@@ -33,6 +33,9 @@ def _check_schedules(rank, world_size, cases):
         variants = [(s, False, False) for s in SCHEDULES] + [(s, False, True) for s in SCHEDULES]
         variants += [("oases", True, False), ("megatron", True, True)]
         variants += [("oases", False, False, "selective"), ("cross_pass", True, False, "selective")]
+        layers = config.layers
+        variants += [("oases", False, False, [i % 2 == 0 for i in range(layers)])]  # one mode per layer
+        variants += [("megatron", True, False, ["selective" if i % 2 else False for i in range(layers)])]
         for schedule, vocab_parallel, sp, *recompute in variants:
             recompute = recompute[0] if recompute else True
             model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel, sequence_parallel=sp)

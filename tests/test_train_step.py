@@ -96,7 +96,13 @@ def _check_models(rank, world_size, models, cases, plan=None):
             tp.lm_head.gather_output = False
         for schedule, sub_batches, b, padded, *rest in cases:
             sp = bool(rest and rest[0])
-            recompute = {"keep": False, "selective": "selective"}.get(rest[1], True) if len(rest) > 1 else True
+            recompute = (
+                True
+                if len(rest) < 2
+                else rest[1]
+                if isinstance(rest[1], list)
+                else {"keep": False}.get(rest[1], rest[1])
+            )
             ids, labels, mask = _batch(b, 12, seed=b + 7, padded=padded)
             ref.zero_grad(set_to_none=True)
             tp.zero_grad(set_to_none=True)
@@ -158,6 +164,12 @@ def _check_without_recomputation(rank, world_size):
         ("megatron", None, 3, False, False, "selective"),
         ("oases", 3, 3, False, False, "selective"),
     ]
+    # one mode per layer: the kept layers from their graphs, the others as each schedule recomputes
+    cases += [(s, None, 4, True, False, [False, True]) for s in SCHEDULES]
+    cases += [
+        ("oases", 3, 3, False, False, [True, "selective"]),
+        ("merak", None, 4, False, False, ["selective", False]),
+    ]
     _check_models(rank, world_size, [("llama", 4, 2), ("neox", 4, 4), ("qwen3", 4, 2)], cases)
     tp = _model("llama")
     with warnings.catch_warnings():
@@ -170,8 +182,14 @@ def _check_without_recomputation(rank, world_size):
         oases.train_step(tp, ids, labels, offload=True, recompute=False)
     with pytest.raises(ValueError, match="recompute='selective': not with sequence_parallel"):
         oases.train_step(tp, ids, labels, sequence_parallel=True, recompute="selective")
-    with pytest.raises(TypeError, match="recompute: expected True, False or 'selective'"):
+    with pytest.raises(TypeError, match="recompute: expected True, False, 'selective' or a list of them"):
         oases.train_step(tp, ids, labels, recompute="no")
+    with pytest.raises(ValueError, match="recompute: 3 values for a model of 2 layers; give one per layer"):
+        oases.train_step(tp, ids, labels, recompute=[True, False, True])
+    with pytest.raises(TypeError, match="recompute: each layer's value must be True, False or 'selective', got 0"):
+        oases.train_step(tp, ids, labels, recompute=[True, 0])
+    with pytest.raises(ValueError, match=r"recompute=\[True, False\]: not with offload"):
+        oases.train_step(tp, ids, labels, offload=True, recompute=[True, False])
     dist.barrier()
     return True
 
@@ -182,7 +200,7 @@ def test_without_recomputation_every_schedule_matches_unsharded():
 
 def _count_ops(rank, world_size):
     """Per step, aten ops run: "selective" reruns element-wise ops (the MLP's SiLU, the norms'
-    rsqrt) but no matrix product; True reruns both; False neither."""
+    rsqrt) but no matrix product; True reruns both; False neither; [False, True] one layer's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -206,10 +224,10 @@ def _count_ops(rank, world_size):
         oases.parallelize(tp)
     ids, labels, _ = _batch(4, 12, seed=1, padded=False)
     counts = {}
-    for recompute in (False, "selective", True):
-        oases.train_step(tp, ids, labels, recompute=recompute)  # any first-step work done
+    for recompute in (False, "selective", True, (False, True)):
+        oases.train_step(tp, ids, labels, recompute=list(recompute) if isinstance(recompute, tuple) else recompute)
         with Count() as count:
-            oases.train_step(tp, ids, labels, recompute=recompute)
+            oases.train_step(tp, ids, labels, recompute=list(recompute) if isinstance(recompute, tuple) else recompute)
         counts[recompute] = count.ops
     mm = {k: c.get("mm", 0) + c.get("addmm", 0) + c.get("bmm", 0) for k, c in counts.items()}
     sdpa = {k: sum(n for op, n in c.items() if op.startswith("_scaled_dot_product")) for k, c in counts.items()}
@@ -217,6 +235,7 @@ def _count_ops(rank, world_size):
     silu = {k: c.get("silu", 0) for k, c in counts.items()}
     rsqrt = {k: c.get("rsqrt", 0) for k, c in counts.items()}
     assert mm[False] == mm["selective"] < mm[True], mm
+    assert mm[False, True] == (mm[False] + mm[True]) // 2, mm  # one layer of two kept, one recomputed
     assert silu[False] < silu["selective"] == silu[True], silu
     assert rsqrt[False] < rsqrt["selective"], rsqrt
     return True

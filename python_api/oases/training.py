@@ -38,6 +38,7 @@ from oases.schedule.placed import check_placements
 from oases.schedule.protocol import LayerPlacements
 from oases.schedule.sequence_parallel import sequence_parallel_parameters
 from oases.schedule.step import partial_parameters
+from oases.schedule.table import layer_modes
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
 
@@ -170,7 +171,9 @@ def train_step(
     step, autograd's activations held as in a model trained without activation checkpointing;
     not with sequence_parallel or offload). `recompute="selective"`: the same kept graphs saving only
     the matrix products' and attention's outputs, the element-wise rest recomputed in the backward
-    (Megatron's and torchtitan's selective recomputation; oases.schedule.selective).
+    (Megatron's and torchtitan's selective recomputation; oases.schedule.selective). A list of
+    those values, one per layer (`[False, False, "selective", True]`), sets each layer's mode: the
+    kept layers as above, the others recomputed as the schedule recomputes; the same gradients.
     `grad_sync`: an oases.dp.GradientSync (or oases.dp.ZeroOptimizer(...).sync) averaging the
     gradients over data-parallel replicas: its buckets start during the step's backwards and the
     step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
@@ -207,7 +210,7 @@ def train_step(
         memory: a RecomputeMemory accounting the activations kept for recomputation (None: not accounted).
         offload: True, False or an Offloader, as above (default False: no offload).
         recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
-            or keep it saving only GEMM and attention outputs ("selective").
+            or keep it saving only GEMM and attention outputs ("selective"); or a list, one per layer.
         grad_sync: a GradientSync averaging the gradients over data-parallel replicas (None: no DP).
         check_inputs: True, "broadcast" or False, as above.
         check_grads: True (the first step), an int N (the first and every N-th) or False, as above.
@@ -230,6 +233,7 @@ def train_step(
     divisor = _num_items(num_items)
     model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
+    layer_modes(recompute, len(list(stack.layers())))  # a per-layer list: one value per layer
     per_layer, placements = _per_layer(model, stack)
     if per_layer:  # local checks first: an HF model's placements are made (collectively) after check_step
         refuse_with_degrees("sequence_parallel", sequence_parallel)

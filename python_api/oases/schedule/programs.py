@@ -29,7 +29,7 @@ from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator
 from oases.schedule.selective import explained
 from oases.schedule.selective import selective as _selective
-from oases.schedule.table import LossSum, Schedule, _RecomputeInputs
+from oases.schedule.table import FULL, SELECTIVE, LossSum, Schedule, _RecomputeInputs
 
 if TYPE_CHECKING:
     from oases.schedule.placed import PlacedStep
@@ -159,20 +159,22 @@ def layer_backward(
     saved: _RecomputeInputs,
     passes: "LayerPasses",
     kept: Optional[list[_Recorded]] = None,
+    mode: str = FULL,
 ) -> Generator:
     """The gradient of one layer's input given its output's, `grad`; accumulates parameter grads.
     The one backward loop of every program: `passes` says how a sublayer's graph is recorded, rerun
     and differentiated with its communication (plain all-reduces, or sequence parallelism's)::
 
-        per sublayer (fine-grained): rec = kept graph, or passes.record(sub, saved input, read=False)
-                                     (part's value unread: core_for_gradients);
-                                     grad = passes.backward(sub, rec, grad)
+        kept (mode KEEP / SELECTIVE): rec = the sublayer's graph kept by the forward
+        per sublayer (fine-grained): rec = passes.record(sub, saved input, read=False)
+                                     (part's value unread: core_for_gradients)
+            then, per sublayer in reverse: grad = passes.backward(sub, rec, grad)
         per layer: rerun the layer from its saved input, recording each sublayer and redoing its
                    communication (passes.rerun); then backward through the sublayers in reverse
     """
-    if sched.fine_grained_recompute:
+    if mode != FULL or sched.fine_grained_recompute:
         for sub in reversed(layer):
-            rec = kept.pop() if not sched.recompute else (yield from passes.record(sub, saved.pop(), read=False))
+            rec = kept.pop() if mode != FULL else (yield from passes.record(sub, saved.pop(), read=False))
             grad = yield from passes.backward(sub, rec, grad)
         return grad
     x_in, records = saved.pop(), []
@@ -247,12 +249,13 @@ def _program(
     # saved: inputs of each recomputation sequence, per sublayer (oases) or per layer; kept: each
     # sublayer's forward graph instead, without recomputation
     kept: list[_Recorded] = []
-    for layer, c, lctx, move in zip(layers, comms, ctxs, moves):
+    for index, (layer, c, lctx, move) in enumerate(zip(layers, comms, ctxs, moves)):
         if move is not None:  # the boundary between layers of different degrees: this replica's rows
             x = yield from move_rows(move, x, rows, "forward")
+        mode = sched.mode(index)
         for i, sub in enumerate(layer):
-            if not sched.recompute:  # the graph kept for the backward (autograd's activations held)
-                rec = _record(sub, x, lctx, sched.selective)
+            if mode != FULL:  # the graph kept for the backward (autograd's activations held)
+                rec = _record(sub, x, lctx, mode == SELECTIVE)
                 kept.append(rec)
                 part = rec.part.detach().clone()  # reduced in place: not a tensor the graph holds
             else:
@@ -271,7 +274,7 @@ def _program(
         yield BARRIER
     for index in reversed(range(len(layers))):
         layer, c, lctx = layers[index], comms[index], ctxs[index]
-        grad = yield from layer_backward(layer, grad, sched, saved, _Plain(lctx, c), kept)
+        grad = yield from layer_backward(layer, grad, sched, saved, _Plain(lctx, c), kept, sched.mode(index))
         if placed is not None:
             placed.layer_done(index)  # the last sub-batch through it starts the replicas' gradient sum
             if moves[index] is not None:

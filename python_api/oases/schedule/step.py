@@ -21,8 +21,11 @@ from oases.schedule.sequence_parallel import (
     sequence_parallel_parameters,
 )
 from oases.schedule.table import (
+    FULL,
+    KEEP,
     RECOMPUTE_SELECTIVE,
     SCHEDULES,
+    SELECTIVE,
     LossSum,
     Recompute,
     RecomputeMemory,
@@ -30,6 +33,7 @@ from oases.schedule.table import (
     _OffloadedRecomputeInputs,
     _RecomputeInputs,
     check_step,
+    layer_modes,
     split_rows,
 )
 
@@ -83,6 +87,9 @@ def train_step(
     nothing). `recompute="selective"` keeps those graphs saving only the outputs of the matrix
     products and attention, and recomputes the rest (norms, rotary, activations) in the backward
     (oases.schedule.selective): no GEMM twice, less memory than False, the same gradients.
+    A list, one of True / False / "selective" per layer of the stack, sets each layer's mode:
+    kept layers run as above, recomputed ones as the schedule recomputes (per sublayer for
+    "oases", per layer for the others); the same gradients for any assignment.
     `attention_mask` and `position_ids` [b, t] reach `stack.embed` as each sub-batch's rows
     (SubBatch.attention_mask, SubBatch.position_ids).
     Checks run before any communication, so a bad argument raises on every rank alike.
@@ -100,7 +107,12 @@ def train_step(
         offload=offload is not None,
     )
     sched, batch = SCHEDULES[schedule], input_ids.shape[0]
-    if recompute is not True:  # per sublayer, from the kept graphs
+    modes = layer_modes(recompute, len(list(stack.layers())))
+    if modes is not None and len(set(modes)) == 1:  # one mode for every layer, given as a list
+        modes, recompute = None, {FULL: True, KEEP: False, SELECTIVE: RECOMPUTE_SELECTIVE}[modes[0]]
+    if modes is not None:  # per layer: kept ones from their graphs, the others as the schedule recomputes
+        sched = dataclasses.replace(sched, layers=modes)
+    elif recompute is not True:  # per sublayer, from the kept graphs
         sched = dataclasses.replace(
             sched, fine_grained_recompute=True, recompute=False, selective=recompute == RECOMPUTE_SELECTIVE
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Literal, Mapping, Optional, Union
+from typing import Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -34,6 +34,7 @@ __all__ = [
     "Schedule",
     "MAX_SUB_BATCHES",
     "Recompute",
+    "LayerRecompute",
     "RecomputeMemory",
     "LossSum",
     "split_rows",
@@ -43,9 +44,46 @@ __all__ = [
 MAX_SUB_BATCHES = 8
 
 # train_step's recompute: True (the schedule's recomputation), False (each sublayer's graph kept) or
-# "selective" (kept, saving only GEMM and attention outputs: oases.schedule.selective)
+# "selective" (kept, saving only GEMM and attention outputs: oases.schedule.selective), for every
+# layer, or one of them per layer (a list as long as the stack's layers)
 RECOMPUTE_SELECTIVE = "selective"
-Recompute = Union[bool, Literal["selective"]]
+LayerRecompute = Union[bool, Literal["selective"]]
+Recompute = Union[LayerRecompute, Sequence[LayerRecompute]]
+# a layer's mode: recomputed by the schedule ("full"), its graphs kept ("keep"), kept selectively
+FULL, KEEP, SELECTIVE = "full", "keep", "selective"
+_MODE_OF = {True: FULL, False: KEEP, RECOMPUTE_SELECTIVE: SELECTIVE}
+
+
+def _layer_mode(value: object) -> Optional[str]:
+    """FULL, KEEP or SELECTIVE for one layer's recompute value, None for anything else."""
+    if isinstance(value, bool):
+        return FULL if value else KEEP
+    return SELECTIVE if value == RECOMPUTE_SELECTIVE else None
+
+
+def layer_modes(recompute: object, layers: Optional[int] = None) -> Optional[tuple[str, ...]]:
+    """train_step's `recompute` as one mode per layer (None: the same for every layer, given as
+    one value); TypeError / ValueError naming the argument (a list's length checked against
+    `layers` where given)."""
+    if isinstance(recompute, (bool, str)):
+        if _layer_mode(recompute) is None:
+            raise TypeError(
+                f"recompute: expected True, False, {RECOMPUTE_SELECTIVE!r} or a list of them (one per "
+                f"layer), got {recompute!r}"
+            )
+        return None
+    if not isinstance(recompute, (list, tuple)):
+        raise TypeError(
+            f"recompute: expected True, False, {RECOMPUTE_SELECTIVE!r} or a list of them (one per layer), "
+            f"got {type(recompute).__name__}"
+        )
+    modes = tuple(_layer_mode(value) for value in recompute)
+    if None in modes:
+        bad = next(value for value, mode in zip(recompute, modes) if mode is None)
+        raise TypeError(f"recompute: each layer's value must be True, False or {RECOMPUTE_SELECTIVE!r}, got {bad!r}")
+    if layers is not None and len(modes) != layers:
+        raise ValueError(f"recompute: {len(modes)} values for a model of {layers} layers; give one per layer")
+    return modes
 
 
 @dataclass(frozen=True)
@@ -59,6 +97,14 @@ class Schedule:
     pass_barriers: bool
     recompute: bool = True  # False: each sublayer's graph kept from the forward (train_step(recompute=False))
     selective: bool = False  # with recompute False: the kept graphs save only GEMM and attention outputs
+    layers: tuple[str, ...] = ()  # per layer, FULL / KEEP / SELECTIVE (train_step(recompute=[...])); (): as above
+
+    def mode(self, layer: int) -> str:
+        """How layer `layer` keeps what its backward needs: FULL (recomputed as the schedule
+        recomputes), KEEP (each sublayer's graph kept) or SELECTIVE (kept, GEMM outputs only)."""
+        if self.layers:
+            return self.layers[layer]
+        return FULL if self.recompute else SELECTIVE if self.selective else KEEP
 
 
 SCHEDULES: Mapping[str, Schedule] = MappingProxyType(
@@ -126,14 +172,14 @@ def check_step(
 ) -> int:
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
-    if not isinstance(recompute, bool) and recompute != RECOMPUTE_SELECTIVE:
-        raise TypeError(f"recompute: expected True, False or {RECOMPUTE_SELECTIVE!r}, got {recompute!r}")
-    if recompute is not True and sequence_parallel:
+    modes = layer_modes(recompute)
+    kept = recompute is not True if modes is None else any(mode != FULL for mode in modes)
+    if kept and sequence_parallel:
         raise ValueError(
             f"recompute={recompute!r}: not with sequence_parallel (its sublayers are recomputed "
             "from their sequence slices); pass recompute=True"
         )
-    if recompute is not True and offload:
+    if kept and offload:
         raise ValueError(
             f"recompute={recompute!r}: not with offload (it moves the inputs kept for "
             "recomputation); pass recompute=True"
