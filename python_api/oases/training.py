@@ -125,6 +125,7 @@ def train_step(
     memory: Optional[RecomputeMemory] = None,
     offload: Union[bool, Offloader] = False,
     recompute: Recompute = True,
+    memory_budget: Optional[float] = None,
     grad_sync: Optional[GradientSync] = None,
     check_inputs: CheckMode = True,
     check_grads: Union[bool, int] = True,
@@ -174,6 +175,14 @@ def train_step(
     (Megatron's and torchtitan's selective recomputation; oases.schedule.selective). A list of
     those values, one per layer (`[False, False, "selective", True]`), sets each layer's mode: the
     kept layers as above, the others recomputed as the schedule recomputes; the same gradients.
+    `recompute="auto"`: each layer's mode chosen so that the step's predicted peak fits
+    `memory_budget` (bytes, the whole rank: parameters, gradients, AdamW's states, activations;
+    None: the device's free memory less 10%, shared by the ranks on it), fastest first (keep, then
+    selective, then full recomputation), measured once per input shape on one row of the batch and
+    logged once (logger "oases"; oases.schedule.budget). An explicit budget too small even for
+    full recomputation raises a ValueError naming the smallest that fits; the default falls back
+    to full recomputation with a warning. With sequence_parallel, offload or per-layer TP degrees
+    every layer recomputes.
     `grad_sync`: an oases.dp.GradientSync (or oases.dp.ZeroOptimizer(...).sync) averaging the
     gradients over data-parallel replicas: its buckets start during the step's backwards and the
     step returns after the reduction finished (.grad averaged; with ZeRO, the masters' grads).
@@ -210,7 +219,9 @@ def train_step(
         memory: a RecomputeMemory accounting the activations kept for recomputation (None: not accounted).
         offload: True, False or an Offloader, as above (default False: no offload).
         recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
-            or keep it saving only GEMM and attention outputs ("selective"); or a list, one per layer.
+            or keep it saving only GEMM and attention outputs ("selective"); or a list, one per layer;
+            or "auto": chosen per layer for memory_budget.
+        memory_budget: with recompute="auto", the rank's peak in bytes (None: the device's rule).
         grad_sync: a GradientSync averaging the gradients over data-parallel replicas (None: no DP).
         check_inputs: True, "broadcast" or False, as above.
         check_grads: True (the first step), an int N (the first and every N-th) or False, as above.
@@ -305,6 +316,8 @@ def train_step(
             memory=memory,
             offload=offloader,
             recompute=recompute,
+            memory_budget=memory_budget,
+            choices=_recompute_choices(model),
         )
     if grad_sync is not None:
         grad_sync.finish()  # the dp reduction of this step's gradients (started during its backwards)
@@ -315,6 +328,19 @@ def train_step(
     if _gradients_due(model, check_grads):
         _check_gradients(model, grad_sync)
     return loss
+
+
+def _recompute_choices(model: object) -> Optional[dict]:
+    """The model's cache of recompute="auto" choices by input shape (oases.schedule.budget), kept
+    on the model itself (None for an object that takes no attribute)."""
+    choices = getattr(model, "_oases_recompute_choices", None)
+    if choices is None:
+        try:
+            object.__setattr__(model, "_oases_recompute_choices", {})
+        except (AttributeError, TypeError):
+            return None
+        choices = model._oases_recompute_choices  # type: ignore[attr-defined]
+    return choices
 
 
 def _gradients_due(model: object, check_grads: Union[bool, int]) -> bool:

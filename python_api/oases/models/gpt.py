@@ -149,6 +149,7 @@ class GPT(nn.Module):
                 refuse_with_degrees(name, value, fix=f"pass {name}=False (or tp_degrees=None)")
             check_world_group(self.tp)
         self.offloader = Offloader() if offload is True else (offload or None)
+        self._recompute_choices: dict = {}  # recompute="auto": by input shape (oases.schedule.budget)
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
         self.comm = Communicator(self.group, self.tp)
         self.logits_group = self.group if vocab_parallel and self.tp > 1 else None
@@ -280,6 +281,7 @@ class GPT(nn.Module):
         memory: Optional[RecomputeMemory] = None,
         check_inputs: CheckMode = True,
         recompute: Recompute = True,
+        memory_budget: Optional[float] = None,
     ) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
 
@@ -297,7 +299,8 @@ class GPT(nn.Module):
         agrees on tokens and targets first (True: ValueError on every rank where they differ;
         "broadcast": TP rank 0's; False: not checked; see oases.inputs). `recompute=False`: each
         sublayer's forward graph kept, no recomputation; "selective": kept saving only GEMM and
-        attention outputs (oases.schedule.train_step).
+        attention outputs; a list: one of those per layer; "auto": each layer's chosen for
+        `memory_budget` (oases.schedule.train_step, oases.schedule.budget).
 
         Args:
             tokens: the token ids [b, t] (int64).
@@ -308,7 +311,9 @@ class GPT(nn.Module):
                 (None: not accounted).
             check_inputs: True (the default), "broadcast" or False, as above.
             recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
-                or keep it saving only GEMM and attention outputs ("selective").
+                or keep it saving only GEMM and attention outputs ("selective"); a list, one per
+                layer; or "auto".
+            memory_budget: with recompute="auto", the rank's peak in bytes (None: the device's rule).
 
         Returns:
             The mean token loss (a scalar tensor); the gradients are accumulated into .grad.
@@ -348,6 +353,8 @@ class GPT(nn.Module):
             memory=memory,
             offload=self.offloader,
             recompute=recompute,
+            memory_budget=memory_budget,
+            choices=self._recompute_choices,
         )
 
     def step_seed(self) -> Optional[int]:

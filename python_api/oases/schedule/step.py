@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from oases.degrees import refuse_with_degrees
 from oases.offload import Offloader
+from oases.schedule.budget import RecomputeChoice, choose_recompute
 from oases.schedule.placed import PlacedStep, check_placements
 from oases.schedule.programs import _program
 from oases.schedule.protocol import LayerPlacements, Stack, SubBatch
@@ -23,6 +25,7 @@ from oases.schedule.sequence_parallel import (
 from oases.schedule.table import (
     FULL,
     KEEP,
+    RECOMPUTE_AUTO,
     RECOMPUTE_SELECTIVE,
     SCHEDULES,
     SELECTIVE,
@@ -38,6 +41,8 @@ from oases.schedule.table import (
 )
 
 __all__ = ["train_step"]
+
+logger = logging.getLogger("oases")
 
 
 def train_step(
@@ -57,6 +62,8 @@ def train_step(
     memory: Optional[RecomputeMemory] = None,
     offload: Optional[Offloader] = None,
     recompute: Recompute = True,
+    memory_budget: Optional[float] = None,
+    choices: Optional[dict] = None,
 ) -> torch.Tensor:
     """Forward and backward of sum(loss_sum(logits, labels)) / normalizer on `schedule`.
 
@@ -107,6 +114,25 @@ def train_step(
         offload=offload is not None,
     )
     sched, batch = SCHEDULES[schedule], input_ids.shape[0]
+    get_placements = getattr(stack, "layer_placements", None)
+    placements = get_placements() if get_placements is not None else None
+    if recompute == RECOMPUTE_AUTO:
+        only_full = (
+            "sequence parallel"
+            if sequence_parallel
+            else "offload"
+            if offload is not None
+            else "per-layer TP degrees"
+            if placements is not None
+            else ""
+        )
+        choice = _auto(
+            stack, input_ids, sched, parts, comm, memory_budget, choices, only_full,
+            _sub_batch(slice(0, 1), batch, dropout_seed, attention_mask, position_ids),
+        )  # fmt: skip
+        recompute = choice.recompute
+        if memory is not None:
+            memory.choice = choice
     modes = layer_modes(recompute, len(list(stack.layers())))
     if modes is not None and len(set(modes)) == 1:  # one mode for every layer, given as a list
         modes, recompute = None, {FULL: True, KEEP: False, SELECTIVE: RECOMPUTE_SELECTIVE}[modes[0]]
@@ -116,8 +142,6 @@ def train_step(
         sched = dataclasses.replace(
             sched, fine_grained_recompute=True, recompute=False, selective=recompute == RECOMPUTE_SELECTIVE
         )
-    get_placements = getattr(stack, "layer_placements", None)
-    placements = get_placements() if get_placements is not None else None
     check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
     memory = RecomputeMemory() if memory is None else memory
     if offload is not None and not isinstance(offload, Offloader):
@@ -178,6 +202,39 @@ def train_step(
     if partial and comm.world_size > 1:
         _sum_over_group(partial, partial_before, comm)
     return loss
+
+
+def _auto(
+    stack: Stack,
+    input_ids: torch.Tensor,
+    sched: Schedule,
+    parts: int,
+    comm: Communicator,
+    memory_budget: Optional[float],
+    choices: Optional[dict],
+    only_full: str,
+    where: SubBatch,
+) -> RecomputeChoice:
+    """recompute="auto"'s choice for this step's shape (oases.schedule.budget): from `choices`
+    (the caller's cache, by shape) or chosen now and logged once."""
+    key = (tuple(input_ids.shape), parts, sched.fine_grained_recompute, memory_budget, only_full)
+    if choices is not None and key in choices:
+        return choices[key]
+    choice = choose_recompute(
+        stack,
+        input_ids,
+        where,
+        parts=parts,
+        fine=sched.fine_grained_recompute,
+        comm=comm,
+        memory_budget=memory_budget,
+        only_full=only_full,
+    )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("%s (input %s)", choice.describe(), tuple(input_ids.shape))
+    if choices is not None:
+        choices[key] = choice
+    return choice
 
 
 def partial_parameters(stack: Stack) -> list[torch.Tensor]:

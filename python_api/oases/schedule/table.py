@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -47,8 +47,9 @@ MAX_SUB_BATCHES = 8
 # "selective" (kept, saving only GEMM and attention outputs: oases.schedule.selective), for every
 # layer, or one of them per layer (a list as long as the stack's layers)
 RECOMPUTE_SELECTIVE = "selective"
+RECOMPUTE_AUTO = "auto"  # each layer's mode chosen for a memory budget (oases.schedule.budget)
 LayerRecompute = Union[bool, Literal["selective"]]
-Recompute = Union[LayerRecompute, Sequence[LayerRecompute]]
+Recompute = Union[Literal["auto"], LayerRecompute, Sequence[LayerRecompute]]
 # a layer's mode: recomputed by the schedule ("full"), its graphs kept ("keep"), kept selectively
 FULL, KEEP, SELECTIVE = "full", "keep", "selective"
 _MODE_OF = {True: FULL, False: KEEP, RECOMPUTE_SELECTIVE: SELECTIVE}
@@ -63,19 +64,19 @@ def _layer_mode(value: object) -> Optional[str]:
 
 def layer_modes(recompute: object, layers: Optional[int] = None) -> Optional[tuple[str, ...]]:
     """train_step's `recompute` as one mode per layer (None: the same for every layer, given as
-    one value); TypeError / ValueError naming the argument (a list's length checked against
-    `layers` where given)."""
+    one value, or "auto"); TypeError / ValueError naming the argument (a list's length checked
+    against `layers` where given)."""
     if isinstance(recompute, (bool, str)):
-        if _layer_mode(recompute) is None:
+        if _layer_mode(recompute) is None and recompute != RECOMPUTE_AUTO:
             raise TypeError(
-                f"recompute: expected True, False, {RECOMPUTE_SELECTIVE!r} or a list of them (one per "
-                f"layer), got {recompute!r}"
+                f"recompute: expected {RECOMPUTE_AUTO!r}, True, False, {RECOMPUTE_SELECTIVE!r} or a list of "
+                f"them (one per layer), got {recompute!r}"
             )
         return None
     if not isinstance(recompute, (list, tuple)):
         raise TypeError(
-            f"recompute: expected True, False, {RECOMPUTE_SELECTIVE!r} or a list of them (one per layer), "
-            f"got {type(recompute).__name__}"
+            f"recompute: expected {RECOMPUTE_AUTO!r}, True, False, {RECOMPUTE_SELECTIVE!r} or a list of "
+            f"them (one per layer), got {type(recompute).__name__}"
         )
     modes = tuple(_layer_mode(value) for value in recompute)
     if None in modes:
@@ -124,6 +125,7 @@ class RecomputeMemory:
 
     held: int = 0
     peak: int = 0
+    choice: Any = None  # recompute="auto": the step's oases.schedule.budget.RecomputeChoice
 
 
 class _RecomputeInputs:
@@ -173,7 +175,7 @@ def check_step(
     """Raise ValueError for arguments train_step cannot run (the same on every rank, before any
     communication); return the number of sub-batches."""
     modes = layer_modes(recompute)
-    kept = recompute is not True if modes is None else any(mode != FULL for mode in modes)
+    kept = recompute not in (True, RECOMPUTE_AUTO) if modes is None else any(mode != FULL for mode in modes)
     if kept and sequence_parallel:
         raise ValueError(
             f"recompute={recompute!r}: not with sequence_parallel (its sublayers are recomputed "
