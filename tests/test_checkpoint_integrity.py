@@ -317,6 +317,7 @@ def _check_trust(rank, p, path):
     assert not os.path.exists(flag)
     oases.load_checkpoint(model, root, optimizer=opt)
     assert os.path.exists(flag)  # the reason for trusted=False
+    dist.barrier()  # every rank has seen it before it goes
     _on(rank, 0, lambda: os.remove(flag))
 
     # DCP's .metadata replaced by a pickle naming code (no marker: read as a checkpoint of older oases).

@@ -34,6 +34,7 @@ damaged file raises `Damaged`.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import io
 import json
@@ -272,6 +273,8 @@ def read_marker(path: str) -> Optional[dict]:
         raise Damaged(MARKER, f"unreadable: not JSON ({len(raw)} bytes: {e})") from e
     if not isinstance(marker, dict):
         raise Damaged(MARKER, "unreadable: not a JSON object")
+    if "checksums" in marker and _SELF_CHECKSUM not in marker:  # written with both, or (older) neither
+        raise Damaged(MARKER, f"checksum: its {_SELF_CHECKSUM} is missing (corrupted)")
     if _SELF_CHECKSUM in marker and marker[_SELF_CHECKSUM] != _self_checksum(marker):
         raise Damaged(MARKER, f"checksum: its content does not match its {_SELF_CHECKSUM} (corrupted)")
     return marker
@@ -638,9 +641,27 @@ def _remove(path: str) -> None:
     shutil.rmtree(hidden)
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap the names `a` and `b` atomically (Linux renameat2 RENAME_EXCHANGE): True; False where
+    the C library, kernel or file system cannot (nothing changed then)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux, or a C library before glibc 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), a, None, b)
+
+
 def _publish(partial: str, final: str, marker: dict) -> None:
     """The marker written (fsynced) into `partial`, whose entries are then fsynced; `partial`
-    renamed to `final` (replacing an older one), and the parent's entries fsynced."""
+    renamed to `final`, and the parent's entries fsynced. An older checkpoint at `final` is
+    exchanged with `partial` in one atomic step where the system can (then deleted), so that
+    `final` always holds the old checkpoint or the new one; elsewhere it is renamed aside first."""
     with open(os.path.join(partial, MARKER + ".tmp"), "w") as f:
         f.write(marker_text(marker))
         f.flush()
@@ -648,7 +669,10 @@ def _publish(partial: str, final: str, marker: dict) -> None:
     os.replace(os.path.join(partial, MARKER + ".tmp"), os.path.join(partial, MARKER))
     fsync_dir(partial)  # the marker's name and every file DCP wrote: durable before the publishing rename
     root = os.path.dirname(final)
-    if os.path.lexists(final):  # an older checkpoint of that name (check_target made sure)
+    if os.path.lexists(final) and _exchange(partial, final):  # partial now holds the old checkpoint
+        fsync_dir(root)
+        shutil.rmtree(partial)
+    elif os.path.lexists(final):  # an older checkpoint of that name (check_target made sure)
         old = _sibling(final, "deleting")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import struct
 import sys
 from contextlib import nullcontext
@@ -260,23 +261,46 @@ def _check_config(model: nn.Module) -> None:
 
 
 def _write_config(model: nn.Module, path: str, dtype: Optional[torch.dtype]) -> None:
-    """config.json (and generation_config.json) as transformers writes them; a dataclass config as JSON."""
+    """config.json (and generation_config.json) as transformers writes them; a dataclass config as
+    JSON. Staged (`_staged`): a save that dies meanwhile leaves the previous config whole."""
     config = getattr(model, "config", None)
     if config is None:
         return
     if not callable(getattr(config, "save_pretrained", None)):  # a dataclass: GPTConfig -> "oases-gpt"
         kind = "oases-" + type(config).__name__.lower().removesuffix("config")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(dict(dataclasses.asdict(config), model_type=kind), f, indent=2)
+
+        def write(staging: str) -> None:
+            with open(os.path.join(staging, "config.json"), "w") as f:
+                json.dump(dict(dataclasses.asdict(config), model_type=kind), f, indent=2)
+
+        _staged(path, write)
         return
     config = copy.deepcopy(config)  # as transformers records them, without changing the model's config
     if dtype is not None:
         config.dtype = str(dtype).removeprefix("torch.")
     config.architectures = [type(model).__name__]
-    config.save_pretrained(path)
     generation = getattr(model, "generation_config", None)
-    if callable(getattr(generation, "save_pretrained", None)):
-        generation.save_pretrained(path)
+
+    def write_hf(staging: str) -> None:
+        config.save_pretrained(staging)
+        if callable(getattr(generation, "save_pretrained", None)):
+            generation.save_pretrained(staging)
+
+    _staged(path, write_hf)
+
+
+def _staged(path: str, write: Callable[[str], object]) -> None:
+    """`write(staging)` into the hidden directory path/.config.partial, then each file it wrote
+    fsynced and renamed over its name in `path` (atomic: the old file or the new one, never a cut
+    one, as a config written in place would be by a writer killed mid-write)."""
+    staging = _partial(path, "config")
+    shutil.rmtree(staging, ignore_errors=True)  # an earlier save's that died
+    os.makedirs(staging)
+    write(staging)
+    for name in sorted(os.listdir(staging)):
+        fsync_file(os.path.join(staging, name))
+        os.replace(os.path.join(staging, name), os.path.join(path, name))
+    os.rmdir(staging)
 
 
 _CONFIGS = ("config.json", "generation_config.json")  # what _write_config writes
@@ -500,7 +524,7 @@ def _write_adapter_config(model: nn.Module, adapter_name: str, path: str) -> Non
     if config.task_type is None and callable(getattr(model, "_get_base_model_class", None)):
         base_class = model._get_base_model_class(is_prompt_tuning=config.is_prompt_learning)
         auto_mapping = {"base_model_class": base_class.__name__, "parent_library": base_class.__module__}
-    config.save_pretrained(path, auto_mapping_dict=auto_mapping)
+    _staged(path, lambda staging: config.save_pretrained(staging, auto_mapping_dict=auto_mapping))
 
 
 def save_adapter(
