@@ -21,7 +21,9 @@ Per schedule (and `oases-sp`: the oases schedule with sequence parallelism, whos
 gathers and scatters are counted in `sent` and replayed as all-reduces of the same bytes in t_comm;
 `oases-keep`: the oases schedule without recomputation, `train_step(..., recompute=False)`, each
 sublayer's forward graph kept as the peers keep autograd's activations; `oases-selective`: those
-graphs saving only GEMM and attention outputs, `recompute="selective"`):
+graphs saving only GEMM and attention outputs, `recompute="selective"`; `oases-auto`: train_step's
+default, `recompute="auto"`, each layer's mode chosen for the device's memory; the plain schedules
+pin `recompute=True`, full recomputation):
 
     t_step      forward + backward (gradients zeroed first for llama, as a training loop does)
     t_compute   the same step with the all-reduces counted but not sent (Communicator.dry_run()),
@@ -98,14 +100,15 @@ from oases.schedule.runtime import _Task, _Work
 BASELINE = "megatron"
 MODELS = ("gpt", "llama")
 # Our variants: every schedule, and the oases schedule with sequence parallelism ("-sp").
-VARIANTS = (*SCHEDULES, "oases-sp", "oases-selective", "oases-keep")
-_RECOMPUTE = {"-keep": False, "-selective": "selective"}  # train_step's recompute of a variant's suffix
+VARIANTS = (*SCHEDULES, "oases-sp", "oases-selective", "oases-keep", "oases-auto")
+# train_step's recompute of a variant's suffix; the plain schedules pin True (full recomputation)
+_RECOMPUTE = {"-keep": False, "-selective": "selective", "-auto": "auto"}
 
 
 def _variant(name: str) -> tuple[str, bool, object]:
     """(schedule, sequence_parallel, recompute) of a variant name."""
     recompute = next((r for suffix, r in _RECOMPUTE.items() if name.endswith(suffix)), True)
-    base = name.removesuffix("-sp").removesuffix("-keep").removesuffix("-selective")
+    base = name.removesuffix("-sp").removesuffix("-keep").removesuffix("-selective").removesuffix("-auto")
     return base, name.endswith("-sp"), recompute
 
 
@@ -295,7 +298,10 @@ def _gpt_case(args, ctx) -> _Case:
         notes=["torch_tp: DTensor ColwiseParallel/RowwiseParallel, plain autograd (no recomputation)"],
         inputs={"tokens": tokens, "targets": targets},
         grad_check=lambda m=models[BASELINE]: check_gradients(m),
-        real_step=lambda m=models[BASELINE]: (m.zero_grad(set_to_none=True), m.train_step(tokens, targets)),
+        real_step=lambda m=models[BASELINE]: (
+            m.zero_grad(set_to_none=True),
+            m.train_step(tokens, targets, recompute=True),
+        ),
     )
 
 

@@ -144,7 +144,9 @@ class _Job:
             ids = torch.randint(0, vocab, (args.batch, _seq_len(args)), generator=torch.Generator().manual_seed(step))
             ids = ids.chunk(self.dp)[dist.get_rank(self.dp_group)]  # this replica's rows
             with PeakRSS(args.interval) as backward:
-                oases.train_step(self.model, ids, ids, schedule=args.schedule, grad_sync=self.sync)
+                oases.train_step(
+                    self.model, ids, ids, schedule=args.schedule, grad_sync=self.sync, recompute=True
+                )  # the planner's model: full recomputation
             with PeakRSS(args.interval) as update:
                 self.opt.step()
             self.opt.zero_grad(set_to_none=True)

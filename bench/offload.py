@@ -243,7 +243,7 @@ def _step(args, ctx) -> dict:
     def step_of(model):
         def step(memory=None):
             with torch.autocast(ctx.device.type, autocast, enabled=autocast is not None):
-                return model.train_step(tokens, targets, memory=memory)
+                return model.train_step(tokens, targets, memory=memory, recompute=True)
 
         return step
 

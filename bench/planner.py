@@ -110,19 +110,23 @@ def _configurations(ctx, config: GPTConfig, shape: ModelShape, alone, tokens: to
     for name, schedule, n, sp in tp_cases:
         model = GPT(config, ctx.group, schedule=schedule, seed=0, sequence_parallel=sp)
         models[name] = model
-        steps[name] = lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n)
-        compute_only[name] = lambda m=model, n=n: _dry(m, lambda: m.train_step(tokens, targets, sub_batches=n))
+        steps[name] = lambda m=model, n=n: m.train_step(tokens, targets, sub_batches=n, recompute=True)
+        compute_only[name] = lambda m=model, n=n: _dry(
+            m, lambda: m.train_step(tokens, targets, sub_batches=n, recompute=True)
+        )
         works[name] = (Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n, sequence_parallel=sp), 2)
     for schedule, n in DP_VARIANTS:
         name = f"dp-{schedule}"
         model = GPT(config, alone, schedule=schedule, seed=0)
 
         def dp_step(m=model, n=n) -> None:
-            m.train_step(tokens[half], targets[half], sub_batches=n)
+            m.train_step(tokens[half], targets[half], sub_batches=n, recompute=True)
             _flat_all_reduce(m)
 
         steps[name] = dp_step
-        compute_only[name] = lambda m=model, n=n: m.train_step(tokens[half], targets[half], sub_batches=n)
+        compute_only[name] = lambda m=model, n=n: m.train_step(
+            tokens[half], targets[half], sub_batches=n, recompute=True
+        )
         works[name] = (Workload(shape, rows=batch, tp=2, schedule=schedule, sub_batches=n), 1)
     return steps, works, compute_only, models
 
@@ -268,9 +272,9 @@ def _mixed_case(
     steps = {}
     for name, degrees in plans.items():
         model = GPT(config, ctx.group, tp_degrees=list(degrees), schedule="oases", seed=0)
-        steps[name] = lambda m=model: m.train_step(tokens, targets, sub_batches=2)
+        steps[name] = lambda m=model: m.train_step(tokens, targets, sub_batches=2, recompute=True)
     overlapped = GPT(config, ctx.group, schedule="oases", seed=0)
-    steps["tp2-oases"] = lambda: overlapped.train_step(tokens, targets, sub_batches=2)
+    steps["tp2-oases"] = lambda: overlapped.train_step(tokens, targets, sub_batches=2, recompute=True)
     predicted = {
         name: plan_degrees(work, profile, math.inf, degrees=tuple(sorted(set(d)))) if len(set(d)) == 1 else planned
         for name, d in plans.items()

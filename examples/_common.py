@@ -93,6 +93,9 @@ def print_table(results: list[dict]) -> bool:
             f"{r['loss_first']:>11.4f} {r['loss_last']:>10.4f} {base['step_s'] / r['step_s']:>7.2f}x"
         )
     print("busy: fraction of the step not blocked on communication (the least busy rank)")
+    for r in results:
+        if r.get("recompute"):
+            print(f"{r['schedule']}: {r['recompute']}")
     same = all(abs(r["loss_last"] - base["loss_last"]) <= 1e-4 * abs(base["loss_last"]) for r in results)
     print()
     for r in results[1:]:

@@ -9,7 +9,9 @@ sharded with one `oases.parallelize` call and trained with `oases.train_step` in
 with torch.optim.AdamW (labels are the inputs: the loss shifts them, as Hugging Face's does).
 `oases-sp` is the oases schedule with sequence parallelism. Each schedule starts from the same
 seed and sees the same batches of a deterministic character-level corpus, so the losses agree
-step by step; only the time differs. Started outside a distributed launch, the script
+step by step; only the time differs. Every schedule runs train_step's default recompute="auto"
+(each layer kept, selective or recomputed to fit the memory); the table's last lines say what it
+chose (sequence parallelism always recomputes). Started outside a distributed launch, the script
 re-launches itself through `oases-launch`.
 """
 
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import oases
-from oases.schedule import Communicator
+from oases.schedule import Communicator, RecomputeMemory
 
 from _common import VOCAB, batches, compare, corpus, launch_or_run, parser, train_loop
 
@@ -66,11 +68,14 @@ def train(label: str, data: torch.Tensor, args, show: bool) -> dict:
     model = build(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     comm = Communicator(dist.group.WORLD, dist.get_world_size())  # counts the time blocked on it
+    memory = RecomputeMemory()  # where train_step's default, recompute="auto", says what it chose
 
     def step(tokens: torch.Tensor, _: torch.Tensor) -> torch.Tensor:  # labels = inputs, shifted inside
-        return oases.train_step(model, tokens, tokens, schedule=schedule, sequence_parallel=sp, comm=comm)
+        return oases.train_step(
+            model, tokens, tokens, schedule=schedule, sequence_parallel=sp, comm=comm, memory=memory
+        )
 
-    return train_loop(
+    result = train_loop(
         label,
         step,
         optimizer,
@@ -80,6 +85,7 @@ def train(label: str, data: torch.Tensor, args, show: bool) -> dict:
         args.batch * args.seq_len,
         show,
     )
+    return dict(result, recompute=memory.choice.describe())
 
 
 def run(args) -> None:

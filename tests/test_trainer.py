@@ -467,7 +467,7 @@ def test_dp2_tp2_matches_one_process_trainer(tmp_path):
     _assert_same_run(ranks[0]["reference"], ranks[0]["run"])
     for rank in ranks:
         assert rank["run"]["history"] == ranks[0]["run"]["history"]
-        assert rank["run"]["recompute"] is False  # activation_checkpointing off
+        assert rank["run"]["recompute"] == "auto"  # activation_checkpointing off: chosen for the memory
         assert rank["run"]["started_in_backward"] > 0  # DP buckets overlapped the last micro-batch's backward
     _assert_same_run(ranks[0]["reference"], ranks[0]["zero"])  # ZeRO-1: the same run
     for rank in ranks:

@@ -108,7 +108,7 @@ def _check_gpt(rank, p, want_loss, want_grads):
                     for sub in layer:
                         sub.core_for_gradients = sub.core
             losses = []
-            counted[unread] = _step_flops(lambda: losses.append(model.train_step(tokens, targets)))
+            counted[unread] = _step_flops(lambda: losses.append(model.train_step(tokens, targets, recompute=True)))
             where = f"GPT sequence_parallel={sp} unread={unread}"
             torch.testing.assert_close(losses[0], want_loss, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
             for name, param in model.named_parameters():
@@ -175,7 +175,7 @@ def _check_llama(rank, p, scaled):
         warnings.simplefilter("ignore")
         tp = oases.parallelize(copy.deepcopy(ref), None)
     rows = [m for m in tp.modules() if isinstance(m, RowParallelLinear)]
-    oases.train_step(tp, ids, ids, schedule="oases")  # a scaled MLP's projection found read (marked)
+    oases.train_step(tp, ids, ids, schedule="oases", recompute=True)  # a scaled MLP's projection found read (marked)
     read = {r for r in rows if r._output_read}
     assert read == ({layer.mlp.down_proj for layer in tp.model.layers} if scaled else set())
     counted = {}
@@ -183,9 +183,9 @@ def _check_llama(rank, p, scaled):
         tp.zero_grad(set_to_none=True)
         for row in rows:  # False: every core run in full, as before
             row._output_read = not unread or row in read
-        counted[unread] = _step_flops(lambda: oases.train_step(tp, ids, ids, schedule="oases"))
+        counted[unread] = _step_flops(lambda: oases.train_step(tp, ids, ids, schedule="oases", recompute=True))
         tp.zero_grad(set_to_none=True)
-        oases.train_step(tp, ids, ids, schedule="oases")
+        oases.train_step(tp, ids, ids, schedule="oases", recompute=True)
         for name, param in tp.named_parameters():
             if name in want:
                 torch.testing.assert_close(

@@ -124,7 +124,7 @@ def train_step(
     comm: Optional[Communicator] = None,
     memory: Optional[RecomputeMemory] = None,
     offload: Union[bool, Offloader] = False,
-    recompute: Recompute = True,
+    recompute: Recompute = "auto",
     memory_budget: Optional[float] = None,
     grad_sync: Optional[GradientSync] = None,
     check_inputs: CheckMode = True,
@@ -175,7 +175,7 @@ def train_step(
     (Megatron's and torchtitan's selective recomputation; oases.schedule.selective). A list of
     those values, one per layer (`[False, False, "selective", True]`), sets each layer's mode: the
     kept layers as above, the others recomputed as the schedule recomputes; the same gradients.
-    `recompute="auto"`: each layer's mode chosen so that the step's predicted peak fits
+    `recompute="auto"` (the default): each layer's mode chosen so that the step's predicted peak fits
     `memory_budget` (bytes, the whole rank: parameters, gradients, AdamW's states, activations;
     None: the device's free memory less 10%, shared by the ranks on it), fastest first (keep, then
     selective, then full recomputation), measured once per input shape on one row of the batch and
@@ -220,7 +220,7 @@ def train_step(
         offload: True, False or an Offloader, as above (default False: no offload).
         recompute: recompute each sublayer's forward in the backward (True), keep its graph (False),
             or keep it saving only GEMM and attention outputs ("selective"); or a list, one per layer;
-            or "auto": chosen per layer for memory_budget.
+            or "auto" (default): chosen per layer for memory_budget.
         memory_budget: with recompute="auto", the rank's peak in bytes (None: the device's rule).
         grad_sync: a GradientSync averaging the gradients over data-parallel replicas (None: no DP).
         check_inputs: True, "broadcast" or False, as above.

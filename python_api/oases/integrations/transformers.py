@@ -29,7 +29,8 @@ num_items=...)`: the loss is Trainer's, the sum of the token losses over num_ite
 labels[:, 1:] != -100 of the whole accumulation window, over every DP rank), so losses, gradients,
 the logged loss and `grad_norm` (oases.nn.clip_grad_norm_: the unsharded model's norm) are the
 single process's. `activation_checkpointing` (`gradient_checkpointing`) is Oases' recomputation
-(`recompute=True`; off: `recompute=False`), Hugging Face's own checkpointing is never enabled on top.
+(`recompute=True`; off: `recompute="auto"`, each layer kept or recomputed to fit the device's
+memory), Hugging Face's own checkpointing is never enabled on top.
 
 Checkpoints. Each checkpoint-N holds `oases/`, an `oases.save_checkpoint` written by every rank (the
 shards, AdamW's state, the LR scheduler and the position in `extra`, each rank's RNG), beside
@@ -337,7 +338,9 @@ class OasesTrainer(Trainer):
         sub_batches: how many interleaved parts each micro-batch is split into (None: the
             schedule's own; a batch with fewer rows runs with one part per row).
         recompute: oases.train_step's recompute (None: True with args.activation_checkpointing,
-            else False; "selective" for selective recomputation).
+            else "auto": each layer kept, selective or recomputed to fit the device's memory;
+            False keeps every layer, "selective" for selective recomputation).
+        memory_budget: with recompute="auto", the rank's peak in bytes (None: the device's rule).
         zero: ZeRO-1 over the DP ranks: the optimizer Trainer would build (its class, hyper-parameters
             and weight-decay groups) inside oases.dp.ZeroOptimizer, each DP rank holding the state
             of 1/dp of every parameter's rows; gradients reduce-scattered during the window's last
@@ -358,6 +361,7 @@ class OasesTrainer(Trainer):
         schedule: str = "oases",
         sub_batches: Optional[int] = None,
         recompute: Optional[Any] = None,
+        memory_budget: Optional[float] = None,
         zero: bool = False,
         **trainer_kwargs: Any,
     ) -> None:
@@ -410,7 +414,8 @@ class OasesTrainer(Trainer):
         self.tp_size, self.dp_size = tp_size, world // tp_size
         self.dp_rank = rank // tp_size
         self.schedule, self.sub_batches = schedule, sub_batches
-        self.recompute = bool(args.activation_checkpointing) if recompute is None else recompute
+        self.recompute = (True if args.activation_checkpointing else "auto") if recompute is None else recompute
+        self.memory_budget = memory_budget
         self.device_mesh = None
         if world > 1:
             from torch.distributed.device_mesh import init_device_mesh
@@ -662,6 +667,7 @@ class OasesTrainer(Trainer):
             position_ids=step.position_ids,
             num_items=divisor,
             recompute=self.recompute,
+            memory_budget=self.memory_budget,
             grad_sync=grad_sync,
         )
 

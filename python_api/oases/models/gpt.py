@@ -280,7 +280,7 @@ class GPT(nn.Module):
         sub_batches: Optional[int] = None,
         memory: Optional[RecomputeMemory] = None,
         check_inputs: CheckMode = True,
-        recompute: Recompute = True,
+        recompute: Recompute = "auto",
         memory_budget: Optional[float] = None,
     ) -> torch.Tensor:
         """Forward and backward of the mean token loss (targets not shifted) on `self.schedule`.
