@@ -272,13 +272,10 @@ def test_plan_chooses_sequence_parallel_when_it_is_faster_or_alone_fits(tmp_path
     assert fast_link.tp == 2 and not fast_link.sequence_parallel
     assert fast_link.form_step_s["rs_ag"] >= fast_link.form_step_s["all_reduce"]
     # memory that holds the sequence-split activations only: TP 2 with sequence parallelism
-    dense = P.plan(shape, device_memory="80GB", link="100gbit", **base)
-    sp = P.plan_degrees(
-        P.Workload(shape, rows=4, tp=2, sequence_parallel=True),
-        P.analytical_profile(flops_per_s=100e12, link="100gbit"),
-        float("inf"),
-        degrees=(2,),
-    )
+    # (the all-reduce form's least: every layer recomputed)
+    profile = P.analytical_profile(flops_per_s=100e12, link="100gbit")
+    dense = P.plan_degrees(P.Workload(shape, rows=4, tp=2), profile, float("inf"), degrees=(2,))
+    sp = P.plan_degrees(P.Workload(shape, rows=4, tp=2, sequence_parallel=True), profile, float("inf"), degrees=(2,))
     budget = (sp.memory_bytes + dense.memory_bytes) / 2
     tight = P.plan(shape, device_memory=int(budget), link="100gbit", **base)
     assert tight.sequence_parallel and tight.tp == 2 and tight.memory_bytes <= budget
@@ -901,3 +898,32 @@ def test_cli_plans_a_mixtral_config(tmp_path):
     # all 8 experts held: a 1-expert model of the same shape needs less memory at the same layout
     one = P.plan(replace(shape, experts=1, experts_per_token=1), world=4, device_memory="8GB", link="10gbit", batch=8)
     assert doc["memory_bytes"] > one.memory_bytes
+
+
+def test_plan_chooses_each_layers_recomputation_for_the_memory(tmp_path):
+    """Memory to spare: every layer kept, the step shorter by what recomputation cost; memory for
+    full recomputation only: every layer recomputed; between: a mix, within the device's memory,
+    the predicted step falling as memory grows. oases.plan.recompute reads it back as
+    train_step's per-layer values."""
+    shape = P.ModelShape(layers=4, hidden=1024, heads=16, seq_len=2048, vocab_size=1024)
+    base = dict(world=2, batch=4, tp_max=2, variants=(("oases", 2),), link="10gbit")
+    roomy = P.plan(shape, device_memory="200GB", **base)
+    assert roomy.recompute == ("keep",) * 4 and roomy.step_s < roomy.full_recompute_step_s
+    profile = P.analytical_profile(flops_per_s=100e12, link="10gbit")
+    least = P.plan_degrees(P.Workload(shape, rows=4, tp=2), profile, float("inf"), degrees=(2,)).memory_bytes
+    tight = P.plan(shape, device_memory=int(least), **base)
+    assert tight.recompute == ("full",) * 4 and tight.step_s == tight.full_recompute_step_s
+    plans = [P.plan(shape, device_memory=int(tight.memory_bytes * f), **base) for f in (1.2, 1.3, 1.5)]
+    assert all(p.memory_bytes <= p.device_memory for p in plans)
+    steps = [tight.step_s] + [p.step_s for p in plans] + [roomy.step_s]
+    assert steps == sorted(steps, reverse=True) and steps[0] > steps[-1], steps
+    mixed = [p for p in plans if "full" in p.recompute and set(p.recompute) - {"full"}]
+    assert mixed, [p.recompute for p in plans]
+    path = tmp_path / "plan.json"
+    mixed[0].save(str(path))
+    assert oases.plan.recompute(str(path)) == [
+        {"full": True, "selective": "selective", "keep": False}[m] for m in mixed[0].recompute
+    ]
+    old = {k: v for k, v in mixed[0].to_dict().items() if k != "recompute"}
+    path.write_text(json.dumps(old))  # a plan written before the planner chose recomputation
+    assert oases.plan.recompute(str(path)) == [True] * 4

@@ -64,6 +64,14 @@ def _check_budgets(rank, world_size):
 
     _, roomy, _ = _step(tp, ids, 10**12)
     least, most = roomy.smallest, roomy.predicted
+    # the planner's model of each mode's bytes (oases.costs.recompute.mode_elements) against the probe's
+    from oases.planner import Workload, shape_from_config
+    from oases.planner.cost import mode_bytes
+
+    work = Workload(shape_from_config(ref.config, seq_len=ids.shape[1]), rows=ids.shape[0], tp=world_size)
+    modelled = mode_bytes(work, world_size, 4)
+    measured = roomy.layers[0]
+    ratios = [modelled[i] / getattr(measured, m) for i, m in enumerate(("full", "selective", "keep"))]
     assert roomy.modes == (KEEP,) * LAYERS and most == roomy.base + roomy.transient + sum(m.keep for m in roomy.layers)
     results = {}
     for name, budget in (("most", most), ("least", least), ("between", (least + most) / 2)):
@@ -108,12 +116,15 @@ def _check_budgets(rank, world_size):
     _, sp, _ = _step(tp, ids, 10**12, sequence_parallel=True)
     assert sp.modes == (FULL,) * LAYERS and sp.reason == "sequence parallel"
     dist.barrier()
-    return results
+    return results, ratios
 
 
 def test_the_budget_decides_each_layer_and_ranks_agree():
     ranks = run_ranks(_check_budgets, 2, timeout=180)
-    assert ranks[0] == ranks[1]  # both ranks chose the same modes
+    assert ranks[0][0] == ranks[1][0]  # both ranks chose the same modes
+    full, selective, keep = ranks[0][1]  # the planner's bytes / the probe's, at TP 2
+    assert full == pytest.approx(1.0, abs=1e-9) and selective == pytest.approx(1.0, abs=0.03), ranks[0][1]
+    assert keep == pytest.approx(1.0, abs=0.12), ranks[0][1]  # 0.90 measured: the model counts fewer unsharded tensors
 
 
 def _check_dropout(rank, world_size):

@@ -3,6 +3,7 @@
 degrees = oases.plan.load("plan.json")       # [2, 2, 4, 4, ..., 2]: one TP degree per layer
 sp = oases.plan.sequence_parallel("plan.json")  # train_step(..., sequence_parallel=sp)
 n = oases.plan.chunks("plan.json")           # parallelize(model, chunks=n)
+r = oases.plan.recompute("plan.json")        # train_step(..., recompute=r): one mode per layer
 doc = oases.plan.read("plan.json")           # the whole document: layout, predictions, per layer
 """
 
@@ -14,7 +15,7 @@ from oases import _checks
 from oases.planner._files import read_json
 from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
 
-__all__ = ["load", "read", "sequence_parallel", "chunks", "Plan"]
+__all__ = ["load", "read", "sequence_parallel", "chunks", "recompute", "Plan"]
 
 
 def read(path: str) -> dict[str, Any]:
@@ -53,3 +54,21 @@ def chunks(path: str) -> int:
     if not _checks.is_int(value) or value < 1:
         raise ValueError(f"path: {path!r} has a chunks that is not a positive integer: {value!r}")
     return value
+
+
+_RECOMPUTE_VALUES = {"full": True, "selective": "selective", "keep": False}
+
+
+def recompute(path: str) -> list:
+    """Each layer's recomputation in the plan at `path`, as train_step's per-layer `recompute`
+    (True: recomputed, "selective", False: kept): `oases.train_step(..., recompute=recompute(path))`.
+    Plans written before the planner chose it recompute every layer (True each)."""
+    doc = read(path)
+    modes = doc.get("recompute") or ["full"] * len(doc["tp_degrees"])
+    if (
+        not isinstance(modes, list)
+        or len(modes) != len(doc["tp_degrees"])
+        or any(m not in _RECOMPUTE_VALUES for m in modes)
+    ):
+        raise ValueError(f"path: {path!r} has a recompute that is not one of full / selective / keep per layer")
+    return [_RECOMPUTE_VALUES[m] for m in modes]

@@ -27,7 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["FULL", "SELECTIVE", "KEEP", "MODES", "SELECTIVE_RERUN", "LayerModes", "choose_modes", "held_bytes"]
+__all__ = [
+    "FULL",
+    "SELECTIVE",
+    "KEEP",
+    "MODES",
+    "SELECTIVE_RERUN",
+    "LayerModes",
+    "choose_modes",
+    "held_bytes",
+    "mode_elements",
+]
 
 FULL, SELECTIVE, KEEP = "full", "selective", "keep"
 MODES = (FULL, SELECTIVE, KEEP)
@@ -56,6 +66,43 @@ class LayerModes:
     def rerun(self, mode: str) -> float:
         """Time the backward reruns in `mode`."""
         return _RERUN[mode] * self.forward
+
+
+def mode_elements(
+    hidden: int,
+    kv_dim: int,
+    mlp_width: int,
+    heads: int,
+    seq_len: int,
+    degree: int,
+    *,
+    gated: bool,
+    eager: bool = False,
+) -> tuple[float, float]:
+    """Elements per token one layer of a Llama- or GPT-style decoder holds at TP `degree` kept
+    selectively and kept whole, (selective, keep); full recomputation holds its inputs instead
+    (1 or 2 per token times hidden). `mlp_width`: the MLP's hidden width (an MoE: the widths a
+    token runs, k f + f_shared); `eager`: attention's probabilities materialised (heads * seq_len
+    per token) instead of a fused kernel's statistics (heads)::
+
+        both:      6 h                   per sublayer: its input, its normed input, its output
+                                         (the row-parallel GEMM's, whole on every rank)
+        selective: (2 h + 2 kv + m f + a) / d      q, k, v and attention's outputs; the MLP's
+                                                   column GEMMs' outputs (m = 2 gated, 1 not)
+        keep:      (4 h + 2 kv + 2 m f + a) / d    and what autograd saves besides: rotary's
+                                                   products, the activation's input and output
+        a = heads * seq_len (eager) or heads
+
+    Fit to what oases.schedule.budget's probe measures (HF Llama, GPT-NeoX, GPT-2; sdpa and
+    eager): selective within 1-3% (TP 1 and 2); keep within 7% at TP 1 and 10% under at TP 2
+    (Llama, GPT-NeoX); GPT-2's tanh GELU saves more (keep measured a third above this). The
+    runtime's recompute="auto" measures instead; the planner, without the model, uses this."""
+    h, d = hidden, degree
+    a = heads * seq_len if eager else heads
+    m = 2 if gated else 1
+    selective = 6 * h + (2 * h + 2 * kv_dim + m * mlp_width + a) / d
+    keep = 6 * h + (4 * h + 2 * kv_dim + 2 * m * mlp_width + a) / d
+    return selective, keep
 
 
 def held_bytes(layers: Sequence[LayerModes], modes: Sequence[str]) -> float:

@@ -54,6 +54,17 @@ def _form_line(p: Plan) -> str:
     )
 
 
+def _recompute_line(p: Plan) -> str:
+    """Each layer's recomputation (runs of equal layers folded) and what it saves."""
+    modes = p.recompute or ("full",) * len(p.tp_degrees)
+    runs = ", ".join(f"{modes[a]} {a}" if a == b else f"{modes[a]} {a}-{b}" for a, b in _runs(modes))
+    saved = p.full_recompute_step_s - p.step_s if p.full_recompute_step_s else 0.0
+    return (
+        f"recompute per layer: {runs} (train_step(recompute=oases.plan.recompute(path))); "
+        f"{1e3 * saved:.1f} ms less than recomputing every layer"
+    )
+
+
 def render(p: Plan) -> str:
     """The plan as a table: layout, per-layer degrees (runs of equal layers folded), predictions."""
     m = p.model
@@ -108,6 +119,7 @@ def render(p: Plan) -> str:
         f"dominated by: {p.dominated_by} (compute {1e3 * p.compute_s:.1f} ms, exposed comm "
         f"{1e3 * p.exposed_comm_s:.1f} ms)",
         verdict,
+        _recompute_line(p),
         f"TP degrees per layer: {list(p.tp_degrees)}",
         f"planned in {1e3 * p.planner_s:.0f} ms over {p.candidates} layouts",
     ]

@@ -72,6 +72,7 @@ from typing import Optional, Sequence
 from oases import _checks
 from oases.costs.chunks import OP_MAX_CHUNKS, chunk_count
 from oases.costs.collectives import CollectiveChoice
+from oases.costs.recompute import mode_elements
 from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
 from oases.schedule import SCHEDULES  # the runtime's own table: one source of truth
@@ -88,6 +89,7 @@ __all__ = [
     "sequence_parallel_ok",
     "sequence_parallel_form",
     "kept_input_bytes",
+    "mode_bytes",
     "buffer_bytes",
     "logits_bytes",
 ]
@@ -210,9 +212,14 @@ def sequence_parallel_ok(work: Workload, degree: int) -> bool:
     return degree == work.tp > 1 and work.shape.seq_len % degree == 0
 
 
-def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = False, last: bool = False) -> LayerCost:
+def layer_cost(
+    work: Workload, profile: Profile, degree: int, *, first: bool = False, last: bool = False, recompute: bool = True
+) -> LayerCost:
     """Node cost (eq. 3) and memory (eq. 6) of one layer at TP degree `degree`; the LM head's
-    forward + backward is counted in the `last` layer (it runs on that layer's rows)."""
+    forward + backward is counted in the `last` layer (it runs on that layer's rows).
+    `recompute=False`: the layer's graphs kept from the forward (train_step's recompute=False for
+    it): no recomputed forward in its backward, no recomputation pass (its time; the memory of
+    its kept activations is `mode_bytes`'s)."""
     if degree not in tp_degrees(work.shape, work.tp):
         raise ValueError(
             f"degree: {degree} is not one of {tp_degrees(work.shape, work.tp)} (powers of two "
@@ -244,8 +251,8 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         stall = max(stall, min(c_f, a_fwd))
         widest = max(widest, (c_f, a_fwd), key=lambda pair: pair[1])
         passes(c_f, a_fwd)  # forward
-        passes(c_b + (c_r if fine else 0.0), a_bwd)  # backward (fine-grained: recompute inside)
-        if not fine:
+        passes(c_b + (c_r if fine and recompute else 0.0), a_bwd)  # backward (fine-grained: recompute inside)
+        if not fine and recompute:
             passes(c_r, a_fwd)  # recomputation of the layer, with its all-reduces
     if barriers and n >= 2:
         time += 2 * stall
@@ -286,6 +293,21 @@ def layer_cost(work: Workload, profile: Profile, degree: int, *, first: bool = F
         )
     )
     return LayerCost(degree, time, compute, comm, states, kept_input_bytes(work, degree, e), chunks)
+
+
+def mode_bytes(work: Workload, degree: int, element_bytes: float) -> tuple[float, float, float]:
+    """Bytes one layer at `degree` holds from its forward to its backward per step (every
+    sub-batch) in each recomputation mode, (full, selective, keep): full recomputation its saved
+    inputs (kept_input_bytes), the kept modes what oases.costs.recompute.mode_elements counts per
+    token (sdpa attention; an MoE: the widths a token runs), never less than full's."""
+    s = work.shape
+    width = s.experts_per_token * s.ffn_hidden + s.shared_ffn_hidden if s.experts else s.ffn_hidden
+    selective, keep = mode_elements(
+        s.hidden, s.kv_heads * s.head_dim, width, s.heads, s.seq_len, degree, gated=s.gated_mlp
+    )
+    tokens = work.rows_at(degree) * s.seq_len
+    full = kept_input_bytes(work, degree, element_bytes)
+    return full, max(full, tokens * selective * element_bytes), max(full, tokens * keep * element_bytes)
 
 
 def kept_input_bytes(work: Workload, degree: int, element_bytes: float) -> float:

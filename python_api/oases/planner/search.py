@@ -20,6 +20,13 @@ cost.sequence_parallel_form): per-layer degrees with all-reduces, and every laye
 with each all-reduce as reduce-scatter + all-gather (sequence parallelism: more bytes, a
 re-gather in recomputation, half the saved activations; without a pipeline, whose stages do not
 run it); `Plan.sequence_parallel` says which won.
+Then each layer's recomputation (train_step's `recompute` per layer, oases.costs.recompute): the
+memory the chosen degrees leave is spent on keeping layers instead of recomputing them, greedily
+by time saved per byte (choose_modes), with each mode's bytes from cost.mode_bytes (times the
+micro-batches in flight) and its time from the layer's cost with and without recomputation;
+t_mb drops by what the kept layers no longer rerun. Sequence parallelism recomputes every layer
+(the runtime's only mode there). `Plan.recompute` carries the modes, `full_recompute_step_s` the
+step with every layer recomputed.
 The plan with the least predicted step time wins; `uniform_step_s` is the best plan of the same
 layout with one degree everywhere, so a reader sees what the per-layer choice bought.
 """
@@ -32,12 +39,14 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from oases import _checks
+from oases.costs.recompute import FULL, LayerModes, choose_modes, held_bytes
 from oases.planner.cost import (
     LayerCost,
     Workload,
     edge_cost,
     fixed_memory,
     layer_cost,
+    mode_bytes,
     sequence_parallel_ok,
     tp_degrees,
 )
@@ -142,6 +151,10 @@ class Plan:
     # pieces per fused GEMM + collective for parallelize(..., chunks=): the layers' most common
     # count (Centauri's Algorithm 1 with the profile's chunked-GEMM efficiency; 1 without TP)
     chunks: int = 1
+    # each layer's recomputation ("full", "selective", "keep"; one per layer of the whole model)
+    # for train_step(recompute=...), and the step had every layer been recomputed
+    recompute: tuple[str, ...] = ()
+    full_recompute_step_s: float = 0.0
 
     @property
     def mixed(self) -> bool:
@@ -272,12 +285,18 @@ def _evaluate(
         return None
     form = min(fitting, key=lambda f: (fitting[f].time_s, f != "all_reduce"))  # ties: the plain all-reduce
     chosen = fitting[form]
+    full_t_mb = chosen.time_s
+    modes, saved_s, extra_bytes = (
+        ((FULL,) * len(chosen.layers), 0.0, 0.0)
+        if form == "rs_ag"
+        else _recompute_modes(work, profile, chosen, budget, in_flight)
+    )
     uniform = float("inf")
     try:
         uniform = plan_degrees(work, profile, budget, in_flight=in_flight, degrees=(tp,)).time_s
     except ValueError:
         pass
-    t_mb = chosen.time_s
+    t_mb = chosen.time_s - saved_s
     e = profile.element_bytes
     pp_comm = profile.collective_time("p2p", 2, work.rows * stage.seq_len * stage.hidden * e) if pp > 1 else 0.0
     router = stage.router_parameters()  # an MoE's router: replicated over tp (0 dense)
@@ -292,11 +311,13 @@ def _evaluate(
         ns, ratio, exposed_dp = 1, 1.0, dp_comm
     pipeline = (m + pp - 1) * t_mb + 2 * (pp - 1) * ns * pp_comm
     step = pipeline + exposed_dp
+    full_step = (m + pp - 1) * full_t_mb + 2 * (pp - 1) * ns * pp_comm + exposed_dp
     uniform_step = (m + pp - 1) * uniform + 2 * (pp - 1) * ns * pp_comm + exposed_dp
     form_step = {
         f: None if p is None else (m + pp - 1) * p.time_s + 2 * (pp - 1) * ns * pp_comm + exposed_dp
         for f, p in forms.items()
     }
+    form_step[form] = step  # the chosen form with its layers' recomputation chosen
     compute = m * chosen.compute_s
     exposed = max(0.0, step - compute)
     layers = tuple(
@@ -329,7 +350,7 @@ def _evaluate(
         dp_overlap_ratio=ratio,
         tp_degrees=chosen.degrees * pp,
         step_s=step,
-        memory_bytes=chosen.memory_bytes,
+        memory_bytes=chosen.memory_bytes + extra_bytes,
         compute_s=compute,
         exposed_comm_s=exposed,
         dominated_by="exposed comm" if exposed > compute else "compute",
@@ -339,4 +360,25 @@ def _evaluate(
         sequence_parallel=form == "rs_ag",
         form_step_s=form_step,
         chunks=chunks,
+        recompute=tuple(modes) * pp,
+        full_recompute_step_s=full_step,
     )
+
+
+def _recompute_modes(
+    work: Workload, profile: Profile, chosen: DegreePlan, budget: float, in_flight: int
+) -> tuple[tuple[str, ...], float, float]:
+    """(each layer's mode, the micro-batch time they save, the bytes they add) for the degrees
+    `chosen`: the memory `budget` leaves above it spent by choose_modes (module docstring)."""
+    last = len(chosen.layers) - 1
+    layers = []
+    for i, c in enumerate(chosen.layers):
+        kept = layer_cost(work, profile, c.degree, first=i == 0, last=i == last, recompute=False)
+        full, selective, keep = (in_flight * b for b in mode_bytes(work, c.degree, profile.element_bytes))
+        layers.append(LayerModes(full, selective, keep, forward=max(0.0, c.time_s - kept.time_s)))
+    held = held_bytes(layers, [FULL] * len(layers))
+    modes = choose_modes(layers, budget - (chosen.memory_bytes - held))
+    if modes is None:  # (the degrees were chosen to fit with every layer recomputed)
+        return (FULL,) * len(layers), 0.0, 0.0
+    saved = sum(layer.rerun(FULL) - layer.rerun(mode) for layer, mode in zip(layers, modes))
+    return modes, saved, held_bytes(layers, modes) - held
