@@ -32,6 +32,7 @@ SUITES: dict[str, str] = {
     "profile": "bench.profile",
     "planner": "bench.planner",
     "memory": "bench.memory",
+    "recompute": "bench.recompute",
     "trainer": "bench.trainer",
 }
 
