@@ -210,3 +210,18 @@ def test_the_measured_peak_stays_within_the_prediction():
     assert set(ratios) == {KEEP, FULL}, ratios
     for mode, ratio in ratios.items():
         assert 0.7 <= ratio <= 1.05, ratios  # measured 0.87-0.99 of the prediction on this machine
+
+
+def test_bench_recompute_quick(tmp_path):
+    """`python -m bench recompute --quick`: the sweep from full recomputation's need to every layer
+    kept, each budget's choice within it, every layer recomputed at the first and kept at the last."""
+    from test_bench import _run_suite_on_ranks
+
+    doc, stdout, _ = _run_suite_on_ranks("recompute", tmp_path)
+    records = doc["cases"]
+    assert "recompute: recompute='auto' across budgets" in stdout and len(records) == 3
+    layers = records[0]["config"]["layers"]
+    assert records[0]["modes"]["full"] == layers and records[-1]["modes"]["keep"] == layers
+    for r in records:
+        assert r["predicted_peak_bytes"] <= r["budget_bytes"] * (1 + 1e-9)
+        assert all(t > 0 for t in r["t_step"].values()) and r["measured_rise_bytes"] >= 0
