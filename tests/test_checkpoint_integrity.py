@@ -151,10 +151,18 @@ def _check_integrity(rank, p, path):
                 oases.load_checkpoint(target, how["path"], optimizer=target_opt, step=how.get("step"), **kw)
         assert _same(target, before)  # refused before anything was read into it
 
+    # oases.verify_checkpoint: None for a sound step; why not for a damaged one, the same on every rank.
+    assert oases.verify_checkpoint(step3) is None
     # A shard file cut short after the completion file was written: size, checked even with verify=False.
     _on(rank, 0, lambda: _truncate(os.path.join(step3, "__1_0.distcp")))
+    assert re.match(r"__1_0\.distcp: size \d+ bytes, \d+ were written", oases.verify_checkpoint(step3) or "")
     falls_back(r"__1_0\.distcp: size \d+ bytes, \d+ were written .*found by rank 0", verify=False)
     falls_back(r"__1_0\.distcp: size")
+    _on(rank, 0, restore)
+
+    _on(rank, 0, lambda: _flip(os.path.join(step3, "__0_0.distcp"), 100, n=8))
+    why = oases.verify_checkpoint(step3) or ""  # every file's whole checksum, read once between the ranks
+    assert re.match(r"__0_0\.distcp: checksum: crc32 .* found by rank 1 of the group$", why), why
     _on(rank, 0, restore)
 
     # 64 bytes flipped in the data of an item only rank 1 reads: rank 1 finds it, every rank falls back.

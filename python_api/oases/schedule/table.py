@@ -27,6 +27,7 @@ import torch
 from oases import _checks
 from oases._deprecated import renamed as _renamed
 from oases._rows import split_rows
+from oases.costs.recompute import FULL, KEEP, SELECTIVE  # a layer's modes: one home
 from oases.offload import OffloadStack
 
 __all__ = [
@@ -50,8 +51,6 @@ RECOMPUTE_SELECTIVE = "selective"
 RECOMPUTE_AUTO = "auto"  # each layer's mode chosen for a memory budget (oases.schedule.budget)
 LayerRecompute = Union[bool, Literal["selective"]]
 Recompute = Union[Literal["auto"], LayerRecompute, Sequence[LayerRecompute]]
-# a layer's mode: recomputed by the schedule ("full"), its graphs kept ("keep"), kept selectively
-FULL, KEEP, SELECTIVE = "full", "keep", "selective"
 _MODE_OF = {True: FULL, False: KEEP, RECOMPUTE_SELECTIVE: SELECTIVE}
 
 
