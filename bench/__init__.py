@@ -34,6 +34,7 @@ SUITES: dict[str, str] = {
     "memory": "bench.memory",
     "recompute": "bench.recompute",
     "trainer": "bench.trainer",
+    "checkpoint": "bench.checkpoint",
 }
 
 __all__ = ["SUITES"]

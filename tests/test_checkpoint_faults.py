@@ -764,3 +764,24 @@ def _pipeline_falls_back(rank, world_size, path):
 
 def test_a_damaged_pipeline_checkpoint_falls_back_on_every_rank(ranks, tmp_path):
     assert ranks.ok(_pipeline_falls_back, 2, str(tmp_path), timeout=60) == [True, True]
+
+
+def test_bench_checkpoint_quick(tmp_path):
+    """`python -m bench checkpoint --quick`: save, the three loads and verify_checkpoint timed on a
+    real checkpoint, the parts of a save measured on each rank's own files, the checkpoints removed."""
+    from test_bench import _run_suite_on_ranks
+
+    doc, stdout, out = _run_suite_on_ranks("checkpoint", tmp_path)
+    records = doc["cases"]
+    ops = {r["name"]: r for r in records if r["kind"] == "operation"}
+    parts = {r["name"].split(" (")[0]: r for r in records if r["kind"] == "part"}
+    assert set(ops) == {"save", "load", "load verify=False", "load trusted=False", "verify_checkpoint"}, ops
+    assert set(parts) == {"crc32", "checksums", "write", "fsync", "dir fsync"}, parts
+    assert all(r["t"] > 0 for r in records), records
+    total, own = ops["save"]["checkpoint_bytes"], parts["checksums"]["rank_bytes_max"]
+    assert 0 < own < total and parts["checksums"]["bytes"] == own and parts["fsync"]["bytes"] == own
+    assert parts["write"]["written_bytes"] <= total  # the ranks' shares are the checkpoint's tensor files
+    for name in ("checksums", "fsync", "dir fsync"):
+        assert 0 < parts[name]["share_of_save"] < 1, parts[name]
+    assert "the parts of a save" in stdout and "load trusted=False" in stdout
+    assert not list(out.glob("bench-checkpoint-*")), list(out.iterdir())  # cleaned up

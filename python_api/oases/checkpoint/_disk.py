@@ -126,8 +126,9 @@ def save_checkpoint(
     model's shapes, so `load_checkpoint` reads them at any TP degree. `path` must be a directory
     every rank sees; saving replaces a checkpoint already at `where`, never other files. Once it
     returns, the step survives a machine crash (files, marker and directory entries fsynced).
-    The checksums cost a read-back of each rank's own files (from the page cache) and crc32 at
-    ~3 GiB/s, twice (whole files and items): 0.1 s per 100 MiB a rank wrote (see the models guide).
+    The checksums cost a read-back of each rank's own files (from the page cache) and crc32 of
+    them, whole and by item: ~0.11 s per 100 MiB a rank wrote, 14% of a save whose file fsyncs
+    take 39% (`python -m bench checkpoint`; the models guide).
 
     Args:
         model: the model, plain or tensor-parallel (its shards are written as boxes of the unsharded tensors).
@@ -233,7 +234,7 @@ def load_checkpoint(
         group: the ranks that call it (default None: the world).
         step: with a root `path`, load exactly path/step-{step:09d}, or raise naming what is wrong.
         verify: False skips the checksums (sizes are still checked), saving a read and a crc32
-            of what each rank reads: 0.1 s per 100 MiB measured here (see the models guide).
+            of what each rank reads: a third of a load from the page cache (`bench checkpoint`).
         trusted: True reads the checkpoint's pickles (DCP's `.metadata`, `extra`, RNG states, the
             optimizer's hyper-parameters) with pickle, which can run code: load only checkpoints you
             trust. False runs none: `.metadata` is read naming only DCP's metadata records, every
