@@ -99,8 +99,10 @@ def print_table(results: list[dict]) -> bool:
     same = all(abs(r["loss_last"] - base["loss_last"]) <= 1e-4 * abs(base["loss_last"]) for r in results)
     print()
     for r in results[1:]:
+        ratio = base["step_s"] / r["step_s"]
+        pace = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
         print(
-            f"{r['schedule']} vs {base['schedule']}: {base['step_s'] / r['step_s']:.2f}x faster per training step"
+            f"{r['schedule']} vs {base['schedule']}: {pace} per training step"
             + (", same losses (to 1e-4)" if same else ", BUT THE LOSSES DIFFER")
         )
     return same
