@@ -247,6 +247,8 @@ sys.modules["oases._C"] = None  # as if the extension had never been built
 import oases
 from oases import _extension
 
+public = [getattr(oases, name) for name in oases.__all__]  # the whole library (imported on first use)
+assert "oases.training" in sys.modules and "oases.pipeline" in sys.modules
 assert "oases._C" in sys.modules and sys.modules["oases._C"] is None
 assert not _extension.is_available()
 try:

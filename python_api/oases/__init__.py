@@ -16,18 +16,24 @@
     oases.pipeline     Pipeline: the GPT on a (dp, pp, tp) mesh with gpipe / 1f1b / FOLD3D's aiao schedules
 """
 
-from oases import amp, comm, dp, models, ops, pipeline, schedule
-from oases.checkpoint import (
-    CheckpointState,
-    full_state_dict,
-    load_checkpoint,
-    load_full_state_dict,
-    save_checkpoint,
-    verify_checkpoint,
-)
-from oases.nn import check_gradients, parallelize, summary  # also binds the subpackage oases.nn
-from oases.pretrained import load_pretrained, save_adapter, save_pretrained
-from oases.training import train_step
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what `oases.<name>` gives, for type checkers and IDEs (imported lazily below)
+    from oases import amp, comm, dp, models, nn, ops, pipeline, schedule
+    from oases.checkpoint import (
+        CheckpointState,
+        full_state_dict,
+        load_checkpoint,
+        load_full_state_dict,
+        save_checkpoint,
+        verify_checkpoint,
+    )
+    from oases.nn import check_gradients, parallelize, summary
+    from oases.pretrained import load_pretrained, save_adapter, save_pretrained
+    from oases.training import train_step
 
 __version__ = "0.1.0"  # the only place the version is written: setup.py parses this line
 __all__ = [
@@ -54,3 +60,43 @@ __all__ = [
     "save_pretrained",
     "save_adapter",
 ]
+
+# `import oases` imports no torch: a public name loads its module on first use, so the launcher
+# (`python -m oases.launch`, `oases-launch`) and `oases env` start in a fraction of a second where
+# the whole library takes seconds (torch, Triton, torch._dynamo). Any subpackage or module
+# (`oases.planner`, `oases.checkpoint`, ...) is imported on its first `oases.<name>` likewise.
+_HOMES = {
+    "CheckpointState": "oases.checkpoint",
+    "full_state_dict": "oases.checkpoint",
+    "load_checkpoint": "oases.checkpoint",
+    "load_full_state_dict": "oases.checkpoint",
+    "save_checkpoint": "oases.checkpoint",
+    "verify_checkpoint": "oases.checkpoint",
+    "check_gradients": "oases.nn",
+    "parallelize": "oases.nn",
+    "summary": "oases.nn",
+    "load_pretrained": "oases.pretrained",
+    "save_adapter": "oases.pretrained",
+    "save_pretrained": "oases.pretrained",
+    "train_step": "oases.training",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """oases.<name> not bound yet: a public function's module imported and the function returned,
+    or the submodule oases.<name> imported (Python binds it here from then on)."""
+    home = _HOMES.get(name)
+    if home is not None:
+        return getattr(importlib.import_module(home), name)
+    if name.startswith("__"):
+        raise AttributeError(f"module 'oases' has no attribute {name!r}")
+    try:
+        return importlib.import_module(f"oases.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"oases.{name}":  # the submodule exists and failed to import something it needs
+            raise
+        raise AttributeError(f"module 'oases' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
