@@ -87,10 +87,7 @@ def plot_panels(panels: Sequence[Panel], path: str, title: str) -> bool:
     """Time (ms) vs chunk count, one panel per case; False when there is nothing to plot."""
     if not panels:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels):
@@ -115,6 +112,16 @@ def plot_panels(panels: Sequence[Panel], path: str, title: str) -> bool:
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files, no display): every suite's plots start here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> bool:

@@ -1,8 +1,9 @@
-"""Resident memory of this process (VmRSS), and its peak inside a block, sampled by a thread.
+"""Resident memory of this process (VmRSS), and its peak inside a block: the bench's one home for both.
 
     with PeakRSS() as peak:
         work()
     peak.rise  # bytes: the highest VmRSS seen during the block minus VmRSS at its start
+    hwm_rise_mib(step)  # MiB: the kernel's own peak (VmHWM, reset first) over one step(): exact
 
 `ru_maxrss` only grows over a process's life, so a peak inside one call needs sampling (every
 `interval` s; a spike shorter than that can be missed, so keep the interval small).
@@ -21,9 +22,9 @@ import ctypes.util
 import gc
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
 
 
 def rss_bytes() -> int:
@@ -86,3 +87,31 @@ def settle(trim: bool = True) -> None:
     libc = _libc() if trim else None
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def hwm_rise_mib(step: Callable[[], object]) -> Optional[float]:
+    """Rise of this process's peak resident memory (VmHWM) over one call of `step` (Linux, glibc).
+
+    glibc keeps freed blocks for reuse, so resident memory would not follow the tensors alive;
+    with every block over 64 KiB mmap-ed and returned at once (mallopt), it does. That slows
+    allocation, so call this only after every timing. None where /proc or glibc is missing.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024)
+        libc.mallopt(M_TRIM_THRESHOLD, 128 * 1024)
+        libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        before = _status_kib("VmHWM:")  # that reset value: VmRSS read now may already have moved (other threads)
+    except (OSError, StopIteration):
+        return None
+    step()
+    # Linux batches each thread's RSS counters (up to 64 pages), so a step that allocates almost
+    # nothing can read a fraction of a MiB below the reset value: no rise.
+    return max(0, _status_kib("VmHWM:") - before) / 1024

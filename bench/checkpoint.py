@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from bench._llama import build, llama_config
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
 
 QUICK = dict(layers=1, hidden=128, heads=4, kv_heads=2, seq_len=32)
 _CRC_BUFFER = 64 << 20
@@ -318,10 +318,7 @@ def plot(records: list[dict], path: str, title: str) -> bool:
     ops = [r for r in records if r["kind"] == "operation"]
     if not ops:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 3.8))
     names = [r["name"] for r in ops]

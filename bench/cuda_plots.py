@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any, Mapping, Optional, Sequence
 
-from bench._report import save_figure
+from bench._report import pyplot, save_figure
 
 _CHUNKS = (1, 2, 4, 8, 16)
 
@@ -33,10 +33,7 @@ def _rows(results: Mapping[str, Any], section: str, title_start: str) -> list[di
 
 
 def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     return plt
 

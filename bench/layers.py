@@ -72,7 +72,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
 import math
 import time
 import warnings
@@ -86,7 +85,8 @@ import torch.nn.functional as F
 
 from bench import _metrics
 from bench._peers import CollectiveLog, agree
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
+from bench._rss import hwm_rise_mib
 from bench._threads import OtherThreadsCPU, thread_queued
 from bench._trace import IN_FLIGHT
 from oases.costs.link import LinkFit
@@ -112,7 +112,6 @@ def _variant(name: str) -> tuple[str, bool, object]:
     return base, name.endswith("-sp"), recompute
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
 _SHORT = {"all_reduce": "AR", "all_gather_into_tensor": "AG", "reduce_scatter_tensor": "RS"}
 
 
@@ -419,34 +418,6 @@ def _llama_case(args, ctx) -> _Case:
 
 
 # ---- measurements -----------------------------------------------------------------------------
-def _peak_rise_mib(step) -> Optional[float]:
-    """Rise of this process's peak resident memory over one call of `step` (Linux, glibc).
-
-    glibc keeps freed blocks for reuse, so resident memory would not follow the tensors alive;
-    with every block over 64 KiB mmap-ed and returned at once (mallopt), it does. That slows
-    allocation, so call this only after every timing. None where /proc or glibc is missing.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
-        libc.malloc_trim(0)
-
-        def status(key: str) -> int:
-            with open("/proc/self/status") as f:
-                return next(int(line.split()[1]) for line in f if line.startswith(key))
-
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current VmRSS
-        before = status("VmHWM:")  # that reset value: VmRSS read now may already have moved (other threads)
-    except (OSError, StopIteration):
-        return None
-    step()
-    # Linux batches each thread's RSS counters (up to 64 pages), so a step that allocates almost
-    # nothing can read a fraction of a MiB below the reset value: no rise.
-    return max(0, status("VmHWM:") - before) / 1024
-
-
 @contextlib.contextmanager
 def _traced_waits(ctx, label: str):
     """Record every communication wait of the block as a span on tid 1, the block on tid 0."""
@@ -568,8 +539,8 @@ def run(args, ctx) -> list[dict]:
         r["peer"] = case.peer_info[name]
         r["checkpoint_mib"] = None
         records.append(r)
-    for r in records:  # after every timing: see _peak_rise_mib
-        peak = _peak_rise_mib(steps[r["schedule"]])
+    for r in records:  # after every timing: see hwm_rise_mib
+        peak = hwm_rise_mib(steps[r["schedule"]])
         r["peak_mib"] = (
             None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
         )
@@ -838,10 +809,7 @@ def _exposure_table(records: list[dict]) -> list[Table]:
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r["schedule"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))

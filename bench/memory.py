@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
 from bench._rss import PeakRSS, exact_malloc, rss_bytes, settle
 from oases.planner import PHASES, MemoryJob, phase_memory, rank_memory, shape_from_config
 
@@ -491,10 +491,7 @@ def tables(records: list[dict]) -> list[Table]:
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layouts = [r for r in records if r["kind"] == "layout"]
     fig, axes = plt.subplots(1, len(layouts), figsize=(5.2 * len(layouts), 4.4), squeeze=False, sharey=True)

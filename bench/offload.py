@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch
 
 from bench._memory_peak import peak_allocations
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
 from oases.models import GPT, GPTConfig
 from oases.offload import ALIGNMENT, CopyEngine, HostSlab, Offloader
 from oases.schedule import RecomputeMemory
@@ -546,10 +546,7 @@ def _aiao_table(aiao: dict) -> Table:
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     copies = [r for r in records if r["kind"] == "copy"]
     step = next((r for r in records if r["kind"] == "step"), None)

@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 
 from bench import _metrics
-from bench._report import Table
+from bench._report import Table, pyplot
 from bench._threads import OtherThreadsCPU, thread_queued
 from bench._trace import COMM, COMPUTE, DP, OP
 from oases.models import GPTConfig
@@ -386,7 +386,7 @@ def _median_max(ctx, per_call: list[dict[str, float]], scale: float) -> dict[str
 def run(args, ctx) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from bench.layers import _peak_rise_mib
+    from bench._rss import hwm_rise_mib
 
     if ctx.world_size % PP:
         raise SystemExit(f"pipeline: needs a multiple of pp = {PP} ranks, got {ctx.world_size}")
@@ -512,7 +512,7 @@ def run(args, ctx) -> list[dict]:
         timelines[name] = [[(row, label, s - origin, e - origin) for row, label, s, e in spans] for spans in gathered]
     peaks = {}
     for name, pipe in pipes.items():
-        peak = _peak_rise_mib(lambda: (pipe.train_step(tokens, targets), pipe.close()))
+        peak = hwm_rise_mib(lambda: (pipe.train_step(tokens, targets), pipe.close()))
         peaks[name] = (
             None if peak is None else float(ctx.timer.max_over_ranks(torch.tensor([peak], dtype=torch.float64)))
         )
@@ -854,10 +854,7 @@ def _color(label: str) -> str:
 def plot(records: list[dict], path: str, title: str) -> bool:
     """FOLD3D Fig. 4-like timelines of one traced iteration per variant: rows per rank, compute /
     PP / DP (+ close's waits)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     fig, axes = plt.subplots(len(records), 1, figsize=(12, 2.0 + 1.6 * len(records)), squeeze=False)

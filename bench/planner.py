@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bench import profile as _profile
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
 from oases.models import GPT, GPTConfig
 from oases.planner import ModelShape, Workload, plan_degrees, step_cost
 from oases.planner.profile import profile_from_dict
@@ -409,10 +409,7 @@ def tables(records: list[dict]) -> list[Table]:
 def plot(records: list[dict], path: str, title: str) -> bool:
     if records and records[0].get("case") == "mixed":
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(5.5, 5))
     pred = np.array([1e3 * r["predicted_s"] for r in records])

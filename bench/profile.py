@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench._report import Table, save_figure, write_json
+from bench._report import Table, pyplot, save_figure, write_json
 from oases.models import GPTConfig
 from oases.models._gpt_sublayers import _MLP, _Attention  # the GPT's own sublayers: the planner models exactly these
 from oases.planner.profile import PROFILE_FORMAT, PROFILE_VERSION, LinkFit
@@ -705,10 +705,7 @@ def tables(records: list[dict]) -> list[Table]:
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fits = [r for r in records if r["kind"] in ("all_reduce", "all_gather", "p2p") and r["samples"]]
     if not fits:

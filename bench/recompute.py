@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bench._llama import build, llama_config
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
 from bench._rss import PeakRSS, exact_malloc, settle
 
 QUICK = dict(layers=2, hidden=128, heads=4, kv_heads=2, batch=4, seq_len=32, points=3)
@@ -180,10 +180,7 @@ def tables(records: list[dict]) -> list[Table]:
 def plot(records: list[dict], path: str, title: str) -> bool:
     if not records:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     budgets = [r["budget_bytes"] / 2**20 for r in records]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))

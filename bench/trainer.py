@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from bench import _llama, _metrics
 from bench._peers import agree
-from bench._report import Table, save_figure
+from bench._report import Table, pyplot, save_figure
 
 OURS, HF_TP, ONE = "oases", _llama.HF_TP, "1 rank"
 VARIANTS = (OURS, HF_TP, ONE)
@@ -502,10 +502,7 @@ def tables(records: list[dict]) -> list[Table]:
 
 
 def plot(records: list[dict], path: str, title: str) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = sorted({r["run"] for r in records})
     width = 0.8 / len(runs)
