@@ -192,13 +192,8 @@ class _Probe:
 
     def __post_init__(self) -> None:
         pipe = self.pipe
-        wait, recv, track, all_reduce, run = (
-            pipe.sync.wait,
-            pipe.comm.recv,
-            pipe.scheduler.track,
-            pipe.scheduler.all_reduce,
-            pipe._run,
-        )
+        wait, recv = pipe.sync.wait, pipe.comm.recv
+        track, all_reduce = pipe.scheduler.track, pipe.scheduler.all_reduce
 
         def timed_wait(segment: int) -> None:
             start, self._waiting = time.perf_counter(), True
@@ -236,10 +231,10 @@ class _Probe:
                 )
             return out
 
-        def timed_run(action, step) -> None:  # pipe._run: no public per-action hook yet
+        def timed_run(action, run) -> None:  # Pipeline.register_action_wrapper
             queued = thread_queued()
             start = time.perf_counter()
-            run(action, step)
+            run()
             stop = time.perf_counter()
             received = self._recv_end > start
             begin = self._recv_end if received else start  # compute starts once the input has arrived
@@ -264,14 +259,15 @@ class _Probe:
             return timed_fn
 
         pipe.sync.wait, pipe.comm.recv, pipe.scheduler.track = timed_wait, timed_recv, traced_track
-        pipe.scheduler.all_reduce, pipe._run = traced_all_reduce, timed_run
+        pipe.scheduler.all_reduce = traced_all_reduce
+        pipe.register_action_wrapper(timed_run)
         for opt in pipe.optimizers:  # the segments' optimizers (built once "auto" has chosen)
             opt.step = timed(opt.step, "optimizer")
         pipe.comm.wait_sends = timed(pipe.comm.wait_sends, "send_wait")
         pipe.sync.launch = timed(pipe.sync.launch, "dp_launch")
         pipe.sync.launch_deferred = timed(pipe.sync.launch_deferred, "dp_launch")
         pipe.scheduler.close = timed(pipe.scheduler.close, "threads_close")
-        pipe._global_loss = timed(pipe._global_loss, "loss_sum")  # no public hooks: attributes, as _run
+        pipe._global_loss = timed(pipe._global_loss, "loss_sum")  # no public hooks for these: attributes
         pipe._agree_inputs = timed(pipe._agree_inputs, "input_check")
 
     def reset(self) -> None:

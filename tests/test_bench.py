@@ -628,7 +628,7 @@ def test_pipeline_probe_counts_a_launch_inside_a_dp_wait_as_the_wait():
         comm=comm,
         scheduler=scheduler,
         optimizers=[optimizer],
-        _run=lambda action, step: None,
+        register_action_wrapper=lambda wrapper: None,
         _global_loss=lambda *a: None,
         _agree_inputs=lambda *a: None,
     )

@@ -628,13 +628,13 @@ def _failed_step(rank, world_size):
     pipe = Pipeline(GPTConfig(**CONFIG, layers=2), mesh, schedule="gpipe", micro_batches=2)
     tokens, targets = _batches(2)[0]
 
-    def broken(action, step):
+    def broken(action, run):
         raise KeyError("on purpose")
 
-    run, pipe._run = pipe._run, broken
+    handle = pipe.register_action_wrapper(broken)
     with pytest.raises(KeyError, match="on purpose"):
         pipe.train_step(tokens, targets)
-    pipe._run = run
+    handle.remove()
     with pytest.raises(RuntimeError, match="an earlier step failed mid-way") as info:
         pipe.train_step(tokens, targets)
     assert isinstance(info.value.__cause__, KeyError)
@@ -642,6 +642,47 @@ def _failed_step(rank, world_size):
     # not closed. The barrier: no rank leaves, closing its connections, while its peer still posts.
     dist.barrier()
     return True
+
+
+def _wrapped_actions(rank, world_size):
+    """register_action_wrapper: every action of the stage's step passes through each wrapper once, in
+    the schedule's order, the first registered outermost; the step's loss and gradients are those of
+    an unwrapped step; handle.remove() unregisters; a wrapper that is not callable is refused."""
+    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipes = [Pipeline(GPTConfig(**CONFIG, layers=2), mesh, schedule="1f1b", micro_batches=3) for _ in range(2)]
+    tokens, targets = _batches(6)[0]
+    seen = []
+
+    def outer(action, run):
+        seen.append(("outer", action))
+        run()
+        seen.append(("outer done", action))
+
+    def inner(action, run):
+        seen.append(("inner", action))
+        run()
+
+    handles = [pipes[0].register_action_wrapper(outer), pipes[0].register_action_wrapper(inner)]
+    wrapped, plain = (pipe.train_step(tokens, targets) for pipe in pipes)
+    assert torch.equal(wrapped, plain)
+    for p, q in zip(pipes[0].stage.parameters(), pipes[1].stage.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    want = actions("1f1b", stage=rank, stages=2, segments=1, micro_batches=3)
+    assert seen == [entry for a in want for entry in (("outer", a), ("inner", a), ("outer done", a))], seen
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    pipes[0].train_step(tokens, targets)
+    assert seen == []
+    with pytest.raises(TypeError, match="wrapper: expected a callable"):
+        pipes[0].register_action_wrapper("not callable")
+    for pipe in pipes:
+        pipe.close()
+    return True
+
+
+def test_action_wrappers_see_every_action_in_order():
+    assert run_ranks(_wrapped_actions, 2, timeout=60) == [True, True]
 
 
 def test_a_failed_step_blocks_the_next_one():

@@ -81,13 +81,16 @@ per-segment optimizers, syncs and updates in _updates, the model's build in _bui
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
+from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
@@ -112,6 +115,9 @@ from oases.pipeline.p2p import StageComm, make_links
 from oases.pipeline.schedules import Action, actions
 from oases.pipeline.stages import Stage, StageLayout
 from oases.pipeline.tied import pair_group
+
+# register_action_wrapper's callable: wrapper(action, run), run() computing the action
+ActionWrapper = Callable[[Action, Callable[[], None]], None]
 
 __all__ = ["Pipeline"]
 
@@ -245,6 +251,8 @@ class Pipeline:
         self.offload_stats: Optional[OffloadStats] = None  # the last train_step's (with offload)
         self._anchor = torch.empty(0, requires_grad=True)  # offload: what received inputs hang from
         self._failed: Optional[BaseException] = None  # a step that raised mid-way (its links are out of order)
+        # register_action_wrapper's, by handle id (an OrderedDict: RemovableHandle keeps a weak reference)
+        self._action_wrappers: OrderedDict[int, ActionWrapper] = OrderedDict()
         self.scheduler = CommScheduler(preemption=preemption)
         self.comm = StageComm(make_links(mesh, device), dist.get_rank(self.pp_group), self.pp, self.scheduler, device)
         self.dp_hierarchy = dp_hierarchy
@@ -489,10 +497,31 @@ class Pipeline:
         """This DP rank's contiguous block of rows, cut into micro-batches of near-equal rows."""
         return _execute.split(self, tokens, targets)
 
+    def register_action_wrapper(self, wrapper: "ActionWrapper") -> RemovableHandle:
+        """Run every action of this stage's steps through `wrapper` (tracing, timing, fault injection).
+
+        ::
+
+            each action of train_step:  wrapper(action, run)   # run(): the action itself (eval_step's: not wrapped)
+            several wrappers: the first registered outermost; handle.remove() unregisters
+
+        `action` is the schedule's F(k, i) / B(k, i) (oases.pipeline.Action: kind, segment,
+        micro-batch); `run()` computes it (its receive already posted, its send issued inside) and
+        must be called once for the step to go on. An exception a wrapper raises fails the step as
+        the action's own would (the next step refuses to run, see train_step).
+        """
+        if not callable(wrapper):
+            raise TypeError(f"wrapper: expected a callable wrapper(action, run), got {type(wrapper).__name__}")
+        handle = RemovableHandle(self._action_wrappers)
+        self._action_wrappers[handle.id] = wrapper
+        return handle
+
     def _run(self, action: Action, step: Step) -> None:
-        """One action of the step (oases.pipeline._execute.run): an attribute, so that a test or a
-        benchmark may wrap it."""
-        _execute.run(self, action, step)
+        """One action of the step (oases.pipeline._execute.run), through the registered wrappers."""
+        run: Callable[[], None] = functools.partial(_execute.run, self, action, step)
+        for wrapper in reversed(list(self._action_wrappers.values())):
+            run = functools.partial(wrapper, action, run)
+        run()
 
     def sync_segment(self, segment: int) -> None:
         """Sum segment `segment`'s gradients of this stage over dp now, blocking (in place).
