@@ -9,6 +9,7 @@ parts (an all-gather over the k ranks holding them). Blocks of unequal size are 
 equal pieces: each padded to the largest block, gathered, the padding cut away:
 
     gathered = unpadded(all_gather(padded(x, sizes)), sizes)   # [sum(sizes), ...], blocks in order
+    mine = own_part(gathered, sizes, k)                         # its inverse on rank k: block k, a copy
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["block_rows", "split_rows", "part_sizes", "padded", "unpadded"]
+__all__ = ["block_rows", "split_rows", "part_sizes", "padded", "unpadded", "own_part"]
 
 
 def block_rows(batch: int, parts: int, index: int) -> slice:
@@ -55,3 +56,9 @@ def unpadded(gathered: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     if min(sizes) == most:
         return gathered
     return torch.cat([gathered[k * most : k * most + n] for k, n in enumerate(sizes)])
+
+
+def own_part(x: torch.Tensor, sizes: Sequence[int], index: int) -> torch.Tensor:
+    """Block `index` of x [sum(sizes), ...] (blocks of `sizes` rows, in order) as a new contiguous
+    tensor, not a view (x itself may go): the local half of a row move, both ways."""
+    return x.narrow(0, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)

@@ -17,15 +17,10 @@ import torch
 import torch.distributed as dist
 
 from oases import comm as _comm
-from oases._rows import padded, unpadded
+from oases._rows import own_part, padded, unpadded
 from oases.degrees.placements import RowGroups
 
 __all__ = ["RowsDown", "RowsUp", "reshard_rows"]
-
-
-def _part(x: torch.Tensor, sizes: tuple[int, ...], index: int) -> torch.Tensor:
-    """Rows of part `index` of x [sum(sizes), ...] (parts of `sizes` rows, in order), a new tensor."""
-    return x.narrow(0, sum(sizes[:index]), sizes[index]).clone(memory_format=torch.contiguous_format)
 
 
 def _gather_parts(x: torch.Tensor, group: Optional[dist.ProcessGroup], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -41,7 +36,7 @@ class RowsDown(torch.autograd.Function):
     def forward(ctx, x, group, sizes: tuple[int, ...], index: int):
         """x [sum(sizes), ...] -> part `index` [sizes[index], ...]."""
         ctx.group, ctx.sizes = group, sizes
-        return _part(x, sizes, index)
+        return own_part(x, sizes, index)
 
     @staticmethod
     def backward(ctx, grad):
@@ -62,7 +57,7 @@ class RowsUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         """grad [sum(sizes), ...] -> part `index` [sizes[index], ...]."""
-        return _part(grad, ctx.sizes, ctx.index), None, None, None
+        return own_part(grad, ctx.sizes, ctx.index), None, None, None
 
 
 def reshard_rows(x: torch.Tensor, a: int, b: int, row_groups: RowGroups, batch: int) -> torch.Tensor:

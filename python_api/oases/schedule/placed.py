@@ -23,7 +23,7 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from oases._rows import padded, unpadded
+from oases._rows import own_part, padded, unpadded
 from oases.degrees import LayerDegrees, refuse_with_degrees
 from oases.schedule.protocol import LayerPlacement, LayerPlacements, RowMove, Stack, SubBatch, with_tokens
 from oases.schedule.runtime import Communicator
@@ -88,7 +88,7 @@ def move_rows(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generat
     """RowMove forward for a sub-batch of `batch` rows: keep this rank's part of the rows (down),
     or all-gather the parts (up)."""
     if move.down:
-        return _own_part(move, x, batch)
+        return own_part(x, move.sizes(batch), move.index)
     return (yield from _gather_parts(move, x, batch, phase))
 
 
@@ -96,14 +96,7 @@ def move_rows_adjoint(move: RowMove, grad: torch.Tensor, batch: int) -> Generato
     """RowMove backward: all-gather the parts' gradients (down), or keep this rank's part (up)."""
     if move.down:
         return (yield from _gather_parts(move, grad, batch, "backward"))
-    return _own_part(move, grad, batch)
-
-
-def _own_part(move: RowMove, x: torch.Tensor, batch: int) -> torch.Tensor:
-    """This rank's part of x [sum of the parts' rows, ...]; not a view (x itself may go)."""
-    sizes = move.sizes(batch)
-    start = sum(sizes[: move.index])
-    return x[start : start + sizes[move.index]].clone()
+    return own_part(grad, move.sizes(batch), move.index)
 
 
 def _gather_parts(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generator:
