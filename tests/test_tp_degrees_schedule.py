@@ -265,7 +265,7 @@ def _hf_ranks_main(rank, world_size, models, cases):
                     msg=lambda m: f"{where}: grad of {name}: {m}",
                 )
         placements = tp.oases_layer_placements
-        assert tuple(at.degree for at in placements.layers) == tuple(degrees)
+        assert tuple(at.place.degree for at in placements.layers) == tuple(degrees)
         oases.train_step(tp, ids, labels, schedule="oases", attention_mask=mask)
         assert tp.oases_layer_placements is placements  # made once, kept on the model
     return True

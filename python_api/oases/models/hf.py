@@ -333,7 +333,7 @@ class HFStack:
         if self.degrees is None:
             return None
         kept = getattr(self.model, "oases_layer_placements", None)
-        if not isinstance(kept, LayerPlacements) or tuple(at.degree for at in kept.layers) != self.degrees:
+        if not isinstance(kept, LayerPlacements) or tuple(at.place.degree for at in kept.layers) != self.degrees:
             if self.layer_degrees is None:
                 raise ValueError(
                     "tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "

@@ -10,7 +10,7 @@ the last sub-batch's backward of it ends (asynchronous, waited for at the end).
 `layer_placements` makes a stack's LayerPlacements from the model's oases.degrees.LayerDegrees
 (oases.models.GPT and the Hugging Face adapter both hand the schedules these):
 
-    for layer l at degree d:  LayerPlacement(d, Communicator(tp group of d), replica, replicas,
+    for layer l at degree d:  LayerPlacement(Placement at d, Communicator(tp group of d),
                                              rows_in = RowMove(d_{l-1} -> d), Communicator(replica group),
                                              layer's parameters)
     rows_out = RowMove(d_{L-1} -> p);  while_scheduled: degrees.replica_sums_suspended (the hooks stand down)
@@ -18,6 +18,7 @@ the last sub-batch's backward of it ends (asynchronous, waited for at the end).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Generator, Optional, Sequence
 
 import torch
@@ -56,18 +57,13 @@ def layer_placements(
         lo, hi = min(a, b), max(a, b)
         if (lo, hi) not in ups:
             at = degrees.row_groups[lo, hi]
-            ups[lo, hi] = RowMove(Communicator(at.group, at.parts), False, at.parts, at.index, at.replica, at.replicas)
-        up = ups[lo, hi]
-        return RowMove(up.comm, b < a, up.parts, up.index, up.replica, up.replicas)
+            ups[lo, hi] = RowMove(Communicator(at.group, at.parts), False, at)
+        return dataclasses.replace(ups[lo, hi], down=b < a)
 
     placed, previous = [], p
     for d, layer in zip(degrees.degrees, layers):
         at = degrees.placements[d]
-        placed.append(
-            LayerPlacement(
-                d, comms[d], at.replica, at.replicas, move(previous, d), replica_comms.get(d), tuple(layer.parameters())
-            )
-        )
+        placed.append(LayerPlacement(at, comms[d], move(previous, d), replica_comms.get(d), tuple(layer.parameters())))
         previous = d
     return LayerPlacements(tuple(placed), move(previous, p), degrees.replica_sums_suspended)
 
@@ -88,7 +84,7 @@ def move_rows(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generat
     """RowMove forward for a sub-batch of `batch` rows: keep this rank's part of the rows (down),
     or all-gather the parts (up)."""
     if move.down:
-        return own_part(x, move.sizes(batch), move.index)
+        return own_part(x, move.rows.sizes(batch), move.rows.index)
     return (yield from _gather_parts(move, x, batch, phase))
 
 
@@ -96,12 +92,12 @@ def move_rows_adjoint(move: RowMove, grad: torch.Tensor, batch: int) -> Generato
     """RowMove backward: all-gather the parts' gradients (down), or keep this rank's part (up)."""
     if move.down:
         return (yield from _gather_parts(move, grad, batch, "backward"))
-    return own_part(grad, move.sizes(batch), move.index)
+    return own_part(grad, move.rows.sizes(batch), move.rows.index)
 
 
 def _gather_parts(move: RowMove, x: torch.Tensor, batch: int, phase: str) -> Generator:
     """cat(each rank's part, dim 0) over move.comm, unequal parts padded to the largest and cut after."""
-    sizes = move.sizes(batch)
+    sizes = move.rows.sizes(batch)
     return unpadded((yield from move.comm.all_gather(padded(x.contiguous(), sizes), 0, phase)), sizes)
 
 
@@ -140,9 +136,9 @@ class PlacedStep:
         narrowed: dict[tuple[int, int], Any] = {}  # one narrowed ctx per distinct (replica, replicas)
         ctxs = []
         for at in layers:
-            key = (at.replica, at.replicas)
+            key = (at.place.replica, at.place.replicas)
             if key not in narrowed:
-                narrowed[key] = ctx if at.replicas == 1 else _with_replica_rows(stack, ctx, at.rows(batch))
+                narrowed[key] = ctx if at.place.replicas == 1 else _with_replica_rows(stack, ctx, at.place.rows(batch))
             ctxs.append(narrowed[key])
         return [at.comm for at in layers], ctxs, [at.rows_in for at in layers], self.placements.rows_out
 

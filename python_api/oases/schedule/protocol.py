@@ -65,7 +65,7 @@ p, every row on every rank):
     for l, layer in enumerate(stack.layers()):
         at = placements.layers[l]
         x = move(at.rows_in, x, b)                                 # [~b d_l / p, t, h]: replica's rows
-        ctx_l = stack.replica_ctx(ctx, at.rows(b))                 # that replica's rows of the ctx
+        ctx_l = stack.replica_ctx(ctx, at.place.rows(b))               # that replica's rows of the ctx
         x = layer(x, ctx_l) with each all-reduce on at.comm         # the degree's TP group
     logits = stack.head(move(placements.rows_out, x, b), ctx)      # [b, t, vocab], degree p
     after layer l's backward: grad of each of at.parameters summed over at.replica_comm (p/d_l replicas)
@@ -108,7 +108,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from oases._rows import block_rows, part_sizes
+from oases.degrees.placements import Placement, RowGroup
 from oases.schedule.runtime import Communicator
 
 __all__ = ["SubBatch", "Sublayer", "Stack", "EmbedSplit", "HeadSplit", "RowMove", "LayerPlacement", "LayerPlacements"]
@@ -152,9 +152,9 @@ class SubBatch:
 
 @dataclass(frozen=True)
 class RowMove:
-    """Rows of x between two TP degrees lo < hi, over the `parts` = hi / lo ranks of `comm`'s group
-    (this one: `index`): block `replica` of `replicas` (p / hi) of a sub-batch, which is the parts'
-    blocks `replica * parts + k` of replicas * parts (`sizes(b)` rows each; oases._rows).
+    """Rows of x between two TP degrees lo < hi, over `comm` (the group of `rows`: the
+    oases.degrees.RowGroup whose `parts` = hi / lo ranks hold, each, part `rows.index` of a
+    sub-batch's replica block, `rows.sizes(b)` rows each; oases._rows):
 
         down (to the lower degree):  fwd: x [sum(sizes), ...] -> part `index` along dim 0 (local)
                                      bwd: all-gather dim 0 over comm (uneven parts padded, then cut)
@@ -163,37 +163,24 @@ class RowMove:
 
     comm: Communicator
     down: bool
-    parts: int
-    index: int
-    replica: int
-    replicas: int
-
-    def sizes(self, batch: int) -> tuple[int, ...]:
-        """The parts' row counts for a sub-batch of `batch` rows (oases._rows.part_sizes)."""
-        return part_sizes(batch, self.replicas, self.replica, self.parts)
+    rows: RowGroup
 
 
 @dataclass(frozen=True)
 class LayerPlacement:
-    """Where one layer runs under per-layer TP degrees: its sublayers' all-reduces on `comm` (this
-    rank's replica's `degree` ranks); `replica` of `replicas` (p / degree), on row block `replica`
-    of each sub-batch; `rows_in` moves x from the previous layer's rows (the embedding's: degree
-    p) to this layer's (None: the same degrees); `parameters`' gradients are summed over
-    `replica_comm` by the schedule as the layer's backward ends (None, or no parameters: nothing
-    for the schedule to sum -- one replica, or a stack that sums them itself in every backward
-    call, as parallelize's hooks do)."""
+    """Where one layer runs under per-layer TP degrees: `place` (oases.degrees.Placement: its
+    degree, this rank's replica of p / degree, on row block `place.rows(b)` of each sub-batch),
+    its sublayers' all-reduces on `comm` (the replica's `degree` ranks); `rows_in` moves x from
+    the previous layer's rows (the embedding's: degree p) to this layer's (None: the same
+    degrees); `parameters`' gradients are summed over `replica_comm` by the schedule as the
+    layer's backward ends (None, or no parameters: nothing for the schedule to sum -- one
+    replica, or a stack that sums them itself in every backward call, as parallelize's hooks do)."""
 
-    degree: int
+    place: Placement
     comm: Communicator
-    replica: int
-    replicas: int
     rows_in: Optional[RowMove]
     replica_comm: Optional[Communicator]
     parameters: tuple[torch.Tensor, ...]
-
-    def rows(self, batch: int) -> slice:
-        """This replica's rows of a sub-batch of `batch` rows (oases._rows.block_rows)."""
-        return block_rows(batch, self.replicas, self.replica)
 
 
 @dataclass(frozen=True)
@@ -209,7 +196,7 @@ class LayerPlacements:
     @property
     def most_replicas(self) -> int:
         """The largest replica count: each sub-batch needs at least this many rows (one per replica)."""
-        return max((at.replicas for at in self.layers), default=1)
+        return max((at.place.replicas for at in self.layers), default=1)
 
 
 class EmbedSplit(NamedTuple):
