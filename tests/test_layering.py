@@ -34,6 +34,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "oases.inputs",
         "oases.costs",
     ),
+    ("oases.planner",),  # the planner: the cost rules and argument checks only, no runtime package
     ("oases.launch",),
     ("oases.comm",),
     ("oases.offload", "oases.ops", "oases.dp"),
@@ -41,7 +42,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("oases.nn",),
     ("oases.schedule",),
     ("oases.models",),
-    ("oases._dcp", "oases.planner"),
+    ("oases._dcp",),
     ("oases.checkpoint",),
     ("oases.pretrained", "oases.training"),
     ("oases.pipeline",),
@@ -143,7 +144,7 @@ def test_every_module_is_on_a_floor():
 @pytest.mark.parametrize(
     "module, line",
     [
-        ("oases.comm.ring", "from oases.planner.search import plan"),
+        ("oases.comm.ring", "from oases.checkpoint import save_checkpoint"),
         ("oases.comm.ring", "def f():\n    from oases.schedule import train_step"),  # lazy: still upward
         ("oases.ops.linear_all_reduce", "from ..nn import layers"),  # relative
         ("oases.nn.layers", "from oases import schedule"),

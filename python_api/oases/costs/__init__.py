@@ -7,6 +7,7 @@
     oases.costs.chunks       Centauri: chunk count (Algorithm 1), backward priority (eq. 1), op_chunks
     oases.costs.collectives  Centauri: flat or hierarchical collective, all-reduce or RS + AG
     oases.costs.recompute    each layer's recomputation (full, selective, keep) for a byte budget: greedy
+    oases.costs.schedules    the training schedules' table (sub-batches, recomputation, pass barriers)
 
 The floor below oases.comm: nothing here imports torch or any other part of oases, so the fused
 ops (their chunk counts), the hierarchical collectives (their partition), the launcher (its rates)

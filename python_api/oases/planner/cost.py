@@ -73,9 +73,9 @@ from oases import _checks
 from oases.costs.chunks import OP_MAX_CHUNKS, chunk_count
 from oases.costs.collectives import CollectiveChoice
 from oases.costs.recompute import mode_elements
+from oases.costs.schedules import SCHEDULES  # the runtime's own table: one source of truth
 from oases.planner.model import SUBLAYERS, ModelShape
 from oases.planner.profile import Profile
-from oases.schedule import SCHEDULES  # the runtime's own table: one source of truth
 
 __all__ = [
     "Workload",

@@ -19,8 +19,7 @@ interleaves them: oases.schedule.step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 
@@ -28,6 +27,7 @@ from oases import _checks
 from oases._deprecated import renamed as _renamed
 from oases._rows import split_rows
 from oases.costs.recompute import FULL, KEEP, SELECTIVE  # a layer's modes: one home
+from oases.costs.schedules import SCHEDULES, Schedule  # the table: one home, the planner's too
 from oases.offload import OffloadStack
 
 __all__ = [
@@ -84,37 +84,6 @@ def layer_modes(recompute: object, layers: Optional[int] = None) -> Optional[tup
     if layers is not None and len(modes) != layers:
         raise ValueError(f"recompute: {len(modes)} values for a model of {layers} layers; give one per layer")
     return modes
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How a training step runs: the batch split along dim 0 into `sub_batches` interleaved
-    programs (the default; train_step may override it); recomputation per sublayer from its
-    input (no all-reduce) or per layer (all of it); programs held at each pass boundary or not."""
-
-    sub_batches: int
-    fine_grained_recompute: bool
-    pass_barriers: bool
-    recompute: bool = True  # False: each sublayer's graph kept from the forward (train_step(recompute=False))
-    selective: bool = False  # with recompute False: the kept graphs save only GEMM and attention outputs
-    layers: tuple[str, ...] = ()  # per layer, FULL / KEEP / SELECTIVE (train_step(recompute=[...])); (): as above
-
-    def mode(self, layer: int) -> str:
-        """How layer `layer` keeps what its backward needs: FULL (recomputed as the schedule
-        recomputes), KEEP (each sublayer's graph kept) or SELECTIVE (kept, GEMM outputs only)."""
-        if self.layers:
-            return self.layers[layer]
-        return FULL if self.recompute else SELECTIVE if self.selective else KEEP
-
-
-SCHEDULES: Mapping[str, Schedule] = MappingProxyType(
-    {
-        "megatron": Schedule(sub_batches=1, fine_grained_recompute=False, pass_barriers=False),
-        "merak": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=True),
-        "cross_pass": Schedule(sub_batches=2, fine_grained_recompute=False, pass_barriers=False),
-        "oases": Schedule(sub_batches=2, fine_grained_recompute=True, pass_barriers=False),
-    }
-)
 
 
 @dataclass
