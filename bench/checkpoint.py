@@ -76,15 +76,13 @@ def _median_local(fn: Callable[[], object], iters: int) -> float:
 
 
 def _max(ctx, values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
-    return t.tolist()
+    return ctx.timer.max_over_ranks(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def _sum(ctx, values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)  # NCCL reduces device tensors only
     dist.all_reduce(t, group=ctx.group)
-    return t.tolist()
+    return t.cpu().tolist()
 
 
 def _crc32_seconds(iters: int) -> float:
@@ -167,16 +165,33 @@ def run(args, ctx) -> list[dict]:
     optimizer.step()  # the moments exist: a training run's checkpoint
 
     base = args.dir or args.out
-    os.makedirs(base, exist_ok=True)
-    root = [tempfile.mkdtemp(prefix="bench-checkpoint-", dir=base) if ctx.rank == 0 else ""]
-    dist.broadcast_object_list(root, src=0, group=ctx.group)
-    root = root[0]
+    root, error = "", None
+    if ctx.rank == 0:
+        try:
+            os.makedirs(base, exist_ok=True)
+            root = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=base)
+        except OSError as e:  # every rank raises below, none waits for a folder
+            error = e
+    root = _broadcast(ctx, root)
+    if not root:
+        raise RuntimeError(f"bench checkpoint: rank 0 could not make a folder under {base}: {error}")
     try:
-        return _measure(args, ctx, oases, model, optimizer, root, s)
-    finally:
-        dist.barrier(group=ctx.group)
-        if ctx.rank == 0:
+        records = _measure(args, ctx, oases, model, optimizer, root, s)
+    except BaseException:
+        if ctx.rank == 0:  # best effort, no collective: a peer may be stuck in one
             shutil.rmtree(root, ignore_errors=True)
+        raise
+    dist.barrier(group=ctx.group)  # every rank is done with the files
+    if ctx.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return records
+
+
+def _broadcast(ctx, text: str) -> str:
+    """Rank 0's `text` on every rank."""
+    box = [text]
+    dist.broadcast_object_list(box, src=0, group=ctx.group, device=ctx.device if ctx.is_cuda else None)
+    return box[0]
 
 
 def _sound(verdict: object) -> None:
@@ -237,7 +252,7 @@ def _measure(args, ctx, oases, model, optimizer, root: str, s: dict) -> list[dic
         ("checksums (own files, whole + items)", checksums, largest, checksums),
         ("write (own bytes, page cache)", write, largest, None),
         ("fsync (own bytes)", fsync, largest, fsync),
-        ("dir fsync (x3 per save)", dir_fsync, None, 3 * dir_fsync),
+        ("dir fsync (one; a save does 3)", dir_fsync, None, 3 * dir_fsync),
     ]
     for name, seconds, nbytes, in_save in parts:
         records.append(
