@@ -56,7 +56,11 @@ def _backend(device: str) -> str:
 # torch: an import there that touched the GPU before the fork would break CUDA in every rank.
 _PRELOAD_CPU = [
     "pytest",
-    "oases",
+    # `import oases` loads nothing until a name is used (oases/__init__.py): the library's modules by name
+    "oases.training",
+    "oases.pipeline",
+    "oases.checkpoint",
+    "oases.pretrained",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.gpt_neox.modeling_gpt_neox",

@@ -321,3 +321,16 @@ def test_compile_cuda_skips_without_nvcc():
     )
     assert proc.returncode == 0, proc.stderr
     assert "CUDA compile check skipped" in proc.stdout
+
+
+def test_import_oases_and_its_launcher_load_no_torch():
+    """`import oases` binds its names lazily: it and the launcher (oases.launch, what `oases-launch`
+    runs before any rank) import no torch; the first public name used loads its module."""
+    probe = (
+        "import sys, oases, oases.launch\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith(('torch', 'oases.')))\n"
+        "oases.train_step\n"
+        "assert 'oases.training' in sys.modules and 'torch' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

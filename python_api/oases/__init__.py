@@ -18,10 +18,11 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
-if TYPE_CHECKING:  # what `oases.<name>` gives, for type checkers and IDEs (imported lazily below)
+if _TYPE_CHECKING:  # what `oases.<name>` gives, for type checkers and IDEs (imported lazily below)
     from oases import amp, comm, dp, models, nn, ops, pipeline, schedule
     from oases.checkpoint import (
         CheckpointState,
@@ -62,9 +63,9 @@ __all__ = [
 ]
 
 # `import oases` imports no torch: a public name loads its module on first use, so the launcher
-# (`python -m oases.launch`, `oases-launch`) and `oases env` start in a fraction of a second where
-# the whole library takes seconds (torch, Triton, torch._dynamo). Any subpackage or module
-# (`oases.planner`, `oases.checkpoint`, ...) is imported on its first `oases.<name>` likewise.
+# (`python -m oases.launch`, `oases-launch`) starts in a fraction of a second where the whole
+# library takes seconds (torch, Triton, torch._dynamo). Any subpackage or module (`oases.planner`,
+# `oases.checkpoint`, ...) is imported on its first `oases.<name>` likewise.
 _HOMES = {
     "CheckpointState": "oases.checkpoint",
     "full_state_dict": "oases.checkpoint",
@@ -82,21 +83,24 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     """oases.<name> not bound yet: a public function's module imported and the function returned,
-    or the submodule oases.<name> imported (Python binds it here from then on)."""
+    or the submodule oases.<name> imported (Python binds it here from then on). A module that
+    fails to import raises its own error (an AttributeError inside it as an ImportError, so that
+    `from oases import x` does not hide it)."""
     home = _HOMES.get(name)
-    if home is not None:
-        return getattr(importlib.import_module(home), name)
-    if name.startswith("__"):
+    if home is None and (name.startswith("__") or not name.isidentifier()):
         raise AttributeError(f"module 'oases' has no attribute {name!r}")
     try:
-        return importlib.import_module(f"oases.{name}")
+        module = _importlib.import_module(home or f"oases.{name}")
     except ModuleNotFoundError as e:
-        if e.name != f"oases.{name}":  # the submodule exists and failed to import something it needs
-            raise
-        raise AttributeError(f"module 'oases' has no attribute {name!r}") from None
+        if home is None and e.name == f"oases.{name}":  # no such submodule
+            raise AttributeError(f"module 'oases' has no attribute {name!r}") from None
+        raise
+    except AttributeError as e:  # a bug inside the module: not "oases has no such name"
+        raise ImportError(f"importing {home or f'oases.{name}'} failed: {e!r}") from e
+    return getattr(module, name) if home is not None else module
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(k for k in set(globals()) | set(__all__) if not k.startswith("_") or k.startswith("__"))
