@@ -678,6 +678,18 @@ def _wrapped_actions(rank, world_size):
         pipes[0].register_action_wrapper("not callable")
     for pipe in pipes:
         pipe.close()
+    # A wrapper that never runs the action, or runs it twice, fails the step. One stage (DP 2): no
+    # receive is left posted by the failed step for the next pipeline's messages to land in.
+    dp_mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    for wrapper, said in (
+        (lambda action, run: None, "no wrapper called run"),
+        (lambda a, run: (run(), run()), "twice"),
+    ):
+        pipe = Pipeline(GPTConfig(**CONFIG, layers=2), dp_mesh, schedule="gpipe", micro_batches=2)
+        pipe.register_action_wrapper(wrapper)
+        with pytest.raises(RuntimeError, match=said):
+            pipe.train_step(tokens, targets)
+    dist.barrier()
     return True
 
 

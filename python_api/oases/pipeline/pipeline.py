@@ -507,8 +507,9 @@ class Pipeline:
 
         `action` is the schedule's F(k, i) / B(k, i) (oases.pipeline.Action: kind, segment,
         micro-batch); `run()` computes it (its receive already posted, its send issued inside) and
-        must be called once for the step to go on. An exception a wrapper raises fails the step as
-        the action's own would (the next step refuses to run, see train_step).
+        must be called exactly once: a RuntimeError otherwise. An exception a wrapper raises (that
+        one included) fails the step as the action's own would (the next step refuses to run, see
+        train_step).
         """
         if not callable(wrapper):
             raise TypeError(f"wrapper: expected a callable wrapper(action, run), got {type(wrapper).__name__}")
@@ -517,11 +518,28 @@ class Pipeline:
         return handle
 
     def _run(self, action: Action, step: Step) -> None:
-        """One action of the step (oases.pipeline._execute.run), through the registered wrappers."""
-        run: Callable[[], None] = functools.partial(_execute.run, self, action, step)
+        """One action of the step (oases.pipeline._execute.run), through the registered wrappers;
+        RuntimeError when they did not run it exactly once (the step then fails, see train_step)."""
+        if not self._action_wrappers:
+            _execute.run(self, action, step)
+            return
+        runs = 0
+
+        def run() -> None:
+            nonlocal runs
+            runs += 1
+            if runs > 1:
+                raise RuntimeError(f"register_action_wrapper: a wrapper called run() of {action!r} twice")
+            _execute.run(self, action, step)
+
+        call: Callable[[], None] = run
         for wrapper in reversed(list(self._action_wrappers.values())):
-            run = functools.partial(wrapper, action, run)
-        run()
+            call = functools.partial(wrapper, action, call)
+        call()
+        if runs == 0:
+            raise RuntimeError(
+                f"register_action_wrapper: no wrapper called run() of {action!r}: each must call it once"
+            )
 
     def sync_segment(self, segment: int) -> None:
         """Sum segment `segment`'s gradients of this stage over dp now, blocking (in place).
