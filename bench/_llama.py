@@ -94,6 +94,22 @@ def build(config) -> nn.Module:
         return LlamaForCausalLM(config)
 
 
+def parallelized(sizes: dict[str, int], ctx) -> tuple[Any, nn.Module]:
+    """(config, model): the Llama of `sizes` (hidden, heads, kv_heads, layers, seq_len) built on
+    ctx.device and sharded by oases.parallelize over ctx.group (TP = the ranks), its warnings quiet."""
+    import warnings
+
+    import oases
+
+    keys = ("hidden", "heads", "kv_heads", "layers", "seq_len")
+    config = llama_config(**{k: sizes[k] for k in keys}, world_size=ctx.world_size)
+    model = build(config).to(ctx.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oases.parallelize(model, ctx.group)
+    return config, model
+
+
 # ---- plans: module name (`*` matches one level) -> ParallelStyle --------------------------------
 def torchtitan_plan(config) -> dict[str, Any]:
     """torchtitan's apply_tp for Llama with loss parallelism, on Hugging Face's module names.

@@ -38,14 +38,13 @@ import shutil
 import statistics
 import tempfile
 import time
-import warnings
 import zlib
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from bench._llama import build, llama_config
+from bench._llama import parallelized
 from bench._report import Table, pyplot, save_figure
 
 QUICK = dict(layers=1, hidden=128, heads=4, kv_heads=2, seq_len=32)
@@ -147,18 +146,7 @@ def run(args, ctx) -> list[dict]:
     import oases
 
     s = _settings(args)
-    config = llama_config(
-        hidden=s["hidden"],
-        heads=s["heads"],
-        kv_heads=s["kv_heads"],
-        layers=s["layers"],
-        seq_len=s["seq_len"],
-        world_size=ctx.world_size,
-    )
-    model = build(config).to(ctx.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, ctx.group)
+    _, model = parallelized(s, ctx)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

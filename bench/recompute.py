@@ -26,13 +26,12 @@ the measured rise against the budget.
 from __future__ import annotations
 
 import argparse
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench._llama import build, llama_config
+from bench._llama import parallelized
 from bench._report import Table, pyplot, save_figure
 from bench._rss import PeakRSS, exact_malloc, settle
 
@@ -69,18 +68,7 @@ def run(args, ctx) -> list[dict]:
 
     exact_malloc()
     s = _settings(args)
-    config = llama_config(
-        hidden=s["hidden"],
-        heads=s["heads"],
-        kv_heads=s["kv_heads"],
-        layers=s["layers"],
-        seq_len=s["seq_len"],
-        world_size=ctx.world_size,
-    )
-    model = build(config).to(ctx.device)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        oases.parallelize(model, ctx.group)
+    config, model = parallelized(s, ctx)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (s["batch"], s["seq_len"]), generator=g).to(ctx.device)
 
