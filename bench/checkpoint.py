@@ -164,7 +164,7 @@ def run(args, ctx) -> list[dict]:
     if not root:
         raise RuntimeError(f"bench checkpoint: rank 0 could not make a folder under {base}: {error}")
     try:
-        records = _measure(args, ctx, oases, model, optimizer, root, s)
+        records = _measure(ctx, oases, model, optimizer, root, s)
     except BaseException:
         if ctx.rank == 0:  # best effort, no collective: a peer may be stuck in one
             shutil.rmtree(root, ignore_errors=True)
@@ -187,7 +187,7 @@ def _sound(verdict: object) -> None:
         raise RuntimeError(f"bench checkpoint: the checkpoint it wrote does not verify: {verdict}")
 
 
-def _measure(args, ctx, oases, model, optimizer, root: str, s: dict) -> list[dict]:
+def _measure(ctx, oases, model, optimizer, root: str, s: dict) -> list[dict]:
     from oases import _dcp
 
     steps = iter(range(1, 10**6))
