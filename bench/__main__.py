@@ -15,6 +15,10 @@ runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG a
     cuda   cuda:LOCAL_RANK on NCCL; refused before any rank starts when torch sees no GPU, or when
            --nproc exceeds the GPUs (NCCL cannot run two ranks on one GPU)
 
+`--share-gpu` (with cuda, or auto on a GPU) runs every rank on GPU 0 over NCCL, each rank a host of
+its own (oases-launch --share-gpu): a correctness mode for a machine with one GPU. Its JSON says
+`"shared_gpu": N` in `device`; its timings are not speedups (the ranks' kernels take turns).
+
 `python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): see
 bench/gpu_check.py.
 """  # noqa: E501 (its first line is argparse's description: kept whole)
@@ -59,6 +63,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
         "or with more ranks than GPUs)",
     )
     common.add_argument("--nproc", type=_positive_int, default=2, help="ranks to launch (default: 2)")
+    common.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="with cuda: every rank on GPU 0 over NCCL sockets (oases-launch --share-gpu); a "
+        "correctness mode for one GPU, its timings are not speedups",
+    )
     common.add_argument(
         "--bandwidth",
         metavar="RATE",
@@ -130,13 +140,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _run_rank(args, modules[args.suite], argv)
 
 
-def device_refusal(device: str, nproc: int, hosts: int, gpus: int) -> Optional[str]:
+def device_refusal(device: str, nproc: int, hosts: int, gpus: int, share_gpu: bool = False) -> Optional[str]:
     """Why `--device device` cannot start `nproc` ranks (over `hosts` emulated hosts) on a machine
     where torch sees `gpus` GPUs, or None when it can. Ranks on CUDA run on cuda:LOCAL_RANK, one
-    GPU each: NCCL refuses two ranks on one GPU."""
+    GPU each: NCCL refuses two ranks of one host on one GPU. With `share_gpu` every rank is a
+    host of its own on GPU 0 (oases-launch --share-gpu)."""
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     cuda = device == "cuda" or (device == "auto" and gpus > 0)
+    if share_gpu and not cuda:
+        return "--share-gpu runs NCCL ranks on a GPU: give --device cuda (or auto where a GPU is visible)"
     if not cuda:
         return None
     chosen = "--device cuda" if device == "cuda" else "--device auto (a GPU is visible, so cuda)"
@@ -145,6 +158,8 @@ def device_refusal(device: str, nproc: int, hosts: int, gpus: int) -> Optional[s
             "--device cuda: torch sees no GPU here (torch.cuda.is_available() is False: no NVIDIA driver, "
             "CUDA_VISIBLE_DEVICES empty, or a CPU build of torch); run with --device cpu (or auto)"
         )
+    if share_gpu:
+        return "--share-gpu makes every rank a host of its own: give no --hosts" if hosts > 1 else None
     if hosts > 1:
         return (
             f"{chosen} with --hosts {hosts}: the emulated hosts share this machine's GPUs and each host's "
@@ -154,19 +169,20 @@ def device_refusal(device: str, nproc: int, hosts: int, gpus: int) -> Optional[s
     if nproc > gpus:
         return (
             f"{chosen} --nproc {nproc}: torch sees {gpus} GPU(s) and NCCL cannot run two ranks on one GPU; "
-            f"pass --nproc {gpus} or fewer, or --device cpu to run {nproc} gloo ranks on the CPU cores"
+            f"pass --nproc {gpus} or fewer, --device cpu to run {nproc} gloo ranks on the CPU cores, or "
+            "--share-gpu to test NCCL with every rank on one GPU (not a speedup)"
         )
     return None
 
 
 def _device_refusal(args: argparse.Namespace) -> Optional[str]:
     """device_refusal for this machine's GPUs (what torch in this process sees)."""
-    if args.device == "cpu":
+    if args.device == "cpu" and not args.share_gpu:
         return None
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return device_refusal(args.device, args.nproc, args.hosts, gpus)
+    return device_refusal(args.device, args.nproc, args.hosts, gpus, args.share_gpu)
 
 
 def _launcher_installed() -> bool:
@@ -191,10 +207,11 @@ def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
             command += ["--intra-bandwidth", args.intra_bandwidth] if args.intra_bandwidth else []
         elif args.bandwidth:
             command += ["--bandwidth", args.bandwidth, "--topology", args.topology]
-    elif args.bandwidth:
+        command += ["--share-gpu"] if args.share_gpu else []
+    elif args.bandwidth or args.share_gpu:
         print(
-            "bench: oases.launch is not installed, so the link cannot be shaped; run under a "
-            "launcher in a shaped namespace instead (see /work/shared/README.md)",
+            "bench: oases.launch is not installed, so the link cannot be shaped nor one GPU shared; "
+            "run under a launcher in a shaped namespace instead (see /work/shared/README.md)",
             file=sys.stderr,
         )
         return 2
@@ -240,6 +257,8 @@ def _write_outputs(args, suite: ModuleType, ctx, records: list[dict], events: li
         f"{link['bandwidth'] or 'unshaped'} {link['topology'] or ''}, "
         f"{ctx.meta['threads_per_rank']} thread(s)/rank"
     )
+    if ctx.meta["device"].get("shared_gpu"):
+        title += f" (all {ctx.meta['device']['shared_gpu']} ranks share one GPU: not a speedup)"
     for table in suite.tables(records):
         print(_report.render(table) + "\n", flush=True)
     plotted = hasattr(suite, "plot") and suite.plot(records, paths.png, title)

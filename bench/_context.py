@@ -97,6 +97,8 @@ def describe_run(args, device: torch.device, world_size: int, backend: str) -> d
             "name": device_name(device),
             "requested": getattr(args, "device", "auto"),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            # ranks sharing this one GPU (oases-launch --share-gpu): NCCL over sockets, not a speedup
+            "shared_gpu": int(os.environ["OASES_SHARE_GPU"]) if os.environ.get("OASES_SHARE_GPU") else None,
         },
         "world_size": world_size,
         "backend": backend,

@@ -13,13 +13,22 @@ starts in well under a second. Put many checks in one `fn` to pay the start-up o
 
 Device: `harness_device()` is OASES_TEST_DEVICE (cpu | cuda), else cuda where GPUs exist, else
 cpu. On cpu the ranks run gloo, as always. On cuda each rank gets GPU `rank % device_count` and
-a process group with a backend per device ("cpu:gloo,cuda:nccl"): tests that put their tensors on
-`harness_device()` run on NCCL; tests written for CPU tensors keep running on gloo.
+an NCCL-only process group, so a collective on a CPU tensor fails instead of falling back to gloo.
+Every multi-rank test takes its device from the harness: `rank_device()` inside a rank (inputs
+made on the CPU from a seeded generator, then `.to(rank_device())`), `harness_device()` for a
+device type (meshes, autocast, `parallelize(device=...)`). Tensors a rank returns come back on the
+CPU. Where a world has more ranks than GPUs, the ranks share them as `oases-launch --share-gpu`
+does (oases.launch._share): each rank an NCCL host of its own, NCCL over loopback sockets.
+
+OASES_TEST_COMM_LOG=PATH: each run appends one JSON line to PATH, the test (PYTEST_CURRENT_TEST),
+the device, the backend and per rank the c10d operations its main thread issued, by name
+(a TorchDispatchMode; a background thread's are not seen).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -48,7 +57,55 @@ def harness_device() -> str:
 
 
 def _backend(device: str) -> str:
-    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def cpu_only(reason: str):
+    """Mark a test that runs on the CPU harness only (gloo behaviour, the Triton interpreter, a
+    host-memory figure, ...): skipped on the cuda harness with `reason`, which the GPU tier lists."""
+    import pytest
+
+    return pytest.mark.skipif(harness_device() != "cpu", reason=f"CPU harness only: {reason}")
+
+
+def rank_device():
+    """Inside a rank: the torch.device its tensors go on (its GPU on the cuda harness, else cpu)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if harness_device() == "cuda" else torch.device("cpu")
+
+
+def _host(value):
+    """`value` with every tensor in it (through lists, tuples and dicts) moved to the CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_host(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _host(v) for k, v in value.items()}
+    return value
+
+
+def _counted(fn, *args):
+    """(fn(*args), {c10d op: calls}) of the calling thread."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _C10dCalls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "c10d":
+                name = func.__name__.split(".")[0]
+                self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with _C10dCalls() as calls:
+        value = fn(*args)
+    return value, calls.calls
 
 
 # What the forkserver imports once, so that no rank pays for it (importing oases takes about as
@@ -85,6 +142,10 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
     try:
         device = harness_device()
         if device == "cuda":
+            if world_size > torch.cuda.device_count():  # as oases-launch --share-gpu
+                from oases.launch._share import sharing_env
+
+                os.environ.update(sharing_env(rank, world_size, os.environ))
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(
             "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)
@@ -92,8 +153,11 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
         dist.init_process_group(
             _backend(device), store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
-        value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        if os.environ.get("OASES_TEST_COMM_LOG"):
+            value, calls = _counted(fn, rank, world_size, *args)
+        else:
+            value, calls = fn(rank, world_size, *args), None
+        results.put((rank, "ok", (_host(value), calls)))
     except BaseException:  # report everything, including SystemExit from a rank
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -147,7 +211,24 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         if missing:
             lines.append(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock); killed")
         raise AssertionError("distributed run failed:\n" + "\n".join(lines))
-    return [outcome[r][1] for r in range(world_size)]
+    _log_calls(world_size, [outcome[r][1][1] for r in range(world_size)])
+    return [outcome[r][1][0] for r in range(world_size)]
+
+
+def _log_calls(world_size: int, calls: list) -> None:
+    path = os.environ.get("OASES_TEST_COMM_LOG")
+    if not path:
+        return
+    device = harness_device()
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "world_size": world_size,
+        "device": device,
+        "backend": _backend(device),
+        "c10d_calls": calls,
+    }
+    with open(path, "a") as out:
+        out.write(json.dumps(line) + "\n")
 
 
 def stop_process(proc) -> None:

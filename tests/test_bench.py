@@ -743,6 +743,13 @@ def test_device_refusal():
         assert "NCCL cannot run two ranks on one GPU" in shared, shared
         assert "--nproc 1 or fewer" in shared and "--device cpu" in shared, shared
     assert "--hosts 2" in device_refusal("cuda", 2, 2, 2)
+    # --share-gpu: any number of ranks on one GPU, each its own host; never without a GPU or on cpu
+    assert device_refusal("cuda", 4, 1, 1, share_gpu=True) is None and device_refusal("auto", 3, 1, 1, True) is None
+    assert "--share-gpu" in device_refusal("cuda", 2, 1, 1)  # the refusal names the way out
+    assert "no GPU" in device_refusal("cuda", 2, 1, 0, share_gpu=True)
+    assert "--device cuda" in device_refusal("cpu", 2, 1, 1, share_gpu=True)
+    assert "--device cuda" in device_refusal("auto", 2, 1, 0, share_gpu=True)
+    assert "give no --hosts" in device_refusal("cuda", 4, 2, 1, share_gpu=True)
     with pytest.raises(ValueError, match="device: expected one of auto, cpu, cuda"):
         device_refusal("tpu", 1, 1, 0)
 

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
+import oases.launch._cli as launch_cli
 from oases.launch import main, parse_bandwidth
 
 from _spawn import finish_process, stop_process
@@ -44,7 +46,8 @@ probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 probe.connect((os.environ["MASTER_ADDR"], 9))  # no packet: only asks which source address routes
 names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
          "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "OASES_BANDWIDTH", "OASES_TOPOLOGY",
-         "GROUP_RANK", "GROUP_WORLD_SIZE", "OASES_HOSTS", "OASES_INTRA_BANDWIDTH"]
+         "GROUP_RANK", "GROUP_WORLD_SIZE", "OASES_HOSTS", "OASES_INTRA_BANDWIDTH", "OASES_SHARE_GPU",
+         "NCCL_HOSTID", "NCCL_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"]
 record = {name: os.environ.get(name) for name in names}
 record.update(all_reduce=total.item(), argv=sys.argv[2:], source=probe.getsockname()[0],
               netns=os.readlink("/proc/self/ns/net"))
@@ -407,3 +410,46 @@ def test_hosts_selftest_measures_both_link_kinds(tmp_path, bandwidth, intra_band
         assert 0.6 <= intra_host["one_way_bytes_per_s"] / intra_requested <= 1.3, result
         assert 0.25 <= intra_host["both_ways_bytes_per_s"] / intra_requested <= 0.65, result
     assert namespaces_of(run.pid) == []
+
+
+def test_share_gpu_makes_each_rank_a_host_on_gpu_0(tmp_path, monkeypatch):
+    """--share-gpu (a GPU assumed visible): every rank LOCAL_RANK 0 of a one-rank host of its own,
+    a distinct NCCL_HOSTID each, NCCL on loopback sockets; NCCL settings the user gave win."""
+    monkeypatch.setattr(launch_cli, "visible_gpus", lambda: 1)
+    for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NCCL_IB_DISABLE", "0")  # the user's own setting
+    nproc = 3
+    assert main(["--nproc", str(nproc), "--share-gpu", write_script(tmp_path, ENV_SCRIPT), str(tmp_path)]) == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    assert len({rank["NCCL_HOSTID"] for rank in ranks}) == nproc
+    for r, rank in enumerate(ranks):
+        assert (rank["RANK"], rank["WORLD_SIZE"]) == (str(r), str(nproc))
+        assert (rank["LOCAL_RANK"], rank["LOCAL_WORLD_SIZE"]) == ("0", "1")
+        assert (rank["GROUP_RANK"], rank["GROUP_WORLD_SIZE"]) == (str(r), str(nproc))
+        assert rank["NCCL_HOSTID"] == f"oases-share-{r}" and rank["OASES_SHARE_GPU"] == str(nproc)
+        assert (rank["NCCL_SOCKET_IFNAME"], rank["NCCL_P2P_DISABLE"], rank["NCCL_SHM_DISABLE"]) == ("lo", "1", "1")
+        assert rank["NCCL_IB_DISABLE"] == "0"
+        assert rank["all_reduce"] == nproc * (nproc + 1) / 2  # rendezvous worked
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--nproc", "4", "--hosts", "2", "--bandwidth", "1gbit"], "give no --hosts"),
+        (["--nproc", "2", "--bandwidth", "1gbit", "--topology", "switch"], "--topology shared"),
+    ],
+)
+def test_share_gpu_refuses_hosts_and_a_switch(capsys, monkeypatch, options, message):
+    monkeypatch.setattr(launch_cli, "visible_gpus", lambda: 1)
+    with pytest.raises(SystemExit) as stop:
+        main([*options, "--share-gpu", "x.py"])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no GPU")
+def test_share_gpu_without_a_gpu_is_refused_in_one_line(tmp_path):
+    run = launch("--nproc", "2", "--share-gpu", write_script(tmp_path, ENV_SCRIPT), str(tmp_path))
+    assert run.returncode == 2
+    assert "--share-gpu runs every rank on one GPU over NCCL, but torch sees no GPU here" in run.stderr
+    assert not list(tmp_path.glob("rank*.json"))  # no rank started

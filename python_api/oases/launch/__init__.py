@@ -7,6 +7,7 @@
     oases-launch --nproc 2 --bandwidth 1gbit --selftest          # measure the shaped link
     oases-launch --nproc 8 --hosts 2 --bandwidth 1gbit train.py  # 2 servers of 4 ranks, 1 Gbit NICs
     oases-launch --nproc 8 --hosts 2 --bandwidth 1gbit --intra-bandwidth 8gbit --selftest
+    oases-launch --nproc 2 --share-gpu train.py                  # 2 NCCL ranks on one GPU (a test mode)
     python -m oases.launch ...                                   # the same
 
 Every rank runs `sys.executable SCRIPT ARGS` (or `-m MODULE ARGS`) with torchrun's single-node
@@ -49,6 +50,16 @@ GROUP_RANK = the host, GROUP_WORLD_SIZE = H, MASTER_ADDR = host 0's address; sha
 get OASES_TOPOLOGY=hosts, OASES_HOSTS=H and, if given, OASES_INTRA_BANDWIDTH. `--selftest`
 measures a pair inside host 0 and a pair across hosts (needs 2 or more ranks per host). Without
 root or iproute2 the layout (the environment) stays and the links are unshaped, as above.
+
+--share-gpu runs every rank on GPU 0 over NCCL, for a workstation with one GPU (see `_share`):
+each rank is a host of its own to NCCL (NCCL_HOSTID per rank, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1,
+GROUP_RANK=r, GROUP_WORLD_SIZE=N, OASES_SHARE_GPU=N), so NCCL, which refuses two ranks of one
+host on one GPU, carries their traffic over sockets on loopback (NCCL_SOCKET_IFNAME=lo, no
+InfiniBand, no P2P or shared memory, unless the environment says otherwise). With --bandwidth
+(topology shared) that loopback is shaped: NCCL over a slow TCP link. It is a correctness mode:
+the ranks' kernels take turns on the one GPU, so its timings are not speedups. Refused in one
+line where torch sees no GPU, and with --hosts. The script picks the backend as usual
+(`init_process_group("nccl")`, or no backend: gloo for CPU tensors, NCCL for CUDA ones).
 """
 
 from oases.costs.rate import parse_bandwidth

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 from oases.costs.rate import parse_bandwidth
 from oases.launch._netns import TOPOLOGIES, UNSHAPED, Namespaces, Placement, ShapingUnavailable, Topology, find_tools
 from oases.launch._ranks import RankProcess, run_ranks
+from oases.launch._share import sharing_env, visible_gpus
 from oases.launch._signals import Interrupted, signals_raise
 
 DEFAULT_TOPOLOGY: Topology = "shared"
@@ -30,6 +31,7 @@ class _Job:
     topology: Topology
     hosts: int  # emulated servers; ranks packed into them, nproc // hosts each
     intra_bandwidth: Optional[str]  # with hosts > 1: tc rate inside a host; None: unshaped
+    share_gpu: bool = False  # every rank on GPU 0 over NCCL, each rank its own host (_share)
 
     @property
     def ranks_per_host(self) -> int:
@@ -103,6 +105,8 @@ def _rank_processes(job: _Job, placements: Sequence[Placement], extra_env: dict[
         )
         if job.hosts > 1:
             env.update(GROUP_RANK=str(rank // per_host), GROUP_WORLD_SIZE=str(job.hosts))
+        if job.share_gpu:
+            env.update(sharing_env(rank, job.nproc, os.environ))
         env.update(placement.env)
         env.update(extra_env)
         ranks.append(RankProcess([*placement.prefix, sys.executable, *job.target], env))
@@ -140,6 +144,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> _Job:
             "--intra-bandwidth shapes the links inside each of several hosts: give --hosts 2 "
             "or more (on one host, --bandwidth shapes the links between its ranks)"
         )
+    if options.share_gpu:
+        _check_sharing(parser, options)
     threads = str(options.threads) if options.threads else os.environ.get("OMP_NUM_THREADS", "1")
     return _Job(
         options.nproc,
@@ -149,7 +155,24 @@ def _parse_args(argv: Optional[Sequence[str]]) -> _Job:
         options.topology or DEFAULT_TOPOLOGY,
         options.hosts,
         options.intra_bandwidth,
+        options.share_gpu,
     )
+
+
+def _check_sharing(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
+    """--share-gpu: the ranks are hosts of their own on one GPU, over loopback sockets."""
+    if options.hosts > 1:
+        parser.error("--share-gpu makes every rank a host of its own: give no --hosts")
+    if options.topology == "switch":
+        parser.error(
+            "--share-gpu sends NCCL's traffic over loopback (NCCL_SOCKET_IFNAME=lo): shape it with "
+            "--topology shared (the default), not switch"
+        )
+    if visible_gpus() < 1:
+        parser.error(
+            "--share-gpu runs every rank on one GPU over NCCL, but torch sees no GPU here "
+            "(torch.cuda.is_available() is False); run without --share-gpu (gloo on the CPU)"
+        )
 
 
 def _check_hosts(parser: argparse.ArgumentParser, options: argparse.Namespace) -> None:
@@ -217,6 +240,12 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_int,
         metavar="K",
         help="OMP_NUM_THREADS per rank (default: the environment's, else 1)",
+    )
+    parser.add_argument(
+        "--share-gpu",
+        action="store_true",
+        help="run every rank on GPU 0 over NCCL, each rank its own host (NCCL_HOSTID), NCCL "
+        "over loopback sockets: a test mode for a machine with one GPU, not a speedup",
     )
     parser.add_argument(
         "--selftest",

@@ -104,12 +104,14 @@ def default_budget(device: torch.device, held: float) -> Optional[float]:
     parameters hold already) * (1 - MARGIN), shared among the ranks on that device:
 
         CUDA: torch.cuda.mem_get_info's free, the ranks of the node over its visible devices
+              (OASES_SHARE_GPU=N, set by oases-launch --share-gpu: N ranks on this one GPU)
         CPU:  /proc/meminfo's MemAvailable, the node's ranks (LOCAL_WORLD_SIZE)
     None where the device says nothing (no /proc/meminfo)."""
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        sharing = max(1, local // max(1, torch.cuda.device_count()))
+        shared = os.environ.get("OASES_SHARE_GPU")
+        sharing = max(1, int(shared) if shared else local // max(1, torch.cuda.device_count()))
         return (free / sharing + held) * (1 - MARGIN)
     available = _meminfo_available()
     if available is None:
