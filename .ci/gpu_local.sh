@@ -15,8 +15,15 @@
 #                 link assumed: one GPU has no peer to measure it against)
 #   8. plan       oases plan for Llama-7B on 16 such GPUs from that profile
 #   9. cpu-suite  (OASES_GPU_STAGES names it) the test suite on gloo, ranks on the CPU cores
+#  10. share      (named in OASES_GPU_STAGES) the multi-rank tier on NCCL, every rank on the one GPU
+#                 as its own NCCL host (.ci/gpu_share.py: stages in order, 2 ranks first, then 4;
+#                 share.json per test: outcome, NCCL calls; versions)
+#  11. link-share python -m bench link --share-gpu: NCCL socket all-reduce / ring P2P, 64 KiB-256 MiB
+#  12. layers-share  python -m bench layers --share-gpu: oases vs megatron, 2 ranks on the one GPU
+#                 (a correctness mode: the ranks take turns on the GPU, so not a speedup)
+# For issue 41: OASES_GPU_STAGES="env oases-env share link-share layers-share" OASES_GPU_BUDGET_S=540.
 #
-# Multi-rank runs stay on gloo (NCCL refuses two ranks on one GPU). Each stage runs under a time
+# Multi-rank runs outside the share stages stay on gloo. Each stage runs under a time
 # limit cut to what is left of OASES_GPU_BUDGET_S (default 480 s), so a slow stage cannot starve
 # the ones after it; its output goes to $out/log.txt and one line to $out/summary.txt.
 # At most 8 files land in $out (the device tool brings back no more): log.txt, summary.txt, _C.so,
@@ -144,6 +151,14 @@ stage profile 150 "$py" -m bench profile --device cuda --nproc 1 --assume-link 2
   --hidden 4096 --heads 32 --seq-len 2048 --vocab 32000 --rows 1,2,4 --out "$work/profile" --profile-out "$out/profile.json"
 stage plan 30 "$py" -m oases plan --model llama-7b --world 16 --device-memory 141GB \
   --profile "$out/profile.json" --out "$out/plan.json"
+stage share 420 "$py" .ci/gpu_share.py --device cuda --workers "${OASES_SHARE_WORKERS:-6}" \
+  --budget "${OASES_SHARE_BUDGET_S:-400}" --out "$work/share"
+cp "$work/share/share.json" "$out/share.json" 2>/dev/null
+stage link-share 90 "$py" -m bench link --device cuda --share-gpu --nproc 2 --out "$work/link"
+cp "$(ls -t "$work"/link/*.json 2>/dev/null | head -n 1)" "$out/link.json" 2>/dev/null
+stage layers-share 150 "$py" -m bench layers --device cuda --share-gpu --nproc 2 --model llama --layers 4 \
+  --warmup 2 --iters 5 --out "$work/layers"
+cp "$(ls -t "$work"/layers/*.json 2>/dev/null | head -n 1)" "$out/layers.json" 2>/dev/null
 stage cpu-suite 300 env OASES_TEST_DEVICE=cpu "$py" -m pytest -q -rf --tb=short -p no:cacheprovider -n 14 \
   --maxfail 40 tests
 echo "total: $(( $(date +%s) - t0 ))s, failed=$failed" | tee -a "$summary"

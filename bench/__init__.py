@@ -35,6 +35,7 @@ SUITES: dict[str, str] = {
     "recompute": "bench.recompute",
     "trainer": "bench.trainer",
     "checkpoint": "bench.checkpoint",
+    "link": "bench.link",
 }
 
 __all__ = ["SUITES"]

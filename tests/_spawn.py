@@ -20,6 +20,9 @@ device type (meshes, autocast, `parallelize(device=...)`). Tensors a rank return
 CPU. Where a world has more ranks than GPUs, the ranks share them as `oases-launch --share-gpu`
 does (oases.launch._share): each rank an NCCL host of its own, NCCL over loopback sockets.
 
+OASES_TEST_MAX_RANKS=N: a run with more ranks than N skips its test (the reason names the
+variable), so a tier can run every world of 2 ranks first and the larger ones after.
+
 OASES_TEST_COMM_LOG=PATH: each run appends one JSON line to PATH, the test (PYTEST_CURRENT_TEST),
 the device, the backend and per rank the c10d operations its main thread issued, by name
 (a TorchDispatchMode; a background thread's are not seen).
@@ -168,6 +171,11 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo, or see harness_device);
     return the results by rank."""
+    most = os.environ.get("OASES_TEST_MAX_RANKS")
+    if most and world_size > int(most):
+        import pytest
+
+        pytest.skip(f"{world_size} ranks: beyond OASES_TEST_MAX_RANKS={most}")
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
     )

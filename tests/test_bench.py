@@ -1072,3 +1072,21 @@ def test_trainer_suite(tmp_path):
     _check_efficiency(core["efficiency"], core["t_megatron"], core["t_train_step"], core["bound"])
     with open(doc["files"]["png"], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_link_suite_reports_both_ops_at_every_size(tmp_path):
+    """The quick link suite: all_reduce and ring_p2p at 64 KiB, 256 KiB and 1 MiB, with positive
+    times and bus bandwidths that follow from them (busbw = algbw * 2(p-1)/p for all_reduce)."""
+    from bench.link import sizes
+
+    assert sizes(1) == [64 * 1024, 256 * 1024, 1024 * 1024] and sizes(0) == [64 * 1024]
+    doc, printed, _ = _run_suite_on_ranks("link", tmp_path)
+    cases = doc["cases"]
+    assert sorted((c["op"], c["bytes"]) for c in cases) == sorted(
+        (op, size) for op in ("all_reduce", "ring_p2p") for size in sizes(1)
+    )
+    for case in cases:
+        assert case["t"] > 0 and case["t_min"] <= case["t"]
+        factor = 2 * (WORLD_SIZE - 1) / WORLD_SIZE if case["op"] == "all_reduce" else 1.0
+        assert case["busbw_gb_s"] == pytest.approx(factor * case["bytes"] / case["t"] / 1e9)
+    assert "link: 2 ranks" in printed and "1 MiB" in printed
