@@ -15,10 +15,7 @@ import torch.nn as nn
 
 from oases.comm._topology import ring_of
 from oases.degrees import LayerDegrees
-from oases.models._branch import (
-    is_dropout,
-    seeded_layer,
-)
+from oases.models._dropout_streams import is_dropout, seeded_layer
 from oases.models._whole import WholeLayer
 from oases.nn._parts import LayerParts, _calls, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
