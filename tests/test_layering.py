@@ -29,6 +29,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "oases._sharding",
         "oases._compiled",
         "oases._hf_files",
+        "oases._tiny_config",
         "oases._extension",
         "oases.amp",
         "oases.inputs",

@@ -502,7 +502,7 @@ def test_train_step_num_items_accumulates_to_the_whole_batch_mean():
 def test_rotation_counts_complete_checkpoints_only(tmp_path):
     """save_total_limit keeps the newest complete checkpoint-N folders; one whose save did not
     finish (no oases marker, or no trainer_state.json) is neither counted nor deleted."""
-    from oases.integrations.transformers import _rotate
+    from oases.integrations._trainer_checkpoints import rotate
 
     for step in range(1, 7):
         folder = tmp_path / f"checkpoint-{step}"
@@ -511,5 +511,5 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
             (folder / "oases" / "oases_checkpoint.json").write_text("{}")
         if step != 5:  # checkpoint-5: Trainer's state never written
             (folder / "trainer_state.json").write_text("{}")
-    _rotate(str(tmp_path), 2, None)
+    rotate(str(tmp_path), 2, None)
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-4", "checkpoint-5", "checkpoint-6"]

@@ -46,35 +46,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from oases._tiny_config import heads_of, tiny_config
+
 __all__ = ["Verdict", "tiny_config", "check_model", "add_arguments", "run", "DESCRIPTION"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 TOL = dict(rtol=1e-4, atol=1e-5)
-_HIDDEN = ("hidden_size", "n_embd", "d_model")
-_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
-_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_head_kv")
-_INNER = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-_TOP_K = ("num_experts_per_tok", "moe_k", "top_k")
-_SMALL = {  # (key, value) set where the config has the key (not None)
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "n_positions": 64,
-    "max_seq_len": 64,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 64,
-    "q_lora_rank": 32,
-    "kv_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "qk_head_dim": 24,
-    "sliding_window": 8,
-    "router_jitter_noise": 0.0,
-    "n_group": 1,  # DeepSeek's grouped routing: one group of the 4 experts
-    "topk_group": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -85,114 +62,6 @@ class Verdict:
     tp: int
     ok: Optional[bool]
     detail: str = ""
-
-
-def _first(d: dict, keys: Sequence[str]) -> Optional[str]:
-    return next((k for k in keys if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
-
-
-def tiny_config(config: Any) -> Any:
-    """A config of the same architecture, shrunk (module doc); `config` a transformers
-    PretrainedConfig, a path to a config.json or a directory holding one, or a model type."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    if isinstance(config, str):
-        if os.path.isdir(config) or os.path.isfile(config):
-            path = config if os.path.isdir(config) else os.path.dirname(os.path.abspath(config)) or "."
-            if os.path.isfile(config) and os.path.basename(config) != "config.json":
-                with open(config) as f:
-                    d = json.load(f)
-                config = AutoConfig.for_model(d.pop("model_type"), **d)
-            else:
-                config = AutoConfig.from_pretrained(path, local_files_only=True)
-        else:
-            config = AutoConfig.for_model(config)
-    if not isinstance(config, PretrainedConfig):
-        raise TypeError(f"config: expected a model type, a config path or a PretrainedConfig, got {config!r}")
-    text = getattr(config, "text_config", None)
-    config = text if isinstance(text, PretrainedConfig) and _first(vars(text), _HIDDEN) else config
-    d = config.to_dict()
-    heads_key, kv_key = _first(d, _HEADS), _first(d, _KV_HEADS)
-    heads = d[heads_key] if heads_key else 4
-    kv = d[kv_key] if kv_key else heads
-    if kv_key is None:  # a default left unset (Nemotron's None): one key-value head per query head
-        kv_key = next((k for k in _KV_HEADS if k in d and d[k] is None), None)
-    if d.get("multi_query") is True:
-        kv = 1
-    attn = d.get("attn_config") if isinstance(d.get("attn_config"), dict) else None  # DBRX's nested configs
-    if attn is not None and isinstance(attn.get("kv_n_heads"), int):
-        kv = attn["kv_n_heads"]
-    group = heads // kv if kv and heads % kv == 0 else 1
-    kv_small = 1 if kv == 1 else 1 << (min(kv, 4).bit_length() - 1)
-    heads_small = kv_small * max(1, min(group, 16 // kv_small))
-    hidden_key = _first(d, _HIDDEN)
-    hidden = d[hidden_key] if hidden_key else None
-    new: dict[str, Any] = {}
-    if hidden_key:
-        new[hidden_key] = heads_small * 16
-    if heads_key:
-        new[heads_key] = heads_small
-    if kv_key:
-        new[kv_key] = kv_small
-    if isinstance(d.get("head_dim"), int):  # MLA's is the rotary part's (qk_rope_head_dim)
-        new["head_dim"] = _SMALL["qk_rope_head_dim"] if d["head_dim"] == d.get("qk_rope_head_dim") else 16
-    inner_key = _first(d, _INNER)
-    if inner_key and hidden:
-        new[inner_key] = max(32, round(d[inner_key] / hidden * heads_small * 16 / 32) * 32)
-    for key in _EXPERTS:
-        if _first(d, (key,)):
-            new[key] = 4
-    for key in _TOP_K:
-        if _first(d, (key,)):
-            new[key] = min(d[key], 2)
-        elif key in d and d[key] is None and any(_first(d, (e,)) for e in _EXPERTS):
-            new[key] = 2  # a default left unset (DeepSeek-V2's)
-    new.update((k, v) for k, v in _SMALL.items() if d.get(k) is not None)
-    if isinstance(d.get("rotary_dim"), int):  # GPT-J's, CodeGen's: within the head
-        new["rotary_dim"] = 8
-    if hidden_key and isinstance(d.get("word_embed_proj_dim"), int):  # OPT's: equal to the width, or half of it
-        new["word_embed_proj_dim"] = new[hidden_key] if d["word_embed_proj_dim"] == hidden else new[hidden_key] // 2
-    layers_key = _first(d, _LAYERS)
-    kinds = list(dict.fromkeys(d["layer_types"])) if isinstance(d.get("layer_types"), list) else []
-    if layers_key:
-        new[layers_key] = max(2, len(kinds))
-    if kinds:
-        new["layer_types"] = (kinds * 2)[: max(2, len(kinds))]
-    if isinstance(d.get("first_k_dense_replace"), int) and d["first_k_dense_replace"] > 0:
-        new["first_k_dense_replace"] = 1  # one dense layer, one MoE layer
-    if isinstance(d.get("mlp_only_layers"), list):
-        new["mlp_only_layers"] = []
-    for key, value in d.items():  # dropout 0: exact comparisons
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
-            new[key] = 0.0
-    for key, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
-        if isinstance(d.get(key), int) and d[key] >= 128:
-            new[key] = value
-    if attn is not None:
-        new["attn_config"] = {  # rope_theta and clip_qkv: transformers' default DBRX config cannot run without them
-            **attn,
-            "kv_n_heads": kv_small,
-            "rope_theta": attn.get("rope_theta", 10000.0),
-            "clip_qkv": attn.get("clip_qkv") or 8.0,
-        }
-        new["attn_config"].update({k: 0.0 for k in ("attn_pdrop",) if k in attn})
-    ffn = d.get("ffn_config") if isinstance(d.get("ffn_config"), dict) else None
-    if ffn is not None and hidden:
-        small_hidden = heads_small * 16
-        new["ffn_config"] = {**ffn, "hidden_size": small_hidden, "moe_num_experts": 4}
-        if isinstance(ffn.get("ffn_hidden_size"), int):
-            new["ffn_config"]["ffn_hidden_size"] = max(
-                32, round(ffn["ffn_hidden_size"] / hidden * small_hidden / 32) * 32
-            )
-        if isinstance(ffn.get("moe_top_k"), int):
-            new["ffn_config"]["moe_top_k"] = min(ffn["moe_top_k"], 2)
-    d.update(new)
-    for key in ("architectures", "_name_or_path", "transformers_version"):
-        d.pop(key, None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        small = type(config).from_dict(d, attn_implementation="eager")
-    return small
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
@@ -229,7 +98,6 @@ def _rank_checks(rank: int, p: int, config: Any, build: Optional[Callable], root
     import transformers
 
     import oases
-    from oases.schedule import SCHEDULES
 
     def make() -> torch.nn.Module:
         torch.manual_seed(0)
@@ -282,6 +150,21 @@ def _rank_checks(rank: int, p: int, config: Any, build: Optional[Callable], root
         out.append(Verdict("invariant", p, True))
     except RuntimeError as error:
         out.append(Verdict("invariant", p, False, _one_line(error)))
+    out += _schedule_checks(tp, p, rank, (ids, labels, mask), want_out.loss.detach(), want)
+    out.append(_export_check(tp, type(ref), make, p, rank, root))
+    return out
+
+
+def _schedule_checks(
+    tp: torch.nn.Module, p: int, rank: int, batch: tuple, want_loss: torch.Tensor, want: dict[str, torch.Tensor]
+) -> list[Verdict]:
+    """oases.train_step on every schedule (and "oases" with sequence parallelism): the loss and
+    every gradient against the single process's."""
+    import oases
+    from oases.schedule import SCHEDULES
+
+    ids, labels, mask = batch
+    out: list[Verdict] = []
     split = {part.kind for part in oases.models.HFStack(tp).parts}
     for schedule, sp in [(s, False) for s in SCHEDULES] + [("oases", True)]:
         name = f"train_step {schedule}" + (" sp" if sp else "")
@@ -296,8 +179,18 @@ def _rank_checks(rank: int, p: int, config: Any, build: Optional[Callable], root
         except (ValueError, RuntimeError) as error:
             out.append(Verdict(name, p, False, _one_line(error)))
             continue
-        bad = _compare("loss", loss.detach(), want_out.loss.detach()) or _grads(tp, want, rank, p)
+        bad = _compare("loss", loss.detach(), want_loss) or _grads(tp, want, rank, p)
         out.append(Verdict(name, p, bad is None, bad or ""))
+    return out
+
+
+def _export_check(
+    tp: torch.nn.Module, cls: type, make: Callable[[], torch.nn.Module], p: int, rank: int, root: str
+) -> Verdict:
+    """save_pretrained, then from_pretrained (rank 0) and load_pretrained (every rank) give the
+    trained weights back."""
+    import oases
+
     try:
         where = os.path.join(root, f"export-{p}")
         oases.save_pretrained(tp, where)
@@ -306,7 +199,7 @@ def _rank_checks(rank: int, p: int, config: Any, build: Optional[Callable], root
         if rank == 0:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                back = type(ref).from_pretrained(where).state_dict()
+                back = cls.from_pretrained(where).state_dict()
             for key, value in trained.items():
                 if key in back and not torch.equal(back[key], value):
                     bad = f"{key}: from_pretrained differs from the trained weights"
@@ -320,10 +213,9 @@ def _rank_checks(rank: int, p: int, config: Any, build: Optional[Callable], root
             if not torch.equal(a, b):
                 bad = bad or f"{key}: load_pretrained differs from the saved weights"
                 break
-        out.append(Verdict("export", p, bad is None, bad or ""))
+        return Verdict("export", p, bad is None, bad or "")
     except Exception as error:  # noqa: BLE001 (reported as the verdict)
-        out.append(Verdict("export", p, False, _one_line(error)))
-    return out
+        return Verdict("export", p, False, _one_line(error))
 
 
 def _rank_main(rank: int, p: int, port: int, config: Any, build: Optional[Callable], root: str, results) -> None:
@@ -351,15 +243,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _heads_of(config: Any) -> tuple[Optional[int], Optional[int]]:
-    d = config.to_dict()
-    heads_key, kv_key = _first(d, _HEADS), _first(d, _KV_HEADS)
-    heads = d[heads_key] if heads_key else None
-    return heads, (d[kv_key] if kv_key else heads)
-
-
 def _run_degree(config: Any, p: int, build: Optional[Callable], timeout: float) -> list[Verdict]:
-    heads, kv = _heads_of(config)
+    heads, kv = heads_of(config)
     if heads is not None and heads % p:
         return [Verdict("parallelize", p, None, f"{heads} query heads do not divide by {p}")]
     if kv is not None and kv % p and p % kv:
@@ -477,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     verdicts = []
     for p in args.tp:
         verdicts += _run_degree(small, p, None, args.timeout)
-    heads, kv = _heads_of(small)
+    heads, kv = heads_of(small)
     title = f"oases check-model {args.config}: {kind}, tiny config ({heads} heads, {kv} key-value heads)"
     print(render(verdicts, title), flush=True)
     if args.json:

@@ -9,7 +9,8 @@
     loss = oases.train_step(model, ids, ids, grad_sync=opt.sync); opt.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 """
 
+from oases.dp._sharded_optimizer import ShardedOptimizer, row_range
 from oases.dp.grad_sync import AllReduceMean, GradientSync, Reducer
-from oases.dp.zero import ShardedOptimizer, ZeroOptimizer, row_range
+from oases.dp.zero import ZeroOptimizer
 
 __all__ = ["GradientSync", "ZeroOptimizer", "ShardedOptimizer", "AllReduceMean", "Reducer", "row_range"]

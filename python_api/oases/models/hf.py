@@ -40,7 +40,7 @@ every sub-batch).
 Dropout (a model in training mode with some, on oases.train_step): `step_seed()` draws the step's
 seed (broadcast over the TP group), every sublayer's core and every layer run whole draws its masks
 from DropoutStreams seeded by it, and the embedding's dropout (GPT-2's embd_pdrop) from the
-GROUP stream (oases.models._branch explains the streams). The layer's own dropout modules on a
+GROUP stream (oases.models._dropout_streams explains the streams). The layer's own dropout modules on a
 branch's output (called between the branch and the next norm, or after the MLP) join that branch;
 a layer that applies dropout the adapter cannot place on a branch (a dropout function in its
 forward: Falcon's dropout_add; a dropout module called elsewhere) runs whole in training.
@@ -48,35 +48,31 @@ forward: Falcon's dropout_add; a dropout module called elsewhere) runs whole in 
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import inspect
-import textwrap
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from oases.comm._topology import ring_of
 from oases.degrees import LayerDegrees, kwargs_rows
-from oases.models._branch import (
-    Branch,
-    check_random,
-    check_sharded,
-    draw_step_seed,
-    dropout_in,
-    is_dropout,
-    seeded_embedding,
-    seeded_layer,
+from oases.models._branch import Branch, check_random, check_sharded
+from oases.models._dropout_streams import draw_step_seed, dropout_in, seeded_embedding
+from oases.models._hf_dropout import _parts_of, _placed_dropout, _seed_groups, _SeededWholeLayer
+from oases.models._hf_standins import (
+    _Given,
+    _ShardHead,
+    _standing_in,
+    _standing_in_for_top,
+    _top_names,
+    _vocab_embedding,
 )
 from oases.models._whole import WholeLayer
-from oases.nn._mappings import copy_to_tp
-from oases.nn._parts import LayerParts, _calls, find_stack, layer_parts
+from oases.nn._parts import LayerParts, find_stack
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
-from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial
+from oases.nn.vocab import runs_as_partial
 from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements, SubBatch
 
@@ -244,7 +240,7 @@ class HFStack:
     def step_seed(self) -> Optional[int]:
         """The step's dropout seed (None without dropout: eval mode, or every rate 0): drawn from the
         default generator of the TP group's first rank and broadcast, the same on every rank
-        (oases.models._branch.draw_step_seed)."""
+        (oases.models._dropout_streams.draw_step_seed)."""
         if not self.dropout:
             return None
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
@@ -386,229 +382,6 @@ class HFStack:
                 # .forward, not the call: the model's forward pre-hooks (the TP input check) ran at the step's entry
                 logits = self.model.forward(input_ids=None, use_cache=False, return_dict=True).logits
         return logits if self.logits_group is None else self.lm_head.mask_padding(logits)
-
-
-class _SeededWholeLayer(WholeLayer):
-    """A layer run whole whose dropout draws from the step's DropoutStreams (seeded_layer): GROUP on
-    replicated activations (after its row layers' all-reduces), RANK on its heads and features."""
-
-    def __init__(self, index: int, layer: nn.Module, group: Optional[dist.ProcessGroup], *, alone: bool) -> None:
-        super().__init__(index, layer, group, alone=alone)
-        self.rank = 0 if alone or not dist.is_initialized() else ring_of(group).rank
-
-    def core(self, h: torch.Tensor, ctx: Any) -> torch.Tensor:
-        with seeded_layer(self.layer, ctx.where, self.index, self.rank, h.device):
-            return super().core(h, ctx)
-
-
-def _dropout_calls(forward: Any) -> Optional[list[tuple[bool, str]]]:
-    """The calls of a forward whose callee's name says dropout, in source order, each as (whether
-    it is `self.<name>(...)`, name); None where the source is unavailable."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Call):
-            continue
-        func = node.func
-        name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-        on_self = isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
-        if "dropout" in name.lower():
-            found.append((on_self, name))
-    return found
-
-
-def _placed_dropout(
-    decoder: nn.ModuleList, parts: list[LayerParts]
-) -> tuple[list[LayerParts], list[tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]]]:
-    """For a model training with dropout: (each layer's parts, each split layer's dropout modules on
-    its (attention's, MLP's) output). A dropout module the layer calls after a branch (before the next
-    norm or branch) is that branch's; a layer whose forward calls a dropout function (Falcon's
-    dropout_add) or a dropout module elsewhere runs whole."""
-    placed, after = [], []
-    for layer, p in zip(decoder, parts):
-        found = _branch_dropouts(layer, p) if p.kind != "whole" else ((), ())
-        if found is None:
-            p = LayerParts(
-                "whole",
-                p.attention,
-                p.mlp,
-                p.norms,
-                "in training its forward applies dropout that is not a dropout module after its attention or "
-                "MLP (a dropout function, or a module elsewhere)",
-            )
-            found = ((), ())
-        placed.append(p)
-        after.append(found)
-    return placed, after
-
-
-def _branch_dropouts(layer: nn.Module, parts: LayerParts) -> Optional[tuple[tuple[nn.Module, ...], ...]]:
-    """The layer's dropout modules on its attention's and its MLP's outputs (see _placed_dropout),
-    None where it applies dropout otherwise."""
-    children = dict(layer.named_children())
-    dropouts = _dropout_calls(type(layer).forward)
-    calls = _calls(type(layer).forward)
-    if dropouts is None or calls is None:
-        return None
-    if any(not on_self or not is_dropout(children.get(name, nn.Identity())) for on_self, name in dropouts):
-        return None  # a dropout function (or method) in the layer's forward
-    owned: dict[str, list[nn.Module]] = {parts.attention: [], parts.mlp: []}
-    last = None
-    for name in calls:
-        module = children.get(name)
-        if module is None:
-            continue
-        if is_dropout(module):
-            if last not in owned:
-                return None  # not right after a branch (on the residual stream, or after a norm)
-            if all(module is not m for m in owned[last]):
-                owned[last].append(module)
-        else:
-            last = name
-    return tuple(owned[parts.attention]), tuple(owned[parts.mlp])
-
-
-def _seed_groups(
-    model: nn.Module, degrees: Optional[LayerDegrees], tp_group: Optional[dist.ProcessGroup]
-) -> tuple[Optional[dist.ProcessGroup], ...]:
-    """The groups step_seed broadcasts over in turn, so that every rank of the model's TP group gets
-    its first rank's seed: that group, or with per-layer degrees the first layer's TP group and then
-    its replicas' group (covering the TP group between them); () on one rank."""
-    if not dist.is_initialized():
-        return ()
-    if degrees is not None:
-        at = degrees.placement(0)
-        return tuple(g for g in (at.tp_group, at.replica_group) if g is not None)
-    tp = any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules())
-    return (tp_group,) if tp else ()
-
-
-def _parts_of(decoder: nn.ModuleList) -> list[LayerParts]:
-    """layer_parts of each layer, the forward's source read once per kind of layer (class and children)."""
-    seen: dict[tuple, LayerParts] = {}
-    found = []
-    for layer in decoder:
-        key = (
-            type(layer),
-            tuple((n, type(m)) for n, m in layer.named_children()),
-            getattr(layer, "use_parallel_residual", None),
-        )
-        if key not in seen:
-            seen[key] = layer_parts(layer)
-        found.append(seen[key])
-    return found
-
-
-@contextlib.contextmanager
-def _standing_in(owner: nn.Module, name: str, module: nn.Module) -> Iterator[None]:
-    """owner.<name> (the decoder layers, the input embedding) replaced by `module` for the block (restored after)."""
-    kept = getattr(owner, name)
-    setattr(owner, name, module)
-    try:
-        yield
-    finally:
-        setattr(owner, name, kept)
-
-
-class _Given(nn.Module):
-    """Stands in for the input embedding `embedding` called with `ids`: gives the token embeddings
-    the schedule summed (a fresh tensor each call: the base may scale it in place); any other
-    attribute is the embedding's (a base model may read its weight's device)."""
-
-    def __init__(self, embedding: nn.Module, ids: torch.Tensor, embeddings: torch.Tensor) -> None:
-        super().__init__()
-        self.__dict__["_embedding"] = embedding  # not a submodule: read for attributes only
-        self.ids, self.embeddings = ids, embeddings
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_embedding"], name)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids is not self.ids and (ids.shape != self.ids.shape or not torch.equal(ids, self.ids.to(ids.device))):
-            raise RuntimeError(
-                "oases: the base model embedded other ids than the step's; its input embedding cannot "
-                "be split from its all-reduce: parallelize it with vocab_parallel=False"
-            )
-        return self.embeddings.clone()
-
-
-def _vocab_embedding(base: nn.Module) -> Optional[tuple[nn.Module, str]]:
-    """(owner, name) of the base model's input embedding where it is a VocabParallelEmbedding, else None."""
-    try:
-        embedding = base.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    if not isinstance(embedding, VocabParallelEmbedding):
-        return None
-    path = next((n for n, m in base.named_modules() if m is embedding), None)
-    if not path:
-        return None
-    owner, _, name = path.rpartition(".")
-    return base.get_submodule(owner), name
-
-
-def _top_names(model: nn.Module, base: nn.Module, head: nn.Module) -> Optional[tuple[str, str]]:
-    """The names of the base model and the head among the model's children, where both are
-    children of a model that is not its own base (a Hugging Face XForCausalLM), else None."""
-    children = dict(model.named_children())
-    names = [next((n for n, m in children.items() if m is part), None) for part in (base, head)]
-    return None if base is model or None in names else (names[0], names[1])
-
-
-class _ShardHead(nn.Module):
-    """A vocab-parallel head's shard of the logits, its input's gradient all-reduced over `group`
-    (copy_to_tp); None: left as this rank's share (the schedule sums it: head_split)."""
-
-    def __init__(self, head: ColumnParallelLinear, group: Optional[dist.ProcessGroup]) -> None:
-        super().__init__()
-        self.weight, self.bias, self.group = head.weight, head.bias, group
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h if self.group is None else copy_to_tp(h, self.group), self.weight, self.bias)
-
-
-class _Hidden(tuple):
-    """What the stood-in base model returns: the final hidden states as index 0 and as
-    last_hidden_state, and None for any other field the model's forward reads (past_key_values,
-    hidden_states, router_logits, ...)."""
-
-    def __new__(cls, h: torch.Tensor) -> "_Hidden":
-        return super().__new__(cls, (h,))
-
-    @property
-    def last_hidden_state(self) -> torch.Tensor:
-        return self[0]
-
-    def __getattr__(self, name: str) -> None:
-        return None
-
-
-class _GivesHidden(nn.Module):
-    def __init__(self, h: torch.Tensor) -> None:
-        super().__init__()
-        self.h = h
-
-    def forward(self, *args: Any, **kwargs: Any) -> _Hidden:
-        return _Hidden(self.h)
-
-
-@contextlib.contextmanager
-def _standing_in_for_top(model: nn.Module, names: tuple[str, str], h: torch.Tensor, head: nn.Module) -> Iterator[None]:
-    """model.<base> returns h and model.<head> is `head` for the block (both restored after)."""
-    kept = [getattr(model, n) for n in names]
-    setattr(model, names[0], _GivesHidden(h))
-    setattr(model, names[1], head)
-    try:
-        yield
-    finally:
-        for n, m in zip(names, kept):
-            setattr(model, n, m)
 
 
 def _unknown(model: nn.Module, what: str) -> str:

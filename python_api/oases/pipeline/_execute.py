@@ -46,7 +46,7 @@ class Step:
 
     def where(self, i: int) -> SubBatch:
         """Micro-batch i's SubBatch: its rows of the global batch, the step's dropout seed. The
-        dropout streams key their masks by these rows (oases.models._branch), so every micro-batch
+        dropout streams key their masks by these rows (oases.models._dropout_streams), so every micro-batch
         of every DP rank draws its own; recomputation redraws the first forward's."""
         return SubBatch(self.rows[i], self.batch, self.seed)
 

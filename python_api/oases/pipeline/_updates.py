@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from oases._sharding import clip_sharded_, copied_rows, sharded_parameters
 from oases.comm.hierarchical import HostGroups
-from oases.dp.zero import ShardedOptimizer
+from oases.dp._sharded_optimizer import ShardedOptimizer
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.tied import sum_copies

@@ -36,7 +36,7 @@ sync is a plain sum.
 
 Dropout (a model in training mode with dropout > 0): each micro-batch's SubBatch carries the step's
 seed and its rows of the global batch, and every branch draws its masks from streams seeded by
-them and by its layer (oases.models._branch: the TP group's stream on replicated activations,
+them and by its layer (oases.models._dropout_streams: the TP group's stream on replicated activations,
 each rank's own on its heads and features; oases.models.GPT: one residual mask over the global
 batch, sliced), so the recomputation of each checkpointed (or offloaded) layer in B(k, i) redraws
 the masks of F(k, i). The seed (Pipeline._step_seed) is the same on every stage and TP rank of a
@@ -95,7 +95,7 @@ from torch.utils.hooks import RemovableHandle
 from oases.amp import GradScaler
 from oases.checkpoint import CheckpointState
 from oases.inputs import CheckMode, agree_mesh_inputs
-from oases.models._branch import draw_step_seed, dropout_in
+from oases.models._dropout_streams import draw_step_seed, dropout_in
 from oases.models.gpt import GPTConfig
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack
@@ -454,7 +454,7 @@ class Pipeline:
             broadcast over pp, then over tp  # every rank of this DP replica: its (stage 0, TP rank 0)'s
 
         Every stage uses it (the masks are keyed by layer, sublayer, branch and the micro-batch's
-        rows of the global batch: oases.models._branch.DropoutStreams); each TP group shares it,
+        rows of the global batch: oases.models._dropout_streams.DropoutStreams); each TP group shares it,
         so replicated activations see one mask and each rank's heads their own stream. DP replicas
         are not broadcast to: a collective over dp could meet the previous step's DP syncs in flight
         on that group, and none is needed, since each replica's micro-batches are different rows of

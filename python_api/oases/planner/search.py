@@ -263,6 +263,41 @@ def _forms(work: Workload, profile: Profile, budget: int, in_flight: int, pp: in
     return out
 
 
+def _pipeline_and_dp(
+    model: ModelShape, profile: Profile, work: Workload, dp: int, pp: int, tp: int, m: int, t_mb: float
+) -> tuple[float, int, float, float]:
+    """(one activation's send between stages, segments, dp_overlap_ratio, the DP sync's exposed
+    seconds): FOLD3D's per-segment sync where there is a pipeline, else one all-reduce after the step."""
+    stage, e = work.shape, profile.element_bytes
+    pp_comm = profile.collective_time("p2p", 2, work.rows * stage.seq_len * stage.hidden * e) if pp > 1 else 0.0
+    router = stage.router_parameters()  # an MoE's router: replicated over tp (0 dense)
+    rank_params = (stage.layer_parameters() - router) * stage.layers / tp + router * stage.layers
+    dp_comm = profile.collective_time("all_reduce", dp, rank_params * e)
+    forward, backward = t_mb / 3, 2 * t_mb / 3
+    if pp > 1 and dp > 1:  # the pipeline's per-segment DP sync (FOLD3D)
+        ns = choose_segments(model.layers, pp, forward, backward, pp_comm, dp_comm, micro_batches=m)
+        ratio = dp_overlap_ratio(forward, backward, dp_comm, segments=ns, micro_batches=m)
+        return pp_comm, ns, ratio, max(0.0, dp_comm / ns - (1 - ratio) * m * forward / ns)
+    return pp_comm, 1, 1.0, dp_comm  # no pipeline: the gradients summed over dp after the step
+
+
+def _layer_rows(chosen: Any, in_flight: int) -> tuple[dict, ...]:
+    """The plan's per-layer table: degree, times, memory with `in_flight` micro-batches' activations."""
+    return tuple(
+        {
+            "layer": i,
+            "degree": c.degree,
+            "time_s": c.time_s,
+            "compute_s": c.compute_s,
+            "comm_s": c.comm_s,
+            "memory_bytes": c.states_bytes + in_flight * c.saved_bytes,
+            "dominated_by": c.dominated_by,
+            "chunks": c.chunks,
+        }
+        for i, c in enumerate(chosen.layers)
+    )
+
+
 def _evaluate(
     model: ModelShape,
     profile: Profile,
@@ -297,18 +332,7 @@ def _evaluate(
     except ValueError:
         pass
     t_mb = chosen.time_s - saved_s
-    e = profile.element_bytes
-    pp_comm = profile.collective_time("p2p", 2, work.rows * stage.seq_len * stage.hidden * e) if pp > 1 else 0.0
-    router = stage.router_parameters()  # an MoE's router: replicated over tp (0 dense)
-    rank_params = (stage.layer_parameters() - router) * stage.layers / tp + router * stage.layers
-    dp_comm = profile.collective_time("all_reduce", dp, rank_params * e)
-    forward, backward = t_mb / 3, 2 * t_mb / 3
-    if pp > 1 and dp > 1:  # the pipeline's per-segment DP sync (FOLD3D)
-        ns = choose_segments(model.layers, pp, forward, backward, pp_comm, dp_comm, micro_batches=m)
-        ratio = dp_overlap_ratio(forward, backward, dp_comm, segments=ns, micro_batches=m)
-        exposed_dp = max(0.0, dp_comm / ns - (1 - ratio) * m * forward / ns)
-    else:  # no pipeline: the gradients are summed over dp after the step (train_step, then all-reduce)
-        ns, ratio, exposed_dp = 1, 1.0, dp_comm
+    pp_comm, ns, ratio, exposed_dp = _pipeline_and_dp(model, profile, work, dp, pp, tp, m, t_mb)
     pipeline = (m + pp - 1) * t_mb + 2 * (pp - 1) * ns * pp_comm
     step = pipeline + exposed_dp
     full_step = (m + pp - 1) * full_t_mb + 2 * (pp - 1) * ns * pp_comm + exposed_dp
@@ -320,19 +344,6 @@ def _evaluate(
     form_step[form] = step  # the chosen form with its layers' recomputation chosen
     compute = m * chosen.compute_s
     exposed = max(0.0, step - compute)
-    layers = tuple(
-        {
-            "layer": i,
-            "degree": c.degree,
-            "time_s": c.time_s,
-            "compute_s": c.compute_s,
-            "comm_s": c.comm_s,
-            "memory_bytes": c.states_bytes + in_flight * c.saved_bytes,
-            "dominated_by": c.dominated_by,
-            "chunks": c.chunks,
-        }
-        for i, c in enumerate(chosen.layers)
-    )
     counts = [c.chunks for c in chosen.layers if c.degree > 1] or [1]
     chunks = max(set(counts), key=lambda k: (counts.count(k), -k))  # ties: fewer pieces
     return Plan(
@@ -355,7 +366,7 @@ def _evaluate(
         exposed_comm_s=exposed,
         dominated_by="exposed comm" if exposed > compute else "compute",
         uniform_step_s=uniform_step,
-        layers=layers,
+        layers=_layer_rows(chosen, in_flight),
         profile=profile.to_dict(),
         sequence_parallel=form == "rs_ag",
         form_step_s=form_step,
