@@ -577,6 +577,7 @@ class Pipeline:
 
             mine = this stage's entries of oases.full_state_dict(model)   # gathered over tp
             every stage's = all_gather_object(mine, pp_group)             # merged, in the model's key order
+            each tensor on this rank's device (another stage's arrive on its own GPU)
 
         Applies every pending update first (waits for its DP sync, steps its optimizer). A
         collective over the whole mesh (every rank calls it)."""
@@ -588,7 +589,7 @@ class Pipeline:
         else:
             parts[0] = mine
         merged = {key: value for part in parts for key, value in part.items()}
-        return {key: merged[key] for key in self.stage.key_order}
+        return {key: merged[key].to(self.comm.device) for key in self.stage.key_order}
 
     # --- storage (oases.pipeline._storage) -------------------------------------------------------
 

@@ -237,7 +237,9 @@ def choose_recompute(
     budget = float(memory_budget) if explicit else default_budget(input_ids.device, held)
     # the TP group agrees: the largest bytes, the smallest budget (every rank then picks the same)
     numbers = [base, transient, rerun] + [b for m in layers for b in (m.full, m.selective, m.keep)]
-    agreed = torch.tensor(numbers + [-(budget if budget is not None else float("inf"))], dtype=torch.float64)
+    agreed = torch.tensor(
+        numbers + [-(budget if budget is not None else float("inf"))], dtype=torch.float64, device=input_ids.device
+    )  # on the device: NCCL reduces device tensors only
     if comm.world_size > 1:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
     values = agreed.tolist()
