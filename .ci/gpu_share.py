@@ -41,7 +41,7 @@ OUTCOMES_VARIABLE = "OASES_SHARE_OUTCOMES"
 WIDE_REASON = "beyond OASES_TEST_MAX_RANKS"
 
 # (stage, test files, seconds of the CPU suite's run on this project's 2-core machine, gloo, 2026-11-29:
-# 662 s of the suite's 1054; the GPU run's budget is sized from them)
+# 642 s of the suite's 1054; the GPU run's budget is sized from them)
 STAGES: list[tuple[str, list[str], int]] = [
     ("comm", ["test_comm", "test_ops", "test_hierarchical", "test_gpu_path"], 21),
     (
@@ -89,10 +89,9 @@ STAGES: list[tuple[str, list[str], int]] = [
             "test_checkpoint",
             "test_checkpoint_resume",
             "test_checkpoint_integrity",
-            "test_checkpoint_faults",
-            "test_pretrained",
+            "test_pretrained",  # test_checkpoint_faults: its own forked gloo ranks (SIGKILLed mid-save)
         ],
-        41,
+        21,
     ),
     (
         "pipeline",

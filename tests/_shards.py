@@ -42,5 +42,6 @@ def check_export(tp, ref, path, rank, what):
             got = type(ref).from_pretrained(path).state_dict()
         for key, value in ref.state_dict().items():
             assert key in got and got[key].shape == value.shape, f"{what}: {key} in the export"
-            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=lambda m: f"{what} export {key}: {m}")
+            # from_pretrained loads on the CPU; `ref` lives on the rank's device (tests/_spawn.rank_device)
+            torch.testing.assert_close(got[key], value.cpu(), rtol=0, atol=0, msg=lambda m: f"{what} export {key}: {m}")
     dist.barrier()

@@ -1,8 +1,8 @@
 """oases.amp.GradScaler at TP 2 (2 gloo ranks): an overflow in one rank's gradient shard makes
 every rank skip the step and back off the scale (torch's GradScaler, on the same run, lets the
 other rank step: the shards diverge); without overflow every rank steps, as one process would.
-The forward runs under fp16 autocast (CPU). In the pipeline (loss_scaler=), an overflow on the
-last stage makes both stages skip the step."""
+The forward runs under fp16 autocast (on the harness's device). In the pipeline (loss_scaler=),
+an overflow on the last stage makes both stages skip the step."""
 
 import warnings
 
@@ -11,7 +11,7 @@ import torch
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -37,7 +37,7 @@ def _llama():
 def _step(model, scaler, ids, poison):
     """One scaled step; `poison`: put an inf into this rank's shard of q_proj's gradient."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with torch.autocast("cpu", torch.float16):
+    with torch.autocast(harness_device(), torch.float16):
         loss = model(input_ids=ids, labels=ids).loss
     scaler.scale(loss).backward()
     if poison:
@@ -50,15 +50,15 @@ def _step(model, scaler, ids, poison):
 
 
 def _scalers(rank, world):
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(rank_device())
     results = {}
     for name, make in (
-        ("oases", lambda: oases.amp.GradScaler("cpu", init_scale=2.0**8)),
-        ("torch", lambda: torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+        ("oases", lambda: oases.amp.GradScaler(harness_device(), init_scale=2.0**8)),
+        ("torch", lambda: torch.amp.GradScaler(harness_device(), init_scale=2.0**8)),
     ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = oases.parallelize(_llama())
+            model = oases.parallelize(_llama().to(rank_device()))
         scaler = make()
         overflow = _step(model, scaler, ids, poison=rank == 1)
         results[name] = (overflow, scaler.get_scale(), _step(model, scaler, ids, poison=False), scaler.get_scale())
@@ -84,9 +84,10 @@ def _pipeline_scaled(rank, world):
     from oases.pipeline import Pipeline
 
     config = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=4)
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(3)]
+    batches = [(tokens.to(rank_device()), targets.to(rank_device())) for tokens, targets in batches]
 
     def make(scaler=None, clip=None):
         return Pipeline(
@@ -94,7 +95,7 @@ def _pipeline_scaled(rank, world):
         )
 
     for clip in (None, 0.05):  # clipped: by the unscaled gradient's norm
-        plain, scaled = make(clip=clip), make(oases.amp.GradScaler("cpu", init_scale=2.0**12), clip)
+        plain, scaled = make(clip=clip), make(oases.amp.GradScaler(harness_device(), init_scale=2.0**12), clip)
         for tokens, targets in batches:
             assert torch.equal(plain.train_step(tokens, targets), scaled.train_step(tokens, targets))
         want, got = plain.state_dict(), scaled.state_dict()
@@ -102,7 +103,7 @@ def _pipeline_scaled(rank, world):
         assert clip is None or plain.grad_norm > clip and torch.equal(plain.grad_norm, scaled.grad_norm), clip
         plain.close(), scaled.close()
 
-    scaler = oases.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = oases.amp.GradScaler(harness_device(), init_scale=2.0**12)
     pipe = make(scaler)
     pipe.train_step(*batches[0])
     before = pipe.state_dict()  # step 1 applied
@@ -119,9 +120,9 @@ def _pipeline_scaled(rank, world):
     assert any(not torch.equal(before[k], v) for k, v in pipe.state_dict().items())  # steps again
     pipe.close()
     with pytest.raises(TypeError, match="loss_scaler: expected an oases.amp.GradScaler"):
-        make(torch.amp.GradScaler("cpu"))
+        make(torch.amp.GradScaler(harness_device()))
     with pytest.raises(ValueError, match="loss_scaler: not with zero=True"):
-        Pipeline(config, mesh, micro_batches=2, zero=True, loss_scaler=oases.amp.GradScaler("cpu"))
+        Pipeline(config, mesh, micro_batches=2, zero=True, loss_scaler=oases.amp.GradScaler(harness_device()))
     return True
 
 

@@ -20,7 +20,7 @@ from oases import ops
 from oases.schedule import SCHEDULES
 
 from _shards import expected_shard as _expected
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -38,18 +38,18 @@ def _close(a, b, what, rel=3e-2):
 def _single_process(x_full, w_full, bias, lin):
     """F.linear on the whole operands under autocast, the loss sum(y * lin), and the grads (fp32)."""
     x, w, b = (t.clone().requires_grad_() for t in (x_full, w_full, bias))
-    with torch.autocast("cpu", BF16):
+    with torch.autocast(harness_device(), BF16):
         y = torch.nn.functional.linear(x, w, b)
     (y.float() * lin).sum().backward()
     return y, x.grad, w.grad, b.grad
 
 
 def _ops(rank, world):
-    g = torch.Generator().manual_seed(0)
-    x_full = torch.randn(8, 6, 32, generator=g)
-    w_full = torch.randn(24, 32, generator=g) / 6
-    bias = torch.randn(24, generator=g)
-    lin = torch.linspace(-1, 1, 24)
+    g, dev = torch.Generator().manual_seed(0), rank_device()
+    x_full = torch.randn(8, 6, 32, generator=g).to(dev)
+    w_full = (torch.randn(24, 32, generator=g) / 6).to(dev)
+    bias = torch.randn(24, generator=g).to(dev)
+    lin = torch.linspace(-1, 1, 24, device=dev)
     rows, cols, outs = (slice(r * n, (r + 1) * n) for r, n in ((rank, 4), (rank, 16), (rank, 12)))
     y, gx, gw, gb = _single_process(x_full, w_full, bias, lin)
     cases = {  # name: (op, x, weight, bias, the loss's weights, expected y, grad x, grad weight, grad bias)
@@ -89,7 +89,7 @@ def _ops(rank, world):
     }
     for name, (op, x, w, b, weights, *want) in cases.items():
         xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
-        with torch.autocast("cpu", BF16):
+        with torch.autocast(harness_device(), BF16):
             out = op(xs, ws, bs)
         assert out.dtype == BF16, (name, out.dtype)
         (out.float() * weights).sum().backward()
@@ -127,9 +127,9 @@ def _check_grads(model, want, where, rank, world):
 
 
 def _model(rank, world):
-    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    plain = _llama()
-    with torch.autocast("cpu", BF16):
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1)).to(rank_device())
+    plain = _llama().to(rank_device())
+    with torch.autocast(harness_device(), BF16):
         out = plain(input_ids=ids, labels=ids)
     out.loss.backward()
     want_loss = out.loss.detach().float()
@@ -138,10 +138,10 @@ def _model(rank, world):
     def sharded():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return oases.parallelize(_llama())
+            return oases.parallelize(_llama().to(rank_device()))
 
     model = sharded()
-    with torch.autocast("cpu", BF16):
+    with torch.autocast(harness_device(), BF16):
         out = model(input_ids=ids, labels=ids)
     assert out.logits.dtype == BF16
     out.loss.backward()
@@ -150,7 +150,7 @@ def _model(rank, world):
     for schedule in SCHEDULES:
         for sp in (False, True):
             model = sharded()
-            with torch.autocast("cpu", BF16):
+            with torch.autocast(harness_device(), BF16):
                 loss = oases.train_step(model, ids, ids, schedule=schedule, sequence_parallel=sp)
             _close(loss.float(), want_loss, f"{schedule} sp={sp} loss", rel=1e-2)
             _check_grads(model, want, f"{schedule} sp={sp}", rank, world)

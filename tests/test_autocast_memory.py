@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 
 class _LiveBytes(TorchDispatchMode):
@@ -62,16 +62,17 @@ def _step_peaks(rank, world):
 
     config = GPTConfig(vocab_size=64, seq_len=128, hidden=64, heads=4, layers=12)
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 64, (4, 128), generator=g)
-    targets = torch.randint(0, 64, (4, 128), generator=g)
+    tokens = torch.randint(0, 64, (4, 128), generator=g).to(rank_device())
+    targets = torch.randint(0, 64, (4, 128), generator=g).to(rank_device())
     out = {}
     for autocast in (True, False):
         for offload in (False, True):
             model = GPT(config, schedule="oases", seed=0, offload=Offloader(batch=2) if offload else False)
+            model.to(rank_device())
             memory = RecomputeMemory()
 
             def step(memory=None):
-                with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                with torch.autocast(harness_device(), torch.bfloat16, enabled=autocast):
                     return model.train_step(tokens, targets, memory=memory, recompute=True)  # what it measures
 
             step()  # the profiling step sizes the slab; the gradients exist from here on

@@ -21,7 +21,7 @@ import oases
 from oases._sharding import ShardRule
 from oases.comm._topology import ring_of
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # TP sums in another order than the plain model's
 HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -71,9 +71,10 @@ class Case:
     """A model family: build(seed), its plan, its output and loss on a fixed batch."""
 
     def __init__(self, name, build, plan, max_tp):
-        self.name, self.build, self.plan, self.max_tp = name, build, plan, max_tp
-        self.ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-        self.x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(2))
+        self.name, self.plan, self.max_tp = name, plan, max_tp
+        self.build = lambda seed: build(seed).to(rank_device())  # a case is made inside a rank
+        self.ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
+        self.x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(2)).to(rank_device())
         self.hf = name.startswith("llama")
 
     def output(self, model):
@@ -161,15 +162,15 @@ def _check_full_state_dict(rank, p):
         _train_step(case, tp)
         _assert_equal_dicts(full, kept)  # a snapshot: training on does not change it
 
-    ref = _toy(0).to(torch.bfloat16)
+    ref = _toy(0).to(rank_device(), torch.bfloat16)
     tp = _parallelize(copy.deepcopy(ref), None, TOY_PLAN)
     _assert_equal_dicts(oases.full_state_dict(tp), ref.state_dict())
 
     # The contract, not the types: any module with tp_layout() and group, under any name, tied too.
-    table = Table(4 * p, 3, seed=5)
+    table = Table(4 * p, 3, seed=5).to(rank_device())
     model = nn.ModuleDict(dict(a=table, b=nn.Sequential(table)))
     full = oases.full_state_dict(model)
-    want = torch.randn(4 * p, 3, generator=torch.Generator().manual_seed(5))
+    want = torch.randn(4 * p, 3, generator=torch.Generator().manual_seed(5)).to(rank_device())
     assert list(full) == ["a.weight", "a.bias", "b.0.weight", "b.0.bias"]
     assert torch.equal(full["a.weight"], want) and torch.equal(full["b.0.weight"], want)
     dist.barrier()
@@ -223,7 +224,8 @@ def _check_reshard(rank, world_size, path):
     if rank >= 2:
         model = _parallelize(case.build(3), pair, case.plan)
         oases.load_checkpoint(model, where, group=pair)
-        torch.testing.assert_close(case.output(model), torch.load(os.path.join(path, f"want{rank - 2}.pt")), **TOL)
+        want = torch.load(os.path.join(path, f"want{rank - 2}.pt"), map_location=rank_device())
+        torch.testing.assert_close(case.output(model), want, **TOL)
     dist.barrier()
     return True
 
@@ -236,7 +238,7 @@ def test_save_at_tp2_load_at_tp4_and_tp1(tmp_path):
 
 
 def _check_bad_input(rank, p, path):
-    tp = _parallelize(_toy(0), None, TOY_PLAN)
+    tp = _parallelize(_toy(0).to(rank_device()), None, TOY_PLAN)
     before = _snapshot(tp)
     full = oases.full_state_dict(tp)
     changed = {k: v + 1 for k, v in full.items()}  # would show any partial load
@@ -261,7 +263,7 @@ def _check_bad_input(rank, p, path):
         oases.load_full_state_dict(tp, dict(changed, **{"head.bias": [0.0] * 8}))
     _assert_state(tp, before)
 
-    other = _parallelize(_toy(0, ffn=48), None, TOY_PLAN)  # ffn 48 instead of 32
+    other = _parallelize(_toy(0, ffn=48).to(rank_device()), None, TOY_PLAN)  # ffn 48 instead of 32
     where = os.path.join(path, "ffn48")
     oases.save_checkpoint(other, where)
     with pytest.raises(
@@ -285,7 +287,7 @@ def _check_bad_input(rank, p, path):
     # On disk in fp32, read back into a bf16 model: cast on copy, as load_state_dict does.
     where = os.path.join(path, "fp32")
     oases.save_checkpoint(tp, where)
-    half = _parallelize(_toy(4), None, TOY_PLAN).to(torch.bfloat16)
+    half = _parallelize(_toy(4).to(rank_device()), None, TOY_PLAN).to(torch.bfloat16)
     oases.load_checkpoint(half, where)
     _assert_equal_dicts(oases.full_state_dict(half), {k: v.bfloat16() for k, v in oases.full_state_dict(tp).items()})
 

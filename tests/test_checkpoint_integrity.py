@@ -25,7 +25,7 @@ from test_checkpoint_resume import _toy_step
 import oases
 from oases import _dcp
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 STEP3 = "step-000000003"
 
@@ -108,7 +108,7 @@ class _Recorder:
 def _check_integrity(rank, p, path):
     path = os.path.realpath(path)
     root = os.path.join(path, "run")
-    model = _parallelize(_toy(0), None, TOY_PLAN)
+    model = _parallelize(_toy(0).to(rank_device()), None, TOY_PLAN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     saved = {}
     for step in (1, 2, 3):
@@ -126,7 +126,7 @@ def _check_integrity(rank, p, path):
     assert files["__1_0.distcp"]["size"] == os.path.getsize(os.path.join(step3, "__1_0.distcp"))
     assert [w2[1], w2[2]] in [item[:2] for item in files[w2[0]]["items"]]
 
-    target = _parallelize(_toy(5), None, TOY_PLAN)
+    target = _parallelize(_toy(5).to(rank_device()), None, TOY_PLAN)
     target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
     state, skipped = _load(target, target_opt, root)
     assert (state.step, state.extra, skipped) == (3, {"step": 3}, []) and _same(target, saved[3])
@@ -169,7 +169,7 @@ def _check_integrity(rank, p, path):
     def flip_w2():
         with open(os.path.join(step3, w2[0]), "rb") as f:
             f.seek(w2[1])
-            at = w2[1] + f.read(w2[2]).index(saved[3]["ffn.w2.weight"].numpy().tobytes())
+            at = w2[1] + f.read(w2[2]).index(saved[3]["ffn.w2.weight"].cpu().numpy().tobytes())
         _flip(os.path.join(step3, w2[0]), at + 256)
 
     _on(rank, 1, flip_w2)
@@ -298,14 +298,14 @@ def _check_trust(rank, p, path):
     trusted=True does, and refuses, on every rank and before running it, a pickle naming code."""
     path = os.path.realpath(path)
     root, flag = os.path.join(path, "run"), os.path.join(path, "pwned")  # extra is one copy: rank 0's
-    model = _parallelize(_toy(0), None, TOY_PLAN)
+    model = _parallelize(_toy(0).to(rank_device()), None, TOY_PLAN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _toy_step(model, opt, 1)
     extra = {"data": [3, 1.5, "shard-7", None, (1, 2)], "t": torch.arange(3), "nested": {"ok": True}}
     oases.save_checkpoint(model, root, optimizer=opt, step=1, extra=extra)
     loaded = []
     for trusted in (True, False):
-        target = _parallelize(_toy(5), None, TOY_PLAN)
+        target = _parallelize(_toy(5).to(rank_device()), None, TOY_PLAN)
         target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
         torch.manual_seed(100 + rank)
         state = oases.load_checkpoint(target, root, optimizer=target_opt, trusted=trusted)

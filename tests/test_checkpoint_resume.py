@@ -21,14 +21,14 @@ from test_checkpoint import HAVE_TRANSFORMERS, TOY_PLAN, _llama, _parallelize, _
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformers")
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _ids(step):
-    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(100 + step))
+    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(100 + step)).to(rank_device())
 
 
 def _train(model, opt, steps):
@@ -42,10 +42,10 @@ def _train(model, opt, steps):
 def _llama_tp(seed, group=None, tp_degrees=None):
     """Llama (MHA) parallelized over `group`, or over the world with per-layer degrees."""
     if tp_degrees is None:
-        return _parallelize(_llama(4, seed), group, None)
+        return _parallelize(_llama(4, seed).to(rank_device()), group, None)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"oases.parallelize: left \d+ nn.Linear", UserWarning)
-        return oases.parallelize(_llama(4, seed), tp_degrees=tp_degrees)
+        return oases.parallelize(_llama(4, seed).to(rank_device()), tp_degrees=tp_degrees)
 
 
 def _adamw(model, lr=1e-2):
@@ -57,6 +57,11 @@ def _snapshot(model, opt):
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     state = {name: {k: v.clone() for k, v in opt.state[p].items()} for name, p in model.named_parameters()}
     return params, state
+
+
+def _here(storage, location):
+    """torch.load's map_location: another rank's device tensors onto this rank's, CPU ones (AdamW's step) stay."""
+    return storage if location == "cpu" else storage.to(device=rank_device())
 
 
 def _same(got, want, what, tol):
@@ -118,7 +123,7 @@ def _run_tp2(rank, pair, path):
 def _resume_tp2(rank, pair, path):
     """Ranks 2, 3: resume run/step-4 in a fresh model and optimizer, go on to step 6: what ranks 0, 1 have."""
     root = os.path.join(path, "run")
-    want = torch.load(os.path.join(path, f"want{rank - 2}.pt"))
+    want = torch.load(os.path.join(path, f"want{rank - 2}.pt"), map_location=_here)
     torch.manual_seed(123)
     model = _llama_tp(7, pair)
     opt = _adamw(model, lr=0.5)
@@ -187,9 +192,9 @@ def _resharded(rank, world_size, solo, path):
             assert len(stored[key].chunks) == degree, key  # one chunk per shard, not per rank
 
     # TP 1 in a group of one: the whole model on the rank, read from the halves (and from `mixed`).
-    tp1 = resumed(_llama(4, 5), group=solo)
-    _assert_same(_snapshot(*tp1), _snapshot(*reference(_llama(4, 6), group=solo)), **TOL)
-    plain = _llama(4, 9)
+    tp1 = resumed(_llama(4, 5).to(rank_device()), group=solo)
+    _assert_same(_snapshot(*tp1), _snapshot(*reference(_llama(4, 6).to(rank_device()), group=solo)), **TOL)
+    plain = _llama(4, 9).to(rank_device())
     oases.load_checkpoint(plain, mixed, group=solo)
     for (name, p), q in zip(plain.named_parameters(), tp1[0].parameters()):
         torch.testing.assert_close(p, q, **TOL, msg=lambda m: f"{name}: {m}")
@@ -217,7 +222,7 @@ def test_resume_exact_at_tp2_and_resharded_at_tp4_per_layer_degrees_tp1(tmp_path
 
 
 def _toy_step(model, opt, seed):
-    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(seed)).to(next(model.parameters()).device)
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad()
@@ -229,7 +234,7 @@ def _no_full_model(*args, **kwargs):
 
 def _check_old_and_sharded(rank, p, path):
     """Older checkpoints load; save and load work with full_state_dict / load_full_state_dict raising."""
-    model = _parallelize(_toy(0), None, TOY_PLAN)
+    model = _parallelize(_toy(0).to(rank_device()), None, TOY_PLAN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _toy_step(model, opt, 1)
     full = oases.full_state_dict(model)
@@ -237,11 +242,11 @@ def _check_old_and_sharded(rank, p, path):
     # A checkpoint of older Oases: the unsharded state dict at the top level, no marker.
     old = os.path.join(path, "old")
     dcp.save(full, checkpoint_id=old)
-    want = _parallelize(_toy(3), None, TOY_PLAN)
+    want = _parallelize(_toy(3).to(rank_device()), None, TOY_PLAN)
     oases.load_full_state_dict(want, full)  # each rank's shards, cut from the full tensors
 
     oases.checkpoint.full_state_dict = oases.checkpoint.load_full_state_dict = _no_full_model
-    loaded = _parallelize(_toy(3), None, TOY_PLAN)
+    loaded = _parallelize(_toy(3).to(rank_device()), None, TOY_PLAN)
     state = oases.load_checkpoint(loaded, old)
     assert (state.step, state.extra, state.path, state.missing_keys, state.unexpected_keys) == (None, None, old, [], [])
     for key, value in want.state_dict().items():
@@ -255,7 +260,7 @@ def _check_old_and_sharded(rank, p, path):
 
     # Saving and loading with the optimizer, nobody holding the full model (gathering raises).
     where = oases.save_checkpoint(model, os.path.join(path, "new"), optimizer=opt)
-    again = _parallelize(_toy(4), None, TOY_PLAN)
+    again = _parallelize(_toy(4).to(rank_device()), None, TOY_PLAN)
     again_opt = torch.optim.AdamW(again.parameters(), lr=1.0)
     oases.load_checkpoint(again, where, optimizer=again_opt)
     for (name, a), b in zip(again.named_parameters(), model.parameters()):
@@ -275,13 +280,13 @@ def _check_old_and_sharded(rank, p, path):
 
 def _check_bad_input(rank, p, path):
     """Each bad model, optimizer, directory or argument: the same error on every rank, nothing changed."""
-    model = _parallelize(_toy(0), None, TOY_PLAN)
+    model = _parallelize(_toy(0).to(rank_device()), None, TOY_PLAN)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _toy_step(model, opt, 1)
     plain = oases.save_checkpoint(model, os.path.join(path, "plain"))  # no optimizer
     root = os.path.join(path, "root")
     where = oases.save_checkpoint(model, root, optimizer=opt, step=1)
-    target = _parallelize(_toy(5), None, TOY_PLAN)
+    target = _parallelize(_toy(5).to(rank_device()), None, TOY_PLAN)
     target_opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
     before = {k: v.clone() for k, v in target.state_dict().items()}
 
@@ -328,7 +333,7 @@ def _check_bad_input(rank, p, path):
         r"the parameter \(\(32, 16\) on this rank, a part of it\).* use an optimizer whose state is elementwise",
     ):
         oases.save_checkpoint(model, os.path.join(path, "x"), optimizer=factored)
-    whole = _toy(0)
+    whole = _toy(0).to(rank_device())
     whole_opt = torch.optim.Adafactor(whole.parameters(), lr=1e-2)
     _toy_step(whole, whole_opt, 2)
     unsharded = oases.save_checkpoint(whole, os.path.join(path, "adafactor"), optimizer=whole_opt)
@@ -336,7 +341,7 @@ def _check_bad_input(rank, p, path):
         ValueError, match=r"optimizer: Adafactor's state 'row_var' of ffn\.w1\.weight has shape \(64, 1\)"
     ):
         oases.load_checkpoint(target, unsharded, optimizer=torch.optim.Adafactor(target.parameters()))
-    alone = _toy(5)  # where nothing is sharded, it loads
+    alone = _toy(5).to(rank_device())  # where nothing is sharded, it loads
     oases.load_checkpoint(alone, unsharded, optimizer=torch.optim.Adafactor(alone.parameters()))
 
     # Wrong directories: none there, an empty root, a checkpoint its writer never published.
@@ -362,7 +367,7 @@ def _check_bad_input(rank, p, path):
         oases.load_checkpoint(target, os.path.join(path, "died"))
 
     # Another model's checkpoint; keys on one side only.
-    other = _parallelize(_toy(0, ffn=48), None, TOY_PLAN)
+    other = _parallelize(_toy(0, ffn=48).to(rank_device()), None, TOY_PLAN)
     wide = oases.save_checkpoint(other, os.path.join(path, "ffn48"), optimizer=torch.optim.AdamW(other.parameters()))
     with pytest.raises(
         ValueError,

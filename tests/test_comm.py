@@ -6,12 +6,12 @@ import torch.distributed as dist
 
 import oases.comm as oc
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 
 def _data(world_size, shape, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for _ in range(world_size)]
+    return [torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(rank_device()) for _ in range(world_size)]
 
 
 def _check_collectives(rank, world_size):

@@ -15,7 +15,7 @@ import torch
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -35,11 +35,11 @@ def _llama():
             max_position_embeddings=32,
             tie_word_embeddings=False,
         )
-    )
+    ).to(rank_device())
 
 
 def _compiled(rank, world):
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1)).to(rank_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eager = oases.parallelize(_llama())

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import oases
 from oases.models import GPT, GPTConfig
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 
 class _MLP(nn.Module):
@@ -31,39 +31,39 @@ class _MLP(nn.Module):
 
 
 def _trained(rank, world_size, tmp):
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    flat = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    grid = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(rank_device())
+    flat = init_device_mesh(harness_device(), (2,), mesh_dim_names=("tp",))
+    grid = init_device_mesh(harness_device(), (1, 2), mesh_dim_names=("dp", "tp"))
     results = {}
     for name, group in (("mesh", flat), ("group", flat.get_group()), ("grid['tp']", grid["tp"])):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = oases.parallelize(_MLP(), group, plan={"up": "column", "down": "row"})
+            model = oases.parallelize(_MLP().to(rank_device()), group, plan={"up": "column", "down": "row"})
         assert isinstance(model.up, oases.nn.ColumnParallelLinear), name
         model(x).square().sum().backward()
         results[name] = [p.grad.clone() for p in model.parameters()]
     for name in ("mesh", "grid['tp']"):
         for got, want in zip(results[name], results["group"]):
             assert torch.equal(got, want), name
-    reference = _MLP()
+    reference = _MLP().to(rank_device())
     reference(x).square().sum().backward()
     full, sharded = oases.full_state_dict(model), model
     assert set(full) == set(reference.state_dict())
     # the layers and GPT take it too
     layer = oases.nn.ColumnParallelLinear(8, 16, group=flat)
     assert layer.weight.shape == (8, 8) and layer.group is flat.get_group()
-    assert oases.amp.GradScaler("cpu", group=flat).group is flat.get_group()
+    assert oases.amp.GradScaler(harness_device(), group=flat).group is flat.get_group()
     config = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=2)
-    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
-    losses = [GPT(config, group, seed=3)(tokens, tokens).item() for group in (flat, flat.get_group())]
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2)).to(rank_device())
+    losses = [GPT(config, group, seed=3).to(rank_device())(tokens, tokens).item() for group in (flat, flat.get_group())]
     assert losses[0] == losses[1], losses
     # data parallel on mesh["dp"]: GradientSync and ZeroOptimizer average over the mesh's group
-    dp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["dp"]
+    dp = init_device_mesh(harness_device(), (2, 1), mesh_dim_names=("dp", "tp"))["dp"]
     for make in (
         lambda m: (oases.dp.GradientSync(m, dp), torch.optim.SGD(m.parameters(), lr=0.1)),
         lambda m: (None, oases.dp.ZeroOptimizer(m, dp, torch.optim.SGD, lr=0.1)),
     ):
-        model, plain = _MLP(), _MLP()
+        model, plain = _MLP().to(rank_device()), _MLP().to(rank_device())
         sync, opt = make(model)
         model(x[2 * rank : 2 * rank + 2]).square().sum().backward()
         opt.step()
@@ -75,7 +75,7 @@ def _trained(rank, world_size, tmp):
             sync.close()
     # the rest of the public entry points that take a group
     assert oases.inputs.agree_inputs({"x": x}, group=flat)["x"] is x
-    watched = nn.Linear(8, 8)
+    watched = nn.Linear(8, 8).to(rank_device())
     oases.inputs.watch_inputs(watched, flat)
     with pytest.raises(
         ValueError, match="must get the same input"
@@ -89,7 +89,7 @@ def _trained(rank, world_size, tmp):
     assert copies.replica_group is flat.get_group()
     out = tmp + "/export"
     oases.save_pretrained(sharded, out, group=flat)
-    reloaded = oases.parallelize(_MLP(), flat, plan={"up": "column", "down": "row"})
+    reloaded = oases.parallelize(_MLP().to(rank_device()), flat, plan={"up": "column", "down": "row"})
     oases.load_pretrained(reloaded, out)
     for p, q in zip(reloaded.parameters(), sharded.parameters()):
         assert torch.equal(p, q)

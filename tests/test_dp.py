@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -46,11 +46,11 @@ def _llama(seed=0):
             max_position_embeddings=64,
             tie_word_embeddings=False,
         )
-    )
+    ).to(rank_device())
 
 
 def _batch(step):
-    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step))
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(step)).to(rank_device())
 
 
 OPTIMIZERS = {
@@ -122,7 +122,7 @@ def test_gradient_sync_dp2_plain_backward():
 def _zero_dp2_tp2(rank, world_size, schedule, kind, clip=None, sequence_parallel=False):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(harness_device(), (2, 2), mesh_dim_names=("dp", "tp"))
     dp_group, tp_group = mesh["dp"].get_group(), mesh["tp"].get_group()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -267,7 +267,7 @@ def _zero_bf16_checkpoint(rank, world_size, root):
         mine = {name: opt.master_of(p)[0].detach().clone() for name, p in model.named_parameters()}
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, mine, group=group)
-        return {name: torch.cat([part[name] for part in parts]) for name in mine}
+        return {name: torch.cat([part[name].to(rank_device()) for part in parts]) for name in mine}
 
     world = dist.group.WORLD
     model, opt = build(world)
@@ -326,23 +326,23 @@ def _mean_grads(model, xs, uses):
     """The dp mean of every rank's gradient (zeros where a rank had none; None where none had one)."""
     local = []
     for x, use in zip(xs, uses):
-        ref = _Two()
+        ref = _Two().to(rank_device())
         ref.load_state_dict(model.state_dict())
         ref(x, use).square().sum().backward()
         local.append({n: p.grad for n, p in ref.named_parameters()})
     return {
         n: None
         if all(g[n] is None for g in local)
-        else sum(g[n] if g[n] is not None else torch.zeros(4, 4) for g in local) / len(local)
+        else sum(g[n] if g[n] is not None else torch.zeros(4, 4, device=rank_device()) for g in local) / len(local)
         for n in local[0]
     }
 
 
 def _uneven_steps(rank, world_size):
-    model = _Two()
+    model = _Two().to(rank_device())
     sync = oases.dp.GradientSync(model, bucket_bytes=64)  # one parameter per bucket: [c, b, a]
     for step, uses in enumerate([(True, False), (True, True), (True, False), (False, True)]):  # b per rank
-        xs = torch.randn(world_size, 3, 4, generator=torch.Generator().manual_seed(step))
+        xs = torch.randn(world_size, 3, 4, generator=torch.Generator().manual_seed(step)).to(rank_device())
         want = _mean_grads(model, xs, uses)
         model.zero_grad(set_to_none=True)
         model(xs[rank], uses[rank]).square().sum().backward()  # buckets started in order on both ranks
@@ -357,11 +357,11 @@ def _uneven_steps(rank, world_size):
     sync.close()
 
     # ZeroOptimizer: c has no gradient anywhere, so AdamW's weight decay leaves it as it is (as torch's)
-    model, ref = _Two(), _Two()
+    model, ref = _Two().to(rank_device()), _Two().to(rank_device())
     zero = oases.dp.ZeroOptimizer(model, optimizer_class=torch.optim.AdamW, lr=0.1, weight_decay=0.1)
     plain = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
     for step in range(2):
-        xs = torch.randn(world_size, 3, 4, generator=torch.Generator().manual_seed(10 + step))
+        xs = torch.randn(world_size, 3, 4, generator=torch.Generator().manual_seed(10 + step)).to(rank_device())
         sum(ref(x, True).square().sum() for x in xs).div(world_size).backward()
         plain.step()
         plain.zero_grad()
@@ -392,8 +392,8 @@ class _Strided(nn.Module):
 
 def _zero_strided(rank, world_size):
     for dtype in (torch.float32, torch.bfloat16):
-        xs = torch.randn(world_size, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
-        ref, model = _Strided(dtype), _Strided(dtype)
+        xs = torch.randn(world_size, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1)).to(rank_device(), dtype)
+        ref, model = _Strided(dtype).to(rank_device()), _Strided(dtype).to(rank_device())
         assert not model.conv.weight.is_contiguous() and not model.t.is_contiguous()
         plain = torch.optim.SGD(ref.parameters(), lr=0.1)
         zero = oases.dp.ZeroOptimizer(model, optimizer_class=torch.optim.SGD, lr=0.1)
@@ -403,7 +403,7 @@ def _zero_strided(rank, world_size):
         zero.step()
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert not torch.equal(p, _Strided(dtype).get_parameter(name)), name  # it moved
+            assert not torch.equal(p, _Strided(dtype).to(rank_device()).get_parameter(name)), name  # it moved
             torch.testing.assert_close(p, q, **tol, msg=lambda m: f"{dtype} {name}: {m}")
     return True
 
@@ -413,16 +413,16 @@ def test_zero1_updates_strided_parameters_dp2():
 
 
 def _dropped(rank, world_size):
-    model = nn.Linear(4, 4)
+    model = nn.Linear(4, 4).to(rank_device())
     oases.dp.GradientSync(model)  # DDP-style, not kept: nothing would average the gradients
     with pytest.raises(RuntimeError, match=r"garbage-collected while its hooks were registered.* keep a reference"):
-        model(torch.randn(3, 4)).sum().backward()
-    sync = oases.dp.GradientSync(nn.Linear(4, 4))
+        model(torch.randn(3, 4).to(rank_device())).sum().backward()
+    sync = oases.dp.GradientSync(nn.Linear(4, 4).to(rank_device()))
     sync.close()
     del sync  # closed first: its hooks are gone, nothing raises
-    model = nn.Linear(4, 4)
+    model = nn.Linear(4, 4).to(rank_device())
     kept = oases.dp.GradientSync(model)
-    model(torch.randn(3, 4)).sum().backward()
+    model(torch.randn(3, 4).to(rank_device())).sum().backward()
     kept.close()
     return True
 

@@ -36,7 +36,7 @@ import oases
 from oases.schedule import SCHEDULES
 
 from _shards import check_grads
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -59,7 +59,7 @@ class _NanoAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
-        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf")).softmax(-1)
         y = self.attn_dropout(att) @ v
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
@@ -99,7 +99,7 @@ class _NanoGPT(nn.Module):
         self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, VOCAB, bias=False)
 
     def forward(self, idx):
-        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -161,7 +161,7 @@ def _model(kind, p=P, attn="eager"):
 
 def _parallel(kind, p=P, attn="eager"):
     """(the unsharded model, its TP copy), both in training mode."""
-    ref = _model(kind, p, attn)
+    ref = _model(kind, p, attn).to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -170,7 +170,7 @@ def _parallel(kind, p=P, attn="eager"):
 
 
 def _ids(b=4, t=12):
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(3))
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(3)).to(rank_device())
 
 
 def _step(model, ids, seed=100, **kw):
@@ -284,11 +284,11 @@ def _check_on_and_exact(rank, world_size, kinds):
     ids = _ids(8, 16)
     for kind in kinds:
         ref, tp, loss, grads, masks = _recorded_step(rank, world_size, kind, ids)
-        # the default generator: where the step seed's draw leaves it (the step forks it)
-        after = torch.get_rng_state()
+        # the default generator (the rank's device's): where the step seed's draw leaves it (the step forks it)
+        after = _rng_state()
         torch.manual_seed(100)
-        torch.randint(0, 2**31 - 1, (1,))
-        assert torch.equal(after, torch.get_rng_state()), f"{kind}: train_step moved the default generator"
+        torch.randint(0, 2**31 - 1, (1,), device=rank_device())
+        assert torch.equal(after, _rng_state()), f"{kind}: train_step moved the default generator"
         # dropout is on: about P dropped; not the p = 0 loss
         dropped = sum(int((~kept & live).sum()) for _, kept, live in masks)
         seen = sum(int(live.sum()) for _, _, live in masks)
@@ -303,6 +303,12 @@ def _check_on_and_exact(rank, world_size, kinds):
         torch.testing.assert_close(loss, want.detach(), **TOL, msg=lambda m: f"{kind}: loss {m}")
         check_grads(tp, {n: p.grad for n, p in ref.named_parameters()}, rank, world_size, kind, TOL)
     return True
+
+
+def _rng_state():
+    """The state of the default generator of the rank's device (where the step seed is drawn)."""
+    dev = rank_device()
+    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
 
 
 def test_dropout_is_on_and_draws_the_unsharded_models_masks():

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from _spawn import run_ranks
+from _spawn import cpu_only, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--steps", "2", "--bandwidth", "none", "--hidden", "64", "--heads", "4", "--batch", "4", "--seq-len", "16"]
@@ -87,6 +87,7 @@ def test_readme_demo_trains():
     assert "per training step, same losses (to 1e-4)" in done.stdout, done.stdout[-3000:]
 
 
+@cpu_only("the examples run on the CPU only: their own gloo process group, a 'cpu' mesh, use_cpu=True")
 @pytest.mark.parametrize(
     "script, nproc, extra, summary",
     [

@@ -26,7 +26,7 @@ from oases.costs.link import LinkFit
 from oases.schedule import Communicator, interleave
 from oases.schedule.exposure import CAUSES, CollectiveRecord, attribute, gather_logs
 
-from _spawn import run_ranks, stop_process
+from _spawn import cpu_only, run_ranks, stop_process
 
 
 def _record(index, issued, ended, waits, nbytes=1000):
@@ -164,6 +164,7 @@ def _interference_rounds(rank, world_size, rounds):
     return rows
 
 
+@cpu_only("CPU hogs slow gloo's transfers; the exposure log records host-side waits (gloo only)")
 def test_cpu_hogs_are_attributed_to_interference():
     """The same 8 MiB all-reduces, calm and with a CPU hog on every core, in alternating rounds: the
     hogs show up as interference (the link model was fitted calm). Judged by the medians over the
@@ -181,6 +182,7 @@ def test_cpu_hogs_are_attributed_to_interference():
     assert hogged_s - calm_s >= 0.6 * (hogged_waited - calm_waited), median  # and the slowdown is interference
 
 
+@cpu_only("the exposure log records host-side waits: CUDA waits order streams without blocking the host")
 @pytest.mark.parametrize(
     "case, cause, ranks, least, over",
     [

@@ -35,7 +35,7 @@ import oases
 from oases.schedule import SCHEDULES
 
 from _shards import check_export, check_grads
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -75,7 +75,7 @@ def _build(kind):
             tie_word_embeddings=False,
             **IDS,
         )
-        return tf.DbrxForCausalLM(config)
+        return tf.DbrxForCausalLM(config).to(rank_device())
     if kind.startswith("bigcode"):
         config = tf.GPTBigCodeConfig(
             n_embd=64,
@@ -91,7 +91,7 @@ def _build(kind):
             tie_word_embeddings=False,
             **IDS,
         )
-        return tf.GPTBigCodeForCausalLM(config)
+        return tf.GPTBigCodeForCausalLM(config).to(rank_device())
     if kind.startswith("falcon"):
         config = tf.FalconConfig(
             hidden_size=64,
@@ -107,7 +107,7 @@ def _build(kind):
             tie_word_embeddings=False,
             **IDS,
         )
-        return tf.FalconForCausalLM(config)
+        return tf.FalconForCausalLM(config).to(rank_device())
     raise AssertionError(kind)
 
 
@@ -127,7 +127,7 @@ def _check(kind, rank, p, root):
     assert (fused.parts, fused.replicas) == (at2 if p == 2 else at4), f"{kind}: {fused}"
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 90, (4, 12), generator=g)
+    ids = torch.randint(3, 90, (4, 12), generator=g).to(rank_device())
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # right padding: masked positions' labels ignored below
     labels = ids.masked_fill(mask == 0, -100)
@@ -157,7 +157,7 @@ def _check(kind, rank, p, root):
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            oases.parallelize(meta, device="cpu")
+            oases.parallelize(meta, device=rank_device())
         built = oases.full_state_dict(meta)
         for key, value in ref.state_dict().items():
             assert torch.equal(built[key], value), f"{kind}: {key} built on meta"
@@ -201,7 +201,7 @@ def _check_dbrx_experts(ref, tp, rank, p):
     full = oases.full_state_dict(tp)
     assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in ref.state_dict().items()}
     assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items())
-    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(2)).to(rank_device())
     with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.router \(DbrxRouter\) returns the logits its MoE block"):
         tp(input_ids=ids, labels=ids, output_router_logits=True)
     jittery = copy.deepcopy(ref)

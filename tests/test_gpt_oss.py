@@ -36,7 +36,7 @@ import oases
 from oases.schedule import SCHEDULES
 
 from _shards import check_export, check_grads, expected_shard
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 CONFIG = dict(
@@ -78,12 +78,12 @@ def _build():
         for name, q in model.named_parameters():
             if name.endswith(("bias", "sinks")):
                 q.normal_(0.0, 0.5)
-    return model
+    return model.to(rank_device())
 
 
 def _batch():
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 90, (4, 12), generator=g)
+    ids = torch.randint(3, 90, (4, 12), generator=g).to(rank_device())
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # right padding: its labels ignored
     return ids, mask, ids.masked_fill(mask == 0, -100)
@@ -140,7 +140,7 @@ def _check_files(tp, ref, rank, p, root):
 
 
 def _check_meta():
-    """Built on the meta device and parallelized with device="cpu": the plain build's values."""
+    """Built on the meta device and parallelized with device=rank_device(): the plain build's values."""
     import transformers as tf
 
     with torch.device("meta"):
@@ -148,9 +148,10 @@ def _check_meta():
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        oases.parallelize(meta, device="cpu")
+        oases.parallelize(meta, device=rank_device())
     torch.manual_seed(0)
-    plain = tf.GptOssForCausalLM(_config()).state_dict()  # Hugging Face's init (ref's biases were redrawn)
+    # Hugging Face's init (ref's biases were redrawn)
+    plain = tf.GptOssForCausalLM(_config()).to(rank_device()).state_dict()
     built = oases.full_state_dict(meta)
     for key, value in plain.items():
         assert torch.equal(built[key], value), f"{key} built on meta"

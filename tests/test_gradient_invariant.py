@@ -26,7 +26,7 @@ import oases
 from oases.schedule import SCHEDULES
 
 from _shards import check_grads
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 from test_models_matrix import SMALL
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -39,7 +39,7 @@ def _quiet_parallelize(model, **kwargs):
 
 
 def _ids():
-    return torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    return torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
 
 
 def _apertus():
@@ -49,7 +49,7 @@ def _apertus():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a tiny config's rope note; xIELU's missing CUDA kernel
         config = tf.ApertusConfig(**SMALL)
-        return tf.ApertusForCausalLM(config)
+        return tf.ApertusForCausalLM(config).to(rank_device())
 
 
 class _GatedSiLU(nn.Module):
@@ -115,7 +115,7 @@ def _llama(mlp=None):
     if mlp is not None:
         for layer in model.model.layers:
             layer.mlp = mlp()
-    return model
+    return model.to(rank_device())
 
 
 def _reference(model, ids):
@@ -231,13 +231,13 @@ def _refused_and_caught(rank, p):
     # 1. a learned activation swapped in after parallelize: nothing sums its gradient
     tp = _llama()
     _quiet_parallelize(tp)
-    tp.model.layers[1].mlp.act_fn = _LearnedAct()
+    tp.model.layers[1].mlp.act_fn = _LearnedAct().to(rank_device())
     causes["model.layers.1.mlp.act_fn.alpha"] = tp
     # 2. a learned gate on the sharded features, held by the decoder layer and applied by a hook
     tp = _llama()
     _quiet_parallelize(tp)
     layer = tp.model.layers[0]
-    layer.feature_gate = nn.Parameter(torch.tensor(1.1))
+    layer.feature_gate = nn.Parameter(torch.tensor(1.1, device=rank_device()))
     layer.mlp.up_proj.register_forward_hook(lambda m, args, out: out * layer.feature_gate)
     causes["model.layers.0.feature_gate"] = tp
     # 3. a hook that scales the attention's head shards with a parameter of the model's norm
@@ -296,8 +296,8 @@ def _data_parallel(rank, p):
     import torch.distributed as dist
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))  # each replica its own rows
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).to(rank_device())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(rank_device())  # each replica its own rows
     sync = oases.dp.GradientSync(model)
     model(x).square().sum().backward()
     sync.finish()

@@ -12,7 +12,7 @@ import oases.comm as oc
 from oases.costs.link import LinkFit
 from oases.planner import all_reduce_form, flat_time, hierarchical_time, partition
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 FAST = LinkFit(30e-6, 1.7e9)  # a host's loopback
 SLOW = LinkFit(30e-6, 25e6)  # 200 Mbit/s NICs
@@ -22,8 +22,8 @@ MIB = 2**20
 def _inputs(world_size, shape, seed, integer=False):
     g = torch.Generator().manual_seed(seed)
     if integer:  # every partial sum exact: any summation order gives the same bits
-        return [torch.randint(-8, 8, shape, generator=g).float() for _ in range(world_size)]
-    return [torch.randn(shape, generator=g) for _ in range(world_size)]
+        return [torch.randint(-8, 8, shape, generator=g).float().to(rank_device()) for _ in range(world_size)]
+    return [torch.randn(shape, generator=g).to(rank_device()) for _ in range(world_size)]
 
 
 def _count(prof, name):
@@ -80,14 +80,15 @@ def _check_hierarchical(rank, world_size, ranks_per_host):
             (x * oc.hierarchical_all_gather(y, hosts)).sum().item(),
         ],
         dtype=torch.float64,
+        device=rank_device(),
     )
     dist.all_reduce(sums)
     assert math.isclose(sums[0].item(), sums[1].item(), rel_tol=1e-12)
 
     # Collective counts: two rings per hierarchical collective, one level each.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        oc.hierarchical_reduce_scatter(torch.ones(2 * p, 2), hosts)
-        oc.hierarchical_all_gather(torch.ones(2, 2), hosts)
+        oc.hierarchical_reduce_scatter(torch.ones(2 * p, 2, device=rank_device()), hosts)
+        oc.hierarchical_all_gather(torch.ones(2, 2, device=rank_device()), hosts)
     assert _count(prof, "oases::ring_reduce_scatter") == 2 and _count(prof, "oases::ring_all_gather") == 2
 
     # Planned forms: hierarchical when the NIC is slow, flat on equal links; same result either way.
@@ -123,20 +124,21 @@ def _check_bad_inputs(rank, world_size, ranks_per_host):
     proves no rank was left inside a ring."""
     hosts = oc.HostGroups.create(ranks_per_host)
     p = world_size
+    dev = rank_device()
     bad = [
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(ranks_per_host * 3, 2), hosts),  # not by P
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(p * 3, 2), hosts, chunks=2),  # chunks
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(p, 2), hosts, dim=2),  # dim
-        lambda: oc.hierarchical_all_gather(torch.ones(3, 2), hosts, chunks=2),  # chunks
-        lambda: oc.hierarchical_all_gather(torch.ones(()), hosts),  # 0-d
-        lambda: oc.hierarchical_all_reduce(torch.ones(4), hosts, chunks=0),  # chunks
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(ranks_per_host * 3, 2, device=dev), hosts),  # not by P
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(p * 3, 2, device=dev), hosts, chunks=2),  # chunks
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(p, 2, device=dev), hosts, dim=2),  # dim
+        lambda: oc.hierarchical_all_gather(torch.ones(3, 2, device=dev), hosts, chunks=2),  # chunks
+        lambda: oc.hierarchical_all_gather(torch.ones((), device=dev), hosts),  # 0-d
+        lambda: oc.hierarchical_all_reduce(torch.ones(4, device=dev), hosts, chunks=0),  # chunks
         lambda: oc.HostGroups.create(3),  # uneven hosts
         lambda: oc.HostGroups.create(1, ranks=[0, 0]),  # ranks
     ]
     type_errors = [
-        lambda: oc.hierarchical_all_gather(torch.ones(4, dtype=torch.int64), hosts),  # dtype
-        lambda: oc.hierarchical_reduce_scatter(torch.ones(p), "hosts"),  # hosts
-        lambda: oc.planned_reduce_scatter(torch.ones(p, 2), hosts, links=None),  # links
+        lambda: oc.hierarchical_all_gather(torch.ones(4, dtype=torch.int64, device=dev), hosts),  # dtype
+        lambda: oc.hierarchical_reduce_scatter(torch.ones(p, device=dev), "hosts"),  # hosts
+        lambda: oc.planned_reduce_scatter(torch.ones(p, 2, device=dev), hosts, links=None),  # links
     ]
     raised = 0
     for kind, calls in ((ValueError, bad), (TypeError, type_errors)):
@@ -144,15 +146,15 @@ def _check_bad_inputs(rank, world_size, ranks_per_host):
             with pytest.raises(kind):
                 call()
             raised += 1
-            probe = torch.ones(1)
+            probe = torch.ones(1, device=dev)
             dist.all_reduce(probe)
             assert probe.item() == world_size
     # A sub-group: ranks 1 and 3 as 2 hosts of 1 (the others get None, but take part in creating it).
     sub = oc.HostGroups.create(1, ranks=[1, 3]) if world_size == 4 else None
     if sub is not None:
-        t = torch.full((2, 2), float(rank))
-        assert torch.equal(oc.hierarchical_reduce_scatter(t, sub), torch.full((1, 2), 4.0))
-        assert torch.equal(oc.hierarchical_all_gather(t[:1], sub), torch.tensor([[1.0, 1.0], [3.0, 3.0]]))
+        t = torch.full((2, 2), float(rank), device=dev)
+        assert torch.equal(oc.hierarchical_reduce_scatter(t, sub), torch.full((1, 2), 4.0, device=dev))
+        assert torch.equal(oc.hierarchical_all_gather(t[:1], sub), torch.tensor([[1.0, 1.0], [3.0, 3.0]], device=dev))
     assert (sub is None) == (rank in (0, 2) or world_size != 4)
     return raised
 

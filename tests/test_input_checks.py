@@ -23,7 +23,7 @@ import oases
 from oases.inputs import agree_inputs, set_check_inputs
 from oases.models import GPT, GPTConfig
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 VOCAB, T = 96, 12
@@ -33,7 +33,8 @@ needs_transformers = pytest.mark.skipif(
 
 
 def _tokens(b, t, seed):
-    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+    """Seeded token ids (made on the CPU) on the rank's device."""
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed)).to(rank_device())
 
 
 def _swapped(ids):
@@ -94,7 +95,7 @@ def _llama(degrees=None):
             tie_word_embeddings=False,
             attn_implementation="eager",
         )
-    )
+    ).to(rank_device())
     reference = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -194,8 +195,8 @@ def test_llama_train_step_and_forward_check_inputs_across_the_tp_group():
 def _check_gpt(rank, world_size):
     config = GPTConfig(vocab_size=VOCAB, seq_len=T, hidden=32, heads=4, layers=2)
     alone, _ = dist.new_subgroups(group_size=1)
-    reference = GPT(config, alone, seed=0)  # the unsharded model on this rank
-    model = GPT(config, seed=0)
+    reference = GPT(config, alone, seed=0).to(rank_device())  # the unsharded model on this rank
+    model = GPT(config, seed=0).to(rank_device())
     ids, targets = _tokens(4, T, 0), _tokens(4, T, 1)
     for mine, pattern in _mismatches(rank, world_size, 4, name="tokens").values():
         theirs = targets[: mine.shape[0], : mine.shape[1]]
@@ -216,7 +217,7 @@ def _check_gpt(rank, world_size):
     mine = ids[:3] if rank else ids
     _raises(r"input_ids: .* batch size differs", oases.train_step, model, mine, mine)
     # per-layer tp_degrees: the whole group
-    per_layer = GPT(config, seed=0, tp_degrees=[1, 2])
+    per_layer = GPT(config, seed=0, tp_degrees=[1, 2]).to(rank_device())
     mine, pattern = _mismatches(rank, world_size, 4, name="tokens")["batch"]
     _raises(pattern, per_layer.train_step, mine, targets[: mine.shape[0]])
     dist.barrier()
@@ -236,7 +237,7 @@ def _check_pipeline(rank, world_size):
 
     config = GPTConfig(vocab_size=VOCAB, seq_len=T, hidden=16, heads=2, layers=4)
     alone, _ = dist.new_subgroups(group_size=1)
-    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))  # stages {0, 1}, {2, 3}
+    mesh = init_device_mesh(harness_device(), (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))  # stages {0, 1}, {2, 3}
     pipe = Pipeline(config, mesh, schedule="1f1b", micro_batches=2, seed=3)
     ids, targets = _tokens(4, T, 0), _tokens(4, T, 1)
     head = r"tokens: the 4 ranks of the pipeline's mesh \(global ranks 0, 1, 2, 3\) must get the same tokens, but "
@@ -269,7 +270,7 @@ def _check_pipeline(rank, world_size):
     )
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"train_step: called with gradients disabled"):
         pipe.train_step(ids, targets)  # an evaluation loop's no_grad: every rank raises, nothing posted
-    want = GPT(config, alone, seed=3)(ids, targets).detach()
+    want = GPT(config, alone, seed=3).to(rank_device())(ids, targets).detach()
     pipe.close()
     losses = {}
     for mode in (False, "broadcast"):  # a fresh step each: the first step's loss is the initial weights'

@@ -25,7 +25,7 @@ import torch
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import cpu_only, run_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: the repository root
 from bench._rss import PeakRSS  # noqa: E402
@@ -95,6 +95,7 @@ def _phases(rank, world_size, pretrained, root, out, full_bytes):
     return rises
 
 
+@cpu_only("measures each rank's resident host memory (VmRSS)")
 def test_memory_per_rank_tp2(tmp_path):
     from transformers import LlamaForCausalLM
 

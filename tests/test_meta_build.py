@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -45,19 +45,19 @@ def _config(kind, tied=False):
 
 
 def _meta_parallelized(cls, config, **kw):
-    """cls(config) built on meta, then parallelize(device="cpu", **kw) (the head's warning silenced)."""
+    """cls(config) built on meta, then parallelize(device=rank_device(), **kw) (the head's warning silenced)."""
     with torch.device("meta"):
         model = cls(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        oases.parallelize(model, device="cpu", **kw)
+        oases.parallelize(model, device=rank_device(), **kw)
     return model
 
 
 def _meta_build_matches(rank, world_size, kind, tied, degrees):
     cls, config = _config(kind, tied)
     torch.manual_seed(7)
-    reference = cls(config)
+    reference = cls(config).to(rank_device())
     after_reference = torch.get_rng_state()
     torch.manual_seed(7)
     model = _meta_parallelized(cls, config, tp_degrees=degrees)
@@ -78,7 +78,7 @@ def _meta_build_matches(rank, world_size, kind, tied, degrees):
         assert torch.equal(model.get_buffer(name), buffer), name
     if tied:
         assert model.lm_head.weight is model.get_input_embeddings().weight
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1)).to(rank_device())
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     return local
 
@@ -124,10 +124,10 @@ def _refusals(rank, world_size):
     with torch.device("meta"):
         model = _Custom()
     with pytest.raises(ValueError, match="scale"):  # cannot be replayed: named, nothing allocated
-        oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu")
+        oases.parallelize(model, plan={"up": "column", "down": "row"}, device=rank_device())
     with torch.device("meta"):
         model = _Custom()
-    oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu", init_weights=False)
+    oases.parallelize(model, plan={"up": "column", "down": "row"}, device=rank_device(), init_weights=False)
     assert model.up.weight.shape == (16 // world_size, 8) and not model.scale.is_meta
     with torch.device("meta"):
         model = _Custom()
@@ -141,16 +141,16 @@ def _refusals(rank, world_size):
     with torch.device("meta"):
         model = _OwnInit()
     with pytest.raises(ValueError, match=r"initialisation of its own .* \(_OwnInit._init_weights \(the model\)\)"):
-        oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu")  # reset_parameters' values
+        oases.parallelize(model, plan={"up": "column", "down": "row"}, device=rank_device())  # reset_parameters' values
     assert model.up.weight.is_meta
-    oases.parallelize(model, plan={"up": "column", "down": "row"}, device="cpu", init_weights=False)
+    oases.parallelize(model, plan={"up": "column", "down": "row"}, device=rank_device(), init_weights=False)
     assert model.up.weight.shape == (16 // world_size, 8)
     with torch.device("meta"):
         model = _Custom()
     with pytest.raises(ValueError, match="device='cpu'"):
         oases.parallelize(model, plan={"up": "column", "down": "row"})
     with pytest.raises(ValueError, match="meta device"):
-        oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, device="cpu")
+        oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, device=rank_device())
     with pytest.raises(TypeError, match="init_weights"):
         oases.parallelize(_Custom(), plan={"up": "column", "down": "row"}, init_weights=1)
     config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32)
@@ -160,7 +160,7 @@ def _refusals(rank, world_size):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            oases.parallelize(model, device="cpu")
+            oases.parallelize(model, device=rank_device())
     except ValueError as refused:
         assert "outside that module" in str(refused), refused
     else:  # transformers 5.0's GPT-2 init stays inside each module: then the build is the plain one's
@@ -168,7 +168,7 @@ def _refusals(rank, world_size):
 
         assert transformers.__version__.startswith("5.0."), "GPT-2 on meta was not refused"
         torch.manual_seed(0)
-        plain = GPT2LMHeadModel(config)
+        plain = GPT2LMHeadModel(config).to(rank_device())
         built = oases.full_state_dict(model)
         for key, value in plain.state_dict().items():
             assert torch.equal(built[key], value), key
@@ -183,14 +183,14 @@ def _empty_then_load(rank, world_size, path):
     from transformers import LlamaForCausalLM
 
     cls, config = _config("llama-odd")
-    reference = LlamaForCausalLM.from_pretrained(path)
+    reference = LlamaForCausalLM.from_pretrained(path).to(rank_device())
     state = torch.get_rng_state()
     model = _meta_parallelized(cls, config, init_weights=False)
     assert torch.equal(torch.get_rng_state(), state), "init_weights=False drew random numbers"
     for name, buffer in reference.named_buffers():  # non-persistent: computed, not loaded
         assert torch.equal(model.get_buffer(name), buffer), name
     oases.load_pretrained(model, path)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1)).to(rank_device())
     out, want = model(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, want.logits, rtol=1e-5, atol=1e-5)
     out.loss.backward()
@@ -214,7 +214,7 @@ def test_meta_build_without_init_then_load_pretrained(tmp_path):
 def _allocate_some(rank, world_size):
     cls, config = _config("llama")
     torch.manual_seed(7)
-    reference = cls(config)
+    reference = cls(config).to(rank_device())
     torch.manual_seed(7)
     held = lambda name: name.startswith("model.layers.1.") or name.startswith("lm_head")  # noqa: E731
     model = _meta_parallelized(cls, config, allocate=held)

@@ -66,7 +66,7 @@ from oases.schedule import SCHEDULES
 
 from _shards import check_export, check_grads
 from _shards import expected_shard as _expected
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -350,7 +350,7 @@ def _check_autocast(kind, ref, tp, ids, rank, p, fp32):
     a key bias without rotary, softmax being shift-invariant) is bf16 noise on both sides: it is
     only checked to stay below 1e-2 of the largest gradient."""
     ref.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", BF16):
+    with torch.autocast(harness_device(), BF16):
         out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     want_logits, want_loss = out.logits.detach().float(), out.loss.detach().float()
@@ -368,21 +368,21 @@ def _check_autocast(kind, ref, tp, ids, rank, p, fp32):
             _bf16_close(q.grad, _expected(tp, name, want[name], rank, p), f"{where}: grad of {name}", rel=5e-2)
 
     tp.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", BF16):
+    with torch.autocast(harness_device(), BF16):
         out = tp(input_ids=ids, labels=ids)
     out.loss.backward()
     _bf16_close(out.logits.float(), want_logits, f"{kind} autocast logits", rel=1e-2)
     _bf16_close(out.loss.float(), want_loss, f"{kind} autocast loss", rel=1e-2)
     check(f"{kind} autocast model(...)")
     tp.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", BF16):
+    with torch.autocast(harness_device(), BF16):
         loss = oases.train_step(tp, ids, ids, schedule="oases")
     _bf16_close(loss.float(), want_loss, f"{kind} autocast train_step loss", rel=1e-2)
     check(f"{kind} autocast train_step")
 
 
 def _check_model(kind, rank, p, root, plan=None):
-    ref = _build(kind)
+    ref = _build(kind).to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
@@ -396,7 +396,7 @@ def _check_model(kind, rank, p, root, plan=None):
     assert ("runs each" in said) == (split == {"whole"}), f"{kind}: parallelize said {said!r}"
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 90, (4, 12), generator=g)
+    ids = torch.randint(3, 90, (4, 12), generator=g).to(rank_device())
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # right padding: masked positions' labels ignored below
     labels = ids.masked_fill(mask == 0, -100)
@@ -437,11 +437,11 @@ def _check_model(kind, rank, p, root, plan=None):
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            oases.parallelize(meta, device="cpu", plan=plan)
+            oases.parallelize(meta, device=rank_device(), plan=plan)
         built = oases.full_state_dict(meta)
         for key, value in ref.state_dict().items():
             assert torch.equal(built[key], value), f"{kind}: {key} built on meta"
-    fresh = _build(kind)
+    fresh = _build(kind).to(rank_device())
     for q in fresh.parameters():
         torch.nn.init.zeros_(q) if q.dim() == 1 else torch.nn.init.normal_(q)
     with warnings.catch_warnings():
@@ -490,7 +490,7 @@ def test_alibi_and_nested_decoders_tp2():
 
 def _check_more(rank, p):
     for kind in MORE:
-        ref = _build(kind)
+        ref = _build(kind).to(rank_device())
         if kind == "granitemoe" and hasattr(ref.model.layers[0].block_sparse_moe, "input_linear"):
             continue  # transformers 5.0 keeps its experts in two modules of its own (left whole, with a warning)
         tp = copy.deepcopy(ref)
@@ -499,7 +499,7 @@ def _check_more(rank, p):
             oases.parallelize(tp)
         summary = oases.summary(tp)
         assert summary.layer_coverage >= 0.95 and summary.share < 0.6, f"{kind}: {summary}"
-        ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
         want_logits, want_loss, want = _reference(ref, ids, torch.ones_like(ids))
         torch.testing.assert_close(tp(input_ids=ids).logits, want_logits, **TOL, msg=lambda m: f"{kind}: logits {m}")
         loss = oases.train_step(tp, ids, ids, schedule="oases")
@@ -512,25 +512,25 @@ def _check_more(rank, p):
         tf.CodeGenConfig(
             n_embd=64, n_layer=2, vocab_size=96, n_head=4, rotary_dim=8, n_positions=64, **NO_DROPOUT, **IDS
         )
-    )
+    ).to(rank_device())
     before = copy.deepcopy(codegen.state_dict())
     with pytest.raises(ValueError, match="CodeGenAttention splits its fused qkv_proj into mp_num = 4 groups"):
         oases.parallelize(codegen)
     assert all(torch.equal(v, codegen.state_dict()[k]) for k, v in before.items())
     # per-layer degrees: layers run whole and ALiBi attention are refused before anything communicates
-    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
-    olmo2 = _build("olmo2")
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
+    olmo2 = _build("olmo2").to(rank_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(olmo2, tp_degrees=[2, 1])
     with pytest.raises(ValueError, match=r"tp_degrees: oases.train_step runs decoder layers \[0, 1\] of Olmo2"):
         oases.train_step(olmo2, ids, ids)
     with pytest.raises(ValueError, match="tp_degrees with an attention that takes per-head biases"):
-        oases.parallelize(_build("bloom"), tp_degrees=[2, 1])
+        oases.parallelize(_build("bloom").to(rank_device()), tp_degrees=[2, 1])
     with pytest.raises(ValueError, match=r"tp_degrees with multi-head latent attention \(DeepseekV3Attention\)"):
-        oases.parallelize(_build("deepseek_v3"), tp_degrees=[2, 1])
+        oases.parallelize(_build("deepseek_v3").to(rank_device()), tp_degrees=[2, 1])
     # a config asking for tuples (return_dict=False): the head still finds the logits
-    ref, tp = _build("llama"), _build("llama")
+    ref, tp = _build("llama").to(rank_device()), _build("llama").to(rank_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
@@ -538,12 +538,12 @@ def _check_more(rank, p):
     torch.testing.assert_close(oases.train_step(tp, ids, ids), ref(input_ids=ids, labels=ids).loss, **TOL)
     # a router that samples its experts in training would route a recomputed sublayer elsewhere
     torch.manual_seed(0)
-    ref = tf.PhimoeForCausalLM(tf.PhimoeConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2))
+    ref = tf.PhimoeForCausalLM(tf.PhimoeConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)).to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
-    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
     with pytest.raises(ValueError, match=r"mlp.router \(PhimoeTopKRouter\) samples its experts with Gumbel noise"):
         oases.train_step(tp, ids, ids, schedule="oases")
     ref.eval(), tp.eval()  # the router then picks its top experts
@@ -574,14 +574,14 @@ def test_models_match_unsharded_tp4():
 
 
 def _check_unknown_names(rank, p, root):
-    model = _build("llama_w")
+    model = _build("llama_w").to(rank_device())
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=r"shards 33% .*mlp\.w1.*'w1': 'column', 'w2': 'row', 'w3': 'column'"):
         oases.parallelize(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # left as it was
     assert oases.summary(model).layer_coverage == 0.0
     with pytest.warns(UserWarning, match=r"shards 33% .*'w1': 'column', 'w2': 'row', 'w3': 'column'"):
-        oases.parallelize(_build("llama_w"), plan=dict(oases.nn.DEFAULT_PLAN))
+        oases.parallelize(_build("llama_w").to(rank_device()), plan=dict(oases.nn.DEFAULT_PLAN))
     _check_model("llama_w", rank, p, root, plan=W_PLAN)
     return True
 

@@ -35,7 +35,7 @@ from oases.nn import DEFAULT_PLAN
 from oases.schedule import SCHEDULES
 
 from _shards import check_export, check_grads
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -64,7 +64,7 @@ def _build(kind):
 
     torch.manual_seed(0)
     if kind == "mixtral":
-        return tf.MixtralForCausalLM(tf.MixtralConfig(**COMMON, num_local_experts=4))
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**COMMON, num_local_experts=4)).to(rank_device())
     if kind == "qwen2_moe":
         return tf.Qwen2MoeForCausalLM(
             tf.Qwen2MoeConfig(
@@ -74,7 +74,7 @@ def _build(kind):
                 shared_expert_intermediate_size=64,
                 decoder_sparse_step=1,
             )
-        )
+        ).to(rank_device())
     raise AssertionError(kind)
 
 
@@ -122,11 +122,11 @@ def _check_model(kind, rank, p, root):
     assert block.experts.down_proj.shape == (4, 32, intermediate // p), f"{kind}: {block.experts}"
     assert {part.style for part in summary.parts if part.name.endswith("mlp.experts")} == {"experts"}, summary
     assert oases.models.HFStack(tp).parts[0].kind == "sequential", kind  # the MoE block: a split sublayer
-    reduced = _all_reduces(block, torch.randn(2, 5, 32))
+    reduced = _all_reduces(block, torch.randn(2, 5, 32).to(rank_device()))
     assert reduced == [(2, 5, 32)], f"{kind}: the MoE block's forward all-reduced {reduced}"
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 90, (4, 12), generator=g)
+    ids = torch.randint(3, 90, (4, 12), generator=g).to(rank_device())
     mask = torch.ones_like(ids)
     mask[1, 9:] = 0  # right padding, its labels ignored
     labels = ids.masked_fill(mask == 0, -100)
@@ -158,7 +158,7 @@ def _check_model(kind, rank, p, root):
         with torch.device("meta"):
             meta = type(ref)(ref.config)
         torch.manual_seed(0)
-        oases.parallelize(meta, device="cpu")
+        oases.parallelize(meta, device=rank_device())
         built = oases.full_state_dict(meta)
         for key, value in _build(kind).state_dict().items():
             assert torch.equal(built[key], value), f"{kind}: {key} built on meta"
@@ -205,7 +205,7 @@ def _check_plans(rank, p):
     # experts left replicated: the schedules run each layer whole (exact), and parallelize said why
     assert oases.models.HFStack(model).parts[0].kind == "whole"
     ref = _build("qwen2_moe")
-    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(3)).to(rank_device())
     want = _forward_backward(ref, ids, None, ids)
     model.zero_grad(set_to_none=True)
     loss = oases.train_step(model, ids, ids, schedule="oases")
@@ -225,7 +225,7 @@ def _check_degrees(rank, p):
         oases.parallelize(tp, tp_degrees=[p, 1])
     assert type(tp.model.layers[0].mlp.experts).__name__ == "ParallelExperts"
     assert tp.model.layers[1].mlp.experts.gate_up_proj.shape == ref.model.layers[1].mlp.experts.gate_up_proj.shape
-    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(2)).to(rank_device())
     want = _forward_backward(ref, ids, None, ids)
     want_grads = {n: q.grad.clone() for n, q in ref.named_parameters()}
     got = _forward_backward(tp, ids, None, ids)

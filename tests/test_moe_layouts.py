@@ -27,7 +27,7 @@ import torch
 import oases
 from oases.nn.experts import _form, check_experts, is_fused_experts, looks_like_experts
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -171,6 +171,7 @@ def _refused(rank, p):
     for build in (_llama4, _nemotron_h):
         torch.manual_seed(0)
         model, name, kind = build()
+        model.to(rank_device())
         before = copy.deepcopy(model.state_dict())
         with pytest.raises(
             ValueError, match=rf"{name} \(planned as 'experts'\): {kind} holds routed experts in a layout"

@@ -18,14 +18,14 @@ import oases.comm.ring as ring_module
 from oases.nn import ColumnParallelLinear, RowParallelLinear
 from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 S, B, H, FFN = 24, 2, 24, 48  # seq, batch, hidden, MLP width: divisible by 2, 3, 4 (and S/p by 2)
 
 
 def _randn(shape, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(rank_device())
 
 
 def _rows(t, rank, p, stacked=1):
@@ -46,7 +46,7 @@ def _forward(blocks, x):
 
 def _check_mlp(rank, p, sequence_parallel, bias, gathered, chunks, seed):
     torch.manual_seed(seed)
-    ref = [(nn.Linear(H, FFN, bias), nn.Linear(FFN, H, bias)) for _ in range(2)]
+    ref = [(nn.Linear(H, FFN, bias).to(rank_device()), nn.Linear(FFN, H, bias).to(rank_device())) for _ in range(2)]
     tp = [
         (
             ColumnParallelLinear.from_linear(
@@ -92,7 +92,7 @@ def _check_mlp(rank, p, sequence_parallel, bias, gathered, chunks, seed):
 def _check_stacked(rank, p):
     """A fused q|k|v column layer: each third sharded; gather_output restores the full order."""
     torch.manual_seed(5)
-    full = nn.Linear(H, 3 * H)
+    full = nn.Linear(H, 3 * H).to(rank_device())
     x, g = _randn([B, 3, H], 6), _randn([B, 3, 3 * H], 7)
     x_ref = x.clone().requires_grad_()
     y_ref = full(x_ref)
@@ -136,7 +136,7 @@ def _check_init_and_from_linear(rank, p):
             assert torch.equal(stacked.bias, _rows(l3.bias, rank, p, 3))
     # from_linear round trip: gathering the shards gives back the layer.
     for dtype in (torch.float32, torch.bfloat16):
-        linear = nn.Linear(H, FFN, dtype=dtype)
+        linear = nn.Linear(H, FFN, dtype=dtype).to(rank_device())
         col = ColumnParallelLinear.from_linear(linear)
         row = RowParallelLinear.from_linear(linear)
         assert col.weight.dtype == row.weight.dtype == dtype
@@ -199,8 +199,8 @@ def _check_traffic(rank, p):
         act = S * B * H  # one activation
         for sequence_parallel in (False, True):
             torch.manual_seed(3)
-            col = ColumnParallelLinear(H, FFN, sequence_parallel=sequence_parallel)
-            row = RowParallelLinear(FFN, H, sequence_parallel=sequence_parallel)
+            col = ColumnParallelLinear(H, FFN, sequence_parallel=sequence_parallel).to(rank_device())
+            row = RowParallelLinear(FFN, H, sequence_parallel=sequence_parallel).to(rank_device())
             x = _randn([S // p if sequence_parallel else S, B, H], 4).requires_grad_()
             sent.clear(), reduced.clear()
             y = row(F.gelu(col(x)))
@@ -240,14 +240,14 @@ def _check_bad_shapes(rank, p):
             cls(*args(p), **kw)
     with pytest.raises(TypeError, match="expected an nn.Linear"):
         ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1))
-    row = RowParallelLinear(H, H, sequence_parallel=True)
+    row = RowParallelLinear(H, H, sequence_parallel=True).to(rank_device())
     with pytest.raises(ValueError, match="world size"):
-        row(torch.randn(p + 1, B, H // p))  # sequence length not divisible by p
-    col = ColumnParallelLinear(H, H, sequence_parallel=True, chunks=2)
+        row(torch.randn(p + 1, B, H // p, device=rank_device()))  # sequence length not divisible by p
+    col = ColumnParallelLinear(H, H, sequence_parallel=True, chunks=2).to(rank_device())
     with pytest.raises(ValueError, match="chunks=2"):
-        col(torch.randn(3, B, H))  # 3 rows per rank in 2 chunks
+        col(torch.randn(3, B, H, device=rank_device()))  # 3 rows per rank in 2 chunks
     with pytest.raises(ValueError, match="split_to_tp"):
-        RowParallelLinear(H, H, input_is_parallel=False)(torch.randn(B, H + 1))
+        RowParallelLinear(H, H, input_is_parallel=False).to(rank_device())(torch.randn(B, H + 1, device=rank_device()))
     dist.barrier()  # reached by every rank: none was left inside a collective
 
 
@@ -274,7 +274,7 @@ def _check_shared_entry(rank, p):
     from oases.nn._shared_entry import _SharedEntry
 
     torch.manual_seed(5)
-    q, k = ColumnParallelLinear(H, FFN), ColumnParallelLinear(H, FFN)
+    q, k = ColumnParallelLinear(H, FFN).to(rank_device()), ColumnParallelLinear(H, FFN).to(rank_device())
     entry = _SharedEntry(None)
     q.use_entry(entry)
     k.use_entry(entry)
@@ -301,10 +301,10 @@ def _check_in_place(rank, p):
     """Like nn.Linear's, a layer's output may be modified in place (HF Falcon adds to it with +=)."""
     x = _randn([S, B, H], 40).requires_grad_()
     layers = [
-        (ColumnParallelLinear(H, FFN), x),
-        (ColumnParallelLinear(H, FFN, sequence_parallel=True), x[: S // p]),
-        (RowParallelLinear(H, FFN, sequence_parallel=True), x[..., : H // p]),
-        (RowParallelLinear(H, FFN), x[..., : H // p]),
+        (ColumnParallelLinear(H, FFN).to(rank_device()), x),
+        (ColumnParallelLinear(H, FFN, sequence_parallel=True).to(rank_device()), x[: S // p]),
+        (RowParallelLinear(H, FFN, sequence_parallel=True).to(rank_device()), x[..., : H // p]),
+        (RowParallelLinear(H, FFN).to(rank_device()), x[..., : H // p]),
     ]
     for layer, inp in layers:
         y = layer(inp)

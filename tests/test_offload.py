@@ -25,7 +25,7 @@ from oases.offload import (
 )
 from oases.offload.slab import _UNBOUNDED, _FirstFit
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 PATHS = [
     pytest.param(
@@ -404,8 +404,8 @@ def _tp_offload(rank, world_size):
 
     config = GPTConfig(**CONFIG, dropout=0.25)
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=g)
-    targets = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=g)
+    tokens = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=g).to(rank_device())
+    targets = torch.randint(0, config.vocab_size, (4, config.seq_len), generator=g).to(rank_device())
     sublayers = 2 * config.layers
     report = {}
     for schedule, sp, kept in (
@@ -415,8 +415,9 @@ def _tp_offload(rank, world_size):
         ("cross_pass", False, config.layers),
     ):
         name = schedule + ("-sp" if sp else "")
-        plain = GPT(config, schedule=schedule, seed=3, sequence_parallel=sp)
+        plain = GPT(config, schedule=schedule, seed=3, sequence_parallel=sp).to(rank_device())
         off = GPT(config, schedule=schedule, seed=3, sequence_parallel=sp, offload=Offloader(batch=3))
+        off.to(rank_device())
         parts = 1 if schedule == "megatron" else 2
         for step in range(2):  # the profiling step, then the preallocated slab
             memories = RecomputeMemory(), RecomputeMemory()
@@ -437,8 +438,8 @@ def _tp_offload(rank, world_size):
         report[name] = (memories[0].peak, memories[1].peak)
         off.offloader.close()
     # oases.train_step: True takes the model's own offloader; an Offloader is used as given
-    model = GPT(GPTConfig(**CONFIG), seed=5, offload=True)
-    reference = GPT(GPTConfig(**CONFIG), seed=5)
+    model = GPT(GPTConfig(**CONFIG), seed=5, offload=True).to(rank_device())
+    reference = GPT(GPTConfig(**CONFIG), seed=5).to(rank_device())
     mine = Offloader(batch=2)
     want = oases.train_step(reference, tokens, tokens, recompute=True)
     assert torch.equal(oases.train_step(model, tokens, tokens, offload=True), want)

@@ -16,7 +16,7 @@ import oases.comm
 import oases.comm.ring as ring_module
 from oases import ops
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=4e-2, atol=8e-2)}
 
@@ -24,9 +24,11 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=4e-2
 def _randn(shape, seed, dtype, contiguous=True):
     g = torch.Generator().manual_seed(seed)
     if contiguous:
-        return torch.randn(shape, generator=g).to(dtype)
+        return torch.randn(shape, generator=g).to(rank_device(), dtype)
     # Same values, stored transposed: a non-contiguous view.
-    return torch.randn(list(reversed(shape)), generator=g).to(dtype).permute(*reversed(range(len(shape))))
+    return (
+        torch.randn(list(reversed(shape)), generator=g).to(rank_device(), dtype).permute(*reversed(range(len(shape))))
+    )
 
 
 def _golden(x, w, b, g):
@@ -158,20 +160,24 @@ def _check_traffic(rank, p):
 
     ring_module._post = counting_post
     try:
-        x = torch.randn(4 * p, 6)
-        ops.all_gather_linear(x, torch.randn(5, 6), chunks=2)
+        x = torch.randn(4 * p, 6, device=rank_device())
+        ops.all_gather_linear(x, torch.randn(5, 6, device=rank_device()), chunks=2)
         assert sum(sent) == (p - 1) * x.numel(), sent  # (p-1)/p of the p*4 x 6 gathered input
         # Backward: the re-gather of x (only if W needs a gradient) and the reduce-scatter of grad_x
         # (only if x needs one), each (p-1)/p of a p*4 x 6 tensor.
         for need_x, need_w in ((True, True), (True, False), (False, True)):
             y = ops.all_gather_linear(
-                x.clone().requires_grad_(need_x), torch.randn(5, 6, requires_grad=need_w), chunks=2
+                x.clone().requires_grad_(need_x),
+                torch.randn(5, 6, device=rank_device(), requires_grad=need_w),
+                chunks=2,
             )
             sent.clear()
             y.backward(torch.ones_like(y))
             assert sum(sent) == (need_x + need_w) * (p - 1) * x.numel(), (need_x, need_w, sent)
         sent.clear()
-        y = ops.linear_reduce_scatter(torch.randn(4 * p, 6), torch.randn(5, 6), chunks=2)
+        y = ops.linear_reduce_scatter(
+            torch.randn(4 * p, 6, device=rank_device()), torch.randn(5, 6, device=rank_device()), chunks=2
+        )
         assert sum(sent) == (p - 1) * y.numel(), sent  # (p-1)/p of the p*4 x 5 partial product
     finally:
         ring_module._post = original
@@ -285,9 +291,9 @@ def _check_bad_inputs(rank, p):
     dist.all_reduce = lambda *args, **kw: started.append("all_reduce") or all_reduce(*args, **kw)
     try:
         for op, spec, error, words in BAD_INPUTS:
-            x = torch.ones(spec["x"], dtype=spec.get("xdtype", torch.float32))
-            w = torch.ones(spec["w"], dtype=spec.get("wdtype", torch.float32), device=spec.get("device", "cpu"))
-            bias = torch.ones(spec["bias"]) if "bias" in spec else None
+            x = torch.ones(spec["x"], dtype=spec.get("xdtype", torch.float32), device=rank_device())
+            w = torch.ones(spec["w"], dtype=spec.get("wdtype", torch.float32), device=spec.get("device", rank_device()))
+            bias = torch.ones(spec["bias"], device=rank_device()) if "bias" in spec else None
             kw = {k: spec[k] for k in ("dim", "chunks") if k in spec}
             with pytest.raises(error, match=words):
                 getattr(ops, op)(x, w, bias, **kw)

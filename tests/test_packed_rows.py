@@ -15,7 +15,7 @@ import oases
 from oases.schedule import SCHEDULES
 
 from _shards import expected_shard
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -34,11 +34,11 @@ def _model(kind: str):
         config = tf.LlamaConfig(
             **small, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
         )
-        return tf.LlamaForCausalLM(config)
+        return tf.LlamaForCausalLM(config).to(rank_device())
     if kind == "gpt2":  # learned absolute positions: position_ids pick the embedding's rows
         config = tf.GPT2Config(**small, n_embd=64, n_head=4, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0)
         config.attn_pdrop = 0.0
-        return tf.GPT2LMHeadModel(config)
+        return tf.GPT2LMHeadModel(config).to(rank_device())
     raise AssertionError(kind)
 
 
@@ -57,7 +57,7 @@ def packed_batch(rows: int, lengths: list[list[int]], seed: int) -> tuple[torch.
             positions[i, start : start + n] = torch.arange(n)
             labels[i, start] = -100
             start += n
-    return ids, labels, positions
+    return ids.to(rank_device()), labels.to(rank_device()), positions.to(rank_device())
 
 
 def _reference(model, ids, labels, positions):
@@ -126,7 +126,7 @@ def _check_refusals(rank, world_size):
         mine[1] = torch.cat([torch.arange(6), torch.arange(6)])
     with pytest.raises(ValueError, match="position_ids"):
         oases.train_step(tp, ids, labels, position_ids=mine)
-    gpt = oases.models.GPT(oases.models.GPTConfig(vocab_size=VOCAB, seq_len=12, hidden=32, heads=4))
+    gpt = oases.models.GPT(oases.models.GPTConfig(vocab_size=VOCAB, seq_len=12, hidden=32, heads=4)).to(rank_device())
     with pytest.raises(ValueError, match="position_ids: GPT takes no token positions"):
         oases.train_step(gpt, ids, labels, position_ids=positions)
     return True

@@ -20,7 +20,7 @@ import oases
 from oases.nn import ColumnParallelLinear, RowParallelLinear, _mappings
 
 from _nanogpt import Block
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -69,7 +69,7 @@ def _llama(kv_heads, seed=0):
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(rank_device())
 
 
 def _neox(seed=0):
@@ -87,7 +87,7 @@ def _neox(seed=0):
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
-    return GPTNeoXForCausalLM(config)
+    return GPTNeoXForCausalLM(config).to(rank_device())
 
 
 def _check_hf_equivalence(ref, group, p, tp_rank, ids, what):
@@ -126,7 +126,7 @@ def _check_hf_models(rank, world_size):
     except ImportError:
         return "transformers is not importable"
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(rank_device())
     for group, p, tp_rank in ((None, 4, rank), (pairs[rank // 2], 2, rank % 2)):
         for kv_heads in [k for k in (2, 4) if k % p == 0]:  # p=2: GQA and MHA; p=4: MHA
             tp = _check_hf_equivalence(_llama(kv_heads), group, p, tp_rank, ids, f"llama kv_heads={kv_heads}")
@@ -176,7 +176,7 @@ class GPT(nn.Module):
         self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab, bias=False)
 
     def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.h:
             x = block(x)
         return self.lm_head(self.ln_f(x))
@@ -200,9 +200,9 @@ class Toy(nn.Module):
 
 
 def _check_nanogpt(rank, p):
-    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2)).to(rank_device())
     torch.manual_seed(3)
-    ref = GPT(n_embd=48, n_head=12)
+    ref = GPT(n_embd=48, n_head=12).to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every nn.Linear placed: the head vocab-parallel by default
@@ -218,7 +218,7 @@ def _check_nanogpt(rank, p):
     _check_gradients(ref, tp, rank, p, "nanoGPT")
 
     # Heads that do not split: 2p+1 heads of 2p features, whose widths all divide by p.
-    model = GPT(n_embd=(2 * p + 1) * 2 * p, n_head=2 * p + 1)
+    model = GPT(n_embd=(2 * p + 1) * 2 * p, n_head=2 * p + 1).to(rank_device())
     with pytest.raises(
         ValueError,
         match=rf"h\.0\.attn: n_head={2 * p + 1} is not divisible by the "
@@ -232,11 +232,11 @@ def _check_nanogpt(rank, p):
 
 def _check_plans(rank, p):
     h, ffn, s, b = 8 * p, 16 * p, 4 * p, 2
-    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(s, b, h, generator=torch.Generator().manual_seed(4)).to(rank_device())
     plan = {"ffn.w1": "column", "*.w2": "row", "nothing.here": "row"}
     for sequence_parallel in (False, True):
         torch.manual_seed(5)
-        ref = Toy(h, ffn)
+        ref = Toy(h, ffn).to(rank_device())
         tp = copy.deepcopy(ref)
         with pytest.warns(UserWarning) as caught:
             oases.parallelize(tp, plan=plan, sequence_parallel=sequence_parallel)
@@ -264,7 +264,7 @@ def _check_plans(rank, p):
             )
 
     # Misplanned or unsplittable layers raise, naming the module, before anything changes.
-    model = Toy(h, ffn)
+    model = Toy(h, ffn).to(rank_device())
     with pytest.raises(ValueError, match=r"plan\['ffn\.w1'\]: expected 'column', 'column:N'"):
         oases.parallelize(model, plan={"ffn.w1": "colum"})
     with pytest.raises(
@@ -273,7 +273,7 @@ def _check_plans(rank, p):
         r"does not split into stacked=3 equal blocks",
     ):
         oases.parallelize(model, plan={"w1": "column", "w2": "row", "head": "column:3"})
-    odd = Toy(h, 4 * p + 1)
+    odd = Toy(h, 4 * p + 1).to(rank_device())
     with pytest.raises(
         ValueError,
         match=rf"ffn.w1 \(nn.Linear {h} -> {4 * p + 1}, planned as 'column'\): "

@@ -28,7 +28,7 @@ import oases
 from oases.nn import ColumnParallelLinear, RowParallelLinear
 
 from _nanogpt import Block
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LAYERS, BATCH, SEQ, VOCAB = 4, 4, 8, 128
@@ -53,7 +53,7 @@ def _model(kind="llama", seed=0):
             attn_implementation="eager",
         )
         torch.manual_seed(seed)
-        return transformers.GPTNeoXForCausalLM(config)
+        return transformers.GPTNeoXForCausalLM(config).to(rank_device())
     prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[kind]
     config = getattr(transformers, f"{prefix}Config")(
         hidden_size=64,
@@ -68,7 +68,7 @@ def _model(kind="llama", seed=0):
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
-    return getattr(transformers, f"{prefix}ForCausalLM")(config)
+    return getattr(transformers, f"{prefix}ForCausalLM")(config).to(rank_device())
 
 
 def _inputs():
@@ -77,13 +77,15 @@ def _inputs():
     batches = []
     for b in (BATCH, BATCH + 1):
         g = torch.Generator().manual_seed(b)
-        ids = torch.randint(0, VOCAB, (b, SEQ), generator=g)
-        mask = torch.ones(b, SEQ, dtype=torch.long)
+        ids = torch.randint(0, VOCAB, (b, SEQ), generator=g).to(rank_device())
+        mask = torch.ones(b, SEQ, dtype=torch.long, device=rank_device())
         mask[1, SEQ - 3 :] = 0
         mask[3, SEQ - 1 :] = 0
         labels = ids.masked_fill(mask == 0, -100)
         positions = torch.arange(SEQ).repeat(b, 1) + torch.arange(b)[:, None]  # a different offset per row
-        batches.append(dict(input_ids=ids, labels=labels, attention_mask=mask, position_ids=positions))
+        batches.append(
+            dict(input_ids=ids, labels=labels, attention_mask=mask, position_ids=positions.to(rank_device()))
+        )
     return [dict(input_ids=batches[0]["input_ids"], labels=batches[0]["input_ids"]), *batches]
 
 
@@ -200,7 +202,7 @@ class NanoGPT(nn.Module):
 
     def forward(self, idx, targets):
         t = self.transformer
-        x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1]))  # (B, T, C)
+        x = t.wte(idx) + t.wpe(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
         for block in t.h:
             x = block(x)
         logits = self.lm_head(t.ln_f(x))
@@ -210,7 +212,7 @@ class NanoGPT(nn.Module):
 def _check_nanogpt(degrees, p):
     where = f"rank {dist.get_rank()} nanoGPT tp_degrees={degrees}"
     torch.manual_seed(3)
-    ref = NanoGPT()
+    ref = NanoGPT().to(rank_device())
     model = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match=r": lm_head\.$"):
         oases.parallelize(model, tp_degrees=degrees)  # found at transformer.h
@@ -219,7 +221,7 @@ def _check_nanogpt(degrees, p):
         assert (block.attn.n_head, block.attn.n_embd) == (4 // d, 32 // d), where
     batches = []
     for b in (BATCH, BATCH + 1):  # BATCH + 1: blocks of unequal size
-        ids = torch.randint(0, VOCAB, (b, SEQ + 1), generator=torch.Generator().manual_seed(2))
+        ids = torch.randint(0, VOCAB, (b, SEQ + 1), generator=torch.Generator().manual_seed(2)).to(rank_device())
         batches.append(dict(idx=ids[:, :-1], targets=ids[:, 1:]))
     _compare(where, ref, model, lambda m: m.transformer.h, degrees, p, batches, lambda m, b: m(**b))
 
@@ -269,15 +271,14 @@ def _my_batch(batch=BATCH):
     g = torch.Generator().manual_seed(5)
     keep = torch.rand(batch, SEQ, generator=g) > 0.3
     keep[:, 0] = True
-    return dict(
-        ids=torch.randint(0, VOCAB, (batch, SEQ), generator=g), keep=keep, scale=torch.rand(batch, generator=g) + 0.5
-    )
+    ids, scale = torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.rand(batch, generator=g) + 0.5
+    return dict(ids=ids.to(rank_device()), keep=keep.to(rank_device()), scale=scale.to(rank_device()))
 
 
 def _check_mine(degrees, p):
     where = f"rank {dist.get_rank()} Mine tp_degrees={degrees}"
     torch.manual_seed(4)
-    ref = Mine()
+    ref = Mine().to(rank_device())
     model = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match=r": head\.$"):
         oases.parallelize(model, plan=MY_PLAN, tp_degrees=degrees, layers="body.blocks")
@@ -286,7 +287,7 @@ def _check_mine(degrees, p):
     _compare(where, ref, model, lambda m: m.body["blocks"], degrees, p, [_my_batch(), *odd], lambda m, b: m(**b))
 
     # Bad input: the same error on every rank, before any communication; the model left as it was.
-    fresh = Mine()
+    fresh = Mine().to(rank_device())
     for kwargs, error, match in (
         (dict(layers="body.nope"), ValueError, r"layers: Mine has no submodule 'body\.nope'"),
         (dict(layers="body"), TypeError, r"layers: model\.body is a ModuleDict, not an nn\.ModuleList"),
@@ -328,7 +329,7 @@ def _bad_inputs(rank, p, model, degrees):
     with pytest.raises(ValueError, match=r"plan\['lm_head'\]: 'vocab_head' is not supported with per-layer"):
         oases.parallelize(fresh, plan={**oases.nn.DEFAULT_PLAN, "lm_head": "vocab_head"}, tp_degrees=[1] * LAYERS)
     with pytest.raises(ValueError, match=r"no decoder layers where oases looks \(model\.base_model\.layers, "):
-        oases.parallelize(nn.Sequential(nn.Linear(8, 8)), tp_degrees=[1])
+        oases.parallelize(nn.Sequential(nn.Linear(8, 8)).to(rank_device()), tp_degrees=[1])
     if p == 4:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         with pytest.raises(ValueError, match="must be the whole world"):
@@ -337,7 +338,7 @@ def _bad_inputs(rank, p, model, degrees):
     assert not hasattr(fresh, "tp_degrees")
 
     most = p // min(degrees)  # every replica of every layer needs a row of the batch
-    ids = torch.zeros(most + 1, SEQ, dtype=torch.long)
+    ids = torch.zeros(most + 1, SEQ, dtype=torch.long, device=rank_device())
     with pytest.raises(ValueError, match=f"batch: .* got batch size {most - 1} \\(use at least {most} rows\\)"):
         model(input_ids=ids[: most - 1])
     with pytest.raises(ValueError, match="replicas"):  # 2 sub-batches of most / 2 rows: not one per replica

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None,
@@ -114,7 +114,7 @@ def _check_lora_model(ref, tp, rank, p, root, schedules):
     assert trainable == sorted(n for n, q in ref.named_parameters() if q.requires_grad), "trainable parameters"
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), "only the adapters train"
 
-    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
     want_logits, want_loss, want = _reference(ref, ids)
     tp.zero_grad(set_to_none=True)
     out = tp(input_ids=ids, labels=ids)
@@ -149,7 +149,7 @@ def _check_lora_model(ref, tp, rank, p, root, schedules):
         for config in configs:  # a set in the config: its order is the set's
             config["target_modules"] = sorted(config["target_modules"])
         assert configs[0] == configs[1], f"adapter_config.json: {configs}"
-        loaded = PeftModel.from_pretrained(_llama(), where)  # one process, PEFT's own layers
+        loaded = PeftModel.from_pretrained(_llama().to(rank_device()), where)  # one process, PEFT's own layers
         torch.testing.assert_close(loaded(input_ids=ids).logits, want_logits, **TOL, msg=lambda m: f"loaded {m}")
     dist.barrier()
 
@@ -167,7 +167,7 @@ def _peft_then_parallelize(rank, p, root):
     from peft import get_peft_model
 
     warnings.simplefilter("ignore")
-    ref = get_peft_model(_llama(), _lora_config())
+    ref = get_peft_model(_llama().to(rank_device()), _lora_config())
     _randomize(ref, 5)
     tp = copy.deepcopy(ref)
     oases.parallelize(tp)  # the PEFT model itself (or tp.get_base_model(): the same modules)
@@ -185,10 +185,10 @@ def _parallelize_then_peft(rank, p, root, schedules):
     from peft import get_peft_model
 
     warnings.simplefilter("ignore")
-    ref = _llama()
+    ref = _llama().to(rank_device())
     torch.manual_seed(7)
     ref = get_peft_model(ref, _lora_config())
-    tp = oases.parallelize(_llama())
+    tp = oases.parallelize(_llama().to(rank_device()))
     torch.manual_seed(7)  # the same draws for the adapters
     tp = get_peft_model(tp, oases.nn.register_lora(_lora_config()))
     full = oases.full_state_dict(tp)  # the adapters drawn as PEFT draws them unsharded, then cut
@@ -234,7 +234,7 @@ def _refused_in_parallelize(rank, p):
 
     warnings.simplefilter("ignore")
     for extra, what in ((dict(use_dora=True), r"DoRA \(use_dora=True\)"),):
-        model = get_peft_model(_llama(), _lora_config(**extra))
+        model = get_peft_model(_llama().to(rank_device()), _lora_config(**extra))
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(
             ValueError, match=r"self_attn\.q_proj: oases' tensor-parallel LoRA layers do not support " + what
@@ -258,11 +258,11 @@ def _lora_dropout(rank, p, flow):
     warnings.simplefilter("ignore")
     config = _lora_config(lora_dropout=0.3)
     if flow == "parallelize_then_peft":
-        model = _llama()
+        model = _llama().to(rank_device())
         oases.parallelize(model)
         tp = get_peft_model(model, oases.nn.register_lora(config))
     else:
-        tp = get_peft_model(_llama(), config)
+        tp = get_peft_model(_llama().to(rank_device()), config)
         oases.parallelize(tp)
     tp.train()
     base = tp.get_base_model()
@@ -277,7 +277,7 @@ def _lora_dropout(rank, p, flow):
     for name, module in base.named_modules():
         if name.endswith("lora_dropout.default"):
             module.register_forward_hook(record(name))
-    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
     runs = []
     for recompute in (True, False, "selective"):
         tp.zero_grad(set_to_none=True)
@@ -323,9 +323,9 @@ def _all_reduces(rank, p):
     from oases.schedule import Communicator
 
     warnings.simplefilter("ignore")
-    model = _llama()
+    model = _llama().to(rank_device())
     oases.parallelize(model)
-    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1)).to(rank_device())
     calls = {"blocking": 0, "scheduled": 0}
     blocking, scheduled = oases.comm.all_reduce, Communicator.all_reduce
 

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline, actions
 
-from _spawn import harness_device, run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tolerances import state_atol
 
 CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2)
@@ -40,12 +40,12 @@ def _batches(batch):
 
 def _golden(layers, optimizer, batch, alone):
     """(losses, state_dict) of the single-process GPT after STEPS steps (`alone`: a group of one)."""
-    model = GPT(GPTConfig(**CONFIG, layers=layers), alone, seed=SEED)
+    model = GPT(GPTConfig(**CONFIG, layers=layers), alone, seed=SEED).to(rank_device())
     opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for tokens, targets in _batches(batch):
         opt.zero_grad()
-        loss = model(tokens, targets)
+        loss = model(tokens.to(rank_device()), targets.to(rank_device()))
         loss.backward()
         opt.step()
         losses.append(loss.detach())
@@ -86,7 +86,7 @@ def _assert_state(state, want_state, where, *, rtol, optimizer):
     for name, value in state.items():
         torch.testing.assert_close(
             value.cpu(),
-            want_state[name],
+            want_state[name].cpu(),
             rtol=rtol,
             atol=state_atol(optimizer),
             msg=lambda msg: f"{where}: {name}: {msg}",
@@ -101,7 +101,7 @@ def _train_cases(rank, world_size, cases):
         where = (
             f"dp={dp} pp={pp} tp={tp} layers={layers} {schedule} ns={segments} m={m} {optimizer} B={batch} {options}"
         )
-        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(harness_device(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(
             GPTConfig(**CONFIG, layers=layers),
             mesh,
@@ -237,26 +237,27 @@ def _hf(kind):
     raise AssertionError(kind)
 
 
-def _hf_golden(kind, optimizer, batch):
+def _hf_golden(kind, optimizer, batch, device):
     torch.manual_seed(SEED)
-    model = _hf(kind)
+    model = _hf(kind).to(device)
     opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
     for tokens, targets in _batches(batch):
         opt.zero_grad()
-        logits = model(input_ids=tokens).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        logits = model(input_ids=tokens.to(device)).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
         loss.backward()
         opt.step()
         losses.append(loss.detach())
     return losses, model.state_dict()
 
 
-def _train_hf_cases(rank, world_size, cases, device="cpu"):
+def _train_hf_cases(rank, world_size, cases, device=None):
+    device = device or harness_device()  # a device type: the mesh's, and where the models go
     for kind, (dp, pp, tp), schedule, segments, m, optimizer, batch, *options in cases:
         options = options[0] if options else {}
         where = f"{kind} dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} B={batch} {options}"
-        want_losses, want_state = _hf_golden(kind, optimizer, batch)  # on CPU
+        want_losses, want_state = _hf_golden(kind, optimizer, batch, device)  # on the pipeline's device
         mesh = init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(
             lambda: _hf(kind).to(device),
@@ -272,7 +273,7 @@ def _train_hf_cases(rank, world_size, cases, device="cpu"):
             loss = pipe.train_step(tokens, targets)
             torch.testing.assert_close(
                 loss.cpu(),
-                want_losses[step],
+                want_losses[step].cpu(),
                 rtol=1e-5,
                 atol=1e-5,
                 msg=lambda msg: f"{where}: loss of step {step}: {msg}",
@@ -326,8 +327,8 @@ def _preemption(rank, world_size):
     results = {}
     for preemption in (True, False):
         sched = CommScheduler(preemption=preemption, hold_timeout=60.0)
-        flat = torch.arange(12, dtype=torch.float32) * (rank + 1)
-        message = torch.full((4,), 7.0) if rank == 1 else torch.zeros(4)
+        flat = torch.arange(12, dtype=torch.float32, device=rank_device()) * (rank + 1)
+        message = torch.full((4,), 7.0, device=rank_device()) if rank == 1 else torch.zeros(4, device=rank_device())
         if rank == 0:
             recv = sched.track(dist.irecv(message, 1, group=pp_group, tag=16), "recv", 1)
         synced = sched.submit(lambda: sched.all_reduce(flat, dp_group, chunks=2))
@@ -337,8 +338,8 @@ def _preemption(rank, world_size):
         else:
             recv.wait()
         synced.result()
-        torch.testing.assert_close(flat, torch.arange(12, dtype=torch.float32) * 3)  # summed over both
-        torch.testing.assert_close(message, torch.full((4,), 7.0))
+        torch.testing.assert_close(flat.cpu(), torch.arange(12, dtype=torch.float32) * 3)  # summed over both
+        torch.testing.assert_close(message.cpu(), torch.full((4,), 7.0))
         results[preemption] = (
             sched.deferred_chunks,
             sched.overlapped_chunks,
@@ -378,7 +379,7 @@ def _loss_sum_order(rank, world_size):
     alone, _ = dist.new_subgroups(group_size=1)
     want = _golden(4, "sgd", 8, alone)[0][0]  # the single-process loss of the first batch
     execute.dist = _Recording()
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     got = {}
     try:
         for schedule, segments in (("1f1b", 1), ("aiao", 2)):
@@ -419,7 +420,7 @@ def test_loss_sum_goes_before_the_dp_syncs():
 
 def _bad_configurations(rank, world_size):
     config = GPTConfig(**CONFIG, layers=4)
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     bad = [
         (dict(config=GPTConfig(**CONFIG, layers=3)), "config.layers"),  # 3 % (pp=2)
         (dict(segments=3, schedule="aiao"), "config.layers"),  # 4 % (2 * 3)
@@ -431,8 +432,8 @@ def _bad_configurations(rank, world_size):
         (dict(dp_overlap_ratio=1.5), "dp_overlap_ratio"),
         (dict(dp_bucket_numel=0), "dp_bucket_numel"),
         (dict(dp_chunk_bytes=0), "dp_chunk_bytes"),
-        (dict(mesh=init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),
-        (dict(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))), "mesh"),
+        (dict(mesh=init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))), "world size"),
+        (dict(mesh=init_device_mesh(harness_device(), (2, 2), mesh_dim_names=("dp", "pp"))), "mesh"),
         (dict(config=3), "config: expected an oases.models.GPTConfig or a model factory"),
         (dict(config=lambda: 3), "the factory returned int"),
     ]
@@ -441,14 +442,14 @@ def _bad_configurations(rank, world_size):
     def layers_tied():  # a weight shared by layers 0 and 3 (stages 0 and 1); tied embeddings are supported
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**HF_SMALL))
         model.model.layers[3].input_layernorm.weight = model.model.layers[0].input_layernorm.weight
-        return model
+        return model.to(rank_device())
+
+    def three_layers():
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, num_hidden_layers=3))).to(rank_device())
 
     bad += [
         (dict(config=layers_tied), "model.layers.0.input_layernorm.weight is used in more than one place"),
-        (
-            dict(config=lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**dict(HF_SMALL, num_hidden_layers=3)))),
-            "model: 3 layers are not divisible by pp",
-        ),
+        (dict(config=three_layers), "model: 3 layers are not divisible by pp"),
     ]
     for change, match in bad:
         kwargs = dict(config=config, mesh=mesh, schedule="gpipe", segments=1, micro_batches=2) | change
@@ -583,15 +584,15 @@ def _link_order(rank, world_size):
     from oases.pipeline.comm_scheduler import CommScheduler
     from oases.pipeline.p2p import StageComm
 
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     from oases.pipeline.p2p import make_links
 
-    comm = StageComm(make_links(mesh), rank, 2, CommScheduler())
+    comm = StageComm(make_links(mesh, rank_device()), rank, 2, CommScheduler(), rank_device())
     comm.expect("gpipe", 1, 3)
     shape = torch.Size((2, 3))
     if rank == 0:  # stage 0 sends activations of micro-batches 0, 1, 2 and receives their gradients
         for i in range(3):
-            comm.send(("act", 0, i), torch.full(shape, float(i)))
+            comm.send(("act", 0, i), torch.full(shape, float(i), device=rank_device()))
         with pytest.raises(RuntimeError, match="out of send order"):
             comm.post_recv(("grad", 0, 1), shape)
         got = [comm.recv(("grad", 0, i), shape) for i in range(3)]
@@ -601,7 +602,7 @@ def _link_order(rank, world_size):
             comm.post_recv(("act", 0, 2), shape)
         got = [comm.recv(("act", 0, i), shape) for i in range(3)]
         for i in range(3):
-            comm.send(("grad", 0, i), torch.full(shape, 10.0 + i))
+            comm.send(("grad", 0, i), torch.full(shape, 10.0 + i, device=rank_device()))
     comm.wait_sends()
     comm.scheduler.close()
     return [float(t[0, 0]) for t in got]
@@ -615,16 +616,17 @@ def test_link_receives_are_matched_in_send_order():
 def _backend_check(rank, world_size):
     from oases.pipeline.pipeline import _check_backend
 
-    _check_backend(dist.group.WORLD, torch.device("cpu"))  # gloo carries CPU tensors
-    with pytest.raises(ValueError, match="cuda tensors need 'nccl'"):
-        _check_backend(dist.group.WORLD, torch.device("cuda"))
+    _check_backend(dist.group.WORLD, rank_device())  # gloo carries CPU tensors, NCCL CUDA ones
+    other, need = ("cuda", "nccl") if rank_device().type == "cpu" else ("cpu", "gloo")
+    with pytest.raises(ValueError, match=f"{other} tensors need '{need}'"):
+        _check_backend(dist.group.WORLD, torch.device(other))
     return True
 
 
 def _failed_step(rank, world_size):
     """A step that raises mid-way leaves receives posted on links that match in order: the next
     step refuses to run (on every rank) instead of pairing stale receives with new messages."""
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(GPTConfig(**CONFIG, layers=2), mesh, schedule="gpipe", micro_batches=2)
     tokens, targets = _batches(2)[0]
 
@@ -648,7 +650,7 @@ def _wrapped_actions(rank, world_size):
     """register_action_wrapper: every action of the stage's step passes through each wrapper once, in
     the schedule's order, the first registered outermost; the step's loss and gradients are those of
     an unwrapped step; handle.remove() unregisters; a wrapper that is not callable is refused."""
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipes = [Pipeline(GPTConfig(**CONFIG, layers=2), mesh, schedule="1f1b", micro_batches=3) for _ in range(2)]
     tokens, targets = _batches(6)[0]
     seen = []
@@ -680,7 +682,7 @@ def _wrapped_actions(rank, world_size):
         pipe.close()
     # A wrapper that never runs the action, or runs it twice, fails the step. One stage (DP 2): no
     # receive is left posted by the failed step for the next pipeline's messages to land in.
-    dp_mesh = init_device_mesh("cpu", (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    dp_mesh = init_device_mesh(harness_device(), (2, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     for wrapper, said in (
         (lambda action, run: None, "no wrapper called run"),
         (lambda a, run: (run(), run()), "twice"),
@@ -756,7 +758,7 @@ def _offload_cases(rank, world_size, cases):
         for offload in (False, True):
             from oases.offload import Offloader
 
-            mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            mesh = init_device_mesh(harness_device(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
             pipe = Pipeline(
                 GPTConfig(**CONFIG, layers=layers),
                 mesh,
@@ -817,7 +819,11 @@ def _dp_hierarchy(rank, world_size, cases):
     # The step forms: one yield per ring step, and the flat rings' results (integer-valued data:
     # exact whatever the summation order).
     hosts = HostGroups.create(2)
-    x = torch.randint(-50, 50, (world_size * 6, 3), generator=torch.Generator().manual_seed(rank)).float()
+    x = (
+        torch.randint(-50, 50, (world_size * 6, 3), generator=torch.Generator().manual_seed(rank))
+        .float()
+        .to(rank_device())
+    )
     steps = hierarchical_reduce_scatter_steps(x, hosts, chunks=2)
     yields = 0
     while True:
@@ -842,7 +848,7 @@ def _dp_hierarchy(rank, world_size, cases):
     for (dp, pp, tp), layers, schedule, segments, m, optimizer, batch, options in cases:
         want_losses, want_state = _golden(layers, optimizer, batch, alone)
         where = f"dp={dp} pp={pp} tp={tp} {schedule} ns={segments} m={m} {optimizer} {options}"
-        mesh = init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(harness_device(), (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(
             GPTConfig(**CONFIG, layers=layers),
             mesh,
@@ -869,7 +875,7 @@ def _dp_hierarchy(rank, world_size, cases):
 
     # "auto": oases.planner.partition on the launcher's links, for the largest bucket (about 40 KB here).
     config = GPTConfig(**CONFIG, layers=4)
-    mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     for env, hierarchical in (
         ({"OASES_BANDWIDTH": "100mbit"}, True),  # slow NICs: two levels
         ({"OASES_INTRA_BANDWIDTH": "10mbit"}, False),
@@ -887,13 +893,13 @@ def _dp_hierarchy(rank, world_size, cases):
     pipe.close()
 
     # PP2 x DP2: each dp group ({0, 2}, {1, 3}) has one rank on each host of 2.
-    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(config, mesh, schedule="gpipe", micro_batches=2, dp_hierarchy=True)
     assert (pipe.sync.hosts.hosts, pipe.sync.hosts.ranks_per_host) == (2, 1)
     pipe.close()
 
     # Bad configurations: ValueError on every rank, before any communication.
-    mesh = init_device_mesh("cpu", (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (4, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
     for value, local, match in (
         ("yes", "2", "dp_hierarchy: expected"),
         (1, "2", "dp_hierarchy: expected"),
@@ -943,21 +949,21 @@ def _lr_scheduled(rank, world_size):
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)) for _ in range(3)]
     alone, _ = dist.new_subgroups(group_size=1)
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     makes = {
         "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
         "sgd, lr a tensor": lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)),  # the scheduler fills it in place
         "a counter in its group": lambda p: _Counting(p, lr=0.05),
     }
     for name, make in makes.items():
-        model = GPT(GPTConfig(**CONFIG, layers=4), alone, seed=7)
+        model = GPT(GPTConfig(**CONFIG, layers=4), alone, seed=7).to(rank_device())
         plain = make(model.parameters())
         want = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch: "lr_scheduler.step() before optimizer.step()" (deferred)
             scheduler = torch.optim.lr_scheduler.LambdaLR(plain, lambda n: factor[min(n, 3)])
             for tokens, targets in batches:
-                loss = model(tokens, targets)
+                loss = model(tokens.to(rank_device()), targets.to(rank_device()))
                 loss.backward()
                 plain.step()
                 plain.zero_grad()
@@ -978,7 +984,9 @@ def _lr_scheduled(rank, world_size):
         assert got == pytest.approx(want, rel=1e-5), name
         assert counters == [plain.param_groups[0].get("k")] * len(counters), (name, counters)
         for key, value in model.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, {key}: {m}")
+            torch.testing.assert_close(
+                state[key].cpu(), value.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}, {key}: {m}"
+            )
     return True
 
 

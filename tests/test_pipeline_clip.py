@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from oases.pipeline import Pipeline
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tiny_llama import tiny_llama
 
 pytest.importorskip("transformers")
@@ -31,7 +31,7 @@ SEED, STEPS, VOCAB, T, BATCH, CLIP = 5, 3, 32, 8, 8, 0.5
 
 
 def _model():
-    return tiny_llama(tied=True)
+    return tiny_llama(tied=True).to(rank_device())
 
 
 def _sgd(params):
@@ -53,6 +53,7 @@ def _golden():
     opt = _sgd(model.parameters())
     losses, norms = [], []
     for tokens, targets in _batches():
+        tokens, targets = tokens.to(rank_device()), targets.to(rank_device())
         opt.zero_grad()
         loss = F.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
@@ -67,7 +68,7 @@ def _clipped(rank, world_size, cases):
     assert min(want_norms) > CLIP, want_norms  # every step is clipped
     for mesh_shape, schedule, segments, options in cases:
         where = f"{mesh_shape} {schedule} ns={segments} {options}"
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(harness_device(), mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(
             _model,
             mesh,
@@ -91,9 +92,11 @@ def _clipped(rank, world_size, cases):
             torch.testing.assert_close(got, norm, rtol=1e-5, atol=0, msg=lambda m: f"{where}: norm {step}: {m}")
         assert list(state) == list(want), where
         for key, value in state.items():
-            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {key}: {m}")
+            torch.testing.assert_close(
+                value.cpu(), want[key].cpu(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {key}: {m}"
+            )
     for bad in (0, -1.0, float("inf"), float("nan"), True, "1.0"):
-        mesh = init_device_mesh("cpu", cases[0][0], mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(harness_device(), cases[0][0], mesh_dim_names=("dp", "pp", "tp"))
         with pytest.raises(ValueError, match="max_grad_norm: expected a finite number > 0"):
             Pipeline(_model, mesh, max_grad_norm=bad)
     dist.barrier()  # no rank was left inside a collective

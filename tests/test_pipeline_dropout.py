@@ -35,7 +35,7 @@ import oases.pipeline.stages as stages
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tiny_llama import tiny_llama
 
 pytest.importorskip("transformers")
@@ -66,8 +66,8 @@ def _batches():
 
 
 def _pipeline(kind, mesh_shape, p=P, **options):
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
-    config = GPTConfig(**GPT_SIZES, dropout=p) if kind == "gpt" else (lambda: _llama(p))
+    mesh = init_device_mesh(harness_device(), mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    config = GPTConfig(**GPT_SIZES, dropout=p) if kind == "gpt" else (lambda: _llama(p).to(rank_device()))
     options = {"schedule": "1f1b", **options}
     return Pipeline(config, mesh, micro_batches=2, optimizer=_sgd, seed=SEED, **options)
 
@@ -96,11 +96,13 @@ def _golden(kind, draw=DRAW):
     else:
         torch.manual_seed(SEED)
         model = _llama()
+    model.to(rank_device())
     opt, losses = _sgd(model.parameters()), []
     torch.manual_seed(draw)
     for tokens, targets in _batches()[:STEPS]:
-        if kind == "gpt":
-            seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        tokens, targets = tokens.to(rank_device()), targets.to(rank_device())
+        if kind == "gpt":  # drawn as the pipeline draws it: from the default generator of its device
+            seed = int(torch.randint(0, 2**31 - 1, (1,), device=rank_device()))
             loss = model(tokens, targets, dropout_seed=seed)
             loss.backward()
         else:
@@ -116,7 +118,7 @@ def _golden(kind, draw=DRAW):
 def _close_states(state, want, where):
     assert list(state) == list(want), where
     for key, value in state.items():
-        torch.testing.assert_close(value, want[key], **TOL, msg=lambda m: f"{where}: {key}: {m}")
+        torch.testing.assert_close(value.cpu(), want[key].cpu(), **TOL, msg=lambda m: f"{where}: {key}: {m}")
 
 
 def _equal_states(state, want, where):
@@ -195,7 +197,7 @@ def _replicated_masks(rank, world_size):
         pipe.state_dict()  # the last update applied
         mine = {id(p) for p in pipe.stage.parameters()}
         norms = {
-            n: p.detach().clone()
+            n: p.detach().cpu().clone()
             for n, p in pipe.model.named_parameters()
             if id(p) in mine and any(part in n for part in _REPLICATED)
         }
@@ -227,14 +229,19 @@ def test_replicated_masks_agree_over_tp_and_dp_replicas_draw_their_rows_4_ranks(
     assert run_ranks(_replicated_masks, 4, timeout=180) == [True] * 4
 
 
+def _rng_state():
+    """The state of the default generator of the ranks' device (where a step's dropout seed is drawn)."""
+    return torch.cuda.get_rng_state() if rank_device().type == "cuda" else torch.get_rng_state()
+
+
 def _evaluated(rank, world_size):
     batch = _batches()[STEPS]
     for kind in ("gpt", "llama"):
         pipe = _pipeline(kind, (1, 2, 1))
         _, state = _train(pipe)
-        before = torch.get_rng_state()
+        before = _rng_state()
         got = pipe.eval_step(*batch)
-        assert torch.equal(torch.get_rng_state(), before), kind  # no seed drawn, no mask
+        assert torch.equal(_rng_state(), before), kind  # no seed drawn, no mask
         assert torch.equal(pipe.eval_step(*batch), got), kind
         pipe.close()
         if kind == "gpt":
@@ -242,13 +249,14 @@ def _evaluated(rank, world_size):
             plain = GPT(GPTConfig(**GPT_SIZES), alone, seed=0)
         else:
             plain = _llama(0.0)
-        plain.load_state_dict(state)
+        plain.to(rank_device()).load_state_dict(state)
         plain.eval()
+        tokens, targets = batch[0].to(rank_device()), batch[1].to(rank_device())
         with torch.no_grad():
             if kind == "gpt":
-                want = plain(*batch)
+                want = plain(tokens, targets)
             else:
-                want = _loss_sum(plain(input_ids=batch[0]).logits, batch[1]) / batch[1].numel()
+                want = _loss_sum(plain(input_ids=tokens).logits, targets) / targets.numel()
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{kind}: {m}")
     dist.barrier()
     return True
@@ -261,7 +269,7 @@ def test_eval_step_after_dropout_is_the_p0_models_eval():
 def _refused(rank, world_size):
     import transformers as tf
 
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     # router jitter noise: drawn anew by each recomputation, whatever the seed
     jitter = tf.MixtralConfig(
         vocab_size=VOCAB,
@@ -275,9 +283,9 @@ def _refused(rank, world_size):
         router_jitter_noise=0.1,
     )
     with pytest.raises(ValueError, match=r"decoder layer 0's .* draws random noise in training \(jitter_noise=0.1\)"):
-        Pipeline(lambda: tf.MixtralForCausalLM(jitter), mesh, micro_batches=2, seed=SEED)
+        Pipeline(lambda: tf.MixtralForCausalLM(jitter).to(rank_device()), mesh, micro_batches=2, seed=SEED)
     # a model built in eval mode (as from_pretrained returns it) was adapted without its dropout
-    pipe = Pipeline(lambda: _llama().eval(), mesh, micro_batches=2, optimizer=_sgd, seed=SEED)
+    pipe = Pipeline(lambda: _llama().eval().to(rank_device()), mesh, micro_batches=2, optimizer=_sgd, seed=SEED)
     pipe.model.train()
     with pytest.raises(ValueError, match=r"dropout 0.1 .* was in eval mode when the pipeline was built"):
         pipe.train_step(*_batches()[0])

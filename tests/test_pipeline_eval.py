@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tiny_llama import tiny_llama
 
 GPT_CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=4)
@@ -31,7 +31,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _llama():
-    return tiny_llama(tied=True)
+    return tiny_llama(tied=True).to(rank_device())
 
 
 def _sgd(params):
@@ -50,7 +50,7 @@ def _single(kind):
     """(model, its loss on a batch) of one process, as the pipeline builds it."""
     if kind == "gpt":
         alone, _ = dist.new_subgroups(group_size=1)
-        model = GPT(GPTConfig(**GPT_CONFIG), alone, seed=SEED)
+        model = GPT(GPTConfig(**GPT_CONFIG), alone, seed=SEED).to(rank_device())
         return model, lambda tokens, targets: model(tokens, targets)
     torch.manual_seed(SEED)
     model = _llama()
@@ -65,7 +65,7 @@ def _golden(kind):
     """(eval loss at init, train losses of steps 1-3, {1, 2: eval loss after that many steps}, final state)."""
     model, loss_of = _single(kind)
     opt = _sgd(model.parameters())
-    batches = _batches()
+    batches = [(tokens.to(rank_device()), targets.to(rank_device())) for tokens, targets in _batches()]
 
     def evaluate(batch):
         model.eval()
@@ -88,7 +88,7 @@ def _golden(kind):
 
 
 def _pipeline(kind, mesh_shape, schedule, segments, **options):
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     config = GPTConfig(**GPT_CONFIG) if kind == "gpt" else _llama
     return Pipeline(
         config, mesh, schedule=schedule, segments=segments, micro_batches=2, optimizer=_sgd, seed=SEED, **options
@@ -114,7 +114,9 @@ def _evaluated(rank, world_size, cases):
         pipe.close()
         assert list(state) == list(final), where
         for key, value in state.items():
-            torch.testing.assert_close(value, final[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {key}: {m}")
+            torch.testing.assert_close(
+                value.cpu(), final[key].cpu(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {key}: {m}"
+            )
 
     # eval mode during eval_step (as model.eval(): mode-dependent modules see it), training mode after
     pipe = _pipeline("gpt", cases[0][1], "1f1b", 1)

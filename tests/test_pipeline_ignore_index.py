@@ -17,14 +17,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from oases.pipeline import Pipeline
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tiny_llama import tiny_llama
 
 SEED, BATCH, T, VOCAB, STEPS = 5, 8, 8, 32, 3
 
 
 def _llama():
-    return tiny_llama()
+    return tiny_llama().to(rank_device())
 
 
 def _sgd(params):
@@ -54,15 +54,16 @@ def _golden():
         logits = model(input_ids=tokens).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
+    batches = [(tokens.to(rank_device()), targets.to(rank_device())) for tokens, targets in _batches()]
     losses = []
-    for tokens, targets in _batches():
+    for tokens, targets in batches:
         loss = loss_of(tokens, targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.detach())
     with torch.no_grad():
-        evaluated = loss_of(*_batches()[0])
+        evaluated = loss_of(*batches[0])
     return losses, evaluated, model.state_dict()
 
 
@@ -70,7 +71,7 @@ def _ignored(rank, world_size):
     losses, evaluated, want = _golden()
     for mesh_shape, schedule, segments in (((2, 2, 1), "aiao", 2), ((1, 2, 2), "1f1b", 1)):
         where = f"{mesh_shape} {schedule}"
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+        mesh = init_device_mesh(harness_device(), mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
         pipe = Pipeline(_llama, mesh, schedule=schedule, segments=segments, micro_batches=2, optimizer=_sgd, seed=SEED)
         for step, batch in enumerate(_batches()):
             got = pipe.train_step(*batch)
@@ -78,7 +79,9 @@ def _ignored(rank, world_size):
         torch.testing.assert_close(pipe.eval_step(*_batches()[0]), evaluated, rtol=1e-5, atol=1e-5)
         state = pipe.state_dict()
         for key, value in state.items():
-            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=1e-5, msg=lambda m: f"{where} {key}: {m}")
+            torch.testing.assert_close(
+                value.cpu(), want[key].cpu(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{where} {key}: {m}"
+            )
         tokens, targets = _batches()[0]
         with pytest.raises(ValueError, match="targets: every position is -100"):
             pipe.train_step(tokens, torch.full_like(targets, -100))
@@ -100,15 +103,15 @@ def _gpt_ignored(rank, world_size):
     from oases.models import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=VOCAB, seq_len=T, hidden=16, heads=2, mlp_ratio=2, layers=2)
-    tokens, targets = _batches()[0]
+    tokens, targets = (t.to(rank_device()) for t in _batches()[0])
     alone, _ = dist.new_subgroups(group_size=1)
-    single = GPT(config, alone, seed=SEED)
+    single = GPT(config, alone, seed=SEED).to(rank_device())
     want = F.cross_entropy(single(tokens).flatten(0, 1), targets.flatten(), ignore_index=-100)
     torch.testing.assert_close(single(tokens, targets), want, rtol=1e-6, atol=1e-6)
-    sharded = GPT(config, None, seed=SEED)  # TP 2 over both ranks
+    sharded = GPT(config, None, seed=SEED).to(rank_device())  # TP 2 over both ranks
     torch.testing.assert_close(sharded(tokens, targets), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sharded.train_step(tokens, targets), want, rtol=1e-5, atol=1e-5)
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(config, mesh, schedule="1f1b", micro_batches=2, optimizer=_sgd, seed=SEED)
     torch.testing.assert_close(pipe.train_step(tokens, targets), want, rtol=1e-5, atol=1e-5)
     pipe.close()

@@ -28,7 +28,7 @@ import oases
 from oases.pipeline import Pipeline
 
 from _nanogpt import Block
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -76,7 +76,7 @@ class _NanoGPT(nn.Module):
 
     def loss(self, tokens, targets):
         t = self.transformer
-        x = t.wte(tokens) + t.wpe(torch.arange(tokens.shape[1]))
+        x = t.wte(tokens) + t.wpe(torch.arange(tokens.shape[1], device=tokens.device))
         for block in t.h:
             x = block(x)
         return F.cross_entropy(self.lm_head(t.ln_f(x)).flatten(0, 1), targets.flatten())
@@ -97,7 +97,7 @@ def _batch(step):
 
 
 def _pipeline(dp, schedule, segments, **options):
-    mesh = init_device_mesh("cpu", (dp, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (dp, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     return Pipeline(
         _factory, mesh, schedule=schedule, segments=segments, micro_batches=2, optimizer=_adamw, seed=SEED, **options
     )
@@ -107,11 +107,11 @@ def _golden_losses(pretrained):
     """The single-process model's mean token loss (targets as given) on each step, trained with AdamW."""
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(pretrained)
+    model = LlamaForCausalLM.from_pretrained(pretrained).to(rank_device())
     opt = _adamw(model.parameters())
     losses = []
     for step in range(STEPS):
-        tokens, targets = _batch(step)
+        tokens, targets = (t.to(rank_device()) for t in _batch(step))
         loss = F.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         opt.step()
@@ -143,7 +143,7 @@ def _moments(pipe):
     """{param name.state: tensor} of every stage's optimizers, gathered on every rank."""
     names = {id(p): n for n, p in pipe.model.named_parameters()}
     mine = {
-        f"{names[id(p)]}.{k}": v.clone()
+        f"{names[id(p)]}.{k}": v.cpu().clone()
         for opt in pipe.optimizers
         for p, s in opt.state.items()
         for k, v in s.items()
@@ -163,26 +163,26 @@ def _load_into_tp2(root, state, moments, again):
 
     from oases._sharding import tp_rules
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(harness_device(), (2, 2), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model = LlamaForCausalLM(_config())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # lm_head left replicated by the default plan
-        oases.parallelize(model, mesh.get_group("tp"), device="cpu", init_weights=False)
+        oases.parallelize(model, mesh.get_group("tp"), device=rank_device(), init_weights=False)
     opt = _adamw(model.parameters())
     got = oases.load_checkpoint(model, root, optimizer=opt)
     assert got.step == SAVED_AT and got.extra == {"data": SAVED_AT}, got
     full = oases.full_state_dict(model)
     assert full.keys() == state.keys()
     for key, value in state.items():
-        assert torch.equal(full[key], value), key
+        assert torch.equal(full[key].cpu(), value.cpu()), key
     rules, rank = tp_rules(model), mesh.get_local_rank("tp")
     names = {id(p): n for n, p in model.named_parameters()}
     for p, s in opt.state.items():
         for k in ("exp_avg", "exp_avg_sq"):
             want = moments[f"{names[id(p)]}.{k}"]
             rule = rules.get(names[id(p)])
-            assert torch.equal(s[k], want if rule is None else rule[0].shard(want, rank, 2)), (names[id(p)], k)
+            assert torch.equal(s[k].cpu(), want if rule is None else rule[0].shard(want, rank, 2)), (names[id(p)], k)
     oases.save_checkpoint(model, again, optimizer=opt, step=SAVED_AT)
 
 
@@ -190,32 +190,32 @@ def _load_into_pp2_tp2(root, state, loss, out):
     """PP2 x TP2 (meta build, sharded): the DP2 x TP2 model's checkpoint loads; a step and the export agree."""
     from transformers import LlamaForCausalLM
 
-    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(_factory, mesh, schedule="1f1b", micro_batches=2, optimizer=_adamw, init_weights=False)
     with pytest.raises(FileNotFoundError, match=f"step-{SAVED_AT + 1:09d}"):  # step=: that step or an error
         pipe.load_checkpoint(root, step=SAVED_AT + 1)
     assert pipe.load_checkpoint(root, step=SAVED_AT, verify=False, trusted=False).step == SAVED_AT  # no pickle run
     got = pipe.state_dict()
     for key, value in state.items():
-        assert torch.equal(got[key], value), key
+        assert torch.equal(got[key].cpu(), value.cpu()), key
     torch.testing.assert_close(pipe.train_step(*_batch(SAVED_AT)), loss, rtol=1e-5, atol=1e-5)
     pipe.save_pretrained(out)
     got = pipe.state_dict()
     if dist.get_rank() == 0:
         exported = LlamaForCausalLM.from_pretrained(out).state_dict()
         for key, value in got.items():
-            assert torch.equal(exported[key], value), key
+            assert torch.equal(exported[key], value.cpu()), key
     pipe.close()
 
 
 def _real_build_resumes(schedule, segments, root, losses, final):
-    """A factory that builds on the CPU (every tensor allocated, other stages' layers released):
+    """A factory that builds a real model (every tensor allocated, other stages' layers released):
     the same checkpoint resumes it bit-exactly too."""
     from transformers import LlamaForCausalLM
 
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(
-        lambda: LlamaForCausalLM(_config()),
+        lambda: LlamaForCausalLM(_config()).to(rank_device()),
         mesh,
         schedule=schedule,
         segments=segments,
@@ -235,16 +235,17 @@ def _real_build_resumes(schedule, segments, root, losses, final):
 
 def _nanogpt_on_meta(schedule, segments):
     """A model that is not Hugging Face's: its parts found on a meta copy, its values the plain build's."""
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(_meta_nanogpt, mesh, schedule=schedule, segments=segments, micro_batches=2, seed=SEED)
     assert pipe.model.transformer.wte.weight.is_meta == (pipe.layout.stage == 1)
     assert pipe.model.lm_head.weight.is_meta == (pipe.layout.stage == 0)
     torch.manual_seed(SEED)
-    plain = _NanoGPT()
+    plain = _NanoGPT().to(rank_device())
     state = pipe.state_dict()
     for key, value in plain.state_dict().items():
-        assert torch.equal(state[key], value), key
-    torch.testing.assert_close(pipe.train_step(*_batch(0)), plain.loss(*_batch(0)).detach(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(state[key].cpu(), value.cpu()), key
+    want = plain.loss(*(t.to(rank_device()) for t in _batch(0))).detach()
+    torch.testing.assert_close(pipe.train_step(*_batch(0)), want, rtol=1e-5, atol=1e-5)
     pipe.close()
 
 
@@ -284,12 +285,12 @@ def _story(rank, world_size, dp, schedule, segments, pretrained, other, tmp):
         exported = LlamaForCausalLM.from_pretrained(out).state_dict()
         assert exported.keys() == again.keys()
         for key, value in again.items():
-            assert torch.equal(exported[key], value), key
+            assert torch.equal(exported[key], value.cpu()), key
 
     # Another model's checkpoint and weights: refused on every rank before any collective.
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        oases.save_checkpoint(LlamaForCausalLM(_config(vocab=48)), os.path.join(tmp, "other-ckpt"))
+        oases.save_checkpoint(LlamaForCausalLM(_config(vocab=48)).to(rank_device()), os.path.join(tmp, "other-ckpt"))
     for load, path in ((resumed.load_checkpoint, "other-ckpt"), (resumed.load_pretrained, other)):
         with pytest.raises(ValueError, match="does not fit the model"):
             load(os.path.join(tmp, path))
@@ -307,8 +308,8 @@ def _story(rank, world_size, dp, schedule, segments, pretrained, other, tmp):
             _pipeline(dp, "aiao", "auto")
         with pytest.raises(ValueError, match="init_weights=False: only for a factory that builds"):
             Pipeline(
-                lambda: LlamaForCausalLM(_config()),
-                init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp")),
+                lambda: LlamaForCausalLM(_config()).to(rank_device()),
+                init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp")),
                 init_weights=False,
             )
         dist.barrier()
@@ -319,7 +320,7 @@ def _story(rank, world_size, dp, schedule, segments, pretrained, other, tmp):
     state = built.state_dict()
     assert state.keys() == plain.keys()
     for key, value in plain.items():
-        assert torch.equal(state[key], value), key
+        assert torch.equal(state[key].cpu(), value), key
     built.close()
     return True
 
@@ -367,14 +368,14 @@ def _meta_neox():
 def _load_transformers_layout(rank, world_size, where):
     from transformers import GPTNeoXForCausalLM
 
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipe = Pipeline(_meta_neox, mesh, micro_batches=2, optimizer=_adamw, seed=SEED, init_weights=False)
     assert pipe.load_pretrained(where) == ([], [])
     want = GPTNeoXForCausalLM.from_pretrained(where).state_dict()
     state = pipe.state_dict()
     assert state.keys() == want.keys()
     for key, value in want.items():  # lm_head.weight too, stored as embed_out.weight
-        assert torch.equal(state[key], value), key
+        assert torch.equal(state[key].cpu(), value), key
     pipe.close()
     return True
 
@@ -394,11 +395,11 @@ def _frozen_lower():
     model = _NanoGPT()
     for module in (model.transformer.wte, model.transformer.wpe, model.transformer.h[0], model.transformer.h[1]):
         module.requires_grad_(False)  # fine-tuning the upper half: stage 0 has nothing to train
-    return model
+    return model.to(rank_device())
 
 
 def _frozen_stage(rank, world_size):
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     with pytest.raises(ValueError, match=r"a segment of a pipeline stage has no parameter that requires grad"):
         Pipeline(_frozen_lower, mesh, schedule="1f1b", micro_batches=2, optimizer=_adamw, seed=SEED)
     dist.barrier()  # both stages raised: neither is left waiting

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from oases.pipeline import Pipeline
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tiny_llama import tiny_llama
 from _tolerances import state_atol
 
@@ -43,7 +43,8 @@ TIED = "model.embed_tokens.weight"  # the tensor's first key; lm_head.weight is 
 
 
 def _model(meta=False):
-    return tiny_llama(tied=True, meta=meta)
+    model = tiny_llama(tied=True, meta=meta)
+    return model if meta else model.to(rank_device())
 
 
 def _batches(batch):
@@ -62,6 +63,7 @@ def _golden(optimizer, batch):
     losses = []
     for tokens, targets in _batches(batch):
         opt.zero_grad()
+        tokens, targets = tokens.to(rank_device()), targets.to(rank_device())
         loss = F.cross_entropy(model(input_ids=tokens).logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
         opt.step()
@@ -70,7 +72,7 @@ def _golden(optimizer, batch):
 
 
 def _pipeline(mesh_shape, schedule, segments, m, optimizer, meta=False, **options):
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), mesh_shape, mesh_dim_names=("dp", "pp", "tp"))
     return Pipeline(
         lambda: _model(meta),
         mesh,
@@ -99,7 +101,7 @@ def _check_copies(pipe, where):
         assert owners == [0], where
         return
     state = pipe.optimizers[owners[0]].state.get(w, {}) if holder else {}
-    mine = (w.detach().clone(), {k: v.clone() for k, v in state.items()}) if holder else None
+    mine = (w.detach().cpu().clone(), {k: v.cpu().clone() for k, v in state.items()}) if holder else None
     parts = [None] * pipe.pp
     dist.all_gather_object(parts, mine, group=pipe.pp_group)
     (first, first_state), (last, last_state) = parts[0], parts[-1]
@@ -113,10 +115,14 @@ def _assert_state(state, want, where, *, exact=False, optimizer="sgd"):
     assert list(state) == list(want), where
     for key, value in state.items():
         if exact:
-            assert torch.equal(value, want[key]), (where, key)
+            assert torch.equal(value.cpu(), want[key].cpu()), (where, key)
         else:
             torch.testing.assert_close(
-                value, want[key], rtol=1e-4, atol=state_atol(optimizer), msg=lambda msg: f"{where}: {key}: {msg}"
+                value.cpu(),
+                want[key].cpu(),
+                rtol=1e-4,
+                atol=state_atol(optimizer),
+                msg=lambda msg: f"{where}: {key}: {msg}",
             )
 
 
@@ -199,7 +205,8 @@ def _export(pipe, golden, final, out, where):
         with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
             keys = set(f.keys())
         assert TIED in keys and "lm_head.weight" not in keys, (where, sorted(keys))
-        tokens = _batches(4)[0][0]
+        exported.to(rank_device())
+        tokens = _batches(4)[0][0].to(rank_device())
         with torch.no_grad():
             torch.testing.assert_close(
                 exported(input_ids=tokens).logits, golden(input_ids=tokens).logits, rtol=1e-4, atol=1e-4

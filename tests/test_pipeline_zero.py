@@ -23,7 +23,7 @@ from oases.dp import ShardedOptimizer
 from oases.models import GPT, GPTConfig
 from oases.pipeline import Pipeline, ZeroSegmentSync
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 CONFIG = dict(vocab_size=32, seq_len=8, hidden=16, heads=2, mlp_ratio=2, layers=4)
 STEPS, SEED, BATCH, SAVED_AT = 3, 7, 4, 2
@@ -52,12 +52,12 @@ def _golden(scheduled=False):
     """(losses, state_dict) of the single-process GPT after STEPS AdamW steps on the whole batch;
     `scheduled`: a LambdaLR by FACTOR stepped after each."""
     alone, _ = dist.new_subgroups(group_size=1)
-    model = GPT(GPTConfig(**CONFIG), alone, seed=SEED)
+    model = GPT(GPTConfig(**CONFIG), alone, seed=SEED).to(rank_device())
     opt = _adamw(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: FACTOR[min(n, 2)]) if scheduled else None
     losses = []
     for tokens, targets in _batches():
-        loss = model(tokens, targets)
+        loss = model(tokens.to(rank_device()), targets.to(rank_device()))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -68,7 +68,7 @@ def _golden(scheduled=False):
 
 
 def _pipeline(dp, schedule, segments, zero, **options):
-    mesh = init_device_mesh("cpu", (dp, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(harness_device(), (dp, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     return Pipeline(
         GPTConfig(**CONFIG),
         mesh,
@@ -85,7 +85,7 @@ def _pipeline(dp, schedule, segments, zero, **options):
 def _assert_state(state, want, where):
     assert list(state) == list(want), where
     for name, value in state.items():
-        torch.testing.assert_close(value, want[name], **TOL, msg=lambda m: f"{where}: {name}: {m}")
+        torch.testing.assert_close(value.cpu(), want[name].cpu(), **TOL, msg=lambda m: f"{where}: {name}: {m}")
 
 
 def _state_bytes(pipe):

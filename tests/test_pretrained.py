@@ -20,7 +20,7 @@ import torch.distributed as dist
 import oases
 from oases._sharding import ShardRule, tp_rules
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
@@ -55,11 +55,12 @@ def _parallelize(model, group=None, **kw):
 
 def _logits(model):
     with torch.no_grad():
-        return model(input_ids=IDS).logits
+        return model(input_ids=IDS.to(next(model.parameters()).device)).logits
 
 
 def _train_step(model):
-    model(input_ids=IDS, labels=IDS).loss.backward()
+    ids = IDS.to(next(model.parameters()).device)
+    model(input_ids=ids, labels=ids).loss.backward()
     with torch.no_grad():
         for param in model.parameters():
             param -= 0.1 * param.grad
@@ -85,7 +86,7 @@ def _assert_shards(model, full):
         if key in rules:
             rule, group = rules[key]
             want = rule.shard(want, dist.get_rank(group), dist.get_world_size(group))
-        assert torch.equal(value, want.to(value.dtype)), f"{key} is not its shard of the file's tensor"
+        assert torch.equal(value, want.to(value.device, value.dtype)), f"{key} is not its shard of the file's tensor"
 
 
 def _assert_equal_dicts(got, want):
@@ -117,21 +118,21 @@ def hf_dirs(tmp_path_factory):
 
 def _check_load(rank, p, dirs, out):
     for name, (path, tied, want) in dirs.items():
-        model = _parallelize(_llama(7, tied))  # another seed: every value must come from the file
+        model = _parallelize(_llama(7, tied).to(rank_device()))  # another seed: every value must come from the file
         result = oases.load_pretrained(model, path)
         assert (result.missing_keys, result.unexpected_keys) == ([], []), name
         _assert_shards(model, _file_tensors(path))
-        torch.testing.assert_close(_logits(model), want, **TOL, msg=lambda m: f"{name} at TP {p}: {m}")
+        torch.testing.assert_close(_logits(model).cpu(), want, **TOL, msg=lambda m: f"{name} at TP {p}: {m}")
 
     path, _, want = dirs["untied"]
-    model = _parallelize(_llama(8))
+    model = _parallelize(_llama(8).to(rank_device()))
     oases.load_pretrained(model, os.path.join(path, "model.safetensors"))  # one file, by its name
-    torch.testing.assert_close(_logits(model), want, **TOL)
+    torch.testing.assert_close(_logits(model).cpu(), want, **TOL)
 
     # The checks can fail: each rank reading its neighbour's boxes is caught.
     chunks = ShardRule.chunks
     wrong = lambda self, shape, r, size: chunks(self, shape, (r + 1) % size, size)  # noqa: E731
-    model = _parallelize(_llama(8))
+    model = _parallelize(_llama(8).to(rank_device()))
     with mock.patch.object(ShardRule, "chunks", wrong):
         oases.load_pretrained(model, path)
     with pytest.raises(AssertionError, match="is not its shard of the file's tensor"):
@@ -148,24 +149,24 @@ def _check_replicas(rank, p, out):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
     for name, model in (
-        ("pairs", _parallelize(_llama(3), pair)),
-        ("degrees", _parallelize(_llama(3), tp_degrees=[2, 4])),
+        ("pairs", _parallelize(_llama(3).to(rank_device()), pair)),
+        ("degrees", _parallelize(_llama(3).to(rank_device()), tp_degrees=[2, 4])),
     ):
         _train_step(model)
         full = oases.full_state_dict(model)
         where = os.path.join(out, name)
         oases.save_pretrained(model, where, max_shard_size=SMALL)
-        tp4 = _parallelize(_llama(4))
+        tp4 = _parallelize(_llama(4).to(rank_device()))
         oases.load_pretrained(tp4, where)
         _assert_equal_dicts(oases.full_state_dict(tp4), full)
 
     config = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2)
-    gpt = GPT(config, None, seed=0, vocab_parallel=True)
+    gpt = GPT(config, None, seed=0, vocab_parallel=True).to(rank_device())
     where = os.path.join(out, "gpt")
     oases.save_pretrained(gpt, where)
     with open(os.path.join(where, "config.json")) as f:
         assert json.load(f) == dict(vars(config), model_type="oases-gpt")
-    back = GPT(config, pair, seed=1, vocab_parallel=True)
+    back = GPT(config, pair, seed=1, vocab_parallel=True).to(rank_device())
     oases.load_pretrained(back, where)
     _assert_equal_dicts(oases.full_state_dict(back), oases.full_state_dict(gpt))
 
@@ -177,13 +178,13 @@ def _check_save(rank, p, out):
     saved = {}
     for tied in (False, True):
         tag = "tied" if tied else "untied"
-        model = _parallelize(_llama(3, tied))
+        model = _parallelize(_llama(3, tied).to(rank_device()))
         _train_step(model)  # the values differ from any seed's
         full = oases.full_state_dict(model)
         one, parts = os.path.join(out, tag), os.path.join(out, f"{tag}-parts")
         oases.save_pretrained(model, parts, max_shard_size=SMALL)
         oases.save_pretrained(model, one)
-        back = _parallelize(_llama(9, tied))
+        back = _parallelize(_llama(9, tied).to(rank_device()))
         result = oases.load_pretrained(back, parts)
         assert (result.missing_keys, result.unexpected_keys) == ([], [])
         _assert_equal_dicts(oases.full_state_dict(back), full)
@@ -205,7 +206,7 @@ def _assert_transformers_loads(tmp_path):
     from safetensors import safe_open
     from transformers import LlamaForCausalLM
 
-    saved = torch.load(tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", map_location="cpu")
     for tag, (full, want) in saved.items():
         dirs = [tmp_path / tag] + ([tmp_path / f"{tag}-parts"] if tag == "untied" else [])
         for path in dirs:
@@ -229,7 +230,7 @@ def _assert_transformers_loads(tmp_path):
 
 def _check_errors(rank, p, dirs, tmp):
     path = dirs["untied"][0]
-    model = _parallelize(_llama(5))
+    model = _parallelize(_llama(5).to(rank_device()))
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     with pytest.raises(FileNotFoundError, match=r"'.*nowhere' does not exist"):
@@ -246,21 +247,21 @@ def _check_errors(rank, p, dirs, tmp):
     with pytest.raises(FileNotFoundError, match=rf"index\.json names files that do not exist: .*{second}$"):
         oases.load_pretrained(model, broken)
 
-    deeper = _parallelize(_llama(5, num_hidden_layers=3))
+    deeper = _parallelize(_llama(5, num_hidden_layers=3).to(rank_device()))
     with pytest.raises(
         ValueError,
         match=r"nothing was loaded:\n  missing keys: model\.layers\.2\.self_attn\.q_proj"
         r"\.weight, .*, model\.layers\.2\.post_attention_layernorm\.weight$",
     ):
         oases.load_pretrained(deeper, path)
-    shallower = _parallelize(_llama(5, num_hidden_layers=1))
+    shallower = _parallelize(_llama(5, num_hidden_layers=1).to(rank_device()))
     with pytest.raises(
         ValueError,
         match=r"nothing was loaded:\n  unexpected keys: model\.layers\.1\.input_layernorm"
         r"\.weight, .*, model\.layers\.1\.self_attn\.v_proj\.weight$",
     ):
         oases.load_pretrained(shallower, path)
-    wider = _parallelize(_llama(5, hidden_size=128))
+    wider = _parallelize(_llama(5, hidden_size=128).to(rank_device()))
     with pytest.raises(
         ValueError,
         match=rf"model\.layers\.0\.self_attn\.q_proj\.weight: safetensors has shape "
@@ -408,10 +409,10 @@ def _load_converted(rank, p, root):
         assert any(".experts.0." in k or k.startswith("embed_out.") for k in keys), sorted(keys)  # not the model's
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            want = _logits(cls.from_pretrained(where, attn_implementation="eager").eval())
+            want = _logits(cls.from_pretrained(where, attn_implementation="eager").to(rank_device()).eval())
             with torch.device("meta"):
                 model = cls(config)
-            _parallelize(model, device="cpu", init_weights=False)
+            _parallelize(model, device=rank_device(), init_weights=False)
         assert oases.load_pretrained(model.eval(), where) == ([], [])  # strict: every key found, none left over
         torch.testing.assert_close(_logits(model), want, **TOL, msg=lambda m: f"{name}: {m}")
     return True

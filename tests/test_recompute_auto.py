@@ -21,7 +21,7 @@ from oases.models import GPT, GPTConfig
 from oases.schedule import RecomputeMemory
 
 from _shards import expected_shard
-from _spawn import run_ranks
+from _spawn import cpu_only, rank_device, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,12 +52,12 @@ def _step(model, ids, budget, **kw):
 
 
 def _check_budgets(rank, world_size):
-    ref = _llama()
+    ref = _llama().to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
-    ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(1)).to(rank_device())
     out = ref(input_ids=ids, labels=ids)
     out.loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
@@ -103,14 +103,16 @@ def _check_budgets(rank, world_size):
         _step(tp, ids, least - 1)
 
     # the default budget (the device's memory) too small: full recomputation, one warning
-    real_available = budget_module._meminfo_available
-    budget_module._meminfo_available = lambda: 1
+    real_available, real_free = budget_module._meminfo_available, torch.cuda.mem_get_info
+    budget_module._meminfo_available = lambda: 1  # the CPU's MemAvailable
+    torch.cuda.mem_get_info = lambda device=None: (1, real_free(device)[1])  # a GPU's free bytes
     try:
         with pytest.warns(UserWarning, match="recompute='auto': the device's memory"):
             _, fallback, _ = _step(tp, ids[:, :8], None)
         assert fallback.modes == (FULL,) * LAYERS
     finally:
         budget_module._meminfo_available = real_available
+        torch.cuda.mem_get_info = real_free
 
     # sequence parallelism: every layer recomputes
     _, sp, _ = _step(tp, ids, 10**12, sequence_parallel=True)
@@ -131,11 +133,11 @@ def _check_dropout(rank, world_size):
     """GPT with dropout: "auto" (keeping every layer) gives full recomputation's loss and
     gradients bit for bit: the probe draws no random numbers and moves no mask."""
     config = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=3, mlp_ratio=2, dropout=0.25)
-    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3)).to(rank_device())
     got = {}
     for recompute in (True, "auto"):
         torch.manual_seed(7)
-        model = GPT(config, schedule="oases", seed=5)
+        model = GPT(config, schedule="oases", seed=5).to(rank_device())
         memory = RecomputeMemory()
         loss = model.train_step(tokens, tokens, recompute=recompute, memory_budget=10**12, memory=memory)
         got[recompute] = loss, [p.grad.clone() for p in model.parameters()], memory.choice
@@ -205,6 +207,7 @@ def _check_peak(rank, world_size):
     return ratios
 
 
+@cpu_only("measures the step's peak in host memory (VmRSS)")
 def test_the_measured_peak_stays_within_the_prediction():
     (ratios,) = run_ranks(_check_peak, 1, timeout=120)
     assert set(ratios) == {KEEP, FULL}, ratios

@@ -6,7 +6,7 @@ import torch
 from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, Communicator, RecomputeMemory
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2)
 
@@ -19,17 +19,21 @@ def _batch(batch, seed):
 
 
 def _single_process(config, batch, seed, dropout_seed):
-    """The golden model: one process, plain autograd, no recomputation, no communication."""
-    model = GPT(config, seed=seed)
-    tokens, targets = _batch(batch, seed)
+    """The golden model: one process, plain autograd, no recomputation, no communication; on the
+    ranks' device (dropout masks come from its generator), returned on the CPU."""
+    device = harness_device()
+    model = GPT(config, seed=seed).to(device)
+    tokens, targets = (t.to(device) for t in _batch(batch, seed))
     loss = model(tokens, targets, dropout_seed=dropout_seed)
     loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
 
 
 def _check_schedules(rank, world_size, cases):
+    dev = rank_device()
     for config, batch, seed, dropout_seed, want_loss, want_grads in cases:
-        tokens, targets = _batch(batch, seed)
+        tokens, targets = (t.to(dev) for t in _batch(batch, seed))
+        want_loss, want_grads = want_loss.to(dev), {n: g.to(dev) for n, g in want_grads.items()}
         variants = [(s, False, False) for s in SCHEDULES] + [(s, False, True) for s in SCHEDULES]
         variants += [("oases", True, False), ("megatron", True, True)]
         variants += [("oases", False, False, "selective"), ("cross_pass", True, False, "selective")]
@@ -39,6 +43,7 @@ def _check_schedules(rank, world_size, cases):
         for schedule, vocab_parallel, sp, *recompute in variants:
             recompute = recompute[0] if recompute else True
             model = GPT(config, schedule=schedule, seed=seed, vocab_parallel=vocab_parallel, sequence_parallel=sp)
+            model.to(dev)
             loss = model.train_step(tokens, targets, dropout_seed=dropout_seed, recompute=recompute)
             where = (
                 f"{schedule} tp={world_size} batch={batch} dropout={config.dropout} "
@@ -70,12 +75,12 @@ def test_every_schedule_matches_single_process(world_size):
 
 def _count_communication(rank, world_size):
     config = GPTConfig(**CONFIG)
-    tokens, targets = _batch(4, 0)
+    tokens, targets = (t.to(rank_device()) for t in _batch(4, 0))
     counts = {}
     variants = [(s, s, False, False) for s in SCHEDULES] + [("oases-sp", "oases", True, False)]
     variants += [("oases-vocab", "oases", False, True), ("megatron-vocab", "megatron", False, True)]
     for name, schedule, sp, vocab_parallel in variants:
-        model = GPT(config, schedule=schedule, sequence_parallel=sp, vocab_parallel=vocab_parallel)
+        model = GPT(config, schedule=schedule, sequence_parallel=sp, vocab_parallel=vocab_parallel).to(rank_device())
         memory = RecomputeMemory()
         model.train_step(tokens, targets, memory=memory, recompute=True)  # counts the recomputation
         assert memory.held == 0, name
@@ -140,9 +145,9 @@ def _check_shared_dropout_seed(rank, world_size):
     import torch.distributed as dist
 
     torch.manual_seed(100 + rank)
-    model = GPT(GPTConfig(**CONFIG, dropout=0.5), schedule="oases")
-    loss = model.train_step(*_batch(4, 0)).reshape(1)
-    losses = [torch.zeros(1) for _ in range(world_size)]
+    model = GPT(GPTConfig(**CONFIG, dropout=0.5), schedule="oases").to(rank_device())
+    loss = model.train_step(*(t.to(rank_device()) for t in _batch(4, 0))).reshape(1)
+    losses = [torch.zeros(1, device=rank_device()) for _ in range(world_size)]
     dist.all_gather(losses, loss)
     assert all(torch.equal(l, losses[0]) for l in losses), losses
     return True
@@ -157,10 +162,14 @@ def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want
     oases.train_step(gpt, ...) gives Hugging Face's shifted loss."""
     import oases
 
-    tokens, targets = _batch(5, 3)
+    dev = rank_device()
+    tokens, targets = (t.to(dev) for t in _batch(5, 3))
+    want_loss, want_shifted, want_logits = want_loss.to(dev), want_shifted.to(dev), want_logits.to(dev)
+    want_grads = {n: g.to(dev) for n, g in want_grads.items()}
+    want_state = {k: v.to(dev) for k, v in want_state.items()}
     cases = []
     for vocab_parallel in (False, True):
-        model = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel)
+        model = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel).to(dev)
         loss = model(tokens, targets)
         loss.backward()
         cases.append((f"forward vocab_parallel={vocab_parallel}", loss.detach(), model))
@@ -170,7 +179,7 @@ def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want
         assert state.keys() == want_state.keys()
         assert all(torch.equal(state[k], want_state[k]) for k in state), vocab_parallel
     for parts in (1, 3, 5):
-        m = GPT(GPTConfig(**CONFIG), schedule="oases", seed=3)
+        m = GPT(GPTConfig(**CONFIG), schedule="oases", seed=3).to(dev)
         cases.append((f"sub_batches={parts}", m.train_step(tokens, targets, sub_batches=parts), m))
     for where, got, m in cases:
         torch.testing.assert_close(got, want_loss, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{where}: loss {msg}")
@@ -183,7 +192,7 @@ def _check_forward_and_sub_batches(rank, world_size, want_loss, want_grads, want
                 msg=lambda msg: f"{where}: grad of {name}: {msg}",
             )
     for vocab_parallel in (False, True):
-        m = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel)
+        m = GPT(GPTConfig(**CONFIG), seed=3, vocab_parallel=vocab_parallel).to(dev)
         shifted = oases.train_step(m, tokens, targets, schedule="cross_pass", sub_batches=2)
         torch.testing.assert_close(shifted, want_shifted, rtol=1e-5, atol=1e-6)
     return True
@@ -237,13 +246,14 @@ class _LoggedCommunicator(Communicator):
 def _vocab_order(rank, world_size):
     import torch.distributed as dist
 
-    model = GPT(GPTConfig(**CONFIG), schedule="oases", vocab_parallel=True)
+    model = GPT(GPTConfig(**CONFIG), schedule="oases", vocab_parallel=True).to(rank_device())
     log = []
     embed_split, head_split = model.embed_split, model.head_split
     model.embed_split = lambda ids, where: log.append(("embed", where.rows.start)) or embed_split(ids, where)
     model.head_split = lambda x, ctx: log.append(("head", ctx.rows.start)) or head_split(x, ctx)
     model.comm = _LoggedCommunicator(dist.group.WORLD, world_size, log)
-    model.train_step(*_batch(4, 0), recompute=True)  # (auto would first probe embed_split and head_split)
+    tokens, targets = (t.to(rank_device()) for t in _batch(4, 0))
+    model.train_step(tokens, targets, recompute=True)  # (auto would first probe embed_split and head_split)
     return log
 
 

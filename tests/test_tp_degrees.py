@@ -20,7 +20,7 @@ from oases.cli import main as cli_main
 from oases.degrees import check_tp_degrees
 from oases.models import GPT, GPTConfig
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4, mlp_ratio=2)
 BATCH, SEED, DROPOUT_SEED = 4, 7, 1234
@@ -33,10 +33,11 @@ def _batch(batch=BATCH, seed=SEED):
     return tokens, targets
 
 
-def _golden(config, batch=BATCH, dropout_seed=None):
-    """The single-process model's initial state, logits, loss and gradients (and clipped gradients)."""
-    model = GPT(config, seed=SEED)
-    tokens, targets = _batch(batch)
+def _golden(config, batch=BATCH, dropout_seed=None, device="cpu"):
+    """The single-process model's initial state, logits, loss and gradients (and clipped gradients),
+    on `device` (dropout masks come from that device's generator)."""
+    model = GPT(config, seed=SEED).to(device)
+    tokens, targets = (t.to(device) for t in _batch(batch))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     logits = model(tokens).detach()
     loss = model(tokens, targets, dropout_seed=dropout_seed)
@@ -58,9 +59,9 @@ def _check_grads(model, want, what):
 
 def _check_plan(degrees, gold, gold_dropout, batch=BATCH):
     config = GPTConfig(**CONFIG)
-    tokens, targets = _batch(batch)
+    tokens, targets = (t.to(rank_device()) for t in _batch(batch))
     where = f"rank {dist.get_rank()} tp_degrees={degrees} batch={batch}"
-    model = GPT(config, tp_degrees=degrees, seed=SEED)
+    model = GPT(config, tp_degrees=degrees, seed=SEED).to(rank_device())
     if batch == BATCH:  # the initialisation and the checkpoints (not the batch's business), once per plan
         for name, p in model.named_parameters():  # the full model's initialisation, sharded per layer
             torch.testing.assert_close(
@@ -74,7 +75,7 @@ def _check_plan(degrees, gold, gold_dropout, batch=BATCH):
         assert full.keys() == gold["state"].keys()
         for key, value in full.items():
             torch.testing.assert_close(value, gold["state"][key], rtol=0, atol=0)
-        other = GPT(config, tp_degrees=degrees, seed=SEED + 1)
+        other = GPT(config, tp_degrees=degrees, seed=SEED + 1).to(rank_device())
         oases.load_full_state_dict(other, gold["state"])  # the unsharded checkpoint into per-layer shards
         for (name, p), q in zip(model.named_parameters(), other.parameters()):
             torch.testing.assert_close(q, p, rtol=0, atol=0, msg=lambda m: f"{where}: loaded {name}: {m}")
@@ -88,6 +89,7 @@ def _check_plan(degrees, gold, gold_dropout, batch=BATCH):
     _check_grads(model, gold["clipped"], f"{where} clipped")
 
     model = GPT(GPTConfig(**CONFIG, dropout=0.25), tp_degrees=degrees, seed=SEED)  # train_step, dropout
+    model.to(rank_device())
     uneven_parts = batch != BATCH and batch >= 2 * dist.get_world_size() // min(degrees)  # a row per replica
     for parts in (1, 2) if uneven_parts else (1,):
         model.zero_grad(set_to_none=True)
@@ -113,8 +115,8 @@ def _bad_arguments(world_size):
     for option in ({"vocab_parallel": True}, {"sequence_parallel": True}, {"offload": True}):
         with pytest.raises(ValueError, match=next(iter(option))):
             GPT(config, tp_degrees=[1] * 4, **option)
-    model = GPT(config, tp_degrees=[1] * 4)
-    tokens, targets = _batch()
+    model = GPT(config, tp_degrees=[1] * 4).to(rank_device())
+    tokens, targets = (t.to(rank_device()) for t in _batch())
     with pytest.raises(ValueError, match="sub_batches"):
         model.train_step(tokens, targets, sub_batches=9)
     with pytest.raises(ValueError, match=f"at least {world_size} rows"):  # a replica would get no row
@@ -126,7 +128,7 @@ def _bad_arguments(world_size):
 
 
 def _ranks_main(rank, world_size, plans, plan_path, golden):
-    golden = torch.load(io.BytesIO(golden))  # {batch: (gold, gold with dropout)}
+    golden = torch.load(io.BytesIO(golden), map_location=rank_device())  # {batch: (gold, gold with dropout)}
     _bad_arguments(world_size)
     if world_size == 4:  # a group that is not the world: rejected before any subgroup is made
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -186,7 +188,10 @@ def test_per_layer_degrees_match_single_process(world_size, plans, tmp_path, cap
     golden = io.BytesIO()  # as bytes: each tensor passed to a rank would cost a file descriptor
     torch.save(
         {
-            b: (_golden(GPTConfig(**CONFIG), b), _golden(GPTConfig(**CONFIG, dropout=0.25), b, DROPOUT_SEED))
+            b: (
+                _golden(GPTConfig(**CONFIG), b, device=harness_device()),  # the ranks' device (its dropout masks)
+                _golden(GPTConfig(**CONFIG, dropout=0.25), b, DROPOUT_SEED, harness_device()),
+            )
             for b in {BATCH, *(b for _, b in plans)}
         },
         golden,

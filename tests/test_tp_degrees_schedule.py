@@ -19,7 +19,7 @@ from oases.models import GPT, GPTConfig
 from oases.schedule import SCHEDULES, split_rows
 from oases.training import causal_lm_loss_sum
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 CONFIG = dict(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=4, mlp_ratio=2)
 SEED, STEP_SEED, DROPOUT = 7, 99, 0.25
@@ -33,17 +33,19 @@ def _batch(batch):
     return ids, labels
 
 
-def _step_seed():
-    """The dropout seed GPT.step_seed draws on the group's first rank after torch.manual_seed(STEP_SEED)."""
+def _step_seed(device="cpu"):
+    """The dropout seed GPT.step_seed draws on the group's first rank after torch.manual_seed(STEP_SEED)
+    (from the default generator of the model's device)."""
     torch.manual_seed(STEP_SEED)
-    return int(torch.randint(0, 2**31 - 1, (1,)))
+    return int(torch.randint(0, 2**31 - 1, (1,), device=device))
 
 
-def _golden(batch, dropout):
-    """Loss and gradients of the single-process model (no schedule, no recomputation)."""
-    model = GPT(GPTConfig(**CONFIG, dropout=dropout), seed=SEED)
-    ids, labels = _batch(batch)
-    logits = model(ids, dropout_seed=_step_seed() if dropout else None)
+def _golden(batch, dropout, device="cpu"):
+    """Loss and gradients of the single-process model (no schedule, no recomputation) on `device`
+    (dropout masks come from that device's generator)."""
+    model = GPT(GPTConfig(**CONFIG, dropout=dropout), seed=SEED).to(device)
+    ids, labels = (t.to(device) for t in _batch(batch))
+    logits = model(ids, dropout_seed=_step_seed(device) if dropout else None)
     loss = causal_lm_loss_sum(logits, labels) / int((labels[:, 1:] != -100).sum())
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -91,8 +93,8 @@ def _all_comms(model):
 
 def _bad_arguments(world_size, degrees, batch):
     """Every rank raises before any communication (a hang otherwise)."""
-    model = GPT(GPTConfig(**CONFIG), tp_degrees=degrees, seed=SEED)
-    ids, labels = _batch(batch)
+    model = GPT(GPTConfig(**CONFIG), tp_degrees=degrees, seed=SEED).to(rank_device())
+    ids, labels = (t.to(rank_device()) for t in _batch(batch))
     most = world_size // min(degrees)
     small = most * 2 - 1 if most > 1 else None  # two sub-batches whose rows do not split into the replicas
     if small is not None:
@@ -109,13 +111,13 @@ def _bad_arguments(world_size, degrees, batch):
 
 
 def _ranks_main(rank, world_size, plans, golden_bytes):
-    golden = torch.load(io.BytesIO(golden_bytes))
+    golden = torch.load(io.BytesIO(golden_bytes), map_location=rank_device())
     for degrees, batch, sub_batches in plans:
         _bad_arguments(world_size, degrees, batch)
-        ids, labels = _batch(batch)
+        ids, labels = (t.to(rank_device()) for t in _batch(batch))
         for dropout in (0.0, DROPOUT):
             want_loss, want_grads = golden[batch, dropout]
-            model = GPT(GPTConfig(**CONFIG, dropout=dropout), tp_degrees=degrees, seed=SEED)
+            model = GPT(GPTConfig(**CONFIG, dropout=dropout), tp_degrees=degrees, seed=SEED).to(rank_device())
             assert model.layer_placements() is model.layer_placements()  # made once, kept by the model
             runs = [(s, None) for s in SCHEDULES] + [("oases", sub_batches), ("merak", sub_batches)]
             for schedule, parts in runs:
@@ -139,7 +141,7 @@ def _ranks_main(rank, world_size, plans, golden_bytes):
                 _close(p.grad, 2 * model.shard_of(name, want_grads[name]), f"rank {rank} {degrees} accumulated {name}")
             # the blocking path afterwards: its replica-sum hooks are back on
             model.zero_grad(set_to_none=True)
-            seed = _step_seed() if dropout else None
+            seed = _step_seed(rank_device()) if dropout else None
             logits = model(ids, dropout_seed=seed)
             loss = causal_lm_loss_sum(logits, labels) / int((labels[:, 1:] != -100).sum())
             loss.backward()
@@ -163,7 +165,7 @@ def test_tp_degrees_on_every_schedule_match_single_process(world_size, plans):
     golden = {}
     for _, batch, _ in plans:
         for dropout in (0.0, DROPOUT):
-            golden[batch, dropout] = _golden(batch, dropout)
+            golden[batch, dropout] = _golden(batch, dropout, harness_device())  # the ranks' device, its masks
     data = io.BytesIO()  # as bytes: each tensor passed to a rank would cost a file descriptor
     torch.save(golden, data)
     run_ranks(_ranks_main, world_size, plans, data.getvalue(), timeout=240)
@@ -213,7 +215,8 @@ def _hf_batch(b, t, padded):
         for i in range(b):
             mask[i, : 1 + i % 4] = 0
         labels[mask == 0] = -100
-    return ids, labels, mask
+    dev = rank_device()  # made on the CPU, used on the rank's device
+    return ids.to(dev), labels.to(dev), None if mask is None else mask.to(dev)
 
 
 def _hf_expected(tp, name, full, degrees, rank, p):
@@ -233,7 +236,7 @@ def _hf_ranks_main(rank, world_size, models, cases):
     import warnings
 
     for kind, heads, kv_heads, degrees in models:
-        ref = _hf_model(kind, len(degrees), heads, kv_heads)
+        ref = _hf_model(kind, len(degrees), heads, kv_heads).to(rank_device())
         tp = copy.deepcopy(ref)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -20,7 +20,7 @@ import oases
 from oases.schedule import SCHEDULES, Communicator
 
 from _shards import expected_shard as _expected
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -39,19 +39,19 @@ SMALL = dict(
 
 
 def _model(kind, heads=4, kv_heads=2, seed=0):
-    """A small causal LM; heads / kv_heads: query and key-value heads (GQA when they differ)."""
+    """A small causal LM on the rank's device; heads / kv_heads: query and key-value heads (GQA when they differ)."""
     import transformers as tf
 
     torch.manual_seed(seed)
     attn = dict(num_attention_heads=heads, num_key_value_heads=kv_heads)
     if kind == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, **attn))
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL, **attn)).to(rank_device())
     if kind == "mistral":  # sliding-window attention (window shorter than the sequence)
-        return tf.MistralForCausalLM(tf.MistralConfig(**SMALL, **attn, sliding_window=8))
+        return tf.MistralForCausalLM(tf.MistralConfig(**SMALL, **attn, sliding_window=8)).to(rank_device())
     if kind == "qwen2":  # q/k/v with biases
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, **attn))
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL, **attn)).to(rank_device())
     if kind == "qwen3":  # per-head q/k norms
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, **attn, head_dim=64 // heads))
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, **attn, head_dim=64 // heads)).to(rank_device())
     if kind in ("neox", "neox-sequential"):
         return tf.GPTNeoXForCausalLM(
             tf.GPTNeoXConfig(
@@ -61,7 +61,7 @@ def _model(kind, heads=4, kv_heads=2, seed=0):
                 attention_dropout=0.0,
                 use_parallel_residual=kind == "neox",
             )
-        )
+        ).to(rank_device())
     raise AssertionError(kind)
 
 
@@ -76,7 +76,8 @@ def _batch(b, t, seed, padded):
             mask[i, t - i :] = 0
         labels[mask == 0] = -100
         labels[0, 3] = -100  # and one ignored token inside a sequence
-    return ids, labels, mask
+    dev = rank_device()  # made on the CPU, used on the rank's device
+    return ids.to(dev), labels.to(dev), None if mask is None else mask.to(dev)
 
 
 def _reference(model, ids, labels, mask):
@@ -218,7 +219,7 @@ def _count_ops(rank, world_size):
     torch.manual_seed(0)  # attention through scaled_dot_product_attention, to see it saved
     tp = tf.LlamaForCausalLM(
         tf.LlamaConfig(**{**SMALL, "attn_implementation": "sdpa"}, num_attention_heads=4, num_key_value_heads=2)
-    )
+    ).to(rank_device())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
@@ -257,7 +258,7 @@ def _selective_equals_kept(rank, world_size):
         got = {}
         for recompute in (False, "selective"):
             tp.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext():
+            with torch.autocast(harness_device(), dtype=dtype) if dtype else contextlib.nullcontext():
                 loss = oases.train_step(tp, ids, labels, attention_mask=mask, recompute=recompute)
             got[recompute] = loss, {n: p.grad.clone() for n, p in tp.named_parameters()}
         assert torch.equal(got[False][0], got["selective"][0]), dtype
@@ -379,7 +380,7 @@ def _check_bad_input(rank, world_size):
         oases.train_step(model, ids, labels, comm=Communicator(None, 1))
     with pytest.raises(ValueError, match="sequence_parallel splits the sequence over 2 ranks; got length 11"):
         oases.train_step(model, ids[:, :11], labels[:, :11], sequence_parallel=True)
-    gpt = oases.models.GPT(oases.models.GPTConfig(vocab_size=96, seq_len=12, hidden=32, heads=4))
+    gpt = oases.models.GPT(oases.models.GPTConfig(vocab_size=96, seq_len=12, hidden=32, heads=4)).to(rank_device())
     with pytest.raises(ValueError, match="attention_mask: GPT has no padding mask"):
         oases.train_step(gpt, ids, labels, attention_mask=torch.ones_like(ids))
     dropout = _model("neox")
@@ -410,7 +411,7 @@ def _check_bad_input(rank, world_size):
             self.embed, self.layers, self.head = nn.Embedding(8, 4), nn.ModuleList(), nn.Linear(4, 8)
 
     with pytest.raises(ValueError, match="Plain is neither a Hugging Face causal LM nor an oases.schedule.Stack"):
-        oases.train_step(Plain(), ids, labels)
+        oases.train_step(Plain().to(rank_device()), ids, labels)
     assert all(p.grad is None for p in model.parameters()), "nothing ran"
     dist.barrier()  # every rank got here: no rank was left in a collective
     return True
@@ -439,12 +440,12 @@ def _check_nanogpt(rank, world_size):
     from test_parallelize import GPT as NanoGPT
 
     torch.manual_seed(3)
-    ref = NanoGPT(n_embd=48, n_head=12)
+    ref = NanoGPT(n_embd=48, n_head=12).to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(tp)
-    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2)).to(rank_device())
     logits = ref(idx)
     want_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), idx[:, 1:].flatten())
     want_loss.backward()
@@ -510,10 +511,11 @@ def _check_loss_fn_and_own_stack(rank, world_size):
 
         def embed(self, input_ids, where):
             x = self.model.model.embed_tokens(input_ids)
-            position_ids = torch.arange(input_ids.shape[1]).unsqueeze(0)
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
             rotary = self.model.model.rotary_emb(x, position_ids)
             t = input_ids.shape[1]
-            causal = torch.full((t, t), float("-inf")).triu(1)[None, None]  # eager attention's additive mask
+            # eager attention's additive mask
+            causal = torch.full((t, t), float("-inf"), device=input_ids.device).triu(1)[None, None]
             kwargs = dict(position_embeddings=rotary, attention_mask=causal, position_ids=position_ids)
             return x, _OwnContext(where, tuple(kwargs for _ in self.subs))
 

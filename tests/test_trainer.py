@@ -26,7 +26,7 @@ import torch
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 from _tolerances import state_atol
 
 pytest.importorskip("transformers")
@@ -93,16 +93,19 @@ def _args(output_dir: str, batch: int, **changes):
         save_strategy="no",
         report_to=[],
         dataloader_num_workers=0,
-        use_cpu=True,
+        use_cpu=harness_device() == "cpu",  # cuda: accelerate puts each rank on GPU LOCAL_RANK % count
         seed=7,
         disable_tqdm=True,
     )
     settings.update(changes)
-    return TrainingArguments(**settings)
+    args = TrainingArguments(**settings)
+    if args.n_gpu > 1:  # the one-process reference on a machine of several GPUs: one GPU, no DataParallel
+        args._n_gpu = 1
+    return args
 
 
 def _numpy(state: dict) -> dict:
-    return {key: value.detach().float().numpy().copy() for key, value in state.items()}
+    return {key: value.detach().float().cpu().numpy().copy() for key, value in state.items()}
 
 
 def _history(trainer) -> dict:
@@ -118,6 +121,7 @@ def _reference(output_dir: str, batch: int) -> dict:
     """transformers.Trainer on one process (accelerate not yet told of the others)."""
     from transformers import Trainer, default_data_collator
 
+    os.environ.pop("LOCAL_RANK", None)  # set where cuda ranks share a GPU: accelerate would join the world
     trainer = Trainer(
         model=_llama(),
         args=_args(output_dir, batch),
@@ -285,7 +289,7 @@ def _resumed(tmp: str, rank: int) -> dict:
 
         loaded = LlamaForCausalLM.from_pretrained(export).state_dict()
         result["export_exact"] = sorted(loaded) == sorted(resumed) and all(
-            torch.equal(loaded[k], resumed[k]) for k in resumed
+            torch.equal(loaded[k], resumed[k].cpu()) for k in resumed
         )
     return result
 
@@ -321,10 +325,10 @@ def _meta_built(tmp: str, rank: int) -> list:
     if rank == 0:
         _llama().save_pretrained(ckpt)
     dist.barrier()
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(harness_device(), (1, 2), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
         model = LlamaForCausalLM(_llama().config)
-    oases.parallelize(model, mesh["tp"], device="cpu", init_weights=False)
+    oases.parallelize(model, mesh["tp"], device=rank_device(), init_weights=False)
     oases.load_pretrained(model, ckpt)
     args = _args(os.path.join(tmp, "meta"), 2, max_steps=2, eval_strategy="no")
     trainer = OasesTrainer(
@@ -366,7 +370,7 @@ def _dp2_tp2_job(rank: int, world: int, tmp: str) -> dict:
     resumed_weights = oases.full_state_dict(resumed.model)
     if rank == 0:
         result["zero_resumed_exact"] = all(
-            (resumed_weights[k].float().numpy() == v).all() for k, v in result["zero"]["weights"].items()
+            (resumed_weights[k].float().cpu().numpy() == v).all() for k, v in result["zero"]["weights"].items()
         )
     return result
 

@@ -23,7 +23,7 @@ import torch
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import harness_device, run_ranks
 from _tolerances import state_atol
 from test_trainer import _llama, _numpy, _world_env
 
@@ -81,7 +81,7 @@ def _config(output_dir: str, **changes):
         save_strategy="no",
         report_to=[],
         dataloader_num_workers=0,
-        use_cpu=True,
+        use_cpu=harness_device() == "cpu",  # cuda: accelerate puts each rank on GPU LOCAL_RANK % count
         seed=7,
         disable_tqdm=True,
         bf16=False,
@@ -90,7 +90,10 @@ def _config(output_dir: str, **changes):
         max_length=32,
     )
     settings.update(changes)
-    return SFTConfig(**settings)
+    args = SFTConfig(**settings)
+    if args.n_gpu > 1:  # the one-process reference on a machine of several GPUs: one GPU, no DataParallel
+        args._n_gpu = 1
+    return args
 
 
 def _lora():
@@ -135,6 +138,7 @@ def _reference(tmp: str, case: str, batch: int = 2) -> dict:
     from accelerate.state import AcceleratorState, GradientState
     from trl import SFTTrainer
 
+    os.environ.pop("LOCAL_RANK", None)  # set where cuda ranks share a GPU: accelerate would join the world
     trainer = _trainer(SFTTrainer, os.path.join(tmp, f"reference-{case}"), case, batch)
     trainer.train()
     trainer.evaluate()

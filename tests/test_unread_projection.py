@@ -31,7 +31,7 @@ from oases.nn import RowParallelLinear
 from oases.ops import linear_unread
 
 from _shards import check_grads, expected_shard
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 _has_transformers = importlib.util.find_spec("transformers") is not None
 
@@ -93,16 +93,17 @@ def _step_flops(step) -> int:
 
 
 def _check_gpt(rank, p, want_loss, want_grads):
+    want_loss, want_grads = want_loss.to(rank_device()), {n: g.to(rank_device()) for n, g in want_grads.items()}
     config = GPTConfig(**CONFIG)
     g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 64, (4, 16), generator=g)
-    targets = torch.randint(0, 64, (4, 16), generator=g)
+    tokens = torch.randint(0, 64, (4, 16), generator=g).to(rank_device())
+    targets = torch.randint(0, 64, (4, 16), generator=g).to(rank_device())
     n, h = 4 * 16, CONFIG["hidden"]
     skipped = CONFIG["layers"] * (2 * n * (h // p) * h + 2 * n * (CONFIG["mlp_ratio"] * h // p) * h)
     for sp in (False, True):
         counted = {}
         for unread in (True, False):
-            model = GPT(config, schedule="oases", seed=7, sequence_parallel=sp)
+            model = GPT(config, schedule="oases", seed=7, sequence_parallel=sp).to(rank_device())
             if not unread:  # every sublayer's core run in full, as before
                 for layer in model.layers():
                     for sub in layer:
@@ -163,12 +164,12 @@ def _llama(scaled=None):
         mlp.gate_scale = nn.Parameter(torch.tensor(0.75), requires_grad=scaled != "constant")
         plain, scale = type(mlp).forward, _SCALED[scaled]
         mlp.forward = types.MethodType(lambda self, x, plain=plain, scale=scale: scale(self, plain(self, x)), mlp)
-    return model
+    return model.to(rank_device())
 
 
 def _check_llama(rank, p, scaled):
     ref = _llama(scaled)
-    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5)).to(rank_device())
     ref(input_ids=ids, labels=ids).loss.backward()
     want = {n: q.grad.clone() for n, q in ref.named_parameters() if q.grad is not None}
     with warnings.catch_warnings():
@@ -209,7 +210,7 @@ def test_oases_recomputation_skips_the_output_projections_gemm_in_llama(scaled):
 
 def _check_gated(rank, p, scaled):
     ref = _llama(scaled)
-    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(5)).to(rank_device())
     ref(input_ids=ids, labels=ids).loss.backward()
     want = {n: q.grad.clone() for n, q in ref.named_parameters()}
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ import torch
 import oases
 from oases.models import GPT, GPTConfig
 
-from _spawn import run_ranks
+from _spawn import harness_device, rank_device, run_ranks
 
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -40,7 +40,7 @@ def _train(model, steps, step_fn, clip):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     norms = []
     for i in range(steps):
-        ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(i))
+        ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(i)).to(rank_device())
         optimizer.zero_grad(set_to_none=True)
         step_fn(model, ids)
         norms.append(float(clip(model)))
@@ -53,7 +53,7 @@ def _hf_loss_backward(model, ids):
 
 
 def _check_llama_loop(rank, world_size):
-    ref = _llama()
+    ref = _llama().to(rank_device())
     tp = copy.deepcopy(ref)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -87,13 +87,13 @@ def test_llama_user_loop_with_clipping_matches_unsharded():
 
 def _check_autocast(rank, world_size, want_loss):
     config = GPTConfig(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, mlp_ratio=2)
-    model = GPT(config, seed=1, vocab_parallel=True)
-    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    model = GPT(config, seed=1, vocab_parallel=True).to(rank_device())
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2)).to(rank_device())
+    with torch.autocast(harness_device(), dtype=torch.bfloat16):
         loss = model(tokens, tokens)
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
-    torch.testing.assert_close(loss.float(), want_loss, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss.float(), want_loss.to(rank_device()), rtol=2e-2, atol=2e-2)
     return True
 
 

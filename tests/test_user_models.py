@@ -31,7 +31,7 @@ import torch.nn as nn
 import oases
 
 from _shards import check_grads
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -58,14 +58,15 @@ def _llama(**extra):
     import transformers as tf
 
     torch.manual_seed(0)
-    return tf.LlamaForCausalLM(tf.LlamaConfig(**{**SMALL, **extra}))
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**{**SMALL, **extra})).to(rank_device())
 
 
 def _phi3():
     import transformers as tf
 
     torch.manual_seed(0)
-    return tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+    model = tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0))
+    return model.to(rank_device())
 
 
 def _parallelized(model, group=None):
@@ -110,7 +111,7 @@ def _check_kv_replicated(kind, rank, p, root):
     assert torch.equal(mine, want), f"{kind}: rank {rank} holds kv head {head}"
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 60, (4, 10), generator=g)
+    ids = torch.randint(3, 60, (4, 10), generator=g).to(rank_device())
     want_logits, want_loss, want = _reference(ref, ids, ids)
     tp.zero_grad(set_to_none=True)
     out = tp(input_ids=ids, labels=ids)
@@ -148,7 +149,7 @@ def _check_kv_replicated(kind, rank, p, root):
         got = {key: t for f in files for key, t in load_file(os.path.join(where, f)).items()}
         assert set(got) == set(ref.state_dict()), "export keys"
         for key, value in ref.state_dict().items():
-            assert torch.equal(got[key], value), f"export {key}"
+            assert torch.equal(got[key], value.cpu()), f"export {key}"
     oases.save_checkpoint(tp, os.path.join(root, "ckpt"))
     half = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]  # TP 2: whole kv heads, no copies
     back = _parallelized(_llama(), half)
@@ -169,7 +170,7 @@ def _check_generate(ref, tp, where):
     """Greedy generate() with the KV cache: the same tokens and scores as the unsharded model, each
     step after the prompt feeding one new token (the cache in use), the inputs checked each forward."""
     ref.eval(), tp.eval()
-    ids = torch.randint(3, 60, (3, 6), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 60, (3, 6), generator=torch.Generator().manual_seed(2)).to(rank_device())
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding
     ids = ids.masked_fill(mask == 0, 0)
@@ -201,7 +202,7 @@ def _check_refused_at_tp4(rank, p):
     import transformers as tf
 
     torch.manual_seed(0)
-    olmo = tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL))
+    olmo = tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL)).to(rank_device())
     before = copy.deepcopy(olmo.state_dict())
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_norm: a norm over the whole width of k_proj"):
         oases.parallelize(olmo)
@@ -239,7 +240,7 @@ def _check_zero_clip_dp2_tp2(rank, p):
     model = _parallelized(copy.deepcopy(ref), tp_groups[rank // 2])  # TP group != world: groups found by all-gather
     assert model.model.layers[0].self_attn.k_proj.replicas == (2,)
     opt = oases.dp.ZeroOptimizer(model, dp_groups[rank % 2], torch.optim.SGD, lr=0.0)
-    ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 60, (2, 8), generator=torch.Generator().manual_seed(3)).to(rank_device())
     model(input_ids=ids, labels=ids).loss.backward()  # both dp ranks the same rows: the mean is the gradient
     ref(input_ids=ids, labels=ids).loss.backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
@@ -266,7 +267,8 @@ def _check_generate_tp2(rank, p):
     assert isinstance(head, oases.nn.ColumnParallelLinear) and head.gather_output  # vocab-parallel, gathered
     _check_generate(ref, tp, f"llama at TP {p}")
     tp.eval()
-    other = torch.full((1, 4), 5 + rank)  # each rank another prompt: refused by the input check, every rank
+    # each rank another prompt: refused by the input check, every rank
+    other = torch.full((1, 4), 5 + rank, device=rank_device())
     with torch.no_grad(), pytest.raises(ValueError, match=r"input_ids.*differ"):
         tp.generate(other, max_new_tokens=2, do_sample=False, pad_token_id=0)
     return True
@@ -282,8 +284,9 @@ class _LoraLinear(nn.Module):
     def __init__(self, base: nn.Linear, r: int = 2) -> None:
         super().__init__()
         self.base_layer = base
-        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False)})
-        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False)})
+        device = base.weight.device
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False, device=device)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False, device=device)})
 
     def forward(self, x):
         return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
@@ -383,7 +386,7 @@ class _Scaled(nn.Linear):
 
 def _stack():
     torch.manual_seed(0)
-    return nn.Sequential(_Block(), _Block())
+    return nn.Sequential(_Block(), _Block()).to(rank_device())
 
 
 def _refused(model, match, **kw):
@@ -396,18 +399,18 @@ def _refused(model, match, **kw):
 
 def _check_own_modules_refused(rank, p):
     plain = _stack()
-    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).to(rank_device())
     tp = oases.parallelize(copy.deepcopy(plain))  # the plain stack shards exactly (the cases below differ by one thing)
     torch.testing.assert_close(tp(x), plain(x), **TOL)
 
     model = _stack()
-    model[0].mlp.up_proj = _Scaled(16, 64)
+    model[0].mlp.up_proj = _Scaled(16, 64, device=rank_device())
     _refused(
         model,
         r"0\.mlp\.up_proj \(planned as 'column'\) is a _Scaled whose forward is not Linear's; .* plain nn\.Linear",
     )
     model = _stack()
-    model[1].attn.v_proj.lora = nn.Parameter(torch.zeros(2, 16))
+    model[1].attn.v_proj.lora = nn.Parameter(torch.zeros(2, 16, device=rank_device()))
     _refused(model, r"1\.attn\.v_proj \(planned as 'column'\) holds lora beside its weight and bias")
     model = _stack()
     model[0].mlp.down_proj.register_forward_hook(lambda module, args, out: out * 2)
@@ -436,7 +439,7 @@ def _check_own_modules_refused(rank, p):
     assert model[0].attn.q_proj.weight.shape == (16 // p, 16)
 
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True).to(rank_device())
     plan = {**oases.nn.DEFAULT_PLAN, "linear1": "column", "linear2": "row"}  # DEFAULT_PLAN's out_proj: 'row'
     _refused(
         layer,
@@ -473,12 +476,12 @@ def _degree_1(rank, p):
     for block in model:
         block.attn.heads = block.attn.num_heads
         del block.attn.num_heads
-    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1)).to(rank_device())
     want = model(x)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         oases.parallelize(model)
-        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True, dropout=0.0)
+        layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True, dropout=0.0).to(rank_device())
         plain = copy.deepcopy(layer)
         oases.parallelize(layer, plan={**oases.nn.DEFAULT_PLAN, "linear1": "column", "linear2": "row"})
     torch.testing.assert_close(model(x), want, **TOL)

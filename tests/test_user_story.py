@@ -23,7 +23,7 @@ import torch
 
 import oases
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -47,7 +47,7 @@ def _config():
 
 
 def _batch(step):
-    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 + step))
+    return torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(100 + step)).to(rank_device())
 
 
 def _build(pretrained):
@@ -57,7 +57,7 @@ def _build(pretrained):
         model = LlamaForCausalLM(_config())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # lm_head left replicated by the default plan
-        oases.parallelize(model, device="cpu", init_weights=False)
+        oases.parallelize(model, device=rank_device(), init_weights=False)
     oases.load_pretrained(model, pretrained)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -71,7 +71,7 @@ def _train(model, opt, steps, root):
 
 
 def _numpy(tensors):  # tensors cross the result queue by value (a shared fd dies with its rank)
-    return {k: v.detach().numpy().copy() for k, v in tensors.items()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in tensors.items()}
 
 
 def _snapshot(model, opt):
@@ -86,7 +86,7 @@ def _uninterrupted(rank, world_size, pretrained, root):
     from transformers import LlamaForCausalLM
 
     model, opt = _build(pretrained)
-    reference = LlamaForCausalLM.from_pretrained(pretrained)
+    reference = LlamaForCausalLM.from_pretrained(pretrained).to(rank_device())
     ids = _batch(0)
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     _train(model, opt, range(STEPS), root)

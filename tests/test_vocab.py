@@ -30,17 +30,17 @@ from oases.nn import (
     vocab_parallel_cross_entropy,
 )
 
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def _randn(shape, seed, dtype=torch.float32):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(rank_device(), dtype)
 
 
 def _randint(high, shape, seed):
-    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed)).to(rank_device())
 
 
 @contextlib.contextmanager
@@ -84,13 +84,13 @@ def _check_embedding(group, p, rank):
     ids = _randint(V, (3, 7), 10)
     for padding_idx in (None, per_rank + 1, -1):  # owned by rank 1; the last id, owned by rank p-1
         torch.manual_seed(11)
-        ref = nn.Embedding(V, h, padding_idx=padding_idx)
+        ref = nn.Embedding(V, h, padding_idx=padding_idx).to(rank_device())
         tp = VocabParallelEmbedding.from_embedding(ref, group)
         assert tp.tp_layout() == {"weight": ShardRule(0)} and tp.group is group
         assert (tp.vocab_start_index, tp.vocab_end_index) == (rank * per_rank, (rank + 1) * per_rank)
         assert tp.padding_idx == ref.padding_idx and tp.weight.shape == (per_rank, h)
         torch.manual_seed(11)  # the constructor's init is nn.Embedding's, sharded
-        built = VocabParallelEmbedding(V, h, padding_idx, group=group)
+        built = VocabParallelEmbedding(V, h, padding_idx, group=group).to(rank_device())
         assert torch.equal(built.weight, ShardRule(0).shard(ref.weight.detach(), rank, p))
 
         pad_ids = ids.clone()
@@ -112,7 +112,7 @@ def _check_embedding(group, p, rank):
             assert not ref.weight.grad[ref.padding_idx].any()
 
     # A vocabulary p does not divide: ceil(V/p) rows per rank, the last rows padding (zeros, never looked up).
-    odd = nn.Embedding(V + 1, h)
+    odd = nn.Embedding(V + 1, h).to(rank_device())
     padded = VocabParallelEmbedding.from_embedding(odd, group)
     part = -(-(V + 1) // p)
     assert padded.weight.shape == (part, h)
@@ -127,9 +127,9 @@ def _check_embedding(group, p, rank):
     with pytest.raises(ValueError, match=r"max_norm=1\.0 is not supported"):
         VocabParallelEmbedding.from_embedding(nn.Embedding(V, h, max_norm=1.0), group)
     with pytest.raises(IndexError, match=rf"num_embeddings={V}\), got ids in \[0, {V}\]"):
-        tp(torch.tensor([0, V]))
+        tp(torch.tensor([0, V], device=rank_device()))
     with pytest.raises(TypeError, match="ids: expected an int64 or int32 tensor"):
-        tp(torch.zeros(3))
+        tp(torch.zeros(3, device=rank_device()))
 
 
 # --- vocab_parallel_cross_entropy ------------------------------------------------------------------
@@ -170,21 +170,22 @@ def _check_cross_entropy(group, p, rank):
     # One token in 2-d logits, and every label ignored (mean: nan, gradient zero, as in torch).
     full = _randn((1, V), 23)
     shard = full.chunk(p, -1)[rank].clone().requires_grad_()
-    ignored = torch.full((1,), -100)
+    ignored = torch.full((1,), -100, device=rank_device())
     loss = vocab_parallel_cross_entropy(shard, ignored, group)
     loss.backward()
     assert loss.isnan() and F.cross_entropy(full, ignored).isnan() and not shard.grad.any()
-    loss = vocab_parallel_cross_entropy(shard, torch.tensor([V - 1]), group, reduction="sum")
-    torch.testing.assert_close(loss, F.cross_entropy(full, torch.tensor([V - 1]), reduction="sum"), **TOL)
+    loss = vocab_parallel_cross_entropy(shard, torch.tensor([V - 1], device=rank_device()), group, reduction="sum")
+    want = F.cross_entropy(full, torch.tensor([V - 1], device=rank_device()), reduction="sum")
+    torch.testing.assert_close(loss, want, **TOL)
 
     with pytest.raises(ValueError, match=rf"labels: {V} is neither in \[0, V={V}\) nor ignore_index=-100"):
-        vocab_parallel_cross_entropy(shard, torch.tensor([V]), group)
+        vocab_parallel_cross_entropy(shard, torch.tensor([V], device=rank_device()), group)
     with pytest.raises(ValueError, match=r"logits_shard \(1, 10\) and labels \(2,\): expected"):
-        vocab_parallel_cross_entropy(shard, torch.tensor([0, 1]), group)
+        vocab_parallel_cross_entropy(shard, torch.tensor([0, 1], device=rank_device()), group)
     with pytest.raises(ValueError, match="reduction: expected one of 'mean', 'sum', 'none', got 'avg'"):
-        vocab_parallel_cross_entropy(shard, torch.tensor([0]), group, reduction="avg")
+        vocab_parallel_cross_entropy(shard, torch.tensor([0], device=rank_device()), group, reduction="avg")
     with pytest.raises(TypeError, match="labels: expected an integer tensor"):
-        vocab_parallel_cross_entropy(shard, torch.tensor([0.0]), group)
+        vocab_parallel_cross_entropy(shard, torch.tensor([0.0], device=rank_device()), group)
 
 
 def _check_layers(rank, world_size):
@@ -222,7 +223,7 @@ def _llama(vocab_size=128, tie=False, seed=0):
         attn_implementation="eager",
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(config).to(rank_device())
 
 
 def _expected_grad(tp_model, name, full_grad, rank, p):
@@ -402,14 +403,14 @@ class _Toy(nn.Module):
         self.head = nn.Linear(h, V, bias=True)
 
     def forward(self, ids):
-        return self.head(self.wte(ids) + self.wpe(torch.arange(ids.shape[-1])) + self.scaled(ids))
+        return self.head(self.wte(ids) + self.wpe(torch.arange(ids.shape[-1], device=ids.device)) + self.scaled(ids))
 
 
 def _check_toy(rank, p):
     """A biased head, an embedding left replicated, warnings, an nn.Embedding subclass."""
     V, h = 8 * p, 16
     torch.manual_seed(31)
-    ref = _Toy(V, h)
+    ref = _Toy(V, h).to(rank_device())
     tp = copy.deepcopy(ref)
     with pytest.warns(UserWarning) as caught:
         oases.parallelize(tp, plan={"wte": "vocab", "head": "vocab_head", "nothing": "vocab"})
@@ -425,7 +426,7 @@ def _check_toy(rank, p):
     torch.testing.assert_close(y, ref(ids), **TOL)
     _check_gradients(ref, tp, rank, p, "toy")
 
-    model = _Toy(V, h)
+    model = _Toy(V, h).to(rank_device())
     with pytest.raises(ValueError, match=r"scaled \(nn.Embedding .*\): _Scaled overrides nn.Embedding.forward"):
         oases.parallelize(model, plan={"wte": "vocab", "scaled": "vocab"})
     with pytest.raises(TypeError, match="is itself an nn.Embedding"):

@@ -14,7 +14,7 @@ from oases.models.hf import _Given
 from oases.schedule import Communicator
 
 from _shards import expected_shard as _expected
-from _spawn import run_ranks
+from _spawn import rank_device, run_ranks
 
 
 def test_given_stands_in_for_the_embedding():
@@ -37,8 +37,9 @@ def _split_or_not(rank, world_size):
     hook on its embedding (split refused: the hook must run); each exact."""
     counts = {}
     ids, labels, _ = _batch(4, 12, seed=5, padded=False)
+    ids, labels = ids.to(rank_device()), labels.to(rank_device())
     for case in ("llama", "llama-hooked"):
-        ref = _model("llama")
+        ref = _model("llama").to(rank_device())
         tp = copy.deepcopy(ref)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
