@@ -22,8 +22,10 @@ Stages, in order (what matters first comes first; each stage's CPU seconds are i
 
 Writes DIR/share.json: the GPU, torch / CUDA / NCCL versions, the NCCL settings, each stage's
 time and exit code, and per test its outcome, time, the skip or failure reason, the worlds it ran
-and the c10d operations each rank issued (OASES_TEST_COMM_LOG), so a test that never touched NCCL
-shows as 0. Exit status: 0 when every test that ran passed, else 1.
+and the c10d operations each rank's main thread issued (OASES_TEST_COMM_LOG; a lower bound: a
+background thread's, such as the pipeline's DP sync, are not seen), so a multi-rank test that
+passed with 0 is listed. Exit status: 0 when every test that ran passed and every stage finished
+(no timeout, no budget spent, no collection error), else 1.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,6 +134,17 @@ def pytest_runtest_logreport(report) -> None:
         out.write(json.dumps(line) + "\n")
 
 
+def pytest_collectreport(report) -> None:
+    """A module that fails to collect: one failed line under its path (else its tests leave no trace)."""
+    path = os.environ.get(OUTCOMES_VARIABLE)
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not report.failed:
+        return
+    line = {"test": report.nodeid or "collection", "when": "setup", "outcome": "failed", "seconds": 0.0}
+    line["reason"] = "collection failed: " + _last_line(str(report.longrepr))
+    with open(path, "a") as out:
+        out.write(json.dumps(line) + "\n")
+
+
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:400] if lines else ""
@@ -168,15 +182,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if wide and (args.wide == "always" or not narrow_failed):
         document["stages"].append(_stage(args, "wide", wide, {}, start, outcomes, calls))
     elif wide:
-        document["stages"].append({"name": "wide", "skipped": f"{len(narrow_failed)} test(s) of 2 ranks failed"})
+        document["stages"].append(
+            {"name": "wide", "rc": 0, "skipped": f"{len(narrow_failed)} test(s) of 2 ranks failed: not run"}
+        )
     document["tests"] = sorted(_tests(outcomes, calls).values(), key=lambda t: t["test"])
     document["summary"] = _summary(document["tests"])
+    # a stage that did not finish (timeout, budget spent, pytest's own errors: rc other than 0, 1 for
+    # failed tests, 5 for none collected) leaves tests unrecorded: the run fails on it too
+    document["summary"]["stages_not_finished"] = unfinished(document["stages"])
     document["seconds"] = round(time.monotonic() - start, 1)
     with open(os.path.join(args.out, "share.json"), "w") as out:
         json.dump(document, out, indent=1)
     summary = document["summary"]
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, (list, dict)) or v}, indent=1))
-    return 0 if document["summary"]["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 and not summary["stages_not_finished"] else 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -205,13 +224,23 @@ def _stage(args, name: str, targets: list[str], extra: dict[str, str], start: fl
     command += ["-n", str(args.workers)] if args.workers else []
     began = time.monotonic()
     print(f"===== {name}: {len(targets)} target(s), limit {left:.0f} s", flush=True)
+    # a session of its own: on a timeout the whole tree goes (xdist workers, their ranks), not only pytest
+    process = subprocess.Popen([*command, *targets], cwd=ROOT, env=env, start_new_session=True)
     try:
-        rc = subprocess.run([*command, *targets], cwd=ROOT, env=env, timeout=left).returncode
+        rc: Any = process.wait(timeout=left)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
         rc = "timeout"
     seconds = round(time.monotonic() - began, 1)
     print(f"{name}: rc={rc} {seconds}s", flush=True)
     return {"name": name, "targets": targets, "rc": rc, "seconds": seconds, "limits": extra}
+
+
+def unfinished(stages: list[dict[str, Any]]) -> list[str]:
+    """The stages that did not run to their end: no exit code (budget spent), a timeout, or pytest's
+    own error (rc other than 0, 1 = tests failed, 5 = none collected)."""
+    return [stage["name"] for stage in stages if stage.get("rc", "skipped") not in (0, 1, 5)]
 
 
 def _tests(outcomes: str, calls: str) -> dict[str, dict[str, Any]]:

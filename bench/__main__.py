@@ -148,8 +148,10 @@ def device_refusal(device: str, nproc: int, hosts: int, gpus: int, share_gpu: bo
     if device not in DEVICES:
         raise ValueError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     cuda = device == "cuda" or (device == "auto" and gpus > 0)
-    if share_gpu and not cuda:
-        return "--share-gpu runs NCCL ranks on a GPU: give --device cuda (or auto where a GPU is visible)"
+    if share_gpu and device == "cpu":
+        return "--share-gpu runs NCCL ranks on a GPU: give --device cuda (or auto), or drop --share-gpu"
+    if share_gpu and gpus < 1:
+        return "--share-gpu runs NCCL ranks on a GPU, but torch sees no GPU here: drop --share-gpu (gloo on the CPU)"
     if not cuda:
         return None
     chosen = "--device cuda" if device == "cuda" else "--device auto (a GPU is visible, so cuda)"
@@ -208,10 +210,13 @@ def _relaunch(args: argparse.Namespace, argv: list[str]) -> int:
         elif args.bandwidth:
             command += ["--bandwidth", args.bandwidth, "--topology", args.topology]
         command += ["--share-gpu"] if args.share_gpu else []
-    elif args.bandwidth or args.share_gpu:
+    elif args.share_gpu:
+        print("bench: --share-gpu needs oases.launch (each rank's NCCL host); install oases", file=sys.stderr)
+        return 2
+    elif args.bandwidth:
         print(
-            "bench: oases.launch is not installed, so the link cannot be shaped nor one GPU shared; "
-            "run under a launcher in a shaped namespace instead (see /work/shared/README.md)",
+            "bench: oases.launch is not installed, so the link cannot be shaped; run under a "
+            "launcher in a shaped namespace instead (see /work/shared/README.md)",
             file=sys.stderr,
         )
         return 2

@@ -79,16 +79,11 @@ def rank_device():
 
 
 def _host(value):
-    """`value` with every tensor in it (through lists, tuples and dicts) moved to the CPU."""
+    """`value` with every tensor in it (through lists, tuples, dicts, named tuples) moved to the CPU."""
     import torch
+    from torch.utils._pytree import tree_map_only
 
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu() if value.device.type != "cpu" else value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_host(v) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _host(v) for k, v in value.items()}
-    return value
+    return tree_map_only(torch.Tensor, lambda t: t.detach().cpu() if t.device.type != "cpu" else t, value)
 
 
 def _counted(fn, *args):
@@ -99,6 +94,10 @@ def _counted(fn, *args):
         def __init__(self) -> None:
             super().__init__()
             self.calls: dict[str, int] = {}
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True  # else dynamo runs eagerly under the mode: torch.compile tests would test nothing
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
@@ -145,11 +144,13 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
     try:
         device = harness_device()
         if device == "cuda":
-            if world_size > torch.cuda.device_count():  # as oases-launch --share-gpu
+            count = torch.cuda.device_count()
+            if world_size > count:  # as oases-launch --share-gpu, over `count` GPUs
                 from oases.launch._share import sharing_env
 
                 os.environ.update(sharing_env(rank, world_size, os.environ))
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+                os.environ.update(LOCAL_RANK=str(rank % count), OASES_SHARE_GPU=str(-(-world_size // count)))
+            torch.cuda.set_device(rank % count)
         store = dist.TCPStore(
             "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout)
         )
@@ -171,7 +172,9 @@ def _rank_main(fn, rank, world_size, port, timeout, args, results, sys_path):
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks (gloo, or see harness_device);
     return the results by rank."""
-    most = os.environ.get("OASES_TEST_MAX_RANKS")
+    most = os.environ.get("OASES_TEST_MAX_RANKS", "").strip()
+    if most and not most.isdigit():
+        raise ValueError(f"OASES_TEST_MAX_RANKS: expected a whole number of ranks (or unset), got {most!r}")
     if most and world_size > int(most):
         import pytest
 

@@ -748,7 +748,7 @@ def test_device_refusal():
     assert "--share-gpu" in device_refusal("cuda", 2, 1, 1)  # the refusal names the way out
     assert "no GPU" in device_refusal("cuda", 2, 1, 0, share_gpu=True)
     assert "--device cuda" in device_refusal("cpu", 2, 1, 1, share_gpu=True)
-    assert "--device cuda" in device_refusal("auto", 2, 1, 0, share_gpu=True)
+    assert "torch sees no GPU here: drop --share-gpu" in device_refusal("auto", 2, 1, 0, share_gpu=True)
     assert "give no --hosts" in device_refusal("cuda", 4, 2, 1, share_gpu=True)
     with pytest.raises(ValueError, match="device: expected one of auto, cpu, cuda"):
         device_refusal("tpu", 1, 1, 0)

@@ -104,3 +104,16 @@ def test_plugin_writes_one_line_per_phase_with_its_reason(tmp_path, monkeypatch)
         ("t::a", "skipped", "CPU harness only: x"),
         ("t::b", "failed", "E   AssertionError: 1 != 2"),
     ]
+
+
+def test_a_stage_that_did_not_finish_fails_the_run():
+    """Tests a stage never reached leave no outcome: the run fails on the stage itself."""
+    stages = [
+        {"name": "comm", "rc": 0},
+        {"name": "layers", "rc": 1},  # tests failed: they are in the report
+        {"name": "dp", "rc": 5},  # nothing collected
+        {"name": "schedules", "rc": "timeout"},
+        {"name": "pipeline", "rc": 2},  # interrupted, or a collection error
+        {"name": "amp", "skipped": "budget spent"},
+    ]
+    assert gpu_share.unfinished(stages) == ["schedules", "pipeline", "amp"]

@@ -8,8 +8,8 @@ the ranks' kernels time-slice on the one GPU.
 
     rank r:  RANK=r  WORLD_SIZE=N  LOCAL_RANK=0  LOCAL_WORLD_SIZE=1  GROUP_RANK=r  GROUP_WORLD_SIZE=N
              NCCL_HOSTID=oases-share-r  OASES_SHARE_GPU=N (the ranks on the GPU: memory budgets divide by it)
-             NCCL_IB_DISABLE=1  NCCL_SOCKET_IFNAME=lo  NCCL_P2P_DISABLE=1  NCCL_SHM_DISABLE=1
-             (these four only where the environment does not set them already)
+             NCCL_NET=Socket  NCCL_IB_DISABLE=1  NCCL_SOCKET_IFNAME=lo  NCCL_P2P_DISABLE=1  NCCL_SHM_DISABLE=1
+             (these five only where the environment does not set them already)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ SHARE_VARIABLE = "OASES_SHARE_GPU"
 # NCCL's settings for ranks that are hosts of one machine: sockets on loopback, no InfiniBand, no
 # intra-node transports (distinct host hashes already rule those out; set so no NCCL version tries).
 _NCCL_DEFAULTS = {
+    "NCCL_NET": "Socket",  # also past a network plugin the image installs (cloud GPU images do)
     "NCCL_IB_DISABLE": "1",
     "NCCL_SOCKET_IFNAME": "lo",
     "NCCL_P2P_DISABLE": "1",

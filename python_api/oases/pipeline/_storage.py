@@ -201,8 +201,9 @@ def _merged_groups(pipe: "Pipeline", mine: list[list[dict]]) -> list[dict]:
     """Every stage's segment optimizers' param_groups (params as names) merged by group index, the
     names in the model's order. A collective over pp; the same on every rank (or the same ValueError)."""
     parts: list[Optional[list[list[dict]]]] = [None] * pipe.pp
-    if pipe.pp > 1:
-        dist.all_gather_object(parts, mine, group=pipe.pp_group)
+    if pipe.pp > 1:  # tensor hyper-parameters pickled on the CPU (a CUDA one unpickles onto its sender's GPU)
+        host = [[{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in g.items()} for g in gs] for gs in mine]
+        dist.all_gather_object(parts, host, group=pipe.pp_group)
     else:
         parts[0] = mine
     optimizers = [groups for part in parts for groups in part]

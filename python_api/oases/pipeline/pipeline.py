@@ -576,16 +576,16 @@ class Pipeline:
         ::
 
             mine = this stage's entries of oases.full_state_dict(model)   # gathered over tp
-            every stage's = all_gather_object(mine, pp_group)             # merged, in the model's key order
-            each tensor on this rank's device (another stage's arrive on its own GPU)
+            every stage's = all_gather_object(mine on the CPU, pp_group)  # merged, in the model's key order
+            each tensor then on this rank's device
 
         Applies every pending update first (waits for its DP sync, steps its optimizer). A
         collective over the whole mesh (every rank calls it)."""
         self._apply_pending()
         mine = self.stage.state_dict()
         parts: list[Optional[dict[str, torch.Tensor]]] = [None] * self.pp
-        if self.pp > 1:
-            dist.all_gather_object(parts, mine, group=self.pp_group)
+        if self.pp > 1:  # pickled on the CPU: a CUDA tensor would unpickle onto its sender's GPU
+            dist.all_gather_object(parts, {key: value.cpu() for key, value in mine.items()}, group=self.pp_group)
         else:
             parts[0] = mine
         merged = {key: value for part in parts for key, value in part.items()}

@@ -110,7 +110,9 @@ def default_budget(device: torch.device, held: float) -> Optional[float]:
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        shared = os.environ.get("OASES_SHARE_GPU")
+        shared = os.environ.get("OASES_SHARE_GPU", "").strip()
+        if shared and not shared.isdigit():
+            raise ValueError(f"OASES_SHARE_GPU: expected the number of ranks sharing this GPU, got {shared!r}")
         sharing = max(1, int(shared) if shared else local // max(1, torch.cuda.device_count()))
         return (free / sharing + held) * (1 - MARGIN)
     available = _meminfo_available()
