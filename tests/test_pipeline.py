@@ -309,10 +309,9 @@ def test_hf_model_factory_matches_single_process_4_ranks():
 @pytest.mark.skipif(harness_device() != "cuda", reason="needs the harness on CUDA (OASES_TEST_DEVICE=cuda)")
 def test_hf_model_factory_on_cuda_matches_single_process_pp2():
     """The GPU path: NCCL links (send order), the DP thread's stream, lazy receives through the
-    slab, CUDA transfers polled by the scheduler. Not run here (no GPU); `make gpu-check` runs it."""
+    slab, CUDA transfers polled by the scheduler. Not run here (no GPU); on one GPU the two ranks
+    share it (tests/_spawn.py), `make gpu-check` / `gpu-check-local` run it."""
     pytest.importorskip("transformers")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     cases = [("llama", (1, 2, 1), "aiao", 2, 3, "sgd", 4), ("llama", (1, 2, 1), "1f1b", 1, 3, "adamw", 4)]
     run_ranks(_train_hf_cases, 2, cases, "cuda", timeout=180)
 
