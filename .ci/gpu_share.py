@@ -308,13 +308,9 @@ def _environment(device: str) -> dict[str, Any]:
     return found
 
 
-def plot(path: str) -> int:
-    """Stacked bars per stage (passed / failed / skipped) into share.png beside `path`."""
-    sys.path.insert(0, ROOT)
-    from bench._report import pyplot
-
-    with open(path) as f:
-        document = json.load(f)
+def stage_counts(document: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """{stage: {"passed": n, "failed": n, "skipped": n}}: a test under the stage of its file, or
+    under "wide" when it ran there."""
     stage_of = {}
     for stage in document["stages"]:
         for target in stage.get("targets", []):
@@ -322,8 +318,20 @@ def plot(path: str) -> int:
     names = [s["name"] for s in document["stages"]]
     counts = {name: {"passed": 0, "failed": 0, "skipped": 0} for name in names}
     for test in document["tests"]:
-        stage = "wide" if test["test"] in stage_of else stage_of.get(test["test"].split("::")[0], names[0])
+        stage = stage_of.get(test["test"]) or stage_of.get(test["test"].split("::")[0], names[0])
         counts.setdefault(stage, {"passed": 0, "failed": 0, "skipped": 0})[test["outcome"]] += 1
+    return counts
+
+
+def plot(path: str) -> int:
+    """Stacked bars per stage (passed / failed / skipped) into share.png beside `path`."""
+    sys.path.insert(0, ROOT)
+    from bench._report import pyplot
+
+    with open(path) as f:
+        document = json.load(f)
+    counts = stage_counts(document)
+    names = list(counts)
     plt = pyplot()
     figure, axis = plt.subplots(figsize=(8, 3.5))
     bottom = [0] * len(names)
@@ -332,7 +340,8 @@ def plot(path: str) -> int:
         axis.bar(names, values, bottom=bottom, color=colour, label=kind)
         bottom = [b + v for b, v in zip(bottom, values)]
     env = document["environment"]
-    axis.set_title(f"multi-rank tier, {document['device']}: {env.get('gpu') or 'CPU'}, NCCL {env.get('nccl')}")
+    transport = f"NCCL {env['nccl']}" if env.get("nccl") else "gloo"
+    axis.set_title(f"multi-rank tier, {document['device']}: {env.get('gpu') or 'CPU'}, {transport}")
     axis.set_ylabel("tests")
     axis.legend()
     figure.tight_layout()

@@ -815,6 +815,31 @@ def test_device_cpu_reaches_the_ranks(tmp_path, monkeypatch):
         assert visible == os.environ.get("CUDA_VISIBLE_DEVICES")  # auto: as the caller has it
 
 
+def test_share_gpu_reaches_the_launcher(tmp_path, monkeypatch):
+    """--share-gpu (the GPU check assumed passed): the launcher is asked for --share-gpu and every
+    rank gets the same command line (--share-gpu with it: their JSON labels the shared GPU)."""
+    import bench.__main__ as bench_main
+
+    _no_launch_env(monkeypatch)
+    launched = []
+
+    class _Started:
+        def __init__(self, command, env):
+            launched.append(command)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(bench_main.subprocess, "Popen", _Started)
+    monkeypatch.setattr(bench_main, "_device_refusal", lambda args: None)  # as where a GPU is visible
+    argv = ["link", "--device", "cuda", "--share-gpu", "--nproc", "3", "--quick", "--out", str(tmp_path)]
+    assert bench_main.main(argv) == 0
+    command = launched[-1]
+    launcher = command[: command.index("bench")]
+    assert launcher[1:3] == ["-m", "oases.launch"] and "--share-gpu" in launcher
+    assert launcher[launcher.index("--nproc") + 1] == "3" and command[-len(argv) :] == argv
+
+
 def _assert_refused(suite, cases, tmp_path, capfd):
     """Each (options, message) of `cases`: `python -m bench suite ...` exits 2 saying `message`
     before any rank starts (nothing written)."""

@@ -117,3 +117,26 @@ def test_a_stage_that_did_not_finish_fails_the_run():
         {"name": "amp", "skipped": "budget spent"},
     ]
     assert gpu_share.unfinished(stages) == ["schedules", "pipeline", "amp"]
+
+
+def test_plot_counts_each_stage_and_the_wide_one(tmp_path):
+    """--plot: one bar per stage, the wide stage's tests counted there, not under their file's stage."""
+    wide = "tests/test_a.py::test_wide[4]"
+    document = {
+        "device": "cuda",
+        "environment": {"gpu": "H200", "nccl": "2.28.9"},
+        "stages": [{"name": "comm", "targets": ["tests/test_a.py"]}, {"name": "wide", "targets": [wide]}],
+        "tests": [
+            {"test": "tests/test_a.py::test_ok", "outcome": "passed"},
+            {"test": "tests/test_a.py::test_bad", "outcome": "failed"},
+            {"test": wide, "outcome": "passed"},
+        ],
+    }
+    assert gpu_share.stage_counts(document) == {
+        "comm": {"passed": 1, "failed": 1, "skipped": 0},
+        "wide": {"passed": 1, "failed": 0, "skipped": 0},
+    }
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(document))
+    assert gpu_share.main(["--plot", str(path)]) == 0
+    assert (tmp_path / "share.png").stat().st_size > 0
