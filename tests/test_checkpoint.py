@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import oases
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 from _spawn import rank_device, run_ranks
 

@@ -330,7 +330,7 @@ def _rings_on_streams(p, chunks, bidirectional, *, seed, slow, broken=None):
     sends the poison, or an earlier run's leftovers: `seed` makes each run's values its own)."""
     from oases.comm import ring as ring_module
     from oases.comm._streams import _COMM_PRIORITY, _DeviceSide
-    from oases.comm._topology import Ring
+    from oases.comm.topology import Ring
 
     n, k, o = 64 * chunks, 96, 80
     device = torch.device("cuda")

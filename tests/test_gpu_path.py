@@ -24,7 +24,7 @@ import torch.nn as nn
 import oases.comm.ring as ring_module
 from oases import ops
 from oases.comm._streams import _HostSide
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn import ColumnParallelLinear, RowParallelLinear
 
 from _interpreter import interpreter_failure

@@ -91,15 +91,15 @@ def _forward_backward(model, ids, mask, labels, **kw):
 
 def _all_reduces(block, x):
     """How many all-reduces one forward of `block` makes (oases' mappings all reduce through _all_reduced)."""
-    from oases.nn import _mappings
+    from oases.nn import mappings
 
-    real, calls = _mappings._all_reduced, []
-    _mappings._all_reduced = lambda t, ring: calls.append(tuple(t.shape)) or real(t, ring)
+    real, calls = mappings._all_reduced, []
+    mappings._all_reduced = lambda t, ring: calls.append(tuple(t.shape)) or real(t, ring)
     try:
         with torch.no_grad():
             block(x)
     finally:
-        _mappings._all_reduced = real
+        mappings._all_reduced = real
     return calls
 
 

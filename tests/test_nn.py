@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import oases.comm.ring as ring_module
 from oases.nn import ColumnParallelLinear, RowParallelLinear
-from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
+from oases.nn.mappings import copy_to_tp, gather_from_tp, reduce_from_tp, split_to_tp
 
 from _spawn import rank_device, run_ranks
 

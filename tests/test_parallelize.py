@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import oases
-from oases.nn import ColumnParallelLinear, RowParallelLinear, _mappings
+from oases.nn import ColumnParallelLinear, RowParallelLinear, mappings
 
 from _nanogpt import Block
 from _spawn import rank_device, run_ranks
@@ -100,12 +100,12 @@ def _check_hf_equivalence(ref, group, p, tp_rank, ids, what):
     out_ref = ref(input_ids=ids, labels=ids)
     out_ref.loss.backward()
     out_tp = tp(input_ids=ids, labels=ids)
-    all_reduced, original = [], _mappings._all_reduced
-    _mappings._all_reduced = lambda t, ring: all_reduced.append(t.shape) or original(t, ring)
+    all_reduced, original = [], mappings._all_reduced
+    mappings._all_reduced = lambda t, ring: all_reduced.append(t.shape) or original(t, ring)
     try:
         out_tp.loss.backward()
     finally:
-        _mappings._all_reduced = original
+        mappings._all_reduced = original
     # One all-reduce per block input (attention, MLP): q, k, v and gate, up share theirs; one for the
     # vocab-parallel head's input (the embedding's backward has none).
     assert len(all_reduced) == 2 * len(_decoder_layers(tp)) + 1, (what, all_reduced)

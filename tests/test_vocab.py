@@ -26,7 +26,7 @@ from oases.nn import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    _mappings,
+    mappings,
     vocab_parallel_cross_entropy,
 )
 
@@ -244,13 +244,13 @@ def _check_gradients(ref, tp, rank, p, what):
 
 
 def _backward_counting_all_reduces(loss):
-    shapes, original = [], _mappings._all_reduced
-    _mappings._all_reduced = lambda t, ring: shapes.append(t.shape) or original(t, ring)
+    shapes, original = [], mappings._all_reduced
+    mappings._all_reduced = lambda t, ring: shapes.append(t.shape) or original(t, ring)
     try:
         with _collectives() as counts:
             loss.backward()
     finally:
-        _mappings._all_reduced = original
+        mappings._all_reduced = original
     assert counts["all_reduce"] == 0, counts  # the loss's MAX is a forward-only collective
     return shapes
 

@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from oases._sharding import Chunk
-from oases.comm._topology import Ring
+from oases.comm.topology import Ring
 
 MARKER = "oases_checkpoint.json"  # the completion marker, written last, before publishing
 FORMAT_KEY = "oases.format"  # a DCP entry every checkpoint of this format holds (absent in older ones)

@@ -51,7 +51,7 @@ from oases._compiled import original_module
 from oases._dcp import fsync_dir, fsync_file
 from oases._hf_files import DTYPES, INDEX, SINGLE, Stored, stored_tensors
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 __all__ = ["load_pretrained", "save_pretrained", "save_adapter"]
 

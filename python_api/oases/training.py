@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._compiled import original_module
-from oases.comm._topology import same_group
+from oases.comm.topology import same_group
 from oases.degrees import refuse_with_degrees
 from oases.dp.grad_sync import AllReduceMean, GradientSync
 from oases.inputs import CheckMode, agree_step_inputs

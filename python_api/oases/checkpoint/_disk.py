@@ -23,7 +23,7 @@ from oases.checkpoint._optimizer import (
     _restore_optimizer,
 )
 from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 if TYPE_CHECKING:
     from oases._dcp import Chunked

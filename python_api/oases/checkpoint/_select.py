@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from oases import _dcp
 from oases._dcp import MARKER, Damaged
-from oases.comm._topology import Ring, ring_of
+from oases.comm.topology import Ring, ring_of
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from oases._compiled import original_module
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 
 @dataclass(frozen=True)

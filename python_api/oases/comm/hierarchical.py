@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 
 from oases import _checks
-from oases.comm._topology import ring_of
 from oases.comm.groups import new_group
 from oases.comm.ring import (
     _drain,
@@ -60,6 +59,7 @@ from oases.comm.ring import (
     ring_all_gather,
     ring_reduce_scatter,
 )
+from oases.comm.topology import ring_of
 from oases.costs.collectives import partition
 from oases.costs.link import DEFAULT_LATENCY_S, LinkFit
 from oases.costs.rate import parse_bandwidth

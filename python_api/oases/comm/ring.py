@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from oases import _checks
 from oases.comm._streams import _Side, side_for
-from oases.comm._topology import Ring, ring_of
+from oases.comm.topology import Ring, ring_of
 
 __all__ = [
     "ring_all_gather",

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from oases._checks import process_group
 from oases._sharding import clip_sharded_
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 __all__ = ["ShardedOptimizer", "row_range"]
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 __all__ = ["GradientSync", "Reducer", "AllReduceMean"]
 

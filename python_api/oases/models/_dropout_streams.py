@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from oases.nn._mappings import lead_only
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.nn.mappings import lead_only
 from oases.schedule.protocol import SubBatch
 
 __all__ = [

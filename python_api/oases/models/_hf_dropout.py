@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.degrees import LayerDegrees
 from oases.models._dropout_streams import is_dropout, seeded_layer
 from oases.models._whole import WholeLayer

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from oases.nn._mappings import copy_to_tp
 from oases.nn.layers import ColumnParallelLinear
+from oases.nn.mappings import copy_to_tp
 from oases.nn.vocab import VocabParallelEmbedding
 
 

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.models._branch import NOT_PASSED
-from oases.nn._mappings import grad_on_lead, lead_only
+from oases.nn.mappings import grad_on_lead, lead_only
 
 __all__ = ["WholeLayer"]
 

@@ -45,8 +45,8 @@ from oases.degrees import LayerDegrees, check_tp_degrees, check_world_group, ref
 from oases.inputs import CheckMode, agree_step_inputs
 from oases.models._gpt_config import GPTConfig
 from oases.models._gpt_sublayers import _MLP, _Attention, _Sublayer
-from oases.nn._mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.layers import ColumnParallelLinear
+from oases.nn.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from oases.nn.vocab import IGNORE_INDEX, VocabParallelEmbedding, runs_as_partial, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, SubBatch, check_step, train_step

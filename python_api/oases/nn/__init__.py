@@ -16,7 +16,7 @@
     no_tp_communication(module)   inside, the TP linears compute this rank's part only (schedules reduce)
     register_lora(config)         a peft.LoraConfig that puts oases' LoRA layers on the parallel layers (oases.nn.lora)
 
-The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn._mappings`.
+The communication mappings the layers use (copy/reduce, split/gather) are in `oases.nn.mappings`.
 """
 
 from oases._sharding import ShardRule

@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from oases._compiled import original_module
 from oases._sharding import tp_rules
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn._parts import (
     LATENT_PROJECTIONS,
     _calls,

@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
-from oases.nn import _mappings
+from oases.comm.topology import ring_of
+from oases.nn import mappings
 from oases.nn._parts import HEAD_PROJECTIONS, is_norm
 from oases.nn.norm import ShardedRMSNorm
 
@@ -407,4 +407,4 @@ def sum_head_shared_grads(attention: nn.Module, group: Optional[dist.ProcessGrou
     if callable(layout):  # its own per-head parameters (shard_head_parameters)
         in_tp |= {id(attention.get_parameter(name)) for name in layout()}
     names = [n for n, param in attention.named_parameters() if id(param) not in in_tp and param.requires_grad]
-    _mappings.sum_grads(attention, names, group)
+    mappings.sum_grads(attention, names, group)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import comm as _comm
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn import _heads
 from oases.nn._layer_args import is_conv1d
 from oases.nn._parts import HEAD_PROJECTIONS

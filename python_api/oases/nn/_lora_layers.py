@@ -23,9 +23,9 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
 from oases._sharding import ShardRule
-from oases.nn._mappings import copy_to_replicas, copy_to_tp
 from oases.nn.column import ColumnParallelLinear, adding
 from oases.nn.lora import check_config
+from oases.nn.mappings import copy_to_replicas, copy_to_tp
 from oases.nn.row import RowParallelLinear
 
 __all__ = ["LoraFactor", "ShardedLoraFactor", "LoraColumnParallelLinear", "LoraRowParallelLinear", "LORA_LAYERS"]

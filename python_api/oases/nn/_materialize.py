@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oases._sharding import tp_rules
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 
 __all__ = ["materialize", "replay_init", "empty_init", "is_on_meta", "check_replayable"]
 

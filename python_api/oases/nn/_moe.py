@@ -54,13 +54,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from oases.comm._topology import ring_of
-from oases.nn import _mappings
+from oases.comm.topology import ring_of
+from oases.nn import mappings
 from oases.nn._coverage import ROUTERS
 from oases.nn._layer_args import is_conv1d
-from oases.nn._mappings import copy_to_tp, grad_on_lead, reduce_from_tp
 from oases.nn.experts import ParallelExperts, check_experts, is_fused_experts, looks_like_experts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.nn.mappings import copy_to_tp, grad_on_lead, reduce_from_tp
 
 __all__ = ["find_experts", "check_blocks", "make_region"]
 
@@ -257,7 +257,7 @@ def make_region(model: nn.Module, name: str, routers: frozenset[str]) -> None:
     block.register_forward_hook(functools.partial(_leave, experts))
     sharded = {id(q) for m in block.modules() if hasattr(m, "tp_layout") for q in m.parameters()}
     names = [n for n, param in block.named_parameters() if id(param) not in sharded and param.requires_grad]
-    _mappings.sum_grads(block, names, experts.group)
+    mappings.sum_grads(block, names, experts.group)
     asked = _ASKED.get(model)
     if asked is None:
         asked = _ASKED[model] = _Asked(model)

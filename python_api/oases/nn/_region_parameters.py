@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
-from oases.nn import _mappings
+from oases.comm.topology import ring_of
+from oases.nn import mappings
 from oases.nn._parts import is_norm
 from oases.nn._styles import Style, features
 
@@ -186,7 +186,7 @@ def apply_region_parameters(
         owner = model.get_submodule(owner_name)
         group = group_of(placement.region)
         if placement.kind == "summed":
-            _mappings.sum_grads(owner, [leaf], group)
+            mappings.sum_grads(owner, [leaf], group)
             continue
         ring = ring_of(group)
         full = owner.get_parameter(leaf)

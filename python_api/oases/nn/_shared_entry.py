@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from oases.nn._mappings import copy_to_tp
+from oases.nn.mappings import copy_to_tp
 
 
 class _SharedEntry:

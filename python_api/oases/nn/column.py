@@ -15,12 +15,12 @@ import torch.nn as nn
 from oases import ops
 from oases._checks import process_group
 from oases._sharding import ShardRule, vocab_rule
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn._from_full import _from_conv1d, _from_linear
 from oases.nn._fusion import _linear, _main_grad
 from oases.nn._layer_args import _check_flag, _check_replicas, _check_transposed, _resolve_chunks, check_shardable
-from oases.nn._mappings import copy_to_replicas, copy_to_tp, gather_from_tp
 from oases.nn._shared_entry import _SharedEntry
+from oases.nn.mappings import copy_to_replicas, copy_to_tp, gather_from_tp
 
 __all__ = ["ColumnParallelLinear", "adding"]
 
@@ -262,7 +262,7 @@ def adding(layer: nn.Module, term: Callable[[torch.Tensor], torch.Tensor]) -> It
     so a row layer's term is reduced with its partial sum, in the same reduction (outside
     no_tp_communication its output is then all-reduced whole, without the fused op's overlap).
     The term's gradients are autograd's: a parameter it uses whole on every rank gets this rank's
-    share (sum it over the group: oases.nn._mappings.copy_to_tp). A LoRA adapter is the user
+    share (sum it over the group: oases.nn.mappings.copy_to_tp). A LoRA adapter is the user
     (oases.nn.lora). Restores the layer's previous term on exit."""
     previous = layer._added
     layer._added = term

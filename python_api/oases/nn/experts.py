@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from oases import _checks
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn._expert_forms import (
     _PACKED,
     ClampedSwiGLU,
@@ -87,7 +87,7 @@ from oases.nn._expert_forms import (
     is_fused_experts,
     looks_like_experts,
 )
-from oases.nn._mappings import lead_only
+from oases.nn.mappings import lead_only
 
 __all__ = [
     "ParallelExperts",

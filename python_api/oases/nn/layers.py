@@ -1,4 +1,4 @@
-"""Tensor-parallel linear layers: thin modules over `oases.ops` and the mappings in `_mappings`.
+"""Tensor-parallel linear layers: thin modules over `oases.ops` and the mappings in `mappings`.
 
 Megatron's pair (p ranks in `group`, r this rank; W [out, in], b [out] the unsharded nn.Linear's):
 

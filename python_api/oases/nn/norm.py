@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from oases._checks import process_group
 from oases._sharding import ShardRule
-from oases.comm._topology import ring_of
-from oases.nn._mappings import sum_over_tp
+from oases.comm.topology import ring_of
+from oases.nn.mappings import sum_over_tp
 
 __all__ = ["ShardedRMSNorm"]
 

@@ -202,7 +202,7 @@ import torch.nn as nn
 
 from oases._checks import process_group
 from oases._compiled import original_module
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.degrees import KNOWN_LAYERS
 from oases.inputs import watch_inputs
 from oases.nn._apply import (

@@ -15,11 +15,11 @@ import torch.nn as nn
 from oases import ops
 from oases._checks import process_group
 from oases._sharding import ShardRule, row_shard
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn._from_full import _from_conv1d, _from_linear
 from oases.nn._fusion import _linear, _main_grad
 from oases.nn._layer_args import _check_flag, _check_transposed, _resolve_chunks, check_shardable
-from oases.nn._mappings import copy_to_tp, reduce_from_tp, split_to_tp
+from oases.nn.mappings import copy_to_tp, reduce_from_tp, split_to_tp
 from oases.ops import linear_unread
 
 __all__ = ["RowParallelLinear"]

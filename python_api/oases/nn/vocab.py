@@ -58,8 +58,8 @@ from torch.autograd.function import once_differentiable
 
 from oases import _checks, comm
 from oases._sharding import ShardRule, vocab_rule
-from oases.comm._topology import Ring, ring_of
-from oases.nn._mappings import reduce_from_tp
+from oases.comm.topology import Ring, ring_of
+from oases.nn.mappings import reduce_from_tp
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy", "vocab_rule", "IGNORE_INDEX"]
 

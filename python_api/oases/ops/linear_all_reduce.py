@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from oases import _checks
-from oases.comm._topology import Ring, ring_of
+from oases.comm.topology import Ring, ring_of
 from oases.costs.chunks import op_chunks
 from oases.ops import _gemm
 from oases.ops._autocast import autocast_operands

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from oases import _checks
-from oases.comm._topology import Ring, ring_of
 from oases.comm.ring import all_gather_rows, reduce_scatter_rows
+from oases.comm.topology import Ring, ring_of
 from oases.costs.chunks import op_chunks
 from oases.ops import _gemm
 from oases.ops._autocast import autocast_operands

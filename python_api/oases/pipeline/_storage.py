@@ -53,7 +53,7 @@ from oases.checkpoint._optimizer import (
 )
 from oases.checkpoint._select import choose, wants_of
 from oases.checkpoint._unsharded import _check, _shards
-from oases.comm._topology import ring_of
+from oases.comm.topology import ring_of
 from oases.nn._materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid
 from oases.pretrained import (

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from oases.checkpoint import full_state_dict
 from oases.checkpoint._unsharded import _layout
-from oases.nn._mappings import copy_to_tp, reduce_from_tp
+from oases.nn.mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.pipeline._layout import StageLayout, placement_of_layer, shared_across_placements

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from oases._leaves import grad_leaf
-from oases.comm._topology import same_group
-from oases.nn._mappings import reduce_from_tp
+from oases.comm.topology import same_group
+from oases.nn.mappings import reduce_from_tp
 from oases.schedule.placed import move_rows, move_rows_adjoint
 from oases.schedule.protocol import Stack, SubBatch
 from oases.schedule.runtime import BARRIER, Communicator

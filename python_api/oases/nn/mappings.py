@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases import comm
-from oases.comm._topology import Ring, ring_of
+from oases.comm.topology import Ring, ring_of
 
 __all__ = [
     "copy_to_tp",

@@ -1,4 +1,11 @@
-"""Where this rank sits in a process group's ring."""
+"""Where this rank sits in a process group's ring (public: the layers, ops, checkpoints and DP sync use it).
+
+ring = ring_of(group)            # group None: the default (WORLD) group
+ring.rank, ring.size             # this rank's index in the group, the group's size
+ring.global_ranks                # the group's members as global ranks, in group order
+ring.peer(+1), ring.peer(-1)     # the global rank after / before this one on the ring
+same_group(a, b)                 # a and b are the same group (None meaning WORLD)
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from oases._checks import process_group
+
+__all__ = ["Ring", "ring_of", "same_group"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,7 @@ class Ring:
 
 
 def ring_of(group: Optional[dist.ProcessGroup]) -> Ring:
+    """The Ring of `group` (None: WORLD); RuntimeError before init_process_group, ValueError off the group."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialized: call torch.distributed.init_process_group() "
