@@ -95,7 +95,7 @@ def _own_files(step_dir: str, rank: int) -> list[str]:
 
 def _checksum_seconds(step_dir: str, files: list[str], iters: int) -> float:
     """oases' per-file checksum pass (whole file and its recorded items) over `files`."""
-    from oases import _dcp
+    from oases.storage import integrity as _dcp
 
     recorded = _dcp.read_marker(step_dir)["checksums"]["files"]
     spans = {f: [tuple(i[:2]) for i in recorded[os.path.basename(f)].get("items", ())] for f in files}
@@ -125,7 +125,7 @@ def _fsync_seconds(scratch: str, nbytes: int, iters: int) -> tuple[float, float]
 
 def _dir_fsync_seconds(scratch: str, iters: int) -> float:
     """One rename in `scratch` and the fsync of `scratch` (what publishing a step does)."""
-    from oases import _dcp
+    from oases.storage import integrity as _dcp
 
     a, b = os.path.join(scratch, "a"), os.path.join(scratch, "b")
     os.mkdir(a)
@@ -188,7 +188,7 @@ def _sound(verdict: object) -> None:
 
 
 def _measure(ctx, oases, model, optimizer, root: str, s: dict) -> list[dict]:
-    from oases import _dcp
+    from oases.storage import publish as _dcp
 
     steps = iter(range(1, 10**6))
 

@@ -118,8 +118,7 @@ _PRELOAD_CPU = [
     # `import oases` loads nothing until a name is used (oases/__init__.py): the library's modules by name
     "oases.training",
     "oases.pipeline",
-    "oases.checkpoint",
-    "oases.pretrained",
+    "oases.storage",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.gpt_neox.modeling_gpt_neox",

@@ -1,4 +1,4 @@
-"""oases.checkpoint on gloo ranks: full state dicts and on-disk checkpoints across TP degrees.
+"""oases.storage's checkpoints on gloo ranks: full state dicts and on-disk checkpoints across TP degrees.
 
 Models: Hugging Face Llama (GQA and MHA) under the default plan, and a toy MLP with a fused
 [gate | up] projection ("column:2"), a replicated head and a buffer under an explicit plan. Each

@@ -54,7 +54,7 @@ from test_checkpoint import TOY_PLAN, _parallelize, _toy
 from test_checkpoint_resume import _toy_step
 
 import oases
-from oases import _dcp
+from oases.storage import publish as _dcp  # its _exchange, MARKER and METADATA
 
 import _spawn
 

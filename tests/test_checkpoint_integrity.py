@@ -23,7 +23,8 @@ from test_checkpoint import TOY_PLAN, _parallelize, _toy
 from test_checkpoint_resume import _toy_step
 
 import oases
-from oases import _dcp
+from oases.storage import integrity as _dcp  # its MARKER, checksums, marker and _BLOCK
+from oases.storage.dcp import read_metadata
 
 from _spawn import rank_device, run_ranks
 
@@ -55,7 +56,7 @@ def _on(rank, who, action):
 
 def _item(where, key, offset):
     """(file, offset, length) where the stored chunk of `key` at `offset` lies."""
-    for index, info in _dcp.read_metadata(where).storage_data.items():
+    for index, info in read_metadata(where).storage_data.items():
         if index.fqn == key and tuple(index.offset) == offset:
             return info.relative_path, info.offset, info.length
     raise AssertionError(f"no chunk of {key} at {offset}")

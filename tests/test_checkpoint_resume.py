@@ -245,7 +245,7 @@ def _check_old_and_sharded(rank, p, path):
     want = _parallelize(_toy(3).to(rank_device()), None, TOY_PLAN)
     oases.load_full_state_dict(want, full)  # each rank's shards, cut from the full tensors
 
-    oases.checkpoint.full_state_dict = oases.checkpoint.load_full_state_dict = _no_full_model
+    oases.storage.full_state_dict = oases.storage.load_full_state_dict = _no_full_model
     loaded = _parallelize(_toy(3).to(rank_device()), None, TOY_PLAN)
     state = oases.load_checkpoint(loaded, old)
     assert (state.step, state.extra, state.path, state.missing_keys, state.unexpected_keys) == (None, None, old, [], [])

@@ -144,7 +144,7 @@ LATENT = {
     # full-rank queries (q_proj), every layer MoE with two shared experts
     "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(_MLA, q_lora_rank=None, n_shared_experts=2)),
 }
-# how oases.train_step splits each model's decoder layers (oases.nn._parts.LayerParts.kind)
+# how oases.train_step splits each model's decoder layers (oases.nn.parts.LayerParts.kind)
 SPLIT = {
     "deepseek_v3": "sequential",
     "deepseek_v2": "sequential",

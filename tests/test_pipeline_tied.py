@@ -138,7 +138,7 @@ def _resume(case, root, losses, final, where):
         _check_copies(pipe, where)
     _assert_state(pipe.state_dict(), final, where, exact=True)
     pipe.close()
-    from oases import _dcp
+    from oases.storage import dcp as _dcp
 
     dp, pp, tp = mesh_shape
     first = {d * pp * tp + t for d in range(dp) for t in range(tp)}  # the first stage's global ranks

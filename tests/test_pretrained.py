@@ -332,7 +332,7 @@ def test_plain_model_without_a_process_group(hf_dirs, tmp_path):
 
 
 def test_a_save_that_dies_while_streaming_leaves_the_previous_one(tmp_path, monkeypatch):
-    from oases import pretrained
+    from oases.storage import hf_write as pretrained  # its _write
 
     out = tmp_path / "out"
     old = _llama(11)
@@ -446,7 +446,7 @@ def test_a_save_that_dies_while_renaming_never_mixes_two_saves(tmp_path, monkeyp
 
 
 def test_merged_expert_boxes_read_only_what_they_cover(tmp_path):
-    from oases._hf_files import stored_tensors
+    from oases.storage.hf_files import stored_tensors
 
     cls, config = _converted_models()["mixtral"]
     torch.manual_seed(0)

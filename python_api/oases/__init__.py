@@ -14,6 +14,7 @@
     oases.amp          GradScaler whose inf/NaN check is every rank's (TP shards skip the same steps)
     oases.dp           data parallelism in your own loop: GradientSync (DDP-style buckets), ZeroOptimizer (ZeRO-1)
     oases.pipeline     Pipeline: the GPT on a (dp, pp, tp) mesh with gpipe / 1f1b / FOLD3D's aiao schedules
+    oases.storage      checkpoints loadable at any TP degree, Hugging Face safetensors in and out
 """
 
 from __future__ import annotations
@@ -23,17 +24,19 @@ from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 if _TYPE_CHECKING:  # what `oases.<name>` gives, for type checkers and IDEs (imported lazily below)
-    from oases import amp, comm, dp, models, nn, ops, pipeline, schedule
-    from oases.checkpoint import (
+    from oases import amp, comm, dp, models, nn, ops, pipeline, schedule, storage
+    from oases.nn import check_gradients, parallelize, summary
+    from oases.storage import (
         CheckpointState,
         full_state_dict,
         load_checkpoint,
         load_full_state_dict,
+        load_pretrained,
+        save_adapter,
         save_checkpoint,
+        save_pretrained,
         verify_checkpoint,
     )
-    from oases.nn import check_gradients, parallelize, summary
-    from oases.pretrained import load_pretrained, save_adapter, save_pretrained
     from oases.training import train_step
 
 __version__ = "0.1.0"  # the only place the version is written: setup.py parses this line
@@ -49,6 +52,7 @@ __all__ = [
     "schedule",
     "models",
     "pipeline",
+    "storage",
     "train_step",
     "__version__",
     "full_state_dict",
@@ -65,20 +69,20 @@ __all__ = [
 # `import oases` imports no torch: a public name loads its module on first use, so the launcher
 # (`python -m oases.launch`, `oases-launch`) starts in a fraction of a second where the whole
 # library takes seconds (torch, Triton, torch._dynamo). Any subpackage or module (`oases.planner`,
-# `oases.checkpoint`, ...) is imported on its first `oases.<name>` likewise.
+# `oases.storage`, ...) is imported on its first `oases.<name>` likewise.
 _HOMES = {
-    "CheckpointState": "oases.checkpoint",
-    "full_state_dict": "oases.checkpoint",
-    "load_checkpoint": "oases.checkpoint",
-    "load_full_state_dict": "oases.checkpoint",
-    "save_checkpoint": "oases.checkpoint",
-    "verify_checkpoint": "oases.checkpoint",
+    "CheckpointState": "oases.storage",
+    "full_state_dict": "oases.storage",
+    "load_checkpoint": "oases.storage",
+    "load_full_state_dict": "oases.storage",
+    "save_checkpoint": "oases.storage",
+    "verify_checkpoint": "oases.storage",
     "check_gradients": "oases.nn",
     "parallelize": "oases.nn",
     "summary": "oases.nn",
-    "load_pretrained": "oases.pretrained",
-    "save_adapter": "oases.pretrained",
-    "save_pretrained": "oases.pretrained",
+    "load_pretrained": "oases.storage",
+    "save_adapter": "oases.storage",
+    "save_pretrained": "oases.storage",
     "train_step": "oases.training",
 }
 

@@ -288,7 +288,7 @@ def _link_shaping() -> dict[str, Any]:
 def _try_namespace() -> tuple[str, str]:
     """("works" | "refused: why" | "not tried: why") for creating a network namespace and for a tbf
     qdisc in it, as the launcher makes them; the namespace is deleted again."""
-    from oases.launch._netns import ShapingUnavailable, find_tools
+    from oases.launch._netns import ShapingUnavailable, find_tools  # the launcher's own probe of shaping: one home
 
     try:
         tools = find_tools()  # the launcher's own check: root, ip and tc

@@ -114,20 +114,14 @@ def agree_inputs(
     return dict(zip(inputs, _agree(list(inputs.items()), group, mode, device, "ranks of the group", _TP_FIX)))
 
 
-def agree_step_inputs(model: object, comm: object, mode: CheckMode, **inputs: Optional[torch.Tensor]) -> tuple:
-    """A training step's inputs agreed on over the model's TP group (see agree_inputs): the group
-    parallelize recorded (the whole group with per-layer tp_degrees), else the model's own
-    Communicator's (`model.comm`: oases.models.GPT), else `comm`'s; nothing to do at TP = 1.
-    Returns the inputs in the order given."""
+def agree_step_inputs(
+    model: object, group: Optional[dist.ProcessGroup], size: int, mode: CheckMode, **inputs: Optional[torch.Tensor]
+) -> tuple:
+    """A training step's inputs agreed on over the model's TP group `group` of `size` ranks (see
+    agree_inputs; the step context names it: the group oases.parallelize or GPT recorded, else the
+    step's Communicator's), exchanged on the device of `model`'s parameters; nothing to do at
+    size 1. Returns the inputs in the order given."""
     mode = check_mode(mode)
-    hook = _forward_check(model)
-    own = getattr(model, "comm", None)
-    if hook is not None:
-        group, size = hook.group, hook.size
-    elif hasattr(own, "world_size") and hasattr(own, "group"):
-        group, size = own.group, own.world_size
-    else:
-        group, size = getattr(comm, "group", None), getattr(comm, "world_size", 1)
     if size <= 1 or mode is False or not dist.is_initialized():
         return tuple(inputs.values())
     return tuple(_agree(list(inputs.items()), group, mode, _device_of(model), "ranks of the TP group", _TP_FIX))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from oases import _checks
-from oases.planner._files import read_json
+from oases._files import read_json
 from oases.planner.search import PLAN_FORMAT, PLAN_VERSION, Plan
 
 __all__ = ["load", "read", "sequence_parallel", "chunks", "recompute", "Plan"]

@@ -11,7 +11,6 @@ the causal-LM loss with Hugging Face's meaning, or the caller's `loss_fn`.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import numbers
 from typing import Callable, Optional, Union
@@ -22,43 +21,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from oases import _checks
-from oases._compiled import original_module
-from oases.comm.topology import same_group
-from oases.degrees import refuse_with_degrees
+from oases._step_context import StepContext, adapt, step_context
 from oases.dp.grad_sync import AllReduceMean, GradientSync
 from oases.inputs import CheckMode, agree_step_inputs
-from oases.models.hf import HFStack
-from oases.models.nanogpt import NanoGPTStack, is_nanogpt
 from oases.nn.grad_check import check_gradients
 from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import Communicator, Recompute, RecomputeMemory, Stack, check_step
-from oases.schedule import train_step as _run_schedule
-from oases.schedule.placed import check_placements
+from oases.schedule import Communicator, Recompute, RecomputeMemory, StepBatch, StepOptions, run_step
 from oases.schedule.protocol import LayerPlacements
 from oases.schedule.sequence_parallel import sequence_parallel_parameters
 from oases.schedule.step import partial_parameters
 from oases.schedule.table import layer_modes
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
-
-
-def adapt(model: object) -> Stack:
-    """The `oases.schedule.Stack` view of `model`: itself if it implements the protocol (as
-    oases.models.GPT and a user's own stack do), an `HFStack` for a Hugging Face causal LM whose
-    decoder layers the adapter knows, a `NanoGPTStack` for nanoGPT's layout; otherwise
-    ValueError naming what is needed."""
-    if all(inspect.ismethod(getattr(model, name, None)) for name in ("embed", "layers", "head")):
-        return model  # type: ignore[return-value]
-    if isinstance(model, nn.Module) and _checks.from_transformers(model):
-        return HFStack(model)
-    if is_nanogpt(model):
-        return NanoGPTStack(model)
-    raise ValueError(
-        f"model: {type(model).__name__} is neither a Hugging Face causal LM nor an oases.schedule.Stack; "
-        "implement embed(input_ids, where) -> (x, ctx), layers() -> [[sublayer, ...], ...] (each with "
-        "norm(x), core(h, ctx), finish(z, ctx)) and head(x, ctx) -> logits (see oases.schedule.protocol)"
-    )
 
 
 def causal_lm_loss_sum(
@@ -85,28 +60,6 @@ def causal_lm_loss_sum(
             vocab_size=vocab_size,
         )
     return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def _tp_communicator(model: object) -> Optional[Communicator]:
-    """A Communicator on the one TP group the model's sharded modules share (none: TP = 1);
-    None when the model is not an nn.Module (a user's Stack: the caller passes `comm`)."""
-    own = getattr(model, "comm", None)
-    if isinstance(own, Communicator):
-        return own
-    if not isinstance(model, nn.Module):
-        return None
-    groups = []
-    for m in model.modules():
-        if hasattr(m, "tp_layout") and not any(same_group(m.group, g) for g in groups):
-            groups.append(m.group)
-    if len(groups) > 1:
-        raise ValueError(
-            "model: its tensor-parallel modules use different process groups; oases.train_step "
-            "runs one TP group (parallelize the model once, with one group)"
-        )
-    if not groups or not dist.is_initialized():
-        return Communicator(None, 1)
-    return Communicator(groups[0], dist.get_world_size(groups[0]))
 
 
 def train_step(
@@ -242,91 +195,81 @@ def train_step(
     if not isinstance(check_grads, bool) and not (_checks.is_int(check_grads) and check_grads >= 1):
         raise ValueError(f"check_grads: expected True, False or a positive int N (every N-th), got {check_grads!r}")
     divisor = _num_items(num_items)
-    model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
-    stack = adapt(model)
-    layer_modes(recompute, len(list(stack.layers())))  # a per-layer list: one value per layer
-    per_layer, placements = _per_layer(model, stack)
-    if per_layer:  # local checks first: an HF model's placements are made (collectively) after check_step
-        refuse_with_degrees("sequence_parallel", sequence_parallel)
-        refuse_with_degrees("comm", comm)
-        refuse_with_degrees("offload", offload)
-    if isinstance(stack, (HFStack, NanoGPTStack)):
-        stack.check_trainable(seeded=True)  # dropout: masks from the step seed (step_seed below)
-    comm, owned = _step_communicator(model, comm, per_layer)
-    if position_ids is not None and not getattr(stack, "takes_position_ids", False):
-        raise ValueError(f"position_ids: {type(stack).__name__} takes no token positions; pass None (positions 0..t-1)")
+    ctx = step_context(model, comm, sequence_parallel, offload)
+    layer_modes(recompute, len(list(ctx.stack.layers())))  # a per-layer list: one value per layer
+    if position_ids is not None and not ctx.takes_position_ids:
+        raise ValueError(f"position_ids: {ctx.name} takes no token positions; pass None (positions 0..t-1)")
     input_ids, labels, attention_mask, position_ids = agree_step_inputs(
-        model,
-        comm,
+        ctx.model,
+        ctx.tp_group,
+        ctx.tp_size,
         check_inputs,
         input_ids=input_ids,
         labels=labels,
         attention_mask=attention_mask,
         position_ids=position_ids,
     )
-    if attention_mask is not None and not getattr(stack, "takes_attention_mask", True):
+    if attention_mask is not None and not ctx.takes_attention_mask:
         raise ValueError(
-            f"attention_mask: {type(stack).__name__} has no padding mask to apply it to; pass None "
+            f"attention_mask: {ctx.name} has no padding mask to apply it to; pass None "
             "(or pad with tokens whose labels are -100)"
         )
-    parts = check_step(
-        input_ids,
-        labels,
-        schedule=schedule,
-        sub_batches=sub_batches,
-        sequence_parallel=sequence_parallel,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        world_size=comm.world_size,
-        recompute=recompute,
-        offload=offload is not False and offload is not None,
-    )  # before step_seed's broadcast
-    if per_layer and placements is None:
-        placements = stack.layer_placements()  # an HF model's first step makes its groups: every rank alike
-        if placements is None:
-            raise ValueError(
-                f"tp_degrees: {type(stack).__name__}.layer_placements() returned None for a model with "
-                f"per-layer tp_degrees"
-            )
-    check_placements(placements, input_ids.shape[0], parts, sequence_parallel=sequence_parallel)
-    loss_sum, normalizer = _loss(stack, labels, loss_fn)
-    if divisor is not None:
-        normalizer = divisor
-    offloader = _offloader(model, offload)
-    step_seed = getattr(stack, "step_seed", None)
-    seed = step_seed() if callable(step_seed) else None
-    held = sequence_parallel_parameters(stack) if sequence_parallel else []
-    held += partial_parameters(stack)  # LoRA's replicated factors: summed over TP after the backwards
+    options = StepOptions(schedule, sub_batches, sequence_parallel, recompute, memory_budget, ctx.offloader, memory)
+    batch = options.check(
+        input_ids, labels, world_size=ctx.comm.world_size, attention_mask=attention_mask, position_ids=position_ids
+    )  # before step_seed's broadcast and the placements' groups
+    placements = ctx.resolved_placements()
+    loss_sum, normalizer = _loss(ctx, labels, loss_fn)
+    loss = _run(
+        ctx,
+        batch,
+        options,
+        grad_sync,
+        loss_sum=loss_sum,
+        normalizer=normalizer if divisor is None else divisor,
+        placements=placements,
+    )
+    if ctx.offloader is not None and offload is True and ctx.offloader is not ctx.own_offloader:
+        ctx.offloader.close()  # made for this call
+    if ctx.owned_comm:
+        ctx.comm.close()  # its thread, if it started one (not after a failure: a ring may never finish)
+    if _gradients_due(ctx.model, check_grads):
+        _check_gradients(ctx.model, grad_sync)
+    return loss
+
+
+def _run(
+    ctx: StepContext,
+    batch: StepBatch,
+    options: StepOptions,
+    grad_sync: Optional[GradientSync],
+    *,
+    loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    normalizer: float,
+    placements: Optional[LayerPlacements],
+) -> torch.Tensor:
+    """The step's schedule (oases.schedule.run_step) with its dropout seed, and, with `grad_sync`,
+    the dp reduction started during its backwards and finished after them (the gradients the
+    schedule sums over TP held back until that sum)."""
+    seed = ctx.step_seed() if ctx.step_seed is not None else None
+    held = sequence_parallel_parameters(ctx.stack) if options.sequence_parallel else []
+    held += partial_parameters(ctx.stack)  # LoRA's replicated factors: summed over TP after the backwards
     if grad_sync is not None and held:  # their TP sum comes after the backwards
         grad_sync.hold(held)
     with grad_sync.deferred() if grad_sync is not None else contextlib.nullcontext():
-        loss = _run_schedule(
-            stack,
-            input_ids,
-            labels,
+        loss = run_step(
+            ctx.stack,
+            batch,
+            options,
             loss_sum=loss_sum,
             normalizer=normalizer,
-            comm=comm,
-            schedule=schedule,
-            sub_batches=sub_batches,
-            sequence_parallel=sequence_parallel,
+            comm=ctx.comm,
             dropout_seed=seed,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            memory=memory,
-            offload=offloader,
-            recompute=recompute,
-            memory_budget=memory_budget,
-            choices=_recompute_choices(model),
+            placements=placements,
+            choices=_recompute_choices(ctx.model),
         )
     if grad_sync is not None:
         grad_sync.finish()  # the dp reduction of this step's gradients (started during its backwards)
-    if offloader is not None and offload is True and getattr(model, "offloader", None) is not offloader:
-        offloader.close()  # made for this call
-    if owned:
-        comm.close()  # its thread, if it started one (not after a failure: a ring may never finish)
-    if _gradients_due(model, check_grads):
-        _check_gradients(model, grad_sync)
     return loss
 
 
@@ -361,59 +304,14 @@ def _check_gradients(model: nn.Module, grad_sync: Optional[GradientSync]) -> Non
     check_gradients(model, dp_group=dp_group)
 
 
-def _per_layer(model: object, stack: Stack) -> tuple[bool, Optional[LayerPlacements]]:
-    """(whether the model has per-layer TP degrees, its placements where they exist already): GPT's
-    and parallelize(..., tp_degrees=...)'s are per layer (a Hugging Face model makes its placements,
-    collectively, at its first step), a user's stack is where layer_placements() returns some.
-    ValueError for tp_degrees on a stack without layer_placements()."""
-    get_placements = getattr(stack, "layer_placements", None)
-    if getattr(model, "tp_degrees", None) is not None and get_placements is None:  # parallelize(..., tp_degrees=)
-        raise ValueError(
-            f"tp_degrees: oases.train_step runs per-layer tp_degrees on oases.models.GPT, Hugging Face "
-            f"causal LMs and stacks with layer_placements(), not yet on {type(stack).__name__}; train "
-            f"it with loss = model(...) then loss.backward()"
-        )
-    if getattr(model, "tp_degrees", None) is not None:  # GPT or parallelize(..., tp_degrees=...)
-        return True, None
-    placements = None
-    if get_placements is not None:  # a user's stack may have them (GPT without: None)
-        placements = get_placements()
-    return placements is not None, placements
-
-
-def _step_communicator(model: object, comm: Optional[Communicator], per_layer: bool) -> tuple[Communicator, bool]:
-    """(the Communicator the step runs on, whether it was made for this call): `comm`, checked to be
-    on the model's TP group, else the model's own or a new one on that group (per layer: one of size
-    1, unused: the layers' own). ValueError for a `comm` on another group, or none given for a model
-    that is not an nn.Module on more than one rank."""
-    tp = Communicator(None, 1) if per_layer else _tp_communicator(model)  # per layer: unused (the layers' own)
-    if comm is None and tp is None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            raise ValueError(
-                f"comm: {type(model).__name__} is not an nn.Module, so its TP group is unknown; pass "
-                "comm=oases.schedule.Communicator(tp_group, tp_group.size())"
-            )
-        tp = Communicator(None, 1)
-    owned = comm is None and not isinstance(getattr(model, "comm", None), Communicator)  # made for this call
-    if comm is None:
-        return tp, owned
-    if tp is not None and (not same_group(comm.group, tp.group) or comm.world_size != tp.world_size):
-        raise ValueError(
-            f"comm: its group (size {comm.world_size}) is not the model's TP group (size "
-            f"{tp.world_size}); make it with Communicator(<the group passed to parallelize>, its size)"
-        )
-    return comm, owned
-
-
 def _loss(
-    stack: Stack, labels: torch.Tensor, loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
+    ctx: StepContext, labels: torch.Tensor, loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
 ) -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], int]:
     """(loss_sum, normalizer) of a step: the causal-LM loss summed (over the stack's vocabulary-parallel
     logits group, if any) and the labels[:, 1:] != -100 count, or `loss_fn` and the labels != -100 count."""
     if loss_fn is not None:
         return loss_fn, int((labels != IGNORE_INDEX).sum())
-    group = getattr(stack, "logits_group", None)
-    vocab_size = getattr(stack, "vocab_size", None)  # V of a padded vocabulary-parallel head
+    group, vocab_size = ctx.logits_group, ctx.vocab_size
     normalizer = int((labels[:, 1:] != IGNORE_INDEX).sum())
 
     def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -442,15 +340,3 @@ def _num_items(num_items: Optional[Union[int, float, torch.Tensor]]) -> Optional
             f"num_items: expected a positive finite number (the tokens the loss is averaged over), got {value!r}"
         )
     return value
-
-
-def _offloader(model: object, offload: Union[bool, Offloader]) -> Optional[Offloader]:
-    """The Offloader a step uses: `offload` itself, the model's own for True (else a new one), or None."""
-    if isinstance(offload, Offloader):
-        return offload
-    if offload is True:
-        own = getattr(model, "offloader", None)
-        return own if isinstance(own, Offloader) else Offloader()
-    if offload is False:
-        return None
-    raise TypeError(f"offload: expected a bool or an oases.offload.Offloader, got {type(offload).__name__}")

@@ -4,6 +4,52 @@ A layer of degree d < p sees its replica's rows only, so each of its parameter g
 over its p / d replicas (`sum_over_replicas`, a gradient hook: hook_replica_sums, the one copy
 oases.models.GPT and oases.parallelize use): the loss is normalised over the whole batch, so the sum
 is the full gradient whatever the blocks' sizes.
+
+Per-layer TP degrees (oases.parallelize(..., tp_degrees=[d_0, ..., d_{L-1}]), one per decoder layer, each a power of two
+dividing p; e.g. oases.plan.load(path)): decoder layer l is sharded over the d_l consecutive ranks
+of its replica and runs on that replica's block of the batch rows (p / d_l replicas; d_l = 1: left
+unsharded), as oases.models.GPT does. The decoder layers are the nn.ModuleList at the dotted path
+`layers` (e.g. layers="model.blocks"), else the first non-empty nn.ModuleList of KNOWN_LAYERS:
+model.base_model.layers (Hugging Face Llama, Mistral, Qwen2/3: model.layers; GPT-NeoX:
+gpt_neox.layers), model.transformer.h or model.h (nanoGPT-style). Rank r runs layer l as TP rank
+r % d_l of replica r // d_l, on rows [floor(j B d_l / p), floor((j + 1) B d_l / p)) of the batch,
+j = r // d_l (blocks differ by a row at most where p / d_l does not divide B):
+
+    x = <the model's code before layers[0]>           # [B, ...] on every rank (degree p): embeddings
+    for l, layer in enumerate(layers):                # as the model's own forward calls them
+        x = reshard_rows(x, d_{l-1} -> d_l)           # [~B d_l / p, ...]: replica j's rows (d_{-1} = p)
+        args, kwargs = cut(args), cut(kwargs)         # every tensor with shape[0] == B -> its rows [j]
+        out = layer(x, *args, **kwargs)               # (or layer(hidden_states=x, ...))
+        x = out[0] if isinstance(out, tuple) else out
+    x = reshard_rows(x, d_{L-1} -> p)                 # [B, ...] on every rank, in layers[-1]'s output
+    <the model's code after layers[-1]>               # final norm, head, loss: the whole batch
+
+Hooks on the decoder layers do the resharding and the cutting (oases.degrees), and each
+parameter gradient of a layer with d_l < p is summed over its replicas, so model(...) and
+loss.backward() give the unsharded model's loss, logits and gradients when the model keeps this
+contract (Hugging Face Llama, Mistral, Qwen2, GPT-NeoX and nanoGPT-style models do):
+  - batch first: the hidden states reaching each layer are [B, ...] (not sequence-first [t, B, h]);
+    they are the layer's first positional argument, or the keyword hidden_states;
+  - a layer returns y or a tuple (y, ...); the model hands y to the next layer and does nothing
+    between layers that mixes rows or needs the whole batch (it sees only the replica's rows); the
+    other tuple elements of a layer's output stay at the replica's rows;
+  - per-example arguments are tensors whose first dim is B (in tuples, lists and dicts too): masks
+    [B, ...], position ids [B, t], rotary tables [B, t, d], per-row scalars [B]; they are cut.
+    Everything else is passed as it is, so a tensor shared by every row must not have first dim B
+    (give it a leading broadcast dim: [1, t, t], not [t, t] when t == B); cache_position is never cut;
+  - only the hidden states carry a gradient into a layer: any other tensor argument that requires
+    grad raises a ValueError (its gradient would be one replica's share); masks, position ids and
+    Hugging Face rotary tables (computed under no_grad) do not;
+  - each layer treats rows independently (no batch norm, no batch-wide reductions), its parameters
+    are its own (not tied to another layer or the embedding), no dropout (replicas draw different
+    masks), and the code outside the layers runs the same on every rank.
+`group` must be the world (the subgroups are made on every rank); no vocabulary entries, no
+sequence_parallel; oases.train_step runs Hugging Face models parallelized this way on its
+schedules (oases.models.HFStack.layer_placements) and refuses the others. Bad input
+raises on every rank before any communication: a `layers` path that does not name an nn.ModuleList
+(ValueError / TypeError), tp_degrees of the wrong length or with a degree that is not a power of
+two dividing p (ValueError), and, at the first forward, a batch of fewer rows than p / min(tp_degrees)
+replicas (ValueError).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import oases
-from oases._dcp import MARKER
 from oases.integrations._trainer_checks import is_peft
+from oases.storage.integrity import MARKER
 
 OASES_CHECKPOINT = "oases"  # the sharded checkpoint's folder inside checkpoint-N
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 from transformers import TrainingArguments
 
 from oases import _checks
+from oases.nn.parallelism import parallelism_of
 
 ELEMENTWISE_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop")
 
@@ -92,7 +93,8 @@ def refusals(args: TrainingArguments, bound: dict[str, Any], prepared_model: boo
             "the model's own gradient checkpointing",
             "disable it (model.gradient_checkpointing_disable()); activation_checkpointing=True is Oases' recompute",
         )
-    if getattr(model, "tp_degrees", None) is not None:
+    made = parallelism_of(model)
+    if made is not None and made.tp_degrees is not None:
         refuse("a model with per-layer tp_degrees", "not supported yet; parallelize with one TP degree")
     return found
 

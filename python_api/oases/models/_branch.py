@@ -33,10 +33,10 @@ from oases.models._dropout_streams import (
     tp_rank,
     where_of,
 )
-from oases.nn._parts import LATENT_PROJECTIONS
 from oases.nn.experts import ParallelExperts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear, no_tp_communication
-from oases.nn.row import _outputs_made
+from oases.nn.parts import LATENT_PROJECTIONS
+from oases.nn.row import outputs_made
 
 __all__ = ["Branch", "NOT_PASSED", "check_sharded", "check_random"]
 
@@ -139,7 +139,7 @@ class Branch:
         # (checked already: see below; in inference mode nothing is differentiated, nor versioned)
         if rows is None or all(r._output_read for r in rows) or torch.is_inference_mode_enabled():
             return _sum(self._outputs(h, ctx))
-        with _outputs_made(rows, unread=False) as made:
+        with outputs_made(rows, unread=False) as made:
             ys = self._outputs(h, ctx)
         if not _as_made(ys, made):  # something after the output projection: refused if it learns
             if any(r.world_size > 1 for r in rows):  # (one rank: the whole sum, nothing to refuse)
@@ -154,7 +154,7 @@ class Branch:
         the first forward refuses, before any backward."""
         if not torch.is_grad_enabled() or not h.requires_grad:
             h = h.detach().requires_grad_()
-            with torch.enable_grad(), _outputs_made(rows, unread=False) as made:
+            with torch.enable_grad(), outputs_made(rows, unread=False) as made:
                 ys = self._outputs(h, ctx)
         biases = self.biases if self.dropout else ()
         for module, y, outputs in zip(self.branches, ys, made):
@@ -168,7 +168,7 @@ class Branch:
         rows = self._rows
         if rows is None or any(r._output_read for r in rows):
             return self.core(h, ctx)
-        with _outputs_made(rows, unread=True) as made:
+        with outputs_made(rows, unread=True) as made:
             ys = self._outputs(h, ctx)
         if _as_made(ys, made):
             return _sum(ys)

@@ -17,8 +17,8 @@ from oases.comm.topology import ring_of
 from oases.degrees import LayerDegrees
 from oases.models._dropout_streams import is_dropout, seeded_layer
 from oases.models._whole import WholeLayer
-from oases.nn._parts import LayerParts, _calls, layer_parts
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.nn.parts import LayerParts, child_calls, layer_parts
 
 
 class _SeededWholeLayer(WholeLayer):
@@ -83,7 +83,7 @@ def _branch_dropouts(layer: nn.Module, parts: LayerParts) -> Optional[tuple[tupl
     None where it applies dropout otherwise."""
     children = dict(layer.named_children())
     dropouts = _dropout_calls(type(layer).forward)
-    calls = _calls(type(layer).forward)
+    calls = child_calls(type(layer).forward)
     if dropouts is None or calls is None:
         return None
     if any(not on_self or not is_dropout(children.get(name, nn.Identity())) for on_self, name in dropouts):

@@ -47,9 +47,10 @@ from oases.models._gpt_config import GPTConfig
 from oases.models._gpt_sublayers import _MLP, _Attention, _Sublayer
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
+from oases.nn.parallelism import Parallelism, record
 from oases.nn.vocab import IGNORE_INDEX, VocabParallelEmbedding, runs_as_partial, vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, SubBatch, check_step, train_step
+from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, StepOptions, SubBatch, run_step
 from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements
 
@@ -176,6 +177,8 @@ class GPT(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.reset_parameters(seed)
+        made = Parallelism(self.group, self.tp, self.layer_degrees, sequence_parallel, self.offloader, self.comm)
+        record(self, made)  # what oases.train_step reads (oases.nn.parallelism)
 
     @property
     def tp_degrees(self) -> Optional[tuple[int, ...]]:
@@ -322,38 +325,24 @@ class GPT(nn.Module):
             ValueError: targets' shape differs from tokens', a bad step argument, or, with
                 check_inputs=True, tokens or targets that differ over the TP group.
         """
-        tokens, targets = agree_step_inputs(self, self.comm, check_inputs, tokens=tokens, targets=targets)
+        tokens, targets = agree_step_inputs(self, self.group, self.tp, check_inputs, tokens=tokens, targets=targets)
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self._positions(tokens)  # the shape check of embed_tokens, before any communication
-        check_step(
-            tokens,
-            targets,
-            schedule=self.schedule,
-            sub_batches=sub_batches,
-            sequence_parallel=self.sequence_parallel,
-            attention_mask=None,
-            world_size=self.tp,
-            recompute=recompute,
-            offload=self.offloader is not None,
+        options = StepOptions(
+            self.schedule, sub_batches, self.sequence_parallel, recompute, memory_budget, self.offloader, memory
         )
+        batch = options.check(tokens, targets, world_size=self.tp)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
-        seed = seed if self.training and self.config.dropout > 0 else None
-        return train_step(
+        return run_step(
             self,
-            tokens,
-            targets,
+            batch,
+            options,
             loss_sum=self._loss_sum,
             normalizer=int((targets != IGNORE_INDEX).sum()),
             comm=self.comm,
-            schedule=self.schedule,
-            sub_batches=sub_batches,
-            sequence_parallel=self.sequence_parallel,
-            dropout_seed=seed,
-            memory=memory,
-            offload=self.offloader,
-            recompute=recompute,
-            memory_budget=memory_budget,
+            dropout_seed=seed if self.training and self.config.dropout > 0 else None,
+            placements=self.layer_placements(),
             choices=self._recompute_choices,
         )
 

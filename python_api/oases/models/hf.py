@@ -3,7 +3,7 @@
     stack = HFStack(model)           # a Hugging Face causal LM (Llama, Mistral, Qwen2/3, Gemma, Phi-3,
                                      # GPT-2, GPT-NeoX, OLMo-2, ...), after oases.parallelize (or unsharded)
 
-The adapter is derived from the model's structure (oases.nn._parts), not from a list of classes:
+The adapter is derived from the model's structure (oases.nn.parts), not from a list of classes:
 the base model (`model.base_model`), its decoder layers (its first non-empty nn.ModuleList child:
 `layers`, GPT-2's `h`), its final norm (its one norm child), the head (get_output_embeddings()),
 and in each layer its attention, MLP and norms, combined as the layer's forward calls them:
@@ -29,7 +29,7 @@ After `oases.parallelize(model, tp_degrees=[...])`, `layer_placements()` gives t
 decoder layer's degree (oases.schedule.protocol): its all-reduces on a Communicator of its own
 degree's TP group, its replica's rows (`replica_ctx` cuts every [b, ...] keyword argument of the
 layers -- masks, rotary tables, position ids -- to them), rows moved between degrees, on the
-groups parallelize made (`model.layer_degrees`, an oases.degrees.LayerDegrees); their
+groups parallelize made (its record's `layer_degrees`, an oases.degrees.LayerDegrees: oases.nn.parallelism); their
 Communicators are made at the first step and kept on the model (`model.oases_layer_placements`;
 beside it `model.oases_layer_returns_tuple`, what the base model's forward expects a decoder layer
 to return, found at the first step).
@@ -70,8 +70,9 @@ from oases.models._hf_standins import (
     _vocab_embedding,
 )
 from oases.models._whole import WholeLayer
-from oases.nn._parts import LayerParts, find_stack
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.nn.parallelism import parallelism_of
+from oases.nn.parts import LayerParts, find_stack
 from oases.nn.vocab import runs_as_partial
 from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements, SubBatch
@@ -134,7 +135,7 @@ class HFStack:
     An LM head that parallelize made vocab-parallel ("vocab_head") gives this rank's slice of the
     logits here (never gathered; `logits_group` is its group), whatever its gather_output.
 
-    `parts[i]` says how decoder layer i is split (oases.nn._parts.LayerParts: "sequential",
+    `parts[i]` says how decoder layer i is split (oases.nn.parts.LayerParts: "sequential",
     "parallel" or "whole", and why whole).
 
     Raises ValueError (before any communication) for a model it cannot run exactly: no decoder
@@ -169,11 +170,10 @@ class HFStack:
         self._names = _top_names(model, self.base, self.lm_head)
         self._embedding = _vocab_embedding(self.base)  # (owner, name) of a vocabulary-parallel one, else None
         decoder = self.decoder
-        # parallelize(..., tp_degrees=...) keeps model.layer_degrees (and model.tp_degrees): degree-1 layers unsharded
-        layer_degrees = getattr(model, "layer_degrees", None)
-        self.layer_degrees = layer_degrees if isinstance(layer_degrees, LayerDegrees) else None
-        degrees = self.layer_degrees.degrees if self.layer_degrees is not None else getattr(model, "tp_degrees", None)
-        self.degrees: Optional[tuple[int, ...]] = None if degrees is None else tuple(degrees)
+        # parallelize(..., tp_degrees=...) records its LayerDegrees (oases.nn.parallelism): degree-1 layers unsharded
+        made = parallelism_of(model)
+        self.layer_degrees: Optional[LayerDegrees] = None if made is None else made.layer_degrees
+        self.degrees: Optional[tuple[int, ...]] = None if self.layer_degrees is None else self.layer_degrees.degrees
         if self.degrees is not None and len(self.degrees) != len(decoder):
             raise ValueError(
                 f"tp_degrees: {len(self.degrees)} degrees for {len(decoder)} decoder layers; "
@@ -322,7 +322,7 @@ class HFStack:
 
     def layer_placements(self) -> Optional[LayerPlacements]:
         """Per-layer TP degrees (parallelize(..., tp_degrees=...)): the decoder layers' placements
-        over the groups parallelize made (model.layer_degrees), their Communicators made at the
+        over the groups parallelize made (its record's layer_degrees), their Communicators made at the
         first call and kept on the model; None without tp_degrees. While a schedule runs,
         parallelize's replica-sum hooks stand down and the schedule sums each layer's gradients
         over its replicas itself."""
@@ -330,12 +330,6 @@ class HFStack:
             return None
         kept = getattr(self.model, "oases_layer_placements", None)
         if not isinstance(kept, LayerPlacements) or tuple(at.place.degree for at in kept.layers) != self.degrees:
-            if self.layer_degrees is None:
-                raise ValueError(
-                    "tp_degrees: the model has per-layer degrees but not the groups oases.parallelize "
-                    "keeps with them (model.layer_degrees); parallelize it with "
-                    "oases.parallelize(model, tp_degrees=...)"
-                )
             kept = layer_placements(self.layer_degrees, self.decoder)
             self.model.oases_layer_placements = kept
         return kept

@@ -30,10 +30,12 @@ import torch.nn as nn
 from oases._compiled import original_module
 from oases._sharding import tp_rules
 from oases.comm.topology import ring_of
-from oases.nn._parts import (
+from oases.nn.experts import expert_weights, is_experts
+from oases.nn.layers import RowParallelLinear
+from oases.nn.parts import (
     LATENT_PROJECTIONS,
-    _calls,
     attention_of,
+    child_calls,
     decoder_layers_of,
     find_stack,
     inner_base,
@@ -42,8 +44,6 @@ from oases.nn._parts import (
     mlp_of,
     projections,
 )
-from oases.nn.experts import expert_weights, is_experts
-from oases.nn.layers import RowParallelLinear
 
 __all__ = ["Part", "Summary", "summary", "check_coverage", "report", "whole_layers", "ROUTERS"]
 
@@ -233,7 +233,7 @@ def _suggestion(layer: nn.Module, part: str, child: str) -> str:
     module = layer.get_submodule(part)
     if is_experts(module.get_submodule(child)):
         return f"{child!r}: 'experts'"
-    called = [n for n in (_calls(type(module).forward) or []) if n in projections(module)]
+    called = [n for n in (child_calls(type(module).forward) or []) if n in projections(module)]
     last = called[-1] if called else list(projections(module))[-1]
     return f"{child!r}: {'row' if child == last else 'column'!r}"
 

@@ -41,8 +41,8 @@ import torch.nn as nn
 from oases._sharding import ShardRule
 from oases.comm.topology import ring_of
 from oases.nn import mappings
-from oases.nn._parts import HEAD_PROJECTIONS, is_norm
 from oases.nn.norm import ShardedRMSNorm
+from oases.nn.parts import HEAD_PROJECTIONS, is_norm
 
 __all__ = [
     "PER_RANK_ATTRIBUTES",

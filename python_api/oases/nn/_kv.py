@@ -36,7 +36,7 @@ from oases import comm as _comm
 from oases.comm.topology import ring_of
 from oases.nn import _heads
 from oases.nn._layer_args import is_conv1d
-from oases.nn._parts import HEAD_PROJECTIONS
+from oases.nn.parts import HEAD_PROJECTIONS
 
 __all__ = ["KV_PROJECTIONS", "copies", "plan_replicas", "replica_groups"]
 

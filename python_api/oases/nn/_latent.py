@@ -34,8 +34,8 @@ import functools
 import torch.nn as nn
 
 from oases.nn import _moe
-from oases.nn._parts import LATENT_PROJECTIONS
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
+from oases.nn.parts import LATENT_PROJECTIONS
 
 __all__ = ["is_latent", "make_latent_region"]
 

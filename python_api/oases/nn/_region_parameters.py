@@ -43,8 +43,8 @@ import torch.nn as nn
 from oases._sharding import ShardRule
 from oases.comm.topology import ring_of
 from oases.nn import mappings
-from oases.nn._parts import is_norm
 from oases.nn._styles import Style, features
+from oases.nn.parts import is_norm
 
 __all__ = ["Placement", "place_region_parameters", "apply_region_parameters"]
 

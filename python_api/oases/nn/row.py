@@ -22,7 +22,7 @@ from oases.nn._layer_args import _check_flag, _check_transposed, _resolve_chunks
 from oases.nn.mappings import copy_to_tp, reduce_from_tp, split_to_tp
 from oases.ops import linear_unread
 
-__all__ = ["RowParallelLinear"]
+__all__ = ["RowParallelLinear", "outputs_made"]
 
 
 class RowParallelLinear(nn.Module):
@@ -85,8 +85,8 @@ class RowParallelLinear(nn.Module):
         self.chunks = _resolve_chunks(chunks)
         self._communicate = True  # False only inside no_tp_communication
         self._added: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # oases.nn.column.adding
-        self._made: Optional[list] = None  # inside _outputs_made: (output, grad_fn, version) of each forward
-        self._unread = False  # inside _outputs_made(unread=True): no GEMM
+        self._made: Optional[list] = None  # inside outputs_made: (output, grad_fn, version) of each forward
+        self._unread = False  # inside outputs_made(unread=True): no GEMM
         self._output_read = False  # a model's forward reads this layer's output (oases.models._branch)
         full = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)  # nn.Linear's init
         w = full.weight.detach()
@@ -148,7 +148,7 @@ class RowParallelLinear(nn.Module):
         if not self._communicate:
             if self._made is None:
                 return self._with_added(x, _linear(x, weight, None, main_grad))  # partial sum; the caller reduces
-            # inside _outputs_made; unread: a graph to differentiate only, no GEMM
+            # inside outputs_made; unread: a graph to differentiate only, no GEMM
             y = linear_unread(x, weight, main_grad=main_grad) if self._unread else _linear(x, weight, None, main_grad)
             y = self._with_added(x, y)
             self._made.append((y, y.grad_fn, y._version))
@@ -187,7 +187,7 @@ class RowParallelLinear(nn.Module):
 
 
 @contextlib.contextmanager
-def _outputs_made(layers: Sequence[RowParallelLinear], unread: bool) -> Iterator[list[list[tuple]]]:
+def outputs_made(layers: Sequence[RowParallelLinear], unread: bool) -> Iterator[list[list[tuple]]]:
     """Inside (and inside no_tp_communication), each of `layers` records (output, output.grad_fn,
     output._version) of its forwards in its list of the yielded lists, so the caller can see what the model did
     with the output after the layer. `unread`: the layers return their partial sum's graph

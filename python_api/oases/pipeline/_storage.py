@@ -10,7 +10,7 @@ release_unowned), else the modules its stage owns whole (Stage.held(); the meta 
 release_unowned make sure there are such) and every persistent buffer. Its stage's keys: the
 parameters the stage places, and the buffers.
 
-Checkpoints are oases.save_checkpoint's (oases._dcp), the same entries as a TP model's:
+Checkpoints are oases.save_checkpoint's (oases.storage), the same entries as a TP model's:
 
     model.<key>                       the unsharded tensor; each rank writes the boxes of its stage's
                                       shards (DP / TP replicas and buffers written once)
@@ -31,40 +31,36 @@ collective; pending updates are applied before saving or loading.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.modules.module import _IncompatibleKeys
 
-from oases import _dcp
-from oases._hf_files import DTYPES, stored_tensors
-from oases.checkpoint import CheckpointState
-from oases.checkpoint._disk import _count, _rng_key, _rng_warning, _run_entries, _save_target, _set_rng, _sharded
-from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _STATE
-from oases.checkpoint._optimizer import (
-    _optimizer_entries,
-    _optimizer_reads,
-    _optimizer_view,
-    _optimizer_wants,
-    _restore_optimizer,
-)
-from oases.checkpoint._select import choose, wants_of
-from oases.checkpoint._unsharded import _check, _shards
-from oases.comm.topology import ring_of
-from oases.nn._materialize import is_on_meta
+from oases.comm.topology import Ring, ring_of
+from oases.nn._materialize import is_on_meta  # the meta-build predicate pipeline._build uses too (not storage)
 from oases.pipeline.p2p import mesh_grid
-from oases.pretrained import (
-    _check_save,
-    _Entry,
-    _gathered,
-    _read_into,
-    _split,
-    _ties,
-    _write_files,
+from oases.storage import dcp
+from oases.storage.checkpoint import CheckpointState, check_load_options, save_target, write_checkpoint
+from oases.storage.choose import choose_checkpoint, wants_of
+from oases.storage.entries import model_entries, restore_rng, run_reads, stored_model, warn_rng_not_restored
+from oases.storage.hf_files import stored_tensors
+from oases.storage.hf_write import TensorEntry, check_dtypes, check_save, gather_to, split_files, write_files
+from oases.storage.keys import EXTRA, FORMAT_KEY, GROUPS
+from oases.storage.optimizer import (
+    optimizer_entries,
+    optimizer_reads,
+    optimizer_view,
+    optimizer_wants,
+    restore_optimizer,
 )
+from oases.storage.pretrained import match_stored, read_into
+from oases.storage.publish import check_target
+from oases.storage.unsharded import check_fit, shards_of
 
 if TYPE_CHECKING:
     from oases.pipeline.pipeline import Pipeline
@@ -103,6 +99,13 @@ def _stage_keys(pipe: "Pipeline") -> set[str]:
     return set(pipe.stage.owned_keys) | {k for k in pipe.stage.key_order if k not in params}
 
 
+def _stage_state(pipe: "Pipeline", held: nn.Module, skip: frozenset = frozenset()) -> dict[str, torch.Tensor]:
+    """The entries of `held`'s state dict (detached views of this rank's tensors) that this stage
+    reads and writes (`_stage_keys`), but those in `skip`."""
+    keys = _stage_keys(pipe)
+    return {key: value for key, value in held.state_dict().items() if key in keys and key not in skip}
+
+
 # --- Hugging Face safetensors ---------------------------------------------------------------------
 
 
@@ -120,29 +123,23 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
     path = os.fspath(path)
     expected = pipe.stage.shapes  # {key: unsharded shape} of the whole model
     stored = stored_tensors(path, pipe.model)
-    ties = _ties(pipe.model)
-    given: dict[str, torch.Size] = {}
-    for key in expected:
-        present = [k for k in ties[key] if k in stored]  # a tied tensor is stored under one of its keys
-        if present:
-            given[key] = stored[key if key in stored else present[0]].shape
-    given.update((key, t.shape) for key, t in stored.items() if key not in expected)
-    _check(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
+    _, given = match_stored(pipe.model, expected, stored)  # a tied tensor is stored under one of its keys
+    check_fit(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
     pipe._apply_pending()
-    _read_into(_held(pipe), path, stored, strict=False)  # keyed by the whole model's mapping
+    read_into(_held(pipe), path, stored, strict=False)  # keyed by the whole model's mapping
     if pipe.zero:
         for optimizer in pipe.optimizers:
             optimizer.sync_masters()
     return _IncompatibleKeys([k for k in expected if k not in given], [k for k in stored if k not in expected])
 
 
-def _to_writer(entry: _Entry, owner: int, writer: int, me: int, device: torch.device) -> Optional[torch.Tensor]:
+def _to_writer(entry: TensorEntry, owner: int, writer: int, me: int, device: torch.device) -> Optional[torch.Tensor]:
     """The full tensor on `writer` (None elsewhere): gathered over tp to `owner` (the rank of its
     stage's first dp replica and tp rank 0), then sent to the writer if it is another rank."""
     if entry.shard is None:  # replicated, or not held here (no shard of it on this rank)
         full = entry.local if me == owner else None
     else:
-        full = _gathered(entry, owner, me)  # over the owner's tp group; None on every other rank
+        full = gather_to(entry, owner, me)  # over the owner's tp group; None on every other rank
     if owner == writer or me not in (owner, writer):
         return full
     if me == owner:
@@ -165,27 +162,25 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
     A collective over the mesh. Raises before any communication, on every rank alike, as
     oases.save_pretrained does (path a file, max_shard_size, dtype, config)."""
     model = pipe.model
-    path = _check_save(path, max_shard_size, model)
-    unknown = [f"{k} ({v.dtype})" for k, v in model.state_dict().items() if v.dtype not in DTYPES]
-    if unknown:
-        raise TypeError(f"save_pretrained: no safetensors dtype for {', '.join(unknown)}")
+    path = check_save(path, max_shard_size, model)
+    check_dtypes("save_pretrained", model.state_dict().items())
     pipe._apply_pending()
     held = _held(pipe)
-    shards, local = _shards(held), held.state_dict(keep_vars=True)
+    shards, local = shards_of(held), held.state_dict(keep_vars=True)
     entries, seen = [], set()
     for key, tensor in model.state_dict(keep_vars=True).items():
         if id(tensor) not in seen:  # a tied tensor once, under its first key
             seen.add(id(tensor))
-            entries.append(_Entry(key, local.get(key, tensor).detach(), shards.get(key), pipe.stage.shapes[key]))
+            entries.append(TensorEntry(key, local.get(key, tensor).detach(), shards.get(key), pipe.stage.shapes[key]))
     grid = mesh_grid(pipe.mesh)  # [dp, pp, tp] global ranks
     stage_of = pipe.stage.stage_of()  # buffers: stage 0's (every stage holds them)
     writer, me = int(grid[0, 0, 0]), dist.get_rank()
 
-    def full_of(entry: _Entry) -> Optional[torch.Tensor]:
+    def full_of(entry: TensorEntry) -> Optional[torch.Tensor]:
         owner = int(grid[0, stage_of.get(entry.key, 0), 0])
         return _to_writer(entry, owner, writer, me, pipe.comm.device)
 
-    _write_files(model, path, entries, _split(entries, max_shard_size), writer, me, full_of)
+    write_files(model, path, entries, split_files(entries, max_shard_size), writer, me, full_of)
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
@@ -232,28 +227,20 @@ def save_checkpoint(
     directory published (path, or path/step-{step:09d}). A collective over the mesh; argument
     errors are raised on every rank before any communication."""
     ring = ring_of(None)
-    where = _save_target(path, step, keep, extra)
-    _dcp.check_target(where)  # every check above and here is local
+    where = save_target(path, step, keep, extra)
+    check_target(where)  # every check above and here is local
     pipe._apply_pending()
     held = _held(pipe)
-    shards, keys = _shards(held), _stage_keys(pipe)
+    shards = shards_of(held)
     copies = pipe.stage.tied_keys if pipe.layout.stage > 0 else frozenset()  # the first stage writes a tied one
-    entries: dict[str, Any] = {
-        _MODEL + key: _sharded(value, shards[key]) if key in shards else value
-        for key, value in held.state_dict().items()
-        if key in keys and key not in copies
-    }
+    entries = model_entries(_stage_state(pipe, held, copies), shards)
     groups = []
     for optimizer in pipe.optimizers:
-        own = _optimizer_entries(_optimizer_view(pipe.model, optimizer), shards)
-        groups.append(own.pop(_GROUPS))
-        entries.update(
-            (key, value) for key, value in own.items() if not any(key.startswith(f"{_STATE}{name}.") for name in copies)
-        )
-    entries[_GROUPS] = _merged_groups(pipe, groups)
-    entries.update(_run_entries(extra, ring.rank))
-    marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": True}
-    _dcp.save(entries, where, ring, marker, keep)
+        own = optimizer_entries(optimizer_view(pipe.model, optimizer), shards, skip=copies)
+        groups.append(own.pop(GROUPS))
+        entries.update(own)
+    entries[GROUPS] = _merged_groups(pipe, groups)
+    write_checkpoint(entries, where, ring, step=step, keep=keep, extra=extra, optimizer=True)
     return where
 
 
@@ -275,6 +262,36 @@ def _group_problem(views: list, saved: list[dict]) -> Optional[str]:
     return None
 
 
+def _prepare(
+    pipe: "Pipeline", ring: Ring, where: str, stored: dict, marker: Optional[dict]
+) -> tuple[tuple, dict, dict]:
+    """load_checkpoint's local checks against the checkpoint at `where`, and what this rank reads
+    from it (oases.storage.choose's `Prepare`, `pipe` and `ring` bound)."""
+    what = f"checkpoint {where!r}"
+    views = [optimizer_view(pipe.model, optimizer) for optimizer in pipe.optimizers]
+    if FORMAT_KEY not in stored:
+        raise ValueError(
+            f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
+            f"model with oases.load_checkpoint"
+        )
+    held_meta = stored_model(what, stored)
+    check_fit(what, pipe.stage.shapes, {key: meta.size for key, meta in held_meta.items()}, {}, True)
+    if GROUPS not in stored:
+        raise ValueError(
+            f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's optimizers need it"
+        )
+    small, rng = run_reads(stored, marker, ring)
+    small[GROUPS] = None
+    held = _held(pipe)  # views of this rank's tensors, for the boxes it reads (nothing is read here)
+    shards = shards_of(held)
+    wants = wants_of(model_entries(_stage_state(pipe, held), shards))
+    for view in views:
+        own = optimizer_wants(what, view, stored, shards)
+        wants.update(own)
+        small.update((key, None) for key in own if not isinstance(stored[key], TensorStorageMetadata))  # pickled
+    return (rng, views), small, {**wants, **dict.fromkeys(small)}
+
+
 def load_checkpoint(
     pipe: "Pipeline", path: Path, *, step: Optional[int] = None, verify: bool = True, trusted: bool = True
 ) -> CheckpointState:
@@ -291,86 +308,36 @@ def load_checkpoint(
         restore this rank's RNG states if the mesh has as many ranks as the one that saved
 
     A collective over the mesh. Returns CheckpointState(step, extra, path, [], [])."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     ring = ring_of(None)
     if pipe._auto["segments"]:
         raise ValueError(
             "load_checkpoint: segments='auto' is chosen at the first train_step, which rebuilds the "
             "optimizers; pass segments=N to resume"
         )
-    if step is not None:
-        _count("step", step, 0)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify: expected a bool, got {verify!r}")
-    if not isinstance(trusted, bool):
-        raise TypeError(f"trusted: expected a bool, got {trusted!r}")
-
-    def prepare(where: str, stored: dict, marker: Optional[dict]) -> tuple[tuple, dict, dict]:
-        """The local checks against the checkpoint at `where`, and what this rank reads from it."""
-        what = f"checkpoint {where!r}"
-        views = [_optimizer_view(pipe.model, optimizer) for optimizer in pipe.optimizers]
-        if _dcp.FORMAT_KEY not in stored:
-            raise ValueError(
-                f"{what}: written by an older oases.save_checkpoint (no optimizer state); load it into a "
-                f"model with oases.load_checkpoint"
-            )
-        held_meta = {key[len(_MODEL) :]: meta for key, meta in stored.items() if key.startswith(_MODEL)}
-        non_tensors = [key for key in held_meta if not isinstance(held_meta[key], TensorStorageMetadata)]
-        if non_tensors:
-            raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
-        _check(what, pipe.stage.shapes, {key: meta.size for key, meta in held_meta.items()}, {}, True)
-        if _GROUPS not in stored:
-            raise ValueError(
-                f"{what}: holds no optimizer state (saved without optimizer=); the pipeline's optimizers need it"
-            )
-        small: dict[str, Any] = {_EXTRA: None, _GROUPS: None}
-        rng = _rng_key(stored, marker, ring.size, ring.rank)
-        if rng is not None:
-            small[rng] = None
-        held = _held(pipe)  # views of this rank's tensors, for the boxes it reads (nothing is read here)
-        shards, keys = _shards(held), _stage_keys(pipe)
-        wants = wants_of(
-            {
-                _MODEL + key: _sharded(value, shards[key]) if key in shards else value
-                for key, value in held.state_dict().items()
-                if key in keys
-            }
-        )
-        for view in views:
-            own = _optimizer_wants(what, view, stored, shards)
-            wants.update(own)
-            small.update((key, None) for key in own if not isinstance(stored[key], TensorStorageMetadata))  # pickled
-        return (rng, views), small, {**wants, **dict.fromkeys(small)}
-
-    where, stored, marker, (rng, views), small = choose(
-        os.path.normpath(os.fspath(path)), step, ring, verify, prepare, trusted
+    check_load_options(step, verify, trusted)
+    where, stored, marker, (rng, views), small = choose_checkpoint(
+        os.path.normpath(os.fspath(path)), step, ring, verify, functools.partial(_prepare, pipe, ring), trusted
     )
     what = f"checkpoint {where!r}"
     if rng is None:
-        _rng_warning(what, marker, ring.size)
+        warn_rng_not_restored(what, marker, ring.size)
     problems: list[Optional[str]] = [None] * ring.size
-    dist.all_gather_object(problems, _group_problem(views, small[_GROUPS]))  # every rank raises alike
+    dist.all_gather_object(problems, _group_problem(views, small[GROUPS]))  # every rank raises alike
     problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise ValueError(f"{what}: {problem}")
 
     pipe._apply_pending()
     held = _held(pipe)
-    shards, keys = _shards(held), _stage_keys(pipe)
-    local = held.state_dict()  # detached views of the model's own tensors: reads land in them
-    entries: dict[str, Any] = {
-        _MODEL + key: _sharded(value, shards[key]) if key in shards else value
-        for key, value in local.items()
-        if key in keys
-    }
-    reads = [_optimizer_reads(what, view, stored, shards) for view in views]
+    shards = shards_of(held)
+    entries = model_entries(_stage_state(pipe, held), shards)  # views of the model's own tensors: reads land in them
+    reads = [optimizer_reads(what, view, stored, shards) for view in views]
     for _, own in reads:
         entries.update((key, value) for key, value in own.items() if value is not None)
-    _dcp.load(entries, where, ring, trusted)  # the one collective that moves data
+    dcp.load(entries, where, ring, trusted)  # the one collective that moves data
     for view, (slots, own) in zip(views, reads):
         values = {key: small[key] if value is None else value for key, value in own.items()}  # pickled: read already
-        _restore_optimizer(view, slots, values, small[_GROUPS])
+        restore_optimizer(view, slots, values, small[GROUPS])
     if rng is not None:
-        _set_rng(what, small[rng])
-    return CheckpointState(step=marker["step"], extra=small[_EXTRA], path=where, missing_keys=[], unexpected_keys=[])
+        restore_rng(what, small[rng])
+    return CheckpointState(step=marker["step"], extra=small[EXTRA], path=where, missing_keys=[], unexpected_keys=[])

@@ -32,8 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from oases.checkpoint import full_state_dict
-from oases.checkpoint._unsharded import _layout
 from oases.nn.mappings import copy_to_tp, reduce_from_tp
 from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
@@ -45,6 +43,8 @@ from oases.pipeline._roles import Roles, probe_roles
 from oases.pipeline._subtrees import outermost, standing_in
 from oases.pipeline._subtrees import owned_modules as _owned_modules
 from oases.schedule import Stack, SubBatch
+from oases.storage import full_state_dict
+from oases.storage.unsharded import unsharded_shapes
 
 __all__ = ["StageLayout", "Stage", "Roles", "probe_roles"]
 
@@ -125,7 +125,7 @@ class Stage:
         owned = {id(p) for k in range(layout.segments) for p in self._placed(k)}
         self._owned_keys = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in owned}
         self.key_order = list(model.state_dict())  # the model's state-dict order, for Pipeline.state_dict()
-        self.shapes = _layout(model)[2]  # {key: unsharded shape} of the whole model (before release_unowned)
+        self.shapes = unsharded_shapes(model)  # {key: unsharded shape} of the whole model (before release_unowned)
         # Modules outside the layers whose parameters this rank does not hold (a meta build's other stages'):
         # stood in for while embed computes the ctx.
         self._absent = outermost(

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from oases.dp._sharded_optimizer import ShardedOptimizer
+from oases.dp.zero import ShardedOptimizer
 from oases.pipeline.comm_scheduler import CommScheduler
 from oases.pipeline.dp_sync import SegmentSync, buckets_of, chunks_for
 

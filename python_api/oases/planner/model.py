@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
 from oases import _checks
-from oases.planner._files import read_json
+from oases._files import read_json
 
 __all__ = ["ModelShape", "PRESETS", "SUBLAYERS", "load_model", "shape_from_config"]
 

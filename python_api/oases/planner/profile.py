@@ -34,10 +34,10 @@ from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 
+from oases._files import read_json
 from oases.costs.chunks import check_efficiency
 from oases.costs.link import DEFAULT_LATENCY_S, LinkFit
 from oases.costs.rate import parse_bandwidth
-from oases.planner._files import read_json
 from oases.planner.model import SUBLAYERS, ModelShape
 
 __all__ = [

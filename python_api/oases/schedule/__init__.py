@@ -8,7 +8,8 @@ or builds that for a parallelized model and calls `train_step` here.
     oases.schedule.selective          recompute="selective": kept graphs that save only GEMM outputs
     oases.schedule.sequence_parallel  the same with the sequence split over the TP ranks
     oases.schedule.placed             per-layer TP degrees: row moves, replica gradient sums
-    oases.schedule.step               train_step: the programs interleaved
+    oases.schedule.options            StepOptions: a step's options, checked once (StepBatch)
+    oases.schedule.step               train_step / run_step: the programs interleaved
     oases.schedule.runtime            Communicator and interleave; .exposure: waits by cause
 
 `CheckpointMemory`, the old name of `RecomputeMemory`, warns and returns it (a checkpoint is a
@@ -16,9 +17,10 @@ training state saved to files: oases.checkpoint).
 """
 
 from oases._deprecated import renamed as _renamed
+from oases.schedule.options import StepBatch, StepOptions
 from oases.schedule.protocol import EmbedSplit, HeadSplit, Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
-from oases.schedule.step import train_step
+from oases.schedule.step import run_step, train_step
 from oases.schedule.table import (
     MAX_SUB_BATCHES,
     SCHEDULES,
@@ -36,6 +38,9 @@ __all__ = [
     "RecomputeMemory",
     "Recompute",
     "train_step",
+    "run_step",
+    "StepOptions",
+    "StepBatch",
     "check_step",
     "split_rows",
     "Stack",

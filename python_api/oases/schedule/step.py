@@ -12,6 +12,7 @@ import torch.distributed as dist
 from oases.degrees import refuse_with_degrees
 from oases.offload import Offloader
 from oases.schedule.budget import RecomputeChoice, choose_recompute
+from oases.schedule.options import StepBatch, StepOptions
 from oases.schedule.placed import PlacedStep, check_placements
 from oases.schedule.programs import _program
 from oases.schedule.protocol import LayerPlacements, Stack, SubBatch
@@ -35,12 +36,11 @@ from oases.schedule.table import (
     Schedule,
     _OffloadedRecomputeInputs,
     _RecomputeInputs,
-    check_step,
     layer_modes,
     split_rows,
 )
 
-__all__ = ["train_step"]
+__all__ = ["train_step", "run_step", "stack_placements"]
 
 logger = logging.getLogger("oases")
 
@@ -101,37 +101,88 @@ def train_step(
     (SubBatch.attention_mask, SubBatch.position_ids).
     Checks run before any communication, so a bad argument raises on every rank alike.
     """
-    parts = check_step(
-        input_ids,
-        labels,
-        schedule=schedule,
-        sub_batches=sub_batches,
-        sequence_parallel=sequence_parallel,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        world_size=comm.world_size,
-        recompute=recompute,
-        offload=offload is not None,
+    options = StepOptions(schedule, sub_batches, sequence_parallel, recompute, memory_budget, offload, memory)
+    checked = options.check(
+        input_ids, labels, world_size=comm.world_size, attention_mask=attention_mask, position_ids=position_ids
     )
-    sched, batch = SCHEDULES[schedule], input_ids.shape[0]
+    return run_step(
+        stack,
+        checked,
+        options,
+        loss_sum=loss_sum,
+        normalizer=normalizer,
+        comm=comm,
+        dropout_seed=dropout_seed,
+        placements=stack_placements(stack),
+        choices=choices,
+    )
+
+
+def stack_placements(stack: Stack) -> Optional[LayerPlacements]:
+    """The stack's per-layer placements (`stack.layer_placements()`, oases.schedule.protocol; None
+    without them)."""
     get_placements = getattr(stack, "layer_placements", None)
-    placements = get_placements() if get_placements is not None else None
+    return get_placements() if get_placements is not None else None
+
+
+def run_step(
+    stack: Stack,
+    batch: StepBatch,
+    options: StepOptions,
+    *,
+    loss_sum: LossSum,
+    normalizer: float,
+    comm: Communicator,
+    dropout_seed: Optional[int],
+    placements: Optional[LayerPlacements],
+    choices: Optional[dict] = None,
+) -> torch.Tensor:
+    """train_step on a batch its options checked (StepOptions.check) and the stack's placements
+    resolved by the caller (stack_placements): what oases.train_step, GPT.train_step and
+    train_step above run, with no check repeated."""
+    check_placements(placements, batch.input_ids.shape[0], batch.parts, sequence_parallel=options.sequence_parallel)
+    partial = partial_parameters(stack)
+    if placements is not None:
+        refuse_with_degrees("offload", options.offload, fix="pass offload=None")
+        if partial:
+            raise ValueError(
+                f"tp_degrees: {type(stack).__name__} has parameters whose gradients the schedule sums "
+                "(partial_parameters: LoRA's replicated factors); not with per-layer TP degrees"
+            )
+    sched, memory = _schedule_of(stack, batch, options, comm, dropout_seed, placements, choices)
+    if placements is not None:
+        return _train_step_placed(stack, placements, batch, loss_sum, normalizer, sched, comm, dropout_seed, memory)
+    return _train_step_programs(stack, batch, options, loss_sum, normalizer, sched, comm, dropout_seed, memory, partial)
+
+
+def _schedule_of(
+    stack: Stack,
+    batch: StepBatch,
+    options: StepOptions,
+    comm: Communicator,
+    dropout_seed: Optional[int],
+    placements: Optional[LayerPlacements],
+    choices: Optional[dict],
+) -> tuple[Schedule, RecomputeMemory]:
+    """(the step's Schedule with its recomputation modes, the RecomputeMemory accounting it):
+    recompute="auto" chosen here (its choice kept on the memory), a per-layer list as layers, one
+    mode for every layer as the schedule's own."""
+    sched, recompute = SCHEDULES[options.schedule], options.recompute
+    memory = RecomputeMemory() if options.memory is None else options.memory
     if recompute == RECOMPUTE_AUTO:
         only_full = (
             "sequence parallel"
-            if sequence_parallel
+            if options.sequence_parallel
             else "offload"
-            if offload is not None
+            if options.offload is not None
             else "per-layer TP degrees"
             if placements is not None
             else ""
         )
-        choice = _auto(
-            stack, input_ids, sched, parts, comm, memory_budget, choices, only_full,
-            _sub_batch(slice(0, 1), batch, dropout_seed, attention_mask, position_ids),
-        )  # fmt: skip
+        where = _sub_batch(slice(0, 1), batch, dropout_seed)
+        choice = _auto(stack, batch, sched, comm, options.memory_budget, choices, only_full, where)
         recompute = choice.recompute
-        if memory is not None:
+        if options.memory is not None:
             memory.choice = choice
     modes = layer_modes(recompute, len(list(stack.layers())))
     if modes is not None and len(set(modes)) == 1:  # one mode for every layer, given as a list
@@ -142,36 +193,28 @@ def train_step(
         sched = dataclasses.replace(
             sched, fine_grained_recompute=True, recompute=False, selective=recompute == RECOMPUTE_SELECTIVE
         )
-    check_placements(placements, batch, parts, sequence_parallel=sequence_parallel)
-    memory = RecomputeMemory() if memory is None else memory
-    if offload is not None and not isinstance(offload, Offloader):
-        raise TypeError(f"offload: expected an oases.offload.Offloader or None, got {type(offload).__name__}")
-    partial = partial_parameters(stack)
-    if placements is not None:
-        refuse_with_degrees("offload", offload, fix="pass offload=None")
-        if partial:
-            raise ValueError(
-                f"tp_degrees: {type(stack).__name__} has parameters whose gradients the schedule sums "
-                "(partial_parameters: LoRA's replicated factors); not with per-layer TP degrees"
-            )
-        return _train_step_placed(
-            stack,
-            placements,
-            input_ids,
-            labels,
-            loss_sum,
-            normalizer,
-            sched,
-            parts,
-            comm,
-            dropout_seed,
-            attention_mask,
-            position_ids,
-            memory,
-        )
+    return sched, memory
+
+
+def _train_step_programs(
+    stack: Stack,
+    batch: StepBatch,
+    options: StepOptions,
+    loss_sum: LossSum,
+    normalizer: float,
+    sched: Schedule,
+    comm: Communicator,
+    dropout_seed: Optional[int],
+    memory: RecomputeMemory,
+    partial: list[torch.Tensor],
+) -> torch.Tensor:
+    """run_step at one TP degree: the sub-batches' programs interleaved (sequence-parallel ones on
+    sequence slices), the inputs kept for recomputation offloaded with `options.offload`, and the
+    gradients the schedule leaves as shares (sequence-parallel, partial_parameters) summed after."""
+    offload, rows = options.offload, batch.input_ids.shape[0]
     partial_before = [None if p.grad is None else p.grad.clone() for p in partial]
     program, extra = _program, ()
-    if sequence_parallel:
+    if options.sequence_parallel:
         params = sequence_parallel_parameters(stack)
         before = [None if p.grad is None else p.grad.clone() for p in params]
         rank = 0 if comm.world_size == 1 else dist.get_rank(comm.group)
@@ -180,9 +223,9 @@ def train_step(
     programs = [
         program(
             stack,
-            input_ids[r],
-            labels[r],
-            _sub_batch(r, batch, dropout_seed, attention_mask, position_ids),
+            batch.input_ids[r],
+            batch.labels[r],
+            _sub_batch(r, batch, dropout_seed),
             loss_sum,
             normalizer,
             sched,
@@ -190,14 +233,14 @@ def train_step(
             _RecomputeInputs(memory) if offload is None else _OffloadedRecomputeInputs(offload, k),
             *extra,
         )
-        for k, r in enumerate(split_rows(batch, parts))
+        for k, r in enumerate(split_rows(rows, batch.parts))
     ]
     if offload is not None:
         offload.begin_step()
     loss = sum(interleave(programs, on_resume=comm.resumed)) / normalizer
     if offload is not None:
         memory.peak = max(memory.peak, offload.end_step().peak_resident_bytes)
-    if sequence_parallel and comm.world_size > 1:
+    if options.sequence_parallel and comm.world_size > 1:
         _sum_over_group(params, before, comm)
     if partial and comm.world_size > 1:
         _sum_over_group(partial, partial_before, comm)
@@ -206,9 +249,8 @@ def train_step(
 
 def _auto(
     stack: Stack,
-    input_ids: torch.Tensor,
+    batch: StepBatch,
     sched: Schedule,
-    parts: int,
     comm: Communicator,
     memory_budget: Optional[float],
     choices: Optional[dict],
@@ -217,6 +259,7 @@ def _auto(
 ) -> RecomputeChoice:
     """recompute="auto"'s choice for this step's shape (oases.schedule.budget): from `choices`
     (the caller's cache, by shape) or chosen now and logged once."""
+    input_ids, parts = batch.input_ids, batch.parts
     key = (tuple(input_ids.shape), parts, sched.fine_grained_recompute, memory_budget, only_full)
     if choices is not None and key in choices:
         return choices[key]
@@ -245,51 +288,41 @@ def partial_parameters(stack: Stack) -> list[torch.Tensor]:
     return [p for p in get() if p.requires_grad] if get is not None else []
 
 
-def _sub_batch(
-    rows: slice,
-    batch: int,
-    seed: Optional[int],
-    attention_mask: Optional[torch.Tensor],
-    position_ids: Optional[torch.Tensor],
-) -> SubBatch:
+def _sub_batch(rows: slice, batch: StepBatch, seed: Optional[int]) -> SubBatch:
     """The SubBatch of `rows`: their padding mask and token positions."""
+    mask, positions = batch.attention_mask, batch.position_ids
     return SubBatch(
         rows,
-        batch,
+        batch.input_ids.shape[0],
         seed,
-        None if attention_mask is None else attention_mask[rows],
-        position_ids=None if position_ids is None else position_ids[rows],
+        None if mask is None else mask[rows],
+        position_ids=None if positions is None else positions[rows],
     )
 
 
 def _train_step_placed(
     stack: Stack,
     placements: LayerPlacements,
-    input_ids,
-    labels,
+    batch: StepBatch,
     loss_sum: LossSum,
     normalizer: float,
     sched: Schedule,
-    parts: int,
     comm: Communicator,
     dropout_seed: Optional[int],
-    attention_mask: Optional[torch.Tensor],
-    position_ids: Optional[torch.Tensor],
     memory: RecomputeMemory,
 ) -> torch.Tensor:
-    """train_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
+    """run_step with per-layer TP degrees (see oases.schedule.protocol): the same programs, each
     layer on its own communicator; the replicas' gradient sums started as layers finish."""
-    batch = input_ids.shape[0]
-    placed = PlacedStep(placements, parts)
+    placed = PlacedStep(placements, batch.parts)
     with placements.while_scheduled():
         placed.begin()
         try:
             programs = [
                 _program(
                     stack,
-                    input_ids[r],
-                    labels[r],
-                    _sub_batch(r, batch, dropout_seed, attention_mask, position_ids),
+                    batch.input_ids[r],
+                    batch.labels[r],
+                    _sub_batch(r, batch, dropout_seed),
                     loss_sum,
                     normalizer,
                     sched,
@@ -297,7 +330,7 @@ def _train_step_placed(
                     _RecomputeInputs(memory),
                     placed,
                 )
-                for r in split_rows(batch, parts)
+                for r in split_rows(batch.input_ids.shape[0], batch.parts)
             ]
             loss = sum(interleave(programs)) / normalizer
             placed.finish()

@@ -1,6 +1,6 @@
 """The unsharded model's state dict from its TP shards and back: the sharded entries a model's
-`tp_layout()` modules list, the checks against the unsharded model, `full_state_dict` and
-`load_full_state_dict` (oases.checkpoint's module doc)."""
+`tp_layout()` modules list (`shards_of`, `layout_of`), the checks against the unsharded model
+(`check_fit`), `full_state_dict` and `load_full_state_dict` (oases.storage's module doc)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,20 @@ from oases._compiled import original_module
 from oases._sharding import ShardRule
 from oases.comm.topology import ring_of
 
+__all__ = [
+    "Shard",
+    "shards_of",
+    "layout_of",
+    "unsharded_shapes",
+    "allocated",
+    "check_fit",
+    "full_state_dict",
+    "load_full_state_dict",
+]
+
 
 @dataclass(frozen=True)
-class _Shard:
+class Shard:
     """One state-dict entry held as TP shards: `local` is rank `rank`'s of `size` parts."""
 
     local: torch.Tensor
@@ -28,14 +39,15 @@ class _Shard:
 
     @property
     def full_shape(self) -> torch.Size:
+        """The unsharded tensor's shape."""
         return self.rule.full_shape(self.local.shape, self.size)
 
 
-def _shards(model: nn.Module) -> dict[str, _Shard]:
-    """{state-dict key: _Shard} for every parameter a `tp_layout()` lists; local checks only."""
+def shards_of(model: nn.Module) -> dict[str, Shard]:
+    """{state-dict key: Shard} for every parameter a `tp_layout()` lists; local checks only."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    found: dict[str, _Shard] = {}
+    found: dict[str, Shard] = {}
     # remove_duplicate=False: a module reachable under two names has a state-dict key under each.
     for prefix, module in model.named_modules(remove_duplicate=False):
         layout = getattr(module, "tp_layout", None)
@@ -63,13 +75,13 @@ def _shards(model: nn.Module) -> dict[str, _Shard]:
                     f"{local.dim()}-d shard of shape {tuple(local.shape)}"
                 )
             key = f"{prefix}.{name}" if prefix else name
-            found[key] = _Shard(local, rule, module.group, ring.rank, ring.size)
+            found[key] = Shard(local, rule, module.group, ring.rank, ring.size)
     return found
 
 
-def _layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, _Shard], dict[str, torch.Size]]:
+def layout_of(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Shard], dict[str, torch.Size]]:
     """(this rank's state dict, its sharded entries, {key: shape} of the unsharded model's state dict)."""
-    shards = _shards(model)
+    shards = shards_of(model)
     local = model.state_dict()
     stray = [key for key in shards if key not in local]
     if stray:
@@ -78,7 +90,12 @@ def _layout(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, _Shard
     return local, shards, expected
 
 
-def _allocated(model: nn.Module) -> nn.Module:
+def unsharded_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """{state-dict key: shape} of the unsharded model's state dict (a sharded entry's full shape)."""
+    return layout_of(model)[2]
+
+
+def allocated(model: nn.Module) -> nn.Module:
     """`model` (torch.compile's original), or a ValueError when every tensor of it is on the meta
     device: nothing could be read into it or out of it (a pipeline stage holds some: not all)."""
     model = original_module(model)
@@ -92,11 +109,11 @@ def _allocated(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check(
+def check_fit(
     what: str,
     expected: Mapping[str, torch.Size],
     given: Mapping[str, torch.Size],
-    shards: dict[str, _Shard],
+    shards: dict[str, Shard],
     strict: bool,
 ) -> None:
     """Raise one ValueError listing every missing/unexpected key (if strict) and shape mismatch."""
@@ -140,7 +157,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Returns:
         {key: full tensor}, the unsharded model's state dict.
     """
-    local, shards, _ = _layout(_allocated(model))  # every check before the first collective
+    local, shards, _ = layout_of(allocated(model))  # every check before the first collective
     gathered: dict[int, torch.Tensor] = {}  # tied parameters are gathered once
     full: dict[str, torch.Tensor] = {}
     for key, value in local.items():
@@ -194,9 +211,9 @@ def load_full_state_dict(
     bad = [key for key, value in state_dict.items() if not isinstance(value, torch.Tensor)]
     if bad:
         raise TypeError(f"state_dict: values must be tensors; not so for {', '.join(map(str, bad))}")
-    model = _allocated(model)  # torch.compile(model): the original's keys
-    _, shards, expected = _layout(model)
-    _check("state_dict", expected, {key: value.shape for key, value in state_dict.items()}, shards, strict)
+    model = allocated(model)  # torch.compile(model): the original's keys
+    _, shards, expected = layout_of(model)
+    check_fit("state_dict", expected, {key: value.shape for key, value in state_dict.items()}, shards, strict)
     local = {}
     for key, value in state_dict.items():
         s = shards.get(key)

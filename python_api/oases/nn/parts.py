@@ -55,6 +55,7 @@ __all__ = [
     "layer_parts",
     "find_stack",
     "decoder_layers_of",
+    "child_calls",
 ]
 
 # Child names that make their parent an attention module when column-sharded.
@@ -140,7 +141,7 @@ class LayerParts:
     reason: str = ""  # why "whole"
 
 
-def _calls(forward) -> Optional[list[str]]:
+def child_calls(forward) -> Optional[list[str]]:
     """The `self.<name>(...)` calls of a forward's source in evaluation order (None: no source)."""
     try:
         source = textwrap.dedent(inspect.getsource(inspect.unwrap(forward)))
@@ -195,7 +196,7 @@ def layer_parts(layer: nn.Module) -> LayerParts:
             norms,
             f"the routed experts of its {mlp} are not sharded (the plan entry 'experts': 'experts' shards them)",
         )
-    calls = _calls(type(layer).forward)
+    calls = child_calls(type(layer).forward)
     if calls is None:
         return LayerParts("whole", attention, mlp, norms, "the source of its forward is unavailable")
     held = [n for n, m in children.items() if any(True for _ in m.parameters())]

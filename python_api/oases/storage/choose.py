@@ -5,7 +5,7 @@ verifies, agreed by every rank of the group before anything is read into the mod
                | [root/step-{step:09d}]        with step=
                | root/step-* newest first      else                  (rank 0's listing, broadcast)
     for where in candidates:
-        each rank, locally (oases._dcp):
+        each rank, locally (oases.storage.integrity):
             marker present (else: incomplete), readable, matching its own checksum; its format ours
             every file it records there at its size, no foreign .distcp; .metadata's checksum (verify)
             .metadata unpickled (trusted=False: DCP's records only); every file it places items in long enough for them
@@ -31,9 +31,13 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch.distributed as dist
 
-from oases import _dcp
-from oases._dcp import MARKER, Damaged
 from oases.comm.topology import Ring, ring_of
+from oases.storage import dcp, integrity
+from oases.storage.integrity import MARKER, Damaged
+from oases.storage.keys import FORMAT_KEY, FORMAT_VERSION
+from oases.storage.publish import is_checkpoint, step_dir, steps
+
+__all__ = ["Prepare", "wants_of", "choose_checkpoint", "verify_checkpoint"]
 
 T = TypeVar("T")
 
@@ -44,7 +48,7 @@ Prepare = Callable[[str, dict, Optional[dict]], "tuple[T, dict[str, Any], dict[s
 
 def wants_of(entries: dict[str, Any]) -> dict[str, Any]:
     """{key: the boxes a `Chunked` value reads, or None (all of it)} of a DCP state dict."""
-    return {key: value.chunks if isinstance(value, _dcp.Chunked) else None for key, value in entries.items()}
+    return {key: value.chunks if isinstance(value, dcp.Chunked) else None for key, value in entries.items()}
 
 
 def _candidates(path: str, step: Optional[int]) -> list[tuple[str, bool]]:
@@ -55,19 +59,19 @@ def _candidates(path: str, step: Optional[int]) -> list[tuple[str, bool]]:
             f"oases.save_checkpoint, or the root holding its step-NNNNNNNNN checkpoints"
         )
     if step is not None:
-        if _dcp.is_checkpoint(path):
+        if is_checkpoint(path):
             raise ValueError(
                 f"step: {path!r} is a checkpoint directory itself; pass the root holding its "
                 f"step-NNNNNNNNN directories with step=, or the directory alone"
             )
-        where = _dcp.step_dir(path, step)
+        where = step_dir(path, step)
         if not os.path.isdir(where):
-            held = ", ".join(str(n) for n, _ in _dcp.steps(path)) or "none"
+            held = ", ".join(str(n) for n, _ in steps(path)) or "none"
             raise FileNotFoundError(f"step: no checkpoint {where!r} (steps under {path!r}: {held})")
         return [(where, True)]
-    if _dcp.is_checkpoint(path):
+    if is_checkpoint(path):
         return [(path, True)]
-    return [(where, False) for _, where in _dcp.steps(path)]
+    return [(where, False) for _, where in steps(path)]
 
 
 def _shared(value: Any, ring: Ring) -> Any:
@@ -80,10 +84,10 @@ def _shared(value: Any, ring: Ring) -> Any:
 
 def _check_format(where: str, marker: dict) -> None:
     """ValueError unless the marker's format is one this oases reads."""
-    if marker.get("format") != _dcp.FORMAT_VERSION:
+    if marker.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"path: checkpoint {where!r} has format {marker.get('format')!r} in its {MARKER}, this oases "
-            f"reads format {_dcp.FORMAT_VERSION}: written by another oases version; load it with that one"
+            f"reads format {FORMAT_VERSION}: written by another oases version; load it with that one"
         )
 
 
@@ -92,31 +96,31 @@ def _verify_one(
 ) -> tuple[dict, Optional[dict], Any, dict[str, Any]]:
     """This rank's local verification of `where` (see the module doc): (stored, marker, prepared,
     small) or `Damaged`; the caller's and format errors propagate."""
-    marker = _dcp.read_marker(where)
+    marker = integrity.read_marker(where)
     if marker is None and not explicit:
         raise Damaged(MARKER, "missing: incomplete, its writer died before publishing it")
     if marker is not None:
         _check_format(where, marker)
-        _dcp.check_files(where, marker, verify)
-    metadata = _dcp.read_metadata(where, trusted)
-    _dcp.check_extents(where, metadata)  # what .metadata places in each file fits in it (any checkpoint)
+        integrity.check_files(where, marker, verify)
+    metadata = dcp.read_metadata(where, trusted)
+    integrity.check_extents(where, metadata)  # what .metadata places in each file fits in it (any checkpoint)
     stored = metadata.state_dict_metadata
-    if marker is None and _dcp.FORMAT_KEY in stored:
+    if marker is None and FORMAT_KEY in stored:
         raise ValueError(
             f"path: checkpoint {where!r} is incomplete (no {MARKER}: its writer died before "
             f"publishing it); load an earlier one, or the root directory to pick the newest complete one"
         )
     prepared, small, wants = prepare(where, stored, marker)
     if marker is not None and verify:
-        _dcp.check_reads(where, marker, metadata, wants)
+        integrity.check_reads(where, marker, metadata, wants)
     if small:
         try:
-            _dcp.read_local(small, where, trusted)
-        except _dcp.Untrusted:
+            dcp.read_local(small, where, trusted)
+        except dcp.Untrusted:
             raise
         except Exception as e:  # noqa: BLE001 -- a damaged pickle raises anything
-            files = sorted(_dcp.stored_items(metadata, dict.fromkeys(small)))
-            raise Damaged(", ".join(files) or _dcp.METADATA, f"unreadable ({type(e).__name__}: {e})") from e
+            files = sorted(integrity.stored_items(metadata, dict.fromkeys(small)))
+            raise Damaged(", ".join(files) or integrity.METADATA, f"unreadable ({type(e).__name__}: {e})") from e
     return stored, marker, prepared, small
 
 
@@ -132,7 +136,7 @@ def _raise_agreed(verdicts: list, mine: Optional[BaseException]) -> None:
     raise cls(f"{message} (on rank {r} of the group)")
 
 
-def choose(
+def choose_checkpoint(
     path: str, step: Optional[int], ring: Ring, verify: bool, prepare: Prepare, trusted: bool = True
 ) -> tuple[str, dict, Optional[dict], Any, dict[str, Any]]:
     """(where, stored metadata, marker | None, prepare's result, the small entries read) of the
@@ -165,7 +169,7 @@ def choose(
         damaged = [(r, v) for r, v in enumerate(verdicts) if v[0] == "damaged"]
         if not damaged:
             if skipped and ring.rank == 0:
-                listing = "; ".join(f"{step_dir} ({why})" for step_dir, why in skipped)
+                listing = "; ".join(f"{directory} ({why})" for directory, why in skipped)
                 warnings.warn(
                     f"load_checkpoint: skipped checkpoints that do not verify: {listing}; loading {where}",
                     UserWarning,
@@ -182,7 +186,7 @@ def choose(
         skipped.append((where, why))
         incomplete = incomplete and file == MARKER and reason.startswith("missing")
     if skipped and not incomplete:
-        listing = "; ".join(f"{step_dir} ({why})" for step_dir, why in skipped)
+        listing = "; ".join(f"{directory} ({why})" for directory, why in skipped)
         raise ValueError(f"path: no checkpoint in {path!r} verifies: {listing}")
     unpublished = f"; incomplete ones (no {MARKER}): {', '.join(w for w, _ in skipped)}" if skipped else ""
     raise FileNotFoundError(
@@ -210,13 +214,13 @@ def verify_checkpoint(path: Union[str, os.PathLike], *, group: Optional[dist.Pro
     ring = ring_of(group)
     where = os.fspath(path)
     try:
-        marker = _dcp.read_marker(where)
+        marker = integrity.read_marker(where)
         if marker is None:
             raise Damaged(MARKER, "missing: incomplete, its writer died before publishing it")
-        if marker.get("format") != _dcp.FORMAT_VERSION:
-            raise Damaged(MARKER, f"format {marker.get('format')!r}, this oases reads {_dcp.FORMAT_VERSION}")
-        _dcp.check_files(where, marker, verify=False)
-        _dcp.check_share(where, marker, ring.rank, ring.size)
+        if marker.get("format") != FORMAT_VERSION:
+            raise Damaged(MARKER, f"format {marker.get('format')!r}, this oases reads {FORMAT_VERSION}")
+        integrity.check_files(where, marker, verify=False)
+        integrity.check_share(where, marker, ring.rank, ring.size)
         mine: Optional[str] = None
     except Damaged as e:
         mine = f"{e.file}: {e.reason}"

@@ -4,18 +4,30 @@ its rows) as checkpoints see it, its state as entries keyed by parameter name, a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from oases._sharding import rows_of, whole
-from oases.checkpoint._keys import _GROUPS, _MASTER, _STATE
-from oases.checkpoint._unsharded import _Shard
+from oases.storage.dcp import Chunked
+from oases.storage.keys import GROUPS, MASTER, STATE
+from oases.storage.unsharded import Shard
+
+__all__ = [
+    "OptimizerView",
+    "optimizer_view",
+    "optimizer_entries",
+    "optimizer_wants",
+    "optimizer_reads",
+    "check_groups",
+    "restore_optimizer",
+]
 
 
 @dataclass(frozen=True)
-class _OptimizerView:
+class OptimizerView:
     """An optimizer as checkpoints see it: the torch optimizer whose state_dict is stored (a
     ZeroOptimizer's inner one), and for each of its parameters (flat index) the model parameter
     it stands for, that parameter's name, the rows [start, stop) of it the state covers (ZeRO)
@@ -30,10 +42,11 @@ class _OptimizerView:
     resync: Optional[Callable[[list[nn.Parameter]], None]] = None  # ZeRO: masters <- parameters
 
     def flat_names(self) -> list[str]:
+        """The model parameter names by flat optimizer index."""
         return [name for group in self.names for name in group]
 
 
-def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
+def optimizer_view(model: nn.Module, optimizer: object) -> OptimizerView:
     """The checkpoint view of a torch.optim optimizer over the model's parameters, or of an
     oases.dp.ZeroOptimizer (its inner optimizer over this dp rank's rows); local checks only."""
     names: dict[int, str] = {id(p): name for name, p in model.named_parameters()}
@@ -73,11 +86,11 @@ def _optimizer_view(model: nn.Module, optimizer: object) -> _OptimizerView:
             f"stored by model.named_parameters() name); build the optimizer from model.parameters()"
         )
     resync = getattr(optimizer, "sync_masters", None) if zero else None
-    return _OptimizerView(inner, groups, params, rows, masters, resync)
+    return OptimizerView(inner, groups, params, rows, masters, resync)
 
 
 def _state_chunks(
-    view: _OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, _Shard], name: str
+    view: OptimizerView, index: int, shape: tuple[int, ...], shards: dict[str, Shard], name: str
 ) -> Optional[tuple[list, torch.Size, tuple[int, ...]]]:
     """How a state tensor of parameter `index` stored with global `shape` lies on this rank:
     (its boxes, the global shape, the local shape), or None when it is not shaped like the
@@ -94,7 +107,7 @@ def _state_chunks(
 
 
 def _check_replicated(
-    view: _OptimizerView, index: int, name: str, state: str, shape: tuple[int, ...], shards: dict[str, _Shard]
+    view: OptimizerView, index: int, name: str, state: str, shape: tuple[int, ...], shards: dict[str, Shard]
 ) -> None:
     """ValueError for state stored as one value for every rank (not shaped like its parameter) that
     differs between ranks: a tensor with dimensions, of a parameter this rank holds a part of (a TP
@@ -112,15 +125,14 @@ def _check_replicated(
     )
 
 
-def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
+def optimizer_entries(view: OptimizerView, shards: dict[str, Shard], *, skip: Collection[str] = ()) -> dict:
     """The optimizer's state keyed by parameter name: parameter-shaped tensors as their boxes of
-    the full parameter (TP shards, ZeRO rows), the rest as they are."""
-    from oases._dcp import Chunked
-
+    the full parameter (TP shards, ZeRO rows), the rest as they are; its param_groups under GROUPS.
+    The states of the parameters named in `skip` are checked but left out (another rank writes them)."""
     names = view.flat_names()  # [optimizer index]
     saved = view.inner.state_dict()  # {"state": {index: {name: value}}, "param_groups": [{..., "params": [index]}]}
     entries: dict[str, Any] = {
-        _GROUPS: [dict(group, params=[names[i] for i in group["params"]]) for group in saved["param_groups"]]
+        GROUPS: [dict(group, params=[names[i] for i in group["params"]]) for group in saved["param_groups"]]
     }
     for index, state in saved["state"].items():
         p, piece = view.params[index], view.rows[index]
@@ -134,38 +146,37 @@ def _optimizer_entries(view: _OptimizerView, shards: dict[str, _Shard]) -> dict:
                 if placed is None:
                     _check_replicated(view, index, names[index], name, tuple(value.shape), shards)
                 value = value.detach() if placed is None else Chunked(value.detach(), tuple(placed[0]), placed[1])
-            entries[f"{_STATE}{names[index]}.{name}"] = value
+            if names[index] not in skip:
+                entries[f"{STATE}{names[index]}.{name}"] = value
     for index, master in enumerate(view.masters):  # ZeRO's fp32 masters of 16-bit parameters: their rows
         if master is not None:
             full = shards[names[index]].full_shape if names[index] in shards else view.params[index].shape
             placed = _state_chunks(view, index, full, shards, names[index])
-            entries[f"{_MASTER}{names[index]}"] = Chunked(master.detach(), tuple(placed[0]), placed[1])
+            entries[f"{MASTER}{names[index]}"] = Chunked(master.detach(), tuple(placed[0]), placed[1])
     return entries
 
 
 def _stored_states(
-    what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]
+    what: str, view: OptimizerView, stored: dict, shards: dict[str, Shard]
 ) -> Iterator[tuple[str, int, Optional[str], Any, Optional[tuple]]]:
     """(checkpoint key, optimizer index, state name | None for ZeRO's fp32 master, its metadata,
     its placement on this rank (`_state_chunks`) | None) of each entry the optimizer reads; local
     checks only, raised before anything is allocated."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    if _GROUPS not in stored:
+    if GROUPS not in stored:
         raise ValueError(
             f"optimizer: {what} holds no optimizer state (saved without optimizer=); load it with optimizer=None"
         )
     index = {name: i for i, name in enumerate(view.flat_names())}
     for key, meta in stored.items():
-        if key.startswith(_MASTER) and key[len(_MASTER) :] in index and isinstance(meta, TensorStorageMetadata):
-            i = index[key[len(_MASTER) :]]
-            placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(_MASTER) :])
+        if key.startswith(MASTER) and key[len(MASTER) :] in index and isinstance(meta, TensorStorageMetadata):
+            i = index[key[len(MASTER) :]]
+            placed = _state_chunks(view, i, tuple(meta.size), shards, key[len(MASTER) :])
             if view.masters and view.masters[i] is not None and placed is not None:
                 yield key, i, None, meta, placed
             continue
-        if not key.startswith(_STATE):
+        if not key.startswith(STATE):
             continue
-        name, state = key[len(_STATE) :].rsplit(".", 1)
+        name, state = key[len(STATE) :].rsplit(".", 1)
         if name not in index:
             continue  # a parameter the optimizer lacks: the param_groups check names it
         i = index[name]
@@ -178,24 +189,20 @@ def _stored_states(
         yield key, i, state, meta, placed
 
 
-def _optimizer_wants(what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]) -> dict[str, Any]:
+def optimizer_wants(what: str, view: OptimizerView, stored: dict, shards: dict[str, Shard]) -> dict[str, Any]:
     """{checkpoint key: the boxes this rank reads of it, or None for all of it} of what
-    `_optimizer_reads` reads, allocating nothing; local checks only."""
+    `optimizer_reads` reads, allocating nothing; local checks only."""
     return {
         key: None if placed is None else tuple(placed[0])
         for key, _, _, _, placed in _stored_states(what, view, stored, shards)
     }
 
 
-def _optimizer_reads(
-    what: str, view: _OptimizerView, stored: dict, shards: dict[str, _Shard]
+def optimizer_reads(
+    what: str, view: OptimizerView, stored: dict, shards: dict[str, Shard]
 ) -> tuple[dict[str, tuple[int, Optional[str]]], dict[str, Any]]:
     """({checkpoint key: (optimizer index, state name | None for ZeRO's fp32 master)}, {key: buffer to
     read into | None for pickled}); local checks only. A master is read straight into the optimizer's."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from oases._dcp import Chunked
-
     params = [p for group in view.inner.param_groups for p in group["params"]]
     where, reads = {}, {}
     for key, i, state, meta, placed in _stored_states(what, view, stored, shards):
@@ -219,7 +226,7 @@ def _buffer(current: object, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.zeros(shape, dtype=dtype)  # zeros: a padded vocabulary's rows are in no chunk, never read
 
 
-def _check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:
+def check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:
     """ValueError unless the optimizer's param_groups hold the same parameters as the checkpoint's."""
     if len(saved) != len(names):
         raise ValueError(f"optimizer: has {len(names)} param_groups, {what} has {len(saved)}; build it as it was")
@@ -233,13 +240,11 @@ def _check_groups(what: str, names: list[list[str]], saved: list[dict]) -> None:
             )
 
 
-def _restore_optimizer(
-    view: _OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any], saved_groups: list[dict]
+def restore_optimizer(
+    view: OptimizerView, slots: dict[str, tuple[int, str]], values: dict[str, Any], saved_groups: list[dict]
 ) -> None:
     """optimizer.load_state_dict of what was read, keyed by the optimizer's own indices; ZeRO: the
     fp32 masters the checkpoint lacks are refilled from the (loaded) parameters."""
-    from oases._dcp import Chunked
-
     state: dict[int, dict[str, Any]] = {}
     read_masters = set()
     for key, (i, name) in slots.items():

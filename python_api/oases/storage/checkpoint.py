@@ -1,32 +1,51 @@
-"""On-disk checkpoints: `save_checkpoint` and `load_checkpoint` (oases.checkpoint's module doc),
-each rank writing and reading its own shards through oases._dcp."""
+"""On-disk checkpoints: `save_checkpoint` and `load_checkpoint` (oases.storage's module doc), each
+rank writing and reading its own shards through oases.storage.dcp; and the steps every saver and
+loader shares (the Pipeline's too): `save_target`, `check_load_options`, `write_checkpoint`."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from oases import _checks
-from oases.checkpoint._keys import _EXTRA, _GROUPS, _MODEL, _RNG
-from oases.checkpoint._optimizer import (
-    _check_groups,
-    _optimizer_entries,
-    _optimizer_reads,
-    _optimizer_view,
-    _restore_optimizer,
+from oases.comm.topology import Ring, ring_of
+from oases.storage import dcp, publish
+from oases.storage.choose import choose_checkpoint, wants_of
+from oases.storage.entries import (
+    model_entries,
+    restore_rng,
+    run_entries,
+    run_reads,
+    stored_model,
+    warn_rng_not_restored,
 )
-from oases.checkpoint._unsharded import _allocated, _check, _layout, _Shard
-from oases.comm.topology import ring_of
+from oases.storage.keys import EXTRA, FORMAT_KEY, FORMAT_VERSION, GROUPS, MODEL
+from oases.storage.optimizer import (
+    OptimizerView,
+    check_groups,
+    optimizer_entries,
+    optimizer_reads,
+    optimizer_view,
+    restore_optimizer,
+)
+from oases.storage.unsharded import Shard, allocated, check_fit, layout_of
 
-if TYPE_CHECKING:
-    from oases._dcp import Chunked
+__all__ = [
+    "CheckpointState",
+    "check_count",
+    "save_target",
+    "check_load_options",
+    "write_checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -48,29 +67,21 @@ class CheckpointState:
     unexpected_keys: list[str]
 
 
-def _sharded(value: torch.Tensor, s: _Shard) -> "Chunked":
-    """`value` (shaped like the shard s.local) as its boxes of the unsharded tensor."""
-    from oases._dcp import Chunked
-
-    return Chunked(value.detach(), tuple(s.rule.chunks(s.full_shape, s.rank, s.size)), s.full_shape)
-
-
-def _count(name: str, value: object, least: int) -> None:
+def check_count(name: str, value: object, least: int) -> None:
+    """TypeError unless `value` is an int, ValueError unless it is >= `least` (the argument `name`)."""
     if not _checks.is_int(value):
         raise TypeError(f"{name}: expected an int >= {least} or None, got {value!r}")
     if value < least:
         raise ValueError(f"{name}: must be >= {least}, got {value}")
 
 
-def _save_target(path: Union[str, os.PathLike], step: object, keep: object, extra: object) -> str:
+def save_target(path: Union[str, os.PathLike], step: object, keep: object, extra: object) -> str:
     """Where a checkpoint of `step` under `path` is published, after the local checks of the
     arguments every saver shares (step, keep, extra picklable)."""
-    from oases import _dcp
-
     if step is not None:
-        _count("step", step, 0)
+        check_count("step", step, 0)
     if keep is not None:
-        _count("keep", keep, 1)
+        check_count("keep", keep, 1)
         if step is None:
             raise ValueError("keep: rotation needs step= (it keeps the newest path/step-* checkpoints)")
     try:
@@ -78,19 +89,35 @@ def _save_target(path: Union[str, os.PathLike], step: object, keep: object, extr
     except Exception as e:
         raise TypeError(f"extra: cannot be pickled ({type(e).__name__}: {e}); pass plain data") from e
     root = os.path.normpath(os.fspath(path))
-    return root if step is None else _dcp.step_dir(root, step)
+    return root if step is None else publish.step_dir(root, step)
 
 
-def _run_entries(extra: Any, rank: int) -> dict[str, Any]:
-    """The entries of a checkpoint besides model and optimizer: the format, `extra`, this rank's RNG."""
-    from oases import _dcp
+def check_load_options(step: object, verify: object, trusted: object) -> None:
+    """The local checks of the arguments every loader shares: step (an int >= 0 or None), verify and trusted (bools)."""
+    if step is not None:
+        check_count("step", step, 0)
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify: expected a bool, got {verify!r}")
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted: expected a bool, got {trusted!r}")
 
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return {
-        _dcp.FORMAT_KEY: _dcp.FORMAT_VERSION,
-        _EXTRA: extra,
-        f"{_RNG}{rank}": {"cpu": torch.get_rng_state(), "cuda": cuda},
-    }
+
+def write_checkpoint(
+    entries: dict[str, Any],
+    where: str,
+    ring: Ring,
+    *,
+    step: Optional[int],
+    keep: Optional[int],
+    extra: Any,
+    optimizer: bool,
+) -> None:
+    """Publish `entries` (model and optimizer) with the run's (format, extra, this rank's RNG) at
+    `where` (oases.storage.publish.save: atomic, durable, keep=N rotates); a collective over `ring`.
+    `optimizer`: whether the entries hold an optimizer's state (recorded in the marker)."""
+    entries = {**entries, **run_entries(extra, ring.rank)}
+    marker = {"format": FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": optimizer}
+    publish.save(entries, where, ring, marker, keep)
 
 
 def save_checkpoint(
@@ -143,50 +170,50 @@ def save_checkpoint(
     Returns:
         The published checkpoint directory.
     """
-    from oases import _dcp
-
     ring = ring_of(group)
-    model = _allocated(model)  # torch.compile(model): the original's keys
-    where = _save_target(path, step, keep, extra)
-    _, shards, _ = _layout(model)
-    entries: dict[str, Any] = {
-        _MODEL + key: _sharded(value, shards[key]) if key in shards else value
-        for key, value in model.state_dict().items()
-    }
+    model = allocated(model)  # torch.compile(model): the original's keys
+    where = save_target(path, step, keep, extra)
+    _, shards, _ = layout_of(model)
+    entries = model_entries(model.state_dict(), shards)
     if optimizer is not None:
-        entries.update(_optimizer_entries(_optimizer_view(model, optimizer), shards))
-    entries.update(_run_entries(extra, ring.rank))
-    _dcp.check_target(where)  # every check above and here is local: no rank is left waiting
-    marker = {"format": _dcp.FORMAT_VERSION, "world_size": ring.size, "step": step, "optimizer": optimizer is not None}
-    _dcp.save(entries, where, ring, marker, keep)
+        entries.update(optimizer_entries(optimizer_view(model, optimizer), shards))
+    publish.check_target(where)  # every check above and here is local: no rank is left waiting
+    write_checkpoint(entries, where, ring, step=step, keep=keep, extra=extra, optimizer=optimizer is not None)
     return where
 
 
-def _rng_key(stored: dict, marker: Optional[dict], size: int, rank: int) -> Optional[str]:
-    """This rank's RNG entry if the checkpoint was saved by a group of `size` ranks, else None."""
-    if marker is not None and marker.get("world_size") == size and f"{_RNG}{rank}" in stored:
-        return f"{_RNG}{rank}"
-    return None
-
-
-def _rng_warning(what: str, marker: dict, size: int) -> None:
-    warnings.warn(
-        f"load_checkpoint: {what} was saved by {marker.get('world_size')} ranks, this group has {size}: "
-        f"RNG states not restored"
-    )
-
-
-def _set_rng(what: str, saved: dict) -> None:
-    torch.set_rng_state(saved["cpu"])
-    if saved["cuda"] is None:
-        return
-    if torch.cuda.is_available() and len(saved["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(saved["cuda"])
-    else:
-        warnings.warn(
-            f"load_checkpoint: {what} holds the RNG states of {len(saved['cuda'])} GPUs, this rank sees "
-            f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored"
-        )
+def _prepare(
+    model: nn.Module,
+    shards: dict[str, Shard],
+    expected: dict[str, torch.Size],
+    view: Optional[OptimizerView],
+    ring: Ring,
+    strict: bool,
+    where: str,
+    stored: dict,
+    marker: Optional[dict],
+) -> tuple[Any, dict, dict]:
+    """load_checkpoint's local checks against the checkpoint at `where`, and what this rank reads
+    from it (oases.storage.choose's `Prepare`, the first six arguments bound)."""
+    what = f"checkpoint {where!r}"
+    ours = FORMAT_KEY in stored  # else one of older Oases: the model's keys at the top level, nothing else
+    held = stored_model(what, stored, expected)
+    check_fit(what, expected, {key: getattr(meta, "size", ()) for key, meta in held.items()}, shards, strict)
+    small, rng = run_reads(stored, marker, ring) if ours else ({}, None)  # pickled: read by this rank alone first
+    slots, reads = {}, {}
+    if view is not None:
+        if not ours:
+            raise ValueError(
+                f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
+                f"optimizer state; load it with optimizer=None"
+            )
+        slots, reads = optimizer_reads(what, view, stored, shards)
+        small.update({key: None for key, value in reads.items() if value is None})
+        small[GROUPS] = None
+    local = model.state_dict()  # detached views of the model's own tensors: reads land in them
+    entries = model_entries({key: local[key] for key in expected if key in held}, shards, prefix=MODEL if ours else "")
+    entries.update({key: value for key, value in reads.items() if value is not None})
+    return (held, rng, slots, reads, entries), small, {**wants_of(entries), **dict.fromkeys(small)}
 
 
 def load_checkpoint(
@@ -207,7 +234,7 @@ def load_checkpoint(
         where = path if path holds a checkpoint, path/step-{step:09d} with step=, else the newest
                 path/step-* that verifies on every rank (newer ones skipped: one warning on rank 0)
         verify where (every rank, what it reads): its files' sizes; with verify, the checksums of
-            .metadata and of every stored item this rank reads; all ranks agree (oases.checkpoint._select)
+            .metadata and of every stored item this rank reads; all ranks agree (oases.storage.choose)
         trusted=False: no pickle is run (.metadata: DCP's records only; entries: weights_only)
         check the checkpoint against the model (keys if strict, shapes) and the optimizer   # local only
         dcp.load: each rank reads the boxes of its own shards, straight into the model's tensors
@@ -243,76 +270,31 @@ def load_checkpoint(
     Returns:
         CheckpointState(step, extra, path, missing_keys, unexpected_keys).
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from oases import _dcp
-    from oases.checkpoint._select import choose, wants_of
-
     ring = ring_of(group)
-    model = _allocated(model)  # torch.compile(model): the original's keys
-    if step is not None:
-        _count("step", step, 0)
-    if not isinstance(verify, bool):
-        raise TypeError(f"verify: expected a bool, got {verify!r}")
-    if not isinstance(trusted, bool):
-        raise TypeError(f"trusted: expected a bool, got {trusted!r}")
-    _, shards, expected = _layout(model)
-    view = _optimizer_view(model, optimizer) if optimizer is not None else None
-
-    def prepare(where: str, stored: dict, marker: Optional[dict]) -> tuple[Any, dict, dict]:
-        """The local checks against the checkpoint at `where`, and what this rank reads from it."""
-        what = f"checkpoint {where!r}"
-        ours = _dcp.FORMAT_KEY in stored  # else one of older Oases: the model's keys at the top level, nothing else
-        held = {key[len(_MODEL) :]: meta for key, meta in stored.items() if key.startswith(_MODEL)} if ours else stored
-        non_tensors = [key for key in expected if key in held and not isinstance(held[key], TensorStorageMetadata)]
-        if non_tensors:
-            raise ValueError(f"{what}: {', '.join(non_tensors)} are not tensors there")
-        _check(what, expected, {key: getattr(meta, "size", ()) for key, meta in held.items()}, shards, strict)
-        small: dict[str, Any] = {}  # pickled entries, read by this rank alone before any collective
-        rng = _rng_key(stored, marker, ring.size, ring.rank) if ours else None
-        if ours:
-            small[_EXTRA] = None
-            if rng is not None:
-                small[rng] = None
-        slots, reads = {}, {}
-        if optimizer is not None:
-            if not ours:
-                raise ValueError(
-                    f"optimizer: {what} was written by an older oases.save_checkpoint and holds no "
-                    f"optimizer state; load it with optimizer=None"
-                )
-            slots, reads = _optimizer_reads(what, view, stored, shards)
-            small.update({key: None for key, value in reads.items() if value is None})
-            small[_GROUPS] = None
-        local = model.state_dict()  # detached views of the model's own tensors: reads land in them
-        prefix = _MODEL if ours else ""
-        entries: dict[str, Any] = {
-            prefix + key: _sharded(local[key], shards[key]) if key in shards else local[key]
-            for key in expected
-            if key in held
-        }
-        entries.update({key: value for key, value in reads.items() if value is not None})
-        return (held, rng, slots, reads, entries), small, {**wants_of(entries), **dict.fromkeys(small)}
-
-    where, stored, marker, prepared, small = choose(
+    model = allocated(model)  # torch.compile(model): the original's keys
+    check_load_options(step, verify, trusted)
+    _, shards, expected = layout_of(model)
+    view = optimizer_view(model, optimizer) if optimizer is not None else None
+    prepare = functools.partial(_prepare, model, shards, expected, view, ring, strict)
+    where, stored, marker, prepared, small = choose_checkpoint(
         os.path.normpath(os.fspath(path)), step, ring, verify, prepare, trusted
     )
     held, rng, slots, reads, entries = prepared
     what = f"checkpoint {where!r}"
-    ours = _dcp.FORMAT_KEY in stored
+    ours = FORMAT_KEY in stored
     if ours and rng is None:
-        _rng_warning(what, marker, ring.size)
-    if optimizer is not None:
-        _check_groups(what, view.names, small[_GROUPS])
-    _dcp.load(entries, where, ring, trusted)  # the one collective that moves data
-    if optimizer is not None:
+        warn_rng_not_restored(what, marker, ring.size)
+    if view is not None:
+        check_groups(what, view.names, small[GROUPS])
+    dcp.load(entries, where, ring, trusted)  # the one collective that moves data
+    if view is not None:
         values = {key: small[key] if value is None else value for key, value in reads.items()}
-        _restore_optimizer(view, slots, values, small[_GROUPS])  # ZeroOptimizer: and its fp32 masters
+        restore_optimizer(view, slots, values, small[GROUPS])  # ZeroOptimizer: and its fp32 masters
     if rng is not None:
-        _set_rng(what, small[rng])
+        restore_rng(what, small[rng])
     return CheckpointState(
         step=marker["step"] if ours else None,
-        extra=small.get(_EXTRA),
+        extra=small.get(EXTRA),
         path=where,
         missing_keys=[key for key in expected if key not in held],
         unexpected_keys=[key for key in held if key not in expected],
