@@ -69,9 +69,9 @@ cuda-build:
 	bash .ci/cuda_build.sh
 
 # On a machine with GPUs: cuda-build, the test suite on NCCL, every bench suite, one results file
-# per GPU type (bench/gpu_check.py). Without a GPU: a message and exit code 2.
+# per GPU type (.ci/gpu_check.py). Without a GPU: a message and exit code 2.
 gpu-check:
-	$(PYTHON) -m bench all --device cuda
+	$(PYTHON) .ci/gpu_check.py --device cuda
 
 # The same check on a one-GPU machine without a package registry, with the interpreter's own
 # packages (python3's torch, triton, transformers, pytest): .ci/gpu_local.sh says what it runs.

@@ -19,8 +19,8 @@ runs the suite on this rank; rank 0 prints the tables and writes the JSON, PNG a
 its own (oases-launch --share-gpu): a correctness mode for a machine with one GPU. Its JSON says
 `"shared_gpu": N` in `device`; its timings are not speedups (the ranks' kernels take turns).
 
-`python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): see
-bench/gpu_check.py.
+`python -m bench all --device cuda` is the GPU check (build, tests on NCCL, every suite): it runs
+.ci/gpu_check.py (`make gpu-check`) with the options after `all`.
 """  # noqa: E501 (its first line is argparse's description: kept whole)
 
 from __future__ import annotations
@@ -113,10 +113,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["all"]:  # not a suite: build, test and bench on the GPUs (bench.gpu_check)
-        from bench import gpu_check
-
-        return gpu_check.main(argv[1:])
+    if argv[:1] == ["all"]:  # not a suite: build, test and bench on the GPUs (.ci/gpu_check.py)
+        return _gpu_check().main(argv[1:])
     inside = "RANK" in os.environ
     parser, modules = _parser()  # every suite's options checked here, before any rank starts
     args = parser.parse_args(argv)
@@ -138,6 +136,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not inside:
         return _relaunch(args, argv)
     return _run_rank(args, modules[args.suite], argv)
+
+
+def _gpu_check() -> ModuleType:
+    """The CI driver .ci/gpu_check.py as a module (.ci/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO_ROOT, ".ci", "gpu_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def device_refusal(device: str, nproc: int, hosts: int, gpus: int, share_gpu: bool = False) -> Optional[str]:

@@ -85,7 +85,13 @@ def setup(args) -> Context:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     timer = Timer(None, device, warmup=args.warmup, iters=args.iters)
     return Context(
-        rank, world, device, None, timer, Recorder(rank, sync), meta=describe_run(args, device, world, backend)
+        rank,
+        world,
+        device,
+        None,
+        timer,
+        Recorder(rank, sync, cuda=device.type == "cuda"),
+        meta=describe_run(args, device, world, backend),
     )
 
 

@@ -4,6 +4,10 @@ print(render(Table("fused ops", ["case", "t_serial ms"], [["all_gather_linear", 
 paths = output_paths(out_dir, "primitives")     # .json, .png, .trace.json with one timestamp
 write_json(paths.json, {"meta": ..., "cases": [...]})
 plot_panels(panels, paths.png)                   # time vs chunk count, one panel per case
+
+A table's rows are lists (one cell per column) or dicts (records: the values under `columns` are
+shown, every key goes to the JSON, `Table.as_json`). `render` gives aligned text, `render_markdown`
+GitHub markdown; both format cells by `cell` (n/a, yes/no, two decimals or `digits` significant).
 """
 
 from __future__ import annotations
@@ -15,17 +19,32 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+
 
 @dataclass
 class Table:
     title: str
     columns: list[str]
-    rows: list[list[Any]]
+    rows: list[Any] = field(default_factory=list)  # list of cells per column, or dict (a record)
     notes: list[str] = field(default_factory=list)
+    digits: Optional[int] = None  # floats: None two decimals, n n significant digits (`cell`)
+
+    def cells(self) -> list[list[str]]:
+        """Each row's shown cells, formatted (a record's values under `columns`; a missing one n/a)."""
+        return [[cell(v, self.digits) for v in self._shown(row)] for row in self.rows]
+
+    def _shown(self, row: Any) -> Sequence[Any]:
+        return [row.get(c) for c in self.columns] if isinstance(row, dict) else row
+
+    def as_json(self) -> dict[str, Any]:
+        """{"title", "columns", "rows", "notes"}: records with every key, unformatted."""
+        return {"title": self.title, "columns": self.columns, "rows": self.rows, "notes": self.notes}
 
 
 def render(table: Table) -> str:
-    cells = [[_cell(v) for v in row] for row in table.rows]
+    """The table as aligned plain text: title, rule, header, rule, rows, rule, notes."""
+    cells = table.cells()
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(table.columns)]
     line = "  ".join("-" * w for w in widths)
     out = [table.title, line, "  ".join(c.rjust(w) for c, w in zip(table.columns, widths)), line]
@@ -34,14 +53,47 @@ def render(table: Table) -> str:
     return "\n".join(out)
 
 
-def _cell(value: Any) -> str:
+def render_markdown(table: Table) -> str:
+    """The table in GitHub markdown: '### title', header, |---| row, rows ('|' escaped), notes."""
+
+    def escape(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = [
+        f"### {table.title}",
+        "",
+        "| " + " | ".join(escape(c) for c in table.columns) + " |",
+        "|" + "|".join("---" for _ in table.columns) + "|",
+    ]
+    lines += ["| " + " | ".join(escape(c) for c in row) + " |" for row in table.cells()]
+    if table.notes:
+        lines.append("")
+        lines += [f"- {n}" for n in table.notes]
+    return "\n".join(lines) + "\n"
+
+
+def cell(value: Any, digits: Optional[int] = None) -> str:
+    """None n/a, bools yes/no, non-finite floats nan/inf, floats from 1000 up whole, below that
+    two decimals (digits None) or `digits` significant digits; the rest str()."""
     if value is None:
         return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
+        if not math.isfinite(value):
+            return str(value)
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        return f"{value:.2f}" if digits is None else f"{value:.{digits}g}"
     return str(value)
+
+
+def size_label(nbytes: int) -> str:
+    """16384 -> '16 KiB', 1 << 20 -> '1 MiB', 3 -> '3 B'."""
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
 
 
 @dataclass(frozen=True)
@@ -58,10 +110,30 @@ def output_paths(out_dir: str, suite: str, when: Optional[datetime.datetime] = N
 
 
 def write_json(path: str, document: dict[str, Any]) -> None:
+    """The document as indented JSON (NaN refused: pass `jsonable(document)` to keep it as a string)."""
+    write_text(path, json.dumps(document, indent=1, allow_nan=False) + "\n")
+
+
+def write_text(path: str, text: str) -> None:
+    """Write through a temporary file and a rename (making the folder): a reader never sees half a file."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(document, f, indent=1, allow_nan=False)
-        f.write("\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def jsonable(value: Any) -> Any:
+    """The value with tuples as lists, non-finite floats as strings, other objects as str()."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 @dataclass

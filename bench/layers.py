@@ -65,6 +65,11 @@ give our loss on the first step, checked before any timing (a wrong peer fails t
 
 Sub-batches run smaller GEMMs, which on a CPU can be faster by themselves (cache): compare
 t_compute across schedules, and run the suite unshaped too.
+
+The trace: one extra step of each schedule of ours, not measured (profiled: every op slower), on
+tid 0, its waits on tid 1 from the library's `oases::schedule::wait` profiler range (a
+Communicator handle's wait(); bench._trace.WAIT_RANGES, read through torch.profiler), with each
+all-reduce's time in flight on tid 4 where the exposure breakdown runs; each peer's step on tid 0.
 """
 
 from __future__ import annotations
@@ -88,14 +93,13 @@ from bench._peers import CollectiveLog, agree
 from bench._report import Table, pyplot, save_figure
 from bench._rss import hwm_rise_mib
 from bench._threads import OtherThreadsCPU, thread_queued
-from bench._trace import IN_FLIGHT
+from bench._trace import COMPUTE, IN_FLIGHT, WAIT_RANGES, profiled
 from oases.costs.link import LinkFit
 from oases.inputs import agree_inputs
 from oases.models import GPT, GPTConfig
 from oases.nn import check_gradients
 from oases.schedule import SCHEDULES, Communicator, RecomputeMemory
 from oases.schedule.exposure import CAUSES, attribute, gather_logs
-from oases.schedule.runtime import _Task, _Work
 
 BASELINE = "megatron"
 MODELS = ("gpt", "llama")
@@ -418,26 +422,20 @@ def _llama_case(args, ctx) -> _Case:
 
 
 # ---- measurements -----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _traced_waits(ctx, label: str):
-    """Record every communication wait of the block as a span on tid 1, the block on tid 0."""
-    originals = {cls: cls.wait for cls in (_Work, _Task)}
-
-    def traced(original):
-        def wait(work):
-            with ctx.trace.span(f"{label} wait", 1):
-                return original(work)
-
-        return wait
-
-    for cls, original in originals.items():
-        cls.wait = traced(original)
-    try:
-        with ctx.trace.span(f"{label} step", 0):
-            yield
-    finally:
-        for cls, original in originals.items():
-            cls.wait = original
+def _trace_step(ctx, name: str, step: Callable[[], object], comm: Communicator, in_flight: bool) -> None:
+    """One step of ours for the trace only (the profiler slows every op, so no figure comes from
+    it): the step on tid COMPUTE, its waits on tid COMM (the library's `oases::schedule::wait`
+    ranges, bench._trace.WAIT_RANGES), with `in_flight` every all-reduce's time in flight on tid
+    IN_FLIGHT (the same step's oases.schedule.exposure log)."""
+    with (
+        profiled(ctx.trace, WAIT_RANGES) as span,
+        comm.recording() if in_flight else contextlib.nullcontext() as log,
+    ):
+        with span(f"{name} step", COMPUTE, label=name):
+            step()
+    for r in log.records if log is not None else ():
+        if r.ended is not None:
+            ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
 
 
 _DRY = "dry/"  # the timer's name for a step's compute-only run
@@ -483,10 +481,10 @@ def run(args, ctx) -> list[dict]:
     link = _exposure_link(ctx)  # None on CUDA or one rank: no breakdown there
     for name, step in case.ours.items():
         comm = case.comms[name]
+        _trace_step(ctx, name, step, comm, in_flight=link is not None)
         comm.reset()
         busy_before, queued = time.perf_counter(), thread_queued()
         with (
-            _traced_waits(ctx, name),
             comm.recording() if link is not None else contextlib.nullcontext() as log,
             OtherThreadsCPU() as comm_cpu,
         ):
@@ -523,9 +521,7 @@ def run(args, ctx) -> list[dict]:
         records[-1]["exposure"] = (
             None
             if link is None
-            else _exposure(
-                ctx, name, log, waited, step_s, compute[name].median, link, transfers_cpu, queued - queued_alone
-            )
+            else _exposure(ctx, log, waited, step_s, compute[name].median, link, transfers_cpu, queued - queued_alone)
         )
     for name, step in case.peers.items():
         with ctx.trace.span(f"{name} step", 0):
@@ -603,7 +599,6 @@ def _queued_in(fn: Callable[[], object]) -> float:
 
 def _exposure(
     ctx,
-    name: str,
     log,
     waited: float,
     step_s: float,
@@ -623,12 +618,8 @@ def _exposure(
     the compute runs on, one measured part of what slows it. `queued`: the main thread's time ready
     to run but waiting for a core (Linux schedstat) in the step, minus the same in one step of
     compute alone (`queued_s`; None without schedstat): the other part, the cores the transfers
-    (gloo's threads, the kernel's network work) took from the compute, as the scheduler counted it.
-    The in-flight interval of every all-reduce goes to the trace (tid IN_FLIGHT)."""
+    (gloo's threads, the kernel's network work) took from the compute, as the scheduler counted it."""
     logs = gather_logs(log, ctx.group)
-    for r in log.records:
-        if r.ended is not None:
-            ctx.trace.interval(f"{name} all_reduce {r.phase}", IN_FLIGHT, r.issued, r.ended, bytes=r.nbytes)
     per_rank = attribute(logs, link)
     figures = torch.tensor(
         [waited, step_s, log.waited, -1.0 if comm_cpu_s is None else comm_cpu_s, queued_s], dtype=torch.float64

@@ -45,7 +45,11 @@ A fused case's record (times in seconds): the figures at the best chunk count (t
 bound, t_serial, t_overlap, efficiency, efficiency_vs_serial_ring, speedup {peer: x}), `sweep`
 (the same per chunk count), `peers` {name: available, impl, t, reason, note}, the same figures
 from per-rank minima under `min`, and `traced_call` (GEMM / wait / post / other time inside
-instrumented calls of ours at the best chunk count; the last call is in the Chrome trace).
+profiled calls of ours at the best chunk count; the last call is in the Chrome trace).
+
+Profiler ranges read (bench._trace.RING_RANGES, through torch.profiler; the library is not
+patched): `oases::gemm` (ops._gemm.linear_into; linear_reduce_scatter's per-piece GEMM) -> "gemm",
+`oases::ring::post` -> "post", `oases::ring::wait` -> "wait".
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ import torch.nn.functional as F
 from bench import _metrics, _peers
 from bench._peers import Peer
 from bench._report import Panel, Table, plot_panels
-from bench._trace import OP, instrument
+from bench._trace import OP, RING_RANGES, profiled
 from oases import comm, ops
 from oases.comm.hierarchical import UNSHAPED_BYTES_PER_S
 from oases.ops import _gemm
@@ -544,31 +548,34 @@ def _figures(t: dict[str, float], chunk_counts: list[int], peers: dict[str, Peer
 
 
 def _traced_call(env: _Env, case: FusedCase, chunks: int, calls: int) -> dict:
-    """Instrumented calls of ours: the last one stays in ctx.trace; per-call GEMM, wait and post
-    totals, median over the calls, then MAX over ranks.
+    """Profiled calls of ours (bench._trace.RING_RANGES: the library's oases::gemm,
+    oases::ring::post and oases::ring::wait ranges): the last one stays in ctx.trace; per-call
+    GEMM, wait and post totals, median over the calls, then MAX over ranks.
 
     gemm_s against t_compute shows how much the GEMMs slow down while communication runs beside
     them (shared cores and memory); wait_s is the communication left exposed; post_s the time the
     calling thread spends handing messages to the backend; other_s = call_s - the three (copies,
-    allocation, adds, Python).
+    allocation, adds, Python). On CUDA gemm and post are their kernels' device time, which can
+    overlap: other_s may then be negative. The profiler adds a few microseconds to each op in
+    the calls (visible on --quick's tiny shapes); the timed figures run without it.
     """
     ctx = env.ctx
-    per_call = []
-    for _ in range(calls):
-        first = len(ctx.trace.events)
-        ctx.sync()
-        dist.barrier()
-        with instrument(ctx.trace, f"{case.name} chunks={chunks}") as hooks:
-            case.ours(chunks)()
-        events = ctx.trace.events[first:]
-        parts = [
-            sum(e["dur"] for e in events if e["name"] == name and e["tid"] != OP) / 1e6
-            for name in ("gemm", "wait", "post")
-        ]
-        whole = sum(e["dur"] for e in events if e["tid"] == OP) / 1e6
+    first = len(ctx.trace.events)
+    with profiled(ctx.trace, RING_RANGES) as span:
+        for _ in range(calls):
+            ctx.sync()
+            dist.barrier()
+            with span(f"{case.name} chunks={chunks}", OP):
+                case.ours(chunks)()
+    events = ctx.trace.events[first:]
+    per_call, last = [], []
+    for op in (e for e in events if e["tid"] == OP):  # the calls, in order
+        inside = [e for e in events if e["tid"] != OP and op["ts"] <= e["ts"] <= op["ts"] + op["dur"]]
+        parts = [sum(e["dur"] for e in inside if e["name"] == name) / 1e6 for name in ("gemm", "wait", "post")]
+        whole = op["dur"] / 1e6
         per_call.append([*parts, whole, whole - sum(parts)])
-        if len(per_call) < calls:
-            del ctx.trace.events[first:]
+        last = [op, *inside]
+    ctx.trace.events[first:] = last
     medians = torch.tensor(per_call, dtype=torch.float64).median(dim=0).values
     totals = ctx.timer.max_over_ranks(medians.contiguous())
     return {
@@ -579,7 +586,7 @@ def _traced_call(env: _Env, case: FusedCase, chunks: int, calls: int) -> dict:
         "post_s": float(totals[2]),
         "call_s": float(totals[3]),
         "other_s": float(totals[4]),
-        "hooks": hooks,
+        "ranges": list(RING_RANGES),
     }
 
 

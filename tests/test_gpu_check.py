@@ -1,4 +1,5 @@
-"""`python -m bench all --device cuda` (make gpu-check): the parts a machine without GPUs can check."""
+"""`.ci/gpu_check.py --device cuda` (make gpu-check; `python -m bench all` runs it): the parts a machine
+without GPUs can check."""
 
 import argparse
 import json
@@ -10,14 +11,20 @@ import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)  # bench/ is a package at the repository root, not installed
+sys.path.insert(0, os.path.join(REPO_ROOT, ".ci"))
 
-from bench import SUITES, gpu_check  # noqa: E402
+import gpu_check  # noqa: E402
+
+from bench import SUITES  # noqa: E402
+
+# The two ways in: the CI script itself (make gpu-check) and `python -m bench all`, which runs it.
+ENTRIES = {"script": [os.path.join(".ci", "gpu_check.py")], "bench all": ["-m", "bench", "all"]}
 
 
-def _bench_all(*args, path):
+def _bench_all(*args, path, entry="bench all"):
     env = dict(os.environ, PATH=path)
     return subprocess.run(
-        [sys.executable, "-m", "bench", "all", *args],
+        [sys.executable, *ENTRIES[entry], *args],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -26,9 +33,10 @@ def _bench_all(*args, path):
     )
 
 
-def test_no_gpu_exits_2_with_a_clear_message(tmp_path):
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_no_gpu_exits_2_with_a_clear_message(tmp_path, entry):
     out = tmp_path / "results"
-    done = _bench_all("--device", "cuda", "--out", str(out), path=str(tmp_path))  # no nvidia-smi on PATH
+    done = _bench_all("--device", "cuda", "--out", str(out), path=str(tmp_path), entry=entry)  # no nvidia-smi
     assert done.returncode == gpu_check.EXIT_NO_GPU == 2
     assert "no GPU found: nvidia-smi is not installed" in done.stderr
     assert "Nothing was built or measured" in done.stderr
@@ -36,7 +44,7 @@ def test_no_gpu_exits_2_with_a_clear_message(tmp_path):
 
 
 def test_arguments_are_checked_before_anything_runs(tmp_path):
-    done = _bench_all("--suites", "primitives,nope", path=str(tmp_path))
+    done = _bench_all("--suites", "primitives,nope", path=str(tmp_path), entry="script")
     assert done.returncode == 2 and "unknown suite(s) ['nope']" in done.stderr
     done = _bench_all("--device", "cpu", path=str(tmp_path))
     assert done.returncode == 2 and "invalid choice: 'cpu'" in done.stderr

@@ -196,8 +196,8 @@ class _RecordingSide(_HostSide):
 
 @contextlib.contextmanager
 def _recording_posts(side):
-    """Log every ring step posted and waited for (the ring's two hooks, as bench._trace wraps
-    them), with the side it happens on."""
+    """Log every ring step posted and waited for (the ring's two private steps, wrapped here),
+    with the side it happens on."""
     post, wait = ring_module._post, ring_module._wait
 
     def logged(kind, f):

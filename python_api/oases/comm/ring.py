@@ -66,12 +66,14 @@ def _post(ring: Ring, direction: int, send: torch.Tensor, recv: torch.Tensor, ta
         dist.P2POp(dist.irecv, recv, ring.peer(-direction), ring.group, tag),
         dist.P2POp(dist.isend, send, ring.peer(direction), ring.group, tag),
     ]
-    return dist.batch_isend_irecv(ops)
+    with torch.profiler.record_function("oases::ring::post"):
+        return dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list[dist.Work]) -> None:
-    for w in works:
-        w.wait()
+    with torch.profiler.record_function("oases::ring::wait"):
+        for w in works:
+            w.wait()
 
 
 def all_gather_rows(

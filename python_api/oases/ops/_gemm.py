@@ -8,7 +8,7 @@ cuBLAS does not do in one call; every other GEMM is cuBLAS (torch.mm / torch.add
                          (oases_kernels.linear_into, which stores the tiles into the slice from
                          Triton, ran at 0.63-0.69x cuBLAS's speed on an H200 with bf16 Llama-7B
                          shapes, and cuBLAS writes a row slice as fast as a whole tensor: see
-                         bench/cuda_micro.py and docs/results/.)
+                         bench/_cuda_gemm.py and docs/results/.)
       _needs_row_padding(x) CPU BLAS (MKL) takes a different kernel below 16 rows, whose results
                             differ in the last bit; such pieces are computed padded to 16 rows so
                             a row's result never depends on how the rows were chunked.
@@ -55,16 +55,17 @@ def _needs_row_padding(x: torch.Tensor) -> bool:
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
     """out[...] = x @ weight.T (+ bias), for 2-D x [m, k] and out [m, n] (a contiguous slice); cuBLAS on CUDA."""
-    if _needs_row_padding(x):
-        padded = x.new_zeros((_SMALL_GEMM_ROWS, x.shape[1]))
-        padded[: x.shape[0]].copy_(x)
-        result = padded.new_empty((_SMALL_GEMM_ROWS, weight.shape[0]))
-        linear_into(padded, weight, bias, result)
-        out.copy_(result[: x.shape[0]])
-    elif bias is None:
-        torch.mm(x, weight.t(), out=out)
-    else:
-        torch.addmm(bias, x, weight.t(), out=out)
+    with torch.profiler.record_function("oases::gemm"):
+        if _needs_row_padding(x):
+            padded = x.new_zeros((_SMALL_GEMM_ROWS, x.shape[1]))
+            padded[: x.shape[0]].copy_(x)
+            result = padded.new_empty((_SMALL_GEMM_ROWS, weight.shape[0]))
+            linear_into(padded, weight, bias, result)
+            out.copy_(result[: x.shape[0]])
+        elif bias is None:
+            torch.mm(x, weight.t(), out=out)
+        else:
+            torch.addmm(bias, x, weight.t(), out=out)
 
 
 def rows2d(t: torch.Tensor) -> torch.Tensor:

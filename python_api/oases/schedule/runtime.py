@@ -210,7 +210,8 @@ class _Task:
     def wait(self) -> Any:
         start = time.perf_counter()
         try:
-            return self._future.result()
+            with torch.profiler.record_function("oases::schedule::wait"):
+                return self._future.result()
         finally:
             self._owner.waited += time.perf_counter() - start
 
@@ -226,7 +227,8 @@ class _Work:
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
-            self._work.wait()
+            with torch.profiler.record_function("oases::schedule::wait"):
+                self._work.wait()
             end = time.perf_counter()
             self._owner.waited += end - start
             if self._record is not None:

@@ -1,4 +1,4 @@
-"""`python -m bench all --device cuda` (`make gpu-check`): the whole GPU check in one command.
+"""`make gpu-check` (`python .ci/gpu_check.py --device cuda`): the whole GPU check in one command.
 
     1. find the GPUs (nvidia-smi); none: say so and exit 2, before building anything
     2. build oases._C with CUDA in .venv-cuda (.ci/cuda_build.sh --test-deps)
@@ -15,7 +15,8 @@ NCCL's streams are made high priority for every run (TORCH_NCCL_HIGH_PRIORITY=1)
 oases.comm.new_group does for the TP groups it makes.
 
 Exit status: 0 every step passed; 1 a step failed (the others still ran); 2 no GPU.
-This parent process imports no torch: it drives .venv-cuda's Python.
+This parent process imports no torch: it drives .venv-cuda's Python. `python -m bench all [options]`
+runs this script too (bench/__main__.py hands it its options).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from bench import SUITES
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # run as a script: bench/ is a package at the repository root
+    sys.path.insert(0, REPO_ROOT)
+
+from bench import SUITES  # noqa: E402
 
 EXIT_NO_GPU = 2
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO_ROOT, "bench", "results")
 CUDA_VENV_PYTHON = os.path.join(REPO_ROOT, ".venv-cuda", "bin", "python")
 _NVIDIA_SMI_QUERY = [
@@ -57,6 +61,8 @@ _LABEL_KEYS = ("case", "op", "schedule", "variant", "peer")
 
 @dataclass(frozen=True)
 class Gpu:
+    """One GPU as nvidia-smi lists it."""
+
     index: int
     name: str
     driver: str
@@ -131,7 +137,7 @@ CPU_ONLY = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench all", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python .ci/gpu_check.py", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--device",
         choices=("cuda",),
@@ -166,7 +172,7 @@ def _suite_list(text: str) -> list[str]:
 
 def _no_gpu(reason: str) -> int:
     print(
-        f"bench all --device cuda: no GPU found: {reason}. Nothing was built or measured. "
+        f"gpu-check: no GPU found: {reason}. Nothing was built or measured. "
         "Run this on a machine with NVIDIA GPUs and a driver (`make gpu-check`).",
         file=sys.stderr,
     )
@@ -174,7 +180,7 @@ def _no_gpu(reason: str) -> int:
 
 
 def _step(name: str, command: list[str], env: dict[str, str], log: Optional[str] = None) -> dict[str, Any]:
-    print(f"bench all: {name}: {' '.join(command)}", flush=True)
+    print(f"gpu-check: {name}: {' '.join(command)}", flush=True)
     start = time.monotonic()
     if log:
         with open(log, "w") as f:
@@ -182,11 +188,12 @@ def _step(name: str, command: list[str], env: dict[str, str], log: Optional[str]
     else:
         code = subprocess.run(command, env=env, cwd=REPO_ROOT).returncode
     seconds = round(time.monotonic() - start, 1)
-    print(f"bench all: {name}: exit {code} after {seconds} s", flush=True)
+    print(f"gpu-check: {name}: exit {code} after {seconds} s", flush=True)
     return {"step": name, "command": command, "exit_code": code, "seconds": seconds, "log": log}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The check on every GPU type present; the exit status of the module docstring."""
     args = _parser().parse_args(argv)
     gpus, reason = query_gpus()
     if not gpus:
@@ -199,7 +206,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
     probe = subprocess.run([args.python, "-c", _PROBE], capture_output=True, text=True, cwd="/")
     if probe.returncode != 0:
-        print(f"bench all: {args.python} cannot import torch:\n{probe.stderr}", file=sys.stderr)
+        print(f"gpu-check: {args.python} cannot import torch:\n{probe.stderr}", file=sys.stderr)
         return 1
     versions = json.loads(probe.stdout.strip().splitlines()[-1])
     if not versions["available"]:
@@ -277,7 +284,7 @@ def _check_type(args, name: str, group: list[Gpu], versions: dict[str, Any], sta
     with open(base + ".md", "w") as f:
         f.write(table)
     print(table, flush=True)
-    print(f"bench all: wrote {base}.json and {base}.md", flush=True)
+    print(f"gpu-check: wrote {base}.json and {base}.md", flush=True)
     return all(s["exit_code"] == 0 for s in steps)
 
 
@@ -294,3 +301,7 @@ def _summary_markdown(document: dict[str, Any]) -> str:
     lines += ["", "| suite | case | metric | value |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['suite']} | {r['case']} | {r['metric']} | {r['value']:.2f} |" for r in document["summary"]]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
