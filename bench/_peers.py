@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from oases.ops import _gemm
+from oases.ops import gemm
 
 __all__ = [
     "Peer",
@@ -188,12 +188,12 @@ def all_gather_linear_async(x, w, p: int, r: int, chunks: int) -> Callable[[], t
         y = x.new_empty((p * n, w.shape[0]))
         pieces = [x.new_empty((p * m, k)) for _ in range(chunks)]  # piece q of every rank's shard
         works = [dist.all_gather_into_tensor(pieces[q], x[q * m : (q + 1) * m], async_op=True) for q in range(chunks)]
-        _gemm.linear_into(x, w, None, y[r * n : (r + 1) * n])  # own rows while the pieces travel
+        gemm.linear_into(x, w, None, y[r * n : (r + 1) * n])  # own rows while the pieces travel
         for q, work in enumerate(works):
             work.wait()
             for b in range(p):
                 if b != r:
-                    _gemm.linear_into(pieces[q][b * m : (b + 1) * m], w, None, y[b * n + q * m : b * n + (q + 1) * m])
+                    gemm.linear_into(pieces[q][b * m : (b + 1) * m], w, None, y[b * n + q * m : b * n + (q + 1) * m])
         return y
 
     return run
@@ -210,7 +210,7 @@ def linear_reduce_scatter_async(x, w, p: int, chunks: int) -> Callable[[], torch
         for q in range(chunks):
             partial = x.new_empty((p * m, w.shape[0]))  # piece q of every block, block-major
             for b in range(p):
-                _gemm.linear_into(x[b * n + q * m : b * n + (q + 1) * m], w, None, partial[b * m : (b + 1) * m])
+                gemm.linear_into(x[b * n + q * m : b * n + (q + 1) * m], w, None, partial[b * m : (b + 1) * m])
             works.append(dist.reduce_scatter_tensor(out[q * m : (q + 1) * m], partial, async_op=True))
         for work in works:
             work.wait()
@@ -228,7 +228,7 @@ def linear_all_reduce_async(x, w, chunks: int) -> Callable[[], torch.Tensor]:
         works = []
         for q in range(chunks):
             rows = slice(q * s // chunks, (q + 1) * s // chunks)
-            _gemm.linear_into(x[rows], w, None, y[rows])
+            gemm.linear_into(x[rows], w, None, y[rows])
             works.append(dist.all_reduce(y[rows], async_op=True))
         for work in works:
             work.wait()

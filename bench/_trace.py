@@ -8,7 +8,7 @@
 
 `profiled` reads the `torch.profiler.record_function` ranges the library opens, never patching it:
 
-    oases::gemm            ops._gemm.linear_into, and linear_reduce_scatter's forward GEMM per piece
+    oases::gemm            ops.gemm.linear_into, and linear_reduce_scatter's forward GEMM per piece
     oases::ring::post      comm.ring: one ring step's isend/irecv pair handed to the backend
     oases::ring::wait      comm.ring: waiting for a ring step's messages
     oases::schedule::wait  schedule.runtime: a Communicator handle's wait() (bench layers)

@@ -48,7 +48,7 @@ from per-rank minima under `min`, and `traced_call` (GEMM / wait / post / other 
 profiled calls of ours at the best chunk count; the last call is in the Chrome trace).
 
 Profiler ranges read (bench._trace.RING_RANGES, through torch.profiler; the library is not
-patched): `oases::gemm` (ops._gemm.linear_into; linear_reduce_scatter's per-piece GEMM) -> "gemm",
+patched): `oases::gemm` (ops.gemm.linear_into; linear_reduce_scatter's per-piece GEMM) -> "gemm",
 `oases::ring::post` -> "post", `oases::ring::wait` -> "wait".
 """
 
@@ -70,7 +70,7 @@ from bench._report import Panel, Table, plot_panels
 from bench._trace import OP, RING_RANGES, profiled
 from oases import comm, ops
 from oases.comm.hierarchical import UNSHAPED_BYTES_PER_S
-from oases.ops import _gemm
+from oases.ops import gemm
 from oases.planner import partition
 
 FUSED = ("all_gather_linear", "linear_reduce_scatter", "linear_all_reduce")
@@ -213,7 +213,7 @@ def _all_gather_linear(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         ours=lambda c: lambda: ops.all_gather_linear(x, w, chunks=c, bidirectional=bi),
         compute=compute,
         comm=lambda c: lambda: comm.ring_all_gather(x, chunks=c, bidirectional=bi),
-        default_chunks=_gemm.default_chunks(n, 1),
+        default_chunks=gemm.default_chunks(n, 1),
         async_pipelined=lambda c: _peers.all_gather_linear_async(x, w, p, r, c),
     )
     case.peers = {
@@ -246,7 +246,7 @@ def _linear_pieces(x: torch.Tensor, w: torch.Tensor, pieces: list[slice]) -> tor
     """y = x @ w.T computed piece by piece into a fresh y, as the ops do (allocation included)."""
     y = x.new_empty((x.shape[0], w.shape[0]))
     for rows in pieces:
-        _gemm.linear_into(x[rows], w, None, y[rows])
+        gemm.linear_into(x[rows], w, None, y[rows])
     return y
 
 
@@ -281,7 +281,7 @@ def _linear_reduce_scatter(env: _Env, shape: tuple[int, int, int]) -> FusedCase:
         ours=lambda c: lambda: ops.linear_reduce_scatter(x, w, chunks=c, bidirectional=bi),
         compute=compute,
         comm=lambda c: lambda: comm.ring_reduce_scatter(partial, chunks=c, bidirectional=bi),
-        default_chunks=_gemm.default_chunks(n, 1),
+        default_chunks=gemm.default_chunks(n, 1),
         async_pipelined=lambda c: _peers.linear_reduce_scatter_async(x, w, p, c),
     )
     case.peers = {

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # bench/ is a package at the repository root, not installed
 
 from bench._trace import COMM, COMPUTE, OP, RING_RANGES, WAIT_RANGES, Recorder, profiled, ranges_in  # noqa: E402
-from oases.ops import _gemm  # noqa: E402
+from oases.ops import gemm  # noqa: E402
 
 SLACK_US = 200  # the profiler's clock mapped onto perf_counter's: a few microseconds apart
 
@@ -23,10 +23,10 @@ def test_profiled_reads_the_library_ranges_inside_each_span():
     recorder = Recorder(3)
     x, w, out = torch.randn(5, 8), torch.randn(3, 8), torch.empty(5, 3)
     with profiled(recorder, {**RING_RANGES, **WAIT_RANGES}) as span:
-        _gemm.linear_into(x, w, None, out)  # outside every span: not read
+        gemm.linear_into(x, w, None, out)  # outside every span: not read
         for label in ("first", "second"):
             with span(f"{label} call", OP, label=label):
-                _gemm.linear_into(x, w, None, out)  # 5 rows on the CPU: padded, one range inside another
+                gemm.linear_into(x, w, None, out)  # 5 rows on the CPU: padded, one range inside another
                 with torch.profiler.record_function("oases::schedule::wait"):
                     time.sleep(0.003)
     torch.testing.assert_close(out, x @ w.T)

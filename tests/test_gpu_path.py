@@ -281,10 +281,10 @@ def _check_ops_main_grad(rank, p, forced_triton):
     """Each op's main_grad += grad_w in fp32: exact (fp32) and against an fp64 oracle (bf16).
     forced_triton: the CUDA path's Triton GEMM (linear_accumulate into main_grad) on CPU tensors
     under the interpreter."""
-    from oases.ops import _gemm
+    from oases.ops import gemm
 
     if forced_triton:
-        _gemm._use_triton = lambda x: True
+        gemm._use_triton = lambda x: True
     device = DEVICE
     n, k, o = 8, 12, 6
     for dtype in (torch.float32, torch.bfloat16):

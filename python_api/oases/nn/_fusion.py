@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from oases.ops import _gemm
+from oases.ops import gemm
 
 
 class _LinearMainGrad(torch.autograd.Function):
@@ -28,7 +28,7 @@ class _LinearMainGrad(torch.autograd.Function):
         g2 = grad_y.reshape(-1, grad_y.shape[-1])  # [m, o]
         grad_x = torch.matmul(grad_y, weight) if need_x else None
         if need_w:
-            _gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
+            gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias and need_b else None
         return grad_x, None, grad_b, None
 
@@ -40,7 +40,7 @@ def _main_grad(layer: nn.Module) -> Optional[torch.Tensor]:
         return None
     if getattr(weight, "main_grad", None) is None:
         weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    _gemm.check_main_grad(weight.main_grad, weight)
+    gemm.check_main_grad(weight.main_grad, weight)
     return weight.main_grad
 
 

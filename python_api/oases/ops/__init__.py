@@ -9,7 +9,8 @@
                                     for a graph only differentiated (fine-grained recomputation)
 
 `oases.ops.reference` holds the plain (blocking collective, then GEMM) versions; F.linear is
-linear_unread's.
+linear_unread's. `oases.ops.gemm` is their compute side (GEMMs into output slices, weight-gradient
+accumulation), which the layers' gradient-accumulation fusion uses too.
 """
 
 from oases.ops import reference

@@ -10,7 +10,7 @@ bwd: dual: grad_x is a pipelined ring reduce-scatter of grad_y @ W. If W needs a
      re-gather; without one for x, the re-gather alone, each piece's weight-gradient GEMM run
      while the next piece travels.
 On CUDA every GEMM is cuBLAS, the forward's each into its piece's slice of y (Triton's
-slice-writing kernel was slower on an H200: oases.ops._gemm). The rings run on
+slice-writing kernel was slower on an H200: oases.ops.gemm). The rings run on
 Oases' comm stream (oases.comm.ring): the compute stream waits only for the piece it reads next.
 
     forward, p=2, chunks=1 (rank 0):
@@ -35,7 +35,7 @@ from oases import _checks
 from oases.comm.ring import all_gather_rows, reduce_scatter_rows
 from oases.comm.topology import Ring, ring_of
 from oases.costs.chunks import op_chunks
-from oases.ops import _gemm
+from oases.ops import gemm
 from oases.ops._autocast import autocast_operands
 
 __all__ = ["all_gather_linear"]
@@ -51,7 +51,7 @@ class _AllGatherLinear(torch.autograd.Function):
         gathered = shard.new_empty((ring.size * n, *shard.shape[1:]))  # [p n, ..., k]
         y = shard.new_empty((ring.size * n, *shard.shape[1:-1], weight.shape[0]))  # [p n, ..., o]
         for rows in all_gather_rows(shard, gathered, ring, chunks, bidirectional):
-            _gemm.linear_into(_gemm.rows2d(gathered[rows]), weight, bias, _gemm.rows2d(y[rows]))
+            gemm.linear_into(gemm.rows2d(gathered[rows]), weight, bias, gemm.rows2d(y[rows]))
         # Only the weight gradient reads x: keep this rank's shard (the input itself), re-gathered
         # in backward; the gathered copy dies here.
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
@@ -65,9 +65,9 @@ class _AllGatherLinear(torch.autograd.Function):
         ring, chunks, bidirectional = ctx.ring, ctx.chunks, ctx.bidirectional
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()  # [p n, ..., o]
-        grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
+        grad_b = gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
         main_grad = ctx.main_grad if need_w else None
-        grad_w = _gemm.weight_grad_buffer(weight) if need_w and main_grad is None else None
+        grad_w = gemm.weight_grad_buffer(weight) if need_w and main_grad is None else None
         arrived: Iterator[slice] = iter(())  # rows of the re-gathered x, as they become valid
         if need_w:
             shard = x.movedim(ctx.dim, 0).contiguous()  # [n, ..., k]
@@ -77,11 +77,11 @@ class _AllGatherLinear(torch.autograd.Function):
             arrived = itertools.chain([next(ring_pieces)], ring_pieces)
 
         def weight_grad(rows: slice) -> None:
-            g, xs = _gemm.rows2d(grad_y[rows]), _gemm.rows2d(gathered[rows])
+            g, xs = gemm.rows2d(grad_y[rows]), gemm.rows2d(gathered[rows])
             if main_grad is not None:
-                _gemm.accumulate_main_grad(main_grad, g, xs)
+                gemm.accumulate_main_grad(main_grad, g, xs)
             else:
-                _gemm.accumulate_weight_grad(grad_w, g, xs)
+                gemm.accumulate_weight_grad(grad_w, g, xs)
 
         grad_x = None
         if need_x:
@@ -147,7 +147,7 @@ def all_gather_linear(
         )
     _checks.chunks_arg(chunks)
     _checks.divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
-    _gemm.check_main_grad(main_grad, weight)
+    gemm.check_main_grad(main_grad, weight)
     with precision, torch.profiler.record_function("oases::all_gather_linear"):
         y = _AllGatherLinear.apply(x, weight, bias, ring, dim, chunks, bidirectional, main_grad)
     return y.movedim(0, dim)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from oases import _checks
 from oases.comm.topology import Ring, ring_of
 from oases.costs.chunks import op_chunks
-from oases.ops import _gemm
+from oases.ops import gemm
 from oases.ops._autocast import autocast_operands
 
 __all__ = ["linear_all_reduce"]
@@ -47,7 +47,7 @@ class _LinearAllReduce(torch.autograd.Function):
             rows = slice(k * m // chunks, (k + 1) * m // chunks)
             if rows.start == rows.stop:
                 continue
-            _gemm.linear_into(x2[rows], weight, None, y2[rows])  # while earlier pieces travel
+            gemm.linear_into(x2[rows], weight, None, y2[rows])  # while earlier pieces travel
             if ring.size > 1:
                 works.append(dist.all_reduce(y2[rows], group=ring.group, async_op=True))
         for work in works:
@@ -66,7 +66,7 @@ class _LinearAllReduce(torch.autograd.Function):
         grad_x = torch.matmul(grad_y, weight) if need_x else None
         grad_w = None
         if need_w and ctx.main_grad is not None:
-            _gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
+            gemm.accumulate_main_grad(ctx.main_grad, g2, x.reshape(-1, x.shape[-1]))
         elif need_w:
             grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
         grad_b = g2.sum(0) if ctx.has_bias and need_b else None
@@ -110,6 +110,6 @@ def linear_all_reduce(
             comm_bytes=2 * (ring.size - 1) / ring.size * rows * weight.shape[0] * x.element_size(),
         )
     _checks.chunks_arg(chunks)
-    _gemm.check_main_grad(main_grad, weight)
+    gemm.check_main_grad(main_grad, weight)
     with precision, torch.profiler.record_function("oases::linear_all_reduce"):
         return _LinearAllReduce.apply(x, weight, bias, ring, chunks, main_grad)

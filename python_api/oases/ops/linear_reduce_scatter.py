@@ -26,7 +26,7 @@ from oases import _checks
 from oases.comm.ring import all_gather_rows, reduce_scatter_rows
 from oases.comm.topology import Ring, ring_of
 from oases.costs.chunks import op_chunks
-from oases.ops import _gemm
+from oases.ops import gemm
 from oases.ops._autocast import autocast_operands
 
 __all__ = ["linear_reduce_scatter"]
@@ -59,20 +59,20 @@ class _LinearReduceScatter(torch.autograd.Function):
         rows, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_y = grad_y.contiguous()  # [n, ..., o]
-        grad_b = _gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
+        grad_b = gemm.rows2d(grad_y).sum(0) if ctx.has_bias and need_b else None
         main_grad = ctx.main_grad if need_w else None
-        grad_w = _gemm.weight_grad_buffer(weight) if need_w and main_grad is None else None
+        grad_w = gemm.weight_grad_buffer(weight) if need_w and main_grad is None else None
         grad_x = torch.empty_like(rows) if need_x else None  # [p n, ..., k]
         if need_x or need_w:
             gathered = grad_y.new_empty((rows.shape[0], *grad_y.shape[1:]))  # [p n, ..., o]
             for r in all_gather_rows(grad_y, gathered, ctx.ring, ctx.chunks, ctx.bidirectional):
-                g = _gemm.rows2d(gathered[r])
+                g = gemm.rows2d(gathered[r])
                 if need_x:
-                    torch.mm(g, weight, out=_gemm.rows2d(grad_x[r]))
+                    torch.mm(g, weight, out=gemm.rows2d(grad_x[r]))
                 if main_grad is not None:
-                    _gemm.accumulate_main_grad(main_grad, g, _gemm.rows2d(rows[r]))
+                    gemm.accumulate_main_grad(main_grad, g, gemm.rows2d(rows[r]))
                 elif need_w:
-                    _gemm.accumulate_weight_grad(grad_w, g, _gemm.rows2d(rows[r]))
+                    gemm.accumulate_weight_grad(grad_w, g, gemm.rows2d(rows[r]))
         if grad_x is not None:
             grad_x = grad_x.movedim(0, ctx.dim)
         if grad_w is not None:
@@ -120,7 +120,7 @@ def linear_reduce_scatter(
     chunks = 1 if chunks is None else chunks
     _checks.chunks_arg(chunks)
     _checks.full_divisible("x.shape[dim]", x.shape[dim], ring.size, chunks)
-    _gemm.check_main_grad(main_grad, weight)
+    gemm.check_main_grad(main_grad, weight)
     with precision, torch.profiler.record_function("oases::linear_reduce_scatter"):
         y = _LinearReduceScatter.apply(x, weight, bias, ring, dim, chunks, bidirectional, main_grad)
     return y.movedim(0, dim)

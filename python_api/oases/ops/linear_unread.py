@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from oases import _checks
-from oases.ops import _gemm
+from oases.ops import gemm
 from oases.ops._autocast import autocast_operands
 
 __all__ = ["linear_unread"]
@@ -51,7 +51,7 @@ class _LinearUnread(torch.autograd.Function):
             g_x = w_t.mm(g2.t()).t() if _column_major(x2) else g2.mm(w_t.t())  # mm_mat1_backward
             grad_x = g_x.reshape(x.shape)
         if need_w and ctx.main_grad is not None:
-            _gemm.accumulate_main_grad(ctx.main_grad, g2, x2)  # weight's gradient goes there
+            gemm.accumulate_main_grad(ctx.main_grad, g2, x2)  # weight's gradient goes there
         elif need_w:
             grad_w_t = g2.t().mm(x2).t() if _column_major(w_t) else x2.t().mm(g2)  # mm_mat2_backward
             grad_w = grad_w_t.t()
@@ -73,6 +73,6 @@ def linear_unread(x: torch.Tensor, weight: torch.Tensor, *, main_grad: Optional[
     x, weight, _, autocast_off = autocast_operands(x, weight, None)
     _checks.floating("x", x)
     _checks.weight_bias(x, weight, None)
-    _gemm.check_main_grad(main_grad, weight)
+    gemm.check_main_grad(main_grad, weight)
     with autocast_off:
         return _LinearUnread.apply(x, weight, main_grad)

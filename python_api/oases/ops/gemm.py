@@ -1,4 +1,5 @@
-"""The compute side of the fused ops: `out = x @ W.T (+ bias)` written into a caller's slice.
+"""The compute side of the fused ops: `out = x @ W.T (+ bias)` written into a caller's slice (public:
+the fused ops, the layers' gradient-accumulation fusion and the bench's peers share these GEMMs).
 
 Paths are chosen by named predicates only. On CUDA, Triton runs only where it fuses something
 cuBLAS does not do in one call; every other GEMM is cuBLAS (torch.mm / torch.addmm with out=):
@@ -28,6 +29,16 @@ import functools
 from typing import Optional
 
 import torch
+
+__all__ = [
+    "linear_into",
+    "rows2d",
+    "default_chunks",
+    "weight_grad_buffer",
+    "accumulate_weight_grad",
+    "check_main_grad",
+    "accumulate_main_grad",
+]
 
 _SMALL_GEMM_ROWS = 16
 
