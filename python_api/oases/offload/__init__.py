@@ -16,7 +16,7 @@ The schedules drive it directly: `oases.train_step(..., offload=True)`,
 
 Old names, deprecated (they warn and return the new object): `Checkpoint` (now `OffloadHandle`),
 `CheckpointState` (`OffloadState`), `CheckpointStack` (`OffloadStack`); `OffloadStats.checkpoints`
-is `OffloadStats.saves`. "Checkpoint" is a training state saved to files (`oases.checkpoint`).
+is `OffloadStats.saves`. "Checkpoint" is a training state saved to files (`oases.storage`).
 """
 
 from oases._deprecated import renamed as _renamed

@@ -13,7 +13,7 @@ or builds that for a parallelized model and calls `train_step` here.
     oases.schedule.runtime            Communicator and interleave; .exposure: waits by cause
 
 `CheckpointMemory`, the old name of `RecomputeMemory`, warns and returns it (a checkpoint is a
-training state saved to files: oases.checkpoint).
+training state saved to files: oases.storage).
 """
 
 from oases._deprecated import renamed as _renamed
