@@ -258,6 +258,13 @@ class _Probe:
 
             return timed_fn
 
+        def timed_phase(phase: str, run: Callable[[], None]) -> None:  # Pipeline.register_phase_wrapper
+            start = time.perf_counter()
+            try:
+                run()
+            finally:
+                self.host[phase] += time.perf_counter() - start
+
         pipe.sync.wait, pipe.comm.recv, pipe.scheduler.track = timed_wait, timed_recv, traced_track
         pipe.scheduler.all_reduce = traced_all_reduce
         pipe.register_action_wrapper(timed_run)
@@ -267,8 +274,7 @@ class _Probe:
         pipe.sync.launch = timed(pipe.sync.launch, "dp_launch")
         pipe.sync.launch_deferred = timed(pipe.sync.launch_deferred, "dp_launch")
         pipe.scheduler.close = timed(pipe.scheduler.close, "threads_close")
-        pipe._global_loss = timed(pipe._global_loss, "loss_sum")  # no public hooks for these: attributes
-        pipe._agree_inputs = timed(pipe._agree_inputs, "input_check")
+        pipe.register_phase_wrapper(timed_phase)  # "input_check", "loss_sum"
 
     def reset(self) -> None:
         self.dp_wait = self.pp_wait = self.fwd = self.bwd = self.queued_compute = 0.0

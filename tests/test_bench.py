@@ -629,8 +629,7 @@ def test_pipeline_probe_counts_a_launch_inside_a_dp_wait_as_the_wait():
         scheduler=scheduler,
         optimizers=[optimizer],
         register_action_wrapper=lambda wrapper: None,
-        _global_loss=lambda *a: None,
-        _agree_inputs=lambda *a: None,
+        register_phase_wrapper=lambda wrapper: None,
     )
     probe = _Probe(pipe, 0)
     pipe.sync.wait(0)

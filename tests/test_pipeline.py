@@ -146,7 +146,7 @@ def _train_cases(rank, world_size, cases):
         lazy = pp > 1 and pipe.segments > 1 and pipe.layout.stage == 0  # segment k -> k+1 activations
         if lazy and schedule == "aiao":  # every one, into one slab sized for a step and kept across steps
             assert pipe.comm.lazy_receives == STEPS * m * (pipe.segments - 1), where
-            each = sum(-(-s.numel() * 4 // 256) * 256 for s in pipe._split(*_batches(batch)[0]).shapes)
+            each = sum(-(-s.numel() * 4 // 256) * 256 for s in pipe._executor.split(*_batches(batch)[0]).shapes)
             assert pipe.comm.slab.capacity == each * (pipe.segments - 1) and pipe.comm.slab.in_use == 0, where
         elif lazy:  # gpipe: only those that are their link's next receive (send order)
             assert 0 < pipe.comm.lazy_receives <= STEPS * m * (pipe.segments - 1), where
@@ -648,7 +648,8 @@ def _failed_step(rank, world_size):
 def _wrapped_actions(rank, world_size):
     """register_action_wrapper: every action of the stage's step passes through each wrapper once, in
     the schedule's order, the first registered outermost; the step's loss and gradients are those of
-    an unwrapped step; handle.remove() unregisters; a wrapper that is not callable is refused."""
+    an unwrapped step; handle.remove() unregisters; a wrapper that is not callable is refused.
+    register_phase_wrapper: the step's input check and loss sum, once each."""
     mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
     pipes = [Pipeline(GPTConfig(**CONFIG, layers=2), mesh, schedule="1f1b", micro_batches=3) for _ in range(2)]
     tokens, targets = _batches(6)[0]
@@ -663,9 +664,17 @@ def _wrapped_actions(rank, world_size):
         seen.append(("inner", action))
         run()
 
+    phases = []
+
+    def phase(name, run):  # register_phase_wrapper: the step's two host phases, in order
+        phases.append(name)
+        run()
+
     handles = [pipes[0].register_action_wrapper(outer), pipes[0].register_action_wrapper(inner)]
+    handles.append(pipes[0].register_phase_wrapper(phase))
     wrapped, plain = (pipe.train_step(tokens, targets) for pipe in pipes)
     assert torch.equal(wrapped, plain)
+    assert phases == ["input_check", "loss_sum"], phases
     for p, q in zip(pipes[0].stage.parameters(), pipes[1].stage.parameters()):
         assert torch.equal(p.grad, q.grad)
     want = actions("1f1b", stage=rank, stages=2, segments=1, micro_batches=3)
@@ -674,7 +683,7 @@ def _wrapped_actions(rank, world_size):
         handle.remove()
     seen.clear()
     pipes[0].train_step(tokens, targets)
-    assert seen == []
+    assert seen == [] and phases == ["input_check", "loss_sum"]
     with pytest.raises(TypeError, match="wrapper: expected a callable"):
         pipes[0].register_action_wrapper("not callable")
     for pipe in pipes:

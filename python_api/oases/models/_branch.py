@@ -12,7 +12,7 @@
 Shared by the adapters of Hugging Face and nanoGPT-style models.
 
 Dropout in a training step (`Branch(..., dropout=True)`, where the step has a seed: SubBatch.seed):
-the streams and seeds of oases.models._dropout_streams.
+the streams and seeds of oases.models.dropout_streams.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from oases.models._dropout_streams import (
+from oases.models.dropout_streams import (
     GROUP,
     DropoutStreams,
     dropout_in,

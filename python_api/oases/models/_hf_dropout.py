@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from oases.comm.topology import ring_of
 from oases.degrees import LayerDegrees
-from oases.models._dropout_streams import is_dropout, seeded_layer
 from oases.models._whole import WholeLayer
+from oases.models.dropout_streams import is_dropout, seeded_layer
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.parts import LayerParts, child_calls, layer_parts
 

@@ -40,7 +40,7 @@ every sub-batch).
 Dropout (a model in training mode with some, on oases.train_step): `step_seed()` draws the step's
 seed (broadcast over the TP group), every sublayer's core and every layer run whole draws its masks
 from DropoutStreams seeded by it, and the embedding's dropout (GPT-2's embd_pdrop) from the
-GROUP stream (oases.models._dropout_streams explains the streams). The layer's own dropout modules on a
+GROUP stream (oases.models.dropout_streams explains the streams). The layer's own dropout modules on a
 branch's output (called between the branch and the next norm, or after the MLP) join that branch;
 a layer that applies dropout the adapter cannot place on a branch (a dropout function in its
 forward: Falcon's dropout_add; a dropout module called elsewhere) runs whole in training.
@@ -59,7 +59,6 @@ import torch.nn as nn
 
 from oases.degrees import LayerDegrees, kwargs_rows
 from oases.models._branch import Branch, check_random, check_sharded
-from oases.models._dropout_streams import draw_step_seed, dropout_in, seeded_embedding
 from oases.models._hf_dropout import _parts_of, _placed_dropout, _seed_groups, _SeededWholeLayer
 from oases.models._hf_standins import (
     _Given,
@@ -70,6 +69,7 @@ from oases.models._hf_standins import (
     _vocab_embedding,
 )
 from oases.models._whole import WholeLayer
+from oases.models.dropout_streams import draw_step_seed, dropout_in, seeded_embedding
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.parallelism import parallelism_of
 from oases.nn.parts import LayerParts, find_stack
@@ -240,7 +240,7 @@ class HFStack:
     def step_seed(self) -> Optional[int]:
         """The step's dropout seed (None without dropout: eval mode, or every rate 0): drawn from the
         default generator of the TP group's first rank and broadcast, the same on every rank
-        (oases.models._dropout_streams.draw_step_seed)."""
+        (oases.models.dropout_streams.draw_step_seed)."""
         if not self.dropout:
             return None
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))

@@ -12,7 +12,7 @@ must view its heads with -1 (see oases.parallelize). The embedding is wte(ids) +
 
 Dropout (nanoGPT's attn_dropout / resid_dropout / MLP dropout / drop, in training on
 oases.train_step): masks from the step's seed (`step_seed()`), as for Hugging Face models
-(oases.models._dropout_streams: the GROUP stream on replicated activations and partial sums after c_proj,
+(oases.models.dropout_streams: the GROUP stream on replicated activations and partial sums after c_proj,
 this rank's RANK stream on its attention probabilities).
 """
 
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases.models._branch import Branch, check_random, check_sharded
-from oases.models._dropout_streams import draw_step_seed, dropout_in, seeded_embedding
+from oases.models.dropout_streams import draw_step_seed, dropout_in, seeded_embedding
 from oases.nn.layers import ColumnParallelLinear, RowParallelLinear
 from oases.nn.vocab import VocabParallelEmbedding, runs_as_partial
 from oases.schedule.protocol import EmbedSplit, SubBatch

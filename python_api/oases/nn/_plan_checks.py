@@ -19,9 +19,9 @@ from oases.degrees import find_layer_degrees, refuse_with_degrees
 from oases.nn import _alibi, _heads, _kv, _moe, lora
 from oases.nn import _coverage as _summary
 from oases.nn._layer_args import check_shardable, is_conv1d
-from oases.nn._materialize import check_replayable, is_on_meta
 from oases.nn._region_parameters import place_region_parameters
 from oases.nn._styles import ResolvedPlan, Style, features, matches
+from oases.nn.materialize import check_replayable, is_on_meta
 from oases.nn.parts import HEAD_PROJECTIONS, LATENT_PROJECTIONS
 from oases.nn.vocab import check_embedding, check_vocab
 

@@ -34,7 +34,7 @@ base linears by the plan and wraps each sharded one in oases' LoRA layer holding
 the PEFT layer's factors (a LoRA layer on a projection the plan leaves whole stays PEFT's).
 
 lora_dropout > 0 trains in oases.train_step, its masks drawn from the step's dropout streams
-(oases.models._dropout_streams): a column adapter's on its replicated input from the GROUP stream (one mask
+(oases.models.dropout_streams): a column adapter's on its replicated input from the GROUP stream (one mask
 on every rank, as the unsharded layer's one mask over the whole input), a row adapter's on this
 rank's input features from the RANK stream (independent, as the unsharded layer's per element);
 recomputation redraws them. Outside train_step (model(...)) they come from each rank's global

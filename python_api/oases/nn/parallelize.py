@@ -175,11 +175,11 @@ from oases.nn._apply import (
 )
 from oases.nn._heads import PER_RANK_ATTRIBUTES
 from oases.nn._layer_args import is_conv1d
-from oases.nn._materialize import materialize
 from oases.nn._moe import find_experts
 from oases.nn._plan_checks import check_arguments, check_degree_plan, check_model, check_plan
 from oases.nn._styles import ResolvedPlan, Style, parse_style, place, vocab_entries
 from oases.nn.lora import set_aside
+from oases.nn.materialize import materialize
 from oases.nn.parallelism import Parallelism, record
 from oases.nn.parts import HEAD_PROJECTIONS
 
@@ -282,7 +282,7 @@ def parallelize(
     `device`: only this rank's shards (and the replicated tensors) are allocated there, and
     init_weights=True gives them the values `Cls(config)` would have had, built on the CPU from
     the CPU random state of this call (so every TP degree and per-layer plan holds the same full
-    model), replayed one module at a time (oases.nn._materialize: peak = this rank's tensors plus
+    model), replayed one module at a time (oases.nn.materialize: peak = this rank's tensors plus
     one module's full tensors); outside Hugging Face models, a class defining its own `_init_weights`
     or `init_weights` (nanoGPT's apply) cannot be replayed: a ValueError, before anything is changed.
     init_weights=False leaves them uninitialised, for weights that

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from oases.pipeline._config import Settings
 from oases.pipeline.dp_sync import SegmentSync
 from oases.pipeline.p2p import StageComm
 from oases.pipeline.stages import Stage
@@ -22,34 +23,44 @@ from oases.schedule import SubBatch
 
 if TYPE_CHECKING:
     from oases.pipeline._execute import Step
-    from oases.pipeline.pipeline import Pipeline
 
 __all__ = ["retune", "measure", "choose"]
 
 
-def retune(pipe: Pipeline, step: Step) -> tuple[dict[str, float], tuple[int, float]]:
+def retune(
+    step: Step,
+    stage: Stage,
+    sync: SegmentSync,
+    comm: StageComm,
+    settings: Settings,
+    *,
+    ratio: float,
+    auto: dict[str, bool],
+) -> tuple[dict[str, float], tuple[int, float]]:
     """(the times measured on the step's largest micro-batch, (segments, dp_overlap_ratio) chosen from
-    them for the "auto" arguments): what a Pipeline's first train_step reconfigures by."""
+    them for the `auto` arguments, the others kept: stage.layout's segments, `ratio`): what a Pipeline's
+    first train_step reconfigures by (`settings`: its micro_batches)."""
+    layout = stage.layout
     # the largest micro-batch (split_rows puts the larger ones last), as before the split was shared
     measured = measure(
-        pipe.stage,
-        pipe.sync,
-        pipe.comm,
+        stage,
+        sync,
+        comm,
         step.micro[-1][0],
         step.shapes[-1],
         step.dtype,
-        pipe._layers // pipe.pp,
+        layout.layers // layout.stages,
         where=step.where(len(step.micro) - 1),
     )
     chosen = choose(
         measured,
-        layers=pipe._layers,
-        pp=pipe.pp,
-        micro_batches=pipe.micro_batches,
-        segments=pipe.segments,
-        ratio=pipe.dp_overlap_ratio,
-        auto=pipe._auto,
-        shared_at=pipe.stage.shared_at,
+        layers=layout.layers,
+        pp=layout.stages,
+        micro_batches=settings.micro_batches,
+        segments=layout.segments,
+        ratio=ratio,
+        auto=auto,
+        shared_at=stage.shared_at,
     )
     return measured, chosen
 

@@ -11,7 +11,7 @@
 A meta build allocates this stage's layers, the embedding only on the stage that runs it and the
 head (final norm, LM head) only on the last; every buffer everywhere (rotary tables, for the ctx).
 The other tensors stay on meta; `Stage.embed` stands in for their modules while it computes the
-ctx. init_weights=True replays the single-process build's values (oases.nn._materialize: the
+ctx. init_weights=True replays the single-process build's values (oases.nn.materialize: the
 factory's model built on the CPU under the same seed); False leaves them uninitialised for
 `Pipeline.load_pretrained` / `load_checkpoint` to fill.
 
@@ -25,7 +25,7 @@ made trainable there, so frozen ones are placed where they are used).
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,9 @@ import torch.nn as nn
 from oases.models.gpt import GPT, GPTConfig
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack
-from oases.nn._materialize import is_on_meta, materialize
+from oases.nn.materialize import is_on_meta, materialize
 from oases.nn.parallelize import parallelize
+from oases.pipeline._config import Settings
 from oases.pipeline.stages import Roles, Stage, StageLayout, _owned_modules, check_layers, probe_roles
 from oases.training import adapt
 
@@ -43,19 +44,13 @@ __all__ = ["build", "meta_roles"]
 
 
 def build(
-    config: GPTConfig | Callable[[], nn.Module],
-    tp_group: dist.ProcessGroup,
-    tp: int,
-    seed: int,
-    *,
-    device: torch.device,
-    init_weights: bool,
-    pp: int,
-    segments: int | str,
-    stage: int,
+    settings: Settings, tp_group: dist.ProcessGroup, *, device: torch.device, stage: int
 ) -> tuple[nn.Module, object, Optional[Roles]]:
-    """(model, its Stack view, its Roles when built on meta else None); see the module doc.
-    Local: no communication, so every error is raised on every rank alike."""
+    """(model, its Stack view, its Roles when built on meta else None) of the pipeline's `settings` (the
+    config or factory, seed, init_weights, segments, the mesh's tp and pp), for pipeline stage `stage` (see
+    the module doc). Local: no communication, so every error is raised on every rank alike."""
+    config, seed, init_weights, segments = settings.config, settings.seed, settings.init_weights, settings.segments
+    tp, pp = settings.sizes["tp"], settings.sizes["pp"]
     if isinstance(config, GPTConfig):
         if not init_weights:
             raise ValueError("init_weights=False: only for a factory that builds the model on the meta device")

@@ -1,6 +1,7 @@
 """A Pipeline's argument checks: every check that needs no model (`check_arguments`, local, so every rank
-raises the same error before any communication), those of the built model's device and the mesh's
-backend, and those of a train_step's batch; and the default optimizer (`_sgd`)."""
+raises the same error before any communication), whose answer is the frozen `Settings` the pipeline and
+its parts read; those of the built model's device and the mesh's backend, and those of a train_step's
+batch; and the default optimizer (`_sgd`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from oases.pipeline._hierarchy import check_dp_hierarchy
 from oases.pipeline._layout import check_layers
 from oases.pipeline.schedules import SCHEDULES
 
-__all__ = ["MESH_DIMS", "Checked", "check_arguments", "mesh_device", "model_device", "check_backend", "check_batch"]
+__all__ = ["MESH_DIMS", "Settings", "check_arguments", "mesh_device", "model_device", "check_backend", "check_batch"]
 
 MESH_DIMS = ("dp", "pp", "tp")
 
@@ -33,13 +34,48 @@ def _sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 @dataclass(frozen=True)
-class Checked:
-    """What Pipeline(...)'s checks found: the mesh sizes {"dp": .., "pp": .., "tp": ..}; how many of each dp
-    group's ranks a host holds (None: a flat DP sync); the host links dp_hierarchy="auto" chooses on."""
+class Settings:
+    """Pipeline(...)'s arguments once checked (each one's contract: the constructor's Args), and what the
+    checks found: the mesh sizes {"dp": .., "pp": .., "tp": ..}; how many of each dp group's ranks a host
+    holds (None: a flat DP sync); the host links dp_hierarchy="auto" chooses on."""
 
+    config: GPTConfig | Callable[[], nn.Module]
+    mesh: object
+    schedule: str
+    segments: int | str
+    micro_batches: int
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+    seed: int
+    dp_overlap_ratio: float | str
+    preemption: bool
+    dp_bucket_numel: int
+    dp_chunk_bytes: int
+    offload: bool | Offloader
+    dp_hierarchy: bool | str
+    init_weights: bool
+    zero: bool
+    loss_scaler: Optional[GradScaler]
+    max_grad_norm: Optional[float]
     sizes: dict[str, int]
     dp_packing: Optional[int]
     dp_links: Optional[HostLinks]
+
+    @property
+    def auto(self) -> dict[str, bool]:
+        """Which of segments / dp_overlap_ratio are chosen on the first train_step ("auto"; FOLD3D's
+        segment rule models aiao's overlap, so with gpipe or 1f1b "auto" means one segment)."""
+        return {
+            "segments": self.segments == "auto" and self.schedule == "aiao",
+            "dp_overlap_ratio": self.dp_overlap_ratio == "auto",
+        }
+
+    @property
+    def first_layout(self) -> tuple[int, float]:
+        """(segments, dp_overlap_ratio) the pipeline runs until "auto" has chosen (1 and 1.0 for "auto")."""
+        return (
+            1 if self.segments == "auto" else self.segments,
+            1.0 if self.dp_overlap_ratio == "auto" else self.dp_overlap_ratio,
+        )
 
 
 def check_arguments(
@@ -49,7 +85,10 @@ def check_arguments(
     schedule: str,
     segments: int | str,
     micro_batches: int,
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    seed: int,
     dp_overlap_ratio: float | str,
+    preemption: bool,
     dp_bucket_numel: int,
     dp_chunk_bytes: int,
     init_weights: bool,
@@ -58,9 +97,9 @@ def check_arguments(
     dp_hierarchy: bool | str,
     offload: bool | Offloader,
     max_grad_norm: Optional[float] = None,
-) -> Checked:
+) -> Settings:
     """Every argument check of Pipeline(...) that needs no model, in the constructor's order (local
-    only: every rank raises the same error)."""
+    only: every rank raises the same error); the Settings they validate."""
     sizes = _check_config(
         config, mesh, schedule, segments, micro_batches, dp_overlap_ratio, dp_bucket_numel, dp_chunk_bytes
     )
@@ -78,7 +117,28 @@ def check_arguments(
     number = isinstance(max_grad_norm, (int, float)) and not isinstance(max_grad_norm, bool)
     if max_grad_norm is not None and not (number and 0 < max_grad_norm < math.inf):
         raise ValueError(f"max_grad_norm: expected a finite number > 0 (or None: no clipping), got {max_grad_norm!r}")
-    return Checked(sizes, dp_packing, dp_links)
+    return Settings(
+        config=config,
+        mesh=mesh,
+        schedule=schedule,
+        segments=segments,
+        micro_batches=micro_batches,
+        optimizer=optimizer,
+        seed=seed,
+        dp_overlap_ratio=dp_overlap_ratio,
+        preemption=preemption,
+        dp_bucket_numel=dp_bucket_numel,
+        dp_chunk_bytes=dp_chunk_bytes,
+        offload=offload,
+        dp_hierarchy=dp_hierarchy,
+        init_weights=init_weights,
+        zero=zero,
+        loss_scaler=loss_scaler,
+        max_grad_norm=max_grad_norm,
+        sizes=sizes,
+        dp_packing=dp_packing,
+        dp_links=dp_links,
+    )
 
 
 def _check_loss_scaler(loss_scaler: Optional[GradScaler], zero: bool) -> None:
@@ -192,10 +252,11 @@ def check_backend(group: dist.ProcessGroup, device: torch.device) -> None:
         )
 
 
-def check_batch(
-    tokens: torch.Tensor, targets: torch.Tensor, *, seq_len: Optional[int], vocab: int, dp: int, micro_batches: int
-) -> None:
-    """train_step's checks of its global batch (the same on every rank, so every rank raises alike)."""
+def check_batch(tokens: torch.Tensor, targets: torch.Tensor, settings: Settings, *, vocab: int) -> None:
+    """train_step's checks of its global batch (the same on every rank, so every rank raises alike) for
+    the pipeline's `settings` (config.seq_len, dp, micro_batches); `vocab`: the model's vocabulary size."""
+    seq_len = settings.config.seq_len if isinstance(settings.config, GPTConfig) else None
+    dp, micro_batches = settings.sizes["dp"], settings.micro_batches
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype != torch.int64:
         raise ValueError(
             f"tokens: expected an int64 tensor [batch, t], got "

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.nn.modules.module import _IncompatibleKeys
 
 from oases.comm.topology import Ring, ring_of
-from oases.nn._materialize import is_on_meta  # the meta-build predicate pipeline._build uses too (not storage)
+from oases.nn.materialize import is_on_meta
 from oases.pipeline.p2p import mesh_grid
 from oases.storage import dcp
 from oases.storage.checkpoint import CheckpointState, check_load_options, save_target, write_checkpoint

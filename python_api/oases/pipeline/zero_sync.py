@@ -21,7 +21,7 @@ and once the caller stepped segment k, per bucket of its parameters (one dtype e
 
 Both rings are the scheduler's, cut into pieces of at most `chunk_bytes` and gated per piece like
 SegmentSync's all-reduces: PP transfers preempt them. The pipeline steps segment k+1 and starts its
-gather when segment k's forwards begin, so that the gather runs under them (Pipeline._apply_update):
+gather when segment k's forwards begin, so that the gather runs under them (oases.pipeline._updates.Updates.apply):
 
     aiao, ns = 2 (stage 0), the step after   time ->
     compute : | wait RS⁰ step⁰ | wait RS¹ step¹ | wait AG⁰ | F⁰ (all i) ........ | wait AG¹ | F¹ ...
