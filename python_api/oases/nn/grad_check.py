@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from oases._sharding import sharded_parameters
+from oases.nn.parallelism import parallelism_of
 
 __all__ = ["check_gradients", "DEFAULT_RTOL"]
 
@@ -66,7 +67,9 @@ def _tp_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
             groups.append(group)
     if not groups:
         return None
-    return groups[0] if len(groups) == 1 and getattr(model, "layer_degrees", None) is None else dist.group.WORLD
+    made = parallelism_of(model)
+    per_layer = made is not None and made.layer_degrees is not None
+    return groups[0] if len(groups) == 1 and not per_layer else dist.group.WORLD
 
 
 def _digests(params: list[tuple[str, nn.Parameter]], device: torch.device) -> torch.Tensor:

@@ -35,6 +35,7 @@ from oases.models.gpt import GPT, GPTConfig
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack
 from oases.nn.materialize import is_on_meta, materialize
+from oases.nn.parallelism import parallelism_of
 from oases.nn.parallelize import parallelize
 from oases.pipeline._config import Settings
 from oases.pipeline.stages import Roles, Stage, StageLayout, _owned_modules, check_layers, probe_roles
@@ -64,7 +65,8 @@ def build(
                 f"config: the factory returned {type(model).__name__}, expected an nn.Module "
                 "(a Hugging Face causal LM, a nanoGPT-style model or an oases.schedule.Stack module)"
             )
-        if getattr(model, "tp_degrees", None) is not None:
+        made = parallelism_of(model)
+        if made is not None and made.tp_degrees is not None:
             raise ValueError(
                 "config: the factory's model has per-layer tp_degrees; the pipeline runs every layer "
                 "of a stage on the mesh's tp group (build the model without tp_degrees)"
