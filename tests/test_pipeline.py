@@ -686,6 +686,8 @@ def _wrapped_actions(rank, world_size):
     assert seen == [] and phases == ["input_check", "loss_sum"]
     with pytest.raises(TypeError, match="wrapper: expected a callable"):
         pipes[0].register_action_wrapper("not callable")
+    with pytest.raises(TypeError, match=r"wrapper: expected a callable wrapper\(phase, run\)"):
+        pipes[0].register_phase_wrapper("not callable")
     for pipe in pipes:
         pipe.close()
     # A wrapper that never runs the action, or runs it twice, fails the step. One stage (DP 2): no
@@ -699,6 +701,14 @@ def _wrapped_actions(rank, world_size):
         pipe.register_action_wrapper(wrapper)
         with pytest.raises(RuntimeError, match=said):
             pipe.train_step(tokens, targets)
+    # A phase wrapper that skips the input check (a collective; here on every rank alike) fails the
+    # pipeline as a failed action does: the next step refuses to run.
+    pipe = Pipeline(GPTConfig(**CONFIG, layers=2), dp_mesh, schedule="gpipe", micro_batches=2)
+    pipe.register_phase_wrapper(lambda phase, run: None)
+    with pytest.raises(RuntimeError, match="register_phase_wrapper: no wrapper called run"):
+        pipe.train_step(tokens, targets)
+    with pytest.raises(RuntimeError, match="an earlier step failed mid-way"):
+        pipe.train_step(tokens, targets)
     dist.barrier()
     return True
 

@@ -69,6 +69,61 @@ def _degrees_record(rank, world_size):
     return made.size
 
 
+class _CountingCommunicator(oases.schedule.Communicator):
+    def __init__(self, group, size):
+        super().__init__(group, size)
+        self.reduces = 0
+
+    def all_reduce(self, t, phase):
+        self.reduces += 1
+        return super().all_reduce(t, phase)
+
+
+def _replaced_comm(rank, world_size):
+    """A Communicator given to GPT after construction is the one oases.train_step runs on (the record
+    follows model.comm), as GPT.train_step does."""
+    model = GPT(GPTConfig(**CONFIG), schedule="megatron").to(rank_device())
+    counting = _CountingCommunicator(model.group, world_size)
+    model.comm = counting
+    assert parallelism_of(model).comm is counting and model.comm is counting
+    tokens, targets = _batch()
+    oases.train_step(model, tokens, targets, recompute=True, check_grads=False)
+    after_oases = counting.reduces
+    model.train_step(tokens, targets, recompute=True)
+    return after_oases, counting.reduces - after_oases
+
+
+def test_a_replaced_communicator_is_the_steps():
+    (oases_calls, gpt_calls), _ = run_ranks(_replaced_comm, 2)
+    assert oases_calls > 0 and gpt_calls > 0  # (the two counts differ, as before the record)
+
+
+def _two_groups(rank, world_size):
+    from oases.nn import ColumnParallelLinear
+
+    model = torch.nn.Sequential(
+        ColumnParallelLinear(4, 4, group=dist.group.WORLD), ColumnParallelLinear(4, 4, group=dist.new_group([0, 1]))
+    )
+    with pytest.raises(ValueError, match="different process groups"):
+        find_parallelism(model)
+    return True
+
+
+def test_modules_on_two_groups_are_refused():
+    assert run_ranks(_two_groups, 2) == [True, True]
+
+
+def test_a_stack_keeping_its_own_communicator_runs_on_it():
+    """A user's Stack (not a module) with `comm` (as GPT keeps one): the step context's record is on it."""
+    from types import SimpleNamespace
+
+    from oases._step_context import _made
+
+    own = oases.schedule.Communicator(None, 1)
+    made = _made(SimpleNamespace(comm=own))
+    assert made.comm is own and made.size == 1
+
+
 def test_per_layer_degrees_are_in_the_record():
     assert run_ranks(_degrees_record, 2) == [2, 2]
 
@@ -127,3 +182,14 @@ def test_parallelize_records_its_group_and_the_step_checks_once():
     results = run_ranks(_hf_record, 2)
     assert [calls for calls, _ in results] == [1, 1]
     assert results[0][1] == results[1][1]
+
+
+def test_agree_step_inputs_warns_and_still_agrees():
+    """The old name (model, comm, mode, ...) warns and keeps its meaning (one rank: the inputs back)."""
+    from oases.inputs import agree_step_inputs, agree_tp_inputs
+
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.warns(DeprecationWarning, match="agree_tp_inputs"):
+        (got,) = agree_step_inputs(torch.nn.Linear(2, 2), None, True, input_ids=tokens)
+    assert got is tokens
+    assert agree_tp_inputs(torch.nn.Linear(2, 2), None, 1, True, input_ids=tokens) == (tokens,)

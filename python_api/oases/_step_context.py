@@ -8,7 +8,8 @@
     ctx.offloader                 # the step's Offloader (the model's own for offload=True)
     ctx.step_seed, ctx.logits_group, ctx.vocab_size, ctx.takes_*   # the Stack's optional members
 
-Every probe of the model and its stack is here, once per step; oases.training reads only `ctx`.
+Every probe of the model and its stack for what it was made into is here, once per step; oases.training
+reads those from `ctx` (besides the model's own step counters: `oases_steps`, the recompute choices).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from oases.comm.topology import same_group
 from oases.degrees import refuse_with_degrees
 from oases.models.hf import HFStack
 from oases.models.nanogpt import NanoGPTStack, is_nanogpt
-from oases.nn.parallelism import Parallelism, find_parallelism
+from oases.nn.parallelism import Parallelism, find_parallelism, parallelism_of
 from oases.offload import Offloader
 from oases.schedule import Communicator, Stack
 from oases.schedule.protocol import LayerPlacements
@@ -104,12 +105,12 @@ class StepContext:
 def step_context(
     model: object, comm: Optional[Communicator], sequence_parallel: bool, offload: Union[bool, Offloader]
 ) -> StepContext:
-    """The step context of `model` (see _StepContext), with the checks that need only it, on every
+    """The step context of `model` (see StepContext), with the checks that need only it, on every
     rank alike: per-layer degrees refuse sequence_parallel, comm and offload; an HF or nanoGPT model
     must train with seeded dropout; `comm` must be on the model's TP group."""
     model = original_module(model)  # torch.compile(model): the schedule runs the original's sublayers
     stack = adapt(model)
-    made = find_parallelism(model)
+    made = _made(model)
     get_placements = getattr(stack, "layer_placements", None)
     if made is not None and made.layer_degrees is not None and get_placements is None:
         raise ValueError(
@@ -128,6 +129,8 @@ def step_context(
         stack.check_trainable(seeded=True)  # dropout: masks from the step seed (step_seed)
     step_comm, owned = _step_communicator(model, made, comm, per_layer)
     own_offloader = made.offloader if made is not None else None
+    if own_offloader is None and isinstance(getattr(model, "offloader", None), Offloader):
+        own_offloader = model.offloader  # a user's model that keeps one, as GPT(..., offload=True) does
     logits_group = getattr(stack, "logits_group", None)  # the Stack protocol's optional members, read once
     return StepContext(
         model=model,
@@ -145,6 +148,19 @@ def step_context(
         logits_group=logits_group,
         vocab_size=getattr(stack, "vocab_size", None) if logits_group is not None else None,
     )
+
+
+def _made(model: object) -> Optional[Parallelism]:
+    """What the model was made into: its record (parallelize, GPT); else, for a model (a user's Stack)
+    that keeps its own Communicator as `model.comm` (as GPT does), one on that Communicator's group;
+    else what its tensor-parallel modules share (oases.nn.parallelism.find_parallelism)."""
+    made = parallelism_of(model)
+    if made is not None:
+        return made
+    own = getattr(model, "comm", None)
+    if isinstance(own, Communicator):
+        return Parallelism(own.group, own.world_size, comm=own)
+    return find_parallelism(model)
 
 
 def _step_communicator(

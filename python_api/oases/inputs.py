@@ -31,6 +31,7 @@ slice; skipped while torch.compile traces and for meta tensors.
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
     "MODES",
     "check_mode",
     "agree_inputs",
+    "agree_tp_inputs",
     "agree_step_inputs",
     "agree_mesh_inputs",
     "watch_inputs",
@@ -114,17 +116,35 @@ def agree_inputs(
     return dict(zip(inputs, _agree(list(inputs.items()), group, mode, device, "ranks of the group", _TP_FIX)))
 
 
-def agree_step_inputs(
+def agree_tp_inputs(
     model: object, group: Optional[dist.ProcessGroup], size: int, mode: CheckMode, **inputs: Optional[torch.Tensor]
 ) -> tuple:
     """A training step's inputs agreed on over the model's TP group `group` of `size` ranks (see
-    agree_inputs; the step context names it: the group oases.parallelize or GPT recorded, else the
-    step's Communicator's), exchanged on the device of `model`'s parameters; nothing to do at
-    size 1. Returns the inputs in the order given."""
+    agree_inputs; oases.train_step's step context names it: the group oases.parallelize or GPT
+    recorded, else the step's Communicator's), exchanged on the device of `model`'s parameters;
+    nothing to do at size 1. Returns the inputs in the order given."""
     mode = check_mode(mode)
     if size <= 1 or mode is False or not dist.is_initialized():
         return tuple(inputs.values())
     return tuple(_agree(list(inputs.items()), group, mode, _device_of(model), "ranks of the TP group", _TP_FIX))
+
+
+def agree_step_inputs(model: object, comm: object, mode: CheckMode, **inputs: Optional[torch.Tensor]) -> tuple:
+    """Deprecated (use agree_tp_inputs): agree_tp_inputs over the group found on the model: its
+    forward check's (oases.parallelize), else its own Communicator's (`model.comm`), else `comm`'s."""
+    warnings.warn(
+        "oases.inputs.agree_step_inputs is deprecated: use agree_tp_inputs(model, group, size, mode, ...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    hook, own = _forward_check(model), getattr(model, "comm", None)
+    if hook is not None:
+        group, size = hook.group, hook.size
+    elif hasattr(own, "world_size") and hasattr(own, "group"):
+        group, size = own.group, own.world_size
+    else:
+        group, size = getattr(comm, "group", None), getattr(comm, "world_size", 1)
+    return agree_tp_inputs(model, group, size, mode, **inputs)
 
 
 def agree_mesh_inputs(mode: CheckMode, device: torch.device, **inputs: Optional[torch.Tensor]) -> tuple:

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from oases import _checks
 from oases._step_context import StepContext, adapt, step_context
 from oases.dp.grad_sync import AllReduceMean, GradientSync
-from oases.inputs import CheckMode, agree_step_inputs
+from oases.inputs import CheckMode, agree_tp_inputs
 from oases.nn.grad_check import check_gradients
 from oases.nn.vocab import IGNORE_INDEX, vocab_parallel_cross_entropy
 from oases.offload import Offloader
 from oases.schedule import Communicator, Recompute, RecomputeMemory, StepBatch, StepOptions, run_step
 from oases.schedule.protocol import LayerPlacements
 from oases.schedule.sequence_parallel import sequence_parallel_parameters
-from oases.schedule.step import partial_parameters
+from oases.schedule.step import check_placed, partial_parameters
 from oases.schedule.table import layer_modes
 
 __all__ = ["train_step", "adapt", "causal_lm_loss_sum", "IGNORE_INDEX"]
@@ -199,7 +199,7 @@ def train_step(
     layer_modes(recompute, len(list(ctx.stack.layers())))  # a per-layer list: one value per layer
     if position_ids is not None and not ctx.takes_position_ids:
         raise ValueError(f"position_ids: {ctx.name} takes no token positions; pass None (positions 0..t-1)")
-    input_ids, labels, attention_mask, position_ids = agree_step_inputs(
+    input_ids, labels, attention_mask, position_ids = agree_tp_inputs(
         ctx.model,
         ctx.tp_group,
         ctx.tp_size,
@@ -219,6 +219,7 @@ def train_step(
         input_ids, labels, world_size=ctx.comm.world_size, attention_mask=attention_mask, position_ids=position_ids
     )  # before step_seed's broadcast and the placements' groups
     placements = ctx.resolved_placements()
+    check_placed(ctx.stack, batch, options, placements)  # before the seed's broadcast
     loss_sum, normalizer = _loss(ctx, labels, loss_fn)
     loss = _run(
         ctx,

@@ -31,6 +31,7 @@ gradients once, per step, as the block's backward ends: see `layer_placements`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional, Sequence, Union
 
@@ -42,15 +43,24 @@ import torch.nn.functional as F
 from oases import _checks
 from oases._sharding import tp_rules
 from oases.degrees import LayerDegrees, check_tp_degrees, check_world_group, refuse_with_degrees
-from oases.inputs import CheckMode, agree_step_inputs
+from oases.inputs import CheckMode, agree_tp_inputs
 from oases.models._gpt_config import GPTConfig
 from oases.models._gpt_sublayers import _MLP, _Attention, _Sublayer
 from oases.nn.layers import ColumnParallelLinear
 from oases.nn.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
-from oases.nn.parallelism import Parallelism, record
+from oases.nn.parallelism import Parallelism, parallelism_of, record
 from oases.nn.vocab import IGNORE_INDEX, VocabParallelEmbedding, runs_as_partial, vocab_parallel_cross_entropy
 from oases.offload import Offloader
-from oases.schedule import SCHEDULES, Communicator, Recompute, RecomputeMemory, StepOptions, SubBatch, run_step
+from oases.schedule import (
+    SCHEDULES,
+    Communicator,
+    Recompute,
+    RecomputeMemory,
+    StepOptions,
+    SubBatch,
+    check_placed,
+    run_step,
+)
 from oases.schedule.placed import layer_placements
 from oases.schedule.protocol import EmbedSplit, HeadSplit, LayerPlacements
 
@@ -149,9 +159,10 @@ class GPT(nn.Module):
             ):
                 refuse_with_degrees(name, value, fix=f"pass {name}=False (or tp_degrees=None)")
             check_world_group(self.tp)
-        self.offloader = Offloader() if offload is True else (offload or None)
         self._recompute_choices: dict = {}  # recompute="auto": by input shape (oases.schedule.budget)
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
+        record(self, Parallelism(self.group, self.tp, sequence_parallel=sequence_parallel))  # oases.nn.parallelism
+        self.offloader = Offloader() if offload is True else (offload or None)  # both kept in the record
         self.comm = Communicator(self.group, self.tp)
         self.logits_group = self.group if vocab_parallel and self.tp > 1 else None
         if self.logits_group is not None:
@@ -177,8 +188,26 @@ class GPT(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
         self.reset_parameters(seed)
-        made = Parallelism(self.group, self.tp, self.layer_degrees, sequence_parallel, self.offloader, self.comm)
-        record(self, made)  # what oases.train_step reads (oases.nn.parallelism)
+        record(self, dataclasses.replace(parallelism_of(self), layer_degrees=self.layer_degrees))
+
+    @property
+    def comm(self) -> Communicator:
+        """The Communicator of the model's TP group, kept across steps in its Parallelism record
+        (which oases.train_step reads); assigning one replaces it there."""
+        return parallelism_of(self).comm
+
+    @comm.setter
+    def comm(self, comm: Communicator) -> None:
+        record(self, dataclasses.replace(parallelism_of(self), comm=comm))
+
+    @property
+    def offloader(self) -> Optional[Offloader]:
+        """The Offloader train_step offloads with (None: none), kept in the model's Parallelism record."""
+        return parallelism_of(self).offloader
+
+    @offloader.setter
+    def offloader(self, offloader: Optional[Offloader]) -> None:
+        record(self, dataclasses.replace(parallelism_of(self), offloader=offloader))
 
     @property
     def tp_degrees(self) -> Optional[tuple[int, ...]]:
@@ -325,7 +354,7 @@ class GPT(nn.Module):
             ValueError: targets' shape differs from tokens', a bad step argument, or, with
                 check_inputs=True, tokens or targets that differ over the TP group.
         """
-        tokens, targets = agree_step_inputs(self, self.group, self.tp, check_inputs, tokens=tokens, targets=targets)
+        tokens, targets = agree_tp_inputs(self, self.group, self.tp, check_inputs, tokens=tokens, targets=targets)
         if tokens.shape != targets.shape:
             raise ValueError(f"targets: shape {tuple(targets.shape)} differs from tokens' {tuple(tokens.shape)}")
         self._positions(tokens)  # the shape check of embed_tokens, before any communication
@@ -333,6 +362,8 @@ class GPT(nn.Module):
             self.schedule, sub_batches, self.sequence_parallel, recompute, memory_budget, self.offloader, memory
         )
         batch = options.check(tokens, targets, world_size=self.tp)
+        placements = self.layer_placements()
+        check_placed(self, batch, options, placements)
         seed = self.step_seed() if dropout_seed is None else dropout_seed
         return run_step(
             self,
@@ -342,7 +373,7 @@ class GPT(nn.Module):
             normalizer=int((targets != IGNORE_INDEX).sum()),
             comm=self.comm,
             dropout_seed=seed if self.training and self.config.dropout > 0 else None,
-            placements=self.layer_placements(),
+            placements=placements,
             choices=self._recompute_choices,
         )
 

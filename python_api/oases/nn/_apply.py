@@ -117,7 +117,8 @@ def make_moe_regions(model: nn.Module, plan: ResolvedPlan, p: int) -> None:
 def hook_degrees(model: nn.Module, plan: ResolvedPlan, groups: Groups) -> None:
     """Per-layer tp_degrees: the gradients of decoder layers of degree < p summed over their replicas,
     the layers' hooks (rows resharded and cut: oases.degrees), and the degrees kept on the model as
-    `model.layer_degrees` (and `model.tp_degrees`, its degrees), which oases.train_step reads."""
+    `model.layer_degrees` (and `model.tp_degrees`, its degrees); parallelize records them in the model's
+    Parallelism too (oases.nn.parallelism), which oases.train_step reads."""
     degrees = groups.degrees
     if degrees is None:
         return

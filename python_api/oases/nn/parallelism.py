@@ -13,7 +13,7 @@
 A model whose tensor-parallel modules were put in by hand (ColumnParallelLinear, ... in its own
 `__init__`) has no record; `find_parallelism` then finds its group from those modules (each has
 `tp_layout()` and `group`). oases.train_step reads the record in one place
-(oases.training's step context) and never probes the model for the parts it names.
+(oases._step_context) and never probes the model for the parts it names.
 """
 
 from __future__ import annotations

@@ -132,9 +132,26 @@ class Executor:
         return handle
 
     def phase(self, name: str, fn: Callable[[], Any]) -> Any:
-        """`fn()`, a step's host phase ("input_check", "loss_sum"), through the phase wrappers."""
+        """`fn()`, a step's host phase ("input_check", "loss_sum": collectives), through the phase wrappers.
+        A wrapper's own failure (not fn's, which every rank raises alike) may have skipped the collective
+        on this rank only: it fails the pipeline as a failed action does (`failed`)."""
         result: list[Any] = []
-        _through(self.phase_wrappers, name, lambda: result.append(fn()), "register_phase_wrapper")
+        raised = False
+
+        def call() -> None:
+            nonlocal raised
+            try:
+                result.append(fn())
+            except BaseException:
+                raised = True
+                raise
+
+        try:
+            _through(self.phase_wrappers, name, call, "register_phase_wrapper")
+        except BaseException as error:
+            if not raised:
+                self.failed = error
+            raise
         return result[0]
 
     def split(self, tokens: torch.Tensor, targets: torch.Tensor) -> Step:

@@ -155,7 +155,7 @@ class Pipeline:
         settings = check_arguments(**{name: value for name, value in locals().items() if name != "self"})
         self._settings = settings  # every argument, checked
         self.config, self.schedule, self.micro_batches, self.mesh = config, schedule, micro_batches, mesh
-        self.loss_scaler, self.max_grad_norm, self.zero = loss_scaler, max_grad_norm, zero
+        self.zero = zero
         self.dp_group, self.pp_group, self.tp_group = (mesh.get_group(name) for name in MESH_DIMS)
         self.dp, self.pp = dist.get_world_size(self.dp_group), dist.get_world_size(self.pp_group)
         self.dp_rank, self.dp_hierarchy = dist.get_rank(self.dp_group), dp_hierarchy
@@ -234,16 +234,14 @@ class Pipeline:
         return self._updates.pending
 
     @property
-    def _tied(self) -> list[nn.Parameter]:  # this stage's copy of a tied embedding / head (pp > 1), or []
-        return self._updates.tied
+    def loss_scaler(self) -> Optional[GradScaler]:
+        """The GradScaler of fp16 training given at construction (None: none); read-only."""
+        return self._settings.loss_scaler
 
     @property
-    def _tied_group(self) -> Optional[dist.ProcessGroup]:  # the pair of ranks holding the tied copies, or None
-        return self._updates.tied_group
-
-    @property
-    def _tied_home(self) -> Optional[int]:  # the segment that trains _tied (None: no copy here)
-        return self._updates.tied_home
+    def max_grad_norm(self) -> Optional[float]:
+        """The clipping norm given at construction (None: no clipping); read-only."""
+        return self._settings.max_grad_norm
 
     @property
     def plan(self) -> list[Action]:

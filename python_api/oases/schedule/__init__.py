@@ -20,7 +20,7 @@ from oases._deprecated import renamed as _renamed
 from oases.schedule.options import StepBatch, StepOptions
 from oases.schedule.protocol import EmbedSplit, HeadSplit, Stack, SubBatch, Sublayer
 from oases.schedule.runtime import BARRIER, Communicator, interleave
-from oases.schedule.step import run_step, train_step
+from oases.schedule.step import check_placed, run_step, train_step
 from oases.schedule.table import (
     MAX_SUB_BATCHES,
     SCHEDULES,
@@ -39,6 +39,7 @@ __all__ = [
     "Recompute",
     "train_step",
     "run_step",
+    "check_placed",
     "StepOptions",
     "StepBatch",
     "check_step",

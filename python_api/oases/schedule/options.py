@@ -6,7 +6,9 @@
                           recompute=True, memory_budget=None, offload=None, memory=None)
     batch = options.check(input_ids, labels, world_size=p, attention_mask=..., position_ids=...)
     #       every argument check (oases.schedule.table.check_step), once, before any communication
-    loss = run_step(stack, batch, options, loss_sum=..., normalizer=..., comm=...)   # oases.schedule.step
+    placements = stack_placements(stack); check_placed(stack, batch, options, placements)
+    seed = <the step's dropout seed>                     # drawn (a broadcast) after every check
+    loss = run_step(stack, batch, options, placements=placements, dropout_seed=seed, loss_sum=..., ...)
 
 oases.train_step, oases.models.GPT.train_step and oases.schedule.train_step each turn their keyword
 arguments into one StepOptions, check the batch once with it and hand both to the same runner

@@ -40,7 +40,7 @@ from oases.schedule.table import (
     split_rows,
 )
 
-__all__ = ["train_step", "run_step", "stack_placements"]
+__all__ = ["train_step", "run_step", "check_placed", "stack_placements"]
 
 logger = logging.getLogger("oases")
 
@@ -105,6 +105,8 @@ def train_step(
     checked = options.check(
         input_ids, labels, world_size=comm.world_size, attention_mask=attention_mask, position_ids=position_ids
     )
+    placements = stack_placements(stack)
+    check_placed(stack, checked, options, placements)
     return run_step(
         stack,
         checked,
@@ -113,7 +115,7 @@ def train_step(
         normalizer=normalizer,
         comm=comm,
         dropout_seed=dropout_seed,
-        placements=stack_placements(stack),
+        placements=placements,
         choices=choices,
     )
 
@@ -123,6 +125,21 @@ def stack_placements(stack: Stack) -> Optional[LayerPlacements]:
     without them)."""
     get_placements = getattr(stack, "layer_placements", None)
     return get_placements() if get_placements is not None else None
+
+
+def check_placed(stack: Stack, batch: StepBatch, options: StepOptions, placements: Optional[LayerPlacements]) -> None:
+    """The step's checks that need its per-layer placements (local, the same on every rank, before any
+    communication): every sub-batch holds a row for each replica of each layer (check_placements), and
+    per-layer degrees refuse offload and partial_parameters (LoRA's replicated factors)."""
+    check_placements(placements, batch.input_ids.shape[0], batch.parts, sequence_parallel=options.sequence_parallel)
+    if placements is None:
+        return
+    refuse_with_degrees("offload", options.offload, fix="pass offload=None")
+    if partial_parameters(stack):
+        raise ValueError(
+            f"tp_degrees: {type(stack).__name__} has parameters whose gradients the schedule sums "
+            "(partial_parameters: LoRA's replicated factors); not with per-layer TP degrees"
+        )
 
 
 def run_step(
@@ -138,17 +155,9 @@ def run_step(
     choices: Optional[dict] = None,
 ) -> torch.Tensor:
     """train_step on a batch its options checked (StepOptions.check) and the stack's placements
-    resolved by the caller (stack_placements): what oases.train_step, GPT.train_step and
-    train_step above run, with no check repeated."""
-    check_placements(placements, batch.input_ids.shape[0], batch.parts, sequence_parallel=options.sequence_parallel)
+    resolved and checked by the caller (stack_placements, check_placed), before the step's seed was
+    drawn: what oases.train_step, GPT.train_step and train_step above run, with no check repeated."""
     partial = partial_parameters(stack)
-    if placements is not None:
-        refuse_with_degrees("offload", options.offload, fix="pass offload=None")
-        if partial:
-            raise ValueError(
-                f"tp_degrees: {type(stack).__name__} has parameters whose gradients the schedule sums "
-                "(partial_parameters: LoRA's replicated factors); not with per-layer TP degrees"
-            )
     sched, memory = _schedule_of(stack, batch, options, comm, dropout_seed, placements, choices)
     if placements is not None:
         return _train_step_placed(stack, placements, batch, loss_sum, normalizer, sched, comm, dropout_seed, memory)
