@@ -73,6 +73,7 @@ STAGES: list[tuple[str, list[str], int]] = [
         [
             "test_schedule",
             "test_train_step",
+            "test_step_context",
             "test_tp_degrees",
             "test_tp_degrees_schedule",
             "test_dropout_training",
@@ -83,7 +84,7 @@ STAGES: list[tuple[str, list[str], int]] = [
             "test_compile",
             "test_exposure",
         ],
-        184,
+        193,
     ),
     ("dp", ["test_dp", "test_device_mesh_groups"], 14),
     (
