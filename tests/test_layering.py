@@ -30,6 +30,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
         "oases._compiled",
         "oases._tiny_config",
         "oases._files",
+        "oases._ranges",
         "oases._extension",
         "oases.amp",
         "oases.inputs",

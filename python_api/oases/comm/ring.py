@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from oases import _checks
+from oases._ranges import hot_range
 from oases.comm._streams import _Side, side_for
 from oases.comm.topology import Ring, ring_of
 
@@ -66,12 +67,12 @@ def _post(ring: Ring, direction: int, send: torch.Tensor, recv: torch.Tensor, ta
         dist.P2POp(dist.irecv, recv, ring.peer(-direction), ring.group, tag),
         dist.P2POp(dist.isend, send, ring.peer(direction), ring.group, tag),
     ]
-    with torch.profiler.record_function("oases::ring::post"):
+    with hot_range("oases::ring::post"):
         return dist.batch_isend_irecv(ops)
 
 
 def _wait(works: list[dist.Work]) -> None:
-    with torch.profiler.record_function("oases::ring::wait"):
+    with hot_range("oases::ring::wait"):
         for w in works:
             w.wait()
 

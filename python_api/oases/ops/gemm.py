@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from oases._ranges import hot_range
+
 __all__ = [
     "linear_into",
     "rows2d",
@@ -66,7 +68,7 @@ def _needs_row_padding(x: torch.Tensor) -> bool:
 
 def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
     """out[...] = x @ weight.T (+ bias), for 2-D x [m, k] and out [m, n] (a contiguous slice); cuBLAS on CUDA."""
-    with torch.profiler.record_function("oases::gemm"):
+    with hot_range("oases::gemm"):
         if _needs_row_padding(x):
             padded = x.new_zeros((_SMALL_GEMM_ROWS, x.shape[1]))
             padded[: x.shape[0]].copy_(x)

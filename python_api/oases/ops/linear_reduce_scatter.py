@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from oases import _checks
+from oases._ranges import hot_range
 from oases.comm.ring import all_gather_rows, reduce_scatter_rows
 from oases.comm.topology import Ring, ring_of
 from oases.costs.chunks import op_chunks
@@ -42,7 +43,7 @@ class _LinearReduceScatter(torch.autograd.Function):
         y = rows.new_empty((n, *rows.shape[1:-1], weight.shape[0]))  # [n, ..., o]
 
         def partial(r: slice) -> torch.Tensor:  # this rank's partial sum of one piece, [rows, ..., o]
-            with torch.profiler.record_function("oases::gemm"):
+            with hot_range("oases::gemm"):
                 return F.linear(rows[r], weight)
 
         for _ in reduce_scatter_rows(partial, y, ring, chunks, bidirectional):

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from oases._checks import process_group
+from oases._ranges import hot_range
 from oases.comm import all_gather_steps, reduce_scatter_steps, ring_all_gather, ring_reduce_scatter
 from oases.schedule.exposure import CollectiveRecord, ExposureLog
 
@@ -210,7 +211,7 @@ class _Task:
     def wait(self) -> Any:
         start = time.perf_counter()
         try:
-            with torch.profiler.record_function("oases::schedule::wait"):
+            with hot_range("oases::schedule::wait"):
                 return self._future.result()
         finally:
             self._owner.waited += time.perf_counter() - start
@@ -227,7 +228,7 @@ class _Work:
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
-            with torch.profiler.record_function("oases::schedule::wait"):
+            with hot_range("oases::schedule::wait"):
                 self._work.wait()
             end = time.perf_counter()
             self._owner.waited += end - start
