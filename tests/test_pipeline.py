@@ -713,6 +713,21 @@ def _wrapped_actions(rank, world_size):
     return True
 
 
+def _auto_refuses_resume(rank, world_size, root):
+    """segments="auto" is chosen at the first train_step, which rebuilds the optimizers: a checkpoint
+    cannot be loaded before it (ValueError on every rank, before any collective)."""
+    mesh = init_device_mesh(harness_device(), (1, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    pipe = Pipeline(GPTConfig(**CONFIG, layers=4), mesh, schedule="aiao", segments="auto", micro_batches=2)
+    with pytest.raises(ValueError, match="segments='auto' is chosen at the first train_step"):
+        pipe.load_checkpoint(root)
+    pipe.close()
+    return True
+
+
+def test_auto_segments_refuse_a_checkpoint_before_the_first_step(tmp_path):
+    assert run_ranks(_auto_refuses_resume, 2, str(tmp_path), timeout=60) == [True, True]
+
+
 def test_action_wrappers_see_every_action_in_order():
     assert run_ranks(_wrapped_actions, 2, timeout=60) == [True, True]
 

@@ -26,14 +26,15 @@ Checkpoints are oases.save_checkpoint's (oases.storage), the same entries as a T
 so `oases.load_checkpoint` loads a pipeline's checkpoint into a TP model (one optimizer over its
 parameters), and `load_checkpoint` here one that oases.save_checkpoint or a Pipeline of any pp, dp
 and tp wrote. Every check of a load runs on local metadata, the same on every rank, before any
-collective; pending updates are applied before saving or loading.
+collective; pending updates are applied before saving or loading (`apply_pending`: the
+Pipeline's). Each function takes the Pipeline and reads its public attributes only.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -109,7 +110,9 @@ def _stage_state(pipe: "Pipeline", held: nn.Module, skip: frozenset = frozenset(
 # --- Hugging Face safetensors ---------------------------------------------------------------------
 
 
-def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tuple[list[str], list[str]]:
+def load_pretrained(
+    pipe: "Pipeline", path: Path, *, strict: bool = True, apply_pending: Callable[[], None]
+) -> tuple[list[str], list[str]]:
     """Fill what this rank holds from a Hugging Face checkpoint (oases.load_pretrained's format).
 
         stored = {key: shape} from the files' headers
@@ -125,7 +128,7 @@ def load_pretrained(pipe: "Pipeline", path: Path, *, strict: bool = True) -> tup
     stored = stored_tensors(path, pipe.model)
     _, given = match_stored(pipe.model, expected, stored)  # a tied tensor is stored under one of its keys
     check_fit(f"safetensors checkpoint {path!r}", expected, given, {}, strict)
-    pipe._apply_pending()
+    apply_pending()
     read_into(_held(pipe), path, stored, strict=False)  # keyed by the whole model's mapping
     if pipe.zero:
         for optimizer in pipe.optimizers:
@@ -150,7 +153,9 @@ def _to_writer(entry: TensorEntry, owner: int, writer: int, me: int, device: tor
     return full
 
 
-def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2**30) -> None:
+def save_pretrained(
+    pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2**30, apply_pending: Callable[[], None]
+) -> None:
     """Write the unsharded model as a Hugging Face directory (oases.save_pretrained's files).
 
         writer = the mesh's rank (dp 0, pp 0, tp 0); apply pending updates
@@ -164,7 +169,7 @@ def save_pretrained(pipe: "Pipeline", path: Path, *, max_shard_size: int = 5 * 2
     model = pipe.model
     path = check_save(path, max_shard_size, model)
     check_dtypes("save_pretrained", model.state_dict().items())
-    pipe._apply_pending()
+    apply_pending()
     held = _held(pipe)
     shards, local = shards_of(held), held.state_dict(keep_vars=True)
     entries, seen = [], set()
@@ -221,7 +226,13 @@ def _merged_groups(pipe: "Pipeline", mine: list[list[dict]]) -> list[dict]:
 
 
 def save_checkpoint(
-    pipe: "Pipeline", path: Path, *, step: Optional[int] = None, extra: Any = None, keep: Optional[int] = None
+    pipe: "Pipeline",
+    path: Path,
+    *,
+    step: Optional[int] = None,
+    extra: Any = None,
+    keep: Optional[int] = None,
+    apply_pending: Callable[[], None],
 ) -> str:
     """oases.save_checkpoint of the pipeline (see the module doc for the entries); returns the
     directory published (path, or path/step-{step:09d}). A collective over the mesh; argument
@@ -229,7 +240,7 @@ def save_checkpoint(
     ring = ring_of(None)
     where = save_target(path, step, keep, extra)
     check_target(where)  # every check above and here is local
-    pipe._apply_pending()
+    apply_pending()
     held = _held(pipe)
     shards = shards_of(held)
     copies = pipe.stage.tied_keys if pipe.layout.stage > 0 else frozenset()  # the first stage writes a tied one
@@ -293,7 +304,14 @@ def _prepare(
 
 
 def load_checkpoint(
-    pipe: "Pipeline", path: Path, *, step: Optional[int] = None, verify: bool = True, trusted: bool = True
+    pipe: "Pipeline",
+    path: Path,
+    *,
+    step: Optional[int] = None,
+    verify: bool = True,
+    trusted: bool = True,
+    apply_pending: Callable[[], None],
+    auto_segments: bool,
 ) -> CheckpointState:
     """Load a checkpoint of this model into what this rank holds and its segment optimizers.
 
@@ -309,7 +327,7 @@ def load_checkpoint(
 
     A collective over the mesh. Returns CheckpointState(step, extra, path, [], [])."""
     ring = ring_of(None)
-    if pipe._auto["segments"]:
+    if auto_segments:
         raise ValueError(
             "load_checkpoint: segments='auto' is chosen at the first train_step, which rebuilds the "
             "optimizers; pass segments=N to resume"
@@ -327,7 +345,7 @@ def load_checkpoint(
     if problem is not None:
         raise ValueError(f"{what}: {problem}")
 
-    pipe._apply_pending()
+    apply_pending()
     held = _held(pipe)
     shards = shards_of(held)
     entries = model_entries(_stage_state(pipe, held), shards)  # views of the model's own tensors: reads land in them

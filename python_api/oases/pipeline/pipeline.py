@@ -396,8 +396,7 @@ class Pipeline:
             every stage's = all_gather_object(mine on the CPU, pp_group)  # merged, in the model's key order
             each tensor then on this rank's device
 
-        Applies every pending update first (waits for its DP sync, steps its optimizer). A
-        collective over the whole mesh (every rank calls it)."""
+        Applies every pending update first. A collective over the whole mesh (every rank calls it)."""
         self._apply_pending()
         mine = self.stage.state_dict()
         parts: list[Optional[dict[str, torch.Tensor]]] = [None] * self.pp
@@ -412,12 +411,12 @@ class Pipeline:
         """Fill the tensors this rank holds from a Hugging Face safetensors directory (each rank reads
         only its boxes), checked against the whole model on every rank first; returns the whole
         model's (missing_keys, unexpected_keys). No communication unless an update is pending."""
-        return _storage.load_pretrained(self, path, strict=strict)
+        return _storage.load_pretrained(self, path, strict=strict, apply_pending=self._apply_pending)
 
     def save_pretrained(self, path: str | os.PathLike, *, max_shard_size: int = 5 * 2**30) -> None:
         """Write the unsharded model as a Hugging Face directory: rank 0 writes, each stage sends its
         tensors to it one at a time. A collective over the mesh; applies pending updates first."""
-        _storage.save_pretrained(self, path, max_shard_size=max_shard_size)
+        _storage.save_pretrained(self, path, max_shard_size=max_shard_size, apply_pending=self._apply_pending)
 
     def save_checkpoint(
         self, path: str | os.PathLike, *, step: Optional[int] = None, extra: object = None, keep: Optional[int] = None
@@ -425,18 +424,21 @@ class Pipeline:
         """oases.save_checkpoint of the whole pipeline (every segment's optimizer too), each rank
         writing only what it holds, into path (path/step-{step:09d} with step; keep=N: the N newest
         stay); extra: anything picklable. Returns the directory published. A collective over the mesh."""
-        return _storage.save_checkpoint(self, path, step=step, extra=extra, keep=keep)
+        pending = self._apply_pending
+        return _storage.save_checkpoint(self, path, step=step, extra=extra, keep=keep, apply_pending=pending)
 
     def load_checkpoint(
         self, path: str | os.PathLike, *, step: Optional[int] = None, verify: bool = True, trusted: bool = True
     ) -> CheckpointState:
-        """Load a checkpoint of this model (from any Pipeline layout, or oases.save_checkpoint of a
-        TP model) into this stage's tensors and optimizers. A collective over the mesh. As
-        oases.load_checkpoint: a root loads its newest step that verifies on every rank (newer
-        damaged ones skipped, one warning); `step=N` exactly path/step-N or a ValueError naming
-        the file; `verify=False` skips the checksums (sizes are still checked); `trusted=False`
-        runs no pickle (DCP's metadata records and plain data only)."""
-        return _storage.load_checkpoint(self, path, step=step, verify=verify, trusted=trusted)
+        """Load a checkpoint of this model (any Pipeline layout's, or a TP model's) into this stage's tensors
+        and optimizers; a collective over the mesh. As oases.load_checkpoint: a root loads its newest step
+        that verifies on every rank (newer damaged ones skipped, one warning); `step=N` exactly path/step-N
+        or a ValueError naming the file; `verify=False`: no checksums (sizes still checked); `trusted=False`:
+        no pickle (DCP's metadata records and plain data only)."""
+        pending, auto = self._apply_pending, self._auto["segments"]
+        return _storage.load_checkpoint(
+            self, path, step=step, verify=verify, trusted=trusted, apply_pending=pending, auto_segments=auto
+        )
 
     def close(self) -> None:
         """Apply every pending update (every rank calls it, as its DP sync is collective over dp),
