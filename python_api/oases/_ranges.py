@@ -12,15 +12,18 @@ or a GEMM piece pays many times per layer; per-op ranges, entered once per call,
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 
 __all__ = ["hot_range"]
 
+# torch's own check (a C call); a torch without it opens every range
+_recording: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
 
 def hot_range(name: str) -> ContextManager[object]:
     """`torch.profiler.record_function(name)` while a profiler records, else `contextlib.nullcontext()`."""
-    if torch._C._autograd._profiler_enabled():
+    if _recording():
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
