@@ -161,7 +161,7 @@ class GPT(nn.Module):
             check_world_group(self.tp)
         self._recompute_choices: dict = {}  # recompute="auto": by input shape (oases.schedule.budget)
         self.group = (group or dist.group.WORLD) if distributed else None  # never None at TP > 1
-        record(self, Parallelism(self.group, self.tp, sequence_parallel=sequence_parallel))  # oases.nn.parallelism
+        record(self, Parallelism(self.group, self.tp))  # oases.nn.parallelism
         self.offloader = Offloader() if offload is True else (offload or None)  # both kept in the record
         self.comm = Communicator(self.group, self.tp)
         self.logits_group = self.group if vocab_parallel and self.tp > 1 else None

@@ -6,7 +6,6 @@
     made = parallelism_of(model)                        # model.oases_parallelism
     made.group, made.size                 # the TP group its sharded modules share, and its size p
     made.layer_degrees                    # per-layer TP degrees (an oases.degrees.LayerDegrees) or None
-    made.sequence_parallel                # the residual stream kept as sequence slices between sublayers
     made.offloader                        # the model's own oases.offload.Offloader (GPT(..., offload=True))
     made.comm                             # the model's own oases.schedule.Communicator (GPT), kept across steps
 
@@ -43,7 +42,6 @@ class Parallelism:
     group: Optional[dist.ProcessGroup]
     size: int
     layer_degrees: Optional[LayerDegrees] = None
-    sequence_parallel: bool = False
     offloader: Optional[Offloader] = None
     comm: Optional[Any] = None
 

@@ -314,7 +314,7 @@ def parallelize(
     Returns:
         `model`, sharded in place (a torch.compile'd model: the compiled wrapper). What it was made
         into is kept on it as one record, `model.oases_parallelism` (an oases.nn.parallelism.Parallelism:
-        the group and its size, the per-layer degrees, sequence_parallel), which oases.train_step
+        the group and its size, the per-layer degrees), which oases.train_step
         reads. With tp_degrees it also keeps them as `model.layer_degrees` (an
         oases.degrees.LayerDegrees: the degrees, this rank's placements and groups) and
         `model.tp_degrees` (the degrees, a tuple).
@@ -360,7 +360,7 @@ def parallelize(
     hook_degrees(model, resolved, groups)
     warn_unplaced(model, resolved, p)
     adapters.put_back()  # oases' LoRA layers around the sharded linears (PEFT's around those left whole)
-    record(model, Parallelism(group, p, groups.degrees, sequence_parallel))  # what oases.train_step reads
+    record(model, Parallelism(group, p, groups.degrees))  # what oases.train_step reads
     if not sequence_parallel:  # every rank of the group must get the same inputs (a sequence-parallel one: its slice)
         watch_inputs(model, group)
     return compiled

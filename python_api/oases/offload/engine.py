@@ -37,7 +37,6 @@ while a profiler runs (none otherwise: opening one costs microseconds, a small c
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +45,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from oases import _extension
+from oases._ranges import hot_range
 
 __all__ = ["CopyEngine", "CopyEvent"]
 
@@ -57,13 +57,6 @@ def _should_use_extension(device: torch.device) -> bool:
     if not _extension.is_available():
         return False
     return device.type == "cpu" or (device.type == "cuda" and _extension.compiled().build_info()["cuda"])
-
-
-def _profiled(name: str):
-    """A profiler range named `name` while a profiler runs, else nothing."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(name)
-    return contextlib.nullcontext()
 
 
 class CopyEvent:
@@ -242,7 +235,7 @@ class CopyEngine:
             return CopyEvent(future=self._worker.submit(fn, *args))
 
     def _copy_out_now(self, tensors: list[torch.Tensor], buffer: torch.Tensor, offsets: list[int]) -> None:
-        with _profiled(f"oases.offload.copy_out:{self.path}"):
+        with hot_range(f"oases.offload.copy_out:{self.path}"):
             if self.use_extension:
                 _extension.compiled().pack(tensors, buffer, offsets)
                 return
@@ -252,7 +245,7 @@ class CopyEngine:
                     buffer[off : off + nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
 
     def _copy_in_now(self, buffer: torch.Tensor, outs: list[torch.Tensor], offsets: list[int]) -> None:
-        with _profiled(f"oases.offload.copy_in:{self.path}"):
+        with hot_range(f"oases.offload.copy_in:{self.path}"):
             if self.use_extension:
                 _extension.compiled().unpack(buffer, outs, offsets)
                 return
